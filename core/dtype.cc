@@ -1,0 +1,124 @@
+#include "core/dtype.h"
+
+#include <cstring>
+
+namespace kvrelay {
+namespace {
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+}  // namespace
+
+size_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+absl::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "F32";
+    case DType::kF16: return "F16";
+    case DType::kBF16: return "BF16";
+  }
+  return "?";
+}
+
+std::optional<DType> ParseDType(absl::string_view name) {
+  if (name == "F32") return DType::kF32;
+  if (name == "F16") return DType::kF16;
+  if (name == "BF16") return DType::kBF16;
+  return std::nullopt;
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t u = Bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float Bf16ToFloat(uint16_t h) { return FromBits(static_cast<uint32_t>(h) << 16); }
+
+uint16_t FloatToF16(float f) {
+  const uint32_t u = Bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00u | static_cast<uint16_t>((a >> 13) & 0x3ffu);
+  if (a >= 0x47800000u) {
+    // |f| >= 65536 (or inf): inf. Values in [65520, 65536) round to inf below.
+    return sign | 0x7c00u;
+  }
+  if (a >= 0x38800000u) {  // normal f16 range: |f| >= 2^-14
+    uint32_t m = a - 0x38000000u;  // rebias exponent 127 -> 15
+    m += 0xfffu + ((m >> 13) & 1u);
+    if (m >= 0x0f800000u) return sign | 0x7c00u;  // rounded up past 65504
+    return sign | static_cast<uint16_t>(m >> 13);
+  }
+  // Subnormal f16 (or zero): value = mant * 2^-24.
+  const int exp = static_cast<int>(a >> 23);
+  if (exp < 102) return sign;  // < 2^-25: rounds to zero (2^-25 exactly ties to even 0)
+  const uint32_t mant = (a & 0x7fffffu) | 0x800000u;  // 24-bit significand
+  const int shift = 126 - exp;                          // 14..24
+  uint32_t q = mant >> shift;
+  const uint32_t rem = mant & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return sign | static_cast<uint16_t>(q);
+}
+
+float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;  // 2^-24
+    return sign ? -v : v;
+  }
+  if (exp == 31) return FromBits(sign | 0x7f800000u | (mant << 13));
+  return FromBits(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+void ToFloat(DType dtype, const void* src, float* dst, size_t n) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kBF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(s[i]);
+      return;
+    }
+    case DType::kF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = F16ToFloat(s[i]);
+      return;
+    }
+  }
+}
+
+void FromFloat(DType dtype, const float* src, void* dst, size_t n) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kBF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = FloatToBf16(src[i]);
+      return;
+    }
+    case DType::kF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = FloatToF16(src[i]);
+      return;
+    }
+  }
+}
+
+}  // namespace kvrelay

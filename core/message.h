@@ -1,0 +1,70 @@
+// The output of compression: the composed message M_i (BRIEF §2).
+//
+// Every layer holds [history; anchors; kept prompt; generated] in that order,
+// per KV head, with the original position id of every token. Head-level
+// selection keeps different positions per head but the same count, so the
+// tensors stay rectangular.
+#ifndef KVRELAY_CORE_MESSAGE_H_
+#define KVRELAY_CORE_MESSAGE_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace kvrelay {
+
+// One K or V tensor after min-max quantization (see core/quant.h).
+struct QuantizedTensor {
+  int bits = 0;             // 8, 4 or 2
+  int heads = 0, tokens = 0, dim = 0;
+  // Codes of row (h, t) packed little-endian, element i of a row in bits
+  // [i*bits, (i+1)*bits) of the row's dim*bits/8 bytes. [heads, tokens, dim*bits/8]
+  std::vector<uint8_t> codes;
+  // fp16 bit patterns. Keys: [heads, groups, dim] (per channel, per token
+  // group). Values: [heads, tokens] (per token, over channels).
+  std::vector<uint16_t> scale;
+  std::vector<uint16_t> zero;
+
+  size_t ByteSize() const { return codes.size() + 2 * scale.size() + 2 * zero.size(); }
+};
+
+struct QuantizedKv {
+  int bits = 0;
+  int group = 0;        // token group size of the key statistics
+  bool rotate = false;  // Walsh-Hadamard rotation along head_dim before quantization
+  DType dtype = DType::kBF16;  // dtype that decoding restores by default
+  QuantizedTensor k, v;
+};
+
+struct MessageLayer {
+  KvTensor k, v;  // [kv_heads, n, head_dim]; empty (0 elements) when quantized
+  PosTensor pos;  // [kv_heads, n]
+  std::optional<QuantizedKv> quant;
+
+  int tokens() const { return pos.tokens; }
+  // Bytes this layer sends: K/V payload (dense, or codes + scales + zeros)
+  // plus 4 bytes per position id.
+  uint64_t SentBytes() const;
+};
+
+struct Message {
+  std::string policy;  // canonical pipeline spec that produced the message
+  DType dtype = DType::kBF16;
+  int kv_heads = 0;
+  int head_dim = 0;
+  int n_history = 0, n_anchor = 0, n_kept = 0, n_gen = 0;  // tokens per head, per layer
+  // Bytes `full` would send for the same turn (dense K/V in the turn's dtype
+  // plus position ids), and bytes this message sends.
+  uint64_t full_bytes = 0;
+  uint64_t sent_bytes = 0;
+  std::vector<MessageLayer> layers;
+
+  double Ratio() const { return sent_bytes ? static_cast<double>(full_bytes) / sent_bytes : 0.0; }
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_CORE_MESSAGE_H_

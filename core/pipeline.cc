@@ -1,0 +1,403 @@
+#include "core/pipeline.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/status_macros.h"
+
+namespace kvrelay {
+namespace {
+
+absl::Status BadStage(const StageSpec& st, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("policy stage '", st.name, "': ", what));
+}
+
+// Reads the parameters of one stage, rejecting unknown keys.
+class Params {
+ public:
+  explicit Params(const StageSpec& st) : st_(st) {}
+
+  absl::Status Int(absl::string_view key, int lo, int hi, int* out) {
+    const std::string* v = Find(key);
+    if (v == nullptr) return absl::OkStatus();
+    int x;
+    if (!absl::SimpleAtoi(*v, &x) || x < lo || x > hi) {
+      return BadStage(st_, absl::StrCat(key, "=", *v, ": expected an integer in [", lo, ", ", hi, "]"));
+    }
+    *out = x;
+    return absl::OkStatus();
+  }
+
+  template <typename E>
+  absl::Status Enum(absl::string_view key, std::initializer_list<std::pair<const char*, E>> values,
+                    E* out) {
+    const std::string* v = Find(key);
+    if (v == nullptr) return absl::OkStatus();
+    std::vector<std::string> names;
+    for (const auto& [name, e] : values) {
+      if (*v == name) {
+        *out = e;
+        return absl::OkStatus();
+      }
+      names.push_back(name);
+    }
+    return BadStage(st_, absl::StrCat(key, "=", *v, ": expected one of ", absl::StrJoin(names, ", ")));
+  }
+
+  // Call after reading every known key.
+  absl::Status Done() const {
+    for (const auto& [k, v] : st_.params) {
+      if (std::find(used_.begin(), used_.end(), k) == used_.end()) {
+        return BadStage(st_, absl::StrCat("unknown parameter '", k, "'",
+                                          used_.empty() ? " (this stage takes none)"
+                                                        : absl::StrCat(" (known: ", absl::StrJoin(used_, ", "), ")")));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::string* Find(absl::string_view key) {
+    used_.emplace_back(key);
+    for (const auto& [k, v] : st_.params) {
+      if (k == key) return &v;
+    }
+    return nullptr;
+  }
+
+  const StageSpec& st_;
+  std::vector<std::string> used_;
+};
+
+constexpr int kMaxTokens = 1 << 24;
+
+absl::Status ApplySelector(SelectorKind kind, const StageSpec& st, PipelineConfig* cfg) {
+  SelectorOptions o;
+  o.kind = kind;
+  Params p(st);
+  if (kind == SelectorKind::kGen || kind == SelectorKind::kH2oHead || kind == SelectorKind::kH2oLayer) {
+    KVRELAY_RETURN_IF_ERROR(p.Int("sinks", 0, kMaxTokens, &o.sinks));
+  }
+  if (kind == SelectorKind::kH2oHead || kind == SelectorKind::kH2oLayer) {
+    KVRELAY_RETURN_IF_ERROR(p.Int("k", 0, kMaxTokens, &o.k));
+    KVRELAY_RETURN_IF_ERROR(p.Int("recent", 0, kMaxTokens, &o.recent));
+  }
+  KVRELAY_RETURN_IF_ERROR(p.Done());
+  cfg->select = o;
+  return absl::OkStatus();
+}
+
+absl::Status ApplyObf(const StageSpec& st, PipelineConfig* cfg) {
+  ObfOptions o;
+  Params p(st);
+  KVRELAY_RETURN_IF_ERROR(p.Int("p", 1, 4096, &o.p));
+  KVRELAY_RETURN_IF_ERROR(p.Enum("mode", {{"exact", ObfMode::kExact}, {"fast", ObfMode::kFast}}, &o.mode));
+  KVRELAY_RETURN_IF_ERROR(
+      p.Enum("inject", {{"uniform", InjectMode::kUniform}, {"attn", InjectMode::kAttn}}, &o.inject));
+  KVRELAY_RETURN_IF_ERROR(p.Enum("scale",
+                                 {{"ad_over_as", ScaleMode::kAdOverAs},
+                                  {"ad_frac", ScaleMode::kAdFrac},
+                                  {"ad", ScaleMode::kAd},
+                                  {"none", ScaleMode::kNone}},
+                                 &o.scale));
+  KVRELAY_RETURN_IF_ERROR(p.Int("iters", 1, 1000, &o.iters));
+  KVRELAY_RETURN_IF_ERROR(p.Int("oversample", 0, 4096, &o.oversample));
+  KVRELAY_RETURN_IF_ERROR(p.Done());
+  cfg->obf = o;
+  return absl::OkStatus();
+}
+
+absl::Status ApplyQuant(int bits, const StageSpec& st, PipelineConfig* cfg) {
+  QuantOptions o;
+  o.bits = bits;
+  Params p(st);
+  KVRELAY_RETURN_IF_ERROR(p.Int("group", 1, kMaxTokens, &o.group));
+  KVRELAY_RETURN_IF_ERROR(p.Enum("rotate", {{"none", false}, {"hadamard", true}}, &o.rotate));
+  KVRELAY_RETURN_IF_ERROR(p.Done());
+  if (o.rotate && bits == 8) {
+    return BadStage(st, "rotate=hadamard applies to int4 and int2 only");
+  }
+  cfg->quant = o;
+  return absl::OkStatus();
+}
+
+const char* SelectorName(SelectorKind k) {
+  switch (k) {
+    case SelectorKind::kFull: return "full";
+    case SelectorKind::kGen: return "gen";
+    case SelectorKind::kH2oLayer: return "h2o-layer";
+    case SelectorKind::kH2oHead: return "h2o-head";
+  }
+  return "?";
+}
+
+std::string CanonicalSpec(const PipelineConfig& c) {
+  const SelectorOptions& s = c.select;
+  std::string out = SelectorName(s.kind);
+  if (s.kind == SelectorKind::kGen) absl::StrAppend(&out, ":sinks=", s.sinks);
+  if (s.kind == SelectorKind::kH2oLayer || s.kind == SelectorKind::kH2oHead) {
+    absl::StrAppend(&out, ":k=", s.k, ",sinks=", s.sinks, ",recent=", s.recent);
+  }
+  if (c.obf) {
+    const ObfOptions& o = *c.obf;
+    static const char* kInject[] = {"uniform", "attn"};
+    static const char* kScale[] = {"ad_over_as", "ad_frac", "ad", "none"};
+    absl::StrAppend(&out, "+obf:p=", o.p, ",mode=", o.mode == ObfMode::kExact ? "exact" : "fast",
+                    ",inject=", kInject[static_cast<int>(o.inject)], ",scale=",
+                    kScale[static_cast<int>(o.scale)]);
+    if (o.mode == ObfMode::kFast) absl::StrAppend(&out, ",iters=", o.iters, ",oversample=", o.oversample);
+  }
+  if (c.quant) {
+    absl::StrAppend(&out, "+int", c.quant->bits, ":group=", c.quant->group,
+                    ",rotate=", c.quant->rotate ? "hadamard" : "none");
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<StageSpec>> SplitSpec(absl::string_view spec) {
+  std::vector<StageSpec> stages;
+  if (spec.empty()) return absl::InvalidArgumentError("policy: empty spec, expected e.g. 'h2o-head:k=32'");
+  int index = 0;
+  for (absl::string_view token : absl::StrSplit(spec, '+')) {
+    ++index;
+    if (token.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy '", spec, "': stage ", index, " is empty, expected name[:key=value,...]"));
+    }
+    StageSpec st;
+    const size_t colon = token.find(':');
+    st.name = std::string(token.substr(0, colon));
+    if (st.name.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("policy stage '", token, "': missing stage name"));
+    }
+    if (colon != absl::string_view::npos) {
+      for (absl::string_view kv : absl::StrSplit(token.substr(colon + 1), ',')) {
+        const size_t eq = kv.find('=');
+        if (eq == absl::string_view::npos || eq == 0) {
+          return absl::InvalidArgumentError(absl::StrCat("policy stage '", token, "': parameter '", kv,
+                                                         "', expected key=value"));
+        }
+        std::string key(kv.substr(0, eq));
+        for (const auto& [k, v] : st.params) {
+          if (k == key) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("policy stage '", token, "': parameter '", key, "' given twice"));
+          }
+        }
+        st.params.emplace_back(std::move(key), std::string(kv.substr(eq + 1)));
+      }
+    }
+    stages.push_back(std::move(st));
+  }
+  return stages;
+}
+
+absl::Status Registry::Register(std::string name, Kind kind, Apply apply) {
+  if (stages_.count(name)) return absl::AlreadyExistsError(absl::StrCat("stage '", name, "' already registered"));
+  stages_.emplace(std::move(name), std::make_pair(kind, std::move(apply)));
+  return absl::OkStatus();
+}
+
+const std::pair<Registry::Kind, Registry::Apply>* Registry::Find(absl::string_view name) const {
+  auto it = stages_.find(name);
+  return it == stages_.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> Registry::Names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, unused] : stages_) names.push_back(name);
+  return names;
+}
+
+const Registry& Registry::Builtin() {
+  static const Registry* registry = [] {
+    auto* r = new Registry;
+    absl::Status s = RegisterBuiltins(r);
+    (void)s;  // Only fails on duplicate names, impossible for a fresh registry.
+    return r;
+  }();
+  return *registry;
+}
+
+absl::Status RegisterBuiltins(Registry* r) {
+  using K = Registry::Kind;
+  for (auto [name, kind] : {std::pair<const char*, SelectorKind>{"full", SelectorKind::kFull},
+                            {"gen", SelectorKind::kGen},
+                            {"h2o-layer", SelectorKind::kH2oLayer},
+                            {"h2o-head", SelectorKind::kH2oHead}}) {
+    KVRELAY_RETURN_IF_ERROR(r->Register(name, K::kSelector, [kind = kind](const StageSpec& st, PipelineConfig* c) {
+      return ApplySelector(kind, st, c);
+    }));
+  }
+  KVRELAY_RETURN_IF_ERROR(r->Register("obf", K::kTransform, ApplyObf));
+  for (int bits : {8, 4, 2}) {
+    KVRELAY_RETURN_IF_ERROR(r->Register(absl::StrCat("int", bits), K::kQuantizer,
+                                        [bits](const StageSpec& st, PipelineConfig* c) {
+                                          return ApplyQuant(bits, st, c);
+                                        }));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Pipeline>> Pipeline::Create(absl::string_view spec,
+                                                           const Registry& registry) {
+  KVRELAY_ASSIGN_OR_RETURN(std::vector<StageSpec> stages, SplitSpec(spec));
+  PipelineConfig cfg;
+  bool have_selector = false;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const StageSpec& st = stages[i];
+    const auto* entry = registry.Find(st.name);
+    if (entry == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("policy stage '", st.name, "': unknown stage, expected one of ",
+                                                     absl::StrJoin(registry.Names(), ", ")));
+    }
+    const Registry::Kind kind = entry->first;
+    if (kind == Registry::Kind::kSelector) {
+      if (have_selector) return BadStage(st, "a second selector; a policy has exactly one, first");
+      if (i != 0) return BadStage(st, "the selector must be the first stage");
+      have_selector = true;
+    } else if (!have_selector) {
+      return BadStage(st, "must follow a selector (full, gen, h2o-layer, h2o-head)");
+    }
+    if (kind == Registry::Kind::kTransform) {
+      if (cfg.obf) return BadStage(st, "given twice");
+      if (cfg.quant) return BadStage(st, "must come before the quantizer");
+      if (cfg.select.kind != SelectorKind::kH2oLayer && cfg.select.kind != SelectorKind::kH2oHead) {
+        return BadStage(st, "needs h2o-layer or h2o-head before it (full and gen delete no candidate to backfill)");
+      }
+    }
+    if (kind == Registry::Kind::kQuantizer && cfg.quant) {
+      return BadStage(st, "a second quantizer; at most one is allowed");
+    }
+    KVRELAY_RETURN_IF_ERROR(entry->second(st, &cfg));
+  }
+  std::string canonical = CanonicalSpec(cfg);
+  return std::unique_ptr<Pipeline>(new Pipeline(std::move(canonical), std::move(cfg)));
+}
+
+uint64_t FullLayerBytes(const TurnGeometry& geo) {
+  const uint64_t tokens = static_cast<uint64_t>(geo.n_history) + geo.n_prompt + geo.n_gen;
+  return tokens * geo.kv_heads * (2ull * geo.head_dim * DTypeSize(geo.dtype) + 4);
+}
+
+void Pipeline::CountTokens(const TurnGeometry& geo, bool first_agent, Message* msg) const {
+  const SelectorOptions& s = config_.select;
+  msg->n_history = geo.n_history;
+  msg->n_gen = geo.n_gen;
+  msg->n_anchor = first_agent ? std::min(s.sinks, geo.n_prompt) : 0;
+  const int n_cand = geo.n_prompt - msg->n_anchor;
+  switch (s.kind) {
+    case SelectorKind::kFull: msg->n_kept = n_cand; break;
+    case SelectorKind::kGen: msg->n_kept = 0; break;
+    default: {
+      const int recent = std::min(s.recent, n_cand);
+      msg->n_kept = std::min(s.k, n_cand - recent) + recent;
+    }
+  }
+}
+
+absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
+                                                     const LayerContext& ctx, ThreadPool* pool) const {
+  const int heads = geo.kv_heads, d = geo.head_dim, n_prompt = geo.n_prompt;
+  const std::vector<double> scores = ReduceScores(layer.scores, heads);
+  const Selection sel = Select(config_.select, scores, heads, n_prompt, ctx.first_agent);
+  const int n_anchor = sel.n_anchor;
+  const int n_kept = static_cast<int>(sel.kept[0].size());
+  const int n_hist = geo.n_history;
+  const int n_out = n_hist + n_anchor + n_kept + geo.n_gen;
+  const int32_t pos0 = static_cast<int32_t>(ctx.prompt_pos0);
+
+  MessageLayer out;
+  out.k = KvTensor(geo.dtype, heads, n_out, d);
+  out.v = KvTensor(geo.dtype, heads, n_out, d);
+  out.pos = PosTensor(heads, n_out);
+
+  ParallelFor(pool, heads, [&](size_t hi) {
+    const int h = static_cast<int>(hi);
+    int t = 0;
+    auto copy = [&](const KvTensor& k, const KvTensor& v, int src, int32_t pos) {
+      out.k.CopyRow(h, t, k, h, src);
+      out.v.CopyRow(h, t, v, h, src);
+      out.pos.at(h, t) = pos;
+      ++t;
+    };
+    for (int j = 0; j < n_hist; ++j) copy(layer.history_k, layer.history_v, j, layer.history_pos.at(h, j));
+    for (int j = 0; j < n_anchor; ++j) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j);
+    const int kept_begin = t;
+    for (int j : sel.kept[h]) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j);
+    for (int j = 0; j < geo.n_gen; ++j) copy(layer.gen_k, layer.gen_v, j, pos0 + n_prompt + j);
+
+    if (!config_.obf || n_kept == 0) return;
+    const int n_cand = n_prompt - n_anchor;
+    std::vector<float> v(static_cast<size_t>(n_cand) * d);
+    for (int j = 0; j < n_cand; ++j) layer.prompt_v.ReadRow(h, n_anchor + j, v.data() + static_cast<size_t>(j) * d);
+    std::vector<int> kept_local(sel.kept[h]);
+    for (int& j : kept_local) j -= n_anchor;
+    const ObfHead obf = ComputeObf(*config_.obf, v, n_cand, d,
+                                   absl::MakeConstSpan(scores).subspan(static_cast<size_t>(h) * n_prompt + n_anchor, n_cand),
+                                   kept_local);
+    if (!obf.applied) return;
+    std::vector<float> row(d);
+    for (int i = 0; i < n_kept; ++i) {
+      const float* src = v.data() + static_cast<size_t>(kept_local[i]) * d;
+      for (int c = 0; c < d; ++c) {
+        row[c] = static_cast<float>(static_cast<double>(src[c]) + obf.weights[i] * obf.delta[c]);
+      }
+      out.v.WriteRow(h, kept_begin + i, row.data());
+    }
+  });
+
+  if (config_.quant) {
+    KVRELAY_ASSIGN_OR_RETURN(QuantizedKv q, QuantizeKv(out.k, out.v, *config_.quant));
+    q.dtype = geo.dtype;
+    out.quant = std::move(q);
+    out.k = KvTensor(geo.dtype, 0, 0, d);
+    out.v = KvTensor(geo.dtype, 0, 0, d);
+  }
+  return out;
+}
+
+absl::StatusOr<Message> Pipeline::Compress(const Turn& turn, ThreadPool* pool) const {
+  KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
+  if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, geo.head_dim));
+  LayerContext ctx;
+  ctx.first_agent = turn.first_agent;
+  ctx.prompt_pos0 = turn.PromptPos0();
+
+  const size_t n_layers = turn.layers.size();
+  Message msg;
+  msg.layers.resize(n_layers);
+  std::vector<absl::Status> status(n_layers);
+  ParallelFor(pool, n_layers, [&](size_t l) {
+    LayerContext lctx = ctx;
+    lctx.layer = static_cast<int>(l);
+    status[l] = ValidateTurnLayer(turn.layers[l], lctx.layer, geo, lctx.prompt_pos0);
+    if (!status[l].ok()) return;
+    absl::StatusOr<MessageLayer> layer = CompressLayer(turn.layers[l], geo, lctx, nullptr);
+    if (!layer.ok()) {
+      status[l] = layer.status();
+      return;
+    }
+    msg.layers[l] = *std::move(layer);
+  });
+  for (const absl::Status& s : status) KVRELAY_RETURN_IF_ERROR(s);
+
+  msg.policy = spec_;
+  msg.dtype = geo.dtype;
+  msg.kv_heads = geo.kv_heads;
+  msg.head_dim = geo.head_dim;
+  CountTokens(geo, turn.first_agent, &msg);
+  msg.full_bytes = FullLayerBytes(geo) * n_layers;
+  msg.sent_bytes = 0;
+  for (const MessageLayer& l : msg.layers) msg.sent_bytes += l.SentBytes();
+  return msg;
+}
+
+}  // namespace kvrelay

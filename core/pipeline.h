@@ -1,0 +1,121 @@
+// Compression pipelines built from spec strings (faiss index_factory style).
+//
+//   auto p = Pipeline::Create("h2o-head:k=32+obf:p=8,mode=fast+int4:group=32");
+//   if (!p.ok()) ...;               // InvalidArgument naming the bad token
+//   absl::StatusOr<Message> m = (*p)->Compress(turn, &pool);
+//
+// The grammar and every stage's parameters are documented in docs/FORMAT.md.
+// A Pipeline is immutable after creation and thread-safe: Compress and
+// CompressLayer may run concurrently.
+#ifndef KVRELAY_CORE_PIPELINE_H_
+#define KVRELAY_CORE_PIPELINE_H_
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/message.h"
+#include "core/obf.h"
+#include "core/quant.h"
+#include "core/selection.h"
+#include "core/thread_pool.h"
+#include "core/turn.h"
+
+namespace kvrelay {
+
+// Parsed `name:key=value,...` token of a spec.
+struct StageSpec {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> params;  // in spec order
+};
+
+// Splits a spec into stage tokens. InvalidArgument for empty stages,
+// missing '=' or empty keys, duplicate keys.
+absl::StatusOr<std::vector<StageSpec>> SplitSpec(absl::string_view spec);
+
+// What the stages of one pipeline resolve to.
+struct PipelineConfig {
+  SelectorOptions select;
+  std::optional<ObfOptions> obf;
+  std::optional<QuantOptions> quant;
+};
+
+// Maps stage names to functions that fold a stage's parameters into a
+// PipelineConfig. Stage kinds: kSelector (exactly one, first), kTransform
+// (obf, after the selector), kQuantizer (at most one, last).
+class Registry {
+ public:
+  enum class Kind { kSelector, kTransform, kQuantizer };
+  using Apply = std::function<absl::Status(const StageSpec&, PipelineConfig*)>;
+
+  // AlreadyExists if `name` is taken.
+  absl::Status Register(std::string name, Kind kind, Apply apply);
+  const std::pair<Kind, Apply>* Find(absl::string_view name) const;
+  std::vector<std::string> Names() const;
+
+  // The registry with every built-in stage (full, gen, h2o-layer, h2o-head,
+  // obf, int8, int4, int2).
+  static const Registry& Builtin();
+
+ private:
+  std::map<std::string, std::pair<Kind, Apply>, std::less<>> stages_;
+};
+
+// Adds the built-in stages to `registry`.
+absl::Status RegisterBuiltins(Registry* registry);
+
+// Per-turn values every layer needs.
+struct LayerContext {
+  int layer = 0;
+  bool first_agent = true;
+  int64_t prompt_pos0 = 0;
+};
+
+class Pipeline {
+ public:
+  // Parses `spec` against `registry`. InvalidArgument naming the offending
+  // token for unknown names, bad parameters, misplaced or contradictory stages.
+  static absl::StatusOr<std::unique_ptr<Pipeline>> Create(
+      absl::string_view spec, const Registry& registry = Registry::Builtin());
+
+  // The canonical spec: every parameter spelled out in a fixed order, so that
+  // equal pipelines have equal specs.
+  const std::string& spec() const { return spec_; }
+  const PipelineConfig& config() const { return config_; }
+
+  // Compresses a whole turn, spreading layers and heads over `pool` (may be
+  // null). The result is bit-identical for every pool size. Validates the
+  // turn first (InvalidArgument naming the tensor).
+  absl::StatusOr<Message> Compress(const Turn& turn, ThreadPool* pool = nullptr) const;
+
+  // Compresses one layer. REQUIRES: ValidateTurnLayer(layer, ctx.layer, geo,
+  // ctx.prompt_pos0).ok(). `pool` parallelizes over heads (may be null).
+  absl::StatusOr<MessageLayer> CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
+                                             const LayerContext& ctx,
+                                             ThreadPool* pool = nullptr) const;
+
+  // Token counts per head of every message layer this pipeline produces for
+  // a turn of geometry `geo`.
+  void CountTokens(const TurnGeometry& geo, bool first_agent, Message* msg) const;
+
+ private:
+  Pipeline(std::string spec, PipelineConfig config)
+      : spec_(std::move(spec)), config_(std::move(config)) {}
+
+  std::string spec_;
+  PipelineConfig config_;
+};
+
+// Bytes `full` sends for a layer of geometry `geo`: dense K and V of every
+// history, prompt and generated token, plus 4 bytes per position id.
+uint64_t FullLayerBytes(const TurnGeometry& geo);
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_CORE_PIPELINE_H_

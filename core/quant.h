@@ -1,0 +1,67 @@
+// Asymmetric min-max quantization of message K/V (KIVI-style), BRIEF §4.
+//
+// Keys: statistics per (head, channel) over groups of `group` consecutive
+// tokens (the last group may be shorter). Values: statistics per (head,
+// token) over all channels. With `rotate`, every row is first multiplied by
+// the orthonormal Walsh-Hadamard matrix H/sqrt(dim) (its own inverse), which
+// spreads outlier channels before 4- or 2-bit quantization.
+//
+// For a statistic block with minimum lo and maximum hi, the stored fp16
+// zero z is lo rounded toward -inf, and the stored fp16 scale s is
+// (hi - z) / (2^bits - 1) rounded toward +inf (at least the smallest fp16
+// subnormal). Code c = clamp(round((x - z) / s), 0, 2^bits - 1); decoding
+// gives c * s + z. So the reconstruction error of every element is at most
+// s/2 (in the rotated domain when rotating), up to f32 rounding.
+//
+// Pure functions, thread-safe.
+#ifndef KVRELAY_CORE_QUANT_H_
+#define KVRELAY_CORE_QUANT_H_
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/message.h"
+#include "core/tensor.h"
+
+namespace kvrelay {
+
+struct QuantOptions {
+  int bits = 4;       // 8, 4 or 2
+  int group = 32;     // key token group size, >= 1
+  bool rotate = false;  // only with 4 or 2 bits; REQUIRES power-of-two head_dim
+};
+
+// InvalidArgument naming the option when `opts` cannot apply to rows of
+// `head_dim` channels: bits not in {2,4,8}, group < 1, head_dim < 1, rotate
+// with 8 bits, rotate with a head_dim that is not a power of two, or
+// head_dim*bits not a multiple of 8.
+absl::Status ValidateQuantOptions(const QuantOptions& opts, int head_dim);
+
+// Quantizes a layer's keys and values ([heads, tokens, dim] each, any
+// dtype; the result records k's dtype). InvalidArgument if options are bad,
+// the shapes differ, an element is inf or NaN (before or after rotation),
+// or a statistic (zero or scale) does not fit in fp16; the message names
+// the tensor ("k" or "v"), the head and the offending value. Zero tokens
+// give empty codes and statistics.
+absl::StatusOr<QuantizedKv> QuantizeKv(const KvTensor& k, const KvTensor& v,
+                                       const QuantOptions& opts);
+
+// Decodes into dense tensors of `dtype` (f32, f16 or bf16), rounding to
+// nearest even. REQUIRES: `q` came from QuantizeKv (shapes consistent;
+// checked, InvalidArgument if not, and then *k and *v are untouched).
+// Outputs that already have `dtype` and the right shape are overwritten in
+// place, without reallocating.
+absl::Status DequantizeKv(const QuantizedKv& q, DType dtype, KvTensor* k, KvTensor* v);
+
+// Replaces the packed K/V of every quantized layer of `msg` by their decoded
+// dense form in `dtype`, clears `quant`, and recomputes msg->sent_bytes as
+// the sum of MessageLayer::SentBytes(). msg->dtype and full_bytes are left
+// as they are. On error (the message names the layer) `msg` is unchanged.
+absl::Status DequantizeMessage(Message* msg, DType dtype);
+
+// In-place orthonormal Walsh-Hadamard transform of n floats.
+// REQUIRES: n is a power of two.
+void HadamardTransform(float* x, int n);
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_CORE_QUANT_H_

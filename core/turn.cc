@@ -1,0 +1,165 @@
+#include "core/turn.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace kvrelay {
+namespace {
+
+std::string Shape(std::initializer_list<int64_t> dims) {
+  return absl::StrCat("[", absl::StrJoin(dims, ","), "]");
+}
+
+std::string Name(int layer, absl::string_view part) { return absl::StrCat("layer.", layer, ".", part); }
+
+absl::Status CheckKv(const KvTensor& t, int layer, absl::string_view part, const TurnGeometry& geo,
+                     int tokens) {
+  if (t.dtype() != geo.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(Name(layer, part), ": dtype ", DTypeName(t.dtype()),
+                                                   ", expected ", DTypeName(geo.dtype),
+                                                   " (dtype of layer.0.prompt.k)"));
+  }
+  if (t.heads() != geo.kv_heads || t.tokens() != tokens || t.dim() != geo.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Name(layer, part), ": shape ", Shape({t.heads(), t.tokens(), t.dim()}), ", expected ",
+        Shape({geo.kv_heads, tokens, geo.head_dim}), " (from layer.0)"));
+  }
+  // Non-finite values have an all-ones exponent in every dtype.
+  const absl::Span<const uint8_t> bytes = t.bytes();
+  const size_t n = t.elements();
+  size_t bad = n;
+  if (t.dtype() == DType::kF32) {
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(bytes.data());
+    for (size_t i = 0; i < n; ++i) {
+      if ((p[i] & 0x7f800000u) == 0x7f800000u) { bad = i; break; }
+    }
+  } else {
+    const uint16_t mask = t.dtype() == DType::kBF16 ? 0x7f80u : 0x7c00u;
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(bytes.data());
+    for (size_t i = 0; i < n; ++i) {
+      if ((p[i] & mask) == mask) { bad = i; break; }
+    }
+  }
+  if (bad < n) {
+    float v;
+    ToFloat(t.dtype(), bytes.data() + bad * DTypeSize(t.dtype()), &v, 1);
+    const int d = t.dim(), tok = t.tokens();
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: non-finite value %g at [%d,%d,%d], expected finite values", Name(layer, part), v,
+        static_cast<int>(bad / d / tok), static_cast<int>(bad / d % tok), static_cast<int>(bad % d)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int64_t Turn::PromptPos0() const {
+  if (prompt_pos0.has_value()) return *prompt_pos0;
+  return layers.empty() ? 0 : layers[0].history_k.tokens();
+}
+
+absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
+  if (turn.layers.empty()) return absl::InvalidArgumentError("turn: no layers, expected at least 1");
+  const TurnLayer& l0 = turn.layers[0];
+  TurnGeometry geo;
+  geo.dtype = l0.prompt_k.dtype();
+  geo.kv_heads = l0.prompt_k.heads();
+  geo.head_dim = l0.prompt_k.dim();
+  geo.n_prompt = l0.prompt_k.tokens();
+  geo.n_gen = l0.gen_k.tokens();
+  geo.n_history = l0.history_k.tokens();
+  geo.score_heads = l0.scores.rows;
+  if (geo.kv_heads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer.0.prompt.k: ", geo.kv_heads, " kv heads, expected at least 1"));
+  }
+  if (geo.head_dim < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer.0.prompt.k: head_dim ", geo.head_dim, ", expected at least 1"));
+  }
+  if (geo.score_heads < geo.kv_heads || geo.score_heads % geo.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer.0.prompt.score: ", geo.score_heads, " score heads, expected a positive multiple of ",
+        geo.kv_heads, " kv heads"));
+  }
+  return geo;
+}
+
+absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometry& geo,
+                               int64_t prompt_pos0) {
+  for (auto [t, part, tokens] :
+       {std::tuple<const KvTensor*, const char*, int>{&layer.prompt_k, "prompt.k", geo.n_prompt},
+        {&layer.prompt_v, "prompt.v", geo.n_prompt},
+        {&layer.gen_k, "gen.k", geo.n_gen},
+        {&layer.gen_v, "gen.v", geo.n_gen},
+        {&layer.history_k, "history.k", geo.n_history},
+        {&layer.history_v, "history.v", geo.n_history}}) {
+    absl::Status s = CheckKv(*t, li, part, geo, tokens);
+    if (!s.ok()) return s;
+  }
+  const ScoreMatrix& sc = layer.scores;
+  if (sc.rows != geo.score_heads || sc.cols != geo.n_prompt ||
+      sc.data.size() != static_cast<size_t>(sc.rows) * sc.cols) {
+    return absl::InvalidArgumentError(absl::StrCat(Name(li, "prompt.score"), ": shape ",
+                                                   Shape({sc.rows, sc.cols}), ", expected ",
+                                                   Shape({geo.score_heads, geo.n_prompt})));
+  }
+  for (int r = 0; r < sc.rows; ++r) {
+    for (int c = 0; c < sc.cols; ++c) {
+      const float v = sc.at(r, c);
+      if (!std::isfinite(v) || v < 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: value %g at [%d,%d], expected a finite attention mass >= 0",
+            Name(li, "prompt.score"), v, r, c));
+      }
+    }
+  }
+  const PosTensor& pos = layer.history_pos;
+  if (pos.heads != (geo.n_history ? geo.kv_heads : pos.heads) || pos.tokens != geo.n_history ||
+      pos.data.size() != static_cast<size_t>(pos.heads) * pos.tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(Name(li, "history.pos"), ": shape ",
+                                                   Shape({pos.heads, pos.tokens}), ", expected ",
+                                                   Shape({geo.kv_heads, geo.n_history})));
+  }
+  if (prompt_pos0 < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_pos0: ", prompt_pos0, ", expected >= 0"));
+  }
+  const int64_t last = prompt_pos0 + geo.n_prompt + geo.n_gen;
+  if (last > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_pos0: ", prompt_pos0,
+                                                   " puts position ids past int32 (last ", last,
+                                                   ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTurn(const Turn& turn) {
+  absl::StatusOr<TurnGeometry> geo = GeometryOf(turn);
+  if (!geo.ok()) return geo.status();
+  const int64_t pos0 = turn.PromptPos0();
+  for (size_t l = 0; l < turn.layers.size(); ++l) {
+    absl::Status s = ValidateTurnLayer(turn.layers[l], static_cast<int>(l), *geo, pos0);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+std::vector<double> ReduceScores(const ScoreMatrix& scores, int kv_heads) {
+  const int group = scores.rows / kv_heads;
+  const int n = scores.cols;
+  std::vector<double> out(static_cast<size_t>(kv_heads) * n, 0.0);
+  for (int h = 0; h < kv_heads; ++h) {
+    double* dst = out.data() + static_cast<size_t>(h) * n;
+    for (int g = 0; g < group; ++g) {
+      const float* src = scores.data.data() + static_cast<size_t>(h * group + g) * n;
+      for (int j = 0; j < n; ++j) dst[j] += static_cast<double>(src[j]);
+    }
+  }
+  return out;
+}
+
+}  // namespace kvrelay

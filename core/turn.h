@@ -1,0 +1,73 @@
+// The input of compression: one agent turn (BRIEF §2).
+//
+// A turn carries, per layer, the agent's prompt and generated KV, optional
+// inherited history with its position ids, and the attention mass that the
+// generated steps put on each prompt token. Position ids of the prompt are
+// implicit: prompt token j has id prompt_pos0 + j, generated token j has id
+// prompt_pos0 + n_prompt + j.
+#ifndef KVRELAY_CORE_TURN_H_
+#define KVRELAY_CORE_TURN_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/tensor.h"
+
+namespace kvrelay {
+
+struct TurnLayer {
+  KvTensor prompt_k, prompt_v;    // [kv_heads, n_prompt, head_dim]
+  KvTensor gen_k, gen_v;          // [kv_heads, n_gen, head_dim]
+  KvTensor history_k, history_v;  // [kv_heads, n_history, head_dim]; n_history may be 0
+  PosTensor history_pos;          // [kv_heads, n_history]
+  // [score_heads, n_prompt]; score_heads is kv_heads, or a multiple of it
+  // (query heads, reduced by summing consecutive groups).
+  ScoreMatrix scores;
+};
+
+// Geometry shared by every layer of a turn, as established by layer 0.
+struct TurnGeometry {
+  DType dtype = DType::kBF16;
+  int kv_heads = 0;
+  int head_dim = 0;
+  int score_heads = 0;
+  int n_prompt = 0;
+  int n_gen = 0;
+  int n_history = 0;
+};
+
+struct Turn {
+  bool first_agent = true;
+  // Position id of the first prompt token. When unset, n_history is used.
+  std::optional<int64_t> prompt_pos0;
+  std::vector<TurnLayer> layers;
+
+  int64_t PromptPos0() const;
+};
+
+// Checks one layer against `geo`: shapes, dtypes, score layout, finiteness
+// of K/V/scores (scores must also be >= 0) and position ranges. Errors are
+// InvalidArgument and name the tensor, e.g.
+// "layer.3.prompt.v: shape [8,512,64], expected [8,512,128]".
+absl::Status ValidateTurnLayer(const TurnLayer& layer, int layer_index, const TurnGeometry& geo,
+                               int64_t prompt_pos0);
+
+// Derives the geometry from layer 0. InvalidArgument when the turn has no
+// layers or layer 0 is inconsistent in itself.
+absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn);
+
+// GeometryOf + ValidateTurnLayer on every layer.
+absl::Status ValidateTurn(const Turn& turn);
+
+// Reduces `scores` [score_heads, n] to per-KV-head scores [kv_heads, n] in
+// float64 by summing each group of score_heads/kv_heads consecutive rows in
+// ascending order. REQUIRES: score_heads % kv_heads == 0.
+std::vector<double> ReduceScores(const ScoreMatrix& scores, int kv_heads);
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_CORE_TURN_H_

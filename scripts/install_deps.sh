@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs every build and test dependency of kvrelay on a bare Debian 12 machine.
+# Idempotent: skips apt-get when every package is already installed.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config git ca-certificates curl
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libeigen3-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
+  python3 python3-numpy python3-grpcio
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if ((${#missing[@]})); then
+  echo "install_deps: installing ${missing[*]}"
+  SUDO=""
+  [[ $(id -u) -eq 0 ]] || SUDO=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "install_deps: all packages present"
+fi

@@ -1,0 +1,199 @@
+#include "core/obf.h"
+
+#include <random>
+
+#include "Eigen/Dense"
+#include "core/selection.h"
+#include "gtest/gtest.h"
+
+namespace kvrelay {
+namespace {
+
+using Eigen::MatrixXd;
+using Eigen::VectorXd;
+
+struct Case {
+  int n_cand, d;
+  std::vector<float> v;       // [n_cand, d]
+  std::vector<double> score;  // [n_cand]
+  std::vector<int> kept;
+};
+
+// Low-rank-plus-noise values (as real KV rows are), heavy-tailed scores.
+Case RandomCase(uint32_t seed, int n_cand, int d, int k) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n01(0.f, 1.f);
+  std::exponential_distribution<double> expo(1.0);
+  Case c{n_cand, d, std::vector<float>(static_cast<size_t>(n_cand) * d), std::vector<double>(n_cand), {}};
+  const int rank = std::max(2, d / 3);
+  MatrixXd basis = MatrixXd::NullaryExpr(rank, d, [&] { return n01(rng); });
+  for (int j = 0; j < n_cand; ++j) {
+    for (int i = 0; i < d; ++i) c.v[j * d + i] = 0.05f * n01(rng);
+    for (int r = 0; r < rank; ++r) {
+      const float a = n01(rng) / (1 + r);
+      for (int i = 0; i < d; ++i) c.v[j * d + i] += a * static_cast<float>(basis(r, i));
+    }
+    const double e = expo(rng);
+    c.score[j] = e * e * e;
+  }
+  c.kept = TopK(c.score, 0, n_cand, k);
+  return c;
+}
+
+// Independent float64 reference: Q from an SVD of V_keep, C from an SVD of R.
+VectorXd ReferenceDelta(const ObfOptions& o, const Case& c, MatrixXd* c_out = nullptr) {
+  const int d = c.d;
+  std::vector<int> del;
+  double a_keep = 0, a_del = 0;
+  for (int j = 0, ki = 0; j < c.n_cand; ++j) {
+    if (ki < static_cast<int>(c.kept.size()) && c.kept[ki] == j) {
+      a_keep += c.score[j];
+      ++ki;
+    } else {
+      a_del += c.score[j];
+      del.push_back(j);
+    }
+  }
+  MatrixXd keep(c.kept.size(), d), vdel(del.size(), d);
+  for (size_t i = 0; i < c.kept.size(); ++i)
+    for (int x = 0; x < d; ++x) keep(i, x) = c.v[c.kept[i] * d + x];
+  for (size_t i = 0; i < del.size(); ++i)
+    for (int x = 0; x < d; ++x) vdel(i, x) = c.v[del[i] * d + x];
+  Eigen::JacobiSVD<MatrixXd> svk(keep, Eigen::ComputeThinV);
+  int r = 0;
+  while (r < svk.singularValues().size() && svk.singularValues()[r] > 1e-9 * svk.singularValues()[0]) ++r;
+  const MatrixXd q = svk.matrixV().leftCols(r);
+  const MatrixXd res = vdel - vdel * q * q.transpose();
+  if (res.norm() <= 1e-10) return VectorXd::Zero(d);
+  Eigen::JacobiSVD<MatrixXd> svr(res, Eigen::ComputeThinV);
+  int p = 0;
+  while (p < o.p && p < svr.singularValues().size() &&
+         svr.singularValues()[p] > 1e-6 * svr.singularValues()[0])
+    ++p;
+  const MatrixXd cm = svr.matrixV().leftCols(p).transpose();
+  if (c_out) *c_out = cm;
+  VectorXd w(del.size());
+  double sw = 0;
+  for (size_t i = 0; i < del.size(); ++i) sw += (w[i] = c.score[del[i]]);
+  if (sw <= 1e-12) w.setConstant(1.0), sw = del.size();
+  const VectorXd rbar = res.transpose() * w / sw;
+  double f = 1;
+  if (o.scale == ScaleMode::kAdOverAs) f = a_del / (a_keep + 1e-12);
+  if (o.scale == ScaleMode::kAdFrac) f = a_del / (a_del + a_keep + 1e-12);
+  if (o.scale == ScaleMode::kAd) f = a_del;
+  return f * cm.transpose() * (cm * rbar);
+}
+
+MatrixXd KeepMatrix(const Case& c) {
+  MatrixXd keep(c.kept.size(), c.d);
+  for (size_t i = 0; i < c.kept.size(); ++i)
+    for (int x = 0; x < c.d; ++x) keep(i, x) = c.v[c.kept[i] * c.d + x];
+  return keep;
+}
+
+TEST(ObfTest, ExactMatchesIndependentSvdReference) {
+  for (uint32_t seed = 0; seed < 60; ++seed) {
+    std::mt19937 rng(seed);
+    const int d = 8 << (rng() % 4);  // 8..64
+    const int n = 10 + rng() % 120;
+    const int k = 1 + rng() % std::min(n - 1, 40);
+    Case c = RandomCase(seed, n, d, k);
+    for (ScaleMode sm : {ScaleMode::kAdOverAs, ScaleMode::kAdFrac, ScaleMode::kAd, ScaleMode::kNone}) {
+      ObfOptions o;
+      o.p = 1 + rng() % 10;
+      o.scale = sm;
+      const ObfHead got = ComputeObf(o, c.v, n, d, c.score, c.kept);
+      const VectorXd ref = ReferenceDelta(o, c);
+      ASSERT_LE((got.delta - ref).norm(), 1e-9 * std::max(1.0, ref.norm()))
+          << "seed " << seed << " d=" << d << " n=" << n << " k=" << k << " p=" << o.p;
+    }
+  }
+}
+
+TEST(ObfTest, DeltaIsOrthogonalToKeptSpanAndInsideC) {
+  for (uint32_t seed = 100; seed < 140; ++seed) {
+    Case c = RandomCase(seed, 200, 64, 16);
+    for (ObfMode mode : {ObfMode::kExact, ObfMode::kFast}) {
+      ObfOptions o;
+      o.mode = mode;
+      const ObfHead h = ComputeObf(o, c.v, c.n_cand, c.d, c.score, c.kept);
+      ASSERT_TRUE(h.applied);
+      const double dn = h.delta.norm();
+      ASSERT_GT(dn, 0);
+      const double tol = mode == ObfMode::kExact ? 1e-10 : 1e-4;
+      const MatrixXd keep = KeepMatrix(c);
+      EXPECT_LE((keep * h.delta).norm(), tol * keep.norm() * dn) << "seed " << seed;
+      EXPECT_LE((h.delta - h.c.transpose() * (h.c * h.delta)).norm(), tol * dn) << "seed " << seed;
+      EXPECT_LE((h.c * h.c.transpose() - MatrixXd::Identity(h.c.rows(), h.c.rows())).norm(), tol * 10);
+      EXPECT_LE((h.c * h.q).norm(), tol * 10);
+      EXPECT_EQ(h.c.rows(), o.p);
+    }
+  }
+}
+
+TEST(ObfTest, FastPathAgreesWithExact) {
+  for (uint32_t seed = 200; seed < 230; ++seed) {
+    Case c = RandomCase(seed, 300, 128, 32);
+    ObfOptions exact, fast;
+    fast.mode = ObfMode::kFast;
+    const ObfHead e = ComputeObf(exact, c.v, c.n_cand, c.d, c.score, c.kept);
+    const ObfHead f = ComputeObf(fast, c.v, c.n_cand, c.d, c.score, c.kept);
+    EXPECT_LE((e.delta - f.delta).norm(), 1e-3 * e.delta.norm()) << "seed " << seed;
+  }
+}
+
+TEST(ObfTest, InjectWeights) {
+  Case c = RandomCase(5, 40, 16, 6);
+  ObfOptions o;
+  ObfHead h = ComputeObf(o, c.v, c.n_cand, c.d, c.score, c.kept);
+  EXPECT_EQ(h.weights, std::vector<double>(6, 1.0));
+  o.inject = InjectMode::kAttn;
+  h = ComputeObf(o, c.v, c.n_cand, c.d, c.score, c.kept);
+  double sa = 0;
+  for (int t : c.kept) sa += c.score[t];
+  for (size_t i = 0; i < c.kept.size(); ++i) EXPECT_DOUBLE_EQ(h.weights[i], 6 * c.score[c.kept[i]] / sa);
+}
+
+TEST(ObfTest, SkipsAndDegenerateCases) {
+  ObfOptions o;
+  // d < k: V_keep spans everything, R = 0.
+  Case c = RandomCase(9, 40, 8, 12);
+  ObfHead h = ComputeObf(o, c.v, c.n_cand, c.d, c.score, c.kept);
+  EXPECT_FALSE(h.applied);
+  EXPECT_EQ(h.delta.norm(), 0.0);
+  // Nothing deleted / nothing kept.
+  c = RandomCase(10, 10, 16, 10);
+  EXPECT_FALSE(ComputeObf(o, c.v, c.n_cand, c.d, c.score, c.kept).applied);
+  EXPECT_FALSE(ComputeObf(o, c.v, c.n_cand, c.d, c.score, {}).applied);
+  // Zero scores: uniform residual weights; ad_over_as gives factor 0, none gives 1.
+  c = RandomCase(11, 50, 16, 5);
+  std::fill(c.score.begin(), c.score.end(), 0.0);
+  h = ComputeObf(o, c.v, c.n_cand, c.d, c.score, c.kept);
+  EXPECT_EQ(h.delta.norm(), 0.0);
+  o.scale = ScaleMode::kNone;
+  h = ComputeObf(o, c.v, c.n_cand, c.d, c.score, c.kept);
+  const VectorXd ref = ReferenceDelta(o, c);
+  EXPECT_GT(ref.norm(), 0);
+  EXPECT_LE((h.delta - ref).norm(), 1e-9 * ref.norm());
+}
+
+TEST(ObfTest, RankDeficientKeptValues) {
+  Case c = RandomCase(12, 60, 32, 8);
+  // Kept rows 1..3 copy kept row 0 and row 4 is twice row 0 (exact in
+  // float): rank 4 of 8 (rows 0, 5, 6, 7).
+  const int d = c.d;
+  auto row = [&](int i) { return &c.v[c.kept[i] * d]; };
+  for (int i = 1; i <= 3; ++i) std::copy(row(0), row(0) + d, row(i));
+  for (int x = 0; x < d; ++x) row(4)[x] = 2 * row(0)[x];
+  for (ObfMode mode : {ObfMode::kExact, ObfMode::kFast}) {
+    ObfOptions o;
+    o.mode = mode;
+    const ObfHead h = ComputeObf(o, c.v, c.n_cand, d, c.score, c.kept);
+    EXPECT_EQ(h.q.cols(), 4) << "mode " << static_cast<int>(mode);
+    const VectorXd ref = ReferenceDelta(ObfOptions{}, c);
+    EXPECT_LE((h.delta - ref).norm(), (mode == ObfMode::kExact ? 1e-7 : 1e-3) * ref.norm());
+  }
+}
+
+}  // namespace
+}  // namespace kvrelay

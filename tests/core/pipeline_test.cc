@@ -1,0 +1,268 @@
+#include "core/pipeline.h"
+
+#include <cstring>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace kvrelay {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomTurn;
+using testing::TurnShape;
+
+void ExpectSpecError(const std::string& spec, const std::string& substr) {
+  auto p = Pipeline::Create(spec);
+  ASSERT_FALSE(p.ok()) << spec;
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << spec;
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr(substr)) << spec;
+}
+
+TEST(PipelineSpecTest, Canonical) {
+  auto p = Pipeline::Create("h2o-head:k=16+obf:mode=fast,p=4+int4:rotate=hadamard");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)->spec(),
+            "h2o-head:k=16,sinks=4,recent=0+obf:p=4,mode=fast,inject=uniform,scale=ad_over_as,"
+            "iters=12,oversample=10+int4:group=32,rotate=hadamard");
+  EXPECT_EQ((*Pipeline::Create("full"))->spec(), "full");
+  EXPECT_EQ((*Pipeline::Create("gen:sinks=2"))->spec(), "gen:sinks=2");
+  // The canonical spec parses back to itself.
+  auto again = Pipeline::Create((*p)->spec());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)->spec(), (*p)->spec());
+}
+
+TEST(PipelineSpecTest, ErrorsNameTheToken) {
+  ExpectSpecError("", "empty spec");
+  ExpectSpecError("h2o-head++int4", "stage 2 is empty");
+  ExpectSpecError("h2o-heads:k=3", "'h2o-heads': unknown stage");
+  ExpectSpecError("h2o-head:k=abc", "k=abc: expected an integer in [0,");
+  ExpectSpecError("h2o-head:k=-1", "k=-1: expected an integer");
+  ExpectSpecError("h2o-head:kk=3", "unknown parameter 'kk'");
+  ExpectSpecError("h2o-head:k", "parameter 'k', expected key=value");
+  ExpectSpecError("h2o-head:k=1,k=2", "parameter 'k' given twice");
+  ExpectSpecError("full:k=3", "'full': unknown parameter 'k' (this stage takes none)");
+  ExpectSpecError("h2o-head+h2o-layer", "'h2o-layer': a second selector");
+  ExpectSpecError("obf+h2o-head", "'obf': must follow a selector");
+  ExpectSpecError("int4", "'int4': must follow a selector");
+  ExpectSpecError("gen+obf", "'obf': needs h2o-layer or h2o-head");
+  ExpectSpecError("full+obf", "'obf': needs h2o-layer or h2o-head");
+  ExpectSpecError("h2o-head+int4+obf", "'obf': must come before the quantizer");
+  ExpectSpecError("h2o-head+obf+obf", "'obf': given twice");
+  ExpectSpecError("h2o-head+int4+int8", "'int8': a second quantizer");
+  ExpectSpecError("h2o-head+obf:mode=slow", "mode=slow: expected one of exact, fast");
+  ExpectSpecError("h2o-head+obf:p=0", "p=0: expected an integer in [1,");
+  ExpectSpecError("h2o-head+obf:scale=half", "scale=half: expected one of ad_over_as, ad_frac, ad, none");
+  ExpectSpecError("h2o-head+int8:rotate=hadamard", "rotate=hadamard applies to int4 and int2 only");
+  ExpectSpecError("h2o-head+int4:group=0", "group=0: expected an integer in [1,");
+}
+
+TEST(PipelineSpecTest, RegistryIsExtensible) {
+  Registry r;
+  ASSERT_TRUE(RegisterBuiltins(&r).ok());
+  EXPECT_EQ(RegisterBuiltins(&r).code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(r.Register("top8", Registry::Kind::kSelector, [](const StageSpec&, PipelineConfig* c) {
+                 c->select.kind = SelectorKind::kH2oHead;
+                 c->select.k = 8;
+                 return absl::OkStatus();
+               }).ok());
+  auto p = Pipeline::Create("top8+obf", r);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)->config().select.k, 8);
+  EXPECT_EQ(Pipeline::Create("top8").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+Message MustCompress(const std::string& spec, const Turn& turn, ThreadPool* pool = nullptr) {
+  auto p = Pipeline::Create(spec);
+  EXPECT_TRUE(p.ok()) << p.status();
+  auto m = (*p)->Compress(turn, pool);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return *std::move(m);
+}
+
+TEST(PipelineTest, FullIsBitExactIdentity) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    TurnShape s;
+    s.dtype = dt;
+    s.n_history = 6;
+    const Turn turn = RandomTurn(s, 42);
+    const Message m = MustCompress("full", turn);
+    ASSERT_EQ(m.layers.size(), 2u);
+    const int n = 6 + 40 + 5;
+    for (size_t l = 0; l < m.layers.size(); ++l) {
+      const TurnLayer& in = turn.layers[l];
+      const MessageLayer& out = m.layers[l];
+      ASSERT_EQ(out.k.tokens(), n);
+      for (int h = 0; h < 2; ++h) {
+        int t = 0;
+        auto check = [&](const KvTensor& k, const KvTensor& v, int j, int32_t pos) {
+          ASSERT_EQ(std::memcmp(out.k.row(h, t), k.row(h, j), k.row_bytes()), 0);
+          ASSERT_EQ(std::memcmp(out.v.row(h, t), v.row(h, j), v.row_bytes()), 0);
+          ASSERT_EQ(out.pos.at(h, t), pos);
+          ++t;
+        };
+        for (int j = 0; j < 6; ++j) check(in.history_k, in.history_v, j, in.history_pos.at(h, j));
+        const int32_t pos0 = static_cast<int32_t>(turn.PromptPos0());
+        for (int j = 0; j < 40; ++j) check(in.prompt_k, in.prompt_v, j, pos0 + j);
+        for (int j = 0; j < 5; ++j) check(in.gen_k, in.gen_v, j, pos0 + 40 + j);
+      }
+    }
+    EXPECT_EQ(m.full_bytes, m.sent_bytes);
+    EXPECT_EQ(m.full_bytes, 2ull * 2 * n * (2 * 16 * DTypeSize(dt) + 4));
+  }
+}
+
+TEST(PipelineTest, GenKeepsNoPromptBeyondSinks) {
+  for (bool first : {true, false}) {
+    TurnShape s;
+    s.first_agent = first;
+    s.n_history = 3;
+    const Turn turn = RandomTurn(s, 7);
+    const Message m = MustCompress("gen", turn);
+    EXPECT_EQ(m.n_anchor, first ? 4 : 0);
+    EXPECT_EQ(m.n_kept, 0);
+    for (const MessageLayer& l : m.layers) {
+      for (int h = 0; h < l.pos.heads; ++h) {
+        for (int t = 0; t < l.pos.tokens; ++t) {
+          const int32_t pos = l.pos.at(h, t);
+          const int64_t pos0 = turn.PromptPos0();
+          const bool prompt = t >= 3 && pos >= pos0 && pos < pos0 + 40;
+          if (prompt) EXPECT_TRUE(first && pos < pos0 + 4) << "prompt position " << pos << " kept";
+        }
+      }
+    }
+  }
+}
+
+TEST(PipelineTest, SelectionComposesInOrderWithPositions) {
+  TurnShape s;
+  s.n_history = 5;
+  s.kv_heads = 3;
+  s.group = 2;
+  Turn turn = RandomTurn(s, 9);
+  turn.prompt_pos0 = 1000;
+  const Message m = MustCompress("h2o-head:k=6,recent=2", turn);
+  EXPECT_EQ(m.n_history, 5);
+  EXPECT_EQ(m.n_anchor, 4);
+  EXPECT_EQ(m.n_kept, 8);
+  EXPECT_EQ(m.n_gen, 5);
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const std::vector<double> sc = ReduceScores(turn.layers[l].scores, 3);
+    for (int h = 0; h < 3; ++h) {
+      const MessageLayer& ml = m.layers[l];
+      ASSERT_EQ(ml.pos.tokens, 5 + 4 + 8 + 5);
+      for (int j = 0; j < 4; ++j) EXPECT_EQ(ml.pos.at(h, 5 + j), 1000 + j);
+      std::vector<int> kept;
+      for (int i = 0; i < 8; ++i) kept.push_back(ml.pos.at(h, 9 + i) - 1000);
+      EXPECT_TRUE(std::is_sorted(kept.begin(), kept.end()));
+      EXPECT_EQ(kept[6], 38);
+      EXPECT_EQ(kept[7], 39);
+      // Every kept non-recent token outscores every evicted non-recent candidate.
+      double min_kept = 1e300, max_del = -1;
+      for (int j = 4; j < 38; ++j) {
+        const double v = sc[h * 40 + j];
+        if (std::find(kept.begin(), kept.end(), j) != kept.end()) min_kept = std::min(min_kept, v);
+        else max_del = std::max(max_del, v);
+      }
+      EXPECT_GE(min_kept, max_del);
+      for (int j = 0; j < 5; ++j) EXPECT_EQ(ml.pos.at(h, 17 + j), 1040 + j);
+      // Keys are never changed: kept key rows are the prompt rows.
+      for (int i = 0; i < 8; ++i)
+        EXPECT_EQ(std::memcmp(ml.k.row(h, 9 + i), turn.layers[l].prompt_k.row(h, kept[i]), 16 * 4), 0);
+    }
+  }
+}
+
+TEST(PipelineTest, OutputIdenticalForEveryThreadCount) {
+  TurnShape s;
+  s.layers = 5;
+  s.kv_heads = 4;
+  s.head_dim = 32;
+  s.n_prompt = 120;
+  s.dtype = DType::kBF16;
+  const Turn turn = RandomTurn(s, 11);
+  for (const char* spec : {"h2o-head:k=16+obf", "h2o-layer:k=16+obf:mode=fast,inject=attn+int4:rotate=hadamard",
+                           "h2o-head+obf:mode=fast+int2:group=8"}) {
+    const Message base = MustCompress(spec, turn);
+    for (int threads : {1, 2, 3, 8}) {
+      ThreadPool pool(threads);
+      const Message m = MustCompress(spec, turn, &pool);
+      ASSERT_EQ(m.layers.size(), base.layers.size());
+      for (size_t l = 0; l < m.layers.size(); ++l) {
+        EXPECT_TRUE(m.layers[l].k == base.layers[l].k);
+        EXPECT_TRUE(m.layers[l].v == base.layers[l].v);
+        EXPECT_TRUE(m.layers[l].pos == base.layers[l].pos);
+        ASSERT_EQ(m.layers[l].quant.has_value(), base.layers[l].quant.has_value());
+        if (m.layers[l].quant) {
+          EXPECT_EQ(m.layers[l].quant->k.codes, base.layers[l].quant->k.codes);
+          EXPECT_EQ(m.layers[l].quant->v.codes, base.layers[l].quant->v.codes);
+          EXPECT_EQ(m.layers[l].quant->v.scale, base.layers[l].quant->v.scale);
+        }
+      }
+      EXPECT_EQ(m.sent_bytes, base.sent_bytes);
+    }
+  }
+}
+
+TEST(PipelineTest, ByteAccountingAddsUp) {
+  TurnShape s;
+  s.n_history = 10;
+  s.dtype = DType::kBF16;
+  const Turn turn = RandomTurn(s, 13);
+  const Message full = MustCompress("full", turn);
+  for (const char* spec : {"gen", "h2o-layer:k=8", "h2o-head:k=8+obf", "h2o-head:k=8+int8", "h2o-head:k=8+int2:group=4"}) {
+    const Message m = MustCompress(spec, turn);
+    EXPECT_EQ(m.full_bytes, full.sent_bytes) << spec;
+    uint64_t sum = 0;
+    for (const MessageLayer& l : m.layers) sum += l.SentBytes();
+    EXPECT_EQ(m.sent_bytes, sum) << spec;
+    const uint64_t tokens = m.n_history + m.n_anchor + m.n_kept + m.n_gen;
+    if (!m.layers[0].quant) {
+      EXPECT_EQ(m.sent_bytes, 2ull * 2 * tokens * (2 * 16 * 2 + 4)) << spec;
+    }
+    EXPECT_LT(m.sent_bytes, full.sent_bytes) << spec;
+  }
+}
+
+TEST(PipelineTest, ObfChangesOnlyKeptValues) {
+  TurnShape s;
+  s.n_prompt = 60;
+  s.head_dim = 32;
+  const Turn turn = RandomTurn(s, 17);
+  const Message plain = MustCompress("h2o-head:k=8", turn);
+  const Message obf = MustCompress("h2o-head:k=8+obf", turn);
+  for (size_t l = 0; l < plain.layers.size(); ++l) {
+    EXPECT_TRUE(plain.layers[l].k == obf.layers[l].k);
+    EXPECT_TRUE(plain.layers[l].pos == obf.layers[l].pos);
+    const auto& a = plain.layers[l].v;
+    const auto& b = obf.layers[l].v;
+    for (int h = 0; h < a.heads(); ++h) {
+      for (int t = 0; t < a.tokens(); ++t) {
+        const bool kept = t >= 4 && t < 12;
+        const bool same = std::memcmp(a.row(h, t), b.row(h, t), a.row_bytes()) == 0;
+        EXPECT_EQ(same, !kept) << "layer " << l << " head " << h << " token " << t;
+      }
+    }
+  }
+}
+
+TEST(PipelineTest, RejectsInvalidTurnsAndOptions) {
+  TurnShape s;
+  Turn turn = RandomTurn(s, 19);
+  turn.layers[1].scores.at(0, 0) = -3;
+  auto p = Pipeline::Create("h2o-head");
+  auto m = (*p)->Compress(turn);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("layer.1.prompt.score"));
+
+  s.head_dim = 24;
+  turn = RandomTurn(s, 20);
+  m = (*Pipeline::Create("h2o-head+int4:rotate=hadamard"))->Compress(turn);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("rotate"));
+}
+
+}  // namespace
+}  // namespace kvrelay

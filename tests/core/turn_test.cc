@@ -1,0 +1,115 @@
+#include "core/turn.h"
+
+#include <cmath>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace kvrelay {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomTurn;
+using testing::TurnShape;
+
+void ExpectInvalid(const Turn& turn, const std::string& substr) {
+  absl::Status s = ValidateTurn(turn);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr(substr));
+}
+
+TEST(TurnTest, RandomTurnsAreValid) {
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
+    TurnShape s;
+    s.dtype = d;
+    s.n_history = 7;
+    EXPECT_TRUE(ValidateTurn(RandomTurn(s, 1)).ok());
+  }
+}
+
+TEST(TurnTest, RejectsEachBadInput) {
+  TurnShape s;
+  s.layers = 3;
+  s.n_history = 4;
+  const Turn good = RandomTurn(s, 2);
+
+  ExpectInvalid(Turn{}, "no layers");
+
+  Turn t = good;
+  t.layers[2].prompt_v = KvTensor(DType::kF32, 2, 40, 8);
+  ExpectInvalid(t, "layer.2.prompt.v: shape [2,40,8], expected [2,40,16]");
+
+  t = good;
+  t.layers[1].gen_k = KvTensor(DType::kBF16, 2, 5, 16);
+  ExpectInvalid(t, "layer.1.gen.k: dtype BF16, expected F32");
+
+  t = good;
+  t.layers[1].history_v = KvTensor(DType::kF32, 2, 3, 16);
+  ExpectInvalid(t, "layer.1.history.v: shape [2,3,16], expected [2,4,16]");
+
+  t = good;
+  float nan = std::nanf("");
+  t.layers[2].prompt_k.WriteRow(1, 3, std::vector<float>(16, nan).data());
+  ExpectInvalid(t, "layer.2.prompt.k: non-finite value nan at [1,3,0]");
+
+  t = good;
+  float inf[16] = {0};
+  inf[5] = INFINITY;
+  t.layers[0].gen_v.WriteRow(0, 2, inf);
+  ExpectInvalid(t, "layer.0.gen.v: non-finite value inf at [0,2,5]");
+
+  t = good;
+  t.layers[1].scores.at(3, 7) = -1.f;
+  ExpectInvalid(t, "layer.1.prompt.score: value -1 at [3,7]");
+
+  t = good;
+  t.layers[0].scores.at(0, 0) = nan;
+  ExpectInvalid(t, "layer.0.prompt.score: value nan at [0,0]");
+
+  t = good;
+  t.layers[0].scores = ScoreMatrix(3, 40);
+  ExpectInvalid(t, "layer.0.prompt.score: 3 score heads, expected a positive multiple of 2");
+
+  t = good;
+  t.layers[1].scores = ScoreMatrix(4, 39);
+  ExpectInvalid(t, "layer.1.prompt.score: shape [4,39], expected [4,40]");
+
+  t = good;
+  t.layers[2].history_pos = PosTensor(2, 3);
+  ExpectInvalid(t, "layer.2.history.pos: shape [2,3], expected [2,4]");
+
+  t = good;
+  t.prompt_pos0 = -1;
+  ExpectInvalid(t, "prompt_pos0: -1, expected >= 0");
+
+  t = good;
+  t.prompt_pos0 = 2147483640;
+  ExpectInvalid(t, "past int32");
+}
+
+TEST(TurnTest, ReduceScoresSumsConsecutiveGroups) {
+  ScoreMatrix s(6, 3);  // 6 query heads, 2 kv heads: groups {0,1,2}, {3,4,5}
+  for (int r = 0; r < 6; ++r)
+    for (int c = 0; c < 3; ++c) s.at(r, c) = static_cast<float>(1 << r) * (c + 1);
+  const std::vector<double> red = ReduceScores(s, 2);
+  ASSERT_EQ(red.size(), 6u);
+  for (int c = 0; c < 3; ++c) {
+    EXPECT_EQ(red[c], 7.0 * (c + 1));
+    EXPECT_EQ(red[3 + c], 56.0 * (c + 1));
+  }
+  EXPECT_EQ(ReduceScores(s, 6)[17], 96.0);
+}
+
+TEST(TurnTest, PromptPos0DefaultsToHistoryLength) {
+  TurnShape s;
+  s.n_history = 9;
+  Turn t = RandomTurn(s, 3);
+  t.prompt_pos0.reset();
+  EXPECT_EQ(t.PromptPos0(), 9);
+  t.prompt_pos0 = 100;
+  EXPECT_EQ(t.PromptPos0(), 100);
+}
+
+}  // namespace
+}  // namespace kvrelay
