@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "Eigen/Dense"
 
@@ -72,6 +73,7 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
 }
 
 // Orthonormal basis of the column span of `a` (rank-revealing QR).
+// Orthonormal basis of the column span of `a` (rank-revealing QR).
 template <typename Matrix>
 Matrix ColumnBasis(const Matrix& a, double rel_tol) {
   Eigen::ColPivHouseholderQR<Matrix> qr(a);
@@ -80,6 +82,19 @@ Matrix ColumnBasis(const Matrix& a, double rel_tol) {
   Matrix q = Matrix::Identity(a.rows(), r);
   q.applyOnTheLeft(qr.householderQ());
   return q;
+}
+
+// G = P S P with P = I - Q Q^T, from small d x d and d x r products only.
+template <typename Matrix>
+Matrix ProjectGram(const Matrix& s, const Matrix& q) {
+  if (q.cols() == 0) return s;
+  const Matrix sq = s * q;                    // d x r
+  const Matrix m = q.transpose() * sq;        // r x r
+  Matrix g = s;
+  g.noalias() -= q * sq.transpose();
+  g.noalias() -= sq * q.transpose();
+  g.noalias() += q * (m * q.transpose());
+  return (0.5 * (g + g.transpose())).eval();
 }
 
 // Deterministic standard-normal start vectors (SplitMix64 + Box-Muller).
@@ -102,40 +117,205 @@ Eigen::MatrixXf StartVectors(int rows, int cols) {
   return x;
 }
 
+// Sturm counts for several shifts at once: count[e] = number of eigenvalues
+// of the symmetric tridiagonal (a, b) below x[e]. The shifts are
+// independent, so the loop over them hides the division latency.
+void CountBelow(const Eigen::VectorXd& a, const Eigen::VectorXd& b2, const double* x, int k,
+                double pivmin, int* count) {
+  constexpr int kMax = 64;
+  double q[kMax];
+  for (int e = 0; e < k; ++e) {
+    q[e] = a[0] - x[e];
+    if (std::abs(q[e]) < pivmin) q[e] = -pivmin;
+    count[e] = q[e] < 0;
+  }
+  for (int i = 1; i < a.size(); ++i) {
+    for (int e = 0; e < k; ++e) {
+      double t = a[i] - x[e] - b2[i - 1] / q[e];
+      if (std::abs(t) < pivmin) t = -pivmin;
+      q[e] = t;
+      count[e] += t < 0;
+    }
+  }
+}
+
+// Top-`p` eigenvectors (as columns, by descending eigenvalue) of the
+// symmetric matrix `g`, leaving out eigenvalues at or below rel_tol times
+// the largest. Householder tridiagonalization; the wanted eigenvalues by
+// Sturm bisection; their vectors by inverse iteration with Gram-Schmidt;
+// then the back-transformation. The O(d^3) eigenvector accumulation of a
+// full solver is never done.
+Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol) {
+  const int n = static_cast<int>(g.rows());
+  Eigen::Tridiagonalization<Eigen::MatrixXd> tri(g);
+  const Eigen::VectorXd diag = tri.diagonal();
+  const Eigen::VectorXd sub = tri.subDiagonal();
+  double lo = diag[0], hi = diag[0];
+  for (int i = 0; i < n; ++i) {
+    const double r = (i > 0 ? std::abs(sub[i - 1]) : 0) + (i + 1 < n ? std::abs(sub[i]) : 0);
+    lo = std::min(lo, diag[i] - r);
+    hi = std::max(hi, diag[i] + r);
+  }
+  const double norm = std::max(std::abs(lo), std::abs(hi));
+  if (norm == 0) return Eigen::MatrixXd(n, 0);
+  const double pivmin = std::numeric_limits<double>::min() * 4 / std::numeric_limits<double>::epsilon();
+  const double eps = std::numeric_limits<double>::epsilon();
+  // Bisection for the p largest eigenvalues, all at once: eigenvalue e (0 =
+  // largest) is the (n-1-e)-th smallest, so count(x) <= n-1-e below it.
+  const int k = std::min({p, n, 64});
+  const Eigen::VectorXd sub2 = sub.cwiseProduct(sub);
+  std::vector<double> a(k, lo), b(k, hi), mid(k);
+  std::vector<int> count(k);
+  while (b[0] - a[0] > 2 * eps * norm) {
+    for (int e = 0; e < k; ++e) mid[e] = 0.5 * (a[e] + b[e]);
+    CountBelow(diag, sub2, mid.data(), k, pivmin, count.data());
+    for (int e = 0; e < k; ++e) {
+      if (count[e] <= n - 1 - e) a[e] = mid[e]; else b[e] = mid[e];
+    }
+  }
+  std::vector<double> lambda;
+  for (int e = 0; e < k; ++e) {
+    const double l = 0.5 * (a[e] + b[e]);
+    if (!(l > 0) || (!lambda.empty() && !(l > rel_tol * lambda[0]))) break;
+    lambda.push_back(l);
+  }
+  const int want = static_cast<int>(lambda.size());
+  Eigen::MatrixXd x(n, want);
+  std::vector<double> dl(n), dd(n), du(n), du2(n);
+  std::vector<int> piv(n);
+  const double tiny = norm * eps;
+  for (int e = 0; e < want; ++e) {
+    // LU with partial pivoting of T - lambda*I (LAPACK dgttrf).
+    for (int i = 0; i < n; ++i) dd[i] = diag[i] - lambda[e];
+    for (int i = 0; i + 1 < n; ++i) dl[i] = du[i] = sub[i];
+    for (int i = 0; i + 1 < n; ++i) {
+      du2[i] = 0;
+      if (std::abs(dd[i]) >= std::abs(dl[i])) {
+        piv[i] = i;
+        if (dd[i] != 0) {
+          const double f = dl[i] / dd[i];
+          dl[i] = f;
+          dd[i + 1] -= f * du[i];
+        }
+      } else {
+        piv[i] = i + 1;
+        const double f = dd[i] / dl[i];
+        dd[i] = dl[i];
+        dl[i] = f;
+        const double t = du[i];
+        du[i] = dd[i + 1];
+        dd[i + 1] = t - f * dd[i + 1];
+        if (i + 2 < n) {
+          du2[i] = du[i + 1];
+          du[i + 1] = -f * du[i + 1];
+        }
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      if (std::abs(dd[i]) < tiny) dd[i] = dd[i] < 0 ? -tiny : tiny;
+    }
+    Eigen::VectorXd v(n);
+    for (int i = 0; i < n; ++i) v[i] = 1.0 + 0.01 * ((i * 7919 + e * 104729) % 101);
+    for (int it = 0; it < 3; ++it) {
+      for (int i = 0; i + 1 < n; ++i) {  // L solve
+        const int ip = piv[i];
+        const double t = v[ip == i ? i + 1 : i] - dl[i] * v[ip];
+        v[i] = v[ip];
+        v[i + 1] = t;
+      }
+      for (int i = n - 1; i >= 0; --i) {  // U solve
+        double s = v[i];
+        if (i + 1 < n) s -= du[i] * v[i + 1];
+        if (i + 2 < n) s -= du2[i] * v[i + 2];
+        v[i] = s / dd[i];
+      }
+      for (int j = 0; j < e; ++j) v -= x.col(j).dot(v) * x.col(j);
+      v /= v.norm();
+    }
+    x.col(e) = v;
+  }
+  return tri.matrixQ() * x;
+}
+
+// Orthonormalizes the columns of y into x: Cholesky QR with the Gram matrix
+// in float64, or Householder QR when y is (numerically) rank deficient.
+// One Cholesky-QR pass: x = y R^-1 with R^T R = y^T y. False when y is too
+// ill-conditioned for it.
+bool CholeskyQr(const Eigen::MatrixXf& y, Eigen::MatrixXf* x) {
+  const Eigen::MatrixXd gram = (y.transpose() * y).cast<double>();
+  Eigen::LLT<Eigen::MatrixXd> llt(gram);
+  const double max_diag = gram.diagonal().maxCoeff();
+  if (llt.info() != Eigen::Success || !(max_diag > 0)) return false;
+  const Eigen::MatrixXd l = llt.matrixL();
+  if (!(l.diagonal().minCoeff() > 1e-3 * std::sqrt(max_diag))) return false;
+  const Eigen::MatrixXf rf = l.transpose().cast<float>();
+  *x = y;
+  rf.triangularView<Eigen::Upper>().solveInPlace<Eigen::OnTheRight>(*x);
+  return true;
+}
+
+// Orthonormalizes the columns of y into x: Cholesky QR twice (the second
+// pass restores orthogonality to float precision), or Householder QR when y
+// is too ill-conditioned.
+void Orthonormalize(const Eigen::MatrixXf& y, Eigen::MatrixXf* x) {
+  thread_local Eigen::MatrixXf once;
+  if (CholeskyQr(y, &once) && CholeskyQr(once, x)) return;
+  Eigen::HouseholderQR<Eigen::MatrixXf> qr(y);
+  x->setIdentity(y.rows(), y.cols());
+  x->applyOnTheLeft(qr.householderQ());
+}
+
+void Finish(const ObfOptions& opts, absl::Span<const double> scores, absl::Span<const int> kept,
+            const Split& split, const Eigen::VectorXd& rbar, ObfHead* out) {
+  const double factor = ScaleFactor(opts.scale, split.a_del, split.a_keep);
+  out->delta = factor * (out->c.transpose() * (out->c * rbar));
+  out->weights = InjectWeights(opts.inject, scores, kept);
+  out->applied = true;
+}
+
 ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
                  absl::Span<const double> scores, absl::Span<const int> kept, const Split& split) {
   ObfHead out;
   out.delta = Eigen::VectorXd::Zero(d);
   const int n_keep = static_cast<int>(kept.size());
   const int n_del = static_cast<int>(split.del.size());
+  Eigen::Map<const RowMatrixXf> vm(v.data(), v.size() / d, d);
   Eigen::MatrixXd keep_t(d, n_keep);  // V_keep^T
-  for (int i = 0; i < n_keep; ++i) {
-    for (int c = 0; c < d; ++c) keep_t(c, i) = v[static_cast<size_t>(kept[i]) * d + c];
-  }
-  Eigen::MatrixXd r(n_del, d);  // becomes R
-  for (int i = 0; i < n_del; ++i) {
-    for (int c = 0; c < d; ++c) r(i, c) = v[static_cast<size_t>(split.del[i]) * d + c];
-  }
-  out.q = ColumnBasis(keep_t, 1e-9);
-  r -= (r * out.q) * out.q.transpose();
-  if (r.norm() <= kSkipResidual) return out;
+  for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose().cast<double>();
+  // Per-thread workspaces: the deleted rows are the largest buffer, and
+  // allocating it per head costs page faults.
+  thread_local Eigen::MatrixXd del;
+  del.resize(n_del, d);
+  for (int i = 0; i < n_del; ++i) del.row(i) = vm.row(split.del[i]).cast<double>();
+  // Full orthogonal basis [Q B] of R^d from a rank-revealing QR of V_keep^T:
+  // Q spans the kept rows, B the complement where R = V_del B B^T lives.
+  Eigen::ColPivHouseholderQR<Eigen::MatrixXd> qr(keep_t);
+  qr.setThreshold(1e-9);
+  const int r = static_cast<int>(qr.rank());
+  Eigen::MatrixXd basis = Eigen::MatrixXd::Identity(d, d);
+  basis.applyOnTheLeft(qr.householderQ());
+  out.q = basis.leftCols(r);
+  if (r == d) return out;  // V_keep spans everything: R = 0
+  const Eigen::MatrixXd b = basis.rightCols(d - r);
 
-  Eigen::MatrixXd g = Eigen::MatrixXd::Zero(d, d);
-  g.selfadjointView<Eigen::Lower>().rankUpdate(r.transpose());
-  Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> es(g);
-  const Eigen::VectorXd& lambda = es.eigenvalues();  // ascending
-  const double lambda_max = lambda[d - 1];
-  int p = 0;
-  while (p < opts.p && p < d && lambda[d - 1 - p] > 1e-12 * lambda_max) ++p;
-  out.c.resize(p, d);
-  for (int i = 0; i < p; ++i) out.c.row(i) = es.eigenvectors().col(d - 1 - i).transpose();
-
+  thread_local Eigen::MatrixXd s;
+  s.setZero(d, d);
+  s.selfadjointView<Eigen::Lower>().rankUpdate(del.transpose());
+  s.triangularView<Eigen::StrictlyUpper>() = s.transpose();
+  // G' = B^T S B is R^T R in the complement's coordinates.
+  const Eigen::MatrixXd sb = s * b;
+  Eigen::MatrixXd g = b.transpose() * sb;
+  g = (0.5 * (g + g.transpose())).eval();
+  // ||R||_F^2 = trace(G'); near zero the trace loses digits, so decide on R itself.
+  if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
+    const Eigen::MatrixXd res = del - (del * out.q) * out.q.transpose();
+    if (res.norm() <= kSkipResidual) return out;
+  }
+  const Eigen::MatrixXd u = TopEigenvectors(g, opts.p, 1e-12);  // (d-r) x p'
+  out.c = (b * u).transpose();
   const Eigen::VectorXd w = ResidualWeights<double>(scores, split.del);
-  const Eigen::RowVectorXd rbar = w.transpose() * r;
-  const double factor = ScaleFactor(opts.scale, split.a_del, split.a_keep);
-  out.delta = factor * ((rbar * out.c.transpose()) * out.c).transpose();
-  out.weights = InjectWeights(opts.inject, scores, kept);
-  out.applied = true;
+  const Eigen::VectorXd rbar = b * (b.transpose() * (del.transpose() * w));
+  Finish(opts, scores, kept, split, rbar, &out);
   return out;
 }
 
@@ -148,38 +328,34 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::Map<const RowMatrixXf> vm(v.data(), v.size() / d, d);
   Eigen::MatrixXf keep_t(d, n_keep);
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose();
-  RowMatrixXf del(n_del, d);
+  thread_local RowMatrixXf del;  // per-thread workspace, see ExactObf
+  del.resize(n_del, d);
   for (int i = 0; i < n_del; ++i) del.row(i) = vm.row(split.del[i]);
 
   const Eigen::MatrixXf q = ColumnBasis(keep_t, 1e-5);
   out.q = q.cast<double>();
-  Eigen::MatrixXf s = Eigen::MatrixXf::Zero(d, d);
+  const int r = static_cast<int>(q.cols());
+  if (r == d) return out;
+  thread_local Eigen::MatrixXf s;
+  s.setZero(d, d);
   s.selfadjointView<Eigen::Lower>().rankUpdate(del.transpose());
   s.triangularView<Eigen::StrictlyUpper>() = s.transpose();
-
-  auto project = [&q](Eigen::MatrixXf& x) { x.noalias() -= q * (q.transpose() * x); };
-  // ||R||_F^2 = trace(P S P) = trace(S) - trace(Q^T S Q).
-  const Eigen::MatrixXf sq = s * q;
+  const Eigen::MatrixXf g = ProjectGram(s, q);
+  // float32 cannot resolve ||R||_F below ~1e-5 ||V_del||_F: treat as zero.
   const double total = s.trace();
-  const double resid2 = total - static_cast<double>((q.transpose() * sq).trace());
-  if (resid2 <= std::max(kSkipResidual * kSkipResidual, 1e-10 * total)) return out;
+  if (g.trace() <= std::max(kSkipResidual * kSkipResidual, 1e-10 * total)) return out;
 
-  // rank(P S P) <= min(d - r, n_del): more directions would only add noise.
-  const int m = std::min({d - static_cast<int>(q.cols()), n_del, opts.p + opts.oversample});
-  if (m < 1) return out;
+  // rank(G) <= min(d - r, n_del): more directions would only add noise.
+  const int m = std::min({d - r, n_del, opts.p + opts.oversample});
   Eigen::MatrixXf x = StartVectors(d, m);
+  x.noalias() -= q * (q.transpose() * x);
   Eigen::MatrixXf y(d, m);
-  project(x);
   for (int it = 0; it < opts.iters; ++it) {
-    y.noalias() = s * x;
-    project(y);
-    Eigen::HouseholderQR<Eigen::MatrixXf> qr(y);
-    x.setIdentity();
-    x.applyOnTheLeft(qr.householderQ());
+    y.noalias() = g * x;
+    Orthonormalize(y, &x);
   }
-  // Rayleigh-Ritz on span(x); x is orthonormal and inside the complement.
-  y.noalias() = s * x;
-  project(y);
+  // Rayleigh-Ritz on span(x).
+  y.noalias() = g * x;
   Eigen::MatrixXf t = x.transpose() * y;
   t = (0.5f * (t + t.transpose())).eval();
   Eigen::SelfAdjointEigenSolver<Eigen::MatrixXf> es(t);
@@ -187,18 +363,13 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   const float lambda_max = std::max(lambda[m - 1], 0.0f);
   int p = 0;
   while (p < opts.p && p < m && lambda[m - 1 - p] > 1e-6f * lambda_max) ++p;
-  Eigen::MatrixXf c(p, d);
-  for (int i = 0; i < p; ++i) c.row(i) = (x * es.eigenvectors().col(m - 1 - i)).transpose();
-  out.c = c.cast<double>();
+  out.c.resize(p, d);
+  for (int i = 0; i < p; ++i) out.c.row(i) = (x * es.eigenvectors().col(m - 1 - i)).transpose().cast<double>();
 
-  // rbar = P V_del^T w.
   const Eigen::VectorXf w = ResidualWeights<float>(scores, split.del);
-  Eigen::MatrixXf rbar = del.transpose() * w;
-  project(rbar);
-  const double factor = ScaleFactor(opts.scale, split.a_del, split.a_keep);
-  out.delta = factor * (c.transpose() * (c * rbar)).cast<double>();
-  out.weights = InjectWeights(opts.inject, scores, kept);
-  out.applied = true;
+  Eigen::VectorXf rbar = del.transpose() * w;
+  rbar -= q * (q.transpose() * rbar);
+  Finish(opts, scores, kept, split, rbar.cast<double>(), &out);
   return out;
 }
 

@@ -315,8 +315,8 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
   const int32_t pos0 = static_cast<int32_t>(ctx.prompt_pos0);
 
   MessageLayer out;
-  out.k = KvTensor(geo.dtype, heads, n_out, d);
-  out.v = KvTensor(geo.dtype, heads, n_out, d);
+  out.k = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
+  out.v = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.pos = PosTensor(heads, n_out);
 
   ParallelFor(pool, heads, [&](size_t hi) {

@@ -10,6 +10,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -17,13 +20,40 @@
 
 namespace kvrelay {
 
+namespace internal {
+// Leaves elements uninitialized on resize (std::vector value-initializes).
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+}  // namespace internal
+
 class KvTensor {
  public:
   KvTensor() = default;
   // Zero-filled tensor. REQUIRES: heads, tokens, dim >= 0.
-  KvTensor(DType dtype, int heads, int tokens, int dim)
-      : dtype_(dtype), heads_(heads), tokens_(tokens), dim_(dim),
-        data_(static_cast<size_t>(heads) * tokens * dim * DTypeSize(dtype)) {}
+  KvTensor(DType dtype, int heads, int tokens, int dim) : KvTensor(dtype, heads, tokens, dim, 0) {
+    if (!data_.empty()) std::memset(data_.data(), 0, data_.size());
+  }
+  // A tensor whose contents are unspecified until written: for outputs that
+  // are overwritten completely, without paying for zero-filling.
+  static KvTensor Uninitialized(DType dtype, int heads, int tokens, int dim) {
+    return KvTensor(dtype, heads, tokens, dim, 0);
+  }
 
   DType dtype() const { return dtype_; }
   int heads() const { return heads_; }
@@ -57,6 +87,10 @@ class KvTensor {
   }
 
  private:
+  KvTensor(DType dtype, int heads, int tokens, int dim, int /*uninitialized*/)
+      : dtype_(dtype), heads_(heads), tokens_(tokens), dim_(dim),
+        data_(static_cast<size_t>(heads) * tokens * dim * DTypeSize(dtype)) {}
+
   size_t RowOffset(int h, int t) const {
     return (static_cast<size_t>(h) * tokens_ + t) * row_bytes();
   }
@@ -65,7 +99,7 @@ class KvTensor {
   int heads_ = 0;
   int tokens_ = 0;
   int dim_ = 0;
-  std::vector<uint8_t> data_;
+  std::vector<uint8_t, internal::DefaultInitAllocator<uint8_t>> data_;
 };
 
 // Position ids, row-major [heads, tokens].

@@ -1,5 +1,6 @@
 #include "core/turn.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -16,6 +17,36 @@ std::string Shape(std::initializer_list<int64_t> dims) {
 
 std::string Name(int layer, absl::string_view part) { return absl::StrCat("layer.", layer, ".", part); }
 
+// Index of the first element whose exponent bits are all ones (NaN or Inf),
+// or n. Scans in blocks with a branch-free inner loop so it vectorizes.
+template <typename U>
+size_t FirstAllOnes(const U* p, size_t n, U mask) {
+  constexpr size_t kBlock = 1024;
+  for (size_t b = 0; b < n; b += kBlock) {
+    const size_t e = std::min(n, b + kBlock);
+    unsigned hit = 0;
+    for (size_t i = b; i < e; ++i) hit |= static_cast<unsigned>((p[i] & mask) == mask);
+    if (hit) {
+      for (size_t i = b; i < e; ++i) {
+        if ((p[i] & mask) == mask) return i;
+      }
+    }
+  }
+  return n;
+}
+
+size_t FirstNonFinite(DType dtype, const uint8_t* data, size_t n) {
+  switch (dtype) {
+    case DType::kF32:
+      return FirstAllOnes(reinterpret_cast<const uint32_t*>(data), n, uint32_t{0x7f800000u});
+    case DType::kBF16:
+      return FirstAllOnes(reinterpret_cast<const uint16_t*>(data), n, uint16_t{0x7f80u});
+    case DType::kF16:
+      return FirstAllOnes(reinterpret_cast<const uint16_t*>(data), n, uint16_t{0x7c00u});
+  }
+  return n;
+}
+
 absl::Status CheckKv(const KvTensor& t, int layer, absl::string_view part, const TurnGeometry& geo,
                      int tokens) {
   if (t.dtype() != geo.dtype) {
@@ -31,19 +62,7 @@ absl::Status CheckKv(const KvTensor& t, int layer, absl::string_view part, const
   // Non-finite values have an all-ones exponent in every dtype.
   const absl::Span<const uint8_t> bytes = t.bytes();
   const size_t n = t.elements();
-  size_t bad = n;
-  if (t.dtype() == DType::kF32) {
-    const uint32_t* p = reinterpret_cast<const uint32_t*>(bytes.data());
-    for (size_t i = 0; i < n; ++i) {
-      if ((p[i] & 0x7f800000u) == 0x7f800000u) { bad = i; break; }
-    }
-  } else {
-    const uint16_t mask = t.dtype() == DType::kBF16 ? 0x7f80u : 0x7c00u;
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(bytes.data());
-    for (size_t i = 0; i < n; ++i) {
-      if ((p[i] & mask) == mask) { bad = i; break; }
-    }
-  }
+  const size_t bad = FirstNonFinite(t.dtype(), bytes.data(), n);
   if (bad < n) {
     float v;
     ToFloat(t.dtype(), bytes.data() + bad * DTypeSize(t.dtype()), &v, 1);

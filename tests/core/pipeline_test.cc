@@ -129,7 +129,9 @@ TEST(PipelineTest, GenKeepsNoPromptBeyondSinks) {
           const int32_t pos = l.pos.at(h, t);
           const int64_t pos0 = turn.PromptPos0();
           const bool prompt = t >= 3 && pos >= pos0 && pos < pos0 + 40;
-          if (prompt) EXPECT_TRUE(first && pos < pos0 + 4) << "prompt position " << pos << " kept";
+          if (prompt) {
+            EXPECT_TRUE(first && pos < pos0 + 4) << "prompt position " << pos << " kept";
+          }
         }
       }
     }

@@ -1,0 +1,460 @@
+#include "core/format/safetensors.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace kvrelay {
+namespace {
+
+using Json = nlohmann::json;
+using OrderedJson = nlohmann::ordered_json;
+
+struct DTypeInfo {
+  StDType dtype;
+  absl::string_view name;
+  size_t size;
+};
+
+constexpr DTypeInfo kDTypes[] = {
+    {StDType::kBool, "BOOL", 1}, {StDType::kU8, "U8", 1},          {StDType::kI8, "I8", 1},
+    {StDType::kU16, "U16", 2},   {StDType::kI16, "I16", 2},        {StDType::kF16, "F16", 2},
+    {StDType::kBF16, "BF16", 2}, {StDType::kU32, "U32", 4},        {StDType::kI32, "I32", 4},
+    {StDType::kF32, "F32", 4},   {StDType::kU64, "U64", 8},        {StDType::kI64, "I64", 8},
+    {StDType::kF64, "F64", 8},   {StDType::kF8E4M3, "F8_E4M3", 1}, {StDType::kF8E5M2, "F8_E5M2", 1},
+};
+
+std::string AllDTypeNames() {
+  std::vector<absl::string_view> names;
+  for (const DTypeInfo& d : kDTypes) names.push_back(d.name);
+  return absl::StrJoin(names, ", ");
+}
+
+// A short rendering of a JSON value for error messages.
+std::string Show(const Json& j) {
+  std::string s = j.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (s.size() > 40) s = s.substr(0, 37) + "...";
+  return s;
+}
+
+std::string TensorPrefix(absl::string_view name) {
+  return absl::StrCat("safetensors: tensor '", name, "': ");
+}
+
+// Reads a non-negative JSON integer; `what` names it in the error.
+absl::StatusOr<uint64_t> NonNegativeInt(const Json& j, absl::string_view prefix,
+                                        absl::string_view what) {
+  if (j.is_number_unsigned()) return j.get<uint64_t>();
+  if (j.is_number_integer() && j.get<int64_t>() >= 0)
+    return static_cast<uint64_t>(j.get<int64_t>());
+  return absl::InvalidArgumentError(
+      absl::StrCat(prefix, what, " is ", Show(j), ", expected a non-negative integer"));
+}
+
+uint64_t LoadLe64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+void StoreLe64(uint64_t v, char* p) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+// Builds the padded header (length field included) for `tensors`.
+absl::StatusOr<std::string> BuildHeader(absl::Span<const StTensor> tensors,
+                                        const StMetadata& metadata) {
+  OrderedJson header = OrderedJson::object();
+  if (!metadata.empty()) {
+    OrderedJson meta = OrderedJson::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    header["__metadata__"] = std::move(meta);
+  }
+  std::set<absl::string_view> seen;
+  uint64_t offset = 0;
+  for (const StTensor& t : tensors) {
+    if (t.name.empty()) return absl::InvalidArgumentError("safetensors: tensor with an empty name");
+    if (t.name == "__metadata__") {
+      return absl::InvalidArgumentError(
+          "safetensors: tensor '__metadata__': the name is reserved for metadata");
+    }
+    if (!seen.insert(t.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat(TensorPrefix(t.name), "duplicate name"));
+    }
+    for (int64_t d : t.shape) {
+      if (d < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(TensorPrefix(t.name), "shape ",
+                                                       ShapeString(t.shape),
+                                                       ", expected non-negative dimensions"));
+      }
+    }
+    const uint64_t expected = static_cast<uint64_t>(t.NumElements()) * StDTypeSize(t.dtype);
+    if (t.data.size() != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          TensorPrefix(t.name), "data is ", t.data.size(), " bytes, expected ", expected,
+          " (shape ", ShapeString(t.shape), " x ", StDTypeName(t.dtype), ")"));
+    }
+    OrderedJson entry = OrderedJson::object();
+    entry["dtype"] = std::string(StDTypeName(t.dtype));
+    entry["shape"] = t.shape;
+    entry["data_offsets"] = {offset, offset + expected};
+    header[t.name] = std::move(entry);
+    offset += expected;
+  }
+  std::string json;
+  try {
+    json = header.dump();
+  } catch (const OrderedJson::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "safetensors: a tensor name or metadata string is not valid UTF-8 (", e.what(), ")"));
+  }
+  json.append((8 - json.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  StoreLe64(json.size(), out.data());
+  out += json;
+  return out;
+}
+
+}  // namespace
+
+absl::string_view StDTypeName(StDType dtype) {
+  for (const DTypeInfo& d : kDTypes) {
+    if (d.dtype == dtype) return d.name;
+  }
+  return "?";
+}
+
+std::optional<StDType> ParseStDType(absl::string_view name) {
+  for (const DTypeInfo& d : kDTypes) {
+    if (d.name == name) return d.dtype;
+  }
+  return std::nullopt;
+}
+
+size_t StDTypeSize(StDType dtype) {
+  for (const DTypeInfo& d : kDTypes) {
+    if (d.dtype == dtype) return d.size;
+  }
+  return 1;
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+int64_t StTensor::NumElements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+absl::StatusOr<SafetensorsReader> SafetensorsReader::ParseView(absl::Span<const uint8_t> bytes) {
+  SafetensorsReader reader;
+  absl::Status s = reader.Parse(bytes);
+  if (!s.ok()) return s;
+  return reader;
+}
+
+absl::StatusOr<SafetensorsReader> SafetensorsReader::ParseOwned(std::string buffer) {
+  SafetensorsReader reader;
+  reader.owned_ = std::make_shared<const std::string>(std::move(buffer));
+  absl::Status s = reader.Parse(AsBytes(*reader.owned_));
+  if (!s.ok()) return s;
+  return reader;
+}
+
+absl::StatusOr<SafetensorsReader> SafetensorsReader::ReadFile(const std::string& path) {
+  absl::StatusOr<std::string> bytes = ReadFileToString(path);
+  if (!bytes.ok()) return bytes.status();
+  absl::StatusOr<SafetensorsReader> reader = ParseOwned(*std::move(bytes));
+  if (!reader.ok()) {
+    return absl::Status(reader.status().code(),
+                        absl::StrCat(path, ": ", reader.status().message()));
+  }
+  return reader;
+}
+
+std::optional<absl::string_view> SafetensorsReader::GetMetadata(absl::string_view key) const {
+  auto it = metadata_.find(std::string(key));
+  if (it == metadata_.end()) return std::nullopt;
+  return absl::string_view(it->second);
+}
+
+const StTensor* SafetensorsReader::Find(absl::string_view name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
+  if (bytes.size() < 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "safetensors: file is ", bytes.size(), " bytes, expected at least 8 (the header length)"));
+  }
+  const uint64_t n = LoadLe64(bytes.data());
+  if (n > kMaxSafetensorsHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("safetensors: header length ", n,
+                                                   " bytes, expected at most ",
+                                                   kMaxSafetensorsHeaderBytes, " (100 MiB)"));
+  }
+  if (n > bytes.size() - 8) {
+    return absl::InvalidArgumentError(absl::StrCat("safetensors: header length ", n,
+                                                   " bytes exceeds the ", bytes.size() - 8,
+                                                   " bytes after the length field"));
+  }
+  header_bytes_ = n;
+  const char* hb = reinterpret_cast<const char*>(bytes.data() + 8);
+  const absl::Span<const uint8_t> data = bytes.subspan(8 + n);
+
+  // Duplicate top-level keys would be silently merged by the parser; catch
+  // them with the parse callback.
+  std::string duplicate;
+  std::set<std::string> top_keys;
+  Json::parser_callback_t cb = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::key && depth == 1 && parsed.is_string()) {
+      if (!top_keys.insert(parsed.get<std::string>()).second && duplicate.empty()) {
+        duplicate = parsed.get<std::string>();
+      }
+    }
+    return true;
+  };
+  Json root;
+  try {
+    root = Json::parse(hb, hb + n, cb, /*allow_exceptions=*/true);
+  } catch (const Json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors: header is not valid JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors: header is a JSON ", root.type_name(), ", expected an object"));
+  }
+  if (!duplicate.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors: key '", duplicate, "' appears more than once in the header"));
+  }
+
+  metadata_.clear();
+  tensors_.clear();
+  index_.clear();
+  struct Range {
+    uint64_t begin, end;
+    size_t tensor;
+  };
+  std::vector<Range> ranges;
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    const std::string& name = it.key();
+    const Json& entry = it.value();
+    if (name == "__metadata__") {
+      if (!entry.is_object()) {
+        return absl::InvalidArgumentError(absl::StrCat("safetensors: __metadata__ is a JSON ",
+                                                       entry.type_name(), ", expected an object"));
+      }
+      for (auto m = entry.begin(); m != entry.end(); ++m) {
+        if (!m.value().is_string()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("safetensors: __metadata__.", m.key(), " is ", Show(m.value()), " (a ",
+                           m.value().type_name(), "), expected a string"));
+        }
+        metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (name.empty()) return absl::InvalidArgumentError("safetensors: tensor with an empty name");
+    const std::string prefix = TensorPrefix(name);
+    if (!entry.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, "entry is a JSON ", entry.type_name(),
+                                                     ", expected an object with dtype, shape "
+                                                     "and data_offsets"));
+    }
+    for (auto f = entry.begin(); f != entry.end(); ++f) {
+      if (f.key() != "dtype" && f.key() != "shape" && f.key() != "data_offsets") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            prefix, "unknown field '", f.key(), "', expected dtype, shape and data_offsets"));
+      }
+    }
+    for (const char* field : {"dtype", "shape", "data_offsets"}) {
+      if (!entry.contains(field)) {
+        return absl::InvalidArgumentError(absl::StrCat(prefix, "missing field '", field, "'"));
+      }
+    }
+    StTensor t;
+    t.name = name;
+    // dtype
+    const Json& jd = entry["dtype"];
+    if (!jd.is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, "dtype is ", Show(jd), " (a ",
+                                                     jd.type_name(), "), expected a string"));
+    }
+    std::optional<StDType> dt = ParseStDType(jd.get<std::string>());
+    if (!dt) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, "unknown dtype '",
+                                                     jd.get<std::string>(), "', expected one of ",
+                                                     AllDTypeNames()));
+    }
+    t.dtype = *dt;
+    // shape
+    const Json& js = entry["shape"];
+    if (!js.is_array()) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, "shape is ", Show(js), " (a ",
+                                                     js.type_name(),
+                                                     "), expected an array of integers"));
+    }
+    const uint64_t max_elements = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / 8;
+    std::vector<uint64_t> dims;
+    for (size_t i = 0; i < js.size(); ++i) {
+      absl::StatusOr<uint64_t> d = NonNegativeInt(js[i], prefix, absl::StrCat("shape[", i, "]"));
+      if (!d.ok()) return d.status();
+      dims.push_back(*d);
+    }
+    uint64_t numel = 1;
+    bool too_big = false;
+    for (uint64_t d : dims) {
+      if (d > max_elements) too_big = true;
+    }
+    if (!too_big && std::find(dims.begin(), dims.end(), 0) != dims.end()) {
+      numel = 0;
+    } else {
+      for (uint64_t d : dims) {
+        if (too_big || numel > max_elements / d) {
+          too_big = true;
+          break;
+        }
+        numel *= d;
+      }
+    }
+    if (too_big) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "shape ", Show(js), " has too many elements"));
+    }
+    for (uint64_t d : dims) t.shape.push_back(static_cast<int64_t>(d));
+    // data_offsets
+    const Json& jo = entry["data_offsets"];
+    if (!jo.is_array() || jo.size() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "data_offsets is ", Show(jo), ", expected an array [begin, end]"));
+    }
+    absl::StatusOr<uint64_t> begin = NonNegativeInt(jo[0], prefix, "data_offsets[0]");
+    if (!begin.ok()) return begin.status();
+    absl::StatusOr<uint64_t> end = NonNegativeInt(jo[1], prefix, "data_offsets[1]");
+    if (!end.ok()) return end.status();
+    const std::string offsets = absl::StrCat("data_offsets [", *begin, ",", *end, "]");
+    if (*end < *begin) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, offsets, ": end before begin"));
+    }
+    if (*end > data.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, offsets, " exceed the ", data.size(),
+                                                     " bytes of data after the header"));
+    }
+    const uint64_t expected = numel * StDTypeSize(t.dtype);
+    if (*end - *begin != expected) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, offsets, " hold ", *end - *begin, " bytes, expected ", expected,
+                       " (shape ", ShapeString(t.shape), " x ", StDTypeName(t.dtype), ": ", numel,
+                       " elements of ", StDTypeSize(t.dtype), " bytes)"));
+    }
+    t.data = data.subspan(*begin, *end - *begin);
+    ranges.push_back({*begin, *end, tensors_.size()});
+    tensors_.push_back(std::move(t));
+  }
+
+  // File order; ties by name, so the order is deterministic.
+  std::sort(ranges.begin(), ranges.end(), [&](const Range& a, const Range& b) {
+    if (a.begin != b.begin) return a.begin < b.begin;
+    if (a.end != b.end) return a.end < b.end;
+    return tensors_[a.tensor].name < tensors_[b.tensor].name;
+  });
+  const Range* last = nullptr;  // the non-empty range reaching furthest so far
+  for (const Range& r : ranges) {
+    if (r.begin == r.end) continue;  // an empty tensor overlaps nothing
+    if (last != nullptr && r.begin < last->end) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(TensorPrefix(tensors_[r.tensor].name), "data_offsets [", r.begin, ",", r.end,
+                       "] overlap tensor '", tensors_[last->tensor].name, "' (data_offsets [",
+                       last->begin, ",", last->end, "])"));
+    }
+    last = &r;
+  }
+  std::vector<StTensor> sorted;
+  sorted.reserve(tensors_.size());
+  for (const Range& r : ranges) sorted.push_back(std::move(tensors_[r.tensor]));
+  tensors_ = std::move(sorted);
+  for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const StTensor> tensors,
+                                                 const StMetadata& metadata) {
+  absl::StatusOr<std::string> out = BuildHeader(tensors, metadata);
+  if (!out.ok()) return out;
+  size_t total = out->size();
+  for (const StTensor& t : tensors) total += t.data.size();
+  out->reserve(total);
+  for (const StTensor& t : tensors) {
+    out->append(reinterpret_cast<const char*>(t.data.data()), t.data.size());
+  }
+  return out;
+}
+
+absl::Status WriteSafetensorsFile(const std::string& path, absl::Span<const StTensor> tensors,
+                                  const StMetadata& metadata) {
+  absl::StatusOr<std::string> header = BuildHeader(tensors, metadata);
+  if (!header.ok()) return header.status();
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) {
+    return absl::InternalError(
+        absl::StrCat(path, ": cannot open for writing: ", std::strerror(errno)));
+  }
+  bool ok = std::fwrite(header->data(), 1, header->size(), f) == header->size();
+  for (const StTensor& t : tensors) {
+    if (!ok) break;
+    if (t.data.empty()) continue;
+    ok = std::fwrite(t.data.data(), 1, t.data.size(), f) == t.data.size();
+  }
+  const int saved_errno = errno;
+  if (std::fclose(f) != 0) ok = false;
+  if (!ok) {
+    return absl::InternalError(
+        absl::StrCat(path, ": write failed: ", std::strerror(saved_errno ? saved_errno : errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    const int e = errno;
+    const std::string msg = absl::StrCat(path, ": cannot open: ", std::strerror(e));
+    return e == ENOENT ? absl::NotFoundError(msg) : absl::InternalError(msg);
+  }
+  std::string out;
+  struct stat st;
+  if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+    std::fclose(f);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": is a directory, expected a file"));
+  }
+  if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
+    // Read straight into the buffer; keep reading in case the file grew.
+    out.resize(static_cast<size_t>(st.st_size));
+    out.resize(std::fread(out.data(), 1, out.size(), f));
+  }
+  char buf[1 << 16];
+  size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, got);
+  const bool failed = std::ferror(f) != 0;
+  const int e = errno;
+  std::fclose(f);
+  if (failed) return absl::InternalError(absl::StrCat(path, ": read failed: ", std::strerror(e)));
+  return out;
+}
+
+}  // namespace kvrelay

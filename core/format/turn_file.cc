@@ -1,0 +1,765 @@
+#include "core/format/turn_file.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_macros.h"
+
+// Tensor data is copied to and from the host representation byte for byte.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "kvrelay's safetensors I/O assumes a little-endian host");
+
+namespace kvrelay {
+namespace {
+
+constexpr int kMaxLayers = 1 << 16;
+
+absl::Status Invalid(absl::string_view name, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
+}
+
+std::string LayerName(int layer, absl::string_view part) {
+  return absl::StrCat("layer.", layer, ".", part);
+}
+
+// Parses "layer.{l}.{part}" with a canonical decimal l (no sign, no leading
+// zeros). nullopt when `name` has another form.
+std::optional<std::pair<int, absl::string_view>> SplitLayerName(absl::string_view name) {
+  constexpr absl::string_view kPrefix = "layer.";
+  if (name.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  name.remove_prefix(kPrefix.size());
+  size_t digits = 0;
+  while (digits < name.size() && name[digits] >= '0' && name[digits] <= '9') ++digits;
+  if (digits == 0 || digits > 9 || (digits > 1 && name[0] == '0')) return std::nullopt;
+  if (digits + 1 >= name.size() || name[digits] != '.') return std::nullopt;
+  int layer = 0;
+  for (size_t i = 0; i < digits; ++i) layer = layer * 10 + (name[i] - '0');
+  return std::make_pair(layer, name.substr(digits + 1));
+}
+
+// A decimal integer in [0, max]: digits only, no sign, no spaces.
+std::optional<uint64_t> ParseDecimal(absl::string_view s, uint64_t max) {
+  if (s.empty() || s.size() > 20) return std::nullopt;
+  uint64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return std::nullopt;
+    const uint64_t d = static_cast<uint64_t>(c - '0');
+    if (v > (max - d) / 10) return std::nullopt;
+    v = v * 10 + d;
+  }
+  return v;
+}
+
+std::string Quote(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s.substr(0, 60)) out += (static_cast<unsigned char>(c) < 0x20 ? '?' : c);
+  if (s.size() > 60) out += "...";
+  return out + "\"";
+}
+
+std::optional<DType> KvDType(StDType d) {
+  switch (d) {
+    case StDType::kF32:
+      return DType::kF32;
+    case StDType::kF16:
+      return DType::kF16;
+    case StDType::kBF16:
+      return DType::kBF16;
+    default:
+      return std::nullopt;
+  }
+}
+
+StDType ToStDType(DType d) {
+  switch (d) {
+    case DType::kF32:
+      return StDType::kF32;
+    case DType::kF16:
+      return StDType::kF16;
+    case DType::kBF16:
+      return StDType::kBF16;
+  }
+  return StDType::kF32;
+}
+
+// Checks the rank and that every dimension fits an int.
+absl::Status CheckRank(const StTensor& t, size_t rank, absl::string_view layout) {
+  if (t.shape.size() != rank) {
+    return Invalid(t.name, absl::StrCat("shape ", ShapeString(t.shape), ", expected rank ", rank,
+                                        " ", layout));
+  }
+  for (int64_t d : t.shape) {
+    if (d > std::numeric_limits<int>::max()) {
+      return Invalid(
+          t.name, absl::StrCat("shape ", ShapeString(t.shape), ", expected dimensions below 2^31"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShape(const StTensor& t, std::vector<int64_t> expected, absl::string_view why) {
+  if (t.shape != expected) {
+    return Invalid(
+        t.name, absl::StrCat("shape ", ShapeString(t.shape), ", expected ", ShapeString(expected),
+                             why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDType(const StTensor& t, StDType expected, absl::string_view why = "") {
+  if (t.dtype != expected) {
+    return Invalid(
+        t.name, absl::StrCat("dtype ", StDTypeName(t.dtype), ", expected ", StDTypeName(expected),
+                             why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+  }
+  return absl::OkStatus();
+}
+
+KvTensor KvFrom(const StTensor& t, DType dtype) {
+  // Every byte is overwritten below, so skip the zero fill.
+  KvTensor out =
+      KvTensor::Uninitialized(dtype, static_cast<int>(t.shape[0]), static_cast<int>(t.shape[1]),
+                              static_cast<int>(t.shape[2]));
+  if (!t.data.empty()) std::memcpy(out.mutable_bytes().data(), t.data.data(), t.data.size());
+  return out;
+}
+
+PosTensor PosFrom(const StTensor& t) {
+  PosTensor out(static_cast<int>(t.shape[0]), static_cast<int>(t.shape[1]));
+  if (!t.data.empty()) std::memcpy(out.data.data(), t.data.data(), t.data.size());
+  return out;
+}
+
+template <typename T>
+std::vector<T> VectorFrom(const StTensor& t) {
+  std::vector<T> out(t.data.size() / sizeof(T));
+  if (!t.data.empty()) std::memcpy(out.data(), t.data.data(), t.data.size());
+  return out;
+}
+
+template <typename T>
+absl::Span<const uint8_t> BytesOf(const std::vector<T>& v) {
+  return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()),
+                                   v.size() * sizeof(T));
+}
+
+StTensor View(std::string name, StDType dtype, std::vector<int64_t> shape,
+              absl::Span<const uint8_t> data) {
+  StTensor t;
+  t.name = std::move(name);
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.data = data;
+  return t;
+}
+
+StTensor KvView(std::string name, const KvTensor& t) {
+  return View(std::move(name), ToStDType(t.dtype()), {t.heads(), t.tokens(), t.dim()}, t.bytes());
+}
+
+StTensor PosView(std::string name, const PosTensor& p) {
+  return View(std::move(name), StDType::kI32, {p.heads, p.tokens}, BytesOf(p.data));
+}
+
+absl::Status PrefixPath(const std::string& path, const absl::Status& s) {
+  if (s.ok() || s.code() != absl::StatusCode::kInvalidArgument) return s;
+  if (absl::string_view(s.message()).substr(0, path.size() + 2) == absl::StrCat(path, ": ")) {
+    return s;
+  }
+  return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+}
+
+// ---- Turn ----
+
+constexpr absl::string_view kTurnParts[] = {"prompt.k",  "prompt.v",     "gen.k",
+                                            "gen.v",     "prompt.score", "history.k",
+                                            "history.v", "history.pos"};
+constexpr absl::string_view kRequiredTurnParts[] = {"prompt.k", "prompt.v", "gen.k", "gen.v",
+                                                    "prompt.score"};
+constexpr absl::string_view kHistoryParts[] = {"history.k", "history.v", "history.pos"};
+
+bool IsTurnPart(absl::string_view part) {
+  return std::find(std::begin(kTurnParts), std::end(kTurnParts), part) != std::end(kTurnParts);
+}
+
+bool IsKvPart(absl::string_view part) {
+  return part == "prompt.k" || part == "prompt.v" || part == "gen.k" || part == "gen.v" ||
+         part == "history.k" || part == "history.v";
+}
+
+using PartMap = std::map<absl::string_view, const StTensor*>;
+
+// Groups tensors by layer. `is_part` says which suffixes are known;
+// `expected` describes them for the error message.
+absl::StatusOr<std::vector<PartMap>> GroupByLayer(const SafetensorsReader& file,
+                                                  bool (*is_part)(absl::string_view),
+                                                  absl::string_view expected) {
+  std::vector<PartMap> layers;
+  for (const StTensor& t : file.tensors()) {
+    auto split = SplitLayerName(t.name);
+    if (!split || !is_part(split->second)) {
+      return Invalid(t.name, absl::StrCat("unknown tensor name, expected ", expected));
+    }
+    if (split->first >= kMaxLayers) {
+      return Invalid(t.name,
+                     absl::StrCat("layer index ", split->first, ", expected below ", kMaxLayers));
+    }
+    if (static_cast<size_t>(split->first) >= layers.size()) layers.resize(split->first + 1);
+    layers[split->first][split->second] = &t;
+  }
+  if (layers.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no layer tensors (expected layer.0.* through layer.{L-1}.*, L >= 1)"));
+  }
+  const int num_layers = static_cast<int>(layers.size());
+  for (int l = 0; l < num_layers; ++l) {
+    if (layers[l].empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer.", l, ": no tensors, but layer.", num_layers - 1,
+                       " exists; layers must run 0..L-1 without gaps"));
+    }
+  }
+  return layers;
+}
+
+absl::StatusOr<bool> ParseBool(const SafetensorsReader& file, absl::string_view key,
+                               std::optional<bool> dflt) {
+  std::optional<absl::string_view> v = file.GetMetadata(key);
+  if (!v) {
+    if (dflt) return *dflt;
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata ", key, ": missing, expected \"true\" or \"false\""));
+  }
+  if (*v == "true") return true;
+  if (*v == "false") return false;
+  return absl::InvalidArgumentError(
+      absl::StrCat("metadata ", key, ": ", Quote(*v), ", expected \"true\" or \"false\""));
+}
+
+absl::StatusOr<uint64_t> ParseCount(const SafetensorsReader& file, absl::string_view key,
+                                    uint64_t max, absl::string_view expected) {
+  std::optional<absl::string_view> v = file.GetMetadata(key);
+  if (!v)
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata ", key, ": missing, expected ", expected));
+  std::optional<uint64_t> n = ParseDecimal(*v, max);
+  if (!n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata ", key, ": ", Quote(*v), ", expected ", expected));
+  }
+  return *n;
+}
+
+}  // namespace
+
+bool IsMessageFile(const SafetensorsReader& file) {
+  std::optional<absl::string_view> f = file.GetMetadata("format");
+  return f && *f == kMessageFormat;
+}
+
+uint64_t MessageLayerBytes(const MessageLayer& layer) {
+  uint64_t kv = layer.quant ? layer.quant->k.ByteSize() + layer.quant->v.ByteSize()
+                            : layer.k.byte_size() + layer.v.byte_size();
+  return kv + 4 * static_cast<uint64_t>(layer.pos.data.size());
+}
+
+absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
+  if (IsMessageFile(file)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "file is a kvrelay message (metadata format=", kMessageFormat, "), expected a turn"));
+  }
+  KVRELAY_ASSIGN_OR_RETURN(
+      std::vector<PartMap> layers,
+      GroupByLayer(file, &IsTurnPart,
+                   "layer.{l}.{prompt.k,prompt.v,gen.k,gen.v,prompt.score,history.k,history.v,"
+                   "history.pos}"));
+  const int num_layers = static_cast<int>(layers.size());
+
+  // Required tensors, then history in every layer or none.
+  int history_layer = -1;
+  for (int l = 0; l < num_layers; ++l) {
+    for (absl::string_view part : kRequiredTurnParts) {
+      if (!layers[l].count(part)) {
+        return Invalid(LayerName(l, part), "missing, required in every layer");
+      }
+    }
+    for (absl::string_view part : kHistoryParts) {
+      if (layers[l].count(part) && history_layer < 0) history_layer = l;
+    }
+  }
+  if (history_layer >= 0) {
+    for (int l = 0; l < num_layers; ++l) {
+      absl::string_view present;
+      for (absl::string_view part : kHistoryParts) {
+        if (layers[l].count(part)) present = part;
+      }
+      for (absl::string_view part : kHistoryParts) {
+        if (layers[l].count(part)) continue;
+        if (!present.empty()) {
+          return Invalid(LayerName(l, part), absl::StrCat("missing, required with history (",
+                                                          LayerName(l, present), " is present)"));
+        }
+        return Invalid(LayerName(l, part),
+                       absl::StrCat("missing, but layer.", history_layer,
+                                    " has history (history must be in every layer or none)"));
+      }
+    }
+  }
+
+  // Dtypes and ranks.
+  const StTensor& ref = *layers[0]["prompt.k"];
+  std::optional<DType> dtype = KvDType(ref.dtype);
+  if (!dtype) {
+    return Invalid(ref.name,
+                   absl::StrCat("dtype ", StDTypeName(ref.dtype), ", expected F32, F16 or BF16"));
+  }
+  for (int l = 0; l < num_layers; ++l) {
+    for (const auto& [part, t] : layers[l]) {
+      if (IsKvPart(part)) {
+        KVRELAY_RETURN_IF_ERROR(CheckDType(*t, ref.dtype, "dtype of layer.0.prompt.k"));
+        KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 3, "[kv_heads, tokens, head_dim]"));
+      } else if (part == "prompt.score") {
+        KVRELAY_RETURN_IF_ERROR(CheckDType(*t, StDType::kF32));
+        KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 2, "[score_heads, n_prompt]"));
+      } else {  // history.pos
+        KVRELAY_RETURN_IF_ERROR(CheckDType(*t, StDType::kI32));
+        KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 2, "[kv_heads, n_history]"));
+      }
+    }
+  }
+
+  Turn turn;
+  KVRELAY_ASSIGN_OR_RETURN(turn.first_agent, ParseBool(file, "first_agent", true));
+  if (file.GetMetadata("prompt_pos0")) {
+    KVRELAY_ASSIGN_OR_RETURN(
+        uint64_t pos0, ParseCount(file, "prompt_pos0", std::numeric_limits<int64_t>::max() / 2,
+                                  "a decimal integer >= 0"));
+    turn.prompt_pos0 = static_cast<int64_t>(pos0);
+  }
+
+  turn.layers.resize(num_layers);
+  for (int l = 0; l < num_layers; ++l) {
+    PartMap& parts = layers[l];
+    TurnLayer& out = turn.layers[l];
+    out.prompt_k = KvFrom(*parts["prompt.k"], *dtype);
+    out.prompt_v = KvFrom(*parts["prompt.v"], *dtype);
+    out.gen_k = KvFrom(*parts["gen.k"], *dtype);
+    out.gen_v = KvFrom(*parts["gen.v"], *dtype);
+    const StTensor& score = *parts["prompt.score"];
+    out.scores = ScoreMatrix(static_cast<int>(score.shape[0]), static_cast<int>(score.shape[1]));
+    if (!score.data.empty())
+      std::memcpy(out.scores.data.data(), score.data.data(), score.data.size());
+    if (history_layer >= 0) {
+      out.history_k = KvFrom(*parts["history.k"], *dtype);
+      out.history_v = KvFrom(*parts["history.v"], *dtype);
+      out.history_pos = PosFrom(*parts["history.pos"]);
+    } else {
+      out.history_k = KvTensor(*dtype, out.prompt_k.heads(), 0, out.prompt_k.dim());
+      out.history_v = KvTensor(*dtype, out.prompt_k.heads(), 0, out.prompt_k.dim());
+      out.history_pos = PosTensor(out.prompt_k.heads(), 0);
+    }
+  }
+  KVRELAY_RETURN_IF_ERROR(ValidateTurn(turn));
+  return turn;
+}
+
+absl::StatusOr<Turn> ReadTurn(absl::Span<const uint8_t> bytes) {
+  KVRELAY_ASSIGN_OR_RETURN(SafetensorsReader file, SafetensorsReader::ParseView(bytes));
+  return TurnFromSafetensors(file);
+}
+
+absl::StatusOr<Turn> ReadTurnFile(const std::string& path) {
+  KVRELAY_ASSIGN_OR_RETURN(SafetensorsReader file, SafetensorsReader::ReadFile(path));
+  absl::StatusOr<Turn> turn = TurnFromSafetensors(file);
+  if (!turn.ok()) return PrefixPath(path, turn.status());
+  return turn;
+}
+
+namespace {
+
+absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> TurnTensors(const Turn& turn) {
+  KVRELAY_RETURN_IF_ERROR(ValidateTurn(turn));
+  const bool history = turn.layers[0].history_k.tokens() > 0;
+  std::vector<StTensor> tensors;
+  for (size_t i = 0; i < turn.layers.size(); ++i) {
+    const int l = static_cast<int>(i);
+    const TurnLayer& layer = turn.layers[i];
+    tensors.push_back(KvView(LayerName(l, "prompt.k"), layer.prompt_k));
+    tensors.push_back(KvView(LayerName(l, "prompt.v"), layer.prompt_v));
+    tensors.push_back(KvView(LayerName(l, "gen.k"), layer.gen_k));
+    tensors.push_back(KvView(LayerName(l, "gen.v"), layer.gen_v));
+    tensors.push_back(View(LayerName(l, "prompt.score"), StDType::kF32,
+                           {layer.scores.rows, layer.scores.cols}, BytesOf(layer.scores.data)));
+    if (history) {
+      tensors.push_back(KvView(LayerName(l, "history.k"), layer.history_k));
+      tensors.push_back(KvView(LayerName(l, "history.v"), layer.history_v));
+      tensors.push_back(PosView(LayerName(l, "history.pos"), layer.history_pos));
+    }
+  }
+  StMetadata meta;
+  meta["first_agent"] = turn.first_agent ? "true" : "false";
+  if (turn.prompt_pos0) meta["prompt_pos0"] = absl::StrCat(*turn.prompt_pos0);
+  return std::make_pair(std::move(tensors), std::move(meta));
+}
+
+}  // namespace
+
+absl::Status WriteTurn(const Turn& turn, std::string* out) {
+  KVRELAY_ASSIGN_OR_RETURN(auto tm, TurnTensors(turn));
+  KVRELAY_ASSIGN_OR_RETURN(*out, SerializeSafetensors(tm.first, tm.second));
+  return absl::OkStatus();
+}
+
+absl::Status WriteTurnFile(const Turn& turn, const std::string& path) {
+  KVRELAY_ASSIGN_OR_RETURN(auto tm, TurnTensors(turn));
+  return WriteSafetensorsFile(path, tm.first, tm.second);
+}
+
+// ---- Message ----
+
+namespace {
+
+constexpr absl::string_view kDenseParts[] = {"k", "v", "pos"};
+constexpr absl::string_view kQuantParts[] = {"k.codes", "k.scale", "k.zero", "v.codes",
+                                             "v.scale", "v.zero",  "pos"};
+
+bool IsMessagePart(absl::string_view part) {
+  return std::find(std::begin(kDenseParts), std::end(kDenseParts), part) != std::end(kDenseParts) ||
+         std::find(std::begin(kQuantParts), std::end(kQuantParts), part) != std::end(kQuantParts);
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Checks a QuantizedTensor's vectors against its declared geometry.
+absl::Status CheckQuantTensor(const QuantizedTensor& q, absl::string_view name, int bits, int group,
+                              bool is_key, int heads, int tokens, int dim) {
+  if (q.bits != bits || q.heads != heads || q.tokens != tokens || q.dim != dim) {
+    return Invalid(name,
+                   absl::StrCat("quantized ", q.bits, "-bit [", q.heads, ",", q.tokens, ",", q.dim,
+                                "], expected ", bits, "-bit [", heads, ",", tokens, ",", dim, "]"));
+  }
+  const size_t codes = static_cast<size_t>(heads) * tokens * dim * bits / 8;
+  const size_t stats = is_key ? static_cast<size_t>(heads) * CeilDiv(tokens, group) * dim
+                              : static_cast<size_t>(heads) * tokens;
+  if (q.codes.size() != codes || q.scale.size() != stats || q.zero.size() != stats) {
+    return Invalid(
+        name, absl::StrCat("codes/scale/zero hold ", q.codes.size(), "/", q.scale.size(), "/",
+                           q.zero.size(), " elements, expected ", codes, "/", stats, "/", stats));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(const Message& msg) {
+  if (msg.layers.empty())
+    return absl::InvalidArgumentError("message: no layers, expected at least 1");
+  const int64_t counts[] = {msg.n_history, msg.n_anchor, msg.n_kept, msg.n_gen};
+  for (int64_t c : counts) {
+    if (c < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("message: token counts ", absl::StrJoin(counts, "/"),
+                       " (history/anchor/kept/gen), expected non-negative"));
+    }
+  }
+  const int64_t n = msg.n_history + msg.n_anchor + msg.n_kept + msg.n_gen;
+  const MessageLayer& l0 = msg.layers[0];
+  const bool quant = l0.quant.has_value();
+  const int heads = l0.pos.heads;
+  const int dim = quant ? l0.quant->k.dim : l0.k.dim();
+  if (quant) {
+    const QuantizedKv& q = *l0.quant;
+    if (!(q.bits == 2 || q.bits == 4 || q.bits == 8) || q.group < 1 || (dim * q.bits) % 8 != 0) {
+      return Invalid("layer.0.k",
+                     absl::StrCat("quantization bits=", q.bits, " group=", q.group, " dim=", dim,
+                                  ", expected bits 2/4/8, group >= 1 and dim*bits "
+                                  "a multiple of 8"));
+    }
+  }
+  std::vector<StTensor> tensors;
+  uint64_t sent = 0;
+  for (size_t i = 0; i < msg.layers.size(); ++i) {
+    const int l = static_cast<int>(i);
+    const MessageLayer& layer = msg.layers[i];
+    if (layer.quant.has_value() != quant) {
+      return Invalid(LayerName(l, "k"),
+                     absl::StrCat(layer.quant ? "quantized" : "dense", ", expected ",
+                                  quant ? "quantized" : "dense", " like layer.0"));
+    }
+    if (layer.pos.heads != heads || layer.pos.tokens != n ||
+        layer.pos.data.size() != static_cast<size_t>(heads) * n) {
+      return Invalid(
+          LayerName(l, "pos"),
+          absl::StrCat("shape [", layer.pos.heads, ",", layer.pos.tokens, "], expected [", heads,
+                       ",", n, "] (n = n_history + n_anchor + n_kept + n_gen)"));
+    }
+    if (quant) {
+      const QuantizedKv& q = *layer.quant;
+      const QuantizedKv& q0 = *l0.quant;
+      if (q.bits != q0.bits || q.group != q0.group || q.rotate != q0.rotate) {
+        return Invalid(LayerName(l, "k"),
+                       absl::StrCat("quantization bits=", q.bits, " group=", q.group,
+                                    " rotate=", q.rotate, ", expected bits=", q0.bits,
+                                    " group=", q0.group, " rotate=", q0.rotate, " like layer.0"));
+      }
+      KVRELAY_RETURN_IF_ERROR(
+          CheckQuantTensor(q.k, LayerName(l, "k"), q0.bits, q0.group, true, heads, n, dim));
+      KVRELAY_RETURN_IF_ERROR(
+          CheckQuantTensor(q.v, LayerName(l, "v"), q0.bits, q0.group, false, heads, n, dim));
+      const int64_t row = dim * q0.bits / 8;
+      const int64_t groups = CeilDiv(n, q0.group);
+      tensors.push_back(View(LayerName(l, "k.codes"), StDType::kU8, {heads, n, row}, q.k.codes));
+      tensors.push_back(
+          View(LayerName(l, "k.scale"), StDType::kF16, {heads, groups, dim}, BytesOf(q.k.scale)));
+      tensors.push_back(
+          View(LayerName(l, "k.zero"), StDType::kF16, {heads, groups, dim}, BytesOf(q.k.zero)));
+      tensors.push_back(View(LayerName(l, "v.codes"), StDType::kU8, {heads, n, row}, q.v.codes));
+      tensors.push_back(
+          View(LayerName(l, "v.scale"), StDType::kF16, {heads, n}, BytesOf(q.v.scale)));
+      tensors.push_back(View(LayerName(l, "v.zero"), StDType::kF16, {heads, n}, BytesOf(q.v.zero)));
+    } else {
+      for (const auto& [t, part] :
+           {std::pair<const KvTensor*, const char*>{&layer.k, "k"}, {&layer.v, "v"}}) {
+        if (t->dtype() != msg.dtype) {
+          return Invalid(LayerName(l, part),
+                         absl::StrCat("dtype ", DTypeName(t->dtype()), ", expected ",
+                                      DTypeName(msg.dtype), " (message dtype)"));
+        }
+        if (t->heads() != heads || t->tokens() != n || t->dim() != dim) {
+          return Invalid(LayerName(l, part),
+                         absl::StrCat("shape [", t->heads(), ",", t->tokens(), ",", t->dim(),
+                                      "], expected [", heads, ",", n, ",", dim, "]"));
+        }
+      }
+      tensors.push_back(KvView(LayerName(l, "k"), layer.k));
+      tensors.push_back(KvView(LayerName(l, "v"), layer.v));
+    }
+    tensors.push_back(PosView(LayerName(l, "pos"), layer.pos));
+    sent += MessageLayerBytes(layer);
+  }
+  if (sent != msg.sent_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("message: sent_bytes ", msg.sent_bytes, ", expected ", sent,
+                     " (the bytes of the message's K/V and positions)"));
+  }
+  StMetadata meta;
+  meta["format"] = kMessageFormat;
+  meta["policy"] = msg.policy;
+  meta["dtype"] = std::string(DTypeName(msg.dtype));
+  meta["n_history"] = absl::StrCat(msg.n_history);
+  meta["n_anchor"] = absl::StrCat(msg.n_anchor);
+  meta["n_kept"] = absl::StrCat(msg.n_kept);
+  meta["n_gen"] = absl::StrCat(msg.n_gen);
+  meta["full_bytes"] = absl::StrCat(msg.full_bytes);
+  meta["sent_bytes"] = absl::StrCat(msg.sent_bytes);
+  if (quant) {
+    meta["quant_bits"] = absl::StrCat(l0.quant->bits);
+    meta["quant_group"] = absl::StrCat(l0.quant->group);
+    meta["quant_rotate"] = l0.quant->rotate ? "true" : "false";
+  }
+  return std::make_pair(std::move(tensors), std::move(meta));
+}
+
+}  // namespace
+
+absl::Status WriteMessage(const Message& msg, std::string* out) {
+  KVRELAY_ASSIGN_OR_RETURN(auto tm, MessageTensors(msg));
+  KVRELAY_ASSIGN_OR_RETURN(*out, SerializeSafetensors(tm.first, tm.second));
+  return absl::OkStatus();
+}
+
+absl::Status WriteMessageFile(const Message& msg, const std::string& path) {
+  KVRELAY_ASSIGN_OR_RETURN(auto tm, MessageTensors(msg));
+  return WriteSafetensorsFile(path, tm.first, tm.second);
+}
+
+absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
+  std::optional<absl::string_view> format = file.GetMetadata("format");
+  if (!format) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata format: missing, expected \"",
+                                                   kMessageFormat, "\" (is this a turn?)"));
+  }
+  if (*format != kMessageFormat) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata format: ", Quote(*format), ", expected \"", kMessageFormat, "\""));
+  }
+  Message msg;
+  std::optional<absl::string_view> policy = file.GetMetadata("policy");
+  if (!policy)
+    return absl::InvalidArgumentError("metadata policy: missing, expected a pipeline spec");
+  msg.policy = std::string(*policy);
+  std::optional<absl::string_view> dt = file.GetMetadata("dtype");
+  if (!dt) return absl::InvalidArgumentError("metadata dtype: missing, expected F32, F16 or BF16");
+  std::optional<DType> dtype = ParseDType(*dt);
+  if (!dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata dtype: ", Quote(*dt), ", expected F32, F16 or BF16"));
+  }
+  msg.dtype = *dtype;
+  const uint64_t kMaxInt = std::numeric_limits<int>::max();
+  const std::string count = "a decimal integer >= 0";
+  KVRELAY_ASSIGN_OR_RETURN(uint64_t nh, ParseCount(file, "n_history", kMaxInt, count));
+  KVRELAY_ASSIGN_OR_RETURN(uint64_t na, ParseCount(file, "n_anchor", kMaxInt, count));
+  KVRELAY_ASSIGN_OR_RETURN(uint64_t nk, ParseCount(file, "n_kept", kMaxInt, count));
+  KVRELAY_ASSIGN_OR_RETURN(uint64_t ng, ParseCount(file, "n_gen", kMaxInt, count));
+  msg.n_history = static_cast<int>(nh);
+  msg.n_anchor = static_cast<int>(na);
+  msg.n_kept = static_cast<int>(nk);
+  msg.n_gen = static_cast<int>(ng);
+  const uint64_t kMaxU64 = std::numeric_limits<uint64_t>::max();
+  KVRELAY_ASSIGN_OR_RETURN(msg.full_bytes, ParseCount(file, "full_bytes", kMaxU64, count));
+  KVRELAY_ASSIGN_OR_RETURN(msg.sent_bytes, ParseCount(file, "sent_bytes", kMaxU64, count));
+  const int64_t n = static_cast<int64_t>(nh + na + nk + ng);
+  if (n > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata n_*: ", n, " tokens in all, expected below 2^31"));
+  }
+
+  // Quantization keys: all or none.
+  const bool quant = file.GetMetadata("quant_bits") || file.GetMetadata("quant_group") ||
+                     file.GetMetadata("quant_rotate");
+  int bits = 0, group = 0;
+  bool rotate = false;
+  if (quant) {
+    KVRELAY_ASSIGN_OR_RETURN(uint64_t b, ParseCount(file, "quant_bits", 64, "2, 4 or 8"));
+    if (b != 2 && b != 4 && b != 8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("metadata quant_bits: \"", b, "\", expected 2, 4 or 8"));
+    }
+    KVRELAY_ASSIGN_OR_RETURN(uint64_t g,
+                             ParseCount(file, "quant_group", kMaxInt, "a decimal integer >= 1"));
+    if (g < 1) {
+      return absl::InvalidArgumentError(
+          "metadata quant_group: \"0\", expected a decimal integer >= 1");
+    }
+    KVRELAY_ASSIGN_OR_RETURN(rotate, ParseBool(file, "quant_rotate", std::nullopt));
+    bits = static_cast<int>(b);
+    group = static_cast<int>(g);
+  }
+
+  KVRELAY_ASSIGN_OR_RETURN(
+      std::vector<PartMap> layers,
+      GroupByLayer(file, &IsMessagePart,
+                   "layer.{l}.{k,v,pos} or layer.{l}.{k.codes,k.scale,k.zero,v.codes,v.scale,"
+                   "v.zero,pos}"));
+  const absl::string_view* parts_begin = quant ? std::begin(kQuantParts) : std::begin(kDenseParts);
+  const absl::string_view* parts_end = quant ? std::end(kQuantParts) : std::end(kDenseParts);
+  const int num_layers = static_cast<int>(layers.size());
+  for (int l = 0; l < num_layers; ++l) {
+    for (const auto& [part, t] : layers[l]) {
+      if (std::find(parts_begin, parts_end, part) == parts_end) {
+        return Invalid(t->name, quant ? "unexpected in a quantized message (metadata quant_bits "
+                                        "is set), expected k.codes, k.scale, k.zero, v.codes, "
+                                        "v.scale, v.zero and pos"
+                                      : "unexpected in a dense message (no quant_bits metadata), "
+                                        "expected k, v and pos");
+      }
+    }
+    for (const absl::string_view* p = parts_begin; p != parts_end; ++p) {
+      if (!layers[l].count(*p)) {
+        return Invalid(LayerName(l, *p), "missing, required in every layer");
+      }
+    }
+  }
+
+  // Geometry from layer 0.
+  const StTensor& pos0 = *layers[0]["pos"];
+  KVRELAY_RETURN_IF_ERROR(CheckDType(pos0, StDType::kI32));
+  KVRELAY_RETURN_IF_ERROR(CheckRank(pos0, 2, "[kv_heads, n]"));
+  const int64_t heads = pos0.shape[0];
+  if (heads < 1)
+    return Invalid(pos0.name, absl::StrCat("shape ", ShapeString(pos0.shape),
+                                           ", expected at least 1 kv head"));
+  const StTensor& dim_ref = quant ? *layers[0]["k.scale"] : *layers[0]["k"];
+  KVRELAY_RETURN_IF_ERROR(
+      CheckRank(dim_ref, 3, quant ? "[kv_heads, groups, head_dim]" : "[kv_heads, n, head_dim]"));
+  const int64_t dim = dim_ref.shape[2];
+  if (dim < 1 || (quant && (dim * bits) % 8 != 0)) {
+    return Invalid(dim_ref.name,
+                   absl::StrCat("shape ", ShapeString(dim_ref.shape), ", expected head_dim >= 1",
+                                quant ? " with head_dim*quant_bits a multiple of 8" : ""));
+  }
+  msg.kv_heads = static_cast<int>(heads);
+  msg.head_dim = static_cast<int>(dim);
+  const std::string n_why = "n = n_history + n_anchor + n_kept + n_gen";
+  const std::string geo_why = absl::StrCat(n_why, "; kv_heads and head_dim from layer.0");
+
+  msg.layers.resize(num_layers);
+  uint64_t sent = 0;
+  for (int l = 0; l < num_layers; ++l) {
+    PartMap& parts = layers[l];
+    MessageLayer& out = msg.layers[l];
+    const StTensor& pos = *parts["pos"];
+    KVRELAY_RETURN_IF_ERROR(CheckDType(pos, StDType::kI32));
+    KVRELAY_RETURN_IF_ERROR(CheckShape(pos, {heads, n}, geo_why));
+    out.pos = PosFrom(pos);
+    if (quant) {
+      const int64_t row = dim * bits / 8;
+      const int64_t groups = CeilDiv(n, group);
+      QuantizedKv q;
+      q.bits = bits;
+      q.group = group;
+      q.rotate = rotate;
+      q.dtype = msg.dtype;
+      for (auto [qt, is_key] : {std::pair<QuantizedTensor*, bool>{&q.k, true}, {&q.v, false}}) {
+        const StTensor& codes = *parts[is_key ? "k.codes" : "v.codes"];
+        const StTensor& scale = *parts[is_key ? "k.scale" : "v.scale"];
+        const StTensor& zero = *parts[is_key ? "k.zero" : "v.zero"];
+        KVRELAY_RETURN_IF_ERROR(CheckDType(codes, StDType::kU8));
+        KVRELAY_RETURN_IF_ERROR(
+            CheckShape(codes, {heads, n, row},
+                       absl::StrCat(geo_why, "; head_dim*quant_bits/8 bytes per row")));
+        std::vector<int64_t> stats_shape =
+            is_key ? std::vector<int64_t>{heads, groups, dim} : std::vector<int64_t>{heads, n};
+        const std::string stats_why =
+            is_key ? absl::StrCat("groups = ceil(n / quant_group); ", geo_why) : geo_why;
+        for (const StTensor* st : {&scale, &zero}) {
+          KVRELAY_RETURN_IF_ERROR(CheckDType(*st, StDType::kF16));
+          KVRELAY_RETURN_IF_ERROR(CheckShape(*st, stats_shape, stats_why));
+        }
+        qt->bits = bits;
+        qt->heads = static_cast<int>(heads);
+        qt->tokens = static_cast<int>(n);
+        qt->dim = static_cast<int>(dim);
+        qt->codes.assign(codes.data.begin(), codes.data.end());
+        qt->scale = VectorFrom<uint16_t>(scale);
+        qt->zero = VectorFrom<uint16_t>(zero);
+      }
+      out.quant = std::move(q);
+    } else {
+      for (const char* part : {"k", "v"}) {
+        const StTensor& t = *parts[part];
+        KVRELAY_RETURN_IF_ERROR(CheckDType(t, ToStDType(msg.dtype), "metadata dtype"));
+        KVRELAY_RETURN_IF_ERROR(CheckShape(t, {heads, n, dim}, geo_why));
+      }
+      out.k = KvFrom(*parts["k"], msg.dtype);
+      out.v = KvFrom(*parts["v"], msg.dtype);
+    }
+    sent += MessageLayerBytes(out);
+  }
+  if (sent != msg.sent_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metadata sent_bytes: \"", msg.sent_bytes, "\", expected \"", sent,
+                     "\" (the bytes of the message's K/V and positions)"));
+  }
+  return msg;
+}
+
+absl::StatusOr<Message> ReadMessage(absl::Span<const uint8_t> bytes) {
+  KVRELAY_ASSIGN_OR_RETURN(SafetensorsReader file, SafetensorsReader::ParseView(bytes));
+  return MessageFromSafetensors(file);
+}
+
+absl::StatusOr<Message> ReadMessageFile(const std::string& path) {
+  KVRELAY_ASSIGN_OR_RETURN(SafetensorsReader file, SafetensorsReader::ReadFile(path));
+  absl::StatusOr<Message> msg = MessageFromSafetensors(file);
+  if (!msg.ok()) return PrefixPath(path, msg.status());
+  return msg;
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,89 @@
+// Turns and messages as safetensors files (docs/FORMAT.md).
+//
+// Turn tensors: layer.{l}.prompt.k/.v, layer.{l}.gen.k/.v [H, n, d] (F32, F16
+// or BF16, all the same), layer.{l}.prompt.score [S, n_prompt] F32, and
+// optionally layer.{l}.history.k/.v [H, n_history, d] with
+// layer.{l}.history.pos [H, n_history] I32. Metadata: first_agent
+// ("true"/"false", default "true"), prompt_pos0 (decimal, default
+// n_history).
+//
+// Message tensors: layer.{l}.k/.v [H, n, d] in the message dtype, or their
+// packed form layer.{l}.k.codes/.k.scale/.k.zero/.v.codes/.v.scale/.v.zero,
+// and layer.{l}.pos [H, n] I32. Metadata: format = kvrelay.message.v1,
+// policy, dtype, n_history, n_anchor, n_kept, n_gen, full_bytes, sent_bytes,
+// and quant_bits, quant_group, quant_rotate when quantized.
+//
+// Readers return InvalidArgument for malformed files, naming the tensor or
+// metadata key, what was expected and what was found, e.g.
+// "layer.2.prompt.score: dtype BF16, expected F32". File variants prefix the
+// message with the path. Writers are deterministic (tensors layer by layer,
+// in the order of the tables in docs/FORMAT.md).
+//
+// All functions are thread-safe (no shared state).
+#ifndef KVRELAY_CORE_FORMAT_TURN_FILE_H_
+#define KVRELAY_CORE_FORMAT_TURN_FILE_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/format/safetensors.h"
+#include "core/message.h"
+#include "core/turn.h"
+
+namespace kvrelay {
+
+// The value of the "format" metadata key of every message file.
+inline constexpr char kMessageFormat[] = "kvrelay.message.v1";
+
+// True when `file` carries format = kvrelay.message.v1 (a message, not a turn).
+bool IsMessageFile(const SafetensorsReader& file);
+
+// ---- Turns ----
+
+// Builds a Turn from parsed tensors: enforces the naming rules (layers
+// 0..L-1 without gaps, only known names, history in all layers or none,
+// history.pos with history), the dtype rules (K/V F32/F16/BF16 all alike,
+// score F32, pos I32), the tensor ranks, the metadata (first_agent,
+// prompt_pos0), then ValidateTurn (shapes, finiteness, score signs).
+// A turn without history gets history tensors of shape [H, 0, d] / [H, 0].
+absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file);
+// Parses `bytes` (a whole safetensors file) as a turn.
+absl::StatusOr<Turn> ReadTurn(absl::Span<const uint8_t> bytes);
+// Reads the file at `path` as a turn.
+absl::StatusOr<Turn> ReadTurnFile(const std::string& path);
+
+// Serializes `turn` into `*out` (replacing its contents). ValidateTurn runs
+// first and its error is returned. History tensors are written only when
+// n_history > 0; prompt_pos0 is written only when set.
+absl::Status WriteTurn(const Turn& turn, std::string* out);
+// Same bytes, streamed to the file at `path`.
+absl::Status WriteTurnFile(const Turn& turn, const std::string& path);
+
+// ---- Messages ----
+
+// Builds a Message from parsed tensors, checking the metadata (format,
+// dtype, token counts, byte counts, quantization keys), the tensor names,
+// dtypes and shapes, that every layer holds n_history + n_anchor + n_kept +
+// n_gen tokens per head, and that sent_bytes matches the tensors.
+absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file);
+absl::StatusOr<Message> ReadMessage(absl::Span<const uint8_t> bytes);
+absl::StatusOr<Message> ReadMessageFile(const std::string& path);
+
+// Serializes `msg` into `*out` (replacing its contents). InvalidArgument when
+// it has no layers, when layers disagree (shapes, dtypes, quantized or not,
+// quantization options), when a layer is inconsistent in itself, or when
+// its token counts do not add up to the layers' tokens. sent_bytes and
+// full_bytes are written as given.
+absl::Status WriteMessage(const Message& msg, std::string* out);
+// Same bytes, streamed to the file at `path`.
+absl::Status WriteMessageFile(const Message& msg, const std::string& path);
+
+// Bytes of one message layer as FORMAT.md counts them: K/V payload (dense,
+// or codes + scales + zeros) plus 4 bytes per position id.
+uint64_t MessageLayerBytes(const MessageLayer& layer);
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_CORE_FORMAT_TURN_FILE_H_

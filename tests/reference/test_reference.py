@@ -1,0 +1,937 @@
+#!/usr/bin/python3
+"""End-to-end check of `kvrelayctl compress` against the numpy reference.
+
+Run:
+    /usr/bin/python3 tests/reference/test_reference.py --kvrelayctl build/bin/kvrelayctl [-v]
+    (--seeds N changes the number of random seeds, default 60)
+
+Only the standard library and numpy are used.  Each case writes a random turn
+(.safetensors) in a temporary directory, runs
+
+    kvrelayctl compress --policy SPEC --in TURN --out MSG [--decode]
+
+and compares the message with tests/reference/kvrelay_ref.py.
+
+Tolerances (all relative to quantities of the row being compared):
+  * K, positions, history/anchor/generated rows, and every row of a policy
+    without OBF: bit-identical.
+  * OBF mode=exact, kept candidate rows: for each element,
+        |a - b| <= 1e-5 * max(|b|, rowscale) + ulp_dtype(max(|a|, |b|))
+    where b is the reference float64 value before rounding and rowscale =
+    max(||b_row||, ||v_orig_row||, ||increment_row||) / sqrt(d), i.e. the RMS
+    magnitude of the operands of V_t + delta.  The ulp term allows the one
+    rounding to the output dtype to land on either neighbour (1 ulp for
+    BF16/F16, negligible for F32).
+  * OBF mode=fast vs the exact reference, per row:
+        ||a - b||_2 <= 1e-3 * max(||b_row||, ||v_orig_row||) + ||ulp_dtype(b_row)||_2
+                       + 10 * conv * |coef_t * factor| * ||rbar||
+    with conv = (sigma_{m+1}(R) / sigma_p(R))^(2*iters), m = p + oversample:
+    the convergence factor of `iters` steps of subspace iteration.  It is
+    negligible unless R's spectrum has no gap after sigma_p (then 12
+    iterations cannot converge and a correct fast path can be ~1e-3 off).
+  * Quantized (packed) output, decoded here in float64 from the CLI's own
+    codes/scales/zeros, against the CLI's unquantized message x (same policy
+    without the quantizer stage):  in the (rotated) quantization domain,
+        |e_i| <= s_i / 2 + 1e-6 * (||x_row||_2 + |z_i|)
+    (the second term only absorbs float32 rounding of the C++ rotation and
+    arithmetic).  Zero points must equal the reference's exactly without
+    rotation, scales within 1 fp16 ulp (f32 division before directed
+    rounding); with rotation both within 1 fp16 ulp.  Codes must equal the
+    reference's wherever the stats agree and the value is not within 1e-3
+    (+ f32 slack) of a rounding tie.
+  * `--decode` output vs the packed output decoded here: 1 ulp of the output
+    dtype + 1e-6 * (||row||_2 + |zero|) for float32 arithmetic.
+  * Metadata n_history, n_anchor, n_kept, n_gen, full_bytes, sent_bytes: exact.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvrelay_ref as ref  # noqa: E402
+
+
+def _pop_arg(name, default=None):
+    val = default
+    argv = sys.argv
+    i = 1
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            val = argv[i + 1]
+            del argv[i:i + 2]
+        elif argv[i].startswith(name + "="):
+            val = argv[i].split("=", 1)[1]
+            del argv[i]
+        else:
+            i += 1
+    return val
+
+
+KVRELAYCTL = _pop_arg("--kvrelayctl", os.environ.get("KVRELAYCTL"))
+N_SEEDS = int(_pop_arg("--seeds", "60"))
+MAX_REPORT = 6  # detail lines per tensor
+
+NOTES = []  # informational observations printed at the end
+
+
+def note(msg):
+    if msg not in NOTES:
+        NOTES.append(msg)
+
+
+# ---------------------------------------------------------------------------
+# case construction
+# ---------------------------------------------------------------------------
+
+class Case(object):
+    def __init__(self, name, tensors, meta):
+        self.name = name
+        self.tensors = tensors
+        self.meta = meta
+        self.turn = ref.Turn(tensors, meta)
+        self.path = None
+
+    def write(self, tmpdir):
+        safe = "".join(c if c.isalnum() else "_" for c in self.name)
+        self.path = os.path.join(tmpdir, safe + ".turn.safetensors")
+        ref.write_safetensors(self.path, self.tensors, self.meta)
+        return self.path
+
+
+def heavy_scores(rng, S, n, zeros=False):
+    kind = rng.integers(0, 3)
+    if kind == 0:
+        x = rng.exponential(size=(S, n)) ** 2
+    elif kind == 1:
+        x = rng.pareto(1.3, size=(S, n))
+    else:
+        x = rng.lognormal(0.0, 2.0, size=(S, n))
+    if zeros:
+        x[rng.random((S, n)) < 0.3] = 0.0
+    # Attention-like: each row sums to (number of steps) * U(0.5, 1).
+    tot = x.sum(axis=1, keepdims=True)
+    tot[tot == 0] = 1.0
+    x = x / tot * rng.uniform(0.5, 10.0, size=(S, 1))
+    return x.astype(np.float32)
+
+
+def build_case(name, rng, L, H, g, d, n_prompt, n_gen, dtype, n_hist=None,
+               first_agent=None, prompt_pos0=None, scores=None, values=None,
+               zeros=False):
+    """n_hist None: no history tensors.  first_agent None: metadata key absent
+    (default true).  prompt_pos0 None: key absent (default n_history)."""
+    layers, hist, hpos = [], [], []
+    nh = n_hist or 0
+    p0 = prompt_pos0 if prompt_pos0 is not None else nh
+    for l in range(L):
+        ch = np.exp(0.5 * rng.standard_normal(d))  # per-channel key scale (outliers)
+        lay = {
+            "pk": rng.standard_normal((H, n_prompt, d)) * ch,
+            "pv": rng.standard_normal((H, n_prompt, d)),
+            "gk": rng.standard_normal((H, n_gen, d)) * ch,
+            "gv": rng.standard_normal((H, n_gen, d)),
+            "score": heavy_scores(rng, H * g, n_prompt, zeros) if scores is None else scores[l],
+        }
+        if values is not None:
+            lay["pv"] = values[l]
+        layers.append(lay)
+        if n_hist is not None:
+            hist.append((rng.standard_normal((H, nh, d)) * ch, rng.standard_normal((H, nh, d))))
+            ph = np.zeros((H, nh), dtype=np.int64)
+            for h in range(H):
+                hi = max(p0, nh)
+                ph[h] = np.sort(rng.choice(hi, size=nh, replace=False)) if nh else []
+            hpos.append(ph)
+    tensors = ref.make_turn_tensors(layers, dtype, hist if n_hist is not None else None,
+                                    hpos if n_hist is not None else None)
+    meta = {}
+    if first_agent is not None:
+        meta["first_agent"] = "true" if first_agent else "false"
+    if prompt_pos0 is not None:
+        meta["prompt_pos0"] = str(prompt_pos0)
+    return Case(name, tensors, meta)
+
+
+def random_case(seed):
+    rng = np.random.default_rng(1000 + seed)
+    L = int(rng.integers(1, 4))
+    H = int(rng.integers(1, 5))
+    g = int(rng.choice([1, 2, 3]))
+    d = int(rng.choice([8, 16, 32, 64]))
+    n_prompt = int(rng.integers(0, 81)) if rng.random() > 0.05 else int(rng.integers(0, 4))
+    n_gen = int(rng.integers(0, 11))
+    n_hist = int(rng.integers(0, 21)) if rng.random() < 0.4 else None
+    first_agent = [None, True, False][int(rng.integers(0, 3))]
+    nh = n_hist or 0
+    r = rng.random()
+    if r < 0.4:
+        pos0 = None
+    elif r < 0.9:
+        pos0 = nh + int(rng.integers(0, 500))
+    else:
+        pos0 = 2 ** 31 - 1 - n_prompt - n_gen - int(rng.integers(0, 3))
+    dtype = str(rng.choice(["F32", "F32", "F32", "BF16", "F16"]))
+    zeros = dtype != "F16" and rng.random() < 0.2
+    name = "seed%d" % seed
+    c = build_case(name, rng, L, H, g, d, n_prompt, n_gen, dtype, n_hist, first_agent, pos0,
+                   zeros=zeros)
+    c.desc = ("L=%d H=%d S=%d d=%d n_prompt=%d n_gen=%d n_hist=%s first_agent=%s "
+              "prompt_pos0=%s dtype=%s" % (L, H, H * g, d, n_prompt, n_gen, n_hist,
+                                           first_agent, pos0, dtype))
+    return c, rng
+
+
+def random_selector(rng, name):
+    params = []
+    if name == "gen":
+        if rng.random() < 0.6:
+            params.append("sinks=%d" % rng.integers(0, 7))
+    else:
+        if rng.random() < 0.85:
+            params.append("k=%d" % (rng.integers(1, 41) if rng.random() < 0.85 else rng.integers(60, 200)))
+        if rng.random() < 0.7:
+            params.append("sinks=%d" % rng.integers(0, 7))
+        if rng.random() < 0.4:
+            params.append("recent=%d" % rng.integers(0, 9))
+    rng.shuffle(params)
+    return name + (":" + ",".join(params) if params else "")
+
+
+def random_obf(rng, mode="exact"):
+    params = []
+    if rng.random() < 0.8:
+        params.append("p=%d" % rng.integers(1, 13))
+    if mode == "fast":
+        params.append("mode=fast")
+        if rng.random() < 0.3:
+            params.append("iters=%d" % rng.integers(12, 30))
+        if rng.random() < 0.3:
+            params.append("oversample=%d" % rng.integers(10, 20))
+    elif rng.random() < 0.3:
+        params.append("mode=exact")
+    if rng.random() < 0.7:
+        params.append("inject=%s" % rng.choice(["uniform", "attn"]))
+    if rng.random() < 0.8:
+        params.append("scale=%s" % rng.choice(["ad_over_as", "ad_frac", "ad", "none"]))
+    rng.shuffle(params)
+    return "obf" + (":" + ",".join(params) if params else "")
+
+
+def random_quant(rng):
+    bits = int(rng.choice([8, 4, 2]))
+    params = []
+    if rng.random() < 0.7:
+        params.append("group=%d" % rng.choice([1, 3, 8, 32, 64, 128]))
+    if bits != 8 and rng.random() < 0.6:
+        params.append("rotate=%s" % rng.choice(["none", "hadamard"]))
+    return "int%d" % bits + (":" + ",".join(params) if params else "")
+
+
+def random_policies(rng):
+    pols = ["full", random_selector(rng, "gen")]
+    for sel in ("h2o-layer", "h2o-head"):
+        s = random_selector(rng, sel)
+        pols.append(s)
+        if rng.random() < 0.75:
+            pols.append(s + "+" + random_obf(rng))
+        if rng.random() < 0.3:
+            pols.append(s + "+" + random_obf(rng, "fast"))
+    if rng.random() < 0.45:
+        base = random_selector(rng, str(rng.choice(["full", "gen", "h2o-layer", "h2o-head"])))
+        if base.startswith("full"):
+            base = "full"
+        elif base.startswith("h2o") and rng.random() < 0.5:
+            base += "+" + random_obf(rng)
+        pols.append(base + "+" + random_quant(rng))
+    return pols
+
+
+# ---------------------------------------------------------------------------
+# running the CLI
+# ---------------------------------------------------------------------------
+
+def run_cli(case, spec, out_path, decode=False):
+    cmd = [KVRELAYCTL, "compress", "--policy", spec, "--in", case.path, "--out", out_path]
+    if decode:
+        cmd.append("--decode")
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+    return p.returncode, (p.stdout + p.stderr).decode("utf-8", "replace").strip()
+
+
+def fmt_row_diff(a, b):
+    return "cli=%s ref=%s" % (np.array2string(a, precision=8, max_line_width=200, threshold=8),
+                              np.array2string(b, precision=8, max_line_width=200, threshold=8))
+
+
+# ---------------------------------------------------------------------------
+# comparisons
+# ---------------------------------------------------------------------------
+
+def split_spec(spec):
+    stages = spec.split("+")
+    base = [s for s in stages if not s.split(":")[0].startswith("int")]
+    return "+".join(base)
+
+
+def check_meta(errs, ctx, case, refm, meta, pol, quant_packed, decoded=False):
+    turn = case.turn
+
+    def want(key, val):
+        if key not in meta:
+            errs.append("%s metadata %r missing (want %r)" % (ctx, key, str(val)))
+            return
+        if str(meta[key]) != str(val):
+            errs.append("%s metadata %s=%r, reference %r" % (ctx, key, meta[key], str(val)))
+
+    want("format", "kvrelay.message.v1")
+    if not meta.get("policy"):
+        errs.append("%s metadata 'policy' missing or empty" % ctx)
+    else:
+        try:
+            canon = ref.parse_policy(meta["policy"])
+            mine = dict(pol)
+            if canon != mine:
+                errs.append("%s metadata policy=%r does not parse to the same pipeline as the spec "
+                            "(%r vs %r)" % (ctx, meta["policy"], canon, mine))
+        except Exception as e:  # noqa: BLE001
+            errs.append("%s metadata policy=%r is not a parsable spec: %s" % (ctx, meta["policy"], e))
+    if meta.get("dtype", "").upper() != turn.dtype:
+        errs.append("%s metadata dtype=%r, turn dtype %s" % (ctx, meta.get("dtype"), turn.dtype))
+    want("n_history", refm.n_history)
+    want("n_gen", refm.n_gen)
+    if pol["selector"]["name"] == "full":
+        # Ambiguity: `full` has no sinks parameter.  Accept the default-sinks split
+        # or no anchors, as long as anchors + kept = the whole prompt.
+        try:
+            na, nk = int(meta.get("n_anchor")), int(meta.get("n_kept"))
+            if na + nk != turn.n_prompt or na not in (refm.n_anchor, 0):
+                errs.append("%s full: n_anchor=%s n_kept=%s, want n_anchor in {%d,0} and sum %d"
+                            % (ctx, na, nk, refm.n_anchor, turn.n_prompt))
+            elif na != refm.n_anchor:
+                note("full: CLI reports n_anchor=0, n_kept=n_prompt (reference uses default sinks=4)")
+        except (TypeError, ValueError):
+            errs.append("%s full: bad n_anchor/n_kept metadata %r/%r"
+                        % (ctx, meta.get("n_anchor"), meta.get("n_kept")))
+    else:
+        want("n_anchor", refm.n_anchor)
+        want("n_kept", refm.n_kept)
+    want("full_bytes", refm.full_bytes)
+    if decoded:
+        dense = turn.L * ref.dense_layer_bytes(turn.H, refm.n, turn.d, turn.dtype)
+        sb = meta.get("sent_bytes")
+        if sb == str(refm.sent_bytes):
+            note("--decode: sent_bytes keeps the quantized accounting")
+        elif sb == str(dense):
+            note("--decode: sent_bytes is recomputed for the dense decoded tensors")
+        else:
+            errs.append("%s --decode metadata sent_bytes=%r, want %d (quantized) or %d (dense)"
+                        % (ctx, sb, refm.sent_bytes, dense))
+    else:
+        want("sent_bytes", refm.sent_bytes)
+    q = pol["quant"]
+    if quant_packed:
+        want("quant_bits", q["bits"])
+        want("quant_group", q["group"])
+        rot = str(meta.get("quant_rotate", "<missing>")).lower()
+        if rot not in (("true", "hadamard", "1") if q["rotate"] else ("false", "none", "0")):
+            errs.append("%s metadata quant_rotate=%r, want %s" % (ctx, meta.get("quant_rotate"), q["rotate"]))
+    elif not decoded:
+        for key in ("quant_bits", "quant_group", "quant_rotate"):
+            if key in meta:
+                errs.append("%s unquantized message has metadata %s" % (ctx, key))
+
+
+def check_names(errs, ctx, case, refm, tensors, packed, pol):
+    turn = case.turn
+    H, d, n = turn.H, turn.d, refm.n
+    want = {}
+    for l in range(turn.L):
+        want["layer.%d.pos" % l] = ("I32", (H, n))
+        if packed:
+            q = pol["quant"]
+            ng = -(-n // q["group"]) if n else 0
+            for x in ("k", "v"):
+                want["layer.%d.%s.codes" % (l, x)] = ("U8", (H, n, d * q["bits"] // 8))
+            want["layer.%d.k.scale" % l] = ("F16", (H, ng, d))
+            want["layer.%d.k.zero" % l] = ("F16", (H, ng, d))
+            want["layer.%d.v.scale" % l] = ("F16", (H, n))
+            want["layer.%d.v.zero" % l] = ("F16", (H, n))
+        else:
+            want["layer.%d.k" % l] = (turn.dtype, (H, n, d))
+            want["layer.%d.v" % l] = (turn.dtype, (H, n, d))
+    got = {k: (v[0], tuple(v[1].shape)) for k, v in tensors.items()}
+    for k in sorted(set(want) | set(got)):
+        if k not in got:
+            errs.append("%s tensor %s missing (want %s %s)" % (ctx, k, want[k][0], want[k][1]))
+        elif k not in want:
+            errs.append("%s unexpected tensor %s %s %s" % (ctx, k, got[k][0], got[k][1]))
+        elif got[k] != want[k]:
+            errs.append("%s tensor %s is %s %s, want %s %s" % (ctx, k, got[k][0], got[k][1],
+                                                            want[k][0], want[k][1]))
+    return not errs
+
+
+def row_label(lay, h, t):
+    return "row %d (%s, pos %d)" % (t, lay.part[t], lay.pos[h, t])
+
+
+def check_pos(errs, ctx, refm, tensors, l):
+    lay = refm.layers[l]
+    got = tensors["layer.%d.pos" % l][1].astype(np.int64)
+    for h in range(got.shape[0]):
+        if not np.array_equal(got[h], lay.pos[h]):
+            bad = np.nonzero(got[h] != lay.pos[h])[0]
+            errs.append("%s layer %d head %d tensor layer.%d.pos: %d mismatches, first at row %d (%s): "
+                        "cli=%d ref=%d\n      cli=%s\n      ref=%s"
+                        % (ctx, l, h, l, len(bad), bad[0], lay.part[bad[0]], got[h, bad[0]],
+                           lay.pos[h, bad[0]], got[h].tolist(), lay.pos[h].tolist()))
+
+
+def check_bitexact(errs, ctx, name, l, h, got, want, lay, dtype, rows=None):
+    """got/want: storage arrays [n, d] of one head."""
+    g = np.ascontiguousarray(got)
+    w = np.ascontiguousarray(want)
+    if rows is not None:
+        g, w = g[rows], w[rows]
+    else:
+        rows = np.arange(g.shape[0])
+    if g.tobytes() == w.tobytes():
+        return
+    neq = np.any(g.view(np.uint8).reshape(g.shape[0], -1) != w.view(np.uint8).reshape(w.shape[0], -1), axis=1)
+    bad = np.nonzero(neq)[0]
+    lines = []
+    for i in bad[:MAX_REPORT]:
+        t = rows[i]
+        lines.append("      %s: %s" % (row_label(lay, h, t),
+                                       fmt_row_diff(ref.to_f64(g[i], dtype), ref.to_f64(w[i], dtype))))
+    errs.append("%s layer %d head %d tensor %s: %d rows differ from the expected bit-exact rows\n%s"
+                % (ctx, l, h, name, len(bad), "\n".join(lines)))
+
+
+def check_v_obf(errs, ctx, l, h, a, lay, dtype, obf):
+    """a: [n, d] float64 CLI values of head h; checks kept candidate rows."""
+    rows = np.nonzero(lay.part == "kept")[0]
+    if rows.size == 0:
+        return
+    b = lay.v64[h, rows]
+    vo = lay.vorig64[h, rows]
+    add = lay.add64[h, rows]
+    aa = a[rows]
+    d = a.shape[1]
+    u = ref.ulp(np.maximum(np.abs(aa), np.abs(b)), dtype)
+    fast = obf["mode"] == "fast"
+    if not fast:
+        rowscale = np.maximum.reduce([np.linalg.norm(b, axis=1), np.linalg.norm(vo, axis=1),
+                                      np.linalg.norm(add, axis=1)]) / math.sqrt(d)
+        tol = 1e-5 * np.maximum(np.abs(b), rowscale[:, None]) + u
+        err = np.abs(aa - b)
+        viol = err > tol
+        if viol.any():
+            bad = np.argwhere(viol)
+            worst = np.unravel_index(np.argmax(err / tol), err.shape)
+            lines = []
+            for (i, j) in [tuple(worst)] + [tuple(x) for x in bad[:MAX_REPORT - 1]]:
+                t = rows[i]
+                lines.append("      %s col %d: cli=%.9g ref=%.9g orig=%.9g |diff|=%.3g tol=%.3g"
+                             % (row_label(lay, h, t), j, aa[i, j], b[i, j], vo[i, j], err[i, j], tol[i, j]))
+            info = lay.obf[h]
+            extra = ""
+            if info is not None:
+                extra = " (ref: rank(Q)=%d, |C|=%d, factor=%.6g, ||delta||=%.6g)" % (
+                    info["Q"].shape[1], info["C"].shape[0], info["factor"], np.linalg.norm(info["delta"]))
+            else:
+                extra = " (ref skipped this head: ||R||_F <= 1e-10)"
+            errs.append("%s layer %d head %d tensor layer.%d.v: %d elements beyond the exact-OBF "
+                        "tolerance%s; worst first:\n%s" % (ctx, l, h, l, len(bad), extra, "\n".join(lines)))
+    else:
+        err = np.linalg.norm(aa - b, axis=1)
+        tol = 1e-3 * np.maximum(np.linalg.norm(b, axis=1), np.linalg.norm(vo, axis=1)) + np.linalg.norm(u, axis=1)
+        info = lay.obf[h]
+        if info is not None:
+            # Subspace iteration converges like (sigma_{m+1} / sigma_p)^(2 iters)
+            # with m = p + oversample directions; where the eigengap is that poor,
+            # allow 10x that factor of |coef_t * factor| * ||rbar|| on top.
+            sr = info["sigma_R"]
+            p, m = obf["p"], min(obf["p"] + obf["oversample"], a.shape[1])
+            conv = 0.0
+            if m < len(sr) and p - 1 < len(sr) and sr[p - 1] > 0:
+                conv = (sr[m] / sr[p - 1]) ** (2 * obf["iters"])
+            tol = tol + 10.0 * conv * np.abs(info["coef"]) * abs(info["factor"]) * np.linalg.norm(info["rbar"])
+        viol = err > tol
+        if viol.any():
+            bad = np.nonzero(viol)[0]
+            lines = []
+            for i in bad[:MAX_REPORT]:
+                lines.append("      %s: ||diff||=%.3g tol=%.3g ||ref||=%.4g ||ref-orig||=%.4g"
+                             % (row_label(lay, h, rows[i]), err[i], tol[i], np.linalg.norm(b[i]),
+                                np.linalg.norm(b[i] - vo[i])))
+            errs.append("%s layer %d head %d tensor layer.%d.v: %d rows beyond the fast-vs-exact "
+                        "tolerance 1e-3:\n%s" % (ctx, l, h, l, len(bad), "\n".join(lines)))
+
+
+def compare_dense(case, refm, tensors, meta, pol, ctx):
+    errs = []
+    check_meta(errs, ctx, case, refm, meta, pol, False)
+    if not check_names(errs, ctx, case, refm, tensors, False, pol):
+        return errs
+    turn = case.turn
+    obf = pol["obf"]
+    for l in range(turn.L):
+        lay = refm.layers[l]
+        check_pos(errs, ctx, refm, tensors, l)
+        k = tensors["layer.%d.k" % l][1]
+        v = tensors["layer.%d.v" % l][1]
+        for h in range(turn.H):
+            check_bitexact(errs, ctx, "layer.%d.k" % l, l, h, k[h], lay.k[h], lay, turn.dtype)
+            if obf is None:
+                check_bitexact(errs, ctx, "layer.%d.v" % l, l, h, v[h], lay.v[h], lay, turn.dtype)
+                continue
+            fixed = np.nonzero(lay.part != "kept")[0]
+            check_bitexact(errs, ctx, "layer.%d.v (history/anchor/gen rows)" % l, l, h, v[h], lay.v[h],
+                           lay, turn.dtype, rows=fixed)
+            s, n = refm.n_anchor, turn.n_prompt
+            n_del = (n - s) - len(lay.kept[h])
+            if len(lay.kept[h]) == 0 or n_del == 0:
+                check_bitexact(errs, ctx, "layer.%d.v (OBF must skip: nothing %s)"
+                               % (l, "kept" if not lay.kept[h] else "deleted"), l, h, v[h], lay.v[h],
+                               lay, turn.dtype)
+            else:
+                check_v_obf(errs, ctx, l, h, ref.to_f64(v[h], turn.dtype), lay, turn.dtype, obf)
+    return errs
+
+
+def f16_ord(x):
+    b = np.asarray(x, dtype=np.float16).view(np.int16).astype(np.int64)
+    return np.where(b < 0, -(b & 0x7FFF), b)
+
+
+def compare_packed(case, refm, tensors, meta, pol, ctx, xk_all, xv_all):
+    """xk_all/xv_all: per layer float64 [H, n, d] of the CLI's unquantized message."""
+    errs = []
+    check_meta(errs, ctx, case, refm, meta, pol, True)
+    if not check_names(errs, ctx, case, refm, tensors, True, pol):
+        return errs, None
+    turn = case.turn
+    q = pol["quant"]
+    bits, group, rot = q["bits"], q["group"], q["rotate"]
+    d = turn.d
+    Hd = ref.hadamard(d) if rot else np.eye(d)
+    decoded = []
+    for l in range(turn.L):
+        lay = refm.layers[l]
+        check_pos(errs, ctx, refm, tensors, l)
+        t = lambda nm: tensors["layer.%d.%s" % (l, nm)][1]  # noqa: E731
+        ck = ref.unpack_codes(t("k.codes"), bits, d)
+        cv = ref.unpack_codes(t("v.codes"), bits, d)
+        ks, kz, vs, vz = t("k.scale"), t("k.zero"), t("v.scale"), t("v.zero")
+        for nm, arr in (("k.scale", ks), ("k.zero", kz), ("v.scale", vs), ("v.zero", vz)):
+            if not np.all(np.isfinite(arr.astype(np.float64))):
+                errs.append("%s layer %d tensor layer.%d.%s has non-finite values" % (ctx, l, l, nm))
+        for nm, sc in (("k.scale", ks), ("v.scale", vs)):
+            if np.any(sc.astype(np.float64) < ref.F16_MIN_SUBNORMAL):
+                errs.append("%s layer %d tensor layer.%d.%s has scales below the smallest fp16 subnormal"
+                            % (ctx, l, l, nm))
+        yk, yv, sk, sv = ref.dequantize_layer(ck, cv, ks, kz, vs, vz, group, rot)
+        decoded.append((yk, yv, ks, kz, vs, vz))
+        n = ck.shape[1]
+        zk = ref.expand_k_stat(kz, n, group)
+        zv = np.broadcast_to(vz.astype(np.float64)[:, :, None], cv.shape)
+        rq = ref.quantize_layer(xk_all[l], xv_all[l], bits, group, rot)
+        for nm, y, x, s_el, z_el, cref, ccli, sc_c, sc_r, z_c, z_r in (
+                ("k", yk, xk_all[l], sk, zk, rq["codes_k"], ck, ks, rq["k_scale"], kz, rq["k_zero"]),
+                ("v", yv, xv_all[l], sv, zv, rq["codes_v"], cv, vs, rq["v_scale"], vz, rq["v_zero"])):
+            e = (y - x) @ Hd
+            xn = np.linalg.norm(x, axis=2, keepdims=True)
+            tol = s_el / 2 + 1e-6 * (xn + np.abs(z_el))
+            viol = np.abs(e) > tol
+            for h in range(x.shape[0]):
+                if viol[h].any():
+                    bad = np.argwhere(viol[h])
+                    lines = ["      %s col %d: decoded=%.9g x=%.9g err(%s domain)=%.3g scale/2=%.3g code=%d"
+                             % (row_label(lay, h, i), j, y[h, i, j], x[h, i, j],
+                                "rotated" if rot else "original", e[h, i, j], s_el[h, i, j] / 2,
+                                ccli[h, i, j]) for (i, j) in bad[:MAX_REPORT]]
+                    errs.append("%s layer %d head %d tensor layer.%d.%s.codes: %d elements with "
+                                "|x_hat - x| > scale/2\n%s" % (ctx, l, h, l, nm, len(bad), "\n".join(lines)))
+            # Stats vs the reference quantizer applied to the CLI's unquantized x.
+            dz = np.abs(f16_ord(z_c) - f16_ord(z_r))
+            ds = np.abs(f16_ord(sc_c) - f16_ord(sc_r))
+            zmax = 1 if rot else 0
+            if dz.size and (dz.max() > zmax or ds.max() > 1):
+                iz = np.unravel_index(np.argmax(dz), dz.shape)
+                i_s = np.unravel_index(np.argmax(ds), ds.shape)
+                errs.append("%s layer %d tensor layer.%d.%s.zero/scale differ from the reference stats: "
+                            "max zero diff %d fp16 ulp at %s (cli=%r ref=%r), max scale diff %d ulp at %s "
+                            "(cli=%r ref=%r)" % (ctx, l, l, nm, dz.max(), iz, float(z_c[iz]), float(z_r[iz]),
+                                                 ds.max(), i_s, float(sc_c[i_s]), float(sc_r[i_s])))
+            # Codes, where both stats agree and the value is not near a rounding tie.
+            same = (f16_ord(z_c) == f16_ord(z_r)) & (f16_ord(sc_c) == f16_ord(sc_r))
+            if nm == "k":
+                same_el = np.repeat(same, group, axis=1)[:, :n, :] if n else np.zeros(ck.shape, bool)
+            else:
+                same_el = np.broadcast_to(same[:, :, None], cv.shape)
+            xr = rq["xk"] if nm == "k" else rq["xv"]
+            u = (xr - z_el) / s_el
+            frac = np.abs(u - np.floor(u) - 0.5)
+            safe = same_el & (frac > 1e-3 + 1e-6 * np.abs(xr) / s_el)
+            badc = safe & (cref != ccli)
+            if badc.any():
+                bad = np.argwhere(badc)
+                lines = ["      head %d %s col %d: cli code=%d ref code=%d (x=%.9g zero=%.9g scale=%.9g)"
+                         % (hh, row_label(lay, hh, i), j, ccli[hh, i, j], cref[hh, i, j], xr[hh, i, j],
+                            z_el[hh, i, j], s_el[hh, i, j]) for (hh, i, j) in bad[:MAX_REPORT]]
+                errs.append("%s layer %d tensor layer.%d.%s.codes: %d codes differ from the reference\n%s"
+                            % (ctx, l, l, nm, len(bad), "\n".join(lines)))
+    return errs, decoded
+
+
+def compare_decoded(case, refm, tensors, meta, pol, ctx, decoded):
+    errs = []
+    check_meta(errs, ctx, case, refm, meta, pol, False, decoded=True)
+    if not check_names(errs, ctx, case, refm, tensors, False, pol):
+        return errs
+    turn = case.turn
+    for l in range(turn.L):
+        lay = refm.layers[l]
+        check_pos(errs, ctx, refm, tensors, l)
+        yk, yv, ks, kz, vs, vz = decoded[l]
+        n = yk.shape[1]
+        zk = np.abs(ref.expand_k_stat(kz, n, pol["quant"]["group"]))
+        zv = np.broadcast_to(np.abs(vz.astype(np.float64))[:, :, None], yv.shape)
+        for nm, y, z in (("k", yk, zk), ("v", yv, zv)):
+            a = ref.to_f64(tensors["layer.%d.%s" % (l, nm)][1], turn.dtype)
+            tol = (ref.ulp(np.maximum(np.abs(a), np.abs(y)), turn.dtype)
+                   + 1e-6 * (np.linalg.norm(y, axis=2, keepdims=True) + z))
+            viol = np.abs(a - y) > tol
+            for h in range(a.shape[0]):
+                if viol[h].any():
+                    bad = np.argwhere(viol[h])
+                    lines = ["      %s col %d: --decode=%.9g packed-decoded=%.9g tol=%.3g"
+                             % (row_label(lay, h, i), j, a[h, i, j], y[h, i, j], tol[h, i, j])
+                             for (i, j) in bad[:MAX_REPORT]]
+                    errs.append("%s layer %d head %d tensor layer.%d.%s (--decode): %d elements differ "
+                                "from decoding the packed codes\n%s"
+                                % (ctx, l, h, l, nm, len(bad), "\n".join(lines)))
+    return errs
+
+
+STATS = {"cli_runs": 0, "policies": 0}
+
+
+def check_policy(case, spec, tmpdir):
+    """Runs the CLI for `spec` on `case` and returns a list of error strings."""
+    ctx = "[%s] policy=%r:" % (case.name, spec)
+    pol = ref.parse_policy(spec)
+    STATS["policies"] += 1
+    out = os.path.join(tmpdir, "msg.safetensors")
+    if pol["quant"] is None:
+        refm = ref.compress(case.turn, pol)
+        rc, text = run_cli(case, spec, out)
+        STATS["cli_runs"] += 1
+        if rc != 0:
+            return ["%s kvrelayctl exited %d: %s" % (ctx, rc, text[-2000:])]
+        tensors, meta = ref.read_safetensors(out)
+        return compare_dense(case, refm, tensors, meta, pol, ctx)
+    # Quantized: unquantized run (x), packed run, --decode run.
+    base = split_spec(spec)
+    errs = check_policy(case, base, tmpdir)
+    if errs:
+        return errs + ["%s (unquantized base %r failed; quantized checks skipped)" % (ctx, base)]
+    bt, _ = ref.read_safetensors(out)
+    xk = [ref.to_f64(bt["layer.%d.k" % l][1], case.turn.dtype) for l in range(case.turn.L)]
+    xv = [ref.to_f64(bt["layer.%d.v" % l][1], case.turn.dtype) for l in range(case.turn.L)]
+    refm = ref.compress(case.turn, pol)
+    rc, text = run_cli(case, spec, out)
+    STATS["cli_runs"] += 1
+    if rc != 0:
+        return ["%s kvrelayctl exited %d: %s" % (ctx, rc, text[-2000:])]
+    tensors, meta = ref.read_safetensors(out)
+    errs, decoded = compare_packed(case, refm, tensors, meta, pol, ctx, xk, xv)
+    if decoded is None:
+        return errs
+    rc, text = run_cli(case, spec, out, decode=True)
+    STATS["cli_runs"] += 1
+    if rc != 0:
+        return errs + ["%s --decode: kvrelayctl exited %d: %s" % (ctx, rc, text[-2000:])]
+    tensors, meta = ref.read_safetensors(out)
+    errs += compare_decoded(case, refm, tensors, meta, pol, ctx + " --decode", decoded)
+    return errs
+
+
+class CliTestCase(unittest.TestCase):
+    def setUp(self):
+        if not KVRELAYCTL or not os.access(KVRELAYCTL, os.X_OK):
+            self.skipTest("kvrelayctl not found (pass --kvrelayctl PATH)")
+        self._tmp = tempfile.TemporaryDirectory()
+        self.tmp = self._tmp.name
+
+    def tearDown(self):
+        self._tmp.cleanup()
+
+    def run_case(self, case, specs):
+        case.write(self.tmp)
+        all_errs = []
+        for spec in specs:
+            errs = check_policy(case, spec, self.tmp)
+            if errs:
+                desc = getattr(case, "desc", "")
+                all_errs.append("---- %s %s policy=%r\n%s" % (case.name, desc, spec, "\n".join(errs)))
+        return all_errs
+
+    def assert_no_errors(self, errs):
+        if errs:
+            text = "\n".join(errs)
+            if len(text) > 60000:
+                text = text[:60000] + "\n... (truncated)"
+            self.fail("\n" + text)
+
+
+# ---------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------
+
+class ReferenceSelfTest(unittest.TestCase):
+    def test_selftest(self):
+        self.assertGreater(ref.selftest(verbose=False), 100)
+
+
+class RandomSeeds(CliTestCase):
+    def test_random_seeds(self):
+        errs = []
+        for seed in range(N_SEEDS):
+            case, rng = random_case(seed)
+            errs += self.run_case(case, random_policies(rng))
+        self.assert_no_errors(errs)
+
+
+def _rank_deficient_case(rng, dtype, name):
+    """Kept rows (highest scores for every score head) are duplicated / exact
+    integer linear combinations, so V_keep has rank 3 < k = 6 < d."""
+    H, g, d, n, s = 2, 2, 16, 30, 2
+    keep = [5, 9, 10, 17, 22, 28]
+    layers_v, layers_s = [], []
+    for _ in range(2):
+        pv = rng.standard_normal((H, n, d))
+        sc = heavy_scores(rng, H * g, n).astype(np.float64) * 0.1
+        for h in range(H):
+            a = rng.integers(-4, 5, d).astype(np.float64)
+            b = rng.integers(-4, 5, d).astype(np.float64)
+            c = rng.integers(-4, 5, d).astype(np.float64)
+            pv[h, keep] = np.stack([a, b, a, a + b, 2 * b - a, c - a])
+        for i, j in enumerate(keep):
+            sc[:, j] = 5.0 + i  # the highest scores: always kept with k=6
+        layers_v.append(pv)
+        layers_s.append(sc.astype(np.float32))
+    case = build_case(name, rng, 2, H, g, d, n, 3, dtype, first_agent=True, scores=layers_s,
+                      values=layers_v)
+    # Sanity: the reference sees rank 3.
+    m = ref.compress(case.turn, "h2o-head:k=6,sinks=%d+obf" % s)
+    for lay in m.layers:
+        for h in range(H):
+            assert lay.kept[h] == keep, lay.kept[h]
+            assert lay.obf[h]["Q"].shape[1] == 3, lay.obf[h]["Q"].shape
+    return case
+
+
+class EdgeCases(CliTestCase):
+    def test_full_identity_all_dtypes(self):
+        rng = np.random.default_rng(7)
+        errs = []
+        for dt in ref.FLOAT_DTYPES:
+            c = build_case("full_" + dt, rng, 2, 3, 2, 16, 23, 4, dt, n_hist=5, first_agent=False,
+                           prompt_pos0=100)
+            errs += self.run_case(c, ["full"])
+            # Explicit identity: message == concatenation of the inputs.
+            msg, _ = ref.read_safetensors(os.path.join(self.tmp, "msg.safetensors"))
+            for l in range(2):
+                for part in ("k", "v"):
+                    want = np.concatenate([c.tensors["layer.%d.history.%s" % (l, part)][1],
+                                           c.tensors["layer.%d.prompt.%s" % (l, part)][1],
+                                           c.tensors["layer.%d.gen.%s" % (l, part)][1]], axis=1)
+                    got = msg.get("layer.%d.%s" % (l, part))
+                    if got is None or got[1].tobytes() != want.tobytes():
+                        errs.append("[full_%s] layer.%d.%s is not the bit-exact concatenation "
+                                    "[history; prompt; gen]" % (dt, l, part))
+        self.assert_no_errors(errs)
+
+    def test_rank_deficient_vkeep(self):
+        rng = np.random.default_rng(11)
+        errs = []
+        for dt in ("F32", "BF16", "F16"):
+            c = _rank_deficient_case(rng, dt, "rankdef_" + dt)
+            specs = ["h2o-head:k=6,sinks=2+obf", "h2o-layer:k=6,sinks=2+obf:p=3,inject=attn",
+                     "h2o-head:k=6,sinks=2+obf:p=20,scale=none"]
+            if dt == "F32":
+                specs.append("h2o-head:k=6,sinks=2+obf:mode=fast")
+            errs += self.run_case(c, specs)
+        self.assert_no_errors(errs)
+
+    def test_k_at_least_candidates(self):
+        rng = np.random.default_rng(12)
+        c = build_case("k_ge_cand", rng, 2, 2, 1, 16, 20, 3, "F32")
+        self.assert_no_errors(self.run_case(c, [
+            "h2o-head:k=16+obf", "h2o-layer:k=16,sinks=4+obf", "h2o-head:k=100+obf:inject=attn",
+            "h2o-layer:k=17+obf"]))
+
+    def test_prompt_shorter_than_sinks(self):
+        rng = np.random.default_rng(13)
+        errs = []
+        for n in (0, 1, 3):
+            for fa in (True, False):
+                c = build_case("short%d_%s" % (n, fa), rng, 1, 2, 2, 8, n, 2, "F32", first_agent=fa)
+                errs += self.run_case(c, ["full", "gen", "h2o-layer:k=2+obf", "h2o-head:k=1,recent=2+obf",
+                                          "h2o-head:k=2+int4"])
+        self.assert_no_errors(errs)
+
+    def test_all_zero_scores(self):
+        rng = np.random.default_rng(14)
+        H, g, n = 2, 3, 25
+        zeros = [np.zeros((H * g, n), np.float32)] * 2
+        c = build_case("zero_scores", rng, 2, H, g, 16, n, 4, "F32", scores=zeros)
+        specs = []
+        for sel in ("h2o-layer", "h2o-head"):
+            for inj in ("uniform", "attn"):
+                for sc in ("ad_over_as", "ad_frac", "ad", "none"):
+                    specs.append("%s:k=5+obf:inject=%s,scale=%s" % (sel, inj, sc))
+        specs.append("h2o-head:k=5,recent=3")
+        self.assert_no_errors(self.run_case(c, specs))
+
+    def test_tied_scores(self):
+        rng = np.random.default_rng(15)
+        H, g, n = 3, 1, 40
+        sc = [rng.integers(0, 3, (H * g, n)).astype(np.float32) for _ in range(2)]
+        c = build_case("ties", rng, 2, H, g, 8, n, 2, "F32", scores=sc)
+        self.assert_no_errors(self.run_case(c, ["h2o-layer:k=7", "h2o-head:k=7", "h2o-head:k=9,recent=3+obf",
+                                                "h2o-layer:k=1,sinks=0"]))
+
+    def test_d_less_than_k(self):
+        rng = np.random.default_rng(16)
+        errs = []
+        for dt in ("F32", "BF16"):
+            c = build_case("d_lt_k_" + dt, rng, 2, 2, 1, 8, 40, 3, dt)
+            errs += self.run_case(c, ["h2o-head:k=12+obf", "h2o-layer:k=8+obf:p=8", "h2o-head:k=12+obf:mode=fast"])
+        self.assert_no_errors(errs)
+
+    def test_recent_window(self):
+        rng = np.random.default_rng(17)
+        c = build_case("recent", rng, 2, 2, 2, 16, 30, 3, "F32", n_hist=4)
+        self.assert_no_errors(self.run_case(c, [
+            "h2o-layer:k=3,recent=5", "h2o-head:k=3,recent=5+obf", "h2o-head:k=3,recent=40+obf",
+            "h2o-layer:k=40,recent=5+obf", "h2o-head:recent=1,k=1,sinks=0+obf:inject=attn"]))
+
+    def test_every_obf_option(self):
+        rng = np.random.default_rng(18)
+        errs = []
+        for dt in ("F32", "BF16"):
+            c = build_case("obf_opts_" + dt, rng, 2, 2, 2, 16, 50, 4, dt, n_hist=3)
+            specs = []
+            for sel in ("h2o-layer", "h2o-head"):
+                for inj in ("uniform", "attn"):
+                    for sc in ("ad_over_as", "ad_frac", "ad", "none"):
+                        specs.append("%s:k=10+obf:p=4,inject=%s,scale=%s" % (sel, inj, sc))
+            if dt == "F32":
+                for sel in ("h2o-layer", "h2o-head"):
+                    specs.append("%s:k=10+obf:p=4,mode=fast" % sel)
+                    specs.append("%s:k=10+obf:p=4,mode=fast,inject=attn,scale=ad_frac,iters=20,oversample=12" % sel)
+            errs += self.run_case(c, specs)
+        self.assert_no_errors(errs)
+
+    def test_p_larger_than_residual_rank(self):
+        rng = np.random.default_rng(19)
+        errs = []
+        # 10 kept rows of d=16 -> residual rank <= 6 < p=12.
+        c = build_case("p_gt_rank_a", rng, 1, 2, 1, 16, 40, 2, "F32")
+        errs += self.run_case(c, ["h2o-head:k=10+obf:p=12", "h2o-layer:k=10+obf:p=16,inject=attn"])
+        # Only 2 deleted rows -> rank(R) <= 2 < p=8.
+        c = build_case("p_gt_rank_b", rng, 1, 2, 1, 32, 20, 2, "F32")
+        errs += self.run_case(c, ["h2o-head:k=14+obf:p=8", "h2o-layer:k=14+obf"])
+        self.assert_no_errors(errs)
+
+    def test_history_positions_and_pos0(self):
+        rng = np.random.default_rng(20)
+        errs = []
+        c = build_case("hist_far", rng, 2, 3, 1, 8, 12, 5, "F32", n_hist=7, first_agent=False,
+                       prompt_pos0=2 ** 31 - 1 - 17)
+        errs += self.run_case(c, ["full", "gen", "h2o-head:k=3", "h2o-layer:k=3+obf+int8"])
+        c = build_case("hist_default_pos0", rng, 1, 2, 1, 8, 9, 2, "BF16", n_hist=6)
+        errs += self.run_case(c, ["full", "gen:sinks=2", "h2o-head:k=2,sinks=1+obf"])
+        c = build_case("hist_empty", rng, 1, 2, 1, 8, 9, 2, "F32", n_hist=0)
+        errs += self.run_case(c, ["full", "h2o-head:k=2+obf"])
+        self.assert_no_errors(errs)
+
+    def test_quantizers(self):
+        rng = np.random.default_rng(21)
+        errs = []
+        for dt in ("F32", "BF16", "F16"):
+            c = build_case("quant_" + dt, rng, 2, 2, 2, 32, 45, 6, dt, n_hist=3)
+            specs = []
+            for bits in (8, 4, 2):
+                for grp in (1, 7, 32, 1000):
+                    specs.append("h2o-head:k=9+int%d:group=%d" % (bits, grp))
+                if bits != 8:
+                    specs.append("h2o-layer:k=9+obf+int%d:rotate=hadamard" % bits)
+                    specs.append("full+int%d:group=5,rotate=hadamard" % bits)
+            specs.append("gen+int8")
+            errs += self.run_case(c, specs)
+        self.assert_no_errors(errs)
+
+    def test_gqa_reduction(self):
+        rng = np.random.default_rng(22)
+        errs = []
+        for g in (1, 2, 3, 4):
+            c = build_case("gqa%d" % g, rng, 1, 2, g, 8, 30, 1, "F32")
+            errs += self.run_case(c, ["h2o-head:k=4", "h2o-layer:k=4", "h2o-head:k=4+obf:inject=attn"])
+        self.assert_no_errors(errs)
+
+
+class Rejections(CliTestCase):
+    """Invalid specs and turns must fail with a nonzero exit status."""
+
+    def _expect_fail(self, case, spec, why):
+        out = os.path.join(self.tmp, "bad.safetensors")
+        rc, text = run_cli(case, spec, out)
+        return [] if rc != 0 else ["[%s] policy=%r: expected failure (%s) but exit 0" % (case.name, spec, why)]
+
+    def test_bad_specs(self):
+        rng = np.random.default_rng(30)
+        c = build_case("reject", rng, 1, 2, 1, 8, 12, 2, "F32")
+        c.write(self.tmp)
+        errs = []
+        for spec, why in (("obf", "obf without selector"), ("full+obf", "obf after full"),
+                          ("gen+obf", "obf after gen"), ("h2o-head+int4+obf", "obf after quantizer"),
+                          ("h2o-head+int8:rotate=hadamard", "rotate with int8"),
+                          ("h2o-head+int4+int8", "two quantizers"), ("h2o-head:bogus=1", "unknown key"),
+                          ("nope", "unknown stage"), ("h2o-head:k=4+obf:mode=slow", "bad mode")):
+            errs += self._expect_fail(c, spec, why)
+        self.assert_no_errors(errs)
+
+    def test_bad_turns(self):
+        rng = np.random.default_rng(31)
+        errs = []
+        c = build_case("neg_score", rng, 1, 2, 1, 8, 6, 1, "F32")
+        c.tensors["layer.0.prompt.score"][1][0, 2] = -1.0
+        c.write(self.tmp)
+        errs += self._expect_fail(c, "full", "negative score")
+        c = build_case("nan_v", rng, 1, 2, 1, 8, 6, 1, "F32")
+        c.tensors["layer.0.prompt.v"][1][1, 2, 3] = np.nan
+        c.write(self.tmp)
+        errs += self._expect_fail(c, "full", "NaN value")
+        c = build_case("bad_S", rng, 1, 2, 1, 8, 6, 1, "F32")
+        c.tensors["layer.0.prompt.score"] = ("F32", np.ones((3, 6), np.float32))
+        c.write(self.tmp)
+        errs += self._expect_fail(c, "full", "S not a multiple of H")
+        self.assert_no_errors(errs)
+
+
+if __name__ == "__main__":
+    prog = unittest.main(exit=False, verbosity=2 if "-v" in sys.argv else 1)
+    print("reference test: %d policies checked, %d kvrelayctl runs" % (STATS["policies"], STATS["cli_runs"]))
+    for n in NOTES:
+        print("note:", n)
+    sys.exit(0 if prog.result.wasSuccessful() else 1)
