@@ -196,6 +196,9 @@ std::optional<Failure> Compress(int argc, char** argv) {
   const auto stop = std::chrono::steady_clock::now();
   if (!msg.ok()) return Runtime(msg.status());
   const double ms = std::chrono::duration<double, std::milli>(stop - start).count();
+  // What the relay sends; with --decode the file itself holds dense tensors
+  // and its metadata describes those.
+  const uint64_t sent_bytes = msg->sent_bytes;
   if (decode) {
     absl::Status s = DequantizeMessage(&*msg, dtype);
     if (!s.ok()) return Runtime(s);
@@ -205,8 +208,8 @@ std::optional<Failure> Compress(int argc, char** argv) {
   std::printf("policy=%s layers=%zu history=%d anchor=%d kept=%d gen=%d full_bytes=%" PRIu64
               " sent_bytes=%" PRIu64 " ratio=%s compress_ms=%.3f threads=%d%s\n",
               msg->policy.c_str(), msg->layers.size(), msg->n_history, msg->n_anchor, msg->n_kept,
-              msg->n_gen, msg->full_bytes, msg->sent_bytes,
-              Ratio(msg->full_bytes, msg->sent_bytes).c_str(), ms, static_cast<int>(threads),
+              msg->n_gen, msg->full_bytes, sent_bytes,
+              Ratio(msg->full_bytes, sent_bytes).c_str(), ms, static_cast<int>(threads),
               decode ? " decoded=true" : "");
   return std::nullopt;
 }

@@ -84,17 +84,19 @@ Matrix ColumnBasis(const Matrix& a, double rel_tol) {
   return q;
 }
 
-// G = P S P with P = I - Q Q^T, from small d x d and d x r products only.
+// G = P S P with P = I - Q Q^T, as a rank-2r update of S:
+// with W = S Q and Z = W - Q (Q^T W) / 2, G = S - Q Z^T - Z Q^T.
 template <typename Matrix>
 Matrix ProjectGram(const Matrix& s, const Matrix& q) {
+  using Scalar = typename Matrix::Scalar;
   if (q.cols() == 0) return s;
-  const Matrix sq = s * q;                    // d x r
-  const Matrix m = q.transpose() * sq;        // r x r
+  Matrix z = s * q;                                    // d x r
+  const Matrix m = q.transpose() * z;                  // r x r
+  z.noalias() -= Scalar(0.5) * (q * m);
   Matrix g = s;
-  g.noalias() -= q * sq.transpose();
-  g.noalias() -= sq * q.transpose();
-  g.noalias() += q * (m * q.transpose());
-  return (0.5 * (g + g.transpose())).eval();
+  g.noalias() -= q * z.transpose();
+  g.noalias() -= z * q.transpose();
+  return g;
 }
 
 // Deterministic standard-normal start vectors (SplitMix64 + Box-Muller).
@@ -287,34 +289,24 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   thread_local Eigen::MatrixXd del;
   del.resize(n_del, d);
   for (int i = 0; i < n_del; ++i) del.row(i) = vm.row(split.del[i]).cast<double>();
-  // Full orthogonal basis [Q B] of R^d from a rank-revealing QR of V_keep^T:
-  // Q spans the kept rows, B the complement where R = V_del B B^T lives.
-  Eigen::ColPivHouseholderQR<Eigen::MatrixXd> qr(keep_t);
-  qr.setThreshold(1e-9);
-  const int r = static_cast<int>(qr.rank());
-  Eigen::MatrixXd basis = Eigen::MatrixXd::Identity(d, d);
-  basis.applyOnTheLeft(qr.householderQ());
-  out.q = basis.leftCols(r);
+  out.q = ColumnBasis(keep_t, 1e-9);
+  const int r = static_cast<int>(out.q.cols());
   if (r == d) return out;  // V_keep spans everything: R = 0
-  const Eigen::MatrixXd b = basis.rightCols(d - r);
 
   thread_local Eigen::MatrixXd s;
   s.setZero(d, d);
   s.selfadjointView<Eigen::Lower>().rankUpdate(del.transpose());
   s.triangularView<Eigen::StrictlyUpper>() = s.transpose();
-  // G' = B^T S B is R^T R in the complement's coordinates.
-  const Eigen::MatrixXd sb = s * b;
-  Eigen::MatrixXd g = b.transpose() * sb;
-  g = (0.5 * (g + g.transpose())).eval();
-  // ||R||_F^2 = trace(G'); near zero the trace loses digits, so decide on R itself.
+  const Eigen::MatrixXd g = ProjectGram(s, out.q);  // R^T R
+  // ||R||_F^2 = trace(G); near zero the trace loses digits, so decide on R itself.
   if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
     const Eigen::MatrixXd res = del - (del * out.q) * out.q.transpose();
     if (res.norm() <= kSkipResidual) return out;
   }
-  const Eigen::MatrixXd u = TopEigenvectors(g, opts.p, 1e-12);  // (d-r) x p'
-  out.c = (b * u).transpose();
+  out.c = TopEigenvectors(g, opts.p, 1e-12).transpose();
   const Eigen::VectorXd w = ResidualWeights<double>(scores, split.del);
-  const Eigen::VectorXd rbar = b * (b.transpose() * (del.transpose() * w));
+  Eigen::VectorXd rbar = del.transpose() * w;
+  rbar -= out.q * (out.q.transpose() * rbar);
   Finish(opts, scores, kept, split, rbar, &out);
   return out;
 }
@@ -347,7 +339,9 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
 
   // rank(G) <= min(d - r, n_del): more directions would only add noise.
   const int m = std::min({d - r, n_del, opts.p + opts.oversample});
-  Eigen::MatrixXf x = StartVectors(d, m);
+  thread_local Eigen::MatrixXf start;
+  if (start.rows() != d || start.cols() != m) start = StartVectors(d, m);
+  Eigen::MatrixXf x = start;
   x.noalias() -= q * (q.transpose() * x);
   Eigen::MatrixXf y(d, m);
   for (int it = 0; it < opts.iters; ++it) {

@@ -1,6 +1,7 @@
 #include "core/pipeline.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 
@@ -319,6 +320,7 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
   out.v = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.pos = PosTensor(heads, n_out);
 
+  std::vector<absl::Status> head_status(heads);
   ParallelFor(pool, heads, [&](size_t hi) {
     const int h = static_cast<int>(hi);
     int t = 0;
@@ -344,15 +346,27 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
                                    absl::MakeConstSpan(scores).subspan(static_cast<size_t>(h) * n_prompt + n_anchor, n_cand),
                                    kept_local);
     if (!obf.applied) return;
-    std::vector<float> row(d);
+    std::vector<float> row(d), check(d);
     for (int i = 0; i < n_kept; ++i) {
       const float* src = v.data() + static_cast<size_t>(kept_local[i]) * d;
       for (int c = 0; c < d; ++c) {
         row[c] = static_cast<float>(static_cast<double>(src[c]) + obf.weights[i] * obf.delta[c]);
       }
       out.v.WriteRow(h, kept_begin + i, row.data());
+      out.v.ReadRow(h, kept_begin + i, check.data());
+      for (int c = 0; c < d; ++c) {
+        if (!std::isfinite(check[c])) {
+          head_status[h] = absl::InvalidArgumentError(absl::StrCat(
+              "layer.", ctx.layer, ".prompt.v: obf backfill overflows ", DTypeName(geo.dtype),
+              " at head ", h, " position ", pos0 + sel.kept[h][i],
+              " (value ", row[c], "); the scale factor A_del/A_keep explodes when the kept "
+              "tokens have almost no attention, use obf:scale=ad_frac or a wider dtype"));
+          return;
+        }
+      }
     }
   });
+  for (const absl::Status& s : head_status) KVRELAY_RETURN_IF_ERROR(s);
 
   if (config_.quant) {
     KVRELAY_ASSIGN_OR_RETURN(QuantizedKv q, QuantizeKv(out.k, out.v, *config_.quant));

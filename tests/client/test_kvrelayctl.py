@@ -377,6 +377,8 @@ class CliTest(unittest.TestCase):
         # Decoded bytes are dense bytes; the packed message is smaller.
         self.assertEqual(dmeta["sent_bytes"], rmeta["sent_bytes"])
         self.assertLess(int(qmeta["sent_bytes"]), int(dmeta["sent_bytes"]))
+        # The summary line still reports what the relay sends: the packed bytes.
+        self.assertIn(" sent_bytes=%s " % qmeta["sent_bytes"], p.stdout)
         for name in r:
             self.assertEqual(d[name][:2], r[name][:2], name)
             if name.endswith(".pos"):

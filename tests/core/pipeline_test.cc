@@ -250,6 +250,26 @@ TEST(PipelineTest, ObfChangesOnlyKeptValues) {
   }
 }
 
+TEST(PipelineTest, ObfOverflowIsAnErrorNotInf) {
+  // h2o-layer keeps tokens that only head 0 attends to; head 1 has A_keep = 0
+  // and A_del > 0, so ad_over_as scales its delta by ~1e12: beyond F16.
+  TurnShape s;
+  s.dtype = DType::kF16;
+  s.layers = 1;
+  s.group = 1;
+  Turn turn = RandomTurn(s, 23);
+  ScoreMatrix& sc = turn.layers[0].scores;
+  for (int j = 0; j < 40; ++j) {
+    sc.at(0, j) = j < 12 ? 100.f : 0.f;
+    sc.at(1, j) = j < 12 ? 0.f : 1.f;
+  }
+  auto m = (*Pipeline::Create("h2o-layer:k=8+obf"))->Compress(turn);
+  ASSERT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("layer.0.prompt.v: obf backfill overflows F16 at head 1"));
+  // A bounded scale mode compresses the same turn.
+  EXPECT_TRUE((*Pipeline::Create("h2o-layer:k=8+obf:scale=ad_frac"))->Compress(turn).ok());
+}
+
 TEST(PipelineTest, RejectsInvalidTurnsAndOptions) {
   TurnShape s;
   Turn turn = RandomTurn(s, 19);
