@@ -56,7 +56,7 @@ void BM_Memcpy(benchmark::State& state) {
 }
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-void BM_Compress(benchmark::State& state, const char* spec) {
+void Run(benchmark::State& state, const char* spec, bool validated) {
   const Turn& turn = Qwen14BTurn();
   auto pipeline = Pipeline::Create(spec);
   if (!pipeline.ok()) {
@@ -68,7 +68,8 @@ void BM_Compress(benchmark::State& state, const char* spec) {
   if (threads > 1) pool = std::make_unique<ThreadPool>(threads);
   double ratio = 0;
   for (auto _ : state) {
-    auto msg = (*pipeline)->Compress(turn, pool.get());
+    auto msg = validated ? (*pipeline)->CompressValidated(turn, pool.get())
+                         : (*pipeline)->Compress(turn, pool.get());
     if (!msg.ok()) {
       state.SkipWithError(std::string(msg.status().message()).c_str());
       return;
@@ -80,6 +81,11 @@ void BM_Compress(benchmark::State& state, const char* spec) {
   state.counters["ratio"] = ratio;
 }
 
+// Compress: validates every K/V value, then compresses.
+void BM_Compress(benchmark::State& state, const char* spec) { Run(state, spec, false); }
+// CompressValidated: the values were checked before (file reader, relay).
+void BM_CompressValidated(benchmark::State& state, const char* spec) { Run(state, spec, true); }
+
 void Threads(benchmark::internal::Benchmark* b) {
   b->Arg(1);
   if (ThreadPool::HardwareThreads() > 1) b->Arg(ThreadPool::HardwareThreads());
@@ -90,6 +96,9 @@ BENCHMARK_CAPTURE(BM_Compress, full, "full")->Apply(Threads);
 BENCHMARK_CAPTURE(BM_Compress, gen, "gen")->Apply(Threads);
 BENCHMARK_CAPTURE(BM_Compress, h2o_layer, "h2o-layer:k=32")->Apply(Threads);
 BENCHMARK_CAPTURE(BM_Compress, h2o_head, "h2o-head:k=32")->Apply(Threads);
+BENCHMARK_CAPTURE(BM_CompressValidated, gen, "gen")->Apply(Threads);
+BENCHMARK_CAPTURE(BM_CompressValidated, h2o_layer, "h2o-layer:k=32")->Apply(Threads);
+BENCHMARK_CAPTURE(BM_CompressValidated, h2o_head, "h2o-head:k=32")->Apply(Threads);
 BENCHMARK_CAPTURE(BM_Compress, l_obf_exact, "h2o-layer:k=32+obf:p=8")->Apply(Threads);
 BENCHMARK_CAPTURE(BM_Compress, h_obf_exact, "h2o-head:k=32+obf:p=8")->Apply(Threads);
 BENCHMARK_CAPTURE(BM_Compress, h_obf_fast, "h2o-head:k=32+obf:p=8,mode=fast")->Apply(Threads);

@@ -192,7 +192,8 @@ std::optional<Failure> Compress(int argc, char** argv) {
   std::unique_ptr<ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<ThreadPool>(static_cast<int>(threads));
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<Message> msg = (*pipeline)->Compress(*turn, pool.get());
+  // ReadTurnFile validated every value already.
+  absl::StatusOr<Message> msg = (*pipeline)->CompressValidated(*turn, pool.get());
   const auto stop = std::chrono::steady_clock::now();
   if (!msg.ok()) return Runtime(msg.status());
   const double ms = std::chrono::duration<double, std::milli>(stop - start).count();

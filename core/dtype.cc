@@ -44,7 +44,6 @@ uint16_t FloatToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-float Bf16ToFloat(uint16_t h) { return FromBits(static_cast<uint32_t>(h) << 16); }
 
 uint16_t FloatToF16(float f) {
   const uint32_t u = Bits(f);

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include "absl/strings/string_view.h"
 
@@ -26,7 +27,12 @@ absl::string_view DTypeName(DType dtype);
 std::optional<DType> ParseDType(absl::string_view name);
 
 uint16_t FloatToBf16(float f);
-float Bf16ToFloat(uint16_t h);
+inline float Bf16ToFloat(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 uint16_t FloatToF16(float f);
 float F16ToFloat(uint16_t h);
 

@@ -149,7 +149,10 @@ void CountBelow(const Eigen::VectorXd& a, const Eigen::VectorXd& b2, const doubl
 // full solver is never done.
 Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol) {
   const int n = static_cast<int>(g.rows());
-  Eigen::Tridiagonalization<Eigen::MatrixXd> tri(g);
+  // Reused per thread: its d x d workspace would otherwise be a fresh
+  // (page-faulting) allocation for every head.
+  thread_local Eigen::Tridiagonalization<Eigen::MatrixXd> tri;
+  tri.compute(g);
   const Eigen::VectorXd diag = tri.diagonal();
   const Eigen::VectorXd sub = tri.subDiagonal();
   double lo = diag[0], hi = diag[0];
@@ -239,29 +242,31 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
   return tri.matrixQ() * x;
 }
 
-// Orthonormalizes the columns of y into x: Cholesky QR with the Gram matrix
-// in float64, or Householder QR when y is (numerically) rank deficient.
 // One Cholesky-QR pass: x = y R^-1 with R^T R = y^T y. False when y is too
 // ill-conditioned for it.
 bool CholeskyQr(const Eigen::MatrixXf& y, Eigen::MatrixXf* x) {
   const Eigen::MatrixXd gram = (y.transpose() * y).cast<double>();
   Eigen::LLT<Eigen::MatrixXd> llt(gram);
-  const double max_diag = gram.diagonal().maxCoeff();
-  if (llt.info() != Eigen::Success || !(max_diag > 0)) return false;
+  if (llt.info() != Eigen::Success) return false;
   const Eigen::MatrixXd l = llt.matrixL();
-  if (!(l.diagonal().minCoeff() > 1e-3 * std::sqrt(max_diag))) return false;
+  // l(i,i) / |y_i| is the sine of the angle between column i and the span of
+  // the columns before it; column scale does not matter.
+  for (int i = 0; i < l.rows(); ++i) {
+    if (!(l(i, i) > 1e-3 * std::sqrt(gram(i, i)))) return false;
+  }
   const Eigen::MatrixXf rf = l.transpose().cast<float>();
   *x = y;
   rf.triangularView<Eigen::Upper>().solveInPlace<Eigen::OnTheRight>(*x);
   return true;
 }
 
-// Orthonormalizes the columns of y into x: Cholesky QR twice (the second
-// pass restores orthogonality to float precision), or Householder QR when y
-// is too ill-conditioned.
-void Orthonormalize(const Eigen::MatrixXf& y, Eigen::MatrixXf* x) {
+// Orthonormalizes the columns of y into x by Cholesky QR, or Householder QR
+// when y is too ill-conditioned for it. One pass leaves x well conditioned,
+// which is all the inner iterations need; `twice` adds a second pass that
+// restores orthogonality to float precision, for the Rayleigh-Ritz step.
+void Orthonormalize(const Eigen::MatrixXf& y, bool twice, Eigen::MatrixXf* x) {
   thread_local Eigen::MatrixXf once;
-  if (CholeskyQr(y, &once) && CholeskyQr(once, x)) return;
+  if (CholeskyQr(y, twice ? &once : x) && (!twice || CholeskyQr(once, x))) return;
   Eigen::HouseholderQR<Eigen::MatrixXf> qr(y);
   x->setIdentity(y.rows(), y.cols());
   x->applyOnTheLeft(qr.householderQ());
@@ -346,7 +351,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::MatrixXf y(d, m);
   for (int it = 0; it < opts.iters; ++it) {
     y.noalias() = g * x;
-    Orthonormalize(y, &x);
+    Orthonormalize(y, /*twice=*/it + 1 == opts.iters, &x);
   }
   // Rayleigh-Ritz on span(x).
   y.noalias() = g * x;

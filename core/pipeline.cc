@@ -304,25 +304,31 @@ void Pipeline::CountTokens(const TurnGeometry& geo, bool first_agent, Message* m
   }
 }
 
-absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
-                                                     const LayerContext& ctx, ThreadPool* pool) const {
-  const int heads = geo.kv_heads, d = geo.head_dim, n_prompt = geo.n_prompt;
-  const std::vector<double> scores = ReduceScores(layer.scores, heads);
-  const Selection sel = Select(config_.select, scores, heads, n_prompt, ctx.first_agent);
-  const int n_anchor = sel.n_anchor;
-  const int n_kept = static_cast<int>(sel.kept[0].size());
-  const int n_hist = geo.n_history;
-  const int n_out = n_hist + n_anchor + n_kept + geo.n_gen;
-  const int32_t pos0 = static_cast<int32_t>(ctx.prompt_pos0);
-
+// One layer in flight: what selection decided, and the output being built.
+struct Pipeline::LayerWork {
+  std::vector<double> scores;  // [kv_heads, n_prompt]
+  Selection sel;
+  int kept_begin = 0;          // token index of the first kept candidate in `out`
   MessageLayer out;
+  std::vector<absl::Status> head_status;
+};
+
+void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                             LayerWork* w) const {
+  const int heads = geo.kv_heads, d = geo.head_dim, n_prompt = geo.n_prompt;
+  w->scores = ReduceScores(layer.scores, heads);
+  w->sel = Select(config_.select, w->scores, heads, n_prompt, ctx.first_agent);
+  const int n_anchor = w->sel.n_anchor;
+  const int n_hist = geo.n_history;
+  const int n_out = n_hist + n_anchor + static_cast<int>(w->sel.kept[0].size()) + geo.n_gen;
+  const int32_t pos0 = static_cast<int32_t>(ctx.prompt_pos0);
+  w->kept_begin = n_hist + n_anchor;
+  w->head_status.assign(heads, absl::OkStatus());
+  MessageLayer& out = w->out;
   out.k = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.v = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.pos = PosTensor(heads, n_out);
-
-  std::vector<absl::Status> head_status(heads);
-  ParallelFor(pool, heads, [&](size_t hi) {
-    const int h = static_cast<int>(hi);
+  for (int h = 0; h < heads; ++h) {
     int t = 0;
     auto copy = [&](const KvTensor& k, const KvTensor& v, int src, int32_t pos) {
       out.k.CopyRow(h, t, k, h, src);
@@ -332,85 +338,127 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
     };
     for (int j = 0; j < n_hist; ++j) copy(layer.history_k, layer.history_v, j, layer.history_pos.at(h, j));
     for (int j = 0; j < n_anchor; ++j) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j);
-    const int kept_begin = t;
-    for (int j : sel.kept[h]) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j);
+    for (int j : w->sel.kept[h]) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j);
     for (int j = 0; j < geo.n_gen; ++j) copy(layer.gen_k, layer.gen_v, j, pos0 + n_prompt + j);
+  }
+}
 
-    if (!config_.obf || n_kept == 0) return;
-    const int n_cand = n_prompt - n_anchor;
-    std::vector<float> v(static_cast<size_t>(n_cand) * d);
-    for (int j = 0; j < n_cand; ++j) layer.prompt_v.ReadRow(h, n_anchor + j, v.data() + static_cast<size_t>(j) * d);
-    std::vector<int> kept_local(sel.kept[h]);
-    for (int& j : kept_local) j -= n_anchor;
-    const ObfHead obf = ComputeObf(*config_.obf, v, n_cand, d,
-                                   absl::MakeConstSpan(scores).subspan(static_cast<size_t>(h) * n_prompt + n_anchor, n_cand),
-                                   kept_local);
-    if (!obf.applied) return;
-    std::vector<float> row(d), check(d);
-    for (int i = 0; i < n_kept; ++i) {
-      const float* src = v.data() + static_cast<size_t>(kept_local[i]) * d;
-      for (int c = 0; c < d; ++c) {
-        row[c] = static_cast<float>(static_cast<double>(src[c]) + obf.weights[i] * obf.delta[c]);
-      }
-      out.v.WriteRow(h, kept_begin + i, row.data());
-      out.v.ReadRow(h, kept_begin + i, check.data());
-      for (int c = 0; c < d; ++c) {
-        if (!std::isfinite(check[c])) {
-          head_status[h] = absl::InvalidArgumentError(absl::StrCat(
-              "layer.", ctx.layer, ".prompt.v: obf backfill overflows ", DTypeName(geo.dtype),
-              " at head ", h, " position ", pos0 + sel.kept[h][i],
-              " (value ", row[c], "); the scale factor A_del/A_keep explodes when the kept "
-              "tokens have almost no attention, use obf:scale=ad_frac or a wider dtype"));
-          return;
-        }
+void Pipeline::BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                            int h, LayerWork* w) const {
+  const int d = geo.head_dim, n_prompt = geo.n_prompt;
+  const int n_anchor = w->sel.n_anchor;
+  const std::vector<int>& kept = w->sel.kept[h];
+  const int n_kept = static_cast<int>(kept.size());
+  if (!config_.obf || n_kept == 0) return;
+  const int n_cand = n_prompt - n_anchor;
+  // Per-thread: a fresh buffer this size per head costs page faults.
+  thread_local std::vector<float> v;
+  v.resize(static_cast<size_t>(n_cand) * d);
+  for (int j = 0; j < n_cand; ++j) layer.prompt_v.ReadRow(h, n_anchor + j, v.data() + static_cast<size_t>(j) * d);
+  std::vector<int> kept_local(kept);
+  for (int& j : kept_local) j -= n_anchor;
+  const ObfHead obf = ComputeObf(
+      *config_.obf, v, n_cand, d,
+      absl::MakeConstSpan(w->scores).subspan(static_cast<size_t>(h) * n_prompt + n_anchor, n_cand),
+      kept_local);
+  if (!obf.applied) return;
+  std::vector<float> row(d), check(d);
+  for (int i = 0; i < n_kept; ++i) {
+    const float* src = v.data() + static_cast<size_t>(kept_local[i]) * d;
+    for (int c = 0; c < d; ++c) {
+      row[c] = static_cast<float>(static_cast<double>(src[c]) + obf.weights[i] * obf.delta[c]);
+    }
+    const int t = w->kept_begin + i;
+    w->out.v.WriteRow(h, t, row.data());
+    w->out.v.ReadRow(h, t, check.data());
+    for (int c = 0; c < d; ++c) {
+      if (!std::isfinite(check[c])) {
+        w->head_status[h] = absl::InvalidArgumentError(absl::StrCat(
+            "layer.", ctx.layer, ".prompt.v: obf backfill overflows ", DTypeName(geo.dtype),
+            " at head ", h, " position ", ctx.prompt_pos0 + kept[i], " (value ", row[c],
+            "); the scale factor A_del/A_keep explodes when the kept tokens have almost no "
+            "attention, use obf:scale=ad_frac or a wider dtype"));
+        return;
       }
     }
-  });
-  for (const absl::Status& s : head_status) KVRELAY_RETURN_IF_ERROR(s);
-
-  if (config_.quant) {
-    KVRELAY_ASSIGN_OR_RETURN(QuantizedKv q, QuantizeKv(out.k, out.v, *config_.quant));
-    q.dtype = geo.dtype;
-    out.quant = std::move(q);
-    out.k = KvTensor(geo.dtype, 0, 0, d);
-    out.v = KvTensor(geo.dtype, 0, 0, d);
   }
-  return out;
+}
+
+absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, LayerWork* w) const {
+  for (const absl::Status& s : w->head_status) KVRELAY_RETURN_IF_ERROR(s);
+  if (config_.quant) {
+    KVRELAY_ASSIGN_OR_RETURN(QuantizedKv q, QuantizeKv(w->out.k, w->out.v, *config_.quant));
+    q.dtype = geo.dtype;
+    w->out.quant = std::move(q);
+    w->out.k = KvTensor(geo.dtype, 0, 0, geo.head_dim);
+    w->out.v = KvTensor(geo.dtype, 0, 0, geo.head_dim);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
+                                                     const LayerContext& ctx, ThreadPool* pool) const {
+  if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, geo.head_dim));
+  KVRELAY_RETURN_IF_ERROR(ValidateTurnLayer(layer, ctx.layer, geo, ctx.prompt_pos0, /*check_kv_values=*/false));
+  LayerWork w;
+  SelectAndCopy(layer, geo, ctx, &w);
+  ParallelFor(pool, config_.obf ? geo.kv_heads : 0,
+              [&](size_t h) { BackfillHead(layer, geo, ctx, static_cast<int>(h), &w); });
+  KVRELAY_RETURN_IF_ERROR(FinishLayer(geo, &w));
+  return std::move(w.out);
 }
 
 absl::StatusOr<Message> Pipeline::Compress(const Turn& turn, ThreadPool* pool) const {
+  return CompressImpl(turn, pool, /*check_kv_values=*/true);
+}
+
+absl::StatusOr<Message> Pipeline::CompressValidated(const Turn& turn, ThreadPool* pool) const {
+  return CompressImpl(turn, pool, /*check_kv_values=*/false);
+}
+
+absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* pool,
+                                               bool check_kv_values) const {
   KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
   if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, geo.head_dim));
-  LayerContext ctx;
-  ctx.first_agent = turn.first_agent;
-  ctx.prompt_pos0 = turn.PromptPos0();
-
   const size_t n_layers = turn.layers.size();
-  Message msg;
-  msg.layers.resize(n_layers);
+  const int heads = geo.kv_heads;
+  std::vector<LayerContext> ctx(n_layers);
+  for (size_t l = 0; l < n_layers; ++l) {
+    ctx[l].layer = static_cast<int>(l);
+    ctx[l].first_agent = turn.first_agent;
+    ctx[l].prompt_pos0 = turn.PromptPos0();
+  }
+  // Three phases, each spread over the pool: validate, select and copy per
+  // layer; backfill per (layer, head); quantize per layer. Every task writes
+  // only its own slot, so the result does not depend on the pool size.
+  std::vector<LayerWork> work(n_layers);
   std::vector<absl::Status> status(n_layers);
   ParallelFor(pool, n_layers, [&](size_t l) {
-    LayerContext lctx = ctx;
-    lctx.layer = static_cast<int>(l);
-    status[l] = ValidateTurnLayer(turn.layers[l], lctx.layer, geo, lctx.prompt_pos0);
-    if (!status[l].ok()) return;
-    absl::StatusOr<MessageLayer> layer = CompressLayer(turn.layers[l], geo, lctx, nullptr);
-    if (!layer.ok()) {
-      status[l] = layer.status();
-      return;
-    }
-    msg.layers[l] = *std::move(layer);
+    status[l] = ValidateTurnLayer(turn.layers[l], ctx[l].layer, geo, ctx[l].prompt_pos0, check_kv_values);
+    if (status[l].ok()) SelectAndCopy(turn.layers[l], geo, ctx[l], &work[l]);
   });
   for (const absl::Status& s : status) KVRELAY_RETURN_IF_ERROR(s);
+  if (config_.obf) {
+    ParallelFor(pool, n_layers * heads, [&](size_t i) {
+      const size_t l = i / heads;
+      BackfillHead(turn.layers[l], geo, ctx[l], static_cast<int>(i % heads), &work[l]);
+    });
+  }
+  ParallelFor(pool, n_layers, [&](size_t l) { status[l] = FinishLayer(geo, &work[l]); });
+  for (const absl::Status& s : status) KVRELAY_RETURN_IF_ERROR(s);
 
+  Message msg;
   msg.policy = spec_;
   msg.dtype = geo.dtype;
   msg.kv_heads = geo.kv_heads;
   msg.head_dim = geo.head_dim;
   CountTokens(geo, turn.first_agent, &msg);
   msg.full_bytes = FullLayerBytes(geo) * n_layers;
-  msg.sent_bytes = 0;
-  for (const MessageLayer& l : msg.layers) msg.sent_bytes += l.SentBytes();
+  msg.layers.reserve(n_layers);
+  for (LayerWork& w : work) {
+    msg.sent_bytes += w.out.SentBytes();
+    msg.layers.push_back(std::move(w.out));
+  }
   return msg;
 }
 

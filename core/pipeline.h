@@ -91,11 +91,18 @@ class Pipeline {
 
   // Compresses a whole turn, spreading layers and heads over `pool` (may be
   // null). The result is bit-identical for every pool size. Validates the
-  // turn first (InvalidArgument naming the tensor).
+  // turn first (InvalidArgument naming the tensor), including a scan of every
+  // K/V element for NaN/Inf.
   absl::StatusOr<Message> Compress(const Turn& turn, ThreadPool* pool = nullptr) const;
 
-  // Compresses one layer. REQUIRES: ValidateTurnLayer(layer, ctx.layer, geo,
-  // ctx.prompt_pos0).ok(). `pool` parallelizes over heads (may be null).
+  // As Compress, but skips the K/V value scan (shapes, dtypes, scores and
+  // positions are still checked). REQUIRES: ValidateTurn(turn).ok(), e.g. a
+  // turn from ReadTurnFile.
+  absl::StatusOr<Message> CompressValidated(const Turn& turn, ThreadPool* pool = nullptr) const;
+
+  // Compresses one layer, spreading its heads over `pool` (may be null).
+  // Checks shapes, scores and positions (InvalidArgument) but not the K/V
+  // values: REQUIRES the caller to have checked those (ValidateTurnLayer).
   absl::StatusOr<MessageLayer> CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
                                              const LayerContext& ctx,
                                              ThreadPool* pool = nullptr) const;
@@ -105,8 +112,17 @@ class Pipeline {
   void CountTokens(const TurnGeometry& geo, bool first_agent, Message* msg) const;
 
  private:
+  struct LayerWork;
+
   Pipeline(std::string spec, PipelineConfig config)
       : spec_(std::move(spec)), config_(std::move(config)) {}
+
+  absl::StatusOr<Message> CompressImpl(const Turn& turn, ThreadPool* pool, bool check_kv_values) const;
+  void SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                     LayerWork* w) const;
+  void BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx, int h,
+                    LayerWork* w) const;
+  absl::Status FinishLayer(const TurnGeometry& geo, LayerWork* w) const;
 
   std::string spec_;
   PipelineConfig config_;

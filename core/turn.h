@@ -49,12 +49,14 @@ struct Turn {
   int64_t PromptPos0() const;
 };
 
-// Checks one layer against `geo`: shapes, dtypes, score layout, finiteness
-// of K/V/scores (scores must also be >= 0) and position ranges. Errors are
-// InvalidArgument and name the tensor, e.g.
-// "layer.3.prompt.v: shape [8,512,64], expected [8,512,128]".
+// Checks one layer against `geo`: shapes, dtypes, score layout, scores
+// finite and >= 0, position ranges, and (when check_kv_values) that every
+// K/V element is finite. The K/V scan reads every byte of the layer; callers
+// that already checked the values (a file reader, a relay checking chunks as
+// they arrive) may skip it. Errors are InvalidArgument and name the tensor,
+// e.g. "layer.3.prompt.v: shape [8,512,64], expected [8,512,128]".
 absl::Status ValidateTurnLayer(const TurnLayer& layer, int layer_index, const TurnGeometry& geo,
-                               int64_t prompt_pos0);
+                               int64_t prompt_pos0, bool check_kv_values = true);
 
 // Derives the geometry from layer 0. InvalidArgument when the turn has no
 // layers or layer 0 is inconsistent in itself.
