@@ -44,71 +44,14 @@ constexpr int kValueBlockRows = 32;  // value rows whose statistics are made tog
 bool IsPowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
 // ---------------------------------------------------------------------------
-// Row conversions, bit-identical to ToFloat/FromFloat in core/dtype.cc.
+// Row conversions: the shared (F16C-accelerated) ones from core/dtype.h.
 
-void LoadRow(DType dtype, const uint8_t* src, float* dst, size_t n) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
-    case DType::kBF16: {
-      const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < n; ++i) {
-        const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
-        std::memcpy(dst + i, &u, sizeof u);
-      }
-      return;
-    }
-    case DType::kF16: {
-      const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-      size_t i = 0;
-#if defined(__F16C__)
-      for (; i + 8 <= n; i += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-      }
-#endif
-      for (; i < n; ++i) dst[i] = F16ToFloat(s[i]);
-      return;
-    }
-  }
-}
+void LoadRow(DType dtype, const uint8_t* src, float* dst, size_t n) { ToFloat(dtype, src, dst, n); }
 
-void LoadF16(const uint16_t* src, float* dst, size_t n) {
-  LoadRow(DType::kF16, reinterpret_cast<const uint8_t*>(src), dst, n);
-}
+void LoadF16(const uint16_t* src, float* dst, size_t n) { ToFloat(DType::kF16, src, dst, n); }
 
 void StoreRow(DType dtype, const float* src, uint8_t* dst, int n) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-      return;
-    case DType::kBF16: {
-      uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-      for (int i = 0; i < n; ++i) {
-        uint32_t u;
-        std::memcpy(&u, src + i, sizeof u);
-        const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        const uint32_t quiet = (u >> 16) | 0x40u;
-        d[i] = static_cast<uint16_t>(nan ? quiet : rounded);
-      }
-      return;
-    }
-    case DType::kF16: {
-      uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-      int i = 0;
-#if defined(__F16C__)
-      for (; i + 8 <= n; i += 8) {
-        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
-      }
-#endif
-      for (; i < n; ++i) d[i] = FloatToF16(src[i]);
-      return;
-    }
-  }
+  FromFloat(dtype, src, dst, static_cast<size_t>(n));
 }
 
 // ---------------------------------------------------------------------------
