@@ -1,5 +1,6 @@
 // kvrelayctl: offline compression and inspection of kvrelay turns and
-// messages (docs/FORMAT.md).
+// messages (docs/FORMAT.md), and the client verbs of the relay
+// (publish, fetch, ack, close, health, stats, demo).
 //
 // Exit status: 0 on success, 1 for runtime errors (bad files, bad policies,
 // I/O), 2 for usage errors (unknown verb or flag, missing or malformed flag
@@ -30,6 +31,16 @@
 #include "core/status_macros.h"
 #include "core/thread_pool.h"
 #include "core/turn.h"
+#ifdef KVRELAYCTL_WITH_RELAY
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "client/relay_client.h"
+#endif
 
 namespace kvrelay {
 namespace {
@@ -41,11 +52,12 @@ constexpr char kUsage[] = R"(usage: kvrelayctl <verb> [flags]
 
 verbs:
   compress --policy SPEC --in TURN.safetensors --out MSG.safetensors
-           [--decode] [--threads N]
+           [--decode] [--threads N] [--addr HOST:PORT]
       Compresses a turn with a pipeline spec (docs/FORMAT.md, e.g.
       "h2o-head:k=32+obf:p=8+int4:group=32") and writes the message.
       --decode writes quantized K/V decoded back to the turn's dtype.
-      --threads defaults to the number of hardware threads.
+      --threads defaults to the number of hardware threads. With --addr the
+      relay compresses (its stateless Compress call) instead.
       Prints one summary line: tokens per part, full bytes, sent bytes,
       ratio and compression time.
 
@@ -61,6 +73,38 @@ verbs:
       values). Defaults: 4 layers, 2 kv heads, score heads = kv heads,
       head dim 64, 128 prompt, 16 generated, 0 history tokens, BF16,
       seed 1, first agent true when there is no history, else false.
+
+relay verbs (a running kvrelay-server; --addr HOST:PORT):
+  publish --addr A --session S --from AGENT --to AGENT [--to AGENT ...]
+          [--id MSGID] [--policy SPEC] [--role R] [--parent MSGID]
+          [--timeout SECONDS] [--retries N] --in TURN.safetensors
+      Uploads a turn; prints the message id and the accounting. An empty
+      --policy uses the relay's default for the role. --parent names a
+      message the relay delivered to --from: the relay supplies the history.
+      Retries (default 3) only on UNAVAILABLE/ABORTED, with the same id.
+
+  fetch --addr A --session S --agent AGENT --out MSG.safetensors
+        [--wait SECONDS] [--no-ack]
+      Waits (default 30 s) for the oldest unacknowledged message, writes it
+      (metadata adds message_id, session, from, role, parent_id,
+      delivery_attempt and the accounting), then acknowledges it unless
+      --no-ack.
+
+  ack --addr A --session S --agent AGENT --id MSGID
+  close --addr A --session S
+  health --addr A [--service NAME] [--timeout SECONDS]
+      Prints the grpc.health.v1 status; exit 0 only when SERVING.
+  stats --addr A
+      The relay's counters and what it holds now.
+
+  demo --addr A [--rounds N] [--policy SPEC] [--session S] [--layers L]
+       [--kv-heads H] [--score-heads S] [--head-dim D] [--prompt N]
+       [--gen G] [--dtype DT] [--seed X]
+      A planner -> critic -> refiner -> judger chain of simulated agents
+      (default Qwen3-14B geometry: 40 layers, 8 kv heads, 40 score heads,
+      head_dim 128, BF16, 512 prompt + 40 generated tokens; policy
+      h2o-head:k=32+obf:p=8,mode=fast). Each hop publishes with the fetched
+      message as parent; prints a table per round and the totals.
 
   help, --help, -h
       Prints this text.
@@ -81,8 +125,11 @@ Failure Runtime(const absl::Status& s) { return {kRuntimeError, std::string(s.me
 // booleans; anything else is a positional argument.
 class Flags {
  public:
-  Flags(std::string verb, std::set<std::string> valued, std::set<std::string> booleans)
-      : verb_(std::move(verb)), valued_(std::move(valued)), booleans_(std::move(booleans)) {}
+  // `repeated` names valued flags that may be given more than once (GetAll).
+  Flags(std::string verb, std::set<std::string> valued, std::set<std::string> booleans,
+        std::set<std::string> repeated = {})
+      : verb_(std::move(verb)), valued_(std::move(valued)), booleans_(std::move(booleans)),
+        repeated_(std::move(repeated)) {}
 
   std::optional<Failure> Parse(int argc, char** argv) {
     for (int i = 0; i < argc; ++i) {
@@ -107,10 +154,15 @@ class Flags {
           return Usage(absl::StrCat("flag --", name, " given twice"));
         continue;
       }
-      if (!valued_.count(name)) return Usage(absl::StrCat("unknown flag --", name, " for ", verb_));
+      if (!valued_.count(name) && !repeated_.count(name))
+        return Usage(absl::StrCat("unknown flag --", name, " for ", verb_));
       if (!has_value) {
         if (i + 1 >= argc) return Usage(absl::StrCat("flag --", name, " needs a value"));
         value = argv[++i];
+      }
+      if (repeated_.count(name)) {
+        multi_[name].push_back(value);
+        continue;
       }
       if (!values_.emplace(name, value).second) {
         return Usage(absl::StrCat("flag --", name, " given twice"));
@@ -119,7 +171,14 @@ class Flags {
     return std::nullopt;
   }
 
-  bool Has(const std::string& name) const { return values_.count(name) || bools_.count(name); }
+  bool Has(const std::string& name) const {
+    return values_.count(name) || bools_.count(name) || multi_.count(name);
+  }
+  // Every value of a repeated flag, in order.
+  std::vector<std::string> GetAll(const std::string& name) const {
+    auto it = multi_.find(name);
+    return it == multi_.end() ? std::vector<std::string>() : it->second;
+  }
   std::optional<std::string> Get(const std::string& name) const {
     auto it = values_.find(name);
     if (it == values_.end()) return std::nullopt;
@@ -148,8 +207,9 @@ class Flags {
 
  private:
   std::string verb_;
-  std::set<std::string> valued_, booleans_;
+  std::set<std::string> valued_, booleans_, repeated_;
   std::map<std::string, std::string> values_;
+  std::map<std::string, std::vector<std::string>> multi_;
   std::set<std::string> bools_;
   std::vector<std::string> positional_;
 };
@@ -172,8 +232,12 @@ std::optional<Failure> NoPositional(const Flags& flags, absl::string_view verb) 
   return std::nullopt;
 }
 
+#ifdef KVRELAYCTL_WITH_RELAY
+Failure RelayError(absl::string_view what, const absl::Status& s);
+#endif
+
 std::optional<Failure> Compress(int argc, char** argv) {
-  Flags flags("compress", {"policy", "in", "out", "threads"}, {"decode"});
+  Flags flags("compress", {"policy", "in", "out", "threads", "addr"}, {"decode"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "compress")) return f;
   KVRELAYCTL_FLAG(const std::string policy, flags.Required("policy"));
@@ -183,20 +247,36 @@ std::optional<Failure> Compress(int argc, char** argv) {
                   flags.Int("threads", ThreadPool::HardwareThreads(), 1, 4096));
   const bool decode = flags.Has("decode");
 
+  const std::optional<std::string> addr = flags.Get("addr");
   absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = Pipeline::Create(policy);
-  if (!pipeline.ok()) return Runtime(pipeline.status());
+  if (!pipeline.ok() && !addr) return Runtime(pipeline.status());
   absl::StatusOr<Turn> turn = ReadTurnFile(in);
   if (!turn.ok()) return Runtime(turn.status());
   const DType dtype = turn->layers[0].prompt_k.dtype();
 
-  std::unique_ptr<ThreadPool> pool;
-  if (threads > 1) pool = std::make_unique<ThreadPool>(static_cast<int>(threads));
-  const auto start = std::chrono::steady_clock::now();
-  // ReadTurnFile validated every value already.
-  absl::StatusOr<Message> msg = (*pipeline)->CompressValidated(*turn, pool.get());
-  const auto stop = std::chrono::steady_clock::now();
-  if (!msg.ok()) return Runtime(msg.status());
-  const double ms = std::chrono::duration<double, std::milli>(stop - start).count();
+  absl::StatusOr<Message> msg;
+  double ms = 0;
+  if (addr) {
+#ifdef KVRELAYCTL_WITH_RELAY
+    // The relay's stateless Compress RPC; the time is the relay's.
+    auto client = RelayClient::Connect(*addr);
+    absl::StatusOr<CompressedMessage> r = client->Compress(*turn, policy);
+    if (!r.ok()) return RelayError("compress", r.status());
+    ms = r->accounting.compress_seconds * 1e3;
+    msg = std::move(r->message);
+#else
+    return Usage("compress: --addr needs a build with the relay (KVRELAY_BUILD_SERVICE)");
+#endif
+  } else {
+    std::unique_ptr<ThreadPool> pool;
+    if (threads > 1) pool = std::make_unique<ThreadPool>(static_cast<int>(threads));
+    const auto start = std::chrono::steady_clock::now();
+    // ReadTurnFile validated every value already.
+    msg = (*pipeline)->CompressValidated(*turn, pool.get());
+    const auto stop = std::chrono::steady_clock::now();
+    if (!msg.ok()) return Runtime(msg.status());
+    ms = std::chrono::duration<double, std::milli>(stop - start).count();
+  }
   // What the relay sends; with --decode the file itself holds dense tensors
   // and its metadata describes those.
   const uint64_t sent_bytes = msg->sent_bytes;
@@ -337,6 +417,364 @@ std::optional<Failure> MakeTurn(int argc, char** argv) {
   return std::nullopt;
 }
 
+#ifdef KVRELAYCTL_WITH_RELAY
+// ---- Relay verbs (a running kvrelay-server at --addr) ----
+
+// A relay error: exit 1, the gRPC code name and the relay's message.
+Failure RelayError(absl::string_view what, const absl::Status& s) {
+  return {kRuntimeError,
+          absl::StrCat(what, ": ", absl::StatusCodeToString(s.code()), ": ", s.message())};
+}
+
+// Seconds flag as a duration in [lo, hi] seconds, or `dflt`.
+absl::StatusOr<std::chrono::milliseconds> Seconds(const Flags& flags, const std::string& name,
+                                                  double dflt, double lo, double hi) {
+  auto v = flags.Get(name);
+  double x = dflt;
+  if (v && (!absl::SimpleAtod(*v, &x) || !(x >= lo && x <= hi))) {
+    return absl::InvalidArgumentError(absl::StrCat("flag --", name, ": \"", *v,
+                                                   "\", expected seconds in [", lo, ", ", hi, "]"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(std::llround(x * 1000)));
+}
+
+// Progress on stderr when it is a terminal: at most 10 updates a second,
+// the line cleared when the transfer is done.
+class ProgressLine {
+ public:
+  explicit ProgressLine(std::string label) : label_(std::move(label)), tty_(isatty(STDERR_FILENO)) {}
+  ~ProgressLine() { Clear(); }
+  ProgressCallback Callback() {
+    if (!tty_) return nullptr;
+    return [this](const TransferProgress& p) {
+      const auto now = std::chrono::steady_clock::now();
+      if (p.bytes_done < p.bytes_total && now - last_ < std::chrono::milliseconds(100)) return;
+      last_ = now;
+      const double pct = p.bytes_total ? 100.0 * p.bytes_done / p.bytes_total : 100.0;
+      std::fprintf(stderr, "\r%s %s %6.1f%% %.1f/%.1f MB ", label_.c_str(),
+                   p.phase == TransferProgress::Phase::kUpload ? "upload" : "download", pct,
+                   p.bytes_done / 1e6, p.bytes_total / 1e6);
+      std::fflush(stderr);
+      shown_ = true;
+    };
+  }
+  void Clear() {
+    if (!shown_) return;
+    std::fprintf(stderr, "\r\033[K");
+    std::fflush(stderr);
+    shown_ = false;
+  }
+
+ private:
+  std::string label_;
+  bool tty_;
+  bool shown_ = false;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+std::string AccountingLine(const Accounting& a) {
+  return absl::StrFormat("policy=%s received_bytes=%d full_bytes=%d sent_bytes=%d ratio=%s "
+                         "compress_ms=%.3f commit_ms=%.3f",
+                         a.policy, a.received_bytes, a.full_bytes, a.sent_bytes,
+                         Ratio(a.full_bytes, a.sent_bytes), a.compress_seconds * 1e3,
+                         a.commit_seconds * 1e3);
+}
+
+// Writes a fetched message: the message file of docs/FORMAT.md, with the
+// delivery in its metadata (message_id, session, from, role, parent_id,
+// delivery_attempt and the accounting).
+absl::Status WriteFetchedMessage(const FetchedMessage& m, const std::string& path) {
+  std::string buf;
+  KVRELAY_RETURN_IF_ERROR(WriteMessage(m.message, &buf));
+  KVRELAY_ASSIGN_OR_RETURN(SafetensorsReader file, SafetensorsReader::ParseView(AsBytes(buf)));
+  StMetadata meta = file.metadata();
+  meta["message_id"] = m.message_id;
+  meta["session"] = m.session_id;
+  meta["from"] = m.sender;
+  if (!m.role.empty()) meta["role"] = m.role;
+  if (!m.parent_id.empty()) meta["parent_id"] = m.parent_id;
+  meta["delivery_attempt"] = absl::StrCat(m.delivery_attempt);
+  meta["received_bytes"] = absl::StrCat(m.accounting.received_bytes);
+  meta["ratio"] = absl::StrFormat("%.6f", m.accounting.ratio);
+  meta["compress_seconds"] = absl::StrFormat("%.6f", m.accounting.compress_seconds);
+  meta["commit_seconds"] = absl::StrFormat("%.6f", m.accounting.commit_seconds);
+  return WriteSafetensorsFile(path, file.tensors(), meta);
+}
+
+std::optional<Failure> Publish(int argc, char** argv) {
+  Flags flags("publish",
+              {"addr", "session", "from", "id", "policy", "role", "parent", "in", "timeout",
+               "retries"},
+              {}, {"to"});
+  if (auto f = flags.Parse(argc, argv)) return f;
+  if (auto f = NoPositional(flags, "publish")) return f;
+  PublishOptions o;
+  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(o.session, flags.Required("session"));
+  KVRELAYCTL_FLAG(o.sender, flags.Required("from"));
+  KVRELAYCTL_FLAG(const std::string in, flags.Required("in"));
+  KVRELAYCTL_FLAG(o.deadline, Seconds(flags, "timeout", 120, 0.001, 86400));
+  KVRELAYCTL_FLAG(o.retries, flags.Int("retries", 3, 0, 100));
+  o.recipients = flags.GetAll("to");
+  if (o.recipients.empty()) return Usage("publish: missing required flag --to");
+  o.message_id = flags.Get("id").value_or("");
+  o.policy = flags.Get("policy").value_or("");
+  o.role = flags.Get("role").value_or("");
+  o.parent_id = flags.Get("parent").value_or("");
+
+  absl::StatusOr<Turn> turn = ReadTurnFile(in);
+  if (!turn.ok()) return Runtime(turn.status());
+  ProgressLine line("publish");
+  o.progress = line.Callback();
+  auto client = RelayClient::Connect(addr);
+  absl::StatusOr<PublishResult> r = client->Publish(*turn, o);
+  line.Clear();
+  if (!r.ok()) return RelayError("publish", r.status());
+  std::printf("message_id=%s duplicate=%s attempts=%d %s\n", r->message_id.c_str(),
+              r->duplicate ? "true" : "false", r->attempts, AccountingLine(r->accounting).c_str());
+  return std::nullopt;
+}
+
+std::optional<Failure> Fetch(int argc, char** argv) {
+  Flags flags("fetch", {"addr", "session", "agent", "out", "wait"}, {"no-ack"});
+  if (auto f = flags.Parse(argc, argv)) return f;
+  if (auto f = NoPositional(flags, "fetch")) return f;
+  FetchOptions o;
+  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(o.session, flags.Required("session"));
+  KVRELAYCTL_FLAG(o.agent, flags.Required("agent"));
+  KVRELAYCTL_FLAG(const std::string out, flags.Required("out"));
+  KVRELAYCTL_FLAG(o.wait, Seconds(flags, "wait", 30, 0.001, 86400));
+  const bool ack = !flags.Has("no-ack");
+  ProgressLine line("fetch");
+  o.progress = line.Callback();
+  auto client = RelayClient::Connect(addr);
+  absl::StatusOr<FetchedMessage> m = client->Fetch(o);
+  line.Clear();
+  if (!m.ok()) return RelayError("fetch", m.status());
+  // Acknowledge only once the message is safely on disk.
+  absl::Status s = WriteFetchedMessage(*m, out);
+  if (!s.ok()) return Runtime(s);
+  if (ack) {
+    s = client->Ack(o.session, o.agent, m->message_id);
+    if (!s.ok()) return RelayError("ack", s);
+  }
+  const Message& msg = m->message;
+  std::printf("message_id=%s from=%s parent=%s delivery_attempt=%u acked=%s layers=%zu "
+              "history=%d anchor=%d kept=%d gen=%d %s out=%s\n",
+              m->message_id.c_str(), m->sender.c_str(),
+              m->parent_id.empty() ? "-" : m->parent_id.c_str(), m->delivery_attempt,
+              ack ? "true" : "false", msg.layers.size(), msg.n_history, msg.n_anchor, msg.n_kept,
+              msg.n_gen, AccountingLine(m->accounting).c_str(), out.c_str());
+  return std::nullopt;
+}
+
+std::optional<Failure> AckVerb(int argc, char** argv) {
+  Flags flags("ack", {"addr", "session", "agent", "id"}, {});
+  if (auto f = flags.Parse(argc, argv)) return f;
+  if (auto f = NoPositional(flags, "ack")) return f;
+  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string session, flags.Required("session"));
+  KVRELAYCTL_FLAG(const std::string agent, flags.Required("agent"));
+  KVRELAYCTL_FLAG(const std::string id, flags.Required("id"));
+  absl::Status s = RelayClient::Connect(addr)->Ack(session, agent, id);
+  if (!s.ok()) return RelayError("ack", s);
+  std::printf("acked message_id=%s\n", id.c_str());
+  return std::nullopt;
+}
+
+std::optional<Failure> CloseVerb(int argc, char** argv) {
+  Flags flags("close", {"addr", "session"}, {});
+  if (auto f = flags.Parse(argc, argv)) return f;
+  if (auto f = NoPositional(flags, "close")) return f;
+  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string session, flags.Required("session"));
+  absl::StatusOr<uint32_t> n = RelayClient::Connect(addr)->CloseSession(session);
+  if (!n.ok()) return RelayError("close", n.status());
+  std::printf("closed session=%s messages_freed=%u\n", session.c_str(), *n);
+  return std::nullopt;
+}
+
+std::optional<Failure> HealthVerb(int argc, char** argv) {
+  Flags flags("health", {"addr", "service", "timeout"}, {});
+  if (auto f = flags.Parse(argc, argv)) return f;
+  if (auto f = NoPositional(flags, "health")) return f;
+  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const auto timeout, Seconds(flags, "timeout", 5, 0.001, 3600));
+  absl::StatusOr<HealthStatus> h =
+      RelayClient::Connect(addr)->Health(flags.Get("service").value_or(""), timeout);
+  if (!h.ok()) return RelayError("health", h.status());
+  std::printf("%s\n", HealthStatusName(*h));
+  if (*h != HealthStatus::kServing) {
+    return Failure{kRuntimeError, absl::StrCat("health: ", HealthStatusName(*h))};
+  }
+  return std::nullopt;
+}
+
+std::optional<Failure> StatsVerb(int argc, char** argv) {
+  Flags flags("stats", {"addr"}, {});
+  if (auto f = flags.Parse(argc, argv)) return f;
+  if (auto f = NoPositional(flags, "stats")) return f;
+  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  absl::StatusOr<RelayStats> s = RelayClient::Connect(addr)->Stats();
+  if (!s.ok()) return RelayError("stats", s.status());
+  std::printf(
+      "version: %s\nmessages_committed: %" PRIu64 "\nmessages_failed: %" PRIu64
+      "\nmessages_delivered: %" PRIu64 "\nmessages_acked: %" PRIu64 "\nreceived_bytes: %" PRIu64
+      "\nfull_bytes: %" PRIu64 "\nsent_bytes: %" PRIu64 "\nratio: %s\nsessions: %" PRIu64
+      "\nmailbox_messages: %" PRIu64 "\nmailbox_bytes: %" PRIu64 "\ninflight_bytes: %" PRIu64 "\n",
+      s->version.c_str(), s->messages_committed, s->messages_failed, s->messages_delivered,
+      s->messages_acked, s->received_bytes, s->full_bytes, s->sent_bytes,
+      Ratio(s->full_bytes, s->sent_bytes).c_str(), s->sessions, s->mailbox_messages,
+      s->mailbox_bytes, s->inflight_bytes);
+  return std::nullopt;
+}
+
+// The demo: planner -> critic -> refiner -> judger. Each agent "generates" a
+// synthetic turn of Qwen3-14B geometry that continues the positions of what
+// it received, and publishes it to the next agent with the message it
+// fetched as parent, so the relay composes the history. One session per
+// round, closed at the end of it.
+std::optional<Failure> Demo(int argc, char** argv) {
+  Flags flags("demo", {"addr", "rounds", "policy", "session", "layers", "kv-heads",
+                       "score-heads", "head-dim", "prompt", "gen", "dtype", "seed"},
+              {});
+  if (auto f = flags.Parse(argc, argv)) return f;
+  if (auto f = NoPositional(flags, "demo")) return f;
+  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const int64_t rounds, flags.Int("rounds", 1, 1, 1000));
+  SyntheticTurnOptions o;  // Qwen3-14B
+  KVRELAYCTL_FLAG(o.layers, flags.Int("layers", 40, 1, 4096));
+  KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", 8, 1, 4096));
+  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", 40, 0, 65536));
+  KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", 128, 1, 65536));
+  KVRELAYCTL_FLAG(o.n_prompt, flags.Int("prompt", 512, 0, 1 << 24));
+  KVRELAYCTL_FLAG(o.n_gen, flags.Int("gen", 40, 0, 1 << 24));
+  KVRELAYCTL_FLAG(const int64_t seed, flags.Int("seed", 1, 0, INT64_MAX));
+  o.dtype = DType::kBF16;
+  if (auto v = flags.Get("dtype")) {
+    std::optional<DType> dt = ParseDType(*v);
+    if (!dt) return Usage(absl::StrCat("flag --dtype: \"", *v, "\", expected F32, F16 or BF16"));
+    o.dtype = *dt;
+  }
+  // Empty --policy: the relay's default for each agent's role.
+  const std::string policy = flags.Get("policy").value_or("h2o-head:k=32+obf:p=8,mode=fast");
+  const std::string session_base =
+      flags.Get("session").value_or(absl::StrCat("demo-", RelayClient::NewMessageId().substr(2, 8)));
+
+  auto client = RelayClient::Connect(addr);
+  absl::StatusOr<RelayStats> before = client->Stats();
+  if (!before.ok()) return RelayError("stats", before.status());
+  const char* agents[] = {"planner", "critic", "refiner", "judger"};
+  std::printf("kvrelay demo: %s, %d layers, %d kv heads, %d score heads, head_dim %d, %s, "
+              "%d prompt + %d generated tokens per turn, policy %s\n",
+              addr.c_str(), o.layers, o.kv_heads, o.score_heads, o.head_dim,
+              std::string(DTypeName(o.dtype)).c_str(), o.n_prompt, o.n_gen,
+              policy.empty() ? "(role default)" : policy.c_str());
+  uint64_t tot_full = 0, tot_sent = 0, tot_received = 0;
+  double tot_compress_ms = 0, tot_hop_ms = 0;
+  int hops = 0;
+  for (int64_t round = 0; round < rounds; ++round) {
+    const std::string session =
+        rounds == 1 ? session_base : absl::StrCat(session_base, "-r", round + 1);
+    std::printf("\nround %" PRId64 " session %s\n", round + 1, session.c_str());
+    std::printf("%-3s %-19s %7s %13s %13s %8s %11s %13s\n", "hop", "from -> to", "tokens",
+                "full_bytes", "sent_bytes", "ratio", "compress_ms", "hop_latency_ms");
+    std::string parent;
+    int64_t next_pos = 0;
+    for (int hop = 0; hop < 3; ++hop) {
+      const std::string from = agents[hop], to = agents[hop + 1];
+      SyntheticTurnOptions to_make = o;
+      to_make.seed = static_cast<uint64_t>(seed) + round * 16 + hop;
+      to_make.first_agent = hop == 0;
+      absl::StatusOr<Turn> turn = MakeSyntheticTurn(to_make);
+      if (!turn.ok()) return Usage(std::string(turn.status().message()));
+      turn->prompt_pos0 = next_pos;  // continue after what the agent received
+      PublishOptions p;
+      p.session = session;
+      p.sender = from;
+      p.recipients = {to};
+      p.role = from;
+      p.policy = policy;
+      p.parent_id = parent;
+      ProgressLine line(absl::StrCat(from, " -> ", to));
+      p.progress = line.Callback();
+
+      // The recipient waits for the message while the sender publishes.
+      absl::StatusOr<FetchedMessage> fetched = absl::UnknownError("not fetched");
+      std::chrono::steady_clock::time_point fetched_at;
+      const auto start = std::chrono::steady_clock::now();
+      std::thread recipient([&] {
+        FetchOptions f;
+        f.session = session;
+        f.agent = to;
+        f.wait = std::chrono::seconds(120);
+        fetched = client->Fetch(f);
+        fetched_at = std::chrono::steady_clock::now();
+      });
+      absl::StatusOr<PublishResult> r = client->Publish(*turn, p);
+      if (!r.ok()) {
+        // Unblock the recipient: closing the session ends its wait.
+        (void)client->CloseSession(session);
+        recipient.join();
+        line.Clear();
+        return RelayError(absl::StrCat("demo: publish ", from, " -> ", to), r.status());
+      }
+      recipient.join();
+      line.Clear();
+      if (!fetched.ok()) {
+        return RelayError(absl::StrCat("demo: fetch by ", to), fetched.status());
+      }
+      if (fetched->message_id != r->message_id) {
+        return Failure{kRuntimeError,
+                       absl::StrCat("demo: ", to, " fetched message ", fetched->message_id,
+                                    ", expected ", r->message_id)};
+      }
+      absl::Status s = client->Ack(session, to, fetched->message_id);
+      if (!s.ok()) return RelayError(absl::StrCat("demo: ack by ", to), s);
+      const double hop_ms = std::chrono::duration<double, std::milli>(fetched_at - start).count();
+      const Accounting& a = r->accounting;
+      const Message& m = fetched->message;
+      std::printf("%-3d %-19s %7d %13" PRIu64 " %13" PRIu64 " %8s %11.2f %13.2f\n", hop + 1,
+                  absl::StrCat(from, " -> ", to).c_str(), m.layers.empty() ? 0 : m.layers[0].tokens(),
+                  a.full_bytes, a.sent_bytes, Ratio(a.full_bytes, a.sent_bytes).c_str(),
+                  a.compress_seconds * 1e3, hop_ms);
+      std::fflush(stdout);
+      tot_full += a.full_bytes;
+      tot_sent += a.sent_bytes;
+      tot_received += a.received_bytes;
+      tot_compress_ms += a.compress_seconds * 1e3;
+      tot_hop_ms += hop_ms;
+      ++hops;
+      parent = fetched->message_id;
+      // Positions continue after the last token the agent received.
+      int32_t max_pos = -1;
+      for (const MessageLayer& l : m.layers) {
+        for (int32_t x : l.pos.data) max_pos = std::max(max_pos, x);
+      }
+      next_pos = std::max<int64_t>(max_pos + 1, turn->PromptPos0() + o.n_prompt + o.n_gen);
+    }
+    absl::StatusOr<uint32_t> freed = client->CloseSession(session);
+    if (!freed.ok()) return RelayError("demo: close", freed.status());
+  }
+  std::printf("\ntotals: hops=%d received_bytes=%" PRIu64 " full_bytes=%" PRIu64
+              " sent_bytes=%" PRIu64 " ratio=%s saved_bytes=%" PRIu64
+              " compress_ms=%.2f hop_latency_ms=%.2f\n",
+              hops, tot_received, tot_full, tot_sent, Ratio(tot_full, tot_sent).c_str(),
+              tot_full - tot_sent, tot_compress_ms, tot_hop_ms);
+  absl::StatusOr<RelayStats> after = client->Stats();
+  if (after.ok()) {
+    // Equal to the totals above when nothing else used the relay meanwhile.
+    std::printf("relay stats delta: committed=%" PRIu64 " received_bytes=%" PRIu64
+                " full_bytes=%" PRIu64 " sent_bytes=%" PRIu64 "\n",
+                after->messages_committed - before->messages_committed,
+                after->received_bytes - before->received_bytes,
+                after->full_bytes - before->full_bytes, after->sent_bytes - before->sent_bytes);
+  }
+  return std::nullopt;
+}
+#endif  // KVRELAYCTL_WITH_RELAY
+
 int Main(int argc, char** argv) {
   if (argc < 2) {
     std::fputs(kUsage, stderr);
@@ -354,6 +792,22 @@ int Main(int argc, char** argv) {
     failure = Inspect(argc - 2, argv + 2);
   } else if (verb == "make-turn") {
     failure = MakeTurn(argc - 2, argv + 2);
+#ifdef KVRELAYCTL_WITH_RELAY
+  } else if (verb == "publish") {
+    failure = Publish(argc - 2, argv + 2);
+  } else if (verb == "fetch") {
+    failure = Fetch(argc - 2, argv + 2);
+  } else if (verb == "ack") {
+    failure = AckVerb(argc - 2, argv + 2);
+  } else if (verb == "close") {
+    failure = CloseVerb(argc - 2, argv + 2);
+  } else if (verb == "health") {
+    failure = HealthVerb(argc - 2, argv + 2);
+  } else if (verb == "stats") {
+    failure = StatsVerb(argc - 2, argv + 2);
+  } else if (verb == "demo") {
+    failure = Demo(argc - 2, argv + 2);
+#endif
   } else {
     failure = Usage(absl::StrCat("unknown verb \"", verb, "\" (try kvrelayctl help)"));
   }

@@ -8,6 +8,7 @@
 #endif
 
 namespace kvrelay {
+#if !defined(__SSE4_2__)
 namespace {
 
 constexpr uint32_t kPoly = 0x82f63b78u;  // reflected Castagnoli polynomial
@@ -23,6 +24,7 @@ std::array<uint32_t, 256> MakeTable() {
 }
 
 }  // namespace
+#endif
 
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
   const uint8_t* p = static_cast<const uint8_t*>(data);

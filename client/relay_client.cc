@@ -1,0 +1,467 @@
+#include "client/relay_client.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/internal/chunking.h"
+#include "core/status_macros.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
+#include "server/status_util.h"
+
+namespace kvrelay {
+
+using client_internal::kMaxChunkBytes;
+using client_internal::MessageAssembler;
+using client_internal::TensorRef;
+using client_internal::TrailerBuilder;
+
+namespace {
+
+void SetDeadline(grpc::ClientContext* ctx, std::chrono::milliseconds d) {
+  ctx->set_deadline(std::chrono::system_clock::now() + d);
+}
+
+Accounting FromProto(const v1::Accounting& a) {
+  Accounting out;
+  out.received_bytes = a.received_bytes();
+  out.full_bytes = a.full_bytes();
+  out.sent_bytes = a.sent_bytes();
+  out.ratio = a.ratio();
+  out.compress_seconds = a.compress_seconds();
+  out.commit_seconds = a.commit_seconds();
+  out.policy = a.policy();
+  return out;
+}
+
+// Writes the chunks of every tensor of `turn` and the trailer through
+// `write` (returns false once the stream broke). Ok when the whole upload
+// was written; Cancelled when the stream broke (the call's status says why).
+template <typename Request>
+absl::Status UploadTurn(const Turn& turn, Request* req,
+                        const std::function<bool(const Request&)>& write,
+                        const ProgressCallback& progress) {
+  const std::vector<TensorRef> tensors = client_internal::TurnUploadOrder(turn);
+  TransferProgress p;
+  p.phase = TransferProgress::Phase::kUpload;
+  p.bytes_total = client_internal::TotalBytes(tensors);
+  TrailerBuilder trailer;
+  const absl::Status broken = absl::CancelledError("upload stream broke");
+  for (const TensorRef& t : tensors) {
+    KVRELAY_RETURN_IF_ERROR(client_internal::ForEachChunk(
+        t, kMaxChunkBytes, req->mutable_chunk(), [&](const v1::Chunk& c) {
+          trailer.Add(c);
+          if (!write(*req)) return broken;
+          p.bytes_done += c.data().size();
+          if (progress) progress(p);
+          return absl::OkStatus();
+        }));
+  }
+  *req->mutable_commit() = trailer.Build();
+  if (!write(*req)) return broken;
+  return absl::OkStatus();
+}
+
+// Consumes one delivery stream response (header, chunk or trailer).
+// `done` is set once the trailer checked out and `*out` holds the message.
+template <typename Response>
+class DeliveryReader {
+ public:
+  explicit DeliveryReader(ProgressCallback progress) : progress_(std::move(progress)) {
+    p_.phase = TransferProgress::Phase::kDownload;
+  }
+
+  absl::Status Consume(const Response& r) {
+    if (done_) {
+      return absl::InvalidArgumentError("delivery stream: response after the trailer, expected the end");
+    }
+    switch (r.kind_case()) {
+      case Response::kHeader:
+        if (have_header_) return absl::InvalidArgumentError("header: given twice, expected one");
+        header_ = r.header();
+        have_header_ = true;
+        KVRELAY_RETURN_IF_ERROR(assembler_.Start(header_));
+        p_.bytes_total = assembler_.bytes_expected();
+        if (progress_) progress_(p_);
+        return absl::OkStatus();
+      case Response::kChunk:
+        KVRELAY_RETURN_IF_ERROR(assembler_.Add(r.chunk()));
+        p_.bytes_done = assembler_.bytes_received();
+        if (progress_) progress_(p_);
+        return absl::OkStatus();
+      case Response::kTrailer: {
+        KVRELAY_ASSIGN_OR_RETURN(message_, assembler_.Finish(r.trailer()));
+        done_ = true;
+        return absl::OkStatus();
+      }
+      default:
+        return absl::InvalidArgumentError("delivery stream: empty response, expected header, chunk or trailer");
+    }
+  }
+
+  bool done() const { return done_; }
+  const v1::MessageHeader& header() const { return header_; }
+  Message TakeMessage() { return std::move(message_); }
+
+ private:
+  ProgressCallback progress_;
+  TransferProgress p_;
+  MessageAssembler assembler_;
+  v1::MessageHeader header_;
+  bool have_header_ = false;
+  bool done_ = false;
+  Message message_;
+};
+
+absl::Status CheckId(absl::string_view field, const std::string& v, bool required) {
+  if (v.empty()) {
+    if (!required) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(field, ": empty, expected [A-Za-z0-9._:-]{1,128}"));
+  }
+  bool ok = v.size() <= 128;
+  for (char c : v) {
+    ok = ok && ((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+                c == '.' || c == '_' || c == ':' || c == '-');
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": \"", v, "\", expected [A-Za-z0-9._:-]{1,128}"));
+  }
+  return absl::OkStatus();
+}
+
+// grpc.health.v1 wire format, hand-rolled (Debian ships no health.proto):
+// HealthCheckRequest { string service = 1; }
+// HealthCheckResponse { ServingStatus status = 1; }
+std::string EncodeHealthRequest(const std::string& service) {
+  std::string out;
+  if (service.empty()) return out;
+  out.push_back(0x0a);  // field 1, length-delimited
+  for (uint64_t n = service.size();;) {
+    const uint8_t b = n & 0x7f;
+    n >>= 7;
+    out.push_back(static_cast<char>(n ? (b | 0x80) : b));
+    if (!n) break;
+  }
+  return out + service;
+}
+
+bool ReadVarint(const std::string& s, size_t* i, uint64_t* v) {
+  *v = 0;
+  for (int shift = 0; shift < 64 && *i < s.size(); shift += 7) {
+    const uint8_t b = static_cast<uint8_t>(s[(*i)++]);
+    *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+    if (!(b & 0x80)) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<int> DecodeHealthResponse(const std::string& s) {
+  int status = 0;
+  for (size_t i = 0; i < s.size();) {
+    uint64_t key, v;
+    if (!ReadVarint(s, &i, &key)) break;
+    const int field = static_cast<int>(key >> 3), wire = static_cast<int>(key & 7);
+    if (wire == 0) {
+      if (!ReadVarint(s, &i, &v)) break;
+      if (field == 1) status = static_cast<int>(v);
+    } else if (wire == 2) {
+      if (!ReadVarint(s, &i, &v) || v > s.size() - i) break;
+      i += v;
+    } else if (wire == 1 && i + 8 <= s.size()) {
+      i += 8;
+    } else if (wire == 5 && i + 4 <= s.size()) {
+      i += 4;
+    } else {
+      break;
+    }
+    if (i == s.size()) return status;
+  }
+  if (s.empty()) return status;
+  return absl::InvalidArgumentError("grpc.health.v1.HealthCheckResponse: malformed reply");
+}
+
+}  // namespace
+
+const char* HealthStatusName(HealthStatus s) {
+  switch (s) {
+    case HealthStatus::kUnknown: return "UNKNOWN";
+    case HealthStatus::kServing: return "SERVING";
+    case HealthStatus::kNotServing: return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+  }
+  return "UNKNOWN";
+}
+
+RelayClient::RelayClient(std::shared_ptr<grpc::Channel> channel)
+    : channel_(std::move(channel)), stub_(v1::Relay::NewStub(channel_)) {}
+
+std::unique_ptr<RelayClient> RelayClient::Connect(const std::string& addr) {
+  return std::make_unique<RelayClient>(
+      grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+}
+
+std::string RelayClient::NewMessageId() {
+  thread_local std::mt19937_64 rng([] {
+    std::random_device rd;
+    std::seed_seq seq{rd(), rd(), rd(), rd()};
+    return std::mt19937_64(seq);
+  }());
+  const uint64_t a = rng(), b = rng();
+  return absl::StrFormat("m-%016x%08x", a, static_cast<uint32_t>(b));
+}
+
+absl::StatusOr<PublishResult> RelayClient::Publish(const Turn& turn, const PublishOptions& opts) {
+  KVRELAY_RETURN_IF_ERROR(CheckId("session", opts.session, true));
+  KVRELAY_RETURN_IF_ERROR(CheckId("message_id", opts.message_id, false));
+  KVRELAY_RETURN_IF_ERROR(CheckId("sender", opts.sender, true));
+  KVRELAY_RETURN_IF_ERROR(CheckId("parent_id", opts.parent_id, false));
+  if (opts.recipients.empty()) {
+    return absl::InvalidArgumentError("recipients: none, expected at least one agent");
+  }
+  for (size_t i = 0; i < opts.recipients.size(); ++i) {
+    KVRELAY_RETURN_IF_ERROR(CheckId(absl::StrCat("recipients[", i, "]"), opts.recipients[i], true));
+  }
+  if (opts.retries < 0) return absl::InvalidArgumentError("retries: negative, expected >= 0");
+  KVRELAY_ASSIGN_OR_RETURN(v1::TurnGeometry geometry, client_internal::TurnGeometryOf(turn));
+  if (!opts.parent_id.empty() && geometry.n_history() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.n_history: ", geometry.n_history(),
+        ", expected 0 with a parent (the relay supplies the history of parent_id)"));
+  }
+  v1::PublishHeader header;
+  header.set_session_id(opts.session);
+  header.set_message_id(opts.message_id.empty() ? NewMessageId() : opts.message_id);
+  header.set_sender(opts.sender);
+  for (const std::string& r : opts.recipients) header.add_recipients(r);
+  header.set_role(opts.role);
+  header.set_policy(opts.policy);
+  header.set_parent_id(opts.parent_id);
+  *header.mutable_geometry() = std::move(geometry);
+
+  std::chrono::milliseconds backoff = opts.initial_backoff;
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<PublishResult> r = PublishOnce(turn, header, opts);
+    if (r.ok()) {
+      r->attempts = attempt;
+      return r;
+    }
+    const absl::StatusCode code = r.status().code();
+    const bool retryable =
+        code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kAborted;
+    if (!retryable || attempt > opts.retries) return r.status();
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::seconds(2));
+  }
+}
+
+absl::StatusOr<PublishResult> RelayClient::PublishOnce(const Turn& turn,
+                                                       const v1::PublishHeader& header,
+                                                       const PublishOptions& opts) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, opts.deadline);
+  v1::PublishResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::PublishRequest>> writer = stub_->Publish(&ctx, &resp);
+  v1::PublishRequest req;
+  *req.mutable_header() = header;
+  auto write = [&](const v1::PublishRequest& r) { return writer->Write(r); };
+  absl::Status up = absl::CancelledError("upload stream broke");
+  if (write(req)) {
+    up = UploadTurn<v1::PublishRequest>(turn, &req, write, opts.progress);
+  }
+  if (up.ok()) writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  if (!up.ok()) return up;  // the relay answered OK without reading everything
+  PublishResult out;
+  out.message_id = resp.message_id();
+  out.accounting = FromProto(resp.accounting());
+  out.duplicate = resp.duplicate();
+  return out;
+}
+
+absl::StatusOr<FetchedMessage> RelayClient::Fetch(const FetchOptions& opts) {
+  KVRELAY_RETURN_IF_ERROR(CheckId("session", opts.session, true));
+  KVRELAY_RETURN_IF_ERROR(CheckId("agent", opts.agent, true));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, opts.wait);
+  v1::FetchRequest req;
+  req.set_session_id(opts.session);
+  req.set_agent(opts.agent);
+  req.set_auto_ack(opts.auto_ack);
+  std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader = stub_->Fetch(&ctx, req);
+  DeliveryReader<v1::FetchResponse> delivery(opts.progress);
+  v1::FetchResponse resp;
+  absl::Status local;
+  while (reader->Read(&resp)) {
+    local = delivery.Consume(resp);
+    if (!local.ok()) {
+      ctx.TryCancel();
+      while (reader->Read(&resp)) {
+      }
+      break;
+    }
+  }
+  const grpc::Status s = reader->Finish();
+  if (!local.ok()) return local;
+  if (!s.ok()) return FromGrpcStatus(s);
+  if (!delivery.done()) {
+    return absl::DataLossError("fetch stream: ended without a trailer, expected header, chunks, trailer");
+  }
+  const v1::MessageHeader& h = delivery.header();
+  FetchedMessage out;
+  out.message_id = h.message_id();
+  out.session_id = h.session_id();
+  out.sender = h.sender();
+  out.role = h.role();
+  out.parent_id = h.parent_id();
+  out.delivery_attempt = h.delivery_attempt();
+  out.accounting = FromProto(h.accounting());
+  out.message = delivery.TakeMessage();
+  return out;
+}
+
+absl::Status RelayClient::Ack(const std::string& session, const std::string& agent,
+                              const std::string& message_id, std::chrono::milliseconds deadline) {
+  KVRELAY_RETURN_IF_ERROR(CheckId("session", session, true));
+  KVRELAY_RETURN_IF_ERROR(CheckId("agent", agent, true));
+  KVRELAY_RETURN_IF_ERROR(CheckId("message_id", message_id, true));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  v1::AckRequest req;
+  req.set_session_id(session);
+  req.set_agent(agent);
+  req.set_message_id(message_id);
+  v1::AckResponse resp;
+  return FromGrpcStatus(stub_->Ack(&ctx, req, &resp));
+}
+
+absl::StatusOr<uint32_t> RelayClient::CloseSession(const std::string& session,
+                                                   std::chrono::milliseconds deadline) {
+  KVRELAY_RETURN_IF_ERROR(CheckId("session", session, true));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  v1::CloseSessionRequest req;
+  req.set_session_id(session);
+  v1::CloseSessionResponse resp;
+  KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(stub_->CloseSession(&ctx, req, &resp)));
+  return resp.messages_freed();
+}
+
+absl::StatusOr<RelayStats> RelayClient::Stats(std::chrono::milliseconds deadline) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  v1::StatsRequest req;
+  v1::StatsResponse r;
+  KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(stub_->Stats(&ctx, req, &r)));
+  RelayStats s;
+  s.messages_committed = r.messages_committed();
+  s.messages_failed = r.messages_failed();
+  s.messages_delivered = r.messages_delivered();
+  s.messages_acked = r.messages_acked();
+  s.received_bytes = r.received_bytes();
+  s.full_bytes = r.full_bytes();
+  s.sent_bytes = r.sent_bytes();
+  s.sessions = r.sessions();
+  s.mailbox_messages = r.mailbox_messages();
+  s.mailbox_bytes = r.mailbox_bytes();
+  s.inflight_bytes = r.inflight_bytes();
+  s.version = r.version();
+  return s;
+}
+
+absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
+                                                        const std::string& policy,
+                                                        std::chrono::milliseconds deadline,
+                                                        const ProgressCallback& progress) {
+  if (policy.empty()) return absl::InvalidArgumentError("policy: empty, expected a pipeline spec");
+  KVRELAY_ASSIGN_OR_RETURN(v1::TurnGeometry geometry, client_internal::TurnGeometryOf(turn));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  auto stream = stub_->Compress(&ctx);
+
+  // The relay may stream the message back while the upload is still going
+  // (layer by layer), so the reply is read on its own thread: one reader and
+  // one writer at a time is what a gRPC sync stream allows.
+  DeliveryReader<v1::CompressResponse> delivery(progress);
+  absl::Status local;
+  std::thread reader([&] {
+    v1::CompressResponse resp;
+    while (stream->Read(&resp)) {
+      local = delivery.Consume(resp);
+      if (!local.ok()) {
+        ctx.TryCancel();
+        while (stream->Read(&resp)) {
+        }
+        return;
+      }
+    }
+  });
+  v1::CompressRequest req;
+  req.mutable_header()->set_policy(policy);
+  *req.mutable_header()->mutable_geometry() = std::move(geometry);
+  auto write = [&](const v1::CompressRequest& r) { return stream->Write(r); };
+  absl::Status up = absl::CancelledError("upload stream broke");
+  if (write(req)) up = UploadTurn<v1::CompressRequest>(turn, &req, write, progress);
+  if (up.ok()) stream->WritesDone();
+  reader.join();
+  const grpc::Status s = stream->Finish();
+  if (!local.ok()) return local;
+  if (!s.ok()) return FromGrpcStatus(s);
+  if (!up.ok()) return up;
+  if (!delivery.done()) {
+    return absl::DataLossError("compress stream: ended without a trailer, expected header, chunks, trailer");
+  }
+  CompressedMessage out;
+  out.accounting = FromProto(delivery.header().accounting());
+  out.message = delivery.TakeMessage();
+  return out;
+}
+
+absl::StatusOr<HealthStatus> RelayClient::Health(const std::string& service,
+                                                 std::chrono::milliseconds deadline) {
+  grpc::GenericStub stub(channel_);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  const std::string body = EncodeHealthRequest(service);
+  grpc::Slice slice(body);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   std::lock_guard<std::mutex> lock(mu);
+                   status = std::move(s);
+                   done = true;
+                   cv.notify_one();
+                 });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+  }
+  KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(status));
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (response.Valid()) {
+    KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(response.Dump(&slices)));
+    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  KVRELAY_ASSIGN_OR_RETURN(const int st, DecodeHealthResponse(bytes));
+  if (st < 0 || st > 3) return HealthStatus::kUnknown;
+  return static_cast<HealthStatus>(st);
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,191 @@
+// RelayClient: the C++ client of the kvrelay.v1.Relay service
+// (proto/kvrelay/v1/relay.proto) over a grpc::Channel.
+//
+//   auto client = kvrelay::RelayClient::Connect("127.0.0.1:50051");
+//   kvrelay::PublishOptions p;
+//   p.session = "s1"; p.sender = "planner"; p.recipients = {"critic"};
+//   p.policy = "h2o-head:k=32+obf:p=8";
+//   absl::StatusOr<kvrelay::PublishResult> r = client->Publish(turn, p);
+//   kvrelay::FetchOptions f;
+//   f.session = "s1"; f.agent = "critic";
+//   absl::StatusOr<kvrelay::FetchedMessage> m = client->Fetch(f);
+//   client->Ack("s1", "critic", m->message_id);
+//
+// Errors are the relay's gRPC status converted to absl::Status (the
+// canonical codes map one to one), or the client's own checks of what the
+// relay sent: DATA_LOSS for a chunk or trailer CRC32C mismatch,
+// INVALID_ARGUMENT for a malformed delivery stream (see
+// client/internal/chunking.h).
+//
+// Retries: only Publish retries, and only because every publish carries a
+// message id (the idempotency key; generated when the caller gives none):
+// on UNAVAILABLE or ABORTED, at most PublishOptions::retries more attempts,
+// with exponential backoff. Nothing else retries: a Fetch already delivers
+// at least once, and an Ack may have taken effect before its reply was lost.
+//
+// Thread-safety: a RelayClient is thread-safe; concurrent calls share the
+// channel. Progress callbacks run on the calling thread (Compress: on the
+// thread that reads the reply stream).
+#ifndef KVRELAY_CLIENT_RELAY_CLIENT_H_
+#define KVRELAY_CLIENT_RELAY_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/message.h"
+#include "core/turn.h"
+#include "grpcpp/channel.h"
+#include "kvrelay/v1/relay.grpc.pb.h"
+
+namespace kvrelay {
+
+// Progress of one transfer: tensor bytes moved so far and in all.
+struct TransferProgress {
+  enum class Phase { kUpload, kDownload };
+  Phase phase = Phase::kUpload;
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+};
+// Called after every chunk; must be cheap (throttle any printing).
+using ProgressCallback = std::function<void(const TransferProgress&)>;
+
+// Byte accounting of one message (relay.proto, Accounting).
+struct Accounting {
+  uint64_t received_bytes = 0;
+  uint64_t full_bytes = 0;
+  uint64_t sent_bytes = 0;
+  double ratio = 0;
+  double compress_seconds = 0;
+  double commit_seconds = 0;
+  std::string policy;  // canonical spec that was applied
+};
+
+struct PublishOptions {
+  std::string session;                  // required
+  std::string message_id;               // empty: a fresh random id is generated
+  std::string sender;                   // required
+  std::vector<std::string> recipients;  // >= 1
+  std::string role;                     // optional
+  std::string policy;                   // empty: the relay's default for the role
+  std::string parent_id;  // history by reference; REQUIRES a turn without history
+  // Deadline of each attempt, from its start.
+  std::chrono::milliseconds deadline{std::chrono::minutes(2)};
+  int retries = 3;  // extra attempts on UNAVAILABLE / ABORTED
+  std::chrono::milliseconds initial_backoff{100};  // doubles per retry, at most 2 s
+  ProgressCallback progress;
+};
+
+struct PublishResult {
+  std::string message_id;
+  Accounting accounting;
+  bool duplicate = false;  // the id was already committed; nothing changed
+  int attempts = 1;
+};
+
+struct FetchOptions {
+  std::string session;  // required
+  std::string agent;    // required
+  // How long to wait for a message to arrive. This is the call's deadline
+  // (relay.proto has no separate wait): it bounds the transfer too.
+  std::chrono::milliseconds wait{std::chrono::seconds(30)};
+  // The relay acknowledges once the trailer is sent, i.e. before this client
+  // has verified the stream; a message that then fails verification is lost.
+  // Prefer Ack() after the message is safely stored.
+  bool auto_ack = false;
+  ProgressCallback progress;
+};
+
+// A delivered message with its header fields (relay.proto, MessageHeader).
+struct FetchedMessage {
+  std::string message_id;
+  std::string session_id;
+  std::string sender;
+  std::string role;
+  std::string parent_id;
+  uint32_t delivery_attempt = 0;  // 1 on first delivery
+  Accounting accounting;
+  Message message;  // policy, full_bytes, sent_bytes taken from the accounting
+};
+
+// Compress() result: the message and the relay's accounting.
+struct CompressedMessage {
+  Accounting accounting;
+  Message message;
+};
+
+struct RelayStats {
+  uint64_t messages_committed = 0, messages_failed = 0, messages_delivered = 0,
+           messages_acked = 0;
+  uint64_t received_bytes = 0, full_bytes = 0, sent_bytes = 0;
+  uint64_t sessions = 0, mailbox_messages = 0, mailbox_bytes = 0, inflight_bytes = 0;
+  std::string version;
+};
+
+// grpc.health.v1 serving status.
+enum class HealthStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
+const char* HealthStatusName(HealthStatus s);
+
+class RelayClient {
+ public:
+  explicit RelayClient(std::shared_ptr<grpc::Channel> channel);
+  // An insecure channel to "HOST:PORT".
+  static std::unique_ptr<RelayClient> Connect(const std::string& addr);
+
+  RelayClient(const RelayClient&) = delete;
+  RelayClient& operator=(const RelayClient&) = delete;
+
+  // Uploads `turn` (header, chunks of every tensor, commit) and returns the
+  // message id and accounting. INVALID_ARGUMENT without contacting the relay
+  // when the options are incomplete or the turn is inconsistent in itself
+  // (turn values are not scanned for NaN/Inf here; the relay does that).
+  [[nodiscard]] absl::StatusOr<PublishResult> Publish(const Turn& turn,
+                                                      const PublishOptions& opts);
+
+  // Receives the oldest unacknowledged message for (session, agent).
+  // DEADLINE_EXCEEDED when none arrived within opts.wait.
+  [[nodiscard]] absl::StatusOr<FetchedMessage> Fetch(const FetchOptions& opts);
+
+  // NOT_FOUND for an unknown message.
+  [[nodiscard]] absl::Status Ack(const std::string& session, const std::string& agent,
+                                 const std::string& message_id,
+                                 std::chrono::milliseconds deadline = std::chrono::seconds(10));
+
+  // Frees the session; returns the number of messages freed. Idempotent.
+  [[nodiscard]] absl::StatusOr<uint32_t> CloseSession(
+      const std::string& session, std::chrono::milliseconds deadline = std::chrono::seconds(10));
+
+  [[nodiscard]] absl::StatusOr<RelayStats> Stats(
+      std::chrono::milliseconds deadline = std::chrono::seconds(10));
+
+  // Stateless compression by the relay (nothing stored). `progress` sees
+  // the upload, then the download.
+  [[nodiscard]] absl::StatusOr<CompressedMessage> Compress(
+      const Turn& turn, const std::string& policy,
+      std::chrono::milliseconds deadline = std::chrono::minutes(2),
+      const ProgressCallback& progress = nullptr);
+
+  // grpc.health.v1.Health/Check for `service` ("" = the whole server).
+  [[nodiscard]] absl::StatusOr<HealthStatus> Health(
+      const std::string& service = "",
+      std::chrono::milliseconds deadline = std::chrono::seconds(5));
+
+  // A fresh message id: "m-" and 24 random hex digits.
+  static std::string NewMessageId();
+
+ private:
+  absl::StatusOr<PublishResult> PublishOnce(const Turn& turn, const v1::PublishHeader& header,
+                                            const PublishOptions& opts);
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Relay::Stub> stub_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_CLIENT_RELAY_CLIENT_H_

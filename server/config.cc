@@ -1,0 +1,277 @@
+#include "server/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/pipeline.h"
+#include "core/status_macros.h"
+#include "core/thread_pool.h"
+#include "nlohmann/json.hpp"
+
+namespace kvrelay {
+namespace {
+
+absl::Status Bad(absl::string_view flag, absl::string_view value, absl::string_view expected) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, "=", value, ": expected ", expected));
+}
+
+absl::Status ParseBytes(absl::string_view flag, const std::string& v, uint64_t* out) {
+  std::string s = absl::AsciiStrToLower(absl::StripAsciiWhitespace(v));
+  uint64_t mult = 1;
+  for (auto [suffix, m] : {std::pair<const char*, uint64_t>{"tib", 1ull << 40},
+                           {"gib", 1ull << 30}, {"mib", 1ull << 20}, {"kib", 1ull << 10},
+                           {"b", 1}}) {
+    if (absl::EndsWith(s, suffix)) {
+      mult = m;
+      s.resize(s.size() - strlen(suffix));
+      break;
+    }
+  }
+  uint64_t n;
+  if (!absl::SimpleAtoi(s, &n) || n == 0 || n > (UINT64_MAX / mult)) {
+    return Bad(flag, v, "a positive byte count, e.g. 4294967296 or 4GiB");
+  }
+  *out = n * mult;
+  return absl::OkStatus();
+}
+
+absl::Status ParseSeconds(absl::string_view flag, const std::string& v, bool allow_zero, double* out) {
+  double d;
+  if (!absl::SimpleAtod(v, &d) || !std::isfinite(d) || d < 0 || (!allow_zero && d == 0)) {
+    return Bad(flag, v, allow_zero ? "seconds >= 0" : "seconds > 0");
+  }
+  *out = d;
+  return absl::OkStatus();
+}
+
+absl::Status ParseBool(absl::string_view flag, const std::string& v, bool* out) {
+  const std::string s = absl::AsciiStrToLower(v);
+  if (s == "1" || s == "true" || s == "yes" || s == "on" || s.empty()) {
+    *out = true;
+  } else if (s == "0" || s == "false" || s == "no" || s == "off") {
+    *out = false;
+  } else {
+    return Bad(flag, v, "true or false");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseAddr(absl::string_view flag, const std::string& v, bool allow_off, std::string* out) {
+  if (allow_off && (v.empty() || v == "off" || v == "none")) {
+    out->clear();
+    return absl::OkStatus();
+  }
+  std::string host;
+  int port;
+  if (!SplitHostPort(v, &host, &port).ok() || host.empty()) {
+    return Bad(flag, v, "HOST:PORT with PORT in 0..65535 (0 picks a free port)");
+  }
+  *out = v;
+  return absl::OkStatus();
+}
+
+absl::Status ParseRolePolicy(absl::string_view flag, const std::string& v,
+                             std::map<std::string, std::string>* out) {
+  const size_t eq = v.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == v.size()) {
+    return Bad(flag, v, "ROLE=SPEC, e.g. planner=h2o-head:k=64+obf");
+  }
+  (*out)[v.substr(0, eq)] = v.substr(eq + 1);
+  return absl::OkStatus();
+}
+
+// Applies one setting by flag name (without dashes).
+absl::Status Apply(const std::string& name, const std::string& value, ServerConfig* c) {
+  if (name == "listen") return ParseAddr(name, value, false, &c->listen);
+  if (name == "metrics-listen") return ParseAddr(name, value, true, &c->metrics_listen);
+  if (name == "worker-threads") {
+    int n;
+    if (!absl::SimpleAtoi(value, &n) || n < 1 || n > 4096) return Bad(name, value, "an integer in [1, 4096]");
+    c->worker_threads = n;
+    return absl::OkStatus();
+  }
+  if (name == "max-inflight-bytes") return ParseBytes(name, value, &c->max_inflight_bytes);
+  if (name == "max-mailbox-bytes") return ParseBytes(name, value, &c->max_mailbox_bytes);
+  if (name == "max-session-messages") {
+    uint32_t n;
+    if (!absl::SimpleAtoi(value, &n) || n < 1) return Bad(name, value, "a positive integer");
+    c->max_session_messages = n;
+    return absl::OkStatus();
+  }
+  if (name == "session-ttl-seconds") return ParseSeconds(name, value, false, &c->session_ttl_seconds);
+  if (name == "shutdown-grace-seconds") return ParseSeconds(name, value, true, &c->shutdown_grace_seconds);
+  if (name == "default-policy") {
+    c->default_policy = value;
+    return absl::OkStatus();
+  }
+  if (name == "role-policy") return ParseRolePolicy(name, value, &c->role_policies);
+  if (name == "log-json") return ParseBool(name, value, &c->log_json);
+  return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see --help)"));
+}
+
+bool IsBoolFlag(const std::string& name) { return name == "log-json"; }
+
+const char* const kEnv[][2] = {
+    {"listen", "KVRELAY_LISTEN"},
+    {"metrics-listen", "KVRELAY_METRICS_LISTEN"},
+    {"worker-threads", "KVRELAY_WORKER_THREADS"},
+    {"max-inflight-bytes", "KVRELAY_MAX_INFLIGHT_BYTES"},
+    {"max-mailbox-bytes", "KVRELAY_MAX_MAILBOX_BYTES"},
+    {"max-session-messages", "KVRELAY_MAX_SESSION_MESSAGES"},
+    {"session-ttl-seconds", "KVRELAY_SESSION_TTL_SECONDS"},
+    {"default-policy", "KVRELAY_DEFAULT_POLICY"},
+    {"log-json", "KVRELAY_LOG_JSON"},
+    {"shutdown-grace-seconds", "KVRELAY_SHUTDOWN_GRACE_SECONDS"},
+};
+
+absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": cannot open the file"));
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": invalid JSON: ", e.what()));
+  }
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": expected a JSON object"));
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    std::string key = it.key();
+    for (char& ch : key) if (ch == '_') ch = '-';
+    const nlohmann::json& v = it.value();
+    if (key == "role-policy" || key == "role-policies") {
+      if (!v.is_object()) {
+        return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", it.key(),
+                                                       ": expected an object {ROLE: SPEC}"));
+      }
+      for (auto r = v.begin(); r != v.end(); ++r) {
+        if (!r.value().is_string()) {
+          return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", it.key(), ".", r.key(),
+                                                         ": expected a string"));
+        }
+        c->role_policies[r.key()] = r.value().get<std::string>();
+      }
+      continue;
+    }
+    std::string s;
+    if (v.is_string()) s = v.get<std::string>();
+    else if (v.is_boolean()) s = v.get<bool>() ? "true" : "false";
+    else if (v.is_number_integer()) s = std::to_string(v.get<int64_t>());
+    else if (v.is_number()) s = absl::StrCat(v.get<double>());
+    else return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", it.key(), ": expected a string or number"));
+    absl::Status st = Apply(key, s, c);
+    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const std::string& ServerConfig::PolicyForRole(const std::string& role) const {
+  auto it = role_policies.find(role);
+  return it == role_policies.end() ? default_policy : it->second;
+}
+
+absl::Status SplitHostPort(const std::string& addr, std::string* host, int* port) {
+  size_t colon;
+  if (!addr.empty() && addr[0] == '[') {
+    const size_t close = addr.find(']');
+    if (close == std::string::npos || close + 1 >= addr.size() || addr[close + 1] != ':') {
+      return absl::InvalidArgumentError(absl::StrCat(addr, ": expected [V6]:PORT"));
+    }
+    colon = close + 1;
+  } else {
+    colon = addr.rfind(':');
+    if (colon == std::string::npos) return absl::InvalidArgumentError(absl::StrCat(addr, ": expected HOST:PORT"));
+  }
+  *host = addr.substr(0, colon);
+  int p;
+  if (!absl::SimpleAtoi(addr.substr(colon + 1), &p) || p < 0 || p > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(addr, ": port expected in 0..65535"));
+  }
+  *port = p;
+  return absl::OkStatus();
+}
+
+std::string ServerUsage() {
+  return R"(usage: kvrelay-server [flags]
+  --listen HOST:PORT             gRPC address (env KVRELAY_LISTEN; default 0.0.0.0:50051; port 0 = free port)
+  --metrics-listen HOST:PORT     Prometheus /metrics address, "off" for none (KVRELAY_METRICS_LISTEN; 0.0.0.0:9464)
+  --worker-threads N             compression workers (KVRELAY_WORKER_THREADS; hardware threads)
+  --max-inflight-bytes N         bytes of uploads in progress, all streams (KVRELAY_MAX_INFLIGHT_BYTES; 4GiB)
+  --max-mailbox-bytes N          unacked bytes per (session, agent) (KVRELAY_MAX_MAILBOX_BYTES; 2GiB)
+  --max-session-messages N       messages per session (KVRELAY_MAX_SESSION_MESSAGES; 1024)
+  --session-ttl-seconds S        idle time before a session expires (KVRELAY_SESSION_TTL_SECONDS; 3600)
+  --default-policy SPEC          policy when neither the publish nor its role names one
+                                 (KVRELAY_DEFAULT_POLICY; h2o-head:k=32+obf:p=8,mode=fast)
+  --role-policy ROLE=SPEC        per-role default policy, repeatable (KVRELAY_ROLE_POLICY: ROLE=SPEC;ROLE=SPEC)
+  --log-json                     JSON log lines (KVRELAY_LOG_JSON)
+  --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
+  --config FILE                  JSON object with the same keys (KVRELAY_CONFIG)
+Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT
+)";
+}
+
+absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv, const EnvLookup& env) {
+  // Collect flags first: --config must be applied before env and flags.
+  std::vector<std::pair<std::string, std::string>> flags;
+  std::string config_path;
+  if (const char* e = env("KVRELAY_CONFIG")) config_path = e;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") return absl::CancelledError(ServerUsage());
+    if (arg.rfind("--", 0) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(arg, ": unexpected argument, expected --flag (see --help)"));
+    }
+    std::string name = arg.substr(2), value;
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+    } else if (IsBoolFlag(name)) {
+      value = "true";
+    } else {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat("--", name, ": missing value"));
+      value = argv[++i];
+    }
+    if (name == "config") {
+      config_path = value;
+      continue;
+    }
+    flags.emplace_back(name, value);
+  }
+  ServerConfig c;
+  if (!config_path.empty()) KVRELAY_RETURN_IF_ERROR(ApplyConfigFile(config_path, &c));
+  for (const auto& [name, var] : kEnv) {
+    if (const char* e = env(var)) {
+      absl::Status s = Apply(name, e, &c);
+      if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(var, ": ", s.message()));
+    }
+  }
+  if (const char* e = env("KVRELAY_ROLE_POLICY")) {
+    for (absl::string_view part : absl::StrSplit(e, ';', absl::SkipWhitespace())) {
+      absl::Status s = ParseRolePolicy("role-policy", std::string(part), &c.role_policies);
+      if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("KVRELAY_ROLE_POLICY: ", s.message()));
+    }
+  }
+  for (const auto& [name, value] : flags) KVRELAY_RETURN_IF_ERROR(Apply(name, value, &c));
+  if (c.worker_threads <= 0) c.worker_threads = ThreadPool::HardwareThreads();
+  if (auto p = Pipeline::Create(c.default_policy); !p.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--default-policy=", c.default_policy, ": ", p.status().message()));
+  }
+  for (const auto& [role, spec] : c.role_policies) {
+    if (auto p = Pipeline::Create(spec); !p.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--role-policy=", role, "=", spec, ": ", p.status().message()));
+    }
+  }
+  return c;
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,71 @@
+// Configuration of kvrelay-server: flags, environment fallbacks and an
+// optional JSON config file.
+//
+// Precedence, highest first: command-line flags, KVRELAY_* environment
+// variables, the --config FILE (JSON object whose keys are the flag names
+// without the leading dashes, '-' or '_' alike), built-in defaults.
+//
+//   flag                          env                               default
+//   --listen HOST:PORT            KVRELAY_LISTEN                    0.0.0.0:50051
+//   --metrics-listen HOST:PORT    KVRELAY_METRICS_LISTEN            0.0.0.0:9464 ("" or "off": none)
+//   --worker-threads N            KVRELAY_WORKER_THREADS            hardware threads
+//   --max-inflight-bytes N        KVRELAY_MAX_INFLIGHT_BYTES        4GiB
+//   --max-mailbox-bytes N         KVRELAY_MAX_MAILBOX_BYTES         2GiB  (per session and agent)
+//   --max-session-messages N      KVRELAY_MAX_SESSION_MESSAGES      1024
+//   --session-ttl-seconds S       KVRELAY_SESSION_TTL_SECONDS       3600  (idle time; fractions allowed)
+//   --default-policy SPEC         KVRELAY_DEFAULT_POLICY            h2o-head:k=32+obf:p=8,mode=fast
+//   --role-policy ROLE=SPEC       KVRELAY_ROLE_POLICY (';'-separated ROLE=SPEC list)   repeatable
+//   --log-json                    KVRELAY_LOG_JSON (1/true)         off
+//   --shutdown-grace-seconds S    KVRELAY_SHUTDOWN_GRACE_SECONDS    10
+//   --config FILE                 KVRELAY_CONFIG                    none
+//
+// Byte sizes accept a plain integer or a KiB/MiB/GiB/TiB suffix ("4GiB").
+// Every policy is parsed at startup, so a bad one is a configuration error.
+#ifndef KVRELAY_SERVER_CONFIG_H_
+#define KVRELAY_SERVER_CONFIG_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvrelay {
+
+struct ServerConfig {
+  std::string listen = "0.0.0.0:50051";
+  std::string metrics_listen = "0.0.0.0:9464";  // empty: no metrics endpoint
+  int worker_threads = 0;                        // 0 before ParseServerConfig: hardware
+  uint64_t max_inflight_bytes = 4ull << 30;
+  uint64_t max_mailbox_bytes = 2ull << 30;
+  uint32_t max_session_messages = 1024;
+  double session_ttl_seconds = 3600;
+  std::string default_policy = "h2o-head:k=32+obf:p=8,mode=fast";
+  std::map<std::string, std::string> role_policies;
+  bool log_json = false;
+  double shutdown_grace_seconds = 10;
+
+  // The policy spec for `role` (its role policy, else the default).
+  const std::string& PolicyForRole(const std::string& role) const;
+};
+
+// Reads an environment variable; nullptr when unset. Tests pass their own.
+using EnvLookup = std::function<const char*(const char*)>;
+
+// Parses argv (argv[0] is skipped) with `env` fallbacks. InvalidArgument
+// naming the flag and what was expected; the caller prints it and exits 2.
+// `--help` yields a status with code kCancelled whose message is the usage.
+absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv,
+                                               const EnvLookup& env);
+
+// The usage text.
+std::string ServerUsage();
+
+// Splits "HOST:PORT" ("[v6]:PORT" too). InvalidArgument unless PORT is 0..65535.
+absl::Status SplitHostPort(const std::string& addr, std::string* host, int* port);
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_CONFIG_H_

@@ -1,0 +1,129 @@
+#include "server/metrics.h"
+
+#include <vector>
+
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+namespace kvrelay {
+
+std::string PolicyFamily(const std::string& spec) {
+  std::vector<std::string> names;
+  for (absl::string_view stage : absl::StrSplit(spec, '+')) {
+    names.emplace_back(stage.substr(0, stage.find(':')));
+  }
+  return absl::StrJoin(names, "+");
+}
+
+const char* GrpcCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::OK: return "OK";
+    case grpc::CANCELLED: return "CANCELLED";
+    case grpc::UNKNOWN: return "UNKNOWN";
+    case grpc::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::NOT_FOUND: return "NOT_FOUND";
+    case grpc::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::ABORTED: return "ABORTED";
+    case grpc::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::INTERNAL: return "INTERNAL";
+    case grpc::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::DATA_LOSS: return "DATA_LOSS";
+    case grpc::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+namespace {
+prometheus::Histogram::BucketBoundaries SecondsBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+}
+}  // namespace
+
+Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  using namespace prometheus;
+  received_ = &BuildCounter()
+                   .Name("kvrelay_received_bytes_total")
+                   .Help("Tensor bytes uploaded to the relay (Publish and Compress).")
+                   .Register(*registry_)
+                   .Add({});
+  full_ = &BuildCounter()
+               .Name("kvrelay_full_bytes_total")
+               .Help("Bytes the `full` policy would send for the committed messages.")
+               .Register(*registry_);
+  sent_ = &BuildCounter()
+               .Name("kvrelay_sent_bytes_total")
+               .Help("Bytes the committed messages send, after compression.")
+               .Register(*registry_);
+  saved_ = &BuildCounter()
+                .Name("kvrelay_saved_bytes_total")
+                .Help("Bytes saved by compression (full minus sent).")
+                .Register(*registry_);
+  messages_ = &BuildCounter()
+                   .Name("kvrelay_messages_total")
+                   .Help("Messages by outcome: committed, duplicate, failed, delivered, acked, expired.")
+                   .Register(*registry_);
+  errors_ = &BuildCounter()
+                 .Name("kvrelay_errors_total")
+                 .Help("Failed RPCs by gRPC status code.")
+                 .Register(*registry_);
+  compress_ = &BuildHistogram()
+                   .Name("kvrelay_compress_seconds")
+                   .Help("Worker seconds spent compressing one message.")
+                   .Register(*registry_)
+                   .Add({}, SecondsBuckets());
+  visible_ = &BuildHistogram()
+                  .Name("kvrelay_publish_visible_seconds")
+                  .Help("Seconds from a publish's first request to its message becoming visible.")
+                  .Register(*registry_)
+                  .Add({}, SecondsBuckets());
+  delivered_ = &BuildHistogram()
+                    .Name("kvrelay_publish_delivered_seconds")
+                    .Help("Seconds from a publish's first request to the first complete delivery.")
+                    .Register(*registry_)
+                    .Add({}, SecondsBuckets());
+  inflight_ = &BuildGauge()
+                   .Name("kvrelay_inflight_bytes")
+                   .Help("Bytes reserved by uploads in progress.")
+                   .Register(*registry_)
+                   .Add({});
+  mailbox_messages_ = &BuildGauge()
+                           .Name("kvrelay_mailbox_messages")
+                           .Help("Unacknowledged deliveries held, all sessions.")
+                           .Register(*registry_)
+                           .Add({});
+  mailbox_bytes_ = &BuildGauge()
+                        .Name("kvrelay_mailbox_bytes")
+                        .Help("Bytes of unacknowledged deliveries held, all sessions.")
+                        .Register(*registry_)
+                        .Add({});
+  BuildGauge()
+      .Name("kvrelay_build_info")
+      .Help("Build information; the value is always 1.")
+      .Register(*registry_)
+      .Add({{"version", KVRELAY_VERSION}})
+      .Set(1);
+  for (const char* o : {"committed", "duplicate", "failed", "delivered", "acked", "expired"}) {
+    messages_->Add({{"outcome", o}});
+  }
+}
+
+void Metrics::AddCommitted(const std::string& family, uint64_t full, uint64_t sent) {
+  full_->Add({{"family", family}}).Increment(static_cast<double>(full));
+  sent_->Add({{"family", family}}).Increment(static_cast<double>(sent));
+  saved_->Add({{"family", family}}).Increment(full > sent ? static_cast<double>(full - sent) : 0.0);
+}
+
+void Metrics::AddOutcome(const std::string& outcome, double n) {
+  messages_->Add({{"outcome", outcome}}).Increment(n);
+}
+
+void Metrics::AddError(grpc::StatusCode code) {
+  errors_->Add({{"code", GrpcCodeName(code)}}).Increment();
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,78 @@
+// Prometheus metrics of the relay (prometheus-cpp).
+//
+//   kvrelay_received_bytes_total                 tensor bytes uploaded (Publish + Compress)
+//   kvrelay_full_bytes_total{family}             what `full` would send, per committed message
+//   kvrelay_sent_bytes_total{family}             what the committed messages send
+//   kvrelay_saved_bytes_total{family}            full - sent
+//   kvrelay_messages_total{outcome}              committed, duplicate, failed, delivered, acked, expired
+//   kvrelay_errors_total{code}                   failed RPCs by gRPC code name
+//   kvrelay_compress_seconds                     worker seconds per message
+//   kvrelay_publish_visible_seconds              first request to visibility
+//   kvrelay_publish_delivered_seconds            first request to the first complete delivery
+//   kvrelay_inflight_bytes                       reserved by uploads in progress
+//   kvrelay_mailbox_messages, kvrelay_mailbox_bytes   unacked deliveries held
+//   kvrelay_build_info{version}                  1
+//
+// `family` is the policy's stage names ("h2o-head+obf+int4"): low cardinality.
+// Thread-safe.
+#ifndef KVRELAY_SERVER_METRICS_H_
+#define KVRELAY_SERVER_METRICS_H_
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "grpcpp/support/status.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace kvrelay {
+
+// "h2o-head:k=32,sinks=4+obf:p=8+int4:group=32" -> "h2o-head+obf+int4".
+std::string PolicyFamily(const std::string& canonical_spec);
+
+// gRPC code name, e.g. "RESOURCE_EXHAUSTED".
+const char* GrpcCodeName(grpc::StatusCode code);
+
+class Metrics {
+ public:
+  Metrics();
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  void AddReceived(uint64_t bytes) { received_->Increment(static_cast<double>(bytes)); }
+  void AddCommitted(const std::string& family, uint64_t full, uint64_t sent);
+  void AddOutcome(const std::string& outcome, double n = 1);
+  void AddError(grpc::StatusCode code);
+  void ObserveCompress(double s) { compress_->Observe(s); }
+  void ObserveVisible(double s) { visible_->Observe(s); }
+  void ObserveDelivered(double s) { delivered_->Observe(s); }
+  void SetInflight(double bytes) { inflight_->Set(bytes); }
+  void SetMailbox(double messages, double bytes) {
+    mailbox_messages_->Set(messages);
+    mailbox_bytes_->Set(bytes);
+  }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Counter* received_;
+  prometheus::Family<prometheus::Counter>* full_;
+  prometheus::Family<prometheus::Counter>* sent_;
+  prometheus::Family<prometheus::Counter>* saved_;
+  prometheus::Family<prometheus::Counter>* messages_;
+  prometheus::Family<prometheus::Counter>* errors_;
+  prometheus::Histogram* compress_;
+  prometheus::Histogram* visible_;
+  prometheus::Histogram* delivered_;
+  prometheus::Gauge* inflight_;
+  prometheus::Gauge* mailbox_messages_;
+  prometheus::Gauge* mailbox_bytes_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_METRICS_H_

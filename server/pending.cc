@@ -1,0 +1,126 @@
+#include "server/pending.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "core/quant.h"
+
+namespace kvrelay {
+
+PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline, const UploadShape& shape,
+                                       MessagePtr parent, int64_t prompt_pos0, ThreadPool* pool, Store* store,
+                                       uint64_t reserved)
+    : pipeline_(std::move(pipeline)),
+      layers_(shape.layers),
+      geo_(shape.geo),
+      first_agent_(shape.first_agent),
+      prompt_pos0_(prompt_pos0),
+      parent_(std::move(parent)),
+      pool_(pool),
+      store_(store),
+      reserved_(reserved),
+      out_(shape.layers) {
+  if (parent_) geo_.n_history = parent_->msg.layers.empty() ? 0 : parent_->msg.layers[0].tokens();
+}
+
+PendingCompression::~PendingCompression() {
+  if (store_ && reserved_) store_->ReleaseInflight(reserved_);
+}
+
+void PendingCompression::Submit(int l, TurnLayer layer) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++outstanding_;
+  }
+  auto self = shared_from_this();
+  // std::function needs a copyable callable: hold the layer by shared_ptr.
+  auto holder = std::make_shared<TurnLayer>(std::move(layer));
+  pool_->Schedule([self, l, holder]() mutable {
+    TurnLayer local = std::move(*holder);
+    holder.reset();
+    self->RunLayer(l, std::move(local));
+  });
+}
+
+void PendingCompression::RunLayer(int l, TurnLayer layer) {
+  absl::Status st;
+  std::optional<MessageLayer> result;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (cancelled_.load() || !status().ok()) {
+    st = absl::CancelledError("publish: cancelled");
+  } else {
+    if (parent_) {
+      const MessageLayer& p = parent_->msg.layers[l];
+      layer.history_pos = p.pos;
+      if (p.quant) {
+        st = DequantizeKv(*p.quant, geo_.dtype, &layer.history_k, &layer.history_v);
+      } else {
+        layer.history_k = p.k;
+        layer.history_v = p.v;
+      }
+    }
+    if (st.ok()) st = ValidateTurnLayer(layer, l, geo_, prompt_pos0_, /*check_kv_values=*/true);
+    if (st.ok()) {
+      LayerContext ctx;
+      ctx.layer = l;
+      ctx.first_agent = first_agent_;
+      ctx.prompt_pos0 = prompt_pos0_;
+      absl::StatusOr<MessageLayer> r = pipeline_->CompressLayer(layer, geo_, ctx, /*pool=*/nullptr);
+      if (r.ok()) result = std::move(*r);
+      else st = r.status();
+    }
+  }
+  // Free the upload's tensors before reporting.
+  layer = TurnLayer();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::function<void()> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seconds_ += secs;
+    if (!st.ok() && status_.ok()) status_ = st;
+    if (result) out_[l] = std::move(result);
+    if (--outstanding_ == 0 && done_) done = std::move(done_);
+  }
+  if (done) done();
+}
+
+absl::Status PendingCompression::status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+void PendingCompression::WhenDone(std::function<void()> done) {
+  auto self = shared_from_this();  // `done` may drop the caller's reference
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (outstanding_ > 0) {
+      done_ = std::move(done);
+      return;
+    }
+  }
+  done();
+}
+
+double PendingCompression::compress_seconds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seconds_;
+}
+
+Message PendingCompression::TakeMessage() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Message msg;
+  msg.policy = pipeline_->spec();
+  msg.dtype = geo_.dtype;
+  msg.kv_heads = geo_.kv_heads;
+  msg.head_dim = geo_.head_dim;
+  pipeline_->CountTokens(geo_, first_agent_, &msg);
+  msg.full_bytes = FullLayerBytes(geo_) * static_cast<uint64_t>(layers_);
+  msg.layers.reserve(layers_);
+  for (auto& l : out_) {
+    msg.sent_bytes += l->SentBytes();
+    msg.layers.push_back(std::move(*l));
+  }
+  return msg;
+}
+
+}  // namespace kvrelay

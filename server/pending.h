@@ -1,0 +1,86 @@
+// The compression of one upload in progress: each layer is handed to the
+// worker pool as soon as its chunks are in, so compression overlaps the
+// upload; the message is assembled once every layer is done.
+//
+// With a parent message, every layer's history is the parent's composed
+// layer (decoded when the parent is quantized), so the result is
+// [parent; anchors if first agent; kept prompt; generated].
+//
+// Thread-safe. Holds the upload's in-flight reservation and releases it on
+// destruction, i.e. once the reactor and every queued layer let go of it.
+#ifndef KVRELAY_SERVER_PENDING_H_
+#define KVRELAY_SERVER_PENDING_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/message.h"
+#include "core/pipeline.h"
+#include "core/thread_pool.h"
+#include "server/assembler.h"
+#include "server/store.h"
+
+namespace kvrelay {
+
+class PendingCompression : public std::enable_shared_from_this<PendingCompression> {
+ public:
+  // `geo` is the upload's geometry; with `parent` its n_history must be 0
+  // and becomes the parent's token count. `store` (may be null) gets
+  // `reserved` in-flight bytes back on destruction.
+  PendingCompression(std::shared_ptr<const Pipeline> pipeline, const UploadShape& shape, MessagePtr parent,
+                     int64_t prompt_pos0, ThreadPool* pool, Store* store, uint64_t reserved);
+  ~PendingCompression();
+
+  // Validates (K/V values included) and compresses layer `l` on the pool.
+  void Submit(int l, TurnLayer layer);
+
+  // Skips layers not yet started.
+  void Cancel() { cancelled_ = true; }
+
+  // The first error of any layer so far.
+  absl::Status status() const;
+
+  // Calls `done` once every submitted layer has finished: right away on
+  // this thread if they have, else on the worker that finishes last.
+  void WhenDone(std::function<void()> done);
+
+  // The composed message. REQUIRES: WhenDone fired, status().ok() and every
+  // layer submitted.
+  Message TakeMessage();
+
+  // Worker seconds spent so far.
+  double compress_seconds() const;
+
+  // The geometry of the compressed turn (history included).
+  const TurnGeometry& geometry() const { return geo_; }
+
+ private:
+  void RunLayer(int l, TurnLayer layer);
+
+  const std::shared_ptr<const Pipeline> pipeline_;
+  const int layers_;
+  TurnGeometry geo_;
+  const bool first_agent_;
+  const int64_t prompt_pos0_;
+  const MessagePtr parent_;
+  ThreadPool* const pool_;
+  Store* const store_;
+  const uint64_t reserved_;
+  std::atomic<bool> cancelled_{false};
+
+  mutable std::mutex mu_;
+  std::vector<std::optional<MessageLayer>> out_;
+  absl::Status status_;
+  int outstanding_ = 0;
+  double seconds_ = 0;
+  std::function<void()> done_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_PENDING_H_

@@ -1,0 +1,739 @@
+#include "server/relay_service.h"
+
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_format.h"
+#include "core/crc32c.h"
+#include "core/pipeline.h"
+#include "core/status_macros.h"
+#include "server/assembler.h"
+#include "server/pending.h"
+#include "server/status_util.h"
+#include "spdlog/spdlog.h"
+
+namespace kvrelay {
+namespace {
+
+double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+v1::DType ToProto(DType d) {
+  switch (d) {
+    case DType::kF32: return v1::DTYPE_F32;
+    case DType::kF16: return v1::DTYPE_F16;
+    case DType::kBF16: return v1::DTYPE_BF16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+// Serializes a message as Fetch and Compress deliver it: per layer K, V,
+// POS (dense) or K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS
+// (quantized); tensors of 0 bytes send no chunk; chunks of at most 1 MiB.
+class OutgoingMessage {
+ public:
+  OutgoingMessage(std::shared_ptr<const void> hold, const Message* m) : hold_(std::move(hold)) {
+    for (size_t l = 0; l < m->layers.size(); ++l) {
+      const MessageLayer& L = m->layers[l];
+      auto add = [&](v1::Part part, const void* data, size_t size) {
+        if (size > 0) tensors_.push_back({static_cast<uint32_t>(l), part, static_cast<const uint8_t*>(data), size});
+      };
+      if (L.quant) {
+        const QuantizedKv& q = *L.quant;
+        add(v1::PART_K_CODES, q.k.codes.data(), q.k.codes.size());
+        add(v1::PART_K_SCALE, q.k.scale.data(), 2 * q.k.scale.size());
+        add(v1::PART_K_ZERO, q.k.zero.data(), 2 * q.k.zero.size());
+        add(v1::PART_V_CODES, q.v.codes.data(), q.v.codes.size());
+        add(v1::PART_V_SCALE, q.v.scale.data(), 2 * q.v.scale.size());
+        add(v1::PART_V_ZERO, q.v.zero.data(), 2 * q.v.zero.size());
+      } else {
+        add(v1::PART_K, L.k.bytes().data(), L.k.byte_size());
+        add(v1::PART_V, L.v.bytes().data(), L.v.byte_size());
+      }
+      add(v1::PART_POS, L.pos.data.data(), 4 * L.pos.data.size());
+    }
+  }
+
+  // Fills the next chunk; false when every chunk was produced.
+  bool NextChunk(v1::Chunk* c) {
+    if (cursor_ == tensors_.size()) return false;
+    const Tensor& t = tensors_[cursor_];
+    const size_t n = std::min(kMaxChunkBytes, t.size - offset_);
+    c->set_layer(t.layer);
+    c->set_part(t.part);
+    c->set_offset(offset_);
+    c->set_data(t.data + offset_, n);
+    const uint32_t crc = Crc32c(t.data + offset_, n);
+    c->set_crc32c(crc);
+    crc_ = Crc32cExtend(crc_, t.data + offset_, n);
+    bytes_ += n;
+    ++chunks_;
+    offset_ += n;
+    if (offset_ == t.size) {
+      ++cursor_;
+      offset_ = 0;
+    }
+    return true;
+  }
+
+  void FillTrailer(v1::Trailer* t) const {
+    t->set_chunks(chunks_);
+    t->set_bytes(bytes_);
+    t->set_crc32c(crc_);
+  }
+
+ private:
+  struct Tensor {
+    uint32_t layer;
+    v1::Part part;
+    const uint8_t* data;
+    size_t size;
+  };
+  std::shared_ptr<const void> hold_;
+  std::vector<Tensor> tensors_;
+  size_t cursor_ = 0, offset_ = 0;
+  uint64_t chunks_ = 0, bytes_ = 0;
+  uint32_t crc_ = 0;
+};
+
+void FillMessageHeader(const Message& m, v1::MessageHeader* h) {
+  h->set_layers(static_cast<uint32_t>(m.layers.size()));
+  h->set_kv_heads(m.kv_heads);
+  h->set_head_dim(m.head_dim);
+  h->set_dtype(ToProto(m.dtype));
+  h->set_n_history(m.n_history);
+  h->set_n_anchor(m.n_anchor);
+  h->set_n_kept(m.n_kept);
+  h->set_n_gen(m.n_gen);
+  if (!m.layers.empty() && m.layers[0].quant) {
+    const QuantizedKv& q = *m.layers[0].quant;
+    h->set_quant_bits(q.bits);
+    h->set_quant_group(q.group);
+    h->set_quant_rotate(q.rotate);
+  }
+}
+
+void FillAccounting(const Message& m, uint64_t received, double compress_s, double commit_s,
+                    v1::Accounting* a) {
+  a->set_received_bytes(received);
+  a->set_full_bytes(m.full_bytes);
+  a->set_sent_bytes(m.sent_bytes);
+  a->set_ratio(m.Ratio());
+  a->set_compress_seconds(compress_s);
+  a->set_commit_seconds(commit_s);
+  a->set_policy(m.policy);
+}
+
+// The receiving half shared by Publish and Compress: geometry, in-flight
+// reservation, chunk assembly, per-layer compression, commit checks.
+class Upload {
+ public:
+  explicit Upload(RelayService* svc) : svc_(svc) {}
+
+  // Starts after a checked header.
+  absl::Status Start(const UploadShape& shape, std::shared_ptr<const Pipeline> pipeline, MessagePtr parent,
+                     int64_t prompt_pos0) {
+    const uint64_t bytes = shape.UploadBytes();
+    KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(bytes));
+    assembler_.emplace(shape);
+    pending_ = std::make_shared<PendingCompression>(std::move(pipeline), shape, std::move(parent), prompt_pos0,
+                                                    svc_->pool(), svc_->store(), bytes);
+    SubmitCompleted();
+    return absl::OkStatus();
+  }
+
+  bool started() const { return pending_ != nullptr; }
+
+  absl::Status Chunk(const v1::Chunk& c) {
+    KVRELAY_RETURN_IF_ERROR(assembler_->Accept(c));
+    svc_->store()->AddReceived(c.data().size());
+    if (svc_->metrics()) svc_->metrics()->AddReceived(c.data().size());
+    SubmitCompleted();
+    return pending_->status();  // a layer may already have failed
+  }
+
+  absl::Status Commit(const v1::Trailer& t) { return assembler_->CheckCommit(t); }
+
+  std::shared_ptr<PendingCompression> pending() const { return pending_; }
+  uint64_t received() const { return assembler_ ? assembler_->bytes_received() : 0; }
+
+ private:
+  void SubmitCompleted() {
+    for (auto& [l, layer] : assembler_->TakeCompleted()) pending_->Submit(l, std::move(layer));
+  }
+
+  RelayService* svc_;
+  std::optional<TurnAssembler> assembler_;
+  std::shared_ptr<PendingCompression> pending_;
+};
+
+absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field) {
+  if (p.config().quant) {
+    absl::Status s = ValidateQuantOptions(*p.config().quant, geo.head_dim);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- Publish
+
+class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> {
+ public:
+  PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, v1::PublishResponse* resp)
+      : svc_(svc), ctx_(ctx), resp_(resp), upload_(svc), started_(Clock::now()) {
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (ctx_->IsCancelled()) return Fail(absl::CancelledError("publish: cancelled by the client"));
+      return Fail(absl::InvalidArgumentError(
+          upload_.started() ? "publish: stream ended before the commit, expected a commit trailer"
+                            : "publish: empty stream, expected a header first"));
+    }
+    absl::Status s;
+    switch (req_.kind_case()) {
+      case v1::PublishRequest::kHeader:
+        if (upload_.started() || replied_) {
+          s = absl::InvalidArgumentError("header: a second header, expected chunks or the commit");
+        } else {
+          s = OnHeader(req_.header());
+          if (replied_) return;  // duplicate: already finished
+        }
+        break;
+      case v1::PublishRequest::kChunk:
+        if (!upload_.started()) {
+          s = absl::InvalidArgumentError("chunk: before the header, expected the header first");
+        } else {
+          s = upload_.Chunk(req_.chunk());
+        }
+        break;
+      case v1::PublishRequest::kCommit:
+        if (!upload_.started()) {
+          s = absl::InvalidArgumentError("commit: before the header, expected the header first");
+          break;
+        }
+        s = upload_.Commit(req_.commit());
+        if (s.ok()) {
+          upload_.pending()->WhenDone([this] { Complete(); });
+          return;
+        }
+        break;
+      default:
+        s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
+    }
+    if (!s.ok()) return Fail(s);
+    StartRead(&req_);
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto p = upload_.pending()) p->Cancel();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status OnHeader(const v1::PublishHeader& h) {
+    header_ = h;  // for the logs, also when it is rejected
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.session_id", h.session_id()));
+    if (!h.message_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.message_id", h.message_id()));
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.sender", h.sender()));
+    if (h.recipients_size() == 0) {
+      return absl::InvalidArgumentError("header.recipients: empty, expected at least one agent");
+    }
+    for (int i = 0; i < h.recipients_size(); ++i) {
+      KVRELAY_RETURN_IF_ERROR(CheckId(absl::StrCat("header.recipients[", i, "]"), h.recipients(i)));
+      for (int j = 0; j < i; ++j) {
+        if (h.recipients(j) == h.recipients(i)) {
+          return absl::InvalidArgumentError(absl::StrCat("header.recipients[", i, "]: '", h.recipients(i),
+                                                         "' repeats recipients[", j, "], expected distinct agents"));
+        }
+      }
+    }
+    if (h.role().size() > 128) {
+      return absl::InvalidArgumentError(absl::StrCat("header.role: ", h.role().size(), " bytes, expected at most 128"));
+    }
+    if (!h.parent_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.parent_id", h.parent_id()));
+    if (!h.has_geometry()) return absl::InvalidArgumentError("header.geometry: missing, expected the turn's geometry");
+    if (header_.message_id().empty()) header_.set_message_id(svc_->NewMessageId());
+    resp_->set_message_id(header_.message_id());
+
+    // Idempotency: a committed id answers with the original accounting.
+    if (MessagePtr prior = svc_->store()->Find(header_.session_id(), header_.message_id())) {
+      ReplyDuplicate(prior);
+      return absl::OkStatus();
+    }
+    KVRELAY_ASSIGN_OR_RETURN(UploadShape shape, CheckGeometry(h.geometry(), "header.geometry"));
+    const std::string& spec = h.policy().empty() ? svc_->config().PolicyForRole(h.role()) : h.policy();
+    absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = Pipeline::Create(spec);
+    if (!pipeline.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(h.policy().empty() ? "policy (role default)" : "header.policy",
+                                                     " '", spec, "': ", pipeline.status().message()));
+    }
+    KVRELAY_RETURN_IF_ERROR(CheckPolicyFor(**pipeline, shape.geo, "header.policy"));
+    MessagePtr parent;
+    int64_t pos0 = shape.prompt_pos0.value_or(shape.geo.n_history);
+    if (!h.parent_id().empty()) {
+      if (shape.geo.n_history != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("header.geometry.n_history: ", shape.geo.n_history,
+                                                       ", expected 0 with parent_id (the relay supplies the history)"));
+      }
+      if (shape.first_agent) {
+        return absl::InvalidArgumentError(
+            "header.geometry.first_agent: true, expected false with parent_id (the parent holds the anchors)");
+      }
+      KVRELAY_ASSIGN_OR_RETURN(parent, svc_->store()->LookupParent(h.session_id(), h.parent_id(), h.sender()));
+      const Message& pm = parent->msg;
+      if (static_cast<int>(pm.layers.size()) != shape.layers || pm.kv_heads != shape.geo.kv_heads ||
+          pm.head_dim != shape.geo.head_dim || pm.dtype != shape.geo.dtype) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "header.parent_id: '%s' has %d layers x %d kv_heads x head_dim %d %s, expected the geometry's "
+            "%d x %d x %d %s",
+            h.parent_id(), pm.layers.size(), pm.kv_heads, pm.head_dim, std::string(DTypeName(pm.dtype)),
+            shape.layers, shape.geo.kv_heads, shape.geo.head_dim, std::string(DTypeName(shape.geo.dtype))));
+      }
+      if (!shape.prompt_pos0) {
+        int64_t next = 0;
+        for (const MessageLayer& l : pm.layers) {
+          for (int32_t p : l.pos.data) next = std::max<int64_t>(next, int64_t{p} + 1);
+        }
+        pos0 = next;
+        if (pos0 + shape.geo.n_prompt + shape.geo.n_gen > std::numeric_limits<int32_t>::max()) {
+          return absl::InvalidArgumentError(absl::StrCat("header.geometry.prompt_pos0: ", pos0,
+                                                         " (after the parent) puts position ids past int32"));
+        }
+      }
+    }
+    std::vector<std::string> recipients(h.recipients().begin(), h.recipients().end());
+    KVRELAY_RETURN_IF_ERROR(svc_->store()->CheckCanPublish(h.session_id(), recipients));
+    std::shared_ptr<const Pipeline> shared(std::move(*pipeline));
+    std::lock_guard<std::mutex> lock(mu_);
+    return upload_.Start(shape, std::move(shared), std::move(parent), pos0);
+  }
+
+  void ReplyDuplicate(const MessagePtr& prior) {
+    resp_->set_message_id(prior->message_id);
+    *resp_->mutable_accounting() = prior->accounting;
+    resp_->set_duplicate(true);
+    if (svc_->metrics()) svc_->metrics()->AddOutcome("duplicate");
+    spdlog::info("publish duplicate session={} message={}", prior->session_id, prior->message_id);
+    FinishOnce(grpc::Status::OK);
+  }
+
+  // Runs once every layer is compressed, on a worker (or inline).
+  void Complete() {
+    std::shared_ptr<PendingCompression> pending = upload_.pending();
+    absl::Status s = pending->status();
+    if (!s.ok()) return Fail(s);
+    auto m = std::make_shared<StoredMessage>();
+    m->session_id = header_.session_id();
+    m->message_id = header_.message_id();
+    m->sender = header_.sender();
+    m->role = header_.role();
+    m->parent_id = header_.parent_id();
+    m->recipients.assign(header_.recipients().begin(), header_.recipients().end());
+    m->msg = pending->TakeMessage();
+    m->family = PolicyFamily(m->msg.policy);
+    m->bytes = m->msg.sent_bytes;
+    m->started = started_;
+    const double compress_s = pending->compress_seconds();
+    FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);
+    absl::StatusOr<Store::CommitResult> r = svc_->store()->Commit(m);
+    if (!r.ok()) return Fail(r.status());
+    if (r->duplicate) return ReplyDuplicate(r->msg);
+    const StoredMessage& c = *r->msg;
+    resp_->set_message_id(c.message_id);
+    *resp_->mutable_accounting() = c.accounting;
+    if (Metrics* mx = svc_->metrics()) {
+      mx->AddCommitted(c.family, c.msg.full_bytes, c.msg.sent_bytes);
+      mx->AddOutcome("committed");
+      mx->ObserveCompress(compress_s);
+      mx->ObserveVisible(c.accounting.commit_seconds());
+    }
+    spdlog::info("publish committed session={} message={} from={} recipients={} policy={} full={} sent={} "
+                 "ratio={:.2f} compress_s={:.4f} commit_s={:.4f}",
+                 c.session_id, c.message_id, c.sender, c.recipients.size(), c.msg.policy, c.msg.full_bytes,
+                 c.msg.sent_bytes, c.msg.Ratio(), compress_s, c.accounting.commit_seconds());
+    FinishOnce(grpc::Status::OK);
+  }
+
+  void Fail(const absl::Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto p = upload_.pending()) p->Cancel();
+    }
+    svc_->store()->AddFailed();
+    if (svc_->metrics()) svc_->metrics()->AddOutcome("failed");
+    spdlog::info("publish failed session={} message={}: {}", header_.session_id(), header_.message_id(),
+                 s.ToString());
+    FinishOnce(ToGrpcStatus(s));
+  }
+
+  void FinishOnce(const grpc::Status& s) {
+    if (replied_.exchange(true)) return;
+    if (!s.ok()) svc_->CountError(s);
+    // Drop the upload now: the in-flight reservation returns once queued
+    // layers drain, not when gRPC gets around to OnDone.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      upload_ = Upload(svc_);
+    }
+    Finish(s);
+  }
+
+  RelayService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::PublishResponse* const resp_;
+  v1::PublishRequest req_;
+  v1::PublishHeader header_;
+  std::mutex mu_;  // guards upload_ against OnCancel
+  Upload upload_;
+  std::atomic<bool> replied_{false};
+  const Clock::time_point started_;
+};
+
+// ------------------------------------------------------------------ Fetch
+
+class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
+ public:
+  FetchReactor(RelayService* svc, grpc::CallbackServerContext* ctx, const v1::FetchRequest& req)
+      : svc_(svc), ctx_(ctx), session_(req.session_id()), agent_(req.agent()), auto_ack_(req.auto_ack()) {
+    absl::Status s = CheckId("session_id", session_);
+    if (s.ok()) s = CheckId("agent", agent_);
+    if (!s.ok()) {
+      FinishOnce(ToGrpcStatus(s));
+      return;
+    }
+    // Wait no longer than a day, whatever the deadline (none: infinite).
+    const auto remaining = ctx->deadline() - std::chrono::system_clock::now();
+    const auto cap = std::chrono::hours(24);
+    deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::min<std::chrono::system_clock::duration>(remaining, cap));
+    OnWake(false);
+  }
+
+  void OnCancel() override {
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      if (waiting_ && svc_->store()->CancelWaiter(waiter_)) {
+        waiting_ = false;
+        finish = true;
+      }
+    }
+    if (finish) FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting"));
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: stream broken while delivering"));
+    resp_.Clear();
+    if (out_->NextChunk(resp_.mutable_chunk())) return StartWrite(&resp_);
+    if (!trailer_sent_) {
+      trailer_sent_ = true;
+      out_->FillTrailer(resp_.mutable_trailer());
+      return StartWrite(&resp_);
+    }
+    Delivered();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // Tries to take a delivery; otherwise waits (again).
+  void OnWake(bool timed_out) {
+    std::optional<grpc::Status> fin;
+    std::optional<Store::Delivery> d;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_ = false;
+      if (cancelled_) {
+        fin = grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting");
+      } else if (timed_out) {
+        fin = grpc::Status(grpc::DEADLINE_EXCEEDED,
+                           absl::StrCat("fetch: no message for agent '", agent_, "' in session '", session_,
+                                        "' before the deadline"));
+      } else {
+        d = svc_->store()->FetchOrWait(session_, agent_, deadline_, [this](bool t) { OnWake(t); }, &waiter_);
+        if (!d) waiting_ = true;
+      }
+    }
+    if (fin) return FinishOnce(*fin);
+    if (d) Begin(std::move(*d));
+  }
+
+  void Begin(Store::Delivery d) {
+    delivery_ = std::move(d);
+    const StoredMessage& m = *delivery_.msg;
+    out_.emplace(delivery_.msg, &m.msg);
+    v1::MessageHeader* h = resp_.mutable_header();
+    h->set_message_id(m.message_id);
+    h->set_session_id(m.session_id);
+    h->set_sender(m.sender);
+    h->set_role(m.role);
+    h->set_parent_id(m.parent_id);
+    FillMessageHeader(m.msg, h);
+    *h->mutable_accounting() = m.accounting;
+    h->set_delivery_attempt(delivery_.attempt);
+    StartWrite(&resp_);
+  }
+
+  void Delivered() {
+    const StoredMessage& m = *delivery_.msg;
+    svc_->store()->AddDelivered();
+    if (Metrics* mx = svc_->metrics()) {
+      mx->AddOutcome("delivered");
+      if (delivery_.attempt == 1) mx->ObserveDelivered(std::chrono::duration<double>(Clock::now() - m.started).count());
+    }
+    absl::Status s;
+    if (auto_ack_) s = svc_->store()->Ack(session_, agent_, m.message_id);
+    spdlog::info("fetch delivered session={} message={} to={} attempt={} auto_ack={}", session_, m.message_id,
+                 agent_, delivery_.attempt, auto_ack_);
+    // An auto-ack can only fail when the session was closed meanwhile: the
+    // message was delivered all the same.
+    (void)s;
+    FinishOnce(grpc::Status::OK);
+  }
+
+  void FinishOnce(const grpc::Status& s) {
+    if (finished_.exchange(true)) return;
+    if (!s.ok()) svc_->CountError(s);
+    Finish(s);
+  }
+
+  RelayService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  const std::string session_, agent_;
+  const bool auto_ack_;
+  Clock::time_point deadline_;
+  std::mutex mu_;
+  bool waiting_ = false, cancelled_ = false;
+  uint64_t waiter_ = 0;
+  std::atomic<bool> finished_{false};
+  Store::Delivery delivery_;
+  std::optional<OutgoingMessage> out_;
+  bool trailer_sent_ = false;
+  v1::FetchResponse resp_;
+};
+
+// --------------------------------------------------------------- Compress
+
+class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest, v1::CompressResponse> {
+ public:
+  CompressReactor(RelayService* svc, grpc::CallbackServerContext* ctx)
+      : svc_(svc), ctx_(ctx), upload_(svc), started_(Clock::now()) {
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (ctx_->IsCancelled()) return Fail(absl::CancelledError("compress: cancelled by the client"));
+      return Fail(absl::InvalidArgumentError(
+          upload_.started() ? "compress: stream ended before the commit, expected a commit trailer"
+                            : "compress: empty stream, expected a header first"));
+    }
+    absl::Status s;
+    switch (req_.kind_case()) {
+      case v1::CompressRequest::kHeader:
+        s = upload_.started() ? absl::InvalidArgumentError("header: a second header, expected chunks or the commit")
+                              : OnHeader(req_.header());
+        break;
+      case v1::CompressRequest::kChunk:
+        s = upload_.started() ? upload_.Chunk(req_.chunk())
+                              : absl::InvalidArgumentError("chunk: before the header, expected the header first");
+        break;
+      case v1::CompressRequest::kCommit:
+        if (!upload_.started()) {
+          s = absl::InvalidArgumentError("commit: before the header, expected the header first");
+          break;
+        }
+        s = upload_.Commit(req_.commit());
+        if (s.ok()) {
+          upload_.pending()->WhenDone([this] { Complete(); });
+          return;
+        }
+        break;
+      default:
+        s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
+    }
+    if (!s.ok()) return Fail(s);
+    StartRead(&req_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "compress: stream broken while delivering"));
+    resp_.Clear();
+    if (out_->NextChunk(resp_.mutable_chunk())) return StartWrite(&resp_);
+    if (!trailer_sent_) {
+      trailer_sent_ = true;
+      out_->FillTrailer(resp_.mutable_trailer());
+      return StartWrite(&resp_);
+    }
+    FinishOnce(grpc::Status::OK);
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto p = upload_.pending()) p->Cancel();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status OnHeader(const v1::CompressHeader& h) {
+    if (h.policy().empty()) return absl::InvalidArgumentError("header.policy: empty, expected a pipeline spec");
+    if (!h.has_geometry()) return absl::InvalidArgumentError("header.geometry: missing, expected the turn's geometry");
+    KVRELAY_ASSIGN_OR_RETURN(UploadShape shape, CheckGeometry(h.geometry(), "header.geometry"));
+    absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = Pipeline::Create(h.policy());
+    if (!pipeline.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("header.policy '", h.policy(), "': ", pipeline.status().message()));
+    }
+    KVRELAY_RETURN_IF_ERROR(CheckPolicyFor(**pipeline, shape.geo, "header.policy"));
+    std::shared_ptr<const Pipeline> shared(std::move(*pipeline));
+    std::lock_guard<std::mutex> lock(mu_);
+    return upload_.Start(shape, std::move(shared), nullptr, shape.prompt_pos0.value_or(shape.geo.n_history));
+  }
+
+  void Complete() {
+    std::shared_ptr<PendingCompression> pending = upload_.pending();
+    absl::Status s = pending->status();
+    if (!s.ok()) return Fail(s);
+    auto msg = std::make_shared<Message>(pending->TakeMessage());
+    const double compress_s = pending->compress_seconds();
+    const uint64_t received = upload_.received();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      upload_ = Upload(svc_);  // releases the reservation
+    }
+    if (Metrics* mx = svc_->metrics()) mx->ObserveCompress(compress_s);
+    out_.emplace(msg, msg.get());
+    v1::MessageHeader* h = resp_.mutable_header();
+    FillMessageHeader(*msg, h);
+    FillAccounting(*msg, received, compress_s, SecondsSince(started_), h->mutable_accounting());
+    StartWrite(&resp_);
+  }
+
+  void Fail(const absl::Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto p = upload_.pending()) p->Cancel();
+      upload_ = Upload(svc_);
+    }
+    FinishOnce(ToGrpcStatus(s));
+  }
+
+  void FinishOnce(const grpc::Status& s) {
+    if (finished_.exchange(true)) return;
+    if (!s.ok()) svc_->CountError(s);
+    Finish(s);
+  }
+
+  RelayService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::CompressRequest req_;
+  v1::CompressResponse resp_;
+  std::mutex mu_;
+  Upload upload_;
+  std::optional<OutgoingMessage> out_;
+  bool trailer_sent_ = false;
+  std::atomic<bool> finished_{false};
+  const Clock::time_point started_;
+};
+
+}  // namespace
+
+absl::Status CheckId(const std::string& field, const std::string& v) {
+  if (v.empty() || v.size() > 128) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", v.size(), " bytes, expected [A-Za-z0-9._:-]{1,128}"));
+  }
+  for (char c : v) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                    c == '_' || c == ':' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": '", absl::CHexEscape(v), "', expected [A-Za-z0-9._:-]{1,128}"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+RelayService::RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics)
+    : config_(config), store_(store), pool_(pool), metrics_(metrics), id_salt_(std::random_device{}() * 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count())) {}
+
+std::string RelayService::NewMessageId() {
+  return absl::StrFormat("m-%016x-%d", id_salt_, id_counter_.fetch_add(1) + 1);
+}
+
+void RelayService::CountError(const grpc::Status& s) const {
+  if (metrics_ && !s.ok()) metrics_->AddError(s.error_code());
+}
+
+grpc::ServerReadReactor<v1::PublishRequest>* RelayService::Publish(grpc::CallbackServerContext* ctx,
+                                                                   v1::PublishResponse* response) {
+  return new PublishReactor(this, ctx, response);
+}
+
+grpc::ServerWriteReactor<v1::FetchResponse>* RelayService::Fetch(grpc::CallbackServerContext* ctx,
+                                                                 const v1::FetchRequest* request) {
+  return new FetchReactor(this, ctx, *request);
+}
+
+grpc::ServerBidiReactor<v1::CompressRequest, v1::CompressResponse>* RelayService::Compress(
+    grpc::CallbackServerContext* ctx) {
+  return new CompressReactor(this, ctx);
+}
+
+grpc::ServerUnaryReactor* RelayService::Ack(grpc::CallbackServerContext* ctx, const v1::AckRequest* req,
+                                            v1::AckResponse*) {
+  absl::Status s = CheckId("session_id", req->session_id());
+  if (s.ok()) s = CheckId("agent", req->agent());
+  if (s.ok()) s = CheckId("message_id", req->message_id());
+  if (s.ok()) s = store_->Ack(req->session_id(), req->agent(), req->message_id());
+  grpc::Status g = ToGrpcStatus(s);
+  CountError(g);
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(g);
+  return r;
+}
+
+grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                     const v1::CloseSessionRequest* req,
+                                                     v1::CloseSessionResponse* resp) {
+  absl::Status s = CheckId("session_id", req->session_id());
+  if (s.ok()) {
+    resp->set_messages_freed(store_->CloseSession(req->session_id()));
+    spdlog::info("session closed session={} messages_freed={}", req->session_id(), resp->messages_freed());
+  }
+  grpc::Status g = ToGrpcStatus(s);
+  CountError(g);
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(g);
+  return r;
+}
+
+grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest*,
+                                              v1::StatsResponse* resp) {
+  const StoreStats st = store_->Stats();
+  resp->set_messages_committed(st.committed);
+  resp->set_messages_failed(st.failed);
+  resp->set_messages_delivered(st.delivered);
+  resp->set_messages_acked(st.acked);
+  resp->set_received_bytes(st.received_bytes);
+  resp->set_full_bytes(st.full_bytes);
+  resp->set_sent_bytes(st.sent_bytes);
+  resp->set_sessions(st.sessions);
+  resp->set_mailbox_messages(st.mailbox_messages);
+  resp->set_mailbox_bytes(st.mailbox_bytes);
+  resp->set_inflight_bytes(st.inflight_bytes);
+  resp->set_version(KVRELAY_VERSION);
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(grpc::Status::OK);
+  return r;
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,91 @@
+#include "server/server.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "spdlog/spdlog.h"
+
+namespace kvrelay {
+
+absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config) {
+  std::unique_ptr<RelayServer> s(new RelayServer());
+  s->config_ = config;
+  int port;
+  absl::Status st = SplitHostPort(config.listen, &s->grpc_host_, &port);
+  if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--listen=", st.message()));
+  s->metrics_ = std::make_unique<Metrics>();
+  StoreLimits limits;
+  limits.max_inflight_bytes = config.max_inflight_bytes;
+  limits.max_mailbox_bytes = config.max_mailbox_bytes;
+  limits.max_session_messages = config.max_session_messages;
+  limits.session_ttl_seconds = config.session_ttl_seconds;
+  s->store_ = std::make_unique<Store>(limits, s->metrics_.get());
+  s->pool_ = std::make_unique<ThreadPool>(std::max(1, config.worker_threads));
+  s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get());
+
+  if (!config.metrics_listen.empty()) {
+    int mport;
+    st = SplitHostPort(config.metrics_listen, &s->metrics_host_, &mport);
+    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--metrics-listen=", st.message()));
+    try {
+      s->exposer_ = std::make_unique<prometheus::Exposer>(config.metrics_listen);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("--metrics-listen=", config.metrics_listen,
+                                                 ": cannot listen: ", e.what()));
+    }
+    s->exposer_->RegisterCollectable(s->metrics_->registry());
+    const std::vector<int> ports = s->exposer_->GetListeningPorts();
+    s->metrics_port_ = ports.empty() ? mport : ports[0];
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &s->grpc_port_);
+  builder.RegisterService(s->service_.get());
+  // Chunks are <= 1 MiB; leave room for the envelope, refuse anything bigger.
+  builder.SetMaxReceiveMessageSize(4 << 20);
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || s->grpc_port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("--listen=", config.listen, ": cannot listen"));
+  }
+  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  s->server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", true);
+  spdlog::info("kvrelay-server serving grpc={} metrics={} workers={} default_policy={}", s->grpc_address(),
+               s->exposer_ ? absl::StrCat(s->metrics_host_, ":", s->metrics_port_) : "off",
+               config.worker_threads, config.default_policy);
+  return s;
+}
+
+RelayServer::~RelayServer() { Shutdown(); }
+
+std::string RelayServer::grpc_address() const { return absl::StrCat(grpc_host_, ":", grpc_port_); }
+
+std::string RelayServer::ReadyLine() const {
+  return absl::StrCat("kvrelay-server ready grpc=", grpc_address(), " metrics=",
+                      exposer_ ? absl::StrCat(metrics_host_, ":", metrics_port_) : std::string("off"));
+}
+
+void RelayServer::Shutdown() {
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (server_) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    const auto grace = std::chrono::duration_cast<std::chrono::system_clock::duration>(
+        std::chrono::duration<double>(config_.shutdown_grace_seconds));
+    spdlog::info("kvrelay-server shutting down, draining for up to {}s", config_.shutdown_grace_seconds);
+    server_->Shutdown(std::chrono::system_clock::now() + grace);
+    server_->Wait();
+  }
+  // The pool drains queued layers (their reactors are gone or finished).
+  pool_.reset();
+  exposer_.reset();
+  spdlog::info("kvrelay-server stopped");
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,302 @@
+#include "server/store.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/metrics.h"
+
+namespace kvrelay {
+
+Store::Store(const StoreLimits& limits, Metrics* metrics) : limits_(limits), metrics_(metrics) {
+  timer_ = std::thread([this] { TimerLoop(); });
+}
+
+Store::~Store() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  timer_.join();
+}
+
+Clock::duration Store::Ttl() const {
+  return std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(limits_.session_ttl_seconds));
+}
+
+absl::Status Store::ReserveInflight(uint64_t bytes) {
+  uint64_t cur = inflight_.load();
+  do {
+    if (cur + bytes > limits_.max_inflight_bytes || cur + bytes < cur) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "upload: ", bytes, " tensor bytes would put uploads in progress at ", cur + bytes,
+          " bytes, expected at most --max-inflight-bytes=", limits_.max_inflight_bytes));
+    }
+  } while (!inflight_.compare_exchange_weak(cur, cur + bytes));
+  if (metrics_) metrics_->SetInflight(static_cast<double>(cur + bytes));
+  return absl::OkStatus();
+}
+
+void Store::ReleaseInflight(uint64_t bytes) {
+  const uint64_t now = inflight_.fetch_sub(bytes) - bytes;
+  if (metrics_) metrics_->SetInflight(static_cast<double>(now));
+}
+
+MessagePtr Store::Find(const std::string& session, const std::string& message_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return nullptr;
+  auto m = s->second.messages.find(message_id);
+  return m == s->second.messages.end() ? nullptr : m->second;
+}
+
+absl::StatusOr<MessagePtr> Store::LookupParent(const std::string& session, const std::string& parent_id,
+                                               const std::string& sender) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id, "': session '",
+                                                      session, "' holds no messages (closed or expired?)"));
+  }
+  auto m = s->second.messages.find(parent_id);
+  if (m == s->second.messages.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id,
+                                                      "': no such message in session '", session, "'"));
+  }
+  if (!s->second.delivered.count({parent_id, sender})) {
+    return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id,
+                                                      "': expected a message delivered to the sender '",
+                                                      sender, "'"));
+  }
+  return m->second;
+}
+
+absl::Status Store::CheckCanPublish(const std::string& session,
+                                    const std::vector<std::string>& recipients) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return absl::OkStatus();
+  if (s->second.messages.size() >= limits_.max_session_messages) {
+    return absl::ResourceExhaustedError(absl::StrCat("session '", session, "': ", s->second.messages.size(),
+                                                     " messages, expected at most --max-session-messages=",
+                                                     limits_.max_session_messages));
+  }
+  for (const std::string& r : recipients) {
+    auto mb = s->second.mailboxes.find(r);
+    if (mb != s->second.mailboxes.end() && mb->second.bytes >= limits_.max_mailbox_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("mailbox of '", r, "' in session '", session, "': ",
+                                                       mb->second.bytes, " bytes unacked, expected below --max-mailbox-bytes=",
+                                                       limits_.max_mailbox_bytes));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage> m) {
+  std::vector<WakeFn> wakes;
+  CommitResult result;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Session& s = sessions_[m->session_id];
+    const bool fresh = s.messages.empty() && s.mailboxes.empty();
+    auto drop_if_fresh = [&] {
+      if (fresh) sessions_.erase(m->session_id);
+    };
+    if (auto it = s.messages.find(m->message_id); it != s.messages.end()) {
+      result.msg = it->second;
+      result.duplicate = true;
+      return result;
+    }
+    if (s.messages.size() >= limits_.max_session_messages) {
+      drop_if_fresh();
+      return absl::ResourceExhaustedError(absl::StrCat("session '", m->session_id, "': ", limits_.max_session_messages,
+                                                       " messages, expected at most --max-session-messages=",
+                                                       limits_.max_session_messages));
+    }
+    for (const std::string& r : m->recipients) {
+      auto mb = s.mailboxes.find(r);
+      const uint64_t held = mb == s.mailboxes.end() ? 0 : mb->second.bytes;
+      if (held + m->bytes > limits_.max_mailbox_bytes) {
+        drop_if_fresh();
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "mailbox of '", r, "' in session '", m->session_id, "': ", held, " bytes unacked + ", m->bytes,
+            " bytes of this message, expected at most --max-mailbox-bytes=", limits_.max_mailbox_bytes));
+      }
+    }
+    MessagePtr msg = std::move(m);
+    s.messages[msg->message_id] = msg;
+    s.last_active = Clock::now();
+    for (const std::string& r : msg->recipients) {
+      Mailbox& mb = s.mailboxes[r];
+      mb.entries.push_back({msg, 0});
+      mb.bytes += msg->bytes;
+      ++mailbox_messages_;
+      mailbox_bytes_ += msg->bytes;
+    }
+    ++committed_;
+    full_ += msg->msg.full_bytes;
+    sent_ += msg->msg.sent_bytes;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      const Waiter& w = it->second;
+      if (w.session == msg->session_id &&
+          std::find(msg->recipients.begin(), msg->recipients.end(), w.agent) != msg->recipients.end()) {
+        wakes.push_back(std::move(it->second.wake));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    PublishGaugesLocked();
+    result.msg = std::move(msg);
+  }
+  for (WakeFn& w : wakes) w(false);
+  return result;
+}
+
+std::optional<Store::Delivery> Store::FetchOrWait(const std::string& session, const std::string& agent,
+                                                  Clock::time_point deadline, WakeFn wake, uint64_t* waiter) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s != sessions_.end()) {
+    auto mb = s->second.mailboxes.find(agent);
+    if (mb != s->second.mailboxes.end() && !mb->second.entries.empty()) {
+      Entry& e = mb->second.entries.front();
+      ++e.attempts;
+      s->second.delivered.insert({e.msg->message_id, agent});
+      s->second.last_active = Clock::now();
+      return Delivery{e.msg, e.attempts};
+    }
+  }
+  const uint64_t id = next_waiter_++;
+  waiters_[id] = Waiter{session, agent, deadline, std::move(wake)};
+  *waiter = id;
+  cv_.notify_all();  // the timer may need an earlier wakeup
+  return std::nullopt;
+}
+
+bool Store::CancelWaiter(uint64_t waiter) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiters_.erase(waiter) > 0;
+}
+
+absl::Status Store::Ack(const std::string& session, const std::string& agent, const std::string& message_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session_id: '", session, "': no such session (closed or expired?)"));
+  }
+  auto m = s->second.messages.find(message_id);
+  if (m == s->second.messages.end()) {
+    return absl::NotFoundError(absl::StrCat("message_id: '", message_id, "': no such message in session '",
+                                            session, "'"));
+  }
+  const auto& rec = m->second->recipients;
+  if (std::find(rec.begin(), rec.end(), agent) == rec.end()) {
+    return absl::NotFoundError(absl::StrCat("agent: '", agent, "': not a recipient of message '", message_id,
+                                            "'"));
+  }
+  s->second.last_active = Clock::now();
+  auto mb = s->second.mailboxes.find(agent);
+  if (mb == s->second.mailboxes.end()) return absl::OkStatus();
+  auto& entries = mb->second.entries;
+  for (auto it = entries.begin(); it != entries.end(); ++it) {
+    if (it->msg->message_id == message_id) {
+      mb->second.bytes -= it->msg->bytes;
+      mailbox_bytes_ -= it->msg->bytes;
+      --mailbox_messages_;
+      entries.erase(it);
+      ++acked_;
+      if (metrics_) metrics_->AddOutcome("acked");
+      PublishGaugesLocked();
+      break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Store::EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired) {
+  uint64_t n = 0;
+  for (auto& [agent, mb] : it->second.mailboxes) {
+    n += mb.entries.size();
+    mailbox_messages_ -= mb.entries.size();
+    mailbox_bytes_ -= mb.bytes;
+  }
+  if (expired && metrics_ && n) metrics_->AddOutcome("expired", static_cast<double>(n));
+  sessions_.erase(it);
+  PublishGaugesLocked();
+}
+
+uint32_t Store::CloseSession(const std::string& session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return 0;
+  const uint32_t n = static_cast<uint32_t>(s->second.messages.size());
+  EraseSessionLocked(s, /*expired=*/false);
+  return n;
+}
+
+void Store::SweepExpired() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point cutoff = Clock::now() - Ttl();
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    auto next = std::next(it);
+    if (it->second.last_active < cutoff) EraseSessionLocked(it, /*expired=*/true);
+    it = next;
+  }
+}
+
+void Store::PublishGaugesLocked() {
+  if (metrics_) metrics_->SetMailbox(static_cast<double>(mailbox_messages_), static_cast<double>(mailbox_bytes_));
+}
+
+StoreStats Store::Stats() const {
+  StoreStats st;
+  std::lock_guard<std::mutex> lock(mu_);
+  st.committed = committed_;
+  st.failed = failed_;
+  st.delivered = delivered_;
+  st.acked = acked_;
+  st.received_bytes = received_;
+  st.full_bytes = full_;
+  st.sent_bytes = sent_;
+  st.sessions = sessions_.size();
+  st.mailbox_messages = mailbox_messages_;
+  st.mailbox_bytes = mailbox_bytes_;
+  st.inflight_bytes = inflight_;
+  return st;
+}
+
+void Store::TimerLoop() {
+  // Sweeps a few times per TTL (10 ms .. 1 s) and fires waiter deadlines.
+  const auto sweep_every = std::clamp<Clock::duration>(Ttl() / 4, std::chrono::milliseconds(10),
+                                                       std::chrono::seconds(1));
+  Clock::time_point next_sweep = Clock::now() + sweep_every;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    Clock::time_point wake_at = next_sweep;
+    for (const auto& [id, w] : waiters_) wake_at = std::min(wake_at, w.deadline);
+    cv_.wait_until(lock, wake_at);
+    if (stop_) break;
+    const Clock::time_point now = Clock::now();
+    std::vector<WakeFn> expired;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->second.deadline <= now) {
+        expired.push_back(std::move(it->second.wake));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    const bool sweep = now >= next_sweep;
+    lock.unlock();
+    for (WakeFn& w : expired) w(true);
+    if (sweep) {
+      SweepExpired();
+      next_sweep = Clock::now() + sweep_every;
+    }
+    lock.lock();
+  }
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,177 @@
+// The relay's in-memory store: sessions, committed messages, per-recipient
+// mailboxes with acknowledgement state, and Fetch waiters.
+//
+// A session holds its committed messages (kept until the session closes or
+// expires, so that later publishes can name them as parents) and one
+// mailbox per recipient agent: the deliveries not yet acknowledged, oldest
+// first. Delivery is at least once: FetchOrWait hands out the oldest
+// unacknowledged delivery every time until it is acked.
+//
+// A session expires when it has been idle (no commit, fetch or ack) for
+// the TTL; a timer thread sweeps expired sessions and fires waiter
+// deadlines. Limits fail with RESOURCE_EXHAUSTED, never grow the store.
+//
+// Thread-safe. Wake callbacks run on the committing thread or on the timer
+// thread, never under the store's lock; they must not block.
+#ifndef KVRELAY_SERVER_STORE_H_
+#define KVRELAY_SERVER_STORE_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/message.h"
+#include "kvrelay/v1/relay.pb.h"
+
+namespace kvrelay {
+
+class Metrics;
+
+using Clock = std::chrono::steady_clock;
+
+// A committed message. Immutable once committed (shared by every delivery).
+struct StoredMessage {
+  std::string session_id, message_id, sender, role, parent_id;
+  std::vector<std::string> recipients;
+  Message msg;                // the composed message
+  v1::Accounting accounting;  // as returned by Publish
+  std::string family;         // PolicyFamily(policy), the metrics label
+  uint64_t bytes = 0;         // bytes held (msg.sent_bytes)
+  Clock::time_point started;  // the publish's first request
+};
+using MessagePtr = std::shared_ptr<const StoredMessage>;
+
+struct StoreLimits {
+  uint64_t max_inflight_bytes = 4ull << 30;
+  uint64_t max_mailbox_bytes = 2ull << 30;  // per (session, agent)
+  uint32_t max_session_messages = 1024;
+  double session_ttl_seconds = 3600;
+};
+
+struct StoreStats {
+  uint64_t committed = 0, failed = 0, delivered = 0, acked = 0;
+  uint64_t received_bytes = 0, full_bytes = 0, sent_bytes = 0;
+  uint64_t sessions = 0, mailbox_messages = 0, mailbox_bytes = 0, inflight_bytes = 0;
+};
+
+class Store {
+ public:
+  // `metrics` may be null; it must outlive the store.
+  Store(const StoreLimits& limits, Metrics* metrics);
+  ~Store();  // stops the timer; pending waiters are dropped without a call
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // Reserves upload memory. RESOURCE_EXHAUSTED past max_inflight_bytes.
+  [[nodiscard]] absl::Status ReserveInflight(uint64_t bytes);
+  void ReleaseInflight(uint64_t bytes);
+
+  // The committed message `message_id` of `session`, or null.
+  MessagePtr Find(const std::string& session, const std::string& message_id) const;
+
+  // The parent named by a publish of `sender`: a message of `session` that
+  // was delivered to `sender`. FAILED_PRECONDITION otherwise.
+  absl::StatusOr<MessagePtr> LookupParent(const std::string& session, const std::string& parent_id,
+                                          const std::string& sender) const;
+
+  // Early limit check for a publish about to start: RESOURCE_EXHAUSTED when
+  // the session is full or a recipient's mailbox is.
+  absl::Status CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients) const;
+
+  // Makes `m` visible to its recipients, atomically. When the id is
+  // already committed returns the existing message and duplicate = true.
+  // RESOURCE_EXHAUSTED for the session and mailbox limits.
+  struct CommitResult {
+    MessagePtr msg;
+    bool duplicate = false;
+  };
+  absl::StatusOr<CommitResult> Commit(std::shared_ptr<StoredMessage> m);
+
+  struct Delivery {
+    MessagePtr msg;
+    uint32_t attempt = 0;  // 1 on the first delivery
+  };
+  // Called once: timed_out = false when a message for (session, agent) was
+  // committed (call FetchOrWait again), true at the deadline.
+  using WakeFn = std::function<void(bool timed_out)>;
+  // Hands out the oldest unacknowledged delivery for (session, agent). If
+  // there is none, registers `wake` and sets *waiter (for CancelWaiter).
+  std::optional<Delivery> FetchOrWait(const std::string& session, const std::string& agent,
+                                      Clock::time_point deadline, WakeFn wake, uint64_t* waiter);
+  // Unregisters a waiter. True if it was still registered: its wake will
+  // never run. False if it already ran or is running.
+  bool CancelWaiter(uint64_t waiter);
+
+  // Removes `message_id` from `agent`'s mailbox. OK when already acked.
+  // NOT_FOUND when the session, the message, or the agent as one of its
+  // recipients is unknown.
+  absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id);
+
+  // Frees the session; returns the number of messages it held. Idempotent.
+  uint32_t CloseSession(const std::string& session);
+
+  // Drops sessions idle past the TTL (also runs on the timer thread).
+  void SweepExpired();
+
+  void AddReceived(uint64_t bytes) { received_ += bytes; }
+  void AddFailed() { ++failed_; }
+  void AddDelivered() { ++delivered_; }
+  StoreStats Stats() const;
+  uint64_t inflight_bytes() const { return inflight_.load(); }
+
+ private:
+  struct Entry {
+    MessagePtr msg;
+    uint32_t attempts = 0;
+  };
+  struct Mailbox {
+    std::deque<Entry> entries;  // unacked, oldest first
+    uint64_t bytes = 0;
+  };
+  struct Session {
+    std::map<std::string, MessagePtr> messages;
+    std::map<std::string, Mailbox> mailboxes;
+    std::set<std::pair<std::string, std::string>> delivered;  // (message_id, agent)
+    Clock::time_point last_active;
+  };
+  struct Waiter {
+    std::string session, agent;
+    Clock::time_point deadline;
+    WakeFn wake;
+  };
+
+  void TimerLoop();
+  void EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired);
+  void PublishGaugesLocked();
+  Clock::duration Ttl() const;
+
+  const StoreLimits limits_;
+  Metrics* const metrics_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, Session> sessions_;
+  std::map<uint64_t, Waiter> waiters_;
+  uint64_t next_waiter_ = 1;
+  uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0;
+  uint64_t committed_ = 0, acked_ = 0, full_ = 0, sent_ = 0;
+  std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
+  bool stop_ = false;
+  std::thread timer_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_STORE_H_

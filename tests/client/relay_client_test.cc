@@ -1,0 +1,363 @@
+// RelayClient against an in-process fake relay (sync gRPC service built from
+// core/): publish with retries, fetch, ack, compress, stats and health over a
+// real channel, without kvrelay-server. The real server is exercised by
+// tests/client/test_relay_e2e.py.
+#include "client/relay_client.h"
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "client/internal/chunking.h"
+#include "core/crc32c.h"
+#include "core/format/synthetic.h"
+#include "core/format/turn_file.h"
+#include "core/pipeline.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "gtest/gtest.h"
+#include "server/status_util.h"
+
+namespace kvrelay {
+namespace {
+
+using client_internal::MessageDeliveryOrder;
+using client_internal::MessageHeaderOf;
+using client_internal::TrailerBuilder;
+using ::testing::HasSubstr;
+
+// Rebuilds a turn from an upload's geometry and chunks (no validation beyond
+// what the test needs: the client under test is what is checked).
+class TurnBuilder {
+ public:
+  void Start(const v1::TurnGeometry& g) {
+    turn_.first_agent = g.first_agent();
+    if (g.has_prompt_pos0()) turn_.prompt_pos0 = g.prompt_pos0();
+    const DType dt = *client_internal::FromProtoDType(g.dtype());
+    const int H = g.kv_heads(), d = g.head_dim();
+    turn_.layers.resize(g.layers());
+    for (TurnLayer& l : turn_.layers) {
+      l.prompt_k = l.prompt_v = KvTensor(dt, H, g.n_prompt(), d);
+      l.gen_k = l.gen_v = KvTensor(dt, H, g.n_gen(), d);
+      l.history_k = l.history_v = KvTensor(dt, H, g.n_history(), d);
+      l.history_pos = PosTensor(H, g.n_history());
+      l.scores = ScoreMatrix(g.score_heads(), g.n_prompt());
+    }
+  }
+  bool Add(const v1::Chunk& c) {
+    if (Crc32c(c.data().data(), c.data().size()) != c.crc32c()) return false;
+    trailer_.Add(c);
+    TurnLayer& l = turn_.layers.at(c.layer());
+    uint8_t* dst = nullptr;
+    switch (c.part()) {
+      case v1::PART_PROMPT_K: dst = l.prompt_k.mutable_bytes().data(); break;
+      case v1::PART_PROMPT_V: dst = l.prompt_v.mutable_bytes().data(); break;
+      case v1::PART_GEN_K: dst = l.gen_k.mutable_bytes().data(); break;
+      case v1::PART_GEN_V: dst = l.gen_v.mutable_bytes().data(); break;
+      case v1::PART_PROMPT_SCORE: dst = reinterpret_cast<uint8_t*>(l.scores.data.data()); break;
+      case v1::PART_HISTORY_K: dst = l.history_k.mutable_bytes().data(); break;
+      case v1::PART_HISTORY_V: dst = l.history_v.mutable_bytes().data(); break;
+      case v1::PART_HISTORY_POS: dst = reinterpret_cast<uint8_t*>(l.history_pos.data.data()); break;
+      default: return false;
+    }
+    std::memcpy(dst + c.offset(), c.data().data(), c.data().size());
+    return true;
+  }
+  bool TrailerMatches(const v1::Trailer& t) const {
+    v1::Trailer mine = trailer_.Build();
+    return mine.chunks() == t.chunks() && mine.bytes() == t.bytes() && mine.crc32c() == t.crc32c();
+  }
+  Turn& turn() { return turn_; }
+
+ private:
+  Turn turn_;
+  TrailerBuilder trailer_;
+};
+
+template <typename Writer, typename Response>
+void SendMessage(const Message& m, const v1::MessageHeader& header, Writer* w, bool corrupt) {
+  Response r;
+  *r.mutable_header() = header;
+  w->Write(r);
+  TrailerBuilder tb;
+  for (const client_internal::TensorRef& t : MessageDeliveryOrder(m)) {
+    (void)client_internal::ForEachChunk(t, client_internal::kMaxChunkBytes, r.mutable_chunk(),
+                                        [&](const v1::Chunk& c) {
+                                          tb.Add(c);
+                                          if (corrupt) r.mutable_chunk()->set_crc32c(c.crc32c() ^ 1);
+                                          w->Write(r);
+                                          return absl::OkStatus();
+                                        });
+  }
+  *r.mutable_trailer() = tb.Build();
+  w->Write(r);
+}
+
+class FakeRelay final : public v1::Relay::Service {
+ public:
+  std::atomic<int> fail_publishes{0};  // answer UNAVAILABLE this many times
+  std::atomic<int> publish_calls{0};
+  std::atomic<bool> corrupt_fetch{false};
+
+  grpc::Status Publish(grpc::ServerContext*, grpc::ServerReader<v1::PublishRequest>* reader,
+                       v1::PublishResponse* resp) override {
+    ++publish_calls;
+    v1::PublishRequest req;
+    if (!reader->Read(&req) || !req.has_header()) return {grpc::INVALID_ARGUMENT, "header"};
+    const v1::PublishHeader h = req.header();
+    TurnBuilder b;
+    b.Start(h.geometry());
+    bool committed = false;
+    while (reader->Read(&req)) {
+      if (req.has_chunk() && !b.Add(req.chunk())) return {grpc::DATA_LOSS, "chunk crc"};
+      if (req.has_commit()) {
+        if (!b.TrailerMatches(req.commit())) return {grpc::DATA_LOSS, "trailer"};
+        committed = true;
+      }
+    }
+    if (!committed) return {grpc::INVALID_ARGUMENT, "no commit"};
+    if (fail_publishes > 0) {
+      --fail_publishes;
+      return {grpc::UNAVAILABLE, "try again"};
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    resp->set_message_id(h.message_id());
+    if (stored_.count(h.message_id())) {
+      resp->set_duplicate(true);
+      *resp->mutable_accounting() = stored_[h.message_id()].accounting();
+      return grpc::Status::OK;
+    }
+    auto p = Pipeline::Create(h.policy().empty() ? "full" : h.policy());
+    if (!p.ok()) return ToGrpcStatus(p.status());
+    absl::StatusOr<Message> m = (*p)->Compress(b.turn());
+    if (!m.ok()) return ToGrpcStatus(m.status());
+    v1::MessageHeader mh = MessageHeaderOf(*m);
+    mh.set_message_id(h.message_id());
+    mh.set_session_id(h.session_id());
+    mh.set_sender(h.sender());
+    mh.set_role(h.role());
+    mh.mutable_accounting()->set_received_bytes(b.turn().layers.size());
+    *resp->mutable_accounting() = mh.accounting();
+    stored_[h.message_id()] = mh;
+    for (const std::string& r : h.recipients()) queue_[r].push_back(h.message_id());
+    messages_[h.message_id()] = *std::move(m);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Fetch(grpc::ServerContext*, const v1::FetchRequest* req,
+                     grpc::ServerWriter<v1::FetchResponse>* w) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto& q = queue_[req->agent()];
+    if (q.empty()) return {grpc::DEADLINE_EXCEEDED, "no message"};
+    const std::string id = q.front();
+    v1::MessageHeader h = stored_[id];
+    h.set_delivery_attempt(++attempts_[req->agent() + "/" + id]);
+    const Message& m = messages_[id];
+    lock.unlock();
+    SendMessage<grpc::ServerWriter<v1::FetchResponse>, v1::FetchResponse>(m, h, w, corrupt_fetch);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Ack(grpc::ServerContext*, const v1::AckRequest* req, v1::AckResponse*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& q = queue_[req->agent()];
+    if (q.empty() || q.front() != req->message_id()) return {grpc::NOT_FOUND, "unknown message"};
+    q.erase(q.begin());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Compress(grpc::ServerContext*,
+                        grpc::ServerReaderWriter<v1::CompressResponse, v1::CompressRequest>* s) override {
+    v1::CompressRequest req;
+    if (!s->Read(&req) || !req.has_header()) return {grpc::INVALID_ARGUMENT, "header"};
+    const std::string policy = req.header().policy();
+    TurnBuilder b;
+    b.Start(req.header().geometry());
+    while (s->Read(&req)) {
+      if (req.has_chunk() && !b.Add(req.chunk())) return {grpc::DATA_LOSS, "chunk crc"};
+    }
+    auto p = Pipeline::Create(policy);
+    if (!p.ok()) return ToGrpcStatus(p.status());
+    absl::StatusOr<Message> m = (*p)->Compress(b.turn());
+    if (!m.ok()) return ToGrpcStatus(m.status());
+    SendMessage<grpc::ServerReaderWriter<v1::CompressResponse, v1::CompressRequest>, v1::CompressResponse>(*m, MessageHeaderOf(*m), s, false);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse* r) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    r->set_messages_committed(stored_.size());
+    r->set_version("fake");
+    return grpc::Status::OK;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, v1::MessageHeader> stored_;
+  std::map<std::string, Message> messages_;
+  std::map<std::string, std::vector<std::string>> queue_;
+  std::map<std::string, uint32_t> attempts_;
+};
+
+class RelayClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&relay_);
+    server_ = b.BuildAndStart();
+    ASSERT_TRUE(server_ != nullptr);
+    client_ = RelayClient::Connect(absl::StrCat("127.0.0.1:", port));
+
+    SyntheticTurnOptions o;
+    o.layers = 2;
+    o.kv_heads = 2;
+    o.score_heads = 4;
+    o.head_dim = 64;
+    o.n_prompt = 3000;  // > 1 MiB per K tensor: several chunks
+    o.n_gen = 5;
+    turn_ = *MakeSyntheticTurn(o);
+    opts_.session = "s1";
+    opts_.sender = "a";
+    opts_.recipients = {"b"};
+  }
+  void TearDown() override { server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5)); }
+
+  static std::string Bytes(const Message& m) {
+    std::string out;
+    EXPECT_TRUE(WriteMessage(m, &out).ok());
+    return out;
+  }
+  Message Offline(const std::string& policy) { return *(*Pipeline::Create(policy))->Compress(turn_); }
+
+  FakeRelay relay_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<RelayClient> client_;
+  Turn turn_;
+  PublishOptions opts_;
+};
+
+TEST_F(RelayClientTest, PublishFetchAckRoundTripIsBitExact) {
+  for (const std::string policy : {"full", "h2o-head:k=32+int4"}) {
+    opts_.policy = policy;
+    uint64_t last_done = 0, total = 0;
+    opts_.progress = [&](const TransferProgress& p) {
+      EXPECT_GE(p.bytes_done, last_done);
+      last_done = p.bytes_done;
+      total = p.bytes_total;
+    };
+    absl::StatusOr<PublishResult> r = client_->Publish(turn_, opts_);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->message_id.rfind("m-", 0), 0u) << r->message_id;
+    EXPECT_EQ(r->attempts, 1);
+    EXPECT_EQ(last_done, total);
+    EXPECT_GT(total, 2u << 20);
+
+    FetchOptions f;
+    f.session = "s1";
+    f.agent = "b";
+    absl::StatusOr<FetchedMessage> m = client_->Fetch(f);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(m->message_id, r->message_id);
+    EXPECT_EQ(m->sender, "a");
+    EXPECT_EQ(m->delivery_attempt, 1u);
+    EXPECT_EQ(Bytes(m->message), Bytes(Offline(policy))) << policy;
+    // Redelivered until acked.
+    absl::StatusOr<FetchedMessage> again = client_->Fetch(f);
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(again->delivery_attempt, 2u);
+    ASSERT_TRUE(client_->Ack("s1", "b", m->message_id).ok());
+    EXPECT_EQ(client_->Fetch(f).status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_EQ(client_->Ack("s1", "b", m->message_id).code(), absl::StatusCode::kNotFound);
+  }
+}
+
+TEST_F(RelayClientTest, RetriesUnavailableWithTheSameId) {
+  relay_.fail_publishes = 2;
+  opts_.message_id = "fixed";
+  opts_.initial_backoff = std::chrono::milliseconds(1);
+  absl::StatusOr<PublishResult> r = client_->Publish(turn_, opts_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->attempts, 3);
+  EXPECT_EQ(r->message_id, "fixed");
+  EXPECT_FALSE(r->duplicate);
+  absl::StatusOr<PublishResult> dup = client_->Publish(turn_, opts_);
+  ASSERT_TRUE(dup.ok());
+  EXPECT_TRUE(dup->duplicate);
+}
+
+TEST_F(RelayClientTest, RetriesAreBounded) {
+  relay_.fail_publishes = 10;
+  opts_.retries = 2;
+  opts_.initial_backoff = std::chrono::milliseconds(1);
+  absl::StatusOr<PublishResult> r = client_->Publish(turn_, opts_);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(relay_.publish_calls.load(), 3);
+}
+
+TEST_F(RelayClientTest, NoRetryOnOtherErrors) {
+  opts_.policy = "bogus";
+  EXPECT_EQ(client_->Publish(turn_, opts_).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(relay_.publish_calls.load(), 1);
+}
+
+TEST_F(RelayClientTest, CorruptDeliveryIsDataLoss) {
+  ASSERT_TRUE(client_->Publish(turn_, opts_).ok());
+  relay_.corrupt_fetch = true;
+  FetchOptions f;
+  f.session = "s1";
+  f.agent = "b";
+  absl::Status s = client_->Fetch(f).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+}
+
+TEST_F(RelayClientTest, BadOptionsFailBeforeTheCall) {
+  PublishOptions o = opts_;
+  o.recipients.clear();
+  EXPECT_THAT(client_->Publish(turn_, o).status().message(), HasSubstr("recipients"));
+  o = opts_;
+  o.session = "";
+  EXPECT_THAT(client_->Publish(turn_, o).status().message(), HasSubstr("session: empty"));
+  o = opts_;
+  o.sender = "a b";
+  EXPECT_THAT(client_->Publish(turn_, o).status().message(), HasSubstr("sender: \"a b\""));
+  SyntheticTurnOptions h;
+  h.n_history = 4;
+  o = opts_;
+  o.parent_id = "p";
+  EXPECT_THAT(client_->Publish(*MakeSyntheticTurn(h), o).status().message(), HasSubstr("n_history"));
+  EXPECT_EQ(relay_.publish_calls.load(), 0);
+}
+
+TEST_F(RelayClientTest, CompressMatchesOffline) {
+  absl::StatusOr<CompressedMessage> m = client_->Compress(turn_, "h2o-head:k=16+obf:p=4");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(Bytes(m->message), Bytes(Offline("h2o-head:k=16+obf:p=4")));
+  EXPECT_EQ(client_->Compress(turn_, "nope").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(RelayClientTest, HealthAndStats) {
+  absl::StatusOr<HealthStatus> h = client_->Health();
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(*h, HealthStatus::kServing);
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  EXPECT_EQ(*client_->Health(), HealthStatus::kNotServing);
+  EXPECT_EQ(client_->Health("no.such.Service").status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<RelayStats> s = client_->Stats();
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->version, "fake");
+}
+
+TEST(RelayClientNoServer, UnavailableAndUniqueIds) {
+  auto c = RelayClient::Connect("127.0.0.1:1");
+  EXPECT_EQ(c->Health("", std::chrono::seconds(2)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(RelayClient::NewMessageId(), RelayClient::NewMessageId());
+}
+
+}  // namespace
+}  // namespace kvrelay

@@ -1,0 +1,371 @@
+#!/usr/bin/python3
+"""kvrelayctl's relay verbs against a real kvrelay-server on 127.0.0.1:0.
+
+Checks: health, full round trip bit-exact against the input turn, compressed
+deliveries bit-exact against `kvrelayctl compress` offline (and the relay's
+Compress call), fan-out, ack and redelivery, idempotent re-publish, a chain
+with parents, session close, stats, the demo, and bad inputs with their exit
+codes and status names. Stdlib only. Exit 77 (skipped) without a server binary.
+"""
+import argparse
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+SKIP = 77
+FAILURES = []
+
+
+def check(cond, what):
+    if not cond:
+        FAILURES.append(what)
+        print("FAIL:", what, flush=True)
+    return cond
+
+
+def read_st(path):
+    """A safetensors file as (metadata, {name: (dtype, shape, bytes)})."""
+    with open(path, "rb") as f:
+        buf = f.read()
+    (n,) = struct.unpack("<Q", buf[:8])
+    header = json.loads(buf[8:8 + n])
+    meta = header.pop("__metadata__", {})
+    base = 8 + n
+    tensors = {}
+    for name, t in header.items():
+        b, e = t["data_offsets"]
+        tensors[name] = (t["dtype"], tuple(t["shape"]), buf[base + b:base + e])
+    return meta, tensors
+
+
+class Server:
+    def __init__(self, binary, workdir):
+        self.log = open(os.path.join(workdir, "server.log"), "w")
+        self.proc = subprocess.Popen(
+            [binary, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.time() + 30
+        self.addr = None
+        while time.time() < deadline and self.addr is None:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                break
+            m = re.match(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)", line)
+            if m:
+                self.addr, self.metrics = m.group(1), m.group(2)
+        if self.addr is None:
+            self.stop()
+            raise RuntimeError("kvrelay-server printed no ready line within 30 s")
+
+    def _drain(self):
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            self.lines.put(line)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+class Ctl:
+    def __init__(self, binary, addr, workdir):
+        self.binary, self.addr, self.dir = binary, addr, workdir
+
+    def run(self, *args, addr=True, timeout=120):
+        cmd = [self.binary] + list(args)
+        if addr:
+            cmd += ["--addr", self.addr]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout, p.stderr
+
+    def ok(self, *args, **kw):
+        rc, out, err = self.run(*args, **kw)
+        if not check(rc == 0, f"{' '.join(args)}: rc={rc} stderr={err.strip()}"):
+            return {}
+        return dict(re.findall(r"(\w+)=(\S+)", out)) | {"_out": out}
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+
+def kv_line(out):
+    return dict(re.findall(r"(\w+)=(\S+)", out))
+
+
+def same_tensors(a, b, what):
+    ma, ta = read_st(a)
+    mb, tb = read_st(b)
+    check(sorted(ta) == sorted(tb), f"{what}: tensor names differ")
+    for name in ta:
+        if name in tb and ta[name] != tb[name]:
+            check(False, f"{what}: tensor {name} differs")
+            return
+    for key in ("format", "policy", "dtype", "n_history", "n_anchor", "n_kept", "n_gen",
+                "full_bytes", "sent_bytes", "quant_bits", "quant_group", "quant_rotate"):
+        check(ma.get(key) == mb.get(key), f"{what}: metadata {key} {ma.get(key)} vs {mb.get(key)}")
+
+
+def test_full_is_bit_exact(ctl, turn):
+    r = ctl.ok("publish", "--session", "full", "--from", "a", "--to", "b", "--policy", "full",
+               "--in", turn)
+    out = ctl.path("full.msg")
+    f = ctl.ok("fetch", "--session", "full", "--agent", "b", "--out", out, "--wait", "10")
+    if not f:
+        return
+    check(f["message_id"] == r.get("message_id"), "full: fetched id is the published id")
+    meta, msg = read_st(out)
+    tmeta, t = read_st(turn)
+    check(meta.get("message_id") == r.get("message_id"), "full: metadata message_id")
+    check(meta.get("session") == "full", "full: metadata session")
+    check(meta.get("from") == "a", "full: metadata from")
+    check(meta.get("policy") == "full", "full: metadata policy")
+    for key in ("received_bytes", "ratio", "compress_seconds", "commit_seconds"):
+        check(key in meta, f"full: metadata {key}")
+    layers = len([n for n in t if n.endswith(".prompt.k")])
+    for l in range(layers):
+        for part in ("k", "v"):
+            dt, (H, n_p, d), pb = t[f"layer.{l}.prompt.{part}"]
+            _, (_, n_g, _), gb = t[f"layer.{l}.gen.{part}"]
+            mdt, mshape, mb = msg[f"layer.{l}.{part}"]
+            check(mdt == dt and mshape == (H, n_p + n_g, d), f"full: layer.{l}.{part} shape")
+            row = d * (4 if dt == "F32" else 2)
+            want = b"".join(pb[h * n_p * row:(h + 1) * n_p * row] + gb[h * n_g * row:(h + 1) * n_g * row]
+                            for h in range(H))
+            check(mb == want, f"full: layer.{l}.{part} bit-exact with the turn")
+        _, pshape, pos = msg[f"layer.{l}.pos"]
+        H, n = pshape
+        want = struct.pack(f"<{n}i", *range(n)) * H
+        check(pos == want, f"full: layer.{l}.pos is 0..n-1")
+    offline = ctl.path("full.offline")
+    ctl.ok("compress", "--policy", "full", "--in", turn, "--out", offline, addr=False)
+    same_tensors(out, offline, "full vs offline")
+
+
+def test_compressed_equals_offline(ctl, turn):
+    for i, policy in enumerate(["h2o-head:k=32+obf:p=8", "h2o-layer:k=16+obf:p=4,mode=fast",
+                                "h2o-head:k=16+int4:rotate=hadamard", "gen"]):
+        s = f"cmp{i}"
+        r = ctl.ok("publish", "--session", s, "--from", "a", "--to", "b", "--policy", policy,
+                   "--in", turn)
+        out, offline, remote = ctl.path(f"{s}.msg"), ctl.path(f"{s}.off"), ctl.path(f"{s}.rpc")
+        f = ctl.ok("fetch", "--session", s, "--agent", "b", "--out", out, "--wait", "10")
+        if not f:
+            continue
+        ctl.ok("compress", "--policy", policy, "--in", turn, "--out", offline, addr=False)
+        same_tensors(out, offline, f"{policy}: relay vs offline")
+        ctl.ok("compress", "--policy", policy, "--in", turn, "--out", remote)
+        same_tensors(remote, offline, f"{policy}: Compress RPC vs offline")
+        check(r.get("full_bytes") == read_st(offline)[0]["full_bytes"], f"{policy}: accounting full_bytes")
+        check(r.get("sent_bytes") == read_st(offline)[0]["sent_bytes"], f"{policy}: accounting sent_bytes")
+
+
+def test_fan_out(ctl, turn):
+    r = ctl.ok("publish", "--session", "fan", "--from", "a", "--to", "c", "--to", "d",
+               "--policy", "h2o-head:k=8", "--in", turn)
+    got = []
+    for agent in ("c", "d"):
+        out = ctl.path(f"fan.{agent}")
+        f = ctl.ok("fetch", "--session", "fan", "--agent", agent, "--out", out, "--wait", "10")
+        got.append(f.get("message_id"))
+        check(f.get("delivery_attempt") == "1", f"fan-out: {agent} first delivery")
+    check(got == [r.get("message_id")] * 2, f"fan-out: both recipients got {r.get('message_id')}: {got}")
+    same_tensors(ctl.path("fan.c"), ctl.path("fan.d"), "fan-out: same message")
+    rc, _, err = ctl.run("fetch", "--session", "fan", "--agent", "c", "--out", ctl.path("x"),
+                         "--wait", "0.5")
+    check(rc == 1 and "DEADLINE_EXCEEDED" in err, f"fan-out: c's mailbox is empty after ack: {rc} {err}")
+
+
+def test_redelivery_and_ack(ctl, turn):
+    r = ctl.ok("publish", "--session", "redo", "--from", "a", "--to", "e", "--policy", "gen",
+               "--in", turn)
+    f1 = ctl.ok("fetch", "--session", "redo", "--agent", "e", "--out", ctl.path("r1"), "--no-ack")
+    f2 = ctl.ok("fetch", "--session", "redo", "--agent", "e", "--out", ctl.path("r2"), "--no-ack")
+    check(f1.get("message_id") == r.get("message_id") == f2.get("message_id"),
+          "redelivery: same message until acked")
+    check(f1.get("delivery_attempt") == "1" and f2.get("delivery_attempt") == "2",
+          f"redelivery: attempts {f1.get('delivery_attempt')}, {f2.get('delivery_attempt')}")
+    check(f1.get("acked") == "false", "redelivery: --no-ack")
+    ctl.ok("ack", "--session", "redo", "--agent", "e", "--id", r.get("message_id", "x"))
+    rc, _, err = ctl.run("fetch", "--session", "redo", "--agent", "e", "--out", ctl.path("r3"),
+                         "--wait", "0.5")
+    check(rc == 1 and "DEADLINE_EXCEEDED" in err, f"redelivery: gone after ack: {rc} {err}")
+    rc, _, err = ctl.run("ack", "--session", "redo", "--agent", "e", "--id", "no-such-message")
+    check(rc == 1 and "NOT_FOUND" in err, f"ack of an unknown message: {rc} {err}")
+
+
+def test_idempotent_publish(ctl, turn):
+    a = ctl.ok("publish", "--session", "idem", "--from", "a", "--to", "b", "--id", "fixed-1",
+               "--policy", "h2o-head:k=8", "--in", turn)
+    b = ctl.ok("publish", "--session", "idem", "--from", "a", "--to", "b", "--id", "fixed-1",
+               "--policy", "h2o-head:k=8", "--in", turn)
+    check(a.get("message_id") == b.get("message_id") == "fixed-1", "idempotent: same id")
+    check(a.get("duplicate") == "false" and b.get("duplicate") == "true", "idempotent: duplicate flag")
+    check(a.get("sent_bytes") == b.get("sent_bytes"), "idempotent: original accounting")
+    ctl.ok("fetch", "--session", "idem", "--agent", "b", "--out", ctl.path("i1"))
+    rc, _, err = ctl.run("fetch", "--session", "idem", "--agent", "b", "--out", ctl.path("i2"),
+                         "--wait", "0.5")
+    check(rc == 1 and "DEADLINE_EXCEEDED" in err, f"idempotent: delivered once: {rc} {err}")
+
+
+def test_chain_with_parent(ctl, turn, turn2):
+    r1 = ctl.ok("publish", "--session", "chain", "--from", "planner", "--to", "critic",
+                "--policy", "h2o-head:k=16", "--in", turn)
+    ctl.ok("fetch", "--session", "chain", "--agent", "critic", "--out", ctl.path("c1"))
+    r2 = ctl.ok("publish", "--session", "chain", "--from", "critic", "--to", "refiner",
+                "--policy", "h2o-head:k=16", "--parent", r1.get("message_id", "x"), "--in", turn2)
+    f2 = ctl.ok("fetch", "--session", "chain", "--agent", "refiner", "--out", ctl.path("c2"))
+    check(f2.get("parent") == r1.get("message_id"), "chain: parent id delivered")
+    m1, t1 = read_st(ctl.path("c1"))
+    m2, t2 = read_st(ctl.path("c2"))
+    n1 = int(m1["n_history"]) + int(m1["n_anchor"]) + int(m1["n_kept"]) + int(m1["n_gen"])
+    check(int(m2.get("n_history", -1)) == n1, f"chain: history of the second is the first ({n1})")
+    for part in ("k", "v", "pos"):
+        _, s1, b1 = t1[f"layer.0.{part}"]
+        _, s2, b2 = t2[f"layer.0.{part}"]
+        H = s1[0]
+        rb1, rb2 = len(b1) // (H * s1[1]), len(b2) // (H * s2[1])
+        ok = rb1 == rb2 and all(b2[h * s2[1] * rb2:h * s2[1] * rb2 + n1 * rb2] == b1[h * s1[1] * rb1:(h + 1) * s1[1] * rb1]
+                                for h in range(H))
+        check(ok, f"chain: layer.0.{part} starts with the parent's tokens")
+    # A parent that was not delivered to the sender: FAILED_PRECONDITION.
+    rc, _, err = ctl.run("publish", "--session", "chain", "--from", "judger", "--to", "x",
+                         "--parent", r1.get("message_id", "x"), "--in", turn2)
+    check(rc == 1 and "FAILED_PRECONDITION" in err, f"chain: foreign parent: {rc} {err}")
+    rc, _, err = ctl.run("publish", "--session", "chain", "--from", "critic", "--to", "x",
+                         "--parent", "no-such-parent", "--in", turn2)
+    check(rc == 1 and "FAILED_PRECONDITION" in err, f"chain: unknown parent: {rc} {err}")
+    rc, out, err = ctl.run("close", "--session", "chain")
+    check(rc == 0 and "messages_freed=" in out, f"close: {rc} {out} {err}")
+    rc, out, err = ctl.run("close", "--session", "chain")
+    check(rc == 0, f"close is idempotent: {rc} {err}")
+
+
+def test_bad_inputs(ctl, turn, turn_hist):
+    cases = [
+        (["publish", "--session", "bad", "--from", "a", "--to", "b", "--policy", "h2o-head:k=8+bogus",
+          "--in", turn], 1, "INVALID_ARGUMENT"),
+        (["publish", "--session", "bad", "--from", "a", "--to", "b", "--policy", "h2o-head:k=x",
+          "--in", turn], 1, "INVALID_ARGUMENT"),
+        (["publish", "--session", "bad", "--from", "a", "--to", "b", "--parent", "p",
+          "--in", turn_hist], 1, "n_history"),
+        (["publish", "--session", "bad session", "--from", "a", "--to", "b", "--in", turn], 1,
+         "INVALID_ARGUMENT"),
+        (["publish", "--session", "bad", "--from", "a", "--in", turn], 2, "missing required flag --to"),
+        (["publish", "--session", "bad", "--from", "a", "--to", "b"], 2, "missing required flag --in"),
+        (["publish", "--session", "bad", "--from", "a", "--to", "b", "--in", ctl.path("nope")], 1,
+         "nope"),
+        (["fetch", "--session", "bad", "--agent", "b", "--out", ctl.path("o"), "--wait", "x"], 2,
+         "--wait"),
+        (["fetch", "--session", "bad", "--agent", "b", "--out", ctl.path("o"), "--bogus"], 2,
+         "unknown flag --bogus"),
+        (["fetch", "--session", "bad", "--agent", "b", "--out", ctl.path("o"), "--wait", "0.3"], 1,
+         "DEADLINE_EXCEEDED"),
+        (["stats", "extra"], 2, "unexpected argument"),
+    ]
+    for args, want_rc, want_err in cases:
+        rc, _, err = ctl.run(*args)
+        check(rc == want_rc and want_err in err,
+              f"bad input {args[:3]}...: rc={rc} (want {want_rc}) stderr={err.strip()!r} (want {want_err!r})")
+    # Nothing became visible in the session the bad publishes named.
+    rc, _, err = ctl.run("fetch", "--session", "bad", "--agent", "b", "--out", ctl.path("o"),
+                         "--wait", "0.3")
+    check(rc == 1 and "DEADLINE_EXCEEDED" in err, f"bad inputs left nothing: {rc} {err}")
+    rc, _, err = ctl.run("health", addr=False)
+    check(rc == 2 and "--addr" in err, f"health without --addr: {rc} {err}")
+    rc, out, err = ctl.run("health", "--addr", "127.0.0.1:1", "--timeout", "2", addr=False)
+    check(rc == 1 and "UNAVAILABLE" in err, f"health of a closed port: {rc} {err}")
+
+
+def test_demo(ctl, small):
+    args = ["demo", "--rounds", "2", "--session", "demo-test"]
+    if small:
+        args += ["--layers", "4", "--kv-heads", "2", "--score-heads", "4", "--head-dim", "64",
+                 "--prompt", "128", "--gen", "8"]
+    rc, out, err = ctl.run(*args, timeout=600)
+    if not check(rc == 0, f"demo: rc={rc} {err}"):
+        return
+    rows = re.findall(r"^\s*(\d)\s+(\w+) -> (\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$", out, re.M)
+    check(len(rows) == 6, f"demo: 3 hops x 2 rounds, got {len(rows)}:\n{out}")
+    check([r[1] for r in rows[:3]] == ["planner", "critic", "refiner"], "demo: chain order")
+    tot = kv_line(re.search(r"^totals:.*$", out, re.M).group(0)) if "totals:" in out else {}
+    delta = kv_line(re.search(r"^relay stats delta:.*$", out, re.M).group(0)) if "delta:" in out else {}
+    check(tot.get("full_bytes") == str(sum(int(r[4]) for r in rows)), "demo: totals add up")
+    check(delta.get("full_bytes") == tot.get("full_bytes") and delta.get("sent_bytes") == tot.get("sent_bytes"),
+          f"demo: relay stats match the totals: {tot} vs {delta}")
+    # History grows along the chain: each hop holds more tokens than the last.
+    toks = [int(r[3]) for r in rows[:3]]
+    check(toks[0] < toks[1] < toks[2], f"demo: history composed by reference: tokens {toks}")
+    print(out, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvrelayctl", required=True)
+    ap.add_argument("--server", default="")
+    ap.add_argument("--full-demo", action="store_true", help="demo with Qwen3-14B geometry")
+    args = ap.parse_args()
+    server_bin = args.server
+    if not server_bin or not os.path.exists(server_bin):
+        print(f"SKIP: no kvrelay-server binary at {server_bin!r}")
+        return SKIP
+    work = tempfile.mkdtemp(prefix="kvrelay_e2e_")
+    server = Server(server_bin, work)
+    try:
+        ctl = Ctl(args.kvrelayctl, server.addr, work)
+        rc, out, err = ctl.run("health")
+        check(rc == 0 and out.strip() == "SERVING", f"health: {rc} {out} {err}")
+        turn, turn2, turn_hist = ctl.path("t.st"), ctl.path("t2.st"), ctl.path("th.st")
+        geo = ["--layers", "3", "--kv-heads", "2", "--score-heads", "4", "--head-dim", "64",
+               "--prompt", "200", "--gen", "10"]
+        ctl.ok("make-turn", "--out", turn, "--seed", "1", *geo, addr=False)
+        ctl.ok("make-turn", "--out", turn2, "--seed", "2", "--first-agent", "false", *geo, addr=False)
+        ctl.ok("make-turn", "--out", turn_hist, "--seed", "3", "--history", "20", *geo, addr=False)
+        for name, fn in [("full", lambda: test_full_is_bit_exact(ctl, turn)),
+                         ("compressed", lambda: test_compressed_equals_offline(ctl, turn)),
+                         ("fan-out", lambda: test_fan_out(ctl, turn)),
+                         ("redelivery", lambda: test_redelivery_and_ack(ctl, turn)),
+                         ("idempotent", lambda: test_idempotent_publish(ctl, turn)),
+                         ("chain", lambda: test_chain_with_parent(ctl, turn, turn2)),
+                         ("bad inputs", lambda: test_bad_inputs(ctl, turn, turn_hist)),
+                         ("demo", lambda: test_demo(ctl, not args.full_demo))]:
+            before = len(FAILURES)
+            try:
+                fn()
+            except Exception as e:  # keep going: report every failure
+                check(False, f"{name}: exception {e!r}")
+            print(f"{name}: {'ok' if len(FAILURES) == before else 'FAILED'}", flush=True)
+        rc, out, err = ctl.run("stats")
+        st = dict(re.findall(r"^(\w+): (\S+)$", out, re.M))
+        check(rc == 0 and int(st.get("messages_committed", 0)) >= 10, f"stats: {rc} {out} {err}")
+    finally:
+        code = server.stop()
+    check(code is not None, "server stopped")
+    if FAILURES:
+        print(f"{len(FAILURES)} failure(s); server log in {work}/server.log")
+        return 1
+    shutil.rmtree(work, ignore_errors=True)
+    print("all relay end-to-end checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+// Chunk assembly: order, offsets, sizes, CRCs and the commit trailer.
+#include "server/assembler.h"
+
+#include "gtest/gtest.h"
+#include "relay_test_util.h"
+#include "tests/core/test_util.h"
+
+namespace kvrelay {
+namespace {
+
+using testing::TurnChunks;
+
+struct Fixture {
+  Turn turn;
+  UploadShape shape;
+  std::vector<v1::Chunk> chunks;
+};
+
+Fixture Make(int n_history = 0, size_t chunk_bytes = 512) {
+  kvrelay::testing::TurnShape s;
+  s.layers = 3;
+  s.n_history = n_history;
+  Fixture f;
+  f.turn = kvrelay::testing::RandomTurn(s, 7);
+  auto shape = CheckGeometry(testing::ProtoGeometry(f.turn), "header.geometry");
+  EXPECT_TRUE(shape.ok()) << shape.status();
+  f.shape = *shape;
+  f.chunks = TurnChunks(f.turn, chunk_bytes);
+  return f;
+}
+
+TEST(AssemblerTest, ReassemblesEveryLayerBitExactInOrder) {
+  for (int hist : {0, 6}) {
+    Fixture f = Make(hist);
+    TurnAssembler a(f.shape);
+    std::vector<int> seen;
+    for (const auto& c : f.chunks) {
+      ASSERT_TRUE(a.Accept(c).ok());
+      for (auto& [l, layer] : a.TakeCompleted()) {
+        seen.push_back(l);
+        const TurnLayer& want = f.turn.layers[l];
+        EXPECT_EQ(layer.prompt_k, want.prompt_k);
+        EXPECT_EQ(layer.prompt_v, want.prompt_v);
+        EXPECT_EQ(layer.gen_k, want.gen_k);
+        EXPECT_EQ(layer.gen_v, want.gen_v);
+        EXPECT_EQ(layer.scores.data, want.scores.data);
+        EXPECT_EQ(layer.history_k, want.history_k);
+        EXPECT_EQ(layer.history_pos, want.history_pos);
+      }
+    }
+    EXPECT_EQ(seen, (std::vector<int>{0, 1, 2}));
+    EXPECT_TRUE(a.CheckCommit(testing::TrailerOf(f.chunks)).ok());
+  }
+}
+
+TEST(AssemblerTest, LayerIsReportedAsSoonAsItsLastChunkArrives) {
+  Fixture f = Make();
+  TurnAssembler a(f.shape);
+  size_t i = 0;
+  for (; f.chunks[i].layer() == 0; ++i) {
+    EXPECT_TRUE(a.TakeCompleted().empty());
+    ASSERT_TRUE(a.Accept(f.chunks[i]).ok());
+  }
+  EXPECT_EQ(a.TakeCompleted().size(), 1u);
+}
+
+absl::Status Feed(const Fixture& f, std::vector<v1::Chunk> chunks) {
+  TurnAssembler a(f.shape);
+  for (const auto& c : chunks) {
+    absl::Status s = a.Accept(c);
+    if (!s.ok()) return s;
+  }
+  return a.CheckCommit(testing::TrailerOf(chunks));
+}
+
+TEST(AssemblerTest, BadChunks) {
+  Fixture f = Make();
+  struct Case {
+    const char* name;
+    std::function<void(std::vector<v1::Chunk>*)> mutate;
+    absl::StatusCode code;
+    const char* needle;
+  } cases[] = {
+      {"swap", [](auto* c) { std::swap((*c)[1], (*c)[2]); }, absl::StatusCode::kInvalidArgument, "expected layer 0"},
+      {"duplicate", [](auto* c) { c->insert(c->begin() + 1, (*c)[0]); }, absl::StatusCode::kInvalidArgument, "offset"},
+      {"drop", [](auto* c) { c->erase(c->begin() + 1); }, absl::StatusCode::kInvalidArgument, "expected layer 0"},
+      {"wrong part", [](auto* c) { (*c)[0].set_part(v1::PART_GEN_K); }, absl::StatusCode::kInvalidArgument, "PART_PROMPT_K"},
+      {"wrong layer", [](auto* c) { (*c)[0].set_layer(1); }, absl::StatusCode::kInvalidArgument, "expected layer 0"},
+      {"bad crc", [](auto* c) { (*c)[3].set_crc32c((*c)[3].crc32c() ^ 1); }, absl::StatusCode::kDataLoss, "chunk.crc32c"},
+      {"flipped byte", [](auto* c) { (*c)[3].mutable_data()->at(5) ^= 0x40; }, absl::StatusCode::kDataLoss, "chunk.crc32c"},
+      {"empty data", [](auto* c) { (*c)[0].clear_data(); (*c)[0].set_crc32c(0); }, absl::StatusCode::kInvalidArgument, "chunk.data"},
+      {"past end", [](auto* c) {
+         auto& last = c->back();
+         std::string d = last.data() + "xx";
+         last.set_data(d);
+         last.set_crc32c(Crc32c(d.data(), d.size()));
+       }, absl::StatusCode::kInvalidArgument, "runs past"},
+      {"extra chunk", [](auto* c) { c->push_back(c->back()); }, absl::StatusCode::kInvalidArgument, "expected the commit"},
+      {"missing tail", [](auto* c) { c->pop_back(); }, absl::StatusCode::kInvalidArgument, "commit:"},
+  };
+  for (const auto& tc : cases) {
+    std::vector<v1::Chunk> chunks = f.chunks;
+    tc.mutate(&chunks);
+    absl::Status s = Feed(f, chunks);
+    EXPECT_EQ(s.code(), tc.code) << tc.name << ": " << s;
+    EXPECT_NE(s.message().find(tc.needle), std::string::npos) << tc.name << ": " << s;
+  }
+}
+
+TEST(AssemblerTest, OversizedChunkIsRejected) {
+  kvrelay::testing::TurnShape s;
+  s.layers = 1;
+  s.n_prompt = 4096;
+  s.head_dim = 64;
+  Turn t = kvrelay::testing::RandomTurn(s, 1);
+  auto shape = CheckGeometry(testing::ProtoGeometry(t), "g");
+  ASSERT_TRUE(shape.ok());
+  auto chunks = TurnChunks(t, (1 << 20) + 4);
+  TurnAssembler a(*shape);
+  absl::Status st = a.Accept(chunks[0]);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("expected 1..1048576"), std::string::npos) << st;
+}
+
+TEST(AssemblerTest, BadTrailer) {
+  Fixture f = Make();
+  TurnAssembler a(f.shape);
+  for (const auto& c : f.chunks) ASSERT_TRUE(a.Accept(c).ok());
+  v1::Trailer t = testing::TrailerOf(f.chunks);
+  v1::Trailer bad = t;
+  bad.set_chunks(t.chunks() + 1);
+  EXPECT_EQ(a.CheckCommit(bad).code(), absl::StatusCode::kInvalidArgument);
+  bad = t;
+  bad.set_bytes(t.bytes() - 1);
+  EXPECT_EQ(a.CheckCommit(bad).code(), absl::StatusCode::kInvalidArgument);
+  bad = t;
+  bad.set_crc32c(t.crc32c() + 1);
+  EXPECT_EQ(a.CheckCommit(bad).code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(a.CheckCommit(t).ok());
+}
+
+TEST(AssemblerTest, BadGeometry) {
+  Fixture f = Make();
+  const v1::TurnGeometry good = testing::ProtoGeometry(f.turn);
+  struct Case {
+    std::function<void(v1::TurnGeometry*)> mutate;
+    const char* field;
+  } cases[] = {
+      {[](auto* g) { g->set_layers(0); }, "header.geometry.layers: 0"},
+      {[](auto* g) { g->set_kv_heads(0); }, "header.geometry.kv_heads: 0"},
+      {[](auto* g) { g->set_score_heads(3); }, "header.geometry.score_heads: 3"},
+      {[](auto* g) { g->set_head_dim(0); }, "header.geometry.head_dim: 0"},
+      {[](auto* g) { g->set_dtype(v1::DTYPE_UNSPECIFIED); }, "header.geometry.dtype"},
+      {[](auto* g) { g->set_dtype(static_cast<v1::DType>(9)); }, "header.geometry.dtype"},
+      {[](auto* g) { g->set_prompt_pos0(-1); }, "header.geometry.prompt_pos0"},
+      {[](auto* g) { g->set_n_prompt(1u << 30); }, "header.geometry.n_prompt"},
+  };
+  for (const auto& tc : cases) {
+    v1::TurnGeometry g = good;
+    tc.mutate(&g);
+    auto s = CheckGeometry(g, "header.geometry");
+    ASSERT_FALSE(s.ok()) << tc.field;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find(tc.field), std::string::npos) << s.status();
+  }
+}
+
+}  // namespace
+}  // namespace kvrelay

@@ -1,0 +1,101 @@
+// kvrelay-server configuration: flags, env fallbacks, config file, errors.
+#include "server/config.h"
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "gtest/gtest.h"
+
+namespace kvrelay {
+namespace {
+
+absl::StatusOr<ServerConfig> Parse(std::vector<const char*> args, std::map<std::string, std::string> env = {}) {
+  args.insert(args.begin(), "kvrelay-server");
+  return ParseServerConfig(static_cast<int>(args.size()), args.data(), [env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+TEST(ConfigTest, Defaults) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, "0.0.0.0:50051");
+  EXPECT_EQ(c->metrics_listen, "0.0.0.0:9464");
+  EXPECT_GE(c->worker_threads, 1);
+  EXPECT_EQ(c->max_inflight_bytes, 4ull << 30);
+  EXPECT_EQ(c->max_mailbox_bytes, 2ull << 30);
+  EXPECT_EQ(c->max_session_messages, 1024u);
+  EXPECT_EQ(c->session_ttl_seconds, 3600);
+  EXPECT_EQ(c->default_policy, "h2o-head:k=32+obf:p=8,mode=fast");
+  EXPECT_FALSE(c->log_json);
+  EXPECT_EQ(c->shutdown_grace_seconds, 10);
+}
+
+TEST(ConfigTest, FlagsBeatEnvBeatFile) {
+  const std::string path = ::testing::TempDir() + "/kvrelay_config_test.json";
+  {
+    std::ofstream f(path);
+    f << R"({"listen": "1.2.3.4:1", "max_session_messages": 7, "worker-threads": 3,
+            "role_policy": {"judger": "gen"}, "log-json": true})";
+  }
+  auto c = Parse({"--config", path.c_str(), "--listen=127.0.0.1:0", "--role-policy", "planner=h2o-layer:k=64",
+                  "--max-inflight-bytes", "1GiB"},
+                 {{"KVRELAY_LISTEN", "5.6.7.8:2"}, {"KVRELAY_WORKER_THREADS", "5"},
+                  {"KVRELAY_ROLE_POLICY", "critic=full;refiner=h2o-head:k=16"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, "127.0.0.1:0");
+  EXPECT_EQ(c->worker_threads, 5);
+  EXPECT_EQ(c->max_session_messages, 7u);
+  EXPECT_TRUE(c->log_json);
+  EXPECT_EQ(c->max_inflight_bytes, 1ull << 30);
+  EXPECT_EQ(c->PolicyForRole("planner"), "h2o-layer:k=64");
+  EXPECT_EQ(c->PolicyForRole("judger"), "gen");
+  EXPECT_EQ(c->PolicyForRole("critic"), "full");
+  EXPECT_EQ(c->PolicyForRole("refiner"), "h2o-head:k=16");
+  EXPECT_EQ(c->PolicyForRole("other"), c->default_policy);
+  std::remove(path.c_str());
+}
+
+TEST(ConfigTest, BadFlagsNameTheFlag) {
+  struct Case {
+    std::vector<const char*> args;
+    const char* needle;
+  } cases[] = {
+      {{"--listen", "nope"}, "--listen=nope"},
+      {{"--listen", "h:70000"}, "--listen"},
+      {{"--worker-threads", "0"}, "--worker-threads=0"},
+      {{"--max-inflight-bytes", "lots"}, "--max-inflight-bytes=lots"},
+      {{"--session-ttl-seconds", "0"}, "--session-ttl-seconds=0"},
+      {{"--default-policy", "h2o-head+bogus"}, "--default-policy"},
+      {{"--role-policy", "planner"}, "--role-policy=planner"},
+      {{"--role-policy", "planner=gen+obf"}, "--role-policy=planner"},
+      {{"--frobnicate", "1"}, "--frobnicate"},
+      {{"--listen"}, "missing value"},
+      {{"stray"}, "stray"},
+      {{"--config", "/nonexistent/kvrelay.json"}, "--config"},
+  };
+  for (const auto& tc : cases) {
+    auto c = Parse(tc.args);
+    ASSERT_FALSE(c.ok()) << tc.needle;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(tc.needle), std::string::npos) << c.status();
+  }
+  auto env = Parse({}, {{"KVRELAY_MAX_SESSION_MESSAGES", "-3"}});
+  ASSERT_FALSE(env.ok());
+  EXPECT_NE(env.status().message().find("KVRELAY_MAX_SESSION_MESSAGES"), std::string::npos);
+  EXPECT_EQ(Parse({"--help"}).status().code(), absl::StatusCode::kCancelled);
+}
+
+TEST(ConfigTest, SplitHostPort) {
+  std::string host;
+  int port;
+  ASSERT_TRUE(SplitHostPort("[::1]:0", &host, &port).ok());
+  EXPECT_EQ(host, "[::1]");
+  EXPECT_EQ(port, 0);
+  EXPECT_FALSE(SplitHostPort("localhost", &host, &port).ok());
+}
+
+}  // namespace
+}  // namespace kvrelay

@@ -1,0 +1,479 @@
+// In-process integration: a RelayServer on 127.0.0.1:0 driven by the
+// generated stub.
+#include <thread>
+
+#include "core/pipeline.h"
+#include "gtest/gtest.h"
+#include "prometheus/text_serializer.h"
+#include "relay_test_util.h"
+#include "server/server.h"
+#include "tests/core/test_util.h"
+
+namespace kvrelay {
+namespace {
+
+using namespace kvrelay::testing;
+
+class RelayTest : public ::testing::Test {
+ protected:
+  void StartServer(ServerConfig cfg = {}) {
+    cfg.listen = "127.0.0.1:0";
+    cfg.metrics_listen = "";
+    cfg.worker_threads = 2;
+    cfg.shutdown_grace_seconds = 2;
+    auto s = RelayServer::Start(cfg);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    channel_ = grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials());
+    stub_ = v1::Relay::NewStub(channel_);
+  }
+  void SetUp() override { StartServer(); }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+
+  static Turn MakeTurn(uint64_t seed, bool first = true, DType dtype = DType::kBF16) {
+    TurnShape s;
+    s.layers = 3;
+    s.kv_heads = 2;
+    s.group = 2;
+    s.head_dim = 32;
+    s.n_prompt = 48;
+    s.n_gen = 6;
+    s.dtype = dtype;
+    s.first_agent = first;
+    return RandomTurn(s, seed);
+  }
+
+  static void ExpectSameMessage(const Message& got, const Message& want) {
+    ASSERT_EQ(got.layers.size(), want.layers.size());
+    for (size_t l = 0; l < want.layers.size(); ++l) {
+      const MessageLayer& g = got.layers[l];
+      const MessageLayer& w = want.layers[l];
+      EXPECT_EQ(g.pos, w.pos) << "layer " << l;
+      if (w.quant) {
+        ASSERT_TRUE(g.quant) << "layer " << l;
+        EXPECT_EQ(g.quant->k.codes, w.quant->k.codes);
+        EXPECT_EQ(g.quant->k.scale, w.quant->k.scale);
+        EXPECT_EQ(g.quant->k.zero, w.quant->k.zero);
+        EXPECT_EQ(g.quant->v.codes, w.quant->v.codes);
+        EXPECT_EQ(g.quant->v.scale, w.quant->v.scale);
+        EXPECT_EQ(g.quant->v.zero, w.quant->v.zero);
+      } else {
+        EXPECT_TRUE(g.k == w.k) << "layer " << l << " k";
+        EXPECT_TRUE(g.v == w.v) << "layer " << l << " v";
+      }
+    }
+  }
+
+  static Message Offline(const Turn& t, const std::string& policy) {
+    auto p = Pipeline::Create(policy);
+    EXPECT_TRUE(p.ok());
+    auto m = (*p)->Compress(t);
+    EXPECT_TRUE(m.ok()) << m.status();
+    return *m;
+  }
+
+  // Nothing is waiting for `agent` (short fetch times out).
+  void ExpectNothingFor(const std::string& session, const std::string& agent) {
+    FetchResult f = DoFetch(stub_.get(), session, agent, false, 0.3);
+    EXPECT_EQ(f.status.error_code(), grpc::DEADLINE_EXCEEDED) << f.status.error_message();
+  }
+
+  void WaitInflightZero() {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (server_->store()->inflight_bytes() != 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(server_->store()->inflight_bytes(), 0u);
+  }
+
+  std::unique_ptr<RelayServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Relay::Stub> stub_;
+};
+
+TEST_F(RelayTest, FullRoundTripIsBitExactWithRedeliveryAndAck) {
+  Turn t = MakeTurn(1);
+  auto pub = PublishTurn(stub_.get(), Header("s1", "m1", "planner", {"critic"}, "full", t), t, 1000);
+  ASSERT_TRUE(pub.status.ok()) << pub.status.error_message();
+  EXPECT_EQ(pub.response.message_id(), "m1");
+  EXPECT_FALSE(pub.response.duplicate());
+  const Message want = Offline(t, "full");
+  EXPECT_EQ(pub.response.accounting().full_bytes(), want.full_bytes);
+  EXPECT_EQ(pub.response.accounting().sent_bytes(), want.sent_bytes);
+  EXPECT_EQ(pub.response.accounting().policy(), "full");
+
+  FetchResult f = DoFetch(stub_.get(), "s1", "critic", /*auto_ack=*/false);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  EXPECT_TRUE(f.trailer_ok);
+  EXPECT_EQ(f.header.message_id(), "m1");
+  EXPECT_EQ(f.header.sender(), "planner");
+  EXPECT_EQ(f.header.delivery_attempt(), 1u);
+  ExpectSameMessage(f.msg, want);
+  // `full` keeps every token: prompt rows then generated rows, bit-exact.
+  for (size_t l = 0; l < t.layers.size(); ++l) {
+    const auto& L = t.layers[l];
+    for (int h = 0; h < L.prompt_k.heads(); ++h) {
+      for (int j = 0; j < L.prompt_k.tokens(); ++j) {
+        ASSERT_EQ(0, std::memcmp(f.msg.layers[l].k.row(h, j), L.prompt_k.row(h, j), L.prompt_k.row_bytes()));
+        ASSERT_EQ(0, std::memcmp(f.msg.layers[l].v.row(h, j), L.prompt_v.row(h, j), L.prompt_v.row_bytes()));
+      }
+    }
+  }
+  // At least once: delivered again until acked.
+  FetchResult again = DoFetch(stub_.get(), "s1", "critic", false);
+  ASSERT_TRUE(again.status.ok());
+  EXPECT_EQ(again.header.delivery_attempt(), 2u);
+  grpc::ClientContext actx;
+  v1::AckRequest ack;
+  ack.set_session_id("s1");
+  ack.set_agent("critic");
+  ack.set_message_id("m1");
+  v1::AckResponse aresp;
+  ASSERT_TRUE(stub_->Ack(&actx, ack, &aresp).ok());
+  ExpectNothingFor("s1", "critic");
+  grpc::ClientContext actx2;
+  ack.set_message_id("unknown");
+  EXPECT_EQ(stub_->Ack(&actx2, ack, &aresp).error_code(), grpc::NOT_FOUND);
+}
+
+TEST_F(RelayTest, CompressedMessageMatchesTheCoreLibrary) {
+  for (const char* policy : {"h2o-head:k=8+obf:p=4,mode=fast", "h2o-layer:k=8+obf:p=4+int4:rotate=hadamard", "gen"}) {
+    Turn t = MakeTurn(2);
+    const std::string session = std::string("s-") + std::to_string(std::hash<std::string>()(policy) % 100000);
+    auto pub = PublishTurn(stub_.get(), Header(session, "m", "a", {"b"}, policy, t), t);
+    ASSERT_TRUE(pub.status.ok()) << policy << ": " << pub.status.error_message();
+    const Message want = Offline(t, policy);
+    EXPECT_EQ(pub.response.accounting().sent_bytes(), want.sent_bytes) << policy;
+    EXPECT_EQ(pub.response.accounting().full_bytes(), want.full_bytes) << policy;
+    EXPECT_EQ(pub.response.accounting().policy(), want.policy);
+    FetchResult f = DoFetch(stub_.get(), session, "b", true);
+    ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+    EXPECT_TRUE(f.trailer_ok);
+    ExpectSameMessage(f.msg, want);
+  }
+}
+
+TEST_F(RelayTest, IdempotentRepublish) {
+  Turn t = MakeTurn(3);
+  auto h = Header("s", "same", "a", {"b"}, "h2o-head:k=8", t);
+  auto p1 = PublishTurn(stub_.get(), h, t);
+  auto p2 = PublishTurn(stub_.get(), h, t);
+  ASSERT_TRUE(p1.status.ok() && p2.status.ok()) << p2.status.error_message();
+  EXPECT_FALSE(p1.response.duplicate());
+  EXPECT_TRUE(p2.response.duplicate());
+  EXPECT_EQ(p2.response.accounting().SerializeAsString(), p1.response.accounting().SerializeAsString());
+  EXPECT_EQ(server_->store()->Stats().mailbox_messages, 1u);
+  // Server-assigned ids are distinct.
+  h.clear_message_id();
+  auto p3 = PublishTurn(stub_.get(), h, t);
+  auto p4 = PublishTurn(stub_.get(), h, t);
+  ASSERT_TRUE(p3.status.ok() && p4.status.ok());
+  EXPECT_NE(p3.response.message_id(), p4.response.message_id());
+  EXPECT_FALSE(p4.response.duplicate());
+}
+
+TEST_F(RelayTest, ParentChainComposesHistoryLikeTheCoreLibrary) {
+  const std::string policy = "h2o-head:k=8+obf:p=4,mode=fast";
+  Turn t1 = MakeTurn(4, /*first=*/true);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("chain", "m1", "planner", {"critic"}, policy, t1), t1).status.ok());
+  // Not yet delivered to critic: FAILED_PRECONDITION.
+  Turn t2 = MakeTurn(5, /*first=*/false);
+  auto h2 = Header("chain", "m2", "critic", {"refiner"}, policy, t2);
+  h2.set_parent_id("m1");
+  auto early = PublishTurn(stub_.get(), h2, t2);
+  EXPECT_EQ(early.status.error_code(), grpc::FAILED_PRECONDITION) << early.status.error_message();
+  FetchResult f1 = DoFetch(stub_.get(), "chain", "critic", true);
+  ASSERT_TRUE(f1.status.ok());
+  // Another agent may not use it.
+  auto h_bad = Header("chain", "mx", "judger", {"refiner"}, policy, t2);
+  h_bad.set_parent_id("m1");
+  EXPECT_EQ(PublishTurn(stub_.get(), h_bad, t2).status.error_code(), grpc::FAILED_PRECONDITION);
+  auto p2 = PublishTurn(stub_.get(), h2, t2);
+  ASSERT_TRUE(p2.status.ok()) << p2.status.error_message();
+  FetchResult f2 = DoFetch(stub_.get(), "chain", "refiner", true);
+  ASSERT_TRUE(f2.status.ok());
+  EXPECT_EQ(f2.header.parent_id(), "m1");
+  // Offline: the same turn with the parent message as history, positions
+  // continuing after the parent's.
+  const Message m1 = Offline(t1, policy);
+  Turn t2h = t2;
+  int32_t next = 0;
+  for (size_t l = 0; l < t2h.layers.size(); ++l) {
+    t2h.layers[l].history_k = m1.layers[l].k;
+    t2h.layers[l].history_v = m1.layers[l].v;
+    t2h.layers[l].history_pos = m1.layers[l].pos;
+    for (int32_t p : m1.layers[l].pos.data) next = std::max(next, p + 1);
+  }
+  t2h.prompt_pos0 = next;
+  const Message want = Offline(t2h, policy);
+  EXPECT_EQ(f2.header.n_history(), static_cast<uint32_t>(m1.layers[0].tokens()));
+  EXPECT_EQ(f2.header.n_anchor(), 0u);
+  EXPECT_EQ(p2.response.accounting().full_bytes(), want.full_bytes);
+  ExpectSameMessage(f2.msg, want);
+}
+
+TEST_F(RelayTest, FanOutAndSessionClose) {
+  Turn t = MakeTurn(6);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("fan", "m", "a", {"b", "c", "d"}, "gen", t), t).status.ok());
+  for (const char* agent : {"b", "c", "d"}) {
+    FetchResult f = DoFetch(stub_.get(), "fan", agent, true);
+    ASSERT_TRUE(f.status.ok()) << agent;
+    EXPECT_EQ(f.header.message_id(), "m");
+    EXPECT_EQ(f.header.delivery_attempt(), 1u);
+  }
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("fan", "m2", "a", {"b"}, "gen", t), t).status.ok());
+  grpc::ClientContext ctx;
+  v1::CloseSessionRequest req;
+  req.set_session_id("fan");
+  v1::CloseSessionResponse resp;
+  ASSERT_TRUE(stub_->CloseSession(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.messages_freed(), 2u);
+  ExpectNothingFor("fan", "b");
+  const StoreStats st = server_->store()->Stats();
+  EXPECT_EQ(st.sessions, 0u);
+  EXPECT_EQ(st.mailbox_bytes, 0u);
+}
+
+TEST_F(RelayTest, FetchWaitsForAPublish) {
+  Turn t = MakeTurn(7);
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_TRUE(PublishTurn(stub_.get(), Header("w", "m", "a", {"b"}, "gen", t), t).status.ok());
+  });
+  FetchResult f = DoFetch(stub_.get(), "w", "b", true, 10);
+  publisher.join();
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  EXPECT_EQ(f.header.message_id(), "m");
+}
+
+TEST_F(RelayTest, SessionsExpireAfterTheTtl) {
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.session_ttl_seconds = 0.3;
+  StartServer(cfg);
+  Turn t = MakeTurn(8);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("ttl", "m", "a", {"b"}, "gen", t), t).status.ok());
+  EXPECT_EQ(server_->store()->Stats().sessions, 1u);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (server_->store()->Stats().sessions > 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(server_->store()->Stats().sessions, 0u);
+  ExpectNothingFor("ttl", "b");
+}
+
+TEST_F(RelayTest, DisconnectMidUploadLeavesNothing) {
+  TurnShape s;
+  s.layers = 6;
+  s.n_prompt = 512;
+  s.head_dim = 64;
+  s.dtype = DType::kF32;
+  Turn t = RandomTurn(s, 9);
+  auto chunks = TurnChunks(t, 4096);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(10));
+    v1::PublishResponse resp;
+    auto w = stub_->Publish(&ctx, &resp);
+    v1::PublishRequest req;
+    *req.mutable_header() = Header("cut", "m", "a", {"b"}, "h2o-head:k=8", t);
+    ASSERT_TRUE(w->Write(req));
+    for (size_t i = 0; i < chunks.size() / 2; ++i) {
+      *req.mutable_chunk() = chunks[i];
+      ASSERT_TRUE(w->Write(req));
+    }
+    // Let the server take some of it in before the cut.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (server_->store()->Stats().received_bytes == 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_GT(server_->store()->inflight_bytes(), 0u);
+    ctx.TryCancel();
+    EXPECT_EQ(w->Finish().error_code(), grpc::CANCELLED);
+  }
+  WaitInflightZero();
+  ExpectNothingFor("cut", "b");
+  EXPECT_EQ(server_->store()->Stats().committed, 0u);
+}
+
+TEST_F(RelayTest, EightConcurrentPublishers) {
+  constexpr int kN = 8;
+  std::vector<Turn> turns;
+  for (int i = 0; i < kN; ++i) turns.push_back(MakeTurn(100 + i));
+  std::vector<PublishResult> results(kN);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kN; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = PublishTurn(stub_.get(),
+                               Header("conc", "m" + std::to_string(i), "a" + std::to_string(i), {"sink"},
+                                      "h2o-head:k=8+obf:p=4,mode=fast", turns[i]),
+                               turns[i], 2048);
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int i = 0; i < kN; ++i) ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+  std::set<std::string> got;
+  for (int i = 0; i < kN; ++i) {
+    FetchResult f = DoFetch(stub_.get(), "conc", "sink", true);
+    ASSERT_TRUE(f.status.ok());
+    const int idx = std::stoi(f.header.message_id().substr(1));
+    ExpectSameMessage(f.msg, Offline(turns[idx], "h2o-head:k=8+obf:p=4,mode=fast"));
+    got.insert(f.header.message_id());
+  }
+  EXPECT_EQ(got.size(), static_cast<size_t>(kN));
+  WaitInflightZero();
+}
+
+// Every bad input: its exact code, and nothing visible afterwards.
+TEST_F(RelayTest, BadInputsTable) {
+  Turn t = MakeTurn(10);
+  Turn nan_turn = MakeTurn(10);
+  {
+    float nanv = std::nanf("");
+    nan_turn.layers[2].gen_v.WriteRow(1, 2, std::vector<float>(32, nanv).data());
+  }
+  const auto good_chunks = TurnChunks(t, 1024);
+  const auto header = Header("bad", "m", "a", {"b"}, "h2o-head:k=8", t);
+  struct Case {
+    std::string name;
+    std::function<std::vector<v1::PublishRequest>()> make;
+    grpc::StatusCode code;
+    std::string needle;
+  };
+  auto with_header = [&](std::function<void(v1::PublishHeader*)> f) {
+    return [&, f] {
+      v1::PublishHeader h = header;
+      f(&h);
+      return PublishStream(h, good_chunks, TrailerOf(good_chunks));
+    };
+  };
+  auto with_chunks = [&](std::function<void(std::vector<v1::Chunk>*)> f) {
+    return [&, f] {
+      auto c = good_chunks;
+      f(&c);
+      return PublishStream(header, c, TrailerOf(c));
+    };
+  };
+  std::vector<Case> cases = {
+      {"missing header", [&] { auto r = PublishStream(header, good_chunks, TrailerOf(good_chunks)); r.erase(r.begin()); return r; },
+       grpc::INVALID_ARGUMENT, "expected the header first"},
+      {"empty stream", [] { return std::vector<v1::PublishRequest>{}; }, grpc::INVALID_ARGUMENT, "expected a header"},
+      {"no commit", [&] { auto r = PublishStream(header, good_chunks, TrailerOf(good_chunks)); r.pop_back(); return r; },
+       grpc::INVALID_ARGUMENT, "before the commit"},
+      {"bad session id", with_header([](auto* h) { h->set_session_id("has space"); }), grpc::INVALID_ARGUMENT, "header.session_id"},
+      {"no recipients", with_header([](auto* h) { h->clear_recipients(); }), grpc::INVALID_ARGUMENT, "header.recipients"},
+      {"no sender", with_header([](auto* h) { h->clear_sender(); }), grpc::INVALID_ARGUMENT, "header.sender"},
+      {"unknown policy token", with_header([](auto* h) { h->set_policy("h2o-head:k=8+bogus"); }), grpc::INVALID_ARGUMENT, "bogus"},
+      {"unknown dtype", with_header([](auto* h) { h->mutable_geometry()->set_dtype(v1::DTYPE_UNSPECIFIED); }),
+       grpc::INVALID_ARGUMENT, "header.geometry.dtype"},
+      {"shape mismatch", with_header([](auto* h) { h->mutable_geometry()->set_head_dim(16); }), grpc::INVALID_ARGUMENT, "chunk"},
+      {"missing geometry", with_header([](auto* h) { h->clear_geometry(); }), grpc::INVALID_ARGUMENT, "header.geometry"},
+      {"bad parent", with_header([](auto* h) { h->set_parent_id("nope"); h->mutable_geometry()->set_first_agent(false); }),
+       grpc::FAILED_PRECONDITION, "header.parent_id"},
+      {"out of order", with_chunks([](auto* c) { std::swap((*c)[0], (*c)[1]); }), grpc::INVALID_ARGUMENT, "expected layer 0"},
+      {"duplicate chunk", with_chunks([](auto* c) { c->insert(c->begin() + 3, (*c)[2]); }), grpc::INVALID_ARGUMENT, "offset"},
+      {"bad chunk crc", with_chunks([](auto* c) { (*c)[5].set_crc32c(1); }), grpc::DATA_LOSS, "chunk.crc32c"},
+      {"bad commit crc", [&] { auto tr = TrailerOf(good_chunks); tr.set_crc32c(tr.crc32c() ^ 1); return PublishStream(header, good_chunks, tr); },
+       grpc::DATA_LOSS, "commit.crc32c"},
+      {"bad commit count", [&] { auto tr = TrailerOf(good_chunks); tr.set_chunks(1); return PublishStream(header, good_chunks, tr); },
+       grpc::INVALID_ARGUMENT, "commit.chunks"},
+      {"nan value", [&] { auto c = TurnChunks(nan_turn, 1024); return PublishStream(header, c, TrailerOf(c)); },
+       grpc::INVALID_ARGUMENT, "layer.2.gen.v"},
+      {"second header", [&] { auto r = PublishStream(header, good_chunks, TrailerOf(good_chunks)); r.insert(r.begin() + 2, r[0]); return r; },
+       grpc::INVALID_ARGUMENT, "second header"},
+      {"empty request", [&] { auto r = PublishStream(header, good_chunks, TrailerOf(good_chunks)); r.insert(r.begin() + 1, v1::PublishRequest()); return r; },
+       grpc::INVALID_ARGUMENT, "none of header"},
+  };
+  for (const Case& tc : cases) {
+    PublishResult r = DoPublish(stub_.get(), tc.make(), 10);
+    EXPECT_EQ(r.status.error_code(), tc.code) << tc.name << ": " << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find(tc.needle), std::string::npos) << tc.name << ": " << r.status.error_message();
+  }
+  WaitInflightZero();
+  EXPECT_EQ(server_->store()->Stats().committed, 0u);
+  EXPECT_EQ(server_->store()->Stats().sessions, 0u);
+  ExpectNothingFor("bad", "b");
+}
+
+TEST_F(RelayTest, LimitsAreResourceExhausted) {
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.max_inflight_bytes = 4096;
+  StartServer(cfg);
+  Turn t = MakeTurn(11);
+  auto r = PublishTurn(stub_.get(), Header("lim", "m", "a", {"b"}, "gen", t), t);
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("--max-inflight-bytes"), std::string::npos);
+
+  server_->Shutdown();
+  cfg = ServerConfig();
+  cfg.max_session_messages = 1;
+  StartServer(cfg);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("lim", "m1", "a", {"b"}, "gen", t), t).status.ok());
+  r = PublishTurn(stub_.get(), Header("lim", "m2", "a", {"b"}, "gen", t), t);
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  WaitInflightZero();
+}
+
+TEST_F(RelayTest, CompressRpcIsStateless) {
+  Turn t = MakeTurn(12);
+  const std::string policy = "h2o-head:k=8+obf:p=4+int8";
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(20));
+  auto stream = stub_->Compress(&ctx);
+  v1::CompressRequest req;
+  req.mutable_header()->set_policy(policy);
+  *req.mutable_header()->mutable_geometry() = ProtoGeometry(t);
+  ASSERT_TRUE(stream->Write(req));
+  auto chunks = TurnChunks(t, 3000);
+  for (const auto& c : chunks) {
+    *req.mutable_chunk() = c;
+    ASSERT_TRUE(stream->Write(req));
+  }
+  *req.mutable_commit() = TrailerOf(chunks);
+  ASSERT_TRUE(stream->Write(req));
+  stream->WritesDone();
+  Reassembler<v1::CompressResponse> ra;
+  v1::CompressResponse resp;
+  while (stream->Read(&resp)) ra.Add(resp);
+  ASSERT_TRUE(stream->Finish().ok());
+  ra.Build();
+  EXPECT_TRUE(ra.r.trailer_ok);
+  const Message want = Offline(t, policy);
+  EXPECT_EQ(ra.r.header.accounting().sent_bytes(), want.sent_bytes);
+  ExpectSameMessage(ra.r.msg, want);
+  EXPECT_EQ(server_->store()->Stats().sessions, 0u);
+  WaitInflightZero();
+}
+
+TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
+  Turn t = MakeTurn(13);
+  uint64_t full = 0, sent = 0, received = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto r = PublishTurn(stub_.get(), Header("met", "m" + std::to_string(i), "a", {"b"}, "h2o-head:k=8", t), t);
+    ASSERT_TRUE(r.status.ok());
+    full += r.response.accounting().full_bytes();
+    sent += r.response.accounting().sent_bytes();
+    received += r.response.accounting().received_bytes();
+  }
+  grpc::ClientContext ctx;
+  v1::StatsResponse st;
+  ASSERT_TRUE(stub_->Stats(&ctx, v1::StatsRequest(), &st).ok());
+  EXPECT_EQ(st.messages_committed(), 3u);
+  EXPECT_EQ(st.full_bytes(), full);
+  EXPECT_EQ(st.sent_bytes(), sent);
+  EXPECT_EQ(st.received_bytes(), received);
+  EXPECT_EQ(st.mailbox_messages(), 3u);
+  const std::string text = prometheus::TextSerializer().Serialize(server_->metrics()->registry()->Collect());
+  EXPECT_NE(text.find("kvrelay_full_bytes_total{family=\"h2o-head\"} " + std::to_string(full)), std::string::npos) << text;
+  EXPECT_NE(text.find("kvrelay_sent_bytes_total{family=\"h2o-head\"} " + std::to_string(sent)), std::string::npos);
+  EXPECT_NE(text.find("kvrelay_saved_bytes_total{family=\"h2o-head\"} " + std::to_string(full - sent)), std::string::npos);
+  EXPECT_NE(text.find("kvrelay_received_bytes_total " + std::to_string(received)), std::string::npos);
+  EXPECT_NE(text.find("kvrelay_messages_total{outcome=\"committed\"} 3"), std::string::npos);
+  EXPECT_NE(text.find("kvrelay_mailbox_messages 3"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvrelay
