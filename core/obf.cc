@@ -72,7 +72,16 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
   return w;
 }
 
-// Orthonormal basis of the column span of `a` (rank-revealing QR).
+// Frees a per-thread workspace on scope exit when it holds more than 16 MiB,
+// so one long prompt does not pin its buffers in every worker for good.
+template <typename Matrix>
+struct ReleaseIfLarge {
+  Matrix& m;
+  ~ReleaseIfLarge() {
+    if (m.size() * sizeof(typename Matrix::Scalar) > (size_t{16} << 20)) m.resize(0, 0);
+  }
+};
+
 // Orthonormal basis of the column span of `a` (rank-revealing QR).
 template <typename Matrix>
 Matrix ColumnBasis(const Matrix& a, double rel_tol) {
@@ -124,8 +133,9 @@ Eigen::MatrixXf StartVectors(int rows, int cols) {
 // independent, so the loop over them hides the division latency.
 void CountBelow(const Eigen::VectorXd& a, const Eigen::VectorXd& b2, const double* x, int k,
                 double pivmin, int* count) {
-  constexpr int kMax = 64;
-  double q[kMax];
+  thread_local std::vector<double> qv;
+  qv.resize(k);
+  double* q = qv.data();
   for (int e = 0; e < k; ++e) {
     q[e] = a[0] - x[e];
     if (std::abs(q[e]) < pivmin) q[e] = -pivmin;
@@ -167,7 +177,7 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
   const double eps = std::numeric_limits<double>::epsilon();
   // Bisection for the p largest eigenvalues, all at once: eigenvalue e (0 =
   // largest) is the (n-1-e)-th smallest, so count(x) <= n-1-e below it.
-  const int k = std::min({p, n, 64});
+  const int k = std::min(p, n);
   const Eigen::VectorXd sub2 = sub.cwiseProduct(sub);
   std::vector<double> a(k, lo), b(k, hi), mid(k);
   std::vector<int> count(k);
@@ -292,6 +302,7 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   // Per-thread workspaces: the deleted rows are the largest buffer, and
   // allocating it per head costs page faults.
   thread_local Eigen::MatrixXd del;
+  ReleaseIfLarge<Eigen::MatrixXd> release_del{del};
   del.resize(n_del, d);
   for (int i = 0; i < n_del; ++i) del.row(i) = vm.row(split.del[i]).cast<double>();
   out.q = ColumnBasis(keep_t, 1e-9);
@@ -326,8 +337,20 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::MatrixXf keep_t(d, n_keep);
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose();
   thread_local RowMatrixXf del;  // per-thread workspace, see ExactObf
+  ReleaseIfLarge<RowMatrixXf> release_del{del};
   del.resize(n_del, d);
   for (int i = 0; i < n_del; ++i) del.row(i) = vm.row(split.del[i]);
+  // Scale by a power of two (exact) so that the float32 Gram cannot overflow
+  // for large values (BF16 and F32 hold up to ~3e38); delta is scaled back.
+  const float vmax = std::max(keep_t.cwiseAbs().maxCoeff(), del.cwiseAbs().maxCoeff());
+  int exponent = 0;
+  std::frexp(vmax, &exponent);
+  const float to_unit = std::ldexp(1.0f, -exponent);
+  const double from_unit = std::ldexp(1.0, exponent);
+  if (vmax > 0) {
+    keep_t *= to_unit;
+    del *= to_unit;
+  }
 
   const Eigen::MatrixXf q = ColumnBasis(keep_t, 1e-5);
   out.q = q.cast<double>();
@@ -368,7 +391,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   const Eigen::VectorXf w = ResidualWeights<float>(scores, split.del);
   Eigen::VectorXf rbar = del.transpose() * w;
   rbar -= q * (q.transpose() * rbar);
-  Finish(opts, scores, kept, split, rbar.cast<double>(), &out);
+  Finish(opts, scores, kept, split, rbar.cast<double>() * from_unit, &out);
   return out;
 }
 

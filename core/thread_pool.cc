@@ -1,6 +1,7 @@
 #include "core/thread_pool.h"
 
 #include <atomic>
+#include <exception>
 #include <memory>
 
 namespace kvrelay {
@@ -49,13 +50,19 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
     std::atomic<size_t> done{0};
     std::mutex mu;
     std::condition_variable cv;
+    std::exception_ptr error;  // the first exception thrown by fn
   };
   auto state = std::make_shared<State>();
   const size_t n_total = n;
   auto drain = [state, n_total, &fn] {
     size_t finished = 0;
     for (size_t i; (i = state->next.fetch_add(1)) < n_total;) {
-      fn(i);
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        if (!state->error) state->error = std::current_exception();
+      }
       ++finished;
     }
     if (finished && state->done.fetch_add(finished) + finished == n_total) {
@@ -68,6 +75,7 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
   drain();
   std::unique_lock<std::mutex> lock(state->mu);
   state->cv.wait(lock, [&] { return state->done.load() == n_total; });
+  if (state->error) std::rethrow_exception(state->error);
 }
 
 int ThreadPool::HardwareThreads() {

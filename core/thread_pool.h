@@ -28,8 +28,10 @@ class ThreadPool {
   void Schedule(std::function<void()> fn);
 
   // Runs fn(0) .. fn(n-1), spread over the workers and the calling thread,
-  // and returns when all have finished. Each index runs exactly once. May be
-  // called from several threads at once, but not from inside a pool task.
+  // and returns when all have finished. Each index runs exactly once. If fn
+  // throws, the other indices still run and the first exception is rethrown
+  // here. May be called from several threads at once, but not from inside a
+  // pool task.
   void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
 
   // The number of hardware threads (at least 1).

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/status_macros.h"
 
 namespace kvrelay {
 namespace {
@@ -93,24 +94,37 @@ absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
   geo.n_gen = l0.gen_k.tokens();
   geo.n_history = l0.history_k.tokens();
   geo.score_heads = l0.scores.rows;
-  if (geo.kv_heads < 1) {
+  if (turn.layers.size() > static_cast<size_t>(kMaxLayers)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("layer.0.prompt.k: ", geo.kv_heads, " kv heads, expected at least 1"));
+        absl::StrCat("turn: ", turn.layers.size(), " layers, expected at most ", kMaxLayers));
   }
-  if (geo.head_dim < 1) {
+  KVRELAY_RETURN_IF_ERROR(ValidateGeometry(geo));
+  return geo;
+}
+
+absl::Status ValidateGeometry(const TurnGeometry& geo) {
+  auto range = [](absl::string_view what, int v, int lo, int hi) -> absl::Status {
+    if (v >= lo && v <= hi) return absl::OkStatus();
     return absl::InvalidArgumentError(
-        absl::StrCat("layer.0.prompt.k: head_dim ", geo.head_dim, ", expected at least 1"));
-  }
-  if (geo.score_heads < geo.kv_heads || geo.score_heads % geo.kv_heads != 0) {
+        absl::StrCat("layer.0.", what, " ", v, ", expected ", lo, "..", hi));
+  };
+  KVRELAY_RETURN_IF_ERROR(range("prompt.k: kv heads", geo.kv_heads, 1, kMaxKvHeads));
+  KVRELAY_RETURN_IF_ERROR(range("prompt.k: head_dim", geo.head_dim, 1, kMaxHeadDim));
+  KVRELAY_RETURN_IF_ERROR(range("prompt.k: tokens", geo.n_prompt, 0, kMaxTokensPerPart));
+  KVRELAY_RETURN_IF_ERROR(range("gen.k: tokens", geo.n_gen, 0, kMaxTokensPerPart));
+  KVRELAY_RETURN_IF_ERROR(range("history.k: tokens", geo.n_history, 0, kMaxTokensPerPart));
+  if (geo.score_heads < geo.kv_heads || geo.score_heads % geo.kv_heads != 0 ||
+      geo.score_heads > kMaxScoreHeads) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer.0.prompt.score: ", geo.score_heads, " score heads, expected a positive multiple of ",
-        geo.kv_heads, " kv heads"));
+        geo.kv_heads, " kv heads, at most ", kMaxScoreHeads));
   }
-  return geo;
+  return absl::OkStatus();
 }
 
 absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometry& geo,
                                int64_t prompt_pos0, bool check_kv_values) {
+  KVRELAY_RETURN_IF_ERROR(ValidateGeometry(geo));
   for (auto [t, part, tokens] :
        {std::tuple<const KvTensor*, const char*, int>{&layer.prompt_k, "prompt.k", geo.n_prompt},
         {&layer.prompt_v, "prompt.v", geo.n_prompt},

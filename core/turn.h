@@ -40,6 +40,19 @@ struct TurnGeometry {
   int n_history = 0;
 };
 
+// Bounds on a turn's geometry. Real models stay far below them; they keep a
+// hostile header from driving allocations or O(d^3) work that the input's
+// size does not pay for.
+inline constexpr int kMaxLayers = 1024;
+inline constexpr int kMaxKvHeads = 1024;
+inline constexpr int kMaxScoreHeads = 16384;
+inline constexpr int kMaxHeadDim = 1024;
+inline constexpr int kMaxTokensPerPart = 1 << 24;
+
+// InvalidArgument naming the field when `geo` is out of the bounds above,
+// score_heads is not a positive multiple of kv_heads, or a count is negative.
+absl::Status ValidateGeometry(const TurnGeometry& geo);
+
 struct Turn {
   bool first_agent = true;
   // Position id of the first prompt token. When unset, n_history is used.
@@ -49,7 +62,7 @@ struct Turn {
   int64_t PromptPos0() const;
 };
 
-// Checks one layer against `geo`: shapes, dtypes, score layout, scores
+// Checks `geo` (ValidateGeometry), then one layer against it: shapes, dtypes, score layout, scores
 // finite and >= 0, position ranges, and (when check_kv_values) that every
 // K/V element is finite. The K/V scan reads every byte of the layer; callers
 // that already checked the values (a file reader, a relay checking chunks as

@@ -42,6 +42,15 @@ std::string AllDTypeNames() {
 
 // A short rendering of a JSON value for error messages.
 std::string Show(const Json& j) {
+  // Containers holding containers are summarized rather than dumped: dump()
+  // recurses, and a hostile header can nest deeply.
+  if (j.is_structured()) {
+    for (const Json& e : j) {
+      if (e.is_structured()) {
+        return absl::StrCat(j.is_array() ? "an array of " : "an object of ", j.size(), " elements");
+      }
+    }
+  }
   std::string s = j.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (s.size() > 40) s = s.substr(0, 37) + "...";
   return s;
@@ -204,7 +213,7 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
   if (n > kMaxSafetensorsHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat("safetensors: header length ", n,
                                                    " bytes, expected at most ",
-                                                   kMaxSafetensorsHeaderBytes, " (100 MiB)"));
+                                                   kMaxSafetensorsHeaderBytes, " (16 MiB)"));
   }
   if (n > bytes.size() - 8) {
     return absl::InvalidArgumentError(absl::StrCat("safetensors: header length ", n,
@@ -217,9 +226,14 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
 
   // Duplicate top-level keys would be silently merged by the parser; catch
   // them with the parse callback.
+  // Nesting deeper than a header needs (root > tensor > shape > dimension)
+  // aborts the parse at once, before the parser builds a deep tree.
+  struct TooDeep {};
+  constexpr int kMaxDepth = 3;
   std::string duplicate;
   std::set<std::string> top_keys;
   Json::parser_callback_t cb = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (depth > kMaxDepth) throw TooDeep{};
     if (event == Json::parse_event_t::key && depth == 1 && parsed.is_string()) {
       if (!top_keys.insert(parsed.get<std::string>()).second && duplicate.empty()) {
         duplicate = parsed.get<std::string>();
@@ -233,6 +247,9 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
   } catch (const Json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("safetensors: header is not valid JSON: ", e.what()));
+  } catch (const TooDeep&) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "safetensors: header nests deeper than ", kMaxDepth, " levels, expected {name: {dtype, shape, data_offsets}}"));
   }
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
@@ -441,6 +458,11 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
     std::fclose(f);
     return absl::InvalidArgumentError(absl::StrCat(path, ": is a directory, expected a file"));
+  }
+  if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+    std::fclose(f);
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a regular file, expected a safetensors file"));
   }
   if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
     // Read straight into the buffer; keep reading in case the file grew.

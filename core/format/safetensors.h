@@ -84,7 +84,7 @@ struct StTensor {
 using StMetadata = std::map<std::string, std::string>;
 
 // Header lengths above this are rejected as absurd.
-inline constexpr uint64_t kMaxSafetensorsHeaderBytes = uint64_t{100} << 20;  // 100 MiB
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = uint64_t{16} << 20;  // 16 MiB
 
 class SafetensorsReader {
  public:

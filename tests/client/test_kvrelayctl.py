@@ -427,7 +427,11 @@ class CliTest(unittest.TestCase):
                              "header length 1000 bytes exceeds the 8 bytes after the length field")
 
     def test_bad_header_length_absurd(self):
-        self.expect_bad_file(self.raw_case("habs", "{}", b"", 1 << 40), "expected at most 104857600")
+        self.expect_bad_file(self.raw_case("habs", "{}", b"", 1 << 40), "expected at most 16777216")
+
+    def test_not_a_regular_file(self):
+        # /dev/zero would otherwise be read until memory runs out.
+        self.expect_fail(["inspect", "/dev/zero"], 1, "not a regular file")
 
     def test_bad_json(self):
         self.expect_bad_file(self.raw_case("json", "{not json"), "header is not valid JSON")

@@ -142,6 +142,27 @@ TEST(ObfTest, FastPathAgreesWithExact) {
   }
 }
 
+TEST(ObfTest, FastPathHandlesHugeValuesAndLargeP) {
+  Case c = RandomCase(31, 200, 64, 16);
+  ObfOptions exact, fast;
+  fast.mode = ObfMode::kFast;
+  const ObfHead e0 = ComputeObf(exact, c.v, c.n_cand, c.d, c.score, c.kept);
+  const float scale = std::ldexp(1.0f, 60);  // ~1.2e18: the float32 Gram would overflow
+  for (float& x : c.v) x *= scale;
+  const ObfHead e = ComputeObf(exact, c.v, c.n_cand, c.d, c.score, c.kept);
+  const ObfHead f = ComputeObf(fast, c.v, c.n_cand, c.d, c.score, c.kept);
+  ASSERT_TRUE(e.applied && f.applied);
+  EXPECT_LE((e.delta - static_cast<double>(scale) * e0.delta).norm(), 1e-9 * e.delta.norm());
+  EXPECT_LE((e.delta - f.delta).norm(), 1e-3 * e.delta.norm());
+  // p above 64 (the exact path's bisection works on blocks of shifts).
+  exact.p = 100;
+  Case big = RandomCase(32, 400, 128, 20);
+  const ObfHead h = ComputeObf(exact, big.v, big.n_cand, big.d, big.score, big.kept);
+  EXPECT_EQ(h.c.rows(), 100);
+  const VectorXd ref = ReferenceDelta(exact, big);
+  EXPECT_LE((h.delta - ref).norm(), 1e-9 * ref.norm());
+}
+
 TEST(ObfTest, InjectWeights) {
   Case c = RandomCase(5, 40, 16, 6);
   ObfOptions o;

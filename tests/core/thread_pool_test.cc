@@ -1,6 +1,7 @@
 #include "core/thread_pool.h"
 
 #include <atomic>
+#include <stdexcept>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -28,6 +29,22 @@ TEST(ThreadPoolTest, ConcurrentParallelForCallers) {
   }
   for (auto& t : callers) t.join();
   EXPECT_EQ(sum.load(), 4L * 499 * 500 / 2);
+}
+
+TEST(ThreadPoolTest, ExceptionsReachTheCallerAfterEveryIndexRan) {
+  ThreadPool pool(2);
+  std::vector<std::atomic<int>> hits(64);
+  EXPECT_THROW(pool.ParallelFor(64,
+                                [&](size_t i) {
+                                  hits[i].fetch_add(1);
+                                  if (i % 7 == 3) throw std::runtime_error("boom");
+                                }),
+               std::runtime_error);
+  for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+  // The pool still works.
+  std::atomic<int> n{0};
+  pool.ParallelFor(10, [&](size_t) { ++n; });
+  EXPECT_EQ(n.load(), 10);
 }
 
 TEST(ThreadPoolTest, NullPoolRunsInline) {

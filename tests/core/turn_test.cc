@@ -88,6 +88,34 @@ TEST(TurnTest, RejectsEachBadInput) {
   ExpectInvalid(t, "past int32");
 }
 
+TEST(TurnTest, GeometryIsBounded) {
+  // Empty tensors with huge head counts cost nothing to send but would drive
+  // allocations and loops: the geometry bounds reject them up front.
+  Turn t;
+  TurnLayer l;
+  l.prompt_k = l.prompt_v = l.gen_k = l.gen_v = KvTensor(DType::kF32, 4000, 0, 1);
+  l.history_k = l.history_v = KvTensor(DType::kF32, 4000, 0, 1);
+  l.scores = ScoreMatrix(4000, 0);
+  t.layers.push_back(l);
+  ExpectInvalid(t, "kv heads 4000, expected 1..1024");
+  t.layers[0] = TurnLayer();
+  for (KvTensor* k : {&t.layers[0].prompt_k, &t.layers[0].prompt_v, &t.layers[0].gen_k,
+                      &t.layers[0].gen_v, &t.layers[0].history_k, &t.layers[0].history_v}) {
+    *k = KvTensor(DType::kF32, 2, 0, 100000);
+  }
+  t.layers[0].scores = ScoreMatrix(2, 0);
+  ExpectInvalid(t, "head_dim 100000, expected 1..1024");
+  TurnGeometry geo;
+  geo.kv_heads = 8;
+  geo.head_dim = 128;
+  geo.score_heads = 1 << 20;
+  EXPECT_EQ(ValidateGeometry(geo).code(), absl::StatusCode::kInvalidArgument);
+  geo.score_heads = 40;
+  EXPECT_TRUE(ValidateGeometry(geo).ok());
+  geo.kv_heads = 0;
+  EXPECT_EQ(ValidateGeometry(geo).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(TurnTest, ReduceScoresSumsConsecutiveGroups) {
   ScoreMatrix s(6, 3);  // 6 query heads, 2 kv heads: groups {0,1,2}, {3,4,5}
   for (int r = 0; r < 6; ++r)

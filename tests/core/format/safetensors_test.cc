@@ -207,8 +207,17 @@ TEST(SafetensorsMalformedTest, HeaderLengthBeyondFile) {
 
 TEST(SafetensorsMalformedTest, AbsurdHeaderLength) {
   ExpectInvalid(RawFile("{}", "", uint64_t{1} << 40),
-                "header length 1099511627776 bytes, expected at most 104857600");
-  ExpectInvalid(RawFile("{}", "", ~uint64_t{0}), "expected at most 104857600");
+                "header length 1099511627776 bytes, expected at most 16777216");
+  ExpectInvalid(RawFile("{}", "", ~uint64_t{0}), "expected at most 16777216");
+}
+
+TEST(SafetensorsMalformedTest, DeepNestingIsRejectedWithoutRecursing) {
+  // 200k levels would overflow the stack of a recursive dump or parse.
+  const int depth = 200000;
+  std::string shape = std::string(depth, '[') + std::string(depth, ']');
+  ExpectInvalid(RawFile(R"({"a":{"dtype":"F32","shape":)" + shape + R"(,"data_offsets":[0,0]}})"),
+                "header nests deeper than 3 levels");
+  ExpectInvalid(RawFile(R"({"__metadata__":{"k":)" + shape + "}}"), "header nests deeper than 3 levels");
 }
 
 TEST(SafetensorsMalformedTest, HeaderNotJson) {
