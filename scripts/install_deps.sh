@@ -9,6 +9,7 @@ PACKAGES=(
   libabsl-dev libeigen3-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   python3 python3-numpy python3-grpcio
+  prometheus
 )
 
 missing=()
