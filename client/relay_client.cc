@@ -282,7 +282,10 @@ absl::StatusOr<PublishResult> RelayClient::PublishOnce(const Turn& turn,
   if (up.ok()) writer->WritesDone();
   const grpc::Status s = writer->Finish();
   if (!s.ok()) return FromGrpcStatus(s);
-  if (!up.ok()) return up;  // the relay answered OK without reading everything
+  // A relay that already committed this message_id answers from the header
+  // (duplicate = true) without reading the rest, so our later writes fail:
+  // that is a success, and exactly what a retry after a lost reply meets.
+  if (!up.ok() && !resp.duplicate()) return up;
   PublishResult out;
   out.message_id = resp.message_id();
   out.accounting = FromProto(resp.accounting());

@@ -108,6 +108,17 @@ class FakeRelay final : public v1::Relay::Service {
     v1::PublishRequest req;
     if (!reader->Read(&req) || !req.has_header()) return {grpc::INVALID_ARGUMENT, "header"};
     const v1::PublishHeader h = req.header();
+    {
+      // Like the real relay: a committed id is answered from the header,
+      // without reading the rest of the upload.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stored_.count(h.message_id()) && fail_publishes == 0) {
+        resp->set_message_id(h.message_id());
+        resp->set_duplicate(true);
+        *resp->mutable_accounting() = stored_[h.message_id()].accounting();
+        return grpc::Status::OK;
+      }
+    }
     TurnBuilder b;
     b.Start(h.geometry());
     bool committed = false;
@@ -289,6 +300,26 @@ TEST_F(RelayClientTest, RetriesUnavailableWithTheSameId) {
   absl::StatusOr<PublishResult> dup = client_->Publish(turn_, opts_);
   ASSERT_TRUE(dup.ok());
   EXPECT_TRUE(dup->duplicate);
+}
+
+TEST_F(RelayClientTest, RepublishOfALargeTurnIsADuplicateWhenTheRelayStopsReading) {
+  // 4 MB: more than gRPC buffers, so the writes after the header fail once
+  // the relay has answered from the header.
+  SyntheticTurnOptions o;
+  o.layers = 2;
+  o.kv_heads = 4;
+  o.head_dim = 128;
+  o.n_prompt = 1000;
+  o.n_gen = 8;
+  o.seed = 9;
+  const Turn big = *MakeSyntheticTurn(o);
+  opts_.message_id = "big";
+  opts_.policy = "h2o-head:k=8";
+  ASSERT_TRUE(client_->Publish(big, opts_).ok());
+  absl::StatusOr<PublishResult> dup = client_->Publish(big, opts_);
+  ASSERT_TRUE(dup.ok()) << dup.status();
+  EXPECT_TRUE(dup->duplicate);
+  EXPECT_EQ(dup->message_id, "big");
 }
 
 TEST_F(RelayClientTest, RetriesAreBounded) {
