@@ -9,8 +9,6 @@
 namespace kvrelay {
 namespace {
 
-constexpr uint32_t kMaxDim = 1 << 20;
-
 absl::Status Field(const std::string& field, absl::string_view name, uint64_t value,
                    absl::string_view expected) {
   return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": ", value, ", expected ", expected));
@@ -28,15 +26,28 @@ uint64_t UploadShape::LayerUploadBytes() const {
 
 uint64_t UploadShape::UploadBytes() const { return LayerUploadBytes() * layers; }
 
+uint64_t UploadShape::ReserveBytes() const {
+  return UploadBytes() + kLayerOverheadBytes * static_cast<uint64_t>(layers);
+}
+
 absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field) {
   UploadShape s;
-  if (g.layers() < 1 || g.layers() > 65536) return Field(field, "layers", g.layers(), "1..65536");
-  if (g.kv_heads() < 1 || g.kv_heads() > 65536) return Field(field, "kv_heads", g.kv_heads(), "1..65536");
-  if (g.score_heads() < g.kv_heads() || g.score_heads() % g.kv_heads() != 0 || g.score_heads() > 65536) {
-    return Field(field, "score_heads", g.score_heads(),
-                 absl::StrCat("a positive multiple of kv_heads (", g.kv_heads(), "), at most 65536"));
+  // The core's bounds (core/turn.h), checked before anything is reserved.
+  auto range = [](int hi) { return absl::StrCat("1..", hi); };
+  if (g.layers() < 1 || g.layers() > static_cast<uint32_t>(kMaxLayers)) {
+    return Field(field, "layers", g.layers(), range(kMaxLayers));
   }
-  if (g.head_dim() < 1 || g.head_dim() > 65536) return Field(field, "head_dim", g.head_dim(), "1..65536");
+  if (g.kv_heads() < 1 || g.kv_heads() > static_cast<uint32_t>(kMaxKvHeads)) {
+    return Field(field, "kv_heads", g.kv_heads(), range(kMaxKvHeads));
+  }
+  if (g.score_heads() < g.kv_heads() || g.score_heads() % g.kv_heads() != 0 ||
+      g.score_heads() > static_cast<uint32_t>(kMaxScoreHeads)) {
+    return Field(field, "score_heads", g.score_heads(),
+                 absl::StrCat("a positive multiple of kv_heads (", g.kv_heads(), "), at most ", kMaxScoreHeads));
+  }
+  if (g.head_dim() < 1 || g.head_dim() > static_cast<uint32_t>(kMaxHeadDim)) {
+    return Field(field, "head_dim", g.head_dim(), range(kMaxHeadDim));
+  }
   switch (g.dtype()) {
     case v1::DTYPE_F32: s.geo.dtype = DType::kF32; break;
     case v1::DTYPE_F16: s.geo.dtype = DType::kF16; break;
@@ -49,7 +60,9 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
   for (auto [name, v] : {std::pair<const char*, uint32_t>{"n_prompt", g.n_prompt()},
                          {"n_gen", g.n_gen()},
                          {"n_history", g.n_history()}}) {
-    if (v > kMaxDim) return Field(field, name, v, absl::StrCat("at most ", kMaxDim));
+    if (v > static_cast<uint32_t>(kMaxTokensPerPart)) {
+      return Field(field, name, v, absl::StrCat("0..", kMaxTokensPerPart));
+    }
   }
   s.layers = static_cast<int>(g.layers());
   s.geo.kv_heads = static_cast<int>(g.kv_heads());
@@ -67,6 +80,10 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
           field, ".prompt_pos0: ", p, ", expected >= 0 with prompt_pos0 + n_prompt + n_gen <= 2^31-1"));
     }
     s.prompt_pos0 = p;
+  }
+  // The core's own check, as a backstop (it must agree with the above).
+  if (absl::Status st = ValidateGeometry(s.geo); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", st.message()));
   }
   // Per-tensor element counts must fit the int-indexed tensors of core/.
   const uint64_t tokens = std::max({g.n_prompt(), g.n_gen(), g.n_history()});

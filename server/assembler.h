@@ -26,6 +26,10 @@
 namespace kvrelay {
 
 constexpr size_t kMaxChunkBytes = 1 << 20;
+// Bookkeeping an upload holds per layer beyond its tensor bytes (layer
+// objects, queued work, the compressed layer's headers); counted in the
+// in-flight reservation.
+constexpr uint64_t kLayerOverheadBytes = 1024;
 
 // An upload's shape as the header declares it, checked.
 struct UploadShape {
@@ -38,10 +42,15 @@ struct UploadShape {
   uint64_t UploadBytes() const;
   // Bytes of one uploaded layer.
   uint64_t LayerUploadBytes() const;
+  // What the upload reserves in flight: UploadBytes() plus
+  // kLayerOverheadBytes per layer.
+  uint64_t ReserveBytes() const;
 };
 
-// Checks a header's geometry. InvalidArgument naming the field
-// ("geometry.kv_heads: 0, expected >= 1"). `field` prefixes field names.
+// Checks a header's geometry against the core's bounds (core/turn.h:
+// kMaxLayers, kMaxKvHeads, kMaxScoreHeads, kMaxHeadDim, kMaxTokensPerPart).
+// InvalidArgument naming the field and the range
+// ("header.geometry.kv_heads: 0, expected 1..1024"). `field` prefixes field names.
 absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field);
 
 // The proto name of a part ("PART_PROMPT_K").

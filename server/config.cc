@@ -106,6 +106,11 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
     c->max_session_messages = n;
     return absl::OkStatus();
   }
+  if (name == "max-session-bytes") return ParseBytes(name, value, &c->max_session_bytes);
+  if (name == "max-store-bytes") return ParseBytes(name, value, &c->max_store_bytes);
+  if (name == "upload-idle-timeout-seconds") {
+    return ParseSeconds(name, value, false, &c->upload_idle_timeout_seconds);
+  }
   if (name == "session-ttl-seconds") return ParseSeconds(name, value, false, &c->session_ttl_seconds);
   if (name == "shutdown-grace-seconds") return ParseSeconds(name, value, true, &c->shutdown_grace_seconds);
   if (name == "default-policy") {
@@ -126,6 +131,9 @@ const char* const kEnv[][2] = {
     {"max-inflight-bytes", "KVRELAY_MAX_INFLIGHT_BYTES"},
     {"max-mailbox-bytes", "KVRELAY_MAX_MAILBOX_BYTES"},
     {"max-session-messages", "KVRELAY_MAX_SESSION_MESSAGES"},
+    {"max-session-bytes", "KVRELAY_MAX_SESSION_BYTES"},
+    {"max-store-bytes", "KVRELAY_MAX_STORE_BYTES"},
+    {"upload-idle-timeout-seconds", "KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS"},
     {"session-ttl-seconds", "KVRELAY_SESSION_TTL_SECONDS"},
     {"default-policy", "KVRELAY_DEFAULT_POLICY"},
     {"log-json", "KVRELAY_LOG_JSON"},
@@ -208,6 +216,12 @@ std::string ServerUsage() {
   --max-inflight-bytes N         bytes of uploads in progress, all streams (KVRELAY_MAX_INFLIGHT_BYTES; 4GiB)
   --max-mailbox-bytes N          unacked bytes per (session, agent) (KVRELAY_MAX_MAILBOX_BYTES; 2GiB)
   --max-session-messages N       messages per session (KVRELAY_MAX_SESSION_MESSAGES; 1024)
+  --max-session-bytes N          bytes of every message a session retains, acked ones included (they stay
+                                 as potential parents until the session closes or expires)
+                                 (KVRELAY_MAX_SESSION_BYTES; 8GiB)
+  --max-store-bytes N            bytes of every retained message, all sessions (KVRELAY_MAX_STORE_BYTES; 16GiB)
+  --upload-idle-timeout-seconds S  a Publish or Compress upload that sends nothing for S seconds fails with
+                                 DEADLINE_EXCEEDED and frees its memory (KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS; 60)
   --session-ttl-seconds S        idle time before a session expires (KVRELAY_SESSION_TTL_SECONDS; 3600)
   --default-policy SPEC          policy when neither the publish nor its role names one
                                  (KVRELAY_DEFAULT_POLICY; h2o-head:k=32+obf:p=8,mode=fast)

@@ -12,6 +12,9 @@
 //   --max-inflight-bytes N        KVRELAY_MAX_INFLIGHT_BYTES        4GiB
 //   --max-mailbox-bytes N         KVRELAY_MAX_MAILBOX_BYTES         2GiB  (per session and agent)
 //   --max-session-messages N      KVRELAY_MAX_SESSION_MESSAGES      1024
+//   --max-session-bytes N         KVRELAY_MAX_SESSION_BYTES         8GiB  (retained messages, acked too)
+//   --max-store-bytes N           KVRELAY_MAX_STORE_BYTES           16GiB (retained messages, all sessions)
+//   --upload-idle-timeout-seconds S  KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS  60 (Publish/Compress silent that long fail)
 //   --session-ttl-seconds S       KVRELAY_SESSION_TTL_SECONDS       3600  (idle time; fractions allowed)
 //   --default-policy SPEC         KVRELAY_DEFAULT_POLICY            h2o-head:k=32+obf:p=8,mode=fast
 //   --role-policy ROLE=SPEC       KVRELAY_ROLE_POLICY (';'-separated ROLE=SPEC list)   repeatable
@@ -41,6 +44,9 @@ struct ServerConfig {
   uint64_t max_inflight_bytes = 4ull << 30;
   uint64_t max_mailbox_bytes = 2ull << 30;
   uint32_t max_session_messages = 1024;
+  uint64_t max_session_bytes = 8ull << 30;
+  uint64_t max_store_bytes = 16ull << 30;
+  double upload_idle_timeout_seconds = 60;
   double session_ttl_seconds = 3600;
   std::string default_policy = "h2o-head:k=32+obf:p=8,mode=fast";
   std::map<std::string, std::string> role_policies;

@@ -101,6 +101,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                         .Help("Bytes of unacknowledged deliveries held, all sessions.")
                         .Register(*registry_)
                         .Add({});
+  store_bytes_ = &BuildGauge()
+                      .Name("kvrelay_store_bytes")
+                      .Help("Bytes of every retained message, acked or not, all sessions.")
+                      .Register(*registry_)
+                      .Add({});
   BuildGauge()
       .Name("kvrelay_build_info")
       .Help("Build information; the value is always 1.")

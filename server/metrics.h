@@ -11,6 +11,7 @@
 //   kvrelay_publish_delivered_seconds            first request to the first complete delivery
 //   kvrelay_inflight_bytes                       reserved by uploads in progress
 //   kvrelay_mailbox_messages, kvrelay_mailbox_bytes   unacked deliveries held
+//   kvrelay_store_bytes                          every retained message (acked ones too)
 //   kvrelay_build_info{version}                  1
 //
 // `family` is the policy's stage names ("h2o-head+obf+int4"): low cardinality.
@@ -56,6 +57,7 @@ class Metrics {
     mailbox_messages_->Set(messages);
     mailbox_bytes_->Set(bytes);
   }
+  void SetStoreBytes(double bytes) { store_bytes_->Set(bytes); }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -71,6 +73,7 @@ class Metrics {
   prometheus::Gauge* inflight_;
   prometheus::Gauge* mailbox_messages_;
   prometheus::Gauge* mailbox_bytes_;
+  prometheus::Gauge* store_bytes_;
 };
 
 }  // namespace kvrelay

@@ -1,5 +1,6 @@
 #include "server/pending.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -70,6 +71,10 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
       else st = r.status();
     }
   }
+  int64_t next = 0;
+  if (result) {
+    for (int32_t p : result->pos.data) next = std::max<int64_t>(next, int64_t{p} + 1);
+  }
   // Free the upload's tensors before reporting.
   layer = TurnLayer();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -77,6 +82,7 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     seconds_ += secs;
+    next_pos_ = std::max(next_pos_, next);
     if (!st.ok() && status_.ok()) status_ = st;
     if (result) out_[l] = std::move(result);
     if (--outstanding_ == 0 && done_) done = std::move(done_);
@@ -99,6 +105,11 @@ void PendingCompression::WhenDone(std::function<void()> done) {
     }
   }
   done();
+}
+
+int64_t PendingCompression::next_pos() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_pos_;
 }
 
 double PendingCompression::compress_seconds() const {

@@ -56,6 +56,10 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   // Worker seconds spent so far.
   double compress_seconds() const;
 
+  // 1 + the largest position id of the compressed layers (0 when none):
+  // where a child's prompt continues. Computed on the workers, per layer.
+  int64_t next_pos() const;
+
   // The geometry of the compressed turn (history included).
   const TurnGeometry& geometry() const { return geo_; }
 
@@ -78,6 +82,7 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   absl::Status status_;
   int outstanding_ = 0;
   double seconds_ = 0;
+  int64_t next_pos_ = 0;
   std::function<void()> done_;
 };
 

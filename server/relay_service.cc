@@ -1,10 +1,12 @@
 #include "server/relay_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
 #include <random>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
@@ -129,6 +131,14 @@ void FillAccounting(const Message& m, uint64_t received, double compress_s, doub
   a->set_policy(m.policy);
 }
 
+// The parent's tokens as the dense history each layer's compression holds:
+// K and V in the upload's dtype plus position ids, every layer.
+uint64_t DenseHistoryBytes(const UploadShape& shape, const StoredMessage& parent) {
+  const uint64_t tokens = parent.msg.layers.empty() ? 0 : parent.msg.layers[0].tokens();
+  return static_cast<uint64_t>(shape.layers) * shape.geo.kv_heads * tokens *
+         (2ull * shape.geo.head_dim * DTypeSize(shape.geo.dtype) + 4);
+}
+
 // The receiving half shared by Publish and Compress: geometry, in-flight
 // reservation, chunk assembly, per-layer compression, commit checks.
 class Upload {
@@ -136,9 +146,12 @@ class Upload {
   explicit Upload(RelayService* svc) : svc_(svc) {}
 
   // Starts after a checked header.
+  // Reserves shape.ReserveBytes() plus, with a parent, the parent's dense
+  // (decoded) size: every layer's compression holds the parent's layer as
+  // dense history while it runs.
   absl::Status Start(const UploadShape& shape, std::shared_ptr<const Pipeline> pipeline, MessagePtr parent,
                      int64_t prompt_pos0) {
-    const uint64_t bytes = shape.UploadBytes();
+    const uint64_t bytes = shape.ReserveBytes() + (parent ? DenseHistoryBytes(shape, *parent) : 0);
     KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(bytes));
     assembler_.emplace(shape);
     pending_ = std::make_shared<PendingCompression>(std::move(pipeline), shape, std::move(parent), prompt_pos0,
@@ -172,6 +185,20 @@ class Upload {
   std::shared_ptr<PendingCompression> pending_;
 };
 
+// The bytes a composed message of `shape` with `n_history` history tokens
+// sends at least: every token's position ids, and its K/V rows dense or as
+// quantized codes (scales and zeros not counted). Exact for dense policies.
+uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, int n_history) {
+  TurnGeometry g = shape.geo;
+  g.n_history = n_history;
+  Message counts;
+  p.CountTokens(g, shape.first_agent, &counts);
+  const uint64_t tokens = static_cast<uint64_t>(counts.n_history) + counts.n_anchor + counts.n_kept + counts.n_gen;
+  const uint64_t row = p.config().quant ? static_cast<uint64_t>(g.head_dim) * p.config().quant->bits / 8
+                                        : static_cast<uint64_t>(g.head_dim) * DTypeSize(g.dtype);
+  return static_cast<uint64_t>(shape.layers) * g.kv_heads * tokens * (2 * row + 4);
+}
+
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field) {
   if (p.config().quant) {
     absl::Status s = ValidateQuantOptions(*p.config().quant, geo.head_dim);
@@ -186,10 +213,14 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
  public:
   PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, v1::PublishResponse* resp)
       : svc_(svc), ctx_(ctx), resp_(resp), upload_(svc), started_(Clock::now()) {
+    idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
     StartRead(&req_);
   }
 
   void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> activity(idle_->mu);  // no idle firing during the reaction
+    idle_->last = Clock::now();
+    if (replied_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
       if (ctx_->IsCancelled()) return Fail(absl::CancelledError("publish: cancelled by the client"));
       return Fail(absl::InvalidArgumentError(
@@ -220,6 +251,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
         }
         s = upload_.Commit(req_.commit());
         if (s.ok()) {
+          idle_->armed = false;  // uploaded: compression is not idleness
           upload_.pending()->WhenDone([this] { Complete(); });
           return;
         }
@@ -236,7 +268,14 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
     if (auto p = upload_.pending()) p->Cancel();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    {
+      std::lock_guard<std::mutex> lock(idle_->mu);
+      idle_->armed = false;
+      idle_->fire = nullptr;
+    }
+    delete this;
+  }
 
  private:
   absl::Status OnHeader(const v1::PublishHeader& h) {
@@ -247,13 +286,18 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
     if (h.recipients_size() == 0) {
       return absl::InvalidArgumentError("header.recipients: empty, expected at least one agent");
     }
+    if (h.recipients_size() > kMaxRecipients) {
+      return absl::InvalidArgumentError(absl::StrCat("header.recipients: ", h.recipients_size(),
+                                                     " agents, expected 1..", kMaxRecipients));
+    }
+    absl::flat_hash_map<std::string, int> seen;
     for (int i = 0; i < h.recipients_size(); ++i) {
       KVRELAY_RETURN_IF_ERROR(CheckId(absl::StrCat("header.recipients[", i, "]"), h.recipients(i)));
-      for (int j = 0; j < i; ++j) {
-        if (h.recipients(j) == h.recipients(i)) {
-          return absl::InvalidArgumentError(absl::StrCat("header.recipients[", i, "]: '", h.recipients(i),
-                                                         "' repeats recipients[", j, "], expected distinct agents"));
-        }
+      auto [it, fresh] = seen.emplace(h.recipients(i), i);
+      if (!fresh) {
+        return absl::InvalidArgumentError(absl::StrCat("header.recipients[", i, "]: '", h.recipients(i),
+                                                       "' repeats recipients[", it->second,
+                                                       "], expected distinct agents"));
       }
     }
     if (h.role().size() > 128) {
@@ -299,11 +343,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
             shape.layers, shape.geo.kv_heads, shape.geo.head_dim, std::string(DTypeName(shape.geo.dtype))));
       }
       if (!shape.prompt_pos0) {
-        int64_t next = 0;
-        for (const MessageLayer& l : pm.layers) {
-          for (int32_t p : l.pos.data) next = std::max<int64_t>(next, int64_t{p} + 1);
-        }
-        pos0 = next;
+        pos0 = parent->next_pos;  // computed when the parent was compressed
         if (pos0 + shape.geo.n_prompt + shape.geo.n_gen > std::numeric_limits<int32_t>::max()) {
           return absl::InvalidArgumentError(absl::StrCat("header.geometry.prompt_pos0: ", pos0,
                                                          " (after the parent) puts position ids past int32"));
@@ -311,10 +351,24 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
       }
     }
     std::vector<std::string> recipients(h.recipients().begin(), h.recipients().end());
-    KVRELAY_RETURN_IF_ERROR(svc_->store()->CheckCanPublish(h.session_id(), recipients));
+    // The composed message ([parent; kept prompt; generated]) must fit the
+    // mailboxes and the session's and store's byte limits: refuse it before
+    // anything is uploaded or reserved.
+    const int n_history = parent ? (parent->msg.layers.empty() ? 0 : parent->msg.layers[0].tokens())
+                                 : shape.geo.n_history;
+    KVRELAY_RETURN_IF_ERROR(svc_->store()->CheckCanPublish(h.session_id(), recipients,
+                                                           MinComposedBytes(**pipeline, shape, n_history)));
     std::shared_ptr<const Pipeline> shared(std::move(*pipeline));
     std::lock_guard<std::mutex> lock(mu_);
     return upload_.Start(shape, std::move(shared), std::move(parent), pos0);
+  }
+
+  // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
+  void OnIdle() {
+    if (replied_) return;
+    Fail(absl::DeadlineExceededError(absl::StrFormat(
+        "publish: upload idle for %g s (--upload-idle-timeout-seconds), expected %s", svc_->watchdog()->timeout_seconds(),
+        upload_.started() ? "chunks or the commit" : "the header")));
   }
 
   void ReplyDuplicate(const MessagePtr& prior) {
@@ -341,6 +395,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
     m->msg = pending->TakeMessage();
     m->family = PolicyFamily(m->msg.policy);
     m->bytes = m->msg.sent_bytes;
+    m->next_pos = pending->next_pos();
     m->started = started_;
     const double compress_s = pending->compress_seconds();
     FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);
@@ -396,6 +451,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
   Upload upload_;
   std::atomic<bool> replied_{false};
   const Clock::time_point started_;
+  std::shared_ptr<UploadWatchdog::Entry> idle_;
 };
 
 // ------------------------------------------------------------------ Fetch
@@ -414,7 +470,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
     const auto remaining = ctx->deadline() - std::chrono::system_clock::now();
     const auto cap = std::chrono::hours(24);
     deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::min<std::chrono::system_clock::duration>(remaining, cap));
-    OnWake(false);
+    OnWake(Store::Wake::kMessage);
   }
 
   void OnCancel() override {
@@ -446,21 +502,31 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
 
  private:
   // Tries to take a delivery; otherwise waits (again).
-  void OnWake(bool timed_out) {
+  void OnWake(Store::Wake why) {
     std::optional<grpc::Status> fin;
     std::optional<Store::Delivery> d;
+    const grpc::Status shutdown(grpc::UNAVAILABLE, "fetch: the relay is shutting down, retry elsewhere or later");
     {
       std::lock_guard<std::mutex> lock(mu_);
       waiting_ = false;
       if (cancelled_) {
         fin = grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting");
-      } else if (timed_out) {
+      } else if (why == Store::Wake::kTimeout) {
         fin = grpc::Status(grpc::DEADLINE_EXCEEDED,
                            absl::StrCat("fetch: no message for agent '", agent_, "' in session '", session_,
                                         "' before the deadline"));
+      } else if (why == Store::Wake::kClosed) {
+        fin = grpc::Status(grpc::NOT_FOUND, absl::StrCat("session_id: '", session_,
+                                                         "': session closed while waiting (CloseSession)"));
+      } else if (why == Store::Wake::kShutdown) {
+        fin = shutdown;
       } else {
-        d = svc_->store()->FetchOrWait(session_, agent_, deadline_, [this](bool t) { OnWake(t); }, &waiter_);
-        if (!d) waiting_ = true;
+        d = svc_->store()->FetchOrWait(session_, agent_, deadline_, [this](Store::Wake w) { OnWake(w); },
+                                       &waiter_);
+        if (!d) {
+          if (waiter_ == 0) fin = shutdown;  // the store no longer takes waiters
+          else waiting_ = true;
+        }
       }
     }
     if (fin) return FinishOnce(*fin);
@@ -527,10 +593,14 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
  public:
   CompressReactor(RelayService* svc, grpc::CallbackServerContext* ctx)
       : svc_(svc), ctx_(ctx), upload_(svc), started_(Clock::now()) {
+    idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
     StartRead(&req_);
   }
 
   void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> activity(idle_->mu);  // no idle firing during the reaction
+    idle_->last = Clock::now();
+    if (finished_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
       if (ctx_->IsCancelled()) return Fail(absl::CancelledError("compress: cancelled by the client"));
       return Fail(absl::InvalidArgumentError(
@@ -554,6 +624,7 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
         }
         s = upload_.Commit(req_.commit());
         if (s.ok()) {
+          idle_->armed = false;  // uploaded: the rest is ours to do
           upload_.pending()->WhenDone([this] { Complete(); });
           return;
         }
@@ -582,7 +653,15 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
     if (auto p = upload_.pending()) p->Cancel();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    {
+      std::lock_guard<std::mutex> lock(idle_->mu);
+      idle_->armed = false;
+      idle_->fire = nullptr;
+    }
+    if (out_reserved_) svc_->store()->ReleaseInflight(out_reserved_);
+    delete this;
+  }
 
  private:
   absl::Status OnHeader(const v1::CompressHeader& h) {
@@ -599,6 +678,14 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
     return upload_.Start(shape, std::move(shared), nullptr, shape.prompt_pos0.value_or(shape.geo.n_history));
   }
 
+  // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
+  void OnIdle() {
+    if (finished_) return;
+    Fail(absl::DeadlineExceededError(absl::StrFormat(
+        "compress: upload idle for %g s (--upload-idle-timeout-seconds), expected %s",
+        svc_->watchdog()->timeout_seconds(), upload_.started() ? "chunks or the commit" : "the header")));
+  }
+
   void Complete() {
     std::shared_ptr<PendingCompression> pending = upload_.pending();
     absl::Status s = pending->status();
@@ -606,9 +693,14 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
     auto msg = std::make_shared<Message>(pending->TakeMessage());
     const double compress_s = pending->compress_seconds();
     const uint64_t received = upload_.received();
+    // The reply is held until OnDone: count it in flight (the memory exists
+    // already, so whatever the limit) before the upload's reservation goes.
+    out_reserved_ = msg->sent_bytes;
+    svc_->store()->AddInflight(out_reserved_);
+    pending.reset();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      upload_ = Upload(svc_);  // releases the reservation
+      upload_ = Upload(svc_);  // releases the upload's reservation
     }
     if (Metrics* mx = svc_->metrics()) mx->ObserveCompress(compress_s);
     out_.emplace(msg, msg.get());
@@ -640,9 +732,11 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
   std::mutex mu_;
   Upload upload_;
   std::optional<OutgoingMessage> out_;
+  uint64_t out_reserved_ = 0;  // in flight until OnDone
   bool trailer_sent_ = false;
   std::atomic<bool> finished_{false};
   const Clock::time_point started_;
+  std::shared_ptr<UploadWatchdog::Entry> idle_;
 };
 
 }  // namespace
@@ -663,7 +757,60 @@ absl::Status CheckId(const std::string& field, const std::string& v) {
 }
 
 RelayService::RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics)
-    : config_(config), store_(store), pool_(pool), metrics_(metrics), id_salt_(std::random_device{}() * 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count())) {}
+    : config_(config), store_(store), pool_(pool), metrics_(metrics), id_salt_(std::random_device{}() * 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count())),
+      watchdog_(config.upload_idle_timeout_seconds) {}
+
+UploadWatchdog::UploadWatchdog(double timeout_seconds)
+    : timeout_s_(timeout_seconds),
+      timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds))) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+UploadWatchdog::~UploadWatchdog() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::shared_ptr<UploadWatchdog::Entry> UploadWatchdog::Watch(std::function<void()> fire) {
+  auto e = std::make_shared<Entry>();
+  e->fire = std::move(fire);
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.push_back(e);
+  return e;
+}
+
+void UploadWatchdog::Loop() {
+  // Checks a few times per timeout (10 ms .. 1 s).
+  const auto every = std::clamp<Clock::duration>(timeout_ / 4, std::chrono::milliseconds(10), std::chrono::seconds(1));
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, every);
+    if (stop_) break;
+    std::vector<std::shared_ptr<Entry>> snapshot = entries_;
+    lock.unlock();
+    const Clock::time_point now = Clock::now();
+    for (const auto& e : snapshot) {
+      std::unique_lock<std::mutex> el(e->mu, std::try_to_lock);
+      if (!el.owns_lock() || !e->armed || now - e->last < timeout_) continue;  // busy, done or active
+      e->armed = false;
+      std::function<void()> fire = std::move(e->fire);
+      e->fire = nullptr;
+      if (fire) fire();
+    }
+    lock.lock();
+    // Forget entries that are disarmed (finished, committed or fired).
+    entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
+                                  [](const std::shared_ptr<Entry>& e) {
+                                    std::lock_guard<std::mutex> el(e->mu);
+                                    return !e->armed;
+                                  }),
+                   entries_.end());
+  }
+}
 
 std::string RelayService::NewMessageId() {
   return absl::StrFormat("m-%016x-%d", id_salt_, id_counter_.fetch_add(1) + 1);

@@ -8,7 +8,13 @@
 #define KVRELAY_SERVER_RELAY_SERVICE_H_
 
 #include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "core/thread_pool.h"
@@ -19,8 +25,44 @@
 
 namespace kvrelay {
 
+// At most this many recipients per publish (INVALID_ARGUMENT beyond).
+inline constexpr int kMaxRecipients = 64;
+
 // Checks an id against [A-Za-z0-9._:-]{1,128}. InvalidArgument naming `field`.
 absl::Status CheckId(const std::string& field, const std::string& value);
+
+// Cancels uploads (Publish, Compress) that send nothing for the idle
+// timeout. A reactor holds its Entry's mutex while it reacts to a read and
+// touches `last`; the watchdog fires an armed entry that has been idle past
+// the timeout under that mutex (skipping it while the reactor is busy), so a
+// firing never overlaps a reaction, and OnDone disarms it under the mutex
+// before the reactor goes away.
+class UploadWatchdog {
+ public:
+  struct Entry {
+    std::mutex mu;
+    Clock::time_point last = Clock::now();  // guarded by mu
+    bool armed = true;                      // guarded by mu
+    std::function<void()> fire;             // runs once, under mu
+  };
+  explicit UploadWatchdog(double timeout_seconds);
+  ~UploadWatchdog();
+  UploadWatchdog(const UploadWatchdog&) = delete;
+  UploadWatchdog& operator=(const UploadWatchdog&) = delete;
+
+  std::shared_ptr<Entry> Watch(std::function<void()> fire);
+  double timeout_seconds() const { return timeout_s_; }
+
+ private:
+  void Loop();
+  const double timeout_s_;
+  const Clock::duration timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<Entry>> entries_;
+  bool stop_ = false;
+  std::thread thread_;
+};
 
 class RelayService final : public v1::Relay::CallbackService {
  public:
@@ -49,6 +91,7 @@ class RelayService final : public v1::Relay::CallbackService {
   // Counts a failed RPC in kvrelay_errors_total.
   void CountError(const grpc::Status& s) const;
   std::string NewMessageId();
+  UploadWatchdog* watchdog() { return &watchdog_; }
 
  private:
   const ServerConfig config_;
@@ -57,6 +100,7 @@ class RelayService final : public v1::Relay::CallbackService {
   Metrics* const metrics_;
   std::atomic<uint64_t> id_counter_{0};
   const uint64_t id_salt_;
+  UploadWatchdog watchdog_;
 };
 
 }  // namespace kvrelay

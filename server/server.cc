@@ -22,6 +22,8 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   limits.max_inflight_bytes = config.max_inflight_bytes;
   limits.max_mailbox_bytes = config.max_mailbox_bytes;
   limits.max_session_messages = config.max_session_messages;
+  limits.max_session_bytes = config.max_session_bytes;
+  limits.max_store_bytes = config.max_store_bytes;
   limits.session_ttl_seconds = config.session_ttl_seconds;
   s->store_ = std::make_unique<Store>(limits, s->metrics_.get());
   s->pool_ = std::make_unique<ThreadPool>(std::max(1, config.worker_threads));
@@ -76,6 +78,8 @@ void RelayServer::Shutdown() {
   shut_down_ = true;
   if (server_) {
     server_->GetHealthCheckService()->SetServingStatus(false);
+    // Waiting Fetches end now (UNAVAILABLE) instead of holding the drain.
+    store_->Shutdown();
     const auto grace = std::chrono::duration_cast<std::chrono::system_clock::duration>(
         std::chrono::duration<double>(config_.shutdown_grace_seconds));
     spdlog::info("kvrelay-server shutting down, draining for up to {}s", config_.shutdown_grace_seconds);

@@ -34,13 +34,66 @@ absl::Status Store::ReserveInflight(uint64_t bytes) {
           " bytes, expected at most --max-inflight-bytes=", limits_.max_inflight_bytes));
     }
   } while (!inflight_.compare_exchange_weak(cur, cur + bytes));
-  if (metrics_) metrics_->SetInflight(static_cast<double>(cur + bytes));
+  PublishInflight();
   return absl::OkStatus();
 }
 
+void Store::AddInflight(uint64_t bytes) {
+  inflight_.fetch_add(bytes);
+  PublishInflight();
+}
+
 void Store::ReleaseInflight(uint64_t bytes) {
-  const uint64_t now = inflight_.fetch_sub(bytes) - bytes;
-  if (metrics_) metrics_->SetInflight(static_cast<double>(now));
+  inflight_.fetch_sub(bytes);
+  PublishInflight();
+}
+
+void Store::PublishInflight() {
+  // Every update is followed by a set, under one lock, from the counter's
+  // value at that time: the last set reflects every update before it.
+  if (!metrics_) return;
+  std::lock_guard<std::mutex> lock(gauge_mu_);
+  metrics_->SetInflight(static_cast<double>(inflight_.load()));
+}
+
+uint64_t Store::store_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return store_bytes_;
+}
+
+absl::Status Store::CheckBytesLocked(const std::string& session, const Session* s,
+                                     const std::vector<std::string>& recipients, uint64_t bytes,
+                                     absl::string_view what) const {
+  if (s) {
+    for (const std::string& r : recipients) {
+      auto mb = s->mailboxes.find(r);
+      const uint64_t held = mb == s->mailboxes.end() ? 0 : mb->second.bytes;
+      if (held + bytes > limits_.max_mailbox_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "mailbox of '", r, "' in session '", session, "': ", held, " bytes unacked + ", bytes, " bytes of ",
+            what, ", expected at most --max-mailbox-bytes=", limits_.max_mailbox_bytes));
+      }
+    }
+  } else if (bytes > limits_.max_mailbox_bytes && !recipients.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat("mailbox of '", recipients[0], "' in session '", session,
+                                                     "': 0 bytes unacked + ", bytes, " bytes of ", what,
+                                                     ", expected at most --max-mailbox-bytes=",
+                                                     limits_.max_mailbox_bytes));
+  }
+  const uint64_t session_bytes = s ? s->bytes : 0;
+  if (session_bytes + bytes > limits_.max_session_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session '", session, "': ", session_bytes, " bytes retained + ", bytes, " bytes of ", what,
+        ", expected at most --max-session-bytes=", limits_.max_session_bytes,
+        " (acked messages count until the session closes or expires)"));
+  }
+  if (store_bytes_ + bytes > limits_.max_store_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "store: ", store_bytes_, " bytes retained in all sessions + ", bytes, " bytes of ", what,
+        ", expected at most --max-store-bytes=", limits_.max_store_bytes,
+        " (acked messages count until their session closes or expires)"));
+  }
+  return absl::OkStatus();
 }
 
 MessagePtr Store::Find(const std::string& session, const std::string& message_id) const {
@@ -72,25 +125,17 @@ absl::StatusOr<MessagePtr> Store::LookupParent(const std::string& session, const
   return m->second;
 }
 
-absl::Status Store::CheckCanPublish(const std::string& session,
-                                    const std::vector<std::string>& recipients) const {
+absl::Status Store::CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
+                                    uint64_t bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto s = sessions_.find(session);
-  if (s == sessions_.end()) return absl::OkStatus();
-  if (s->second.messages.size() >= limits_.max_session_messages) {
-    return absl::ResourceExhaustedError(absl::StrCat("session '", session, "': ", s->second.messages.size(),
+  const Session* sp = s == sessions_.end() ? nullptr : &s->second;
+  if (sp && sp->messages.size() >= limits_.max_session_messages) {
+    return absl::ResourceExhaustedError(absl::StrCat("session '", session, "': ", sp->messages.size(),
                                                      " messages, expected at most --max-session-messages=",
                                                      limits_.max_session_messages));
   }
-  for (const std::string& r : recipients) {
-    auto mb = s->second.mailboxes.find(r);
-    if (mb != s->second.mailboxes.end() && mb->second.bytes >= limits_.max_mailbox_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat("mailbox of '", r, "' in session '", session, "': ",
-                                                       mb->second.bytes, " bytes unacked, expected below --max-mailbox-bytes=",
-                                                       limits_.max_mailbox_bytes));
-    }
-  }
-  return absl::OkStatus();
+  return CheckBytesLocked(session, sp, recipients, bytes, "the message (at least)");
 }
 
 absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage> m) {
@@ -114,18 +159,15 @@ absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage>
                                                        " messages, expected at most --max-session-messages=",
                                                        limits_.max_session_messages));
     }
-    for (const std::string& r : m->recipients) {
-      auto mb = s.mailboxes.find(r);
-      const uint64_t held = mb == s.mailboxes.end() ? 0 : mb->second.bytes;
-      if (held + m->bytes > limits_.max_mailbox_bytes) {
-        drop_if_fresh();
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "mailbox of '", r, "' in session '", m->session_id, "': ", held, " bytes unacked + ", m->bytes,
-            " bytes of this message, expected at most --max-mailbox-bytes=", limits_.max_mailbox_bytes));
-      }
+    if (absl::Status st = CheckBytesLocked(m->session_id, &s, m->recipients, m->bytes, "this message");
+        !st.ok()) {
+      drop_if_fresh();
+      return st;
     }
     MessagePtr msg = std::move(m);
     s.messages[msg->message_id] = msg;
+    s.bytes += msg->bytes;
+    store_bytes_ += msg->bytes;
     s.last_active = Clock::now();
     for (const std::string& r : msg->recipients) {
       Mailbox& mb = s.mailboxes[r];
@@ -150,7 +192,7 @@ absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage>
     PublishGaugesLocked();
     result.msg = std::move(msg);
   }
-  for (WakeFn& w : wakes) w(false);
+  for (WakeFn& w : wakes) w(Wake::kMessage);
   return result;
 }
 
@@ -167,6 +209,10 @@ std::optional<Store::Delivery> Store::FetchOrWait(const std::string& session, co
       s->second.last_active = Clock::now();
       return Delivery{e.msg, e.attempts};
     }
+  }
+  if (shutting_down_) {
+    *waiter = 0;
+    return std::nullopt;
   }
   const uint64_t id = next_waiter_++;
   waiters_[id] = Waiter{session, agent, deadline, std::move(wake)};
@@ -216,6 +262,7 @@ absl::Status Store::Ack(const std::string& session, const std::string& agent, co
 }
 
 void Store::EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired) {
+  store_bytes_ -= it->second.bytes;
   uint64_t n = 0;
   for (auto& [agent, mb] : it->second.mailboxes) {
     n += mb.entries.size();
@@ -228,12 +275,38 @@ void Store::EraseSessionLocked(std::map<std::string, Session>::iterator it, bool
 }
 
 uint32_t Store::CloseSession(const std::string& session) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto s = sessions_.find(session);
-  if (s == sessions_.end()) return 0;
-  const uint32_t n = static_cast<uint32_t>(s->second.messages.size());
-  EraseSessionLocked(s, /*expired=*/false);
+  std::vector<WakeFn> wakes;
+  uint32_t n = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Waiters may wait on a session that holds nothing yet: wake them too.
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->second.session == session) {
+        wakes.push_back(std::move(it->second.wake));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto s = sessions_.find(session);
+    if (s != sessions_.end()) {
+      n = static_cast<uint32_t>(s->second.messages.size());
+      EraseSessionLocked(s, /*expired=*/false);
+    }
+  }
+  for (WakeFn& w : wakes) w(Wake::kClosed);
   return n;
+}
+
+void Store::Shutdown() {
+  std::vector<WakeFn> wakes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutting_down_ = true;
+    for (auto& [id, w] : waiters_) wakes.push_back(std::move(w.wake));
+    waiters_.clear();
+  }
+  for (WakeFn& w : wakes) w(Wake::kShutdown);
 }
 
 void Store::SweepExpired() {
@@ -247,7 +320,9 @@ void Store::SweepExpired() {
 }
 
 void Store::PublishGaugesLocked() {
-  if (metrics_) metrics_->SetMailbox(static_cast<double>(mailbox_messages_), static_cast<double>(mailbox_bytes_));
+  if (!metrics_) return;
+  metrics_->SetMailbox(static_cast<double>(mailbox_messages_), static_cast<double>(mailbox_bytes_));
+  metrics_->SetStoreBytes(static_cast<double>(store_bytes_));
 }
 
 StoreStats Store::Stats() const {
@@ -264,6 +339,7 @@ StoreStats Store::Stats() const {
   st.mailbox_messages = mailbox_messages_;
   st.mailbox_bytes = mailbox_bytes_;
   st.inflight_bytes = inflight_;
+  st.store_bytes = store_bytes_;
   return st;
 }
 
@@ -290,7 +366,7 @@ void Store::TimerLoop() {
     }
     const bool sweep = now >= next_sweep;
     lock.unlock();
-    for (WakeFn& w : expired) w(true);
+    for (WakeFn& w : expired) w(Wake::kTimeout);
     if (sweep) {
       SweepExpired();
       next_sweep = Clock::now() + sweep_every;

@@ -9,7 +9,10 @@
 //
 // A session expires when it has been idle (no commit, fetch or ack) for
 // the TTL; a timer thread sweeps expired sessions and fires waiter
-// deadlines. Limits fail with RESOURCE_EXHAUSTED, never grow the store.
+// deadlines. Limits fail with RESOURCE_EXHAUSTED, never grow the store:
+// bytes in flight, unacked bytes per mailbox, messages per session, and the
+// bytes of every retained message (acked ones too, kept as potential
+// parents) per session and in the whole store.
 //
 // Thread-safe. Wake callbacks run on the committing thread or on the timer
 // thread, never under the store's lock; they must not block.
@@ -50,6 +53,7 @@ struct StoredMessage {
   v1::Accounting accounting;  // as returned by Publish
   std::string family;         // PolicyFamily(policy), the metrics label
   uint64_t bytes = 0;         // bytes held (msg.sent_bytes)
+  int64_t next_pos = 0;       // 1 + the largest position id held: a child's default prompt_pos0
   Clock::time_point started;  // the publish's first request
 };
 using MessagePtr = std::shared_ptr<const StoredMessage>;
@@ -58,6 +62,8 @@ struct StoreLimits {
   uint64_t max_inflight_bytes = 4ull << 30;
   uint64_t max_mailbox_bytes = 2ull << 30;  // per (session, agent)
   uint32_t max_session_messages = 1024;
+  uint64_t max_session_bytes = 8ull << 30;  // retained messages of one session
+  uint64_t max_store_bytes = 16ull << 30;   // retained messages, all sessions
   double session_ttl_seconds = 3600;
 };
 
@@ -65,6 +71,7 @@ struct StoreStats {
   uint64_t committed = 0, failed = 0, delivered = 0, acked = 0;
   uint64_t received_bytes = 0, full_bytes = 0, sent_bytes = 0;
   uint64_t sessions = 0, mailbox_messages = 0, mailbox_bytes = 0, inflight_bytes = 0;
+  uint64_t store_bytes = 0;  // every retained message, acked or not
 };
 
 class Store {
@@ -77,6 +84,9 @@ class Store {
 
   // Reserves upload memory. RESOURCE_EXHAUSTED past max_inflight_bytes.
   [[nodiscard]] absl::Status ReserveInflight(uint64_t bytes);
+  // Counts memory that is already held (e.g. a reply being streamed) in
+  // flight, whatever the limit. Undo with ReleaseInflight.
+  void AddInflight(uint64_t bytes);
   void ReleaseInflight(uint64_t bytes);
 
   // The committed message `message_id` of `session`, or null.
@@ -87,9 +97,12 @@ class Store {
   absl::StatusOr<MessagePtr> LookupParent(const std::string& session, const std::string& parent_id,
                                           const std::string& sender) const;
 
-  // Early limit check for a publish about to start: RESOURCE_EXHAUSTED when
-  // the session is full or a recipient's mailbox is.
-  absl::Status CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients) const;
+  // Early limit check for a publish about to start whose message will hold
+  // at least `bytes`: RESOURCE_EXHAUSTED when the session is full, or
+  // `bytes` more would not fit a recipient's mailbox, the session's or the
+  // store's byte limit.
+  absl::Status CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
+                               uint64_t bytes = 0) const;
 
   // Makes `m` visible to its recipients, atomically. When the id is
   // already committed returns the existing message and duplicate = true.
@@ -104,11 +117,18 @@ class Store {
     MessagePtr msg;
     uint32_t attempt = 0;  // 1 on the first delivery
   };
-  // Called once: timed_out = false when a message for (session, agent) was
-  // committed (call FetchOrWait again), true at the deadline.
-  using WakeFn = std::function<void(bool timed_out)>;
+  // Why a waiter was woken.
+  enum class Wake {
+    kMessage,   // a message for (session, agent) was committed: call FetchOrWait again
+    kTimeout,   // the deadline passed
+    kClosed,    // CloseSession closed the session
+    kShutdown,  // the relay is shutting down (Shutdown)
+  };
+  // Called once.
+  using WakeFn = std::function<void(Wake why)>;
   // Hands out the oldest unacknowledged delivery for (session, agent). If
-  // there is none, registers `wake` and sets *waiter (for CancelWaiter).
+  // there is none, registers `wake` and sets *waiter (for CancelWaiter);
+  // after Shutdown it registers nothing and sets *waiter to 0 instead.
   std::optional<Delivery> FetchOrWait(const std::string& session, const std::string& agent,
                                       Clock::time_point deadline, WakeFn wake, uint64_t* waiter);
   // Unregisters a waiter. True if it was still registered: its wake will
@@ -120,8 +140,13 @@ class Store {
   // recipients is unknown.
   absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id);
 
-  // Frees the session; returns the number of messages it held. Idempotent.
+  // Frees the session and wakes its waiters (Wake::kClosed); returns the
+  // number of messages it held. Idempotent.
   uint32_t CloseSession(const std::string& session);
+
+  // Wakes every waiter (Wake::kShutdown); later FetchOrWait calls never
+  // wait. Deliveries already held can still be fetched. Idempotent.
+  void Shutdown();
 
   // Drops sessions idle past the TTL (also runs on the timer thread).
   void SweepExpired();
@@ -131,6 +156,7 @@ class Store {
   void AddDelivered() { ++delivered_; }
   StoreStats Stats() const;
   uint64_t inflight_bytes() const { return inflight_.load(); }
+  uint64_t store_bytes() const;
 
  private:
   struct Entry {
@@ -145,6 +171,7 @@ class Store {
     std::map<std::string, MessagePtr> messages;
     std::map<std::string, Mailbox> mailboxes;
     std::set<std::pair<std::string, std::string>> delivered;  // (message_id, agent)
+    uint64_t bytes = 0;  // every retained message
     Clock::time_point last_active;
   };
   struct Waiter {
@@ -156,6 +183,10 @@ class Store {
   void TimerLoop();
   void EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired);
   void PublishGaugesLocked();
+  void PublishInflight();
+  absl::Status CheckBytesLocked(const std::string& session, const Session* s,
+                                const std::vector<std::string>& recipients, uint64_t bytes,
+                                absl::string_view what) const;
   Clock::duration Ttl() const;
 
   const StoreLimits limits_;
@@ -165,10 +196,11 @@ class Store {
   std::map<std::string, Session> sessions_;
   std::map<uint64_t, Waiter> waiters_;
   uint64_t next_waiter_ = 1;
-  uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0;
+  uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0, store_bytes_ = 0;
   uint64_t committed_ = 0, acked_ = 0, full_ = 0, sent_ = 0;
   std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
-  bool stop_ = false;
+  std::mutex gauge_mu_;  // orders in-flight gauge updates
+  bool stop_ = false, shutting_down_ = false;
   std::thread timer_;
 };
 

@@ -1,6 +1,8 @@
 // Chunk assembly: order, offsets, sizes, CRCs and the commit trailer.
 #include "server/assembler.h"
 
+#include <functional>
+
 #include "gtest/gtest.h"
 #include "relay_test_util.h"
 #include "tests/core/test_util.h"
@@ -163,6 +165,48 @@ TEST(AssemblerTest, BadGeometry) {
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(s.status().message().find(tc.field), std::string::npos) << s.status();
   }
+}
+
+// Review 2a/3b: the header's geometry is held to the core's bounds, with the
+// field and the range named.
+TEST(CheckGeometryTest, UsesTheCoreBounds) {
+  kvrelay::testing::TurnShape ts;
+  const Turn t = kvrelay::testing::RandomTurn(ts, 1);
+  const v1::TurnGeometry good = testing::ProtoGeometry(t);
+  struct Case {
+    std::function<void(v1::TurnGeometry*)> edit;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* g) { g->set_layers(kMaxLayers + 1); }, "header.geometry.layers: 1025, expected 1..1024"},
+      {[](auto* g) { g->set_layers(0); }, "header.geometry.layers: 0, expected 1..1024"},
+      {[](auto* g) { g->set_kv_heads(kMaxKvHeads + 1); g->set_score_heads(kMaxKvHeads + 1); },
+       "header.geometry.kv_heads: 1025, expected 1..1024"},
+      {[](auto* g) { g->set_head_dim(kMaxHeadDim + 1); }, "header.geometry.head_dim: 1025, expected 1..1024"},
+      {[](auto* g) { g->set_kv_heads(1); g->set_score_heads(kMaxScoreHeads + 1); },
+       "header.geometry.score_heads: 16385, expected a positive multiple of kv_heads (1), at most 16384"},
+      {[](auto* g) { g->set_n_prompt(kMaxTokensPerPart + 1); },
+       "header.geometry.n_prompt: 16777217, expected 0..16777216"},
+      {[](auto* g) { g->set_n_gen(kMaxTokensPerPart + 1); }, "header.geometry.n_gen: 16777217, expected 0..16777216"},
+  };
+  for (const Case& c : cases) {
+    v1::TurnGeometry g = good;
+    c.edit(&g);
+    auto r = CheckGeometry(g, "header.geometry");
+    ASSERT_FALSE(r.ok()) << c.want;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(), c.want);
+  }
+  v1::TurnGeometry edge = good;
+  edge.set_layers(kMaxLayers);
+  edge.set_kv_heads(kMaxKvHeads);
+  edge.set_score_heads(kMaxKvHeads);
+  edge.set_head_dim(kMaxHeadDim);
+  auto r = CheckGeometry(edge, "header.geometry");
+  ASSERT_TRUE(r.ok()) << r.status();
+  // The reservation adds a fixed overhead per layer.
+  EXPECT_EQ(r->ReserveBytes(), r->UploadBytes() + kLayerOverheadBytes * kMaxLayers);
+  EXPECT_EQ(kLayerOverheadBytes, 1024u);
 }
 
 }  // namespace

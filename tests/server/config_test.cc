@@ -97,5 +97,30 @@ TEST(ConfigTest, SplitHostPort) {
   EXPECT_FALSE(SplitHostPort("localhost", &host, &port).ok());
 }
 
+// Review 2c/2e: the retained-bytes limits and the upload idle timeout.
+TEST(ConfigTest, StoreByteLimitsAndUploadIdleTimeout) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->max_session_bytes, 8ull << 30);
+  EXPECT_EQ(c->max_store_bytes, 16ull << 30);
+  EXPECT_EQ(c->upload_idle_timeout_seconds, 60);
+  c = Parse({"--max-session-bytes=1GiB", "--upload-idle-timeout-seconds", "2.5"},
+            {{"KVRELAY_MAX_STORE_BYTES", "3GiB"}, {"KVRELAY_MAX_SESSION_BYTES", "5GiB"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->max_session_bytes, 1ull << 30);
+  EXPECT_EQ(c->max_store_bytes, 3ull << 30);
+  EXPECT_EQ(c->upload_idle_timeout_seconds, 2.5);
+  c = Parse({}, {{"KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS", "7"}});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->upload_idle_timeout_seconds, 7);
+  EXPECT_EQ(Parse({"--upload-idle-timeout-seconds=0"}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Parse({"--max-store-bytes=lots"}).status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string usage(Parse({"--help"}).status().message());
+  for (const char* s : {"--max-session-bytes", "KVRELAY_MAX_SESSION_BYTES", "--max-store-bytes",
+                        "KVRELAY_MAX_STORE_BYTES", "--upload-idle-timeout-seconds"}) {
+    EXPECT_NE(usage.find(s), std::string::npos) << s;
+  }
+}
+
 }  // namespace
 }  // namespace kvrelay

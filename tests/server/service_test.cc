@@ -6,6 +6,7 @@
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
 #include "relay_test_util.h"
+#include "server/assembler.h"
 #include "server/server.h"
 #include "tests/core/test_util.h"
 
@@ -473,6 +474,327 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
   EXPECT_NE(text.find("kvrelay_received_bytes_total " + std::to_string(received)), std::string::npos);
   EXPECT_NE(text.find("kvrelay_messages_total{outcome=\"committed\"} 3"), std::string::npos);
   EXPECT_NE(text.find("kvrelay_mailbox_messages 3"), std::string::npos);
+}
+
+// ---- review fixes ----
+
+grpc::Status Close(v1::Relay::Stub* stub, const std::string& session) {
+  grpc::ClientContext ctx;
+  v1::CloseSessionRequest req;
+  req.set_session_id(session);
+  v1::CloseSessionResponse resp;
+  return stub->CloseSession(&ctx, req, &resp);
+}
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// 3a: CloseSession ends a Fetch waiting on the session, promptly, NOT_FOUND.
+TEST_F(RelayTest, CloseSessionEndsWaitingFetches) {
+  Turn t = MakeTurn(20);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("cl", "m", "a", {"b"}, "gen", t), t).status.ok());
+  FetchResult waiting, waiting_empty;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread f1([&] { waiting = DoFetch(stub_.get(), "cl", "c", true, 30); });
+  std::thread f2([&] { waiting_empty = DoFetch(stub_.get(), "nothing-yet", "c", true, 30); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(Close(stub_.get(), "cl").ok());
+  ASSERT_TRUE(Close(stub_.get(), "nothing-yet").ok());
+  f1.join();
+  f2.join();
+  EXPECT_LT(Seconds(t0), 5.0);
+  EXPECT_EQ(waiting.status.error_code(), grpc::NOT_FOUND) << waiting.status.error_message();
+  EXPECT_NE(waiting.status.error_message().find("session_id: 'cl'"), std::string::npos)
+      << waiting.status.error_message();
+  EXPECT_NE(waiting.status.error_message().find("closed"), std::string::npos);
+  EXPECT_EQ(waiting_empty.status.error_code(), grpc::NOT_FOUND) << waiting_empty.status.error_message();
+}
+
+// 3a: shutdown wakes waiting Fetches (UNAVAILABLE) instead of draining for the grace period.
+TEST_F(RelayTest, ShutdownEndsWaitingFetchesWithoutTheGracePeriod) {
+  FetchResult waiting;
+  std::thread f([&] { waiting = DoFetch(stub_.get(), "sd", "b", true, 30); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto t0 = std::chrono::steady_clock::now();
+  server_->Shutdown();  // grace 2 s
+  const double took = Seconds(t0);
+  f.join();
+  EXPECT_LT(took, 1.5);
+  EXPECT_EQ(waiting.status.error_code(), grpc::UNAVAILABLE) << waiting.status.error_message();
+}
+
+// 2a/3b: geometry past the core's bounds is refused at the header; nothing reserved.
+TEST_F(RelayTest, GeometryPastTheCoreBoundsIsRefusedAtTheHeader) {
+  Turn t = MakeTurn(21);
+  auto h = Header("geo", "m", "a", {"b"}, "gen", t);
+  h.mutable_geometry()->set_layers(1025);
+  auto chunks = TurnChunks(t);
+  PublishResult r = DoPublish(stub_.get(), PublishStream(h, chunks, TrailerOf(chunks)));
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(), "header.geometry.layers: 1025, expected 1..1024");
+  h = Header("geo", "m", "a", {"b"}, "gen", t);
+  h.mutable_geometry()->set_head_dim(4096);
+  r = DoPublish(stub_.get(), PublishStream(h, chunks, TrailerOf(chunks)));
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(), "header.geometry.head_dim: 4096, expected 1..1024");
+  EXPECT_EQ(server_->store()->Stats().received_bytes, 0u);
+  EXPECT_EQ(server_->store()->inflight_bytes(), 0u);
+}
+
+// Starts a publish and leaves it open after `n_chunks` chunks; Finish() cuts it.
+struct OpenPublish {
+  grpc::ClientContext ctx;
+  v1::PublishResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::PublishRequest>> w;
+  OpenPublish(v1::Relay::Stub* stub, const v1::PublishHeader& h, const std::vector<v1::Chunk>& chunks,
+              size_t n_chunks) {
+    ctx.set_deadline(In(30));
+    w = stub->Publish(&ctx, &resp);
+    v1::PublishRequest req;
+    *req.mutable_header() = h;
+    EXPECT_TRUE(w->Write(req));
+    for (size_t i = 0; i < n_chunks; ++i) {
+      *req.mutable_chunk() = chunks[i];
+      EXPECT_TRUE(w->Write(req));
+    }
+  }
+  grpc::Status Cut() {
+    ctx.TryCancel();
+    return w->Finish();
+  }
+};
+
+uint64_t WaitFor(const std::function<uint64_t()>& get, uint64_t want) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (get() != want && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return get();
+}
+
+// 2a + 2b: an upload reserves its tensor bytes, 1 KiB per layer and, with a
+// parent, the parent's dense size.
+TEST_F(RelayTest, InflightReservationCountsLayerOverheadAndTheParent) {
+  Turn t1 = MakeTurn(22, true);
+  auto shape = CheckGeometry(ProtoGeometry(t1), "g");
+  ASSERT_TRUE(shape.ok());
+  const uint64_t upload = shape->UploadBytes();
+  const uint64_t reserve = upload + 3 * 1024;
+  ASSERT_EQ(shape->ReserveBytes(), reserve);
+
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.max_inflight_bytes = reserve - 1;  // the tensors fit, the overhead does not
+  StartServer(cfg);
+  auto r = PublishTurn(stub_.get(), Header("res", "m", "a", {"b"}, "full", t1), t1);
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find(std::to_string(reserve) + " bytes, expected at most --max-inflight-bytes=" +
+                                          std::to_string(reserve - 1)),
+            std::string::npos)
+      << r.status.error_message();
+
+  server_->Shutdown();
+  StartServer();
+  auto* store = server_->store();
+  {
+    const auto chunks = TurnChunks(t1, 1024);
+    OpenPublish open(stub_.get(), Header("res", "m0", "a", {"b"}, "full", t1), chunks, 2);
+    EXPECT_EQ(WaitFor([&] { return store->inflight_bytes(); }, reserve), reserve);
+    EXPECT_EQ(open.Cut().error_code(), grpc::CANCELLED);
+  }
+  WaitInflightZero();
+  // The parent: published with `full`, delivered to `critic`.
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("res", "m1", "planner", {"critic"}, "full", t1), t1).status.ok());
+  FetchResult f1 = DoFetch(stub_.get(), "res", "critic", true);
+  ASSERT_TRUE(f1.status.ok());
+  const uint64_t parent_tokens = f1.header.n_history() + f1.header.n_anchor() + f1.header.n_kept() + f1.header.n_gen();
+  EXPECT_EQ(parent_tokens, 54u);
+  const uint64_t parent_dense = 3ull * 2 * parent_tokens * (2 * 32 * 2 + 4);  // layers * kv_heads * tokens * row
+  Turn t2 = MakeTurn(23, false);
+  auto h2 = Header("res", "m2", "critic", {"refiner"}, "full", t2);
+  h2.set_parent_id("m1");
+  {
+    const auto chunks = TurnChunks(t2, 1024);
+    OpenPublish open(stub_.get(), h2, chunks, 2);
+    EXPECT_EQ(WaitFor([&] { return store->inflight_bytes(); }, reserve + parent_dense), reserve + parent_dense);
+    EXPECT_EQ(open.Cut().error_code(), grpc::CANCELLED);
+  }
+  WaitInflightZero();
+}
+
+// 2b: a publish whose composed message ([parent; turn]) cannot fit a
+// recipient's mailbox is refused at the header, before its upload.
+TEST_F(RelayTest, ComposedSizeIsCheckedAgainstMailboxesUpFront) {
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.max_mailbox_bytes = 60000;  // the parent (42768 bytes) fits, parent + turn (85536) does not
+  StartServer(cfg);
+  Turn t1 = MakeTurn(24, true);
+  auto p1 = PublishTurn(stub_.get(), Header("cmp", "m1", "planner", {"critic"}, "full", t1), t1);
+  ASSERT_TRUE(p1.status.ok()) << p1.status.error_message();
+  EXPECT_EQ(p1.response.accounting().sent_bytes(), 42768u);
+  ASSERT_TRUE(DoFetch(stub_.get(), "cmp", "critic", true).status.ok());
+  const uint64_t received = server_->store()->Stats().received_bytes;
+  Turn t2 = MakeTurn(25, false);
+  auto h2 = Header("cmp", "m2", "critic", {"refiner"}, "full", t2);
+  h2.set_parent_id("m1");
+  auto r = PublishTurn(stub_.get(), h2, t2);
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("mailbox of 'refiner'"), std::string::npos) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("85536 bytes"), std::string::npos) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("--max-mailbox-bytes=60000"), std::string::npos);
+  EXPECT_EQ(server_->store()->Stats().received_bytes, received);  // refused before any chunk
+  EXPECT_EQ(server_->store()->Stats().committed, 1u);
+  WaitInflightZero();
+}
+
+// 3d: at most 64 recipients, distinct.
+TEST_F(RelayTest, RecipientsAreCappedAndDistinct) {
+  Turn t = MakeTurn(26);
+  std::vector<std::string> many;
+  for (int i = 0; i < 65; ++i) many.push_back("r" + std::to_string(i));
+  auto r = PublishTurn(stub_.get(), Header("rc", "m", "a", many, "gen", t), t);
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(), "header.recipients: 65 agents, expected 1..64");
+  many.pop_back();
+  r = PublishTurn(stub_.get(), Header("rc", "m", "a", many, "gen", t), t);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(server_->store()->Stats().mailbox_messages, 64u);
+  r = PublishTurn(stub_.get(), Header("rc", "m2", "a", {"x", "y", "x"}, "gen", t), t);
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(), "header.recipients[2]: 'x' repeats recipients[0], expected distinct agents");
+}
+
+double Gauge(RelayServer* s, const std::string& name) {
+  for (const auto& fam : s->metrics()->registry()->Collect()) {
+    if (fam.name == name && !fam.metric.empty()) return fam.metric[0].gauge.value;
+  }
+  ADD_FAILURE() << "no gauge " << name;
+  return -1;
+}
+
+// 2c: acked messages still count against --max-session-bytes and
+// --max-store-bytes; kvrelay_store_bytes shows them.
+TEST_F(RelayTest, RetainedBytesAreLimitedPerSessionAndStore) {
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.max_session_bytes = 2 * 42768;
+  cfg.max_store_bytes = 3 * 42768;
+  StartServer(cfg);
+  Turn t = MakeTurn(27);
+  for (const char* id : {"m1", "m2"}) {
+    ASSERT_TRUE(PublishTurn(stub_.get(), Header("sb", id, "a", {"b"}, "full", t), t).status.ok());
+    ASSERT_TRUE(DoFetch(stub_.get(), "sb", "b", /*auto_ack=*/true).status.ok());
+  }
+  EXPECT_EQ(server_->store()->Stats().mailbox_bytes, 0u);
+  EXPECT_EQ(server_->store()->Stats().store_bytes, 2u * 42768);
+  EXPECT_EQ(Gauge(server_.get(), "kvrelay_store_bytes"), 2.0 * 42768);
+  auto r = PublishTurn(stub_.get(), Header("sb", "m3", "a", {"b"}, "full", t), t);
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("--max-session-bytes=85536"), std::string::npos) << r.status.error_message();
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("sb2", "m1", "a", {"b"}, "full", t), t).status.ok());
+  r = PublishTurn(stub_.get(), Header("sb3", "m1", "a", {"b"}, "full", t), t);
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("--max-store-bytes=128304"), std::string::npos) << r.status.error_message();
+  ASSERT_TRUE(Close(stub_.get(), "sb").ok());
+  EXPECT_EQ(Gauge(server_.get(), "kvrelay_store_bytes"), 42768.0);
+  EXPECT_TRUE(PublishTurn(stub_.get(), Header("sb3", "m1", "a", {"b"}, "full", t), t).status.ok());
+  WaitInflightZero();
+}
+
+// 2d: Compress keeps the reply's size in flight until the call is done.
+TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
+  TurnShape ts;
+  ts.layers = 4;
+  ts.kv_heads = 8;
+  ts.group = 1;
+  ts.head_dim = 128;
+  ts.n_prompt = 2048;
+  ts.n_gen = 4;
+  ts.dtype = DType::kF32;
+  Turn t = RandomTurn(ts, 28);  // `full` replies ~64 MiB: more than flow control lets through unread
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(60));
+  auto stream = stub_->Compress(&ctx);
+  v1::CompressRequest req;
+  req.mutable_header()->set_policy("full");
+  *req.mutable_header()->mutable_geometry() = ProtoGeometry(t);
+  ASSERT_TRUE(stream->Write(req));
+  auto chunks = TurnChunks(t);
+  for (const auto& c : chunks) {
+    *req.mutable_chunk() = c;
+    ASSERT_TRUE(stream->Write(req));
+  }
+  *req.mutable_commit() = TrailerOf(chunks);
+  ASSERT_TRUE(stream->Write(req));
+  stream->WritesDone();
+  v1::CompressResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  ASSERT_TRUE(resp.has_header());
+  const uint64_t sent = resp.header().accounting().sent_bytes();
+  EXPECT_GT(sent, 32u << 20);
+  // The upload's reservation goes, the reply's stays while it streams.
+  EXPECT_EQ(WaitFor([&] { return server_->store()->inflight_bytes(); }, sent), sent);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(server_->store()->inflight_bytes(), sent);
+  while (stream->Read(&resp)) {
+  }
+  ASSERT_TRUE(stream->Finish().ok());
+  WaitInflightZero();
+}
+
+// 2e: an upload that goes quiet is failed with DEADLINE_EXCEEDED and frees its reservation.
+TEST_F(RelayTest, IdleUploadsAreCancelled) {
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.upload_idle_timeout_seconds = 0.3;
+  StartServer(cfg);
+  Turn t = MakeTurn(29);
+  const auto chunks = TurnChunks(t, 1024);
+  {
+    const auto t0 = std::chrono::steady_clock::now();
+    OpenPublish open(stub_.get(), Header("idle", "m", "a", {"b"}, "gen", t), chunks, 2);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (server_->store()->inflight_bytes() == 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_GT(server_->store()->inflight_bytes(), 0u);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    grpc::Status s = open.w->Finish();
+    EXPECT_LT(Seconds(t0), 5.0);
+    EXPECT_EQ(s.error_code(), grpc::DEADLINE_EXCEEDED) << s.error_message();
+    EXPECT_NE(s.error_message().find("publish: upload idle for 0.3 s"), std::string::npos) << s.error_message();
+  }
+  WaitInflightZero();
+  EXPECT_EQ(server_->store()->Stats().committed, 0u);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(30));
+    auto stream = stub_->Compress(&ctx);
+    v1::CompressRequest req;
+    req.mutable_header()->set_policy("gen");
+    *req.mutable_header()->mutable_geometry() = ProtoGeometry(t);
+    ASSERT_TRUE(stream->Write(req));
+    v1::CompressResponse resp;
+    EXPECT_FALSE(stream->Read(&resp));  // ends once the server fails the call
+    grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::DEADLINE_EXCEEDED) << s.error_message();
+    EXPECT_NE(s.error_message().find("compress: upload idle for 0.3 s"), std::string::npos) << s.error_message();
+  }
+  WaitInflightZero();
+  // An upload that keeps sending is not idle, however slow overall.
+  auto stream = PublishStream(Header("idle", "m2", "a", {"b"}, "gen", t), chunks, TrailerOf(chunks));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(30));
+  v1::PublishResponse resp;
+  auto w = stub_->Publish(&ctx, &resp);
+  for (size_t i = 0; i < stream.size(); ++i) {
+    if (i % 8 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_TRUE(w->Write(stream[i]));
+  }
+  w->WritesDone();
+  EXPECT_TRUE(w->Finish().ok());
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "server/metrics.h"
 
 namespace kvrelay {
 namespace {
@@ -27,7 +28,7 @@ const Clock::time_point kNever = Clock::now() + std::chrono::hours(1);
 
 std::optional<Store::Delivery> TryFetch(Store& s, const std::string& session, const std::string& agent) {
   uint64_t w = 0;
-  auto d = s.FetchOrWait(session, agent, kNever, [](bool) {}, &w);
+  auto d = s.FetchOrWait(session, agent, kNever, [](Store::Wake) {}, &w);
   if (!d) {
     EXPECT_TRUE(s.CancelWaiter(w));
   }
@@ -144,7 +145,7 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
   Store s(StoreLimits{}, nullptr);
   std::atomic<int> woke{-1};
   uint64_t w = 0;
-  EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](bool t) { woke = t; }, &w));
+  EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake t) { woke = static_cast<int>(t); }, &w));
   ASSERT_TRUE(s.Commit(Msg("s", "m1", {"c"})).ok());  // another agent: no wake
   EXPECT_EQ(woke.load(), -1);
   ASSERT_TRUE(s.Commit(Msg("s", "m2", {"b"})).ok());
@@ -152,14 +153,142 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
   EXPECT_FALSE(s.CancelWaiter(w));
 
   std::atomic<int> timed{-1};
-  EXPECT_FALSE(s.FetchOrWait("s", "z", Clock::now() + std::chrono::milliseconds(50), [&](bool t) { timed = t; }, &w));
+  EXPECT_FALSE(s.FetchOrWait("s", "z", Clock::now() + std::chrono::milliseconds(50), [&](Store::Wake t) { timed = static_cast<int>(t); }, &w));
   const auto until = Clock::now() + std::chrono::seconds(5);
   while (timed.load() < 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(timed.load(), 1);
 
-  EXPECT_FALSE(s.FetchOrWait("s", "y", kNever, [&](bool) { FAIL() << "cancelled waiter ran"; }, &w));
+  EXPECT_FALSE(s.FetchOrWait("s", "y", kNever, [&](Store::Wake) { FAIL() << "cancelled waiter ran"; }, &w));
   EXPECT_TRUE(s.CancelWaiter(w));
   ASSERT_TRUE(s.Commit(Msg("s", "m3", {"y"})).ok());
+}
+
+// Review 3a: CloseSession wakes the session's waiters (also those waiting
+// on a session that holds nothing yet); others keep waiting.
+TEST(StoreTest, CloseSessionWakesItsWaiters) {
+  Store s(StoreLimits{}, nullptr);
+  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"c"})).ok());
+  std::atomic<int> b{-1}, z{-1}, other{-1};
+  uint64_t wb = 0, wz = 0, wo = 0;
+  EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake w) { b = static_cast<int>(w); }, &wb));
+  EXPECT_FALSE(s.FetchOrWait("empty", "z", kNever, [&](Store::Wake w) { z = static_cast<int>(w); }, &wz));
+  EXPECT_FALSE(s.FetchOrWait("t", "b", kNever, [&](Store::Wake w) { other = static_cast<int>(w); }, &wo));
+  EXPECT_EQ(s.CloseSession("s"), 1u);
+  EXPECT_EQ(b.load(), static_cast<int>(Store::Wake::kClosed));
+  EXPECT_EQ(z.load(), -1);
+  EXPECT_EQ(s.CloseSession("empty"), 0u);
+  EXPECT_EQ(z.load(), static_cast<int>(Store::Wake::kClosed));
+  EXPECT_EQ(other.load(), -1);
+  EXPECT_FALSE(s.CancelWaiter(wb));
+  EXPECT_TRUE(s.CancelWaiter(wo));
+}
+
+// Review 3a: Shutdown wakes every waiter and later fetches never wait, but
+// held deliveries can still be fetched.
+TEST(StoreTest, ShutdownWakesEveryWaiterAndRefusesNewOnes) {
+  Store s(StoreLimits{}, nullptr);
+  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"c"})).ok());
+  std::atomic<int> a{-1}, b{-1};
+  uint64_t w = 0;
+  EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake x) { a = static_cast<int>(x); }, &w));
+  EXPECT_FALSE(s.FetchOrWait("u", "v", kNever, [&](Store::Wake x) { b = static_cast<int>(x); }, &w));
+  s.Shutdown();
+  EXPECT_EQ(a.load(), static_cast<int>(Store::Wake::kShutdown));
+  EXPECT_EQ(b.load(), static_cast<int>(Store::Wake::kShutdown));
+  w = 99;
+  EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake) { FAIL() << "registered after shutdown"; }, &w));
+  EXPECT_EQ(w, 0u);
+  EXPECT_TRUE(s.FetchOrWait("s", "c", kNever, [](Store::Wake) {}, &w));
+}
+
+// Review 2c: every retained message counts against the session's and the
+// store's byte limits, acked or not, until its session goes.
+TEST(StoreTest, SessionAndStoreByteLimitsCountAckedMessages) {
+  StoreLimits lim;
+  lim.max_session_bytes = 250;
+  lim.max_store_bytes = 400;
+  Store s(lim, nullptr);
+  ASSERT_TRUE(s.Commit(Msg("s1", "m1", {"b"})).ok());
+  ASSERT_TRUE(s.Commit(Msg("s1", "m2", {"b"})).ok());
+  ASSERT_TRUE(TryFetch(s, "s1", "b"));
+  ASSERT_TRUE(s.Ack("s1", "b", "m1").ok());
+  ASSERT_TRUE(s.Ack("s1", "b", "m2").ok());
+  EXPECT_EQ(s.Stats().mailbox_bytes, 0u);
+  EXPECT_EQ(s.store_bytes(), 200u);
+  EXPECT_EQ(s.Stats().store_bytes, 200u);
+  auto r = s.Commit(Msg("s1", "m3", {"b"}));
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("--max-session-bytes=250"), std::string::npos) << r.status();
+  absl::Status early = s.CheckCanPublish("s1", {"b"}, 51);
+  EXPECT_EQ(early.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(early.message().find("--max-session-bytes=250"), std::string::npos) << early;
+  EXPECT_TRUE(s.CheckCanPublish("s1", {"b"}, 50).ok());
+  ASSERT_TRUE(s.Commit(Msg("s2", "m1", {"b"})).ok());
+  ASSERT_TRUE(s.Commit(Msg("s2", "m2", {"b"})).ok());
+  EXPECT_EQ(s.store_bytes(), 400u);
+  r = s.Commit(Msg("s3", "m1", {"b"}, 1));
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("--max-store-bytes=400"), std::string::npos) << r.status();
+  EXPECT_EQ(s.CheckCanPublish("s3", {"b"}, 1).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.Stats().sessions, 2u);  // the refused commit left no session behind
+  EXPECT_EQ(s.CloseSession("s1"), 2u);
+  EXPECT_EQ(s.store_bytes(), 200u);
+  EXPECT_TRUE(s.Commit(Msg("s3", "m1", {"b"}, 1)).ok());
+}
+
+// Review 2b: the up-front check takes the message's size into account.
+TEST(StoreTest, CheckCanPublishCountsTheComingMessageAgainstMailboxes) {
+  StoreLimits lim;
+  lim.max_mailbox_bytes = 300;
+  Store s(lim, nullptr);
+  EXPECT_EQ(s.CheckCanPublish("new", {"b"}, 301).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(s.CheckCanPublish("new", {"b"}, 300).ok());
+  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"}, 200)).ok());
+  absl::Status st = s.CheckCanPublish("s", {"c", "b"}, 101);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("mailbox of 'b'"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("--max-mailbox-bytes=300"), std::string::npos) << st;
+  EXPECT_TRUE(s.CheckCanPublish("s", {"c", "b"}, 100).ok());
+}
+
+double GaugeValue(Metrics& m, const std::string& name) {
+  for (const auto& fam : m.registry()->Collect()) {
+    if (fam.name == name && !fam.metric.empty()) return fam.metric[0].gauge.value;
+  }
+  ADD_FAILURE() << "no gauge " << name;
+  return -1;
+}
+
+// Review 3c: the in-flight gauge ends at the counter's exact value however
+// reservations and releases interleave.
+TEST(StoreTest, InflightGaugeIsExactUnderConcurrency) {
+  Metrics m;
+  StoreLimits lim;
+  lim.max_inflight_bytes = 1ull << 40;
+  Store s(lim, &m);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&s, t] {
+      for (int i = 0; i < 2000; ++i) {
+        const uint64_t n = 1 + (i * 7919 + t) % 4096;
+        ASSERT_TRUE(s.ReserveInflight(n).ok());
+        s.ReleaseInflight(n);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(s.inflight_bytes(), 0u);
+  EXPECT_EQ(GaugeValue(m, "kvrelay_inflight_bytes"), 0.0);
+  ASSERT_TRUE(s.ReserveInflight(12345).ok());
+  s.AddInflight(5);
+  EXPECT_EQ(GaugeValue(m, "kvrelay_inflight_bytes"), 12350.0);
+  s.ReleaseInflight(12350);
+  EXPECT_EQ(GaugeValue(m, "kvrelay_inflight_bytes"), 0.0);
+  // The store-bytes gauge follows commits and closes.
+  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"}, 700)).ok());
+  EXPECT_EQ(GaugeValue(m, "kvrelay_store_bytes"), 700.0);
+  s.CloseSession("s");
+  EXPECT_EQ(GaugeValue(m, "kvrelay_store_bytes"), 0.0);
 }
 
 }  // namespace
