@@ -1,6 +1,8 @@
 # Multi-stage build on Debian 12. The build stage runs the same scripts as the
 # README (scripts/install_deps.sh, scripts/build.sh), so the tested path and
-# the image path do not drift.
+# the image path do not drift. Not built here (no Docker engine on the
+# development machines); the runtime package list comes from `ldd` of the
+# binaries built by scripts/build.sh.
 FROM debian:bookworm-slim AS build
 WORKDIR /src
 COPY . .
@@ -9,9 +11,14 @@ RUN bash scripts/install_deps.sh && \
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends \
-      libabsl20220623 libstdc++6 ca-certificates && \
+      libabsl20220623 libc-ares2 libcivetweb1 libfmt9 libgrpc++1.51 libgrpc29 \
+      libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libprotobuf32 libre2-9 \
+      libspdlog1.10 libssl3 zlib1g ca-certificates && \
     rm -rf /var/lib/apt/lists/*
-COPY --from=build /build/bin/kvrelayctl /usr/local/bin/kvrelayctl
+COPY --from=build /build/bin/kvrelay-server /build/bin/kvrelayctl /usr/local/bin/
 USER 65532:65532
-ENTRYPOINT ["/usr/local/bin/kvrelayctl"]
-CMD ["help"]
+EXPOSE 50051 9464
+HEALTHCHECK --interval=10s --timeout=3s --retries=3 \
+  CMD ["/usr/local/bin/kvrelayctl", "health", "--addr", "127.0.0.1:50051", "--timeout", "2"]
+ENTRYPOINT ["/usr/local/bin/kvrelay-server"]
+CMD ["--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]
