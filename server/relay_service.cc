@@ -72,7 +72,7 @@ class OutgoingMessage {
     c->set_data(t.data + offset_, n);
     const uint32_t crc = Crc32c(t.data + offset_, n);
     c->set_crc32c(crc);
-    crc_ = Crc32cExtend(crc_, t.data + offset_, n);
+    crc_ = Crc32cCombine(crc_, crc, n);
     bytes_ += n;
     ++chunks_;
     offset_ += n;

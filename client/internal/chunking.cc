@@ -161,7 +161,8 @@ uint64_t TotalBytes(absl::Span<const TensorRef> tensors) {
 void TrailerBuilder::Add(const v1::Chunk& chunk) {
   ++chunks_;
   bytes_ += chunk.data().size();
-  crc_ = Crc32cExtend(crc_, chunk.data().data(), chunk.data().size());
+  // The chunk's own CRC was computed over the same bytes; combine it.
+  crc_ = Crc32cCombine(crc_, chunk.crc32c(), chunk.data().size());
 }
 
 v1::Trailer TrailerBuilder::Build() const {
@@ -323,7 +324,7 @@ absl::Status MessageAssembler::Add(const v1::Chunk& c) {
   filled_ += len;
   ++chunks_;
   bytes_received_ += len;
-  crc_ = Crc32cExtend(crc_, c.data().data(), len);
+  crc_ = Crc32cCombine(crc_, crc, len);  // the chunk was checked: no second pass
   SkipComplete();
   return absl::OkStatus();
 }

@@ -70,6 +70,8 @@ uint64_t TotalBytes(absl::Span<const TensorRef> tensors);
 // chunk data in stream order.
 class TrailerBuilder {
  public:
+  // REQUIRES: chunk.crc32c() is the CRC32C of chunk.data() (it is combined,
+  // not recomputed).
   void Add(const v1::Chunk& chunk);
   v1::Trailer Build() const;
 

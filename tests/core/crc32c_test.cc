@@ -39,5 +39,19 @@ TEST(Crc32cTest, MatchesReferenceAndExtends) {
   }
 }
 
+TEST(Crc32cTest, CombineEqualsTheCrcOfTheConcatenation) {
+  std::mt19937 rng(2);
+  for (int i = 0; i < 300; ++i) {
+    std::vector<uint8_t> a(rng() % 200), b(i % 50 == 0 ? 0 : rng() % 5000);
+    for (auto& x : a) x = static_cast<uint8_t>(rng());
+    for (auto& x : b) x = static_cast<uint8_t>(rng());
+    std::vector<uint8_t> ab(a);
+    ab.insert(ab.end(), b.begin(), b.end());
+    ASSERT_EQ(Crc32cCombine(Crc32c(a.data(), a.size()), Crc32c(b.data(), b.size()), b.size()),
+              Reference(ab))
+        << a.size() << " + " << b.size();
+  }
+}
+
 }  // namespace
 }  // namespace kvrelay
