@@ -1,0 +1,29 @@
+"""kvrelay: Python client of the kvrelay relay (proto/kvrelay/v1/relay.proto).
+
+    import kvrelay
+    c = kvrelay.Client("127.0.0.1:50051")
+    r = c.publish(turn, session="s1", sender="planner", recipients=["critic"],
+                  policy="h2o-head:k=32+obf:p=8")
+    m = c.fetch("s1", "critic", timeout=30)
+    c.ack("s1", "critic", m.message_id)
+
+The generated stubs live in the subpackage kvrelay.v1, which may sit in
+another sys.path entry (the build tree); pkgutil.extend_path finds it.
+"""
+import pkgutil
+
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from kvrelay._crc32c import crc32c, crc32c_combine  # noqa: E402
+from kvrelay.types import (Accounting, Message, MessageLayer, PublishResult,  # noqa: E402
+                           QuantizedLayer, Stats, Turn, TurnLayer, bf16_to_f32,
+                           dequantize_layer, f32_to_bf16, hadamard_f32)
+from kvrelay.client import MAX_CHUNK_BYTES, Client, RelayError, new_message_id  # noqa: E402
+from kvrelay import safetensors  # noqa: E402
+
+__all__ = [
+    "Client", "RelayError", "Turn", "TurnLayer", "Message", "MessageLayer", "QuantizedLayer",
+    "Accounting", "PublishResult", "Stats", "MAX_CHUNK_BYTES", "new_message_id",
+    "crc32c", "crc32c_combine", "f32_to_bf16", "bf16_to_f32", "dequantize_layer",
+    "hadamard_f32", "safetensors",
+]

@@ -1,0 +1,479 @@
+"""Client of the kvrelay.v1.Relay service (proto/kvrelay/v1/relay.proto).
+
+Errors are grpc.RpcError: the relay's status, or a RelayError (also an
+RpcError, with code() and details()) for what this client checks itself:
+DATA_LOSS for a chunk or trailer CRC32C mismatch, INVALID_ARGUMENT for a
+malformed delivery stream. Arguments that cannot be sent raise ValueError.
+
+Retries: only publish retries, on UNAVAILABLE or ABORTED, because every
+publish carries a message id (the idempotency key; generated when none is
+given): a retry of a publish the relay already committed is answered with
+duplicate=True, which is a success. Nothing else retries: fetch delivers at
+least once anyway, and an ack may have taken effect before its reply was lost.
+"""
+import re
+import secrets
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from kvrelay._crc32c import crc32c, crc32c_combine
+from kvrelay.types import (DTYPES, Accounting, Message, MessageLayer, PublishResult,
+                           QuantizedLayer, Stats, Turn, dequantize_layer)
+
+try:
+    from kvrelay.v1 import relay_pb2 as pb
+    from kvrelay.v1 import relay_pb2_grpc as pb_grpc
+except ImportError as e:  # pragma: no cover
+    raise ImportError(
+        "kvrelay: the generated gRPC stubs (kvrelay/v1/relay_pb2.py) are not on sys.path. "
+        "Build them (the kvrelay_python_stubs target writes BUILD/client/python/gen) or run "
+        "`protoc -I proto --python_out=OUT --grpc_out=OUT "
+        "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin kvrelay/v1/relay.proto` "
+        "and add OUT to PYTHONPATH") from e
+
+__all__ = ["Client", "RelayError", "MAX_CHUNK_BYTES", "new_message_id"]
+
+MAX_CHUNK_BYTES = 1 << 20  # relay.proto: at most 1 MiB of tensor bytes per chunk
+_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")
+_DTYPE_TO_PB = {"F32": pb.DTYPE_F32, "F16": pb.DTYPE_F16, "BF16": pb.DTYPE_BF16}
+_PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
+_PART_NAME = {
+    pb.PART_K: "k", pb.PART_V: "v", pb.PART_POS: "pos", pb.PART_K_CODES: "k.codes",
+    pb.PART_K_SCALE: "k.scale", pb.PART_K_ZERO: "k.zero", pb.PART_V_CODES: "v.codes",
+    pb.PART_V_SCALE: "v.scale", pb.PART_V_ZERO: "v.zero",
+}
+_MAX_MESSAGE_BYTES = 1 << 36
+
+
+class RelayError(grpc.RpcError):
+    """An error this client detected itself, shaped like a gRPC status."""
+
+    def __init__(self, code, details):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def new_message_id():
+    """A fresh message id: "m-" and 24 random hex digits."""
+    return "m-" + secrets.token_hex(12)
+
+
+def _check_id(field, v, required=True):
+    if not v and not required:
+        return
+    if not isinstance(v, str) or not _ID.match(v):
+        raise ValueError(f"{field}: {v!r}, expected [A-Za-z0-9._:-]{{1,128}}")
+
+
+def _accounting(a):
+    return Accounting(received_bytes=a.received_bytes, full_bytes=a.full_bytes,
+                      sent_bytes=a.sent_bytes, ratio=a.ratio,
+                      compress_seconds=a.compress_seconds, commit_seconds=a.commit_seconds,
+                      policy=a.policy)
+
+
+def _le_bytes(a, dtype):
+    """Little-endian row-major bytes of array `a` stored as numpy `dtype`."""
+    return np.ascontiguousarray(a, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def _geometry(turn):
+    dtype, h, s, d, n_prompt, n_gen, n_hist = turn.geometry()
+    g = pb.TurnGeometry(layers=len(turn.layers), kv_heads=h, score_heads=s, head_dim=d,
+                        dtype=_DTYPE_TO_PB[dtype], n_prompt=n_prompt, n_gen=n_gen,
+                        n_history=n_hist, first_agent=bool(turn.first_agent))
+    if turn.prompt_pos0 is not None:
+        g.prompt_pos0 = int(turn.prompt_pos0)
+    return g
+
+
+def _upload_tensors(turn):
+    """(layer, part, bytes) of every tensor of `turn` in upload order."""
+    kv = DTYPES[turn.kv_dtype()]
+    for i, l in enumerate(turn.layers):
+        yield i, pb.PART_PROMPT_K, _le_bytes(l.prompt_k, kv)
+        yield i, pb.PART_PROMPT_V, _le_bytes(l.prompt_v, kv)
+        yield i, pb.PART_GEN_K, _le_bytes(l.gen_k, kv)
+        yield i, pb.PART_GEN_V, _le_bytes(l.gen_v, kv)
+        yield i, pb.PART_PROMPT_SCORE, _le_bytes(l.score, np.float32)
+        if l.history_k is not None and np.shape(l.history_k)[1] > 0:
+            yield i, pb.PART_HISTORY_K, _le_bytes(l.history_k, kv)
+            yield i, pb.PART_HISTORY_V, _le_bytes(l.history_v, kv)
+            yield i, pb.PART_HISTORY_POS, _le_bytes(l.history_pos, np.int32)
+
+
+def _upload(turn, request_cls, first):
+    """Request stream: `first`, every chunk, the commit trailer."""
+    yield first
+    chunks = total = 0
+    crc = 0
+    for layer, part, data in _upload_tensors(turn):
+        view = memoryview(data)
+        for off in range(0, len(data), MAX_CHUNK_BYTES):
+            piece = view[off:off + MAX_CHUNK_BYTES]
+            c = crc32c(piece)
+            crc = crc32c_combine(crc, c, len(piece))
+            chunks += 1
+            total += len(piece)
+            yield request_cls(chunk=pb.Chunk(layer=layer, part=part, offset=off,
+                                             data=piece.tobytes(), crc32c=c))
+    yield request_cls(commit=pb.Trailer(chunks=chunks, bytes=total, crc32c=crc))
+
+
+class _Assembler:
+    """Rebuilds a Message from a delivery stream (header, chunks, trailer),
+    checking order, offsets, sizes and CRC32Cs like the C++ client."""
+
+    def __init__(self):
+        self.header = None
+        self.done = False
+
+    @staticmethod
+    def _bad(msg):
+        return RelayError(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+    def start(self, h):
+        if self.header is not None:
+            raise self._bad("header: given twice, expected one")
+        for name in ("layers", "kv_heads", "head_dim"):
+            if getattr(h, name) < 1:
+                raise self._bad(f"header.{name}: {getattr(h, name)}, expected >= 1")
+        if h.dtype not in _PB_TO_DTYPE:
+            raise self._bad(f"header.dtype: {h.dtype}, expected F32, F16 or BF16")
+        n = h.n_history + h.n_anchor + h.n_kept + h.n_gen
+        bits, H, d, L = h.quant_bits, h.kv_heads, h.head_dim, h.layers
+        if n >= 1 << 31:
+            raise self._bad(f"header.n_history+n_anchor+n_kept+n_gen: {n}, expected < 2^31")
+        if bits:
+            if bits not in (2, 4, 8):
+                raise self._bad(f"header.quant_bits: {bits}, expected 0, 2, 4 or 8")
+            if h.quant_group < 1:
+                raise self._bad(f"header.quant_group: {h.quant_group}, expected >= 1 when quantized")
+            if d * bits % 8:
+                raise self._bad(f"header.head_dim: {d}, expected head_dim*quant_bits a multiple of 8")
+        self.header, self.n, self.dtype = h, n, _PB_TO_DTYPE[h.dtype]
+        kvdt = DTYPES[self.dtype]
+        groups = -(-n // h.quant_group) if bits else 0
+        specs = []  # (part, numpy dtype, shape)
+        if bits:
+            specs = [(pb.PART_K_CODES, np.uint8, (H, n, d * bits // 8)),
+                     (pb.PART_K_SCALE, np.float16, (H, groups, d)),
+                     (pb.PART_K_ZERO, np.float16, (H, groups, d)),
+                     (pb.PART_V_CODES, np.uint8, (H, n, d * bits // 8)),
+                     (pb.PART_V_SCALE, np.float16, (H, n)),
+                     (pb.PART_V_ZERO, np.float16, (H, n))]
+        else:
+            specs = [(pb.PART_K, kvdt, (H, n, d)), (pb.PART_V, kvdt, (H, n, d))]
+        specs.append((pb.PART_POS, np.int32, (H, n)))
+        per_layer = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, t, s in specs)
+        if L * per_layer > _MAX_MESSAGE_BYTES:
+            raise self._bad(f"header.layers: {L}, expected a message below 2^36 bytes "
+                            f"({per_layer} per layer)")
+        self.slots = []  # [layer, part, dtype, shape, bytearray]
+        for layer in range(L):
+            for part, t, shape in specs:
+                size = int(np.prod(shape)) * np.dtype(t).itemsize
+                self.slots.append((layer, part, np.dtype(t).newbyteorder("<"), shape,
+                                   bytearray(size)))
+        self.next = self.filled = 0
+        self.chunks = self.bytes = self.crc = 0
+        self._skip_complete()
+
+    def _skip_complete(self):
+        while self.next < len(self.slots) and self.filled == len(self.slots[self.next][4]):
+            self.next += 1
+            self.filled = 0
+
+    def add(self, c):
+        if self.header is None:
+            raise self._bad("chunk: before the header, expected a header first")
+        name = f"chunk layer {c.layer} part {_PART_NAME.get(c.part, 'unknown')}"
+        if self.next >= len(self.slots):
+            raise self._bad(f"{name}: after every tensor of the message is complete, "
+                            "expected the trailer")
+        layer, part, _, _, buf = self.slots[self.next]
+        if c.layer != layer or c.part != part:
+            raise self._bad(f"{name} (offset {c.offset}): out of order, expected chunk layer "
+                            f"{layer} part {_PART_NAME[part]} offset {self.filled}")
+        if c.offset != self.filled:
+            raise self._bad(f"{name}: offset {c.offset}, expected {self.filled}")
+        n = len(c.data)
+        if n < 1 or n > MAX_CHUNK_BYTES:
+            raise self._bad(f"{name}: {n} data bytes, expected 1..{MAX_CHUNK_BYTES}")
+        if n > len(buf) - self.filled:
+            raise self._bad(f"{name}: {n} bytes at offset {self.filled}, expected at most "
+                            f"{len(buf) - self.filled} (tensor of {len(buf)} bytes)")
+        crc = crc32c(c.data)
+        if crc != c.crc32c:
+            raise RelayError(grpc.StatusCode.DATA_LOSS,
+                             f"{name} offset {c.offset}: crc32c {c.crc32c}, expected {crc} "
+                             "(computed over the data)")
+        buf[self.filled:self.filled + n] = c.data
+        self.filled += n
+        self.chunks += 1
+        self.bytes += n
+        self.crc = crc32c_combine(self.crc, crc, n)
+        self._skip_complete()
+
+    def finish(self, t):
+        if self.header is None:
+            raise self._bad("trailer: before the header, expected a header first")
+        if self.next < len(self.slots):
+            layer, part, _, _, buf = self.slots[self.next]
+            raise self._bad(f"trailer: stream ended with chunk layer {layer} part "
+                            f"{_PART_NAME[part]} at {self.filled} of {len(buf)} bytes")
+        for field, want in (("chunks", self.chunks), ("bytes", self.bytes), ("crc32c", self.crc)):
+            if getattr(t, field) != want:
+                raise RelayError(grpc.StatusCode.DATA_LOSS,
+                                 f"trailer.{field}: {getattr(t, field)}, expected {want} "
+                                 "(computed over the chunks received)")
+        h = self.header
+        sent = sum(len(s[4]) for s in self.slots)
+        if sent != h.accounting.sent_bytes:
+            raise self._bad(f"header.accounting.sent_bytes: {h.accounting.sent_bytes}, "
+                            f"expected {sent} (bytes of the delivered tensors)")
+        arrays = {}
+        for layer, part, dt, shape, buf in self.slots:
+            arrays[(layer, part)] = np.frombuffer(bytes(buf), dtype=dt).reshape(shape)
+        layers = []
+        for layer in range(h.layers):
+            pos = arrays[(layer, pb.PART_POS)]
+            if h.quant_bits:
+                q = QuantizedLayer(
+                    bits=h.quant_bits, group=h.quant_group, rotate=h.quant_rotate,
+                    k_codes=arrays[(layer, pb.PART_K_CODES)],
+                    k_scale=arrays[(layer, pb.PART_K_SCALE)],
+                    k_zero=arrays[(layer, pb.PART_K_ZERO)],
+                    v_codes=arrays[(layer, pb.PART_V_CODES)],
+                    v_scale=arrays[(layer, pb.PART_V_SCALE)],
+                    v_zero=arrays[(layer, pb.PART_V_ZERO)])
+                k, v = dequantize_layer(q, h.head_dim)
+                layers.append(MessageLayer(k=k, v=v, pos=pos, quant=q))
+            else:
+                layers.append(MessageLayer(k=arrays[(layer, pb.PART_K)],
+                                           v=arrays[(layer, pb.PART_V)], pos=pos))
+        self.done = True
+        return Message(
+            layers=layers, dtype=self.dtype, kv_heads=h.kv_heads, head_dim=h.head_dim,
+            n_history=h.n_history, n_anchor=h.n_anchor, n_kept=h.n_kept, n_gen=h.n_gen,
+            quant_bits=h.quant_bits, quant_group=h.quant_group, quant_rotate=h.quant_rotate,
+            accounting=_accounting(h.accounting), message_id=h.message_id,
+            session_id=h.session_id, sender=h.sender, role=h.role, parent_id=h.parent_id,
+            delivery_attempt=h.delivery_attempt)
+
+
+def _read_delivery(call):
+    """Consumes a Fetch/Compress response stream into a Message; cancels the
+    call on a local error."""
+    a = _Assembler()
+    try:
+        for r in call:
+            if a.done:
+                raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "delivery stream: response after the trailer, expected the end")
+            kind = r.WhichOneof("kind")
+            if kind == "header":
+                a.start(r.header)
+            elif kind == "chunk":
+                a.add(r.chunk)
+            elif kind == "trailer":
+                msg = a.finish(r.trailer)
+            else:
+                raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "delivery stream: empty response, expected header, chunk or trailer")
+    except RelayError:
+        call.cancel()
+        raise
+    if not a.done:
+        raise RelayError(grpc.StatusCode.DATA_LOSS,
+                         "delivery stream: ended without a trailer, expected header, chunks, trailer")
+    return msg
+
+
+class Client:
+    """A connection to one relay ("HOST:PORT", insecure channel, or an
+    existing grpc.Channel). Thread-safe; usable as a context manager."""
+
+    def __init__(self, addr, channel=None, options=None):
+        self._channel = channel if channel is not None else grpc.insecure_channel(
+            addr, options=options or [])
+        self._stub = pb_grpc.RelayStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- Publish -------------------------------------------------------------
+
+    def publish(self, turn, session, sender, recipients, message_id=None, policy="", role="",
+                parent_id="", timeout=120.0, retries=3, initial_backoff=0.1):
+        """Uploads `turn` for `recipients`; returns a PublishResult.
+
+        policy: pipeline spec ("" = the relay's default for `role`);
+        parent_id: history by reference (the turn must then carry no history);
+        timeout: seconds per attempt. A re-publish of a committed message_id
+        returns the original accounting with duplicate=True."""
+        if not isinstance(turn, Turn):
+            raise ValueError("turn: expected a kvrelay.Turn")
+        _check_id("session", session)
+        _check_id("sender", sender)
+        _check_id("message_id", message_id or "", required=False)
+        _check_id("parent_id", parent_id or "", required=False)
+        if isinstance(recipients, str):
+            recipients = [recipients]
+        recipients = list(recipients)
+        if not recipients:
+            raise ValueError("recipients: none, expected at least one agent")
+        for i, r in enumerate(recipients):
+            _check_id(f"recipients[{i}]", r)
+        if retries < 0:
+            raise ValueError("retries: negative, expected >= 0")
+        geometry = _geometry(turn)
+        if parent_id and geometry.n_history > 0:
+            raise ValueError(f"geometry.n_history: {geometry.n_history}, expected 0 with a "
+                             "parent (the relay supplies the history of parent_id)")
+        header = pb.PublishHeader(
+            session_id=session, message_id=message_id or new_message_id(), sender=sender,
+            recipients=recipients, role=role or "", policy=policy or "",
+            parent_id=parent_id or "", geometry=geometry)
+        backoff = initial_backoff
+        attempt = 1
+        while True:
+            try:
+                # A relay that already committed this id answers from the
+                # header (duplicate=True) without reading the rest; grpc then
+                # stops pulling the request iterator: that is a success.
+                resp = self._stub.Publish(
+                    _upload(turn, pb.PublishRequest, pb.PublishRequest(header=header)),
+                    timeout=timeout)
+                return PublishResult(message_id=resp.message_id, duplicate=resp.duplicate,
+                                     accounting=_accounting(resp.accounting), attempts=attempt)
+            except grpc.RpcError as e:
+                code = e.code() if callable(getattr(e, "code", None)) else None
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED) \
+                        or attempt > retries:
+                    raise
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+            attempt += 1
+
+    # ---- Fetch / Ack ---------------------------------------------------------
+
+    def fetch(self, session, agent, timeout=30.0, auto_ack=False):
+        """The oldest unacknowledged message for (session, agent), waiting up
+        to `timeout` seconds (the call's deadline: it bounds the transfer too;
+        DEADLINE_EXCEEDED when none arrived). Quantized K/V are decoded to
+        float32 (the packed tensors stay in layer.quant). auto_ack: the relay
+        acknowledges once it sent the trailer, before this client checked it;
+        prefer ack() once the message is safely used."""
+        _check_id("session", session)
+        _check_id("agent", agent)
+        call = self._stub.Fetch(pb.FetchRequest(session_id=session, agent=agent,
+                                                auto_ack=bool(auto_ack)), timeout=timeout)
+        return _read_delivery(call)
+
+    def ack(self, session, agent, message_id, timeout=10.0):
+        """Acknowledges a delivered message (NOT_FOUND for an unknown one)."""
+        _check_id("session", session)
+        _check_id("agent", agent)
+        _check_id("message_id", message_id)
+        self._stub.Ack(pb.AckRequest(session_id=session, agent=agent, message_id=message_id),
+                       timeout=timeout)
+
+    def close_session(self, session, timeout=10.0):
+        """Frees the session; returns the number of messages freed. Idempotent."""
+        _check_id("session", session)
+        return self._stub.CloseSession(pb.CloseSessionRequest(session_id=session),
+                                       timeout=timeout).messages_freed
+
+    def stats(self, timeout=10.0):
+        r = self._stub.Stats(pb.StatsRequest(), timeout=timeout)
+        return Stats(**{f: getattr(r, f) for f in Stats.__dataclass_fields__})
+
+    # ---- Compress --------------------------------------------------------------
+
+    def compress(self, turn, policy, timeout=120.0):
+        """Stateless compression by the relay: returns the Message (nothing is
+        stored; message_id and routing fields are empty)."""
+        if not policy:
+            raise ValueError("policy: empty, expected a pipeline spec")
+        if not isinstance(turn, Turn):
+            raise ValueError("turn: expected a kvrelay.Turn")
+        first = pb.CompressRequest(header=pb.CompressHeader(policy=policy,
+                                                            geometry=_geometry(turn)))
+        call = self._stub.Compress(_upload(turn, pb.CompressRequest, first), timeout=timeout)
+        return _read_delivery(call)
+
+    # ---- Health ------------------------------------------------------------------
+
+    def health(self, service="", timeout=5.0):
+        """grpc.health.v1.Health/Check: "SERVING", "NOT_SERVING", "UNKNOWN"
+        or "SERVICE_UNKNOWN" (wire format hand-rolled: Debian ships no
+        grpc_health module)."""
+        data = service.encode()
+        req = b"" if not data else b"\x0a" + _varint(len(data)) + data
+        check = self._channel.unary_unary("/grpc.health.v1.Health/Check",
+                                          request_serializer=lambda b: b,
+                                          response_deserializer=lambda b: b)
+        status = _health_status(check(req, timeout=timeout))
+        return {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(
+            status, "UNKNOWN")
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _read_varint(s, i):
+    v = shift = 0
+    while i < len(s) and shift < 64:
+        b = s[i]
+        i += 1
+        v |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return v, i
+        shift += 7
+    raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
+                     "grpc.health.v1.HealthCheckResponse: malformed reply")
+
+
+def _health_status(s):
+    status, i = 0, 0
+    while i < len(s):
+        key, i = _read_varint(s, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            v, i = _read_varint(s, i)
+            if field == 1:
+                status = v
+        elif wire == 2:
+            n, i = _read_varint(s, i)
+            i += n
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        else:
+            raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
+                             "grpc.health.v1.HealthCheckResponse: malformed reply")
+    return status

@@ -1,0 +1,111 @@
+"""Minimal safetensors I/O for kvrelay turn and message files (docs/FORMAT.md),
+so turns built in Python can go through `kvrelayctl` and back. BF16 tensors
+are uint16 bit patterns."""
+import json
+import struct
+
+import numpy as np
+
+from kvrelay.types import (DTYPES, Accounting, Message, MessageLayer, QuantizedLayer,
+                           Turn, dequantize_layer)
+
+__all__ = ["write", "read", "write_turn", "read_message"]
+
+_NP = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+       "I32": np.dtype("<i4"), "U8": np.dtype("u1")}
+
+
+def write(path, tensors, metadata=None, dtypes=None):
+    """Writes {name: array} (dtypes: {name: "BF16"} for uint16 bf16 bits)."""
+    header, blobs, off = {}, [], 0
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    for name, a in tensors.items():
+        a = np.asarray(a)
+        st = (dtypes or {}).get(name)
+        if st is None:
+            st = {v.str: k for k, v in _NP.items() if k != "BF16"}[a.dtype.newbyteorder("<").str
+                                                                   if a.dtype.itemsize > 1
+                                                                   else a.dtype.str]
+        data = np.ascontiguousarray(a, dtype=_NP[st]).tobytes()
+        header[name] = {"dtype": st, "shape": list(a.shape),
+                        "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def read(path):
+    """(metadata, {name: array}) of a safetensors file."""
+    with open(path, "rb") as f:
+        buf = f.read()
+    (n,) = struct.unpack("<Q", buf[:8])
+    header = json.loads(buf[8:8 + n])
+    meta = header.pop("__metadata__", {}) or {}
+    base = 8 + n
+    out = {}
+    for name, t in header.items():
+        b, e = t["data_offsets"]
+        out[name] = np.frombuffer(buf[base + b:base + e], dtype=_NP[t["dtype"]]).reshape(t["shape"])
+    return meta, out
+
+
+def write_turn(path, turn):
+    """Writes a kvrelay.Turn as a turn file (what `kvrelayctl compress --in` reads)."""
+    dtype = turn.geometry()[0]
+    tensors, dts = {}, {}
+    for i, l in enumerate(turn.layers):
+        p = f"layer.{i}."
+        parts = {"prompt.k": l.prompt_k, "prompt.v": l.prompt_v, "gen.k": l.gen_k,
+                 "gen.v": l.gen_v}
+        if l.history_k is not None:
+            parts.update({"history.k": l.history_k, "history.v": l.history_v})
+        for name, a in parts.items():
+            tensors[p + name] = np.asarray(a, dtype=DTYPES[dtype])
+            dts[p + name] = dtype
+        tensors[p + "prompt.score"] = np.asarray(l.score, dtype=np.float32)
+        if l.history_k is not None:
+            tensors[p + "history.pos"] = np.asarray(l.history_pos, dtype=np.int32)
+    meta = {"first_agent": "true" if turn.first_agent else "false"}
+    if turn.prompt_pos0 is not None:
+        meta["prompt_pos0"] = str(int(turn.prompt_pos0))
+    write(path, tensors, meta, dts)
+
+
+def read_message(path):
+    """A message file (`kvrelayctl compress/fetch --out`) as a kvrelay.Message;
+    packed K/V are decoded to float32 as Client.fetch does."""
+    meta, t = read(path)
+    layers, i = [], 0
+    bits = int(meta.get("quant_bits", 0) or 0)
+    group = int(meta.get("quant_group", 0) or 0)
+    rotate = meta.get("quant_rotate", "false") == "true"
+    while f"layer.{i}.pos" in t:
+        p = f"layer.{i}."
+        pos = t[p + "pos"]
+        if p + "k.codes" in t:
+            q = QuantizedLayer(bits=bits, group=group, rotate=rotate,
+                               k_codes=t[p + "k.codes"], k_scale=t[p + "k.scale"],
+                               k_zero=t[p + "k.zero"], v_codes=t[p + "v.codes"],
+                               v_scale=t[p + "v.scale"], v_zero=t[p + "v.zero"])
+            k, v = dequantize_layer(q, q.k_codes.shape[2] * 8 // bits)
+            layers.append(MessageLayer(k=k, v=v, pos=pos, quant=q))
+        else:
+            layers.append(MessageLayer(k=t[p + "k"], v=t[p + "v"], pos=pos))
+        i += 1
+    l0 = layers[0]
+    acc = Accounting(full_bytes=int(meta.get("full_bytes", 0)),
+                     sent_bytes=int(meta.get("sent_bytes", 0)), policy=meta.get("policy", ""))
+    if acc.sent_bytes:
+        acc.ratio = acc.full_bytes / acc.sent_bytes
+    return Message(layers=layers, dtype=meta.get("dtype", ""), kv_heads=l0.pos.shape[0],
+                   head_dim=l0.k.shape[2], n_history=int(meta.get("n_history", 0)),
+                   n_anchor=int(meta.get("n_anchor", 0)), n_kept=int(meta.get("n_kept", 0)),
+                   n_gen=int(meta.get("n_gen", 0)), quant_bits=bits, quant_group=group,
+                   quant_rotate=rotate, accounting=acc)

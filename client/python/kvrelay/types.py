@@ -1,0 +1,264 @@
+"""Turns, messages and their numpy helpers (docs/FORMAT.md).
+
+K/V arrays are numpy arrays of shape [kv_heads, tokens, head_dim]:
+float32 for F32, float16 for F16, and for BF16 uint16 arrays holding the
+bfloat16 bit patterns (numpy has no bfloat16; see f32_to_bf16/bf16_to_f32).
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+__all__ = [
+    "DTYPES", "Accounting", "PublishResult", "Stats", "TurnLayer", "Turn",
+    "QuantizedLayer", "MessageLayer", "Message", "f32_to_bf16", "bf16_to_f32",
+    "dequantize_layer", "hadamard_f32",
+]
+
+# Storage dtype of each K/V dtype name (BF16: raw bit patterns).
+DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+def f32_to_bf16(x):
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def bf16_to_f32(bits):
+    """bfloat16 bit patterns (uint16) -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def to_f32(a, dtype):
+    """A K/V array stored as `dtype` ("F32", "F16", "BF16") as float32."""
+    return bf16_to_f32(a) if dtype == "BF16" else np.asarray(a).astype(np.float32)
+
+
+def from_f32(a, dtype):
+    """float32 -> storage of `dtype`, rounding to nearest even."""
+    if dtype == "BF16":
+        return f32_to_bf16(a)
+    return np.asarray(a, dtype=np.float32).astype(DTYPES[dtype])
+
+
+@dataclass
+class Accounting:
+    """Byte accounting of one message (relay.proto Accounting)."""
+    received_bytes: int = 0
+    full_bytes: int = 0
+    sent_bytes: int = 0
+    ratio: float = 0.0
+    compress_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    policy: str = ""  # canonical spec that was applied
+
+
+@dataclass
+class PublishResult:
+    message_id: str
+    duplicate: bool  # the id was already committed; nothing changed
+    accounting: Accounting
+    attempts: int = 1
+
+
+@dataclass
+class Stats:
+    messages_committed: int = 0
+    messages_failed: int = 0
+    messages_delivered: int = 0
+    messages_acked: int = 0
+    received_bytes: int = 0
+    full_bytes: int = 0
+    sent_bytes: int = 0
+    sessions: int = 0
+    mailbox_messages: int = 0
+    mailbox_bytes: int = 0
+    inflight_bytes: int = 0
+    version: str = ""
+
+
+@dataclass
+class TurnLayer:
+    """One layer of a turn. K/V: [kv_heads, n, head_dim]; score: float32
+    [score_heads, n_prompt] (attention mass on each prompt token, >= 0);
+    history_pos: int32 [kv_heads, n_history]."""
+    prompt_k: np.ndarray
+    prompt_v: np.ndarray
+    gen_k: np.ndarray
+    gen_v: np.ndarray
+    score: np.ndarray
+    history_k: Optional[np.ndarray] = None
+    history_v: Optional[np.ndarray] = None
+    history_pos: Optional[np.ndarray] = None
+
+
+@dataclass
+class Turn:
+    """One agent turn. dtype: "F32", "F16" or "BF16"; None infers it from
+    layer 0's prompt_k (float32 / float16; uint16 needs dtype="BF16")."""
+    layers: List[TurnLayer]
+    dtype: Optional[str] = None
+    first_agent: bool = True
+    prompt_pos0: Optional[int] = None  # None: the history length
+
+    def kv_dtype(self):
+        if self.dtype is not None:
+            if self.dtype not in DTYPES:
+                raise ValueError(f"turn.dtype: {self.dtype!r}, expected F32, F16 or BF16")
+            return self.dtype
+        if not self.layers:
+            raise ValueError("turn.layers: empty, expected at least one layer")
+        dt = np.asarray(self.layers[0].prompt_k).dtype
+        if dt == np.float32:
+            return "F32"
+        if dt == np.float16:
+            return "F16"
+        raise ValueError(f"layer.0.prompt.k: dtype {dt}, expected float32 or float16 "
+                         "(bfloat16: uint16 bit patterns with Turn(dtype='BF16'))")
+
+    def geometry(self):
+        """(dtype, kv_heads, score_heads, head_dim, n_prompt, n_gen, n_history),
+        checked across layers (ValueError naming the tensor)."""
+        dtype = self.kv_dtype()
+        if not self.layers:
+            raise ValueError("turn.layers: empty, expected at least one layer")
+        l0 = self.layers[0]
+        h, n_prompt, d = np.shape(l0.prompt_k) if np.ndim(l0.prompt_k) == 3 else (None,) * 3
+        if h is None:
+            raise ValueError(f"layer.0.prompt.k: shape {list(np.shape(l0.prompt_k))}, "
+                             "expected [kv_heads, n_prompt, head_dim]")
+        n_gen = np.shape(l0.gen_k)[1] if np.ndim(l0.gen_k) == 3 else -1
+        hist = l0.history_k is not None
+        n_hist = np.shape(l0.history_k)[1] if hist and np.ndim(l0.history_k) == 3 else 0
+        s = np.shape(l0.score)[0] if np.ndim(l0.score) == 2 else -1
+        want = {
+            "prompt.k": (h, n_prompt, d), "prompt.v": (h, n_prompt, d),
+            "gen.k": (h, n_gen, d), "gen.v": (h, n_gen, d), "prompt.score": (s, n_prompt),
+        }
+        if hist:
+            want.update({"history.k": (h, n_hist, d), "history.v": (h, n_hist, d),
+                         "history.pos": (h, n_hist)})
+        dts = {"prompt.score": np.float32, "history.pos": np.int32}
+        for i, layer in enumerate(self.layers):
+            if (layer.history_k is not None) != hist:
+                raise ValueError(f"layer.{i}.history.k: history in some layers only, "
+                                 "expected all layers or none")
+            for name, shape in want.items():
+                a = getattr(layer, name.replace("prompt.score", "score").replace(".", "_"))
+                if a is None or tuple(np.shape(a)) != shape:
+                    found = None if a is None else list(np.shape(a))
+                    raise ValueError(f"layer.{i}.{name}: shape {found}, expected {list(shape)}")
+                want_dt = dts.get(name, DTYPES[dtype])
+                if np.asarray(a).dtype.newbyteorder("<") != np.dtype(want_dt).newbyteorder("<"):
+                    raise ValueError(f"layer.{i}.{name}: dtype {np.asarray(a).dtype}, "
+                                     f"expected {np.dtype(want_dt)} ({dtype} turn)")
+        if s < 1 or s % h:
+            raise ValueError(f"layer.0.prompt.score: {s} score heads, expected a positive "
+                             f"multiple of kv_heads={h}")
+        return dtype, h, s, d, n_prompt, n_gen, n_hist
+
+
+@dataclass
+class QuantizedLayer:
+    """Packed K/V of one layer as delivered (FORMAT.md): codes uint8
+    [H, n, d*bits/8]; k_scale/k_zero float16 [H, ceil(n/group), d];
+    v_scale/v_zero float16 [H, n]."""
+    bits: int
+    group: int
+    rotate: bool
+    k_codes: np.ndarray
+    k_scale: np.ndarray
+    k_zero: np.ndarray
+    v_codes: np.ndarray
+    v_scale: np.ndarray
+    v_zero: np.ndarray
+
+
+@dataclass
+class MessageLayer:
+    """k, v: [H, n, d], dense in the message dtype, or float32 decoded from
+    `quant` when the message is quantized; pos: int32 [H, n] position ids."""
+    k: np.ndarray
+    v: np.ndarray
+    pos: np.ndarray
+    quant: Optional[QuantizedLayer] = None
+
+
+@dataclass
+class Message:
+    """A delivered (Fetch) or compressed (Compress) message with its header."""
+    layers: List[MessageLayer]
+    dtype: str
+    kv_heads: int
+    head_dim: int
+    n_history: int
+    n_anchor: int
+    n_kept: int
+    n_gen: int
+    quant_bits: int = 0
+    quant_group: int = 0
+    quant_rotate: bool = False
+    accounting: Accounting = field(default_factory=Accounting)
+    message_id: str = ""
+    session_id: str = ""
+    sender: str = ""
+    role: str = ""
+    parent_id: str = ""
+    delivery_attempt: int = 0
+
+    @property
+    def tokens(self):
+        return self.n_history + self.n_anchor + self.n_kept + self.n_gen
+
+    @property
+    def next_pos(self):
+        """Position id the receiver continues at (1 + the largest id held)."""
+        return int(self.layers[0].pos.max()) + 1 if self.layers and self.tokens else 0
+
+
+# ---- quantization decode (FORMAT.md; bit-identical to core/quant.cc) -------
+
+def hadamard_f32(x):
+    """Orthonormal Walsh-Hadamard transform of the last axis (a power of two),
+    in float32 with the butterfly order and rounding of core/quant.cc."""
+    x = np.array(x, dtype=np.float32)
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        y = x.reshape(lead + (n // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = np.stack([a + b, a - b], axis=-2).reshape(lead + (n,))
+        h *= 2
+    return x * np.float32(1.0 / np.sqrt(np.float64(n)))
+
+
+def _unpack(codes, bits, d):
+    codes = np.asarray(codes, dtype=np.uint8)
+    if bits == 8:
+        out = codes
+    else:
+        shifts = np.arange(0, 8, bits, dtype=np.uint8)
+        out = (codes[..., None] >> shifts) & np.uint8((1 << bits) - 1)
+    return out.reshape(codes.shape[:-1] + (d,)).astype(np.float32)
+
+
+def dequantize_layer(q, head_dim):
+    """(k, v) float32 [H, n, d] decoded from a QuantizedLayer:
+    x = code * scale + zero, then the Hadamard rotation when q.rotate."""
+    kc = _unpack(q.k_codes, q.bits, head_dim)
+    vc = _unpack(q.v_codes, q.bits, head_dim)
+    n = kc.shape[1]
+    ks = np.repeat(np.asarray(q.k_scale).astype(np.float32), q.group, axis=1)[:, :n]
+    kz = np.repeat(np.asarray(q.k_zero).astype(np.float32), q.group, axis=1)[:, :n]
+    # code * scale is exact in float32 (<= 8 + 11 significant bits), so
+    # mul then add rounds like the fused multiply-add of the C++ decoder.
+    k = kc * ks + kz
+    v = vc * np.asarray(q.v_scale).astype(np.float32)[..., None] \
+        + np.asarray(q.v_zero).astype(np.float32)[..., None]
+    if q.rotate:
+        k, v = hadamard_f32(k), hadamard_f32(v)
+    return k, v

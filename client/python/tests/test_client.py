@@ -1,0 +1,416 @@
+#!/usr/bin/python3
+"""The Python client (client/python/kvrelay) against a real kvrelay-server.
+
+    /usr/bin/python3 test_client.py --server BIN --kvrelayctl BIN
+
+PYTHONPATH must hold client/python and the generated stubs dir (the ctest
+registration sets both). Checks: CRC32C (known vector, lengths, speed);
+publish/fetch with `full` bit-exact for F32 (multi-chunk tensors), F16 and
+BF16; compressed deliveries against `kvrelayctl compress` offline on the
+same turn written as safetensors (dense: bit-exact; int4/int2: packed bits
+exact, and the Python decode equal to `--decode` in the turn's dtype);
+Compress equal to the delivery; ack and redelivery, auto_ack, duplicate
+re-publish; a parent chain; deadline on an empty mailbox; bad policy;
+stats, health, close. The whole run is bounded (watchdog) and the server is
+always stopped.
+"""
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import grpc
+import numpy as np
+
+import kvrelay
+from kvrelay import Turn, TurnLayer
+from kvrelay import safetensors as st
+from kvrelay.types import from_f32, to_f32
+
+ARGS = None
+SERVER = None
+ADDR = None
+TMP = None
+WATCHDOG_S = 55
+
+
+def start_server(binary):
+    proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = {}
+    ready = threading.Event()
+
+    def drain():
+        for line in proc.stdout:
+            m = re.match(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)", line)
+            if m and not ready.is_set():
+                found["addr"] = m.group(1)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ready.wait(20) or "addr" not in found:
+        stop_server(proc)
+        raise RuntimeError("kvrelay-server printed no ready line within 20 s")
+    return proc, found["addr"]
+
+
+def stop_server(proc):
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def setUpModule():
+    global SERVER, ADDR, TMP
+    TMP = tempfile.mkdtemp(prefix="kvrelay-py-")
+    SERVER, ADDR = start_server(ARGS.server)
+
+
+def tearDownModule():
+    stop_server(SERVER)
+    if TMP:
+        shutil.rmtree(TMP, ignore_errors=True)
+
+
+# ---- turns -------------------------------------------------------------------
+
+def make_turn(seed, dtype="F32", layers=2, H=2, S=4, d=64, n_prompt=40, n_gen=6,
+              first_agent=True, prompt_pos0=None):
+    rng = np.random.default_rng(seed)
+
+    def kv(n):
+        return from_f32(rng.standard_normal((H, n, d)).astype(np.float32), dtype)
+
+    ls = [TurnLayer(prompt_k=kv(n_prompt), prompt_v=kv(n_prompt), gen_k=kv(n_gen),
+                    gen_v=kv(n_gen), score=rng.random((S, n_prompt)).astype(np.float32))
+          for _ in range(layers)]
+    return Turn(ls, dtype=dtype, first_agent=first_agent, prompt_pos0=prompt_pos0)
+
+
+def bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def kvrelayctl_compress(turn, policy, decode):
+    tag = f"{abs(hash((policy, decode, id(turn))))}"
+    tin = os.path.join(TMP, f"turn-{tag}.safetensors")
+    out = os.path.join(TMP, f"msg-{tag}.safetensors")
+    st.write_turn(tin, turn)
+    cmd = [ARGS.kvrelayctl, "compress", "--policy", policy, "--in", tin, "--out", out,
+           "--threads", "2"] + (["--decode"] if decode else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}: rc={p.returncode} {p.stderr}")
+    return st.read(out)
+
+
+class Crc32cTest(unittest.TestCase):
+    def test_known_and_lengths(self):
+        self.assertEqual(kvrelay.crc32c(b"123456789"), 0xE3069283)
+        self.assertEqual(kvrelay.crc32c(b""), 0)
+        rng = np.random.default_rng(7)
+        for n in [1, 7, 2047, 2048, 4099, 65536, 65537 + 3, (1 << 20) + 5]:
+            d = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            full = kvrelay.crc32c(d)
+            k = n // 3
+            self.assertEqual(kvrelay.crc32c(d[k:], kvrelay.crc32c(d[:k])), full, n)
+            self.assertEqual(kvrelay.crc32c_combine(kvrelay.crc32c(d[:k]),
+                                                    kvrelay.crc32c(d[k:]), n - k), full, n)
+            if n < 70000:  # against the plain byte loop
+                from kvrelay._crc32c import _reg_bytes
+                self.assertEqual(full, (~_reg_bytes(0xFFFFFFFF, d)) & 0xFFFFFFFF, n)
+
+    def test_speed(self):
+        d = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+        kvrelay.crc32c(d)
+        t = time.perf_counter()
+        for _ in range(5):
+            kvrelay.crc32c(d)
+        ms = (time.perf_counter() - t) / 5 * 1e3
+        self.assertLess(ms, 50, f"CRC32C of 1 MiB took {ms:.1f} ms")
+
+
+class OfflineTest(unittest.TestCase):
+    def test_bf16_round_trip(self):
+        x = np.array([1.0, -2.5, 3.14159, 65504.0, 1e-30], dtype=np.float32)
+        b = kvrelay.f32_to_bf16(x)
+        self.assertEqual(b.dtype, np.uint16)
+        self.assertTrue(np.array_equal(kvrelay.bf16_to_f32(b)[:2], x[:2]))
+        self.assertEqual(int(kvrelay.f32_to_bf16(np.float32(1.00390625))), 0x3F80)  # tie to even
+
+    def test_hadamard_orthonormal(self):
+        x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
+        y = kvrelay.hadamard_f32(kvrelay.hadamard_f32(x))
+        self.assertLess(np.abs(y - x).max(), 1e-5)
+
+    def test_corrupt_chunk_is_data_loss(self):
+        from kvrelay.client import _Assembler
+        from kvrelay.v1 import relay_pb2 as pb
+        a = _Assembler()
+        a.start(pb.MessageHeader(layers=1, kv_heads=1, head_dim=4, dtype=pb.DTYPE_F32, n_gen=1,
+                                 accounting=pb.Accounting(sent_bytes=36)))
+        data = np.arange(4, dtype=np.float32).tobytes()
+        with self.assertRaises(kvrelay.RelayError) as cm:
+            a.add(pb.Chunk(layer=0, part=pb.PART_K, offset=0, data=data,
+                           crc32c=kvrelay.crc32c(data) ^ 1))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DATA_LOSS)
+        with self.assertRaises(kvrelay.RelayError) as cm:
+            a.add(pb.Chunk(layer=0, part=pb.PART_V, offset=0, data=data,
+                           crc32c=kvrelay.crc32c(data)))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_bad_arguments(self):
+        c = kvrelay.Client("127.0.0.1:1")
+        t = make_turn(1)
+        with self.assertRaises(ValueError):
+            c.publish(t, "bad session!", "a", ["b"])
+        with self.assertRaises(ValueError):
+            c.publish(t, "s", "a", [])
+        t.layers[1].gen_k = t.layers[1].gen_k[:, :2]
+        with self.assertRaisesRegex(ValueError, r"layer\.1\.gen\.k: shape"):
+            c.publish(t, "s", "a", ["b"])
+        c.close()
+
+
+class RelayTest(unittest.TestCase):
+    def setUp(self):
+        self.c = kvrelay.Client(ADDR)
+
+    def tearDown(self):
+        self.c.close()
+
+    def assert_full(self, turn, m):
+        p0 = turn.prompt_pos0 or 0
+        n_prompt, n_gen = turn.layers[0].prompt_k.shape[1], turn.layers[0].gen_k.shape[1]
+        self.assertEqual((m.n_history, m.n_anchor + m.n_kept, m.n_gen), (0, n_prompt, n_gen))
+        self.assertEqual(m.dtype, turn.dtype)
+        for tl, ml in zip(turn.layers, m.layers, strict=True):
+            for mine, parts in ((ml.k, (tl.prompt_k, tl.gen_k)), (ml.v, (tl.prompt_v, tl.gen_v))):
+                want = np.concatenate(parts, axis=1)
+                self.assertEqual(mine.dtype.itemsize, want.dtype.itemsize)
+                self.assertTrue(np.array_equal(bits(mine), bits(want)))
+            want_pos = p0 + np.arange(n_prompt + n_gen, dtype=np.int32)
+            self.assertTrue(np.array_equal(ml.pos, np.broadcast_to(want_pos, ml.pos.shape)))
+
+    def test_full_bit_exact(self):
+        cases = [("F32", dict(H=4, d=128, n_prompt=600, n_gen=20)),  # 1.2 MiB tensors: 2 chunks
+                 ("F16", dict(prompt_pos0=17)), ("BF16", {})]
+        for i, (dtype, kw) in enumerate(cases):
+            with self.subTest(dtype=dtype):
+                turn = make_turn(10 + i, dtype, **kw)
+                sess = f"full-{dtype}"
+                r = self.c.publish(turn, sess, "planner", ["critic"], policy="full", role="planner")
+                self.assertFalse(r.duplicate)
+                self.assertEqual(r.accounting.policy, "full")
+                self.assertEqual(r.accounting.full_bytes, r.accounting.sent_bytes)
+                m = self.c.fetch(sess, "critic", timeout=10)
+                self.assertEqual((m.message_id, m.sender, m.role, m.delivery_attempt),
+                                 (r.message_id, "planner", "planner", 1))
+                self.assertEqual(m.accounting.sent_bytes, r.accounting.sent_bytes)
+                self.assert_full(turn, m)
+                self.c.ack(sess, "critic", m.message_id)
+                self.assertEqual(self.c.close_session(sess), 1)
+
+    def test_compressed_matches_kvrelayctl(self):
+        cases = [("F32", "h2o-head:k=8+obf:p=4"),
+                 ("BF16", "h2o-head:k=8+obf:p=4"),
+                 ("F16", "h2o-layer:k=8,recent=2+obf:p=4,mode=fast"),
+                 ("F32", "h2o-head:k=8+obf:p=4+int4:rotate=hadamard"),
+                 ("BF16", "h2o-head:k=8+int4:group=16,rotate=hadamard"),
+                 ("F16", "h2o-layer:k=8+int2:group=8"),
+                 ("BF16", "gen+int8")]
+        for i, (dtype, policy) in enumerate(cases):
+            with self.subTest(dtype=dtype, policy=policy):
+                turn = make_turn(100 + i, dtype)
+                sess = f"cmp-{i}"
+                r = self.c.publish(turn, sess, "planner", ["critic"], policy=policy)
+                m = self.c.fetch(sess, "critic", timeout=10, auto_ack=True)
+                self.assertEqual(m.accounting.sent_bytes, r.accounting.sent_bytes)
+                meta, ref = kvrelayctl_compress(turn, policy, decode=False)
+                self.assertEqual(meta["policy"], m.accounting.policy)
+                self.assertEqual(int(meta["sent_bytes"]), m.accounting.sent_bytes)
+                self.assertEqual(int(meta["full_bytes"]), m.accounting.full_bytes)
+                for key in ("n_history", "n_anchor", "n_kept", "n_gen"):
+                    self.assertEqual(int(meta[key]), getattr(m, key), key)
+                quant = "+int" in policy
+                self.assertEqual(m.quant_bits, int(meta.get("quant_bits", 0)))
+                for li, ml in enumerate(m.layers):
+                    p = f"layer.{li}."
+                    self.assertTrue(np.array_equal(ml.pos, ref[p + "pos"]))
+                    if not quant:
+                        self.assertIsNone(ml.quant)
+                        self.assertTrue(np.array_equal(bits(ml.k), bits(ref[p + "k"])))
+                        self.assertTrue(np.array_equal(bits(ml.v), bits(ref[p + "v"])))
+                        continue
+                    for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"):
+                        self.assertTrue(np.array_equal(bits(getattr(ml.quant, name)),
+                                                       bits(ref[p + name.replace("_", ".")])), name)
+                if quant:
+                    _, dec = kvrelayctl_compress(turn, policy, decode=True)
+                    for li, ml in enumerate(m.layers):
+                        p = f"layer.{li}."
+                        self.assertEqual(ml.k.dtype, np.float32)
+                        for mine, name in ((ml.k, "k"), (ml.v, "v")):
+                            got = from_f32(mine, dtype)
+                            want = dec[p + name]
+                            diff = np.abs(bits(got).astype(np.int64) - bits(want).astype(np.int64))
+                            self.assertEqual(int(diff.max()), 0, f"{p}{name}")
+                            if dtype == "F32":
+                                self.assertTrue(np.array_equal(bits(mine), bits(want)))
+                # Compress (stateless) gives the same message.
+                c = self.c.compress(turn, policy, timeout=30)
+                self.assertEqual(c.accounting.sent_bytes, m.accounting.sent_bytes)
+                for a, b in zip(c.layers, m.layers, strict=True):
+                    self.assertTrue(np.array_equal(bits(a.k), bits(b.k)))
+                    self.assertTrue(np.array_equal(bits(a.v), bits(b.v)))
+                    self.assertTrue(np.array_equal(a.pos, b.pos))
+                self.c.close_session(sess)
+
+    def test_ack_redelivery_duplicate(self):
+        sess = "ack"
+        turn = make_turn(200)
+        r = self.c.publish(turn, sess, "planner", ["critic", "judge"], message_id="msg-1",
+                           policy="h2o-head:k=8")
+        again = self.c.publish(turn, sess, "planner", ["critic", "judge"], message_id="msg-1",
+                               policy="h2o-head:k=8")
+        self.assertEqual((r.message_id, r.duplicate), ("msg-1", False))
+        self.assertEqual((again.message_id, again.duplicate), ("msg-1", True))
+        self.assertEqual(again.accounting.sent_bytes, r.accounting.sent_bytes)
+        m1 = self.c.fetch(sess, "critic", timeout=5)
+        m2 = self.c.fetch(sess, "critic", timeout=5)
+        self.assertEqual((m1.message_id, m1.delivery_attempt), ("msg-1", 1))
+        self.assertEqual((m2.message_id, m2.delivery_attempt), ("msg-1", 2))
+        self.c.ack(sess, "critic", "msg-1")
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.fetch(sess, "critic", timeout=0.3)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        # judge has its own delivery; auto_ack acknowledges it.
+        mj = self.c.fetch(sess, "judge", timeout=5, auto_ack=True)
+        self.assertEqual((mj.message_id, mj.delivery_attempt), ("msg-1", 1))
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.fetch(sess, "judge", timeout=0.3)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.ack(sess, "critic", "no-such-message")
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.c.close_session(sess)
+
+    def test_parent_chain(self):
+        sess = "chain"
+        t1 = make_turn(300, "BF16")
+        r1 = self.c.publish(t1, sess, "planner", ["critic"], policy="full")
+        m1 = self.c.fetch(sess, "critic", timeout=5)
+        self.c.ack(sess, "critic", m1.message_id)
+        t2 = make_turn(301, "BF16", first_agent=False, n_prompt=30, n_gen=5)
+        r2 = self.c.publish(t2, sess, "critic", ["refiner"], policy="h2o-head:k=8",
+                            parent_id=r1.message_id)
+        m2 = self.c.fetch(sess, "refiner", timeout=5)
+        self.assertEqual((m2.message_id, m2.parent_id, m2.sender), (r2.message_id, r1.message_id,
+                                                                    "critic"))
+        nh = m1.tokens
+        self.assertEqual((m2.n_history, m2.n_anchor, m2.n_kept, m2.n_gen), (nh, 0, 8, 5))
+        for a, b, tl in zip(m1.layers, m2.layers, t2.layers, strict=True):
+            self.assertTrue(np.array_equal(bits(b.k[:, :nh]), bits(a.k)))
+            self.assertTrue(np.array_equal(bits(b.v[:, :nh]), bits(a.v)))
+            self.assertTrue(np.array_equal(b.pos[:, :nh], a.pos))
+            self.assertTrue(np.array_equal(bits(b.k[:, -5:]), bits(tl.gen_k)))
+            gen_pos = m1.next_pos + 30 + np.arange(5)
+            self.assertTrue(np.array_equal(b.pos[:, -5:], np.broadcast_to(gen_pos, (2, 5))))
+            kept = b.pos[:, nh:nh + 8]
+            self.assertTrue((np.diff(kept, axis=1) > 0).all())
+        self.assertEqual(m2.next_pos, m1.next_pos + 35)
+        # A parent that was never delivered to the publisher.
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.publish(t2, sess, "judge", ["refiner"], policy="full", parent_id=r1.message_id)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.c.close_session(sess)
+
+    def test_deadline_on_empty_mailbox(self):
+        t = time.monotonic()
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.fetch("empty", "nobody", timeout=0.5)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertLess(time.monotonic() - t, 5)
+
+    def test_bad_policy(self):
+        turn = make_turn(400)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.publish(turn, "bad", "planner", ["critic"], policy="h2o-head:k=8+bogus")
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("bogus", cm.exception.details())
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.compress(turn, "gen+obf")
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_publish_retries_unavailable_only(self):
+        real = self.c._stub.Publish
+        calls, failures_left = [], [1]  # fail the first call only
+
+        def flaky(requests, timeout=None):
+            calls.append(1)
+            if failures_left[0]:
+                failures_left[0] -= 1
+                raise kvrelay.RelayError(grpc.StatusCode.UNAVAILABLE, "injected")
+            return real(requests, timeout=timeout)
+
+        self.c._stub.Publish = flaky
+        r = self.c.publish(make_turn(500), "retry", "planner", ["critic"], policy="full",
+                           initial_backoff=0.01)
+        self.assertEqual((r.attempts, len(calls), r.duplicate), (2, 2, False))
+        calls.clear()
+        with self.assertRaises(grpc.RpcError) as cm:  # INVALID_ARGUMENT: no retry
+            self.c.publish(make_turn(501), "retry", "planner", ["critic"], policy="bogus",
+                           initial_backoff=0.01)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertEqual(len(calls), 1)
+        self.c.close_session("retry")
+
+    def test_health_and_stats(self):
+        self.assertEqual(self.c.health(), "SERVING")
+        s = self.c.stats()
+        self.assertTrue(s.version)
+        self.assertGreaterEqual(s.full_bytes, s.sent_bytes)
+
+
+def main():
+    global ARGS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--kvrelayctl", required=True)
+    ARGS, rest = ap.parse_known_args()
+
+    def expire():
+        print(f"FAIL: watchdog: the test ran past {WATCHDOG_S} s", file=sys.stderr, flush=True)
+        try:
+            if SERVER is not None:
+                SERVER.kill()
+        finally:
+            os._exit(1)
+
+    dog = threading.Timer(WATCHDOG_S, expire)
+    dog.daemon = True
+    dog.start()
+    try:
+        prog = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+    finally:
+        dog.cancel()
+        stop_server(SERVER)
+    sys.exit(0 if prog.result.wasSuccessful() else 1)
+
+
+if __name__ == "__main__":
+    main()
