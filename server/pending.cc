@@ -8,6 +8,8 @@
 
 namespace kvrelay {
 
+std::atomic<int> PendingCompression::peak_outstanding_{0};
+
 PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline, const UploadShape& shape,
                                        MessagePtr parent, int64_t prompt_pos0, ThreadPool* pool, Store* store,
                                        uint64_t reserved)
@@ -31,7 +33,10 @@ PendingCompression::~PendingCompression() {
 void PendingCompression::Submit(int l, TurnLayer layer) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ++outstanding_;
+    max_outstanding_ = std::max(max_outstanding_, ++outstanding_);
+    int peak = peak_outstanding_.load();
+    while (peak < outstanding_ && !peak_outstanding_.compare_exchange_weak(peak, outstanding_)) {
+    }
   }
   auto self = shared_from_this();
   // std::function needs a copyable callable: hold the layer by shared_ptr.
@@ -78,15 +83,21 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
   // Free the upload's tensors before reporting.
   layer = TurnLayer();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::function<void()> done;
+  std::function<void()> done, resume;
   {
     std::lock_guard<std::mutex> lock(mu_);
     seconds_ += secs;
     next_pos_ = std::max(next_pos_, next);
     if (!st.ok() && status_.ok()) status_ = st;
     if (result) out_[l] = std::move(result);
-    if (--outstanding_ == 0 && done_) done = std::move(done_);
+    --outstanding_;
+    if (resume_ && outstanding_ < resume_below_) {
+      resume = std::move(resume_);
+      resume_ = nullptr;
+    }
+    if (outstanding_ == 0 && done_) done = std::move(done_);
   }
+  if (resume) resume();  // never together with `done`: no commit is read while paused
   if (done) done();
 }
 
@@ -105,6 +116,19 @@ void PendingCompression::WhenDone(std::function<void()> done) {
     }
   }
   done();
+}
+
+bool PendingCompression::PauseIfBusy(int bound, std::function<void()> resume) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (outstanding_ < bound) return false;
+  resume_below_ = bound;
+  resume_ = std::move(resume);
+  return true;
+}
+
+int PendingCompression::max_outstanding() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return max_outstanding_;
 }
 
 int64_t PendingCompression::next_pos() const {

@@ -49,6 +49,19 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   // this thread if they have, else on the worker that finishes last.
   void WhenDone(std::function<void()> done);
 
+  // Backpressure: false when fewer than `bound` submitted layers are
+  // unfinished (go on reading). Otherwise true, and `resume` is called once,
+  // on the worker that brings them below `bound` (finished or skipped when
+  // cancelled). The caller must not read on until then, and `resume` must
+  // cope with a caller that is gone (it may outlive the upload's reactor).
+  bool PauseIfBusy(int bound, std::function<void()> resume);
+
+  // The most submitted-but-unfinished layers seen at once: this upload's,
+  // and (for tests) any upload's since the last reset.
+  int max_outstanding() const;
+  static int peak_outstanding() { return peak_outstanding_.load(); }
+  static void ResetPeakOutstanding() { peak_outstanding_.store(0); }
+
   // The composed message. REQUIRES: WhenDone fired, status().ok() and every
   // layer submitted.
   Message TakeMessage();
@@ -81,6 +94,10 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   std::vector<std::optional<MessageLayer>> out_;
   absl::Status status_;
   int outstanding_ = 0;
+  int max_outstanding_ = 0;
+  int resume_below_ = 0;
+  std::function<void()> resume_;  // set while the reader is paused
+  static std::atomic<int> peak_outstanding_;
   double seconds_ = 0;
   int64_t next_pos_ = 0;
   std::function<void()> done_;

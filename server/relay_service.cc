@@ -175,6 +175,14 @@ class Upload {
   std::shared_ptr<PendingCompression> pending() const { return pending_; }
   uint64_t received() const { return assembler_ ? assembler_->bytes_received() : 0; }
 
+  // Backpressure: true when max(2, 2 x workers) of the upload's layers are
+  // queued or compressing; then the reactor reads no further until `resume`
+  // runs (on a worker), and HTTP/2 flow control holds the client back.
+  bool PauseIfBusy(std::function<void()> resume) {
+    const int bound = std::max(2, 2 * svc_->pool()->size());
+    return pending_ && pending_->PauseIfBusy(bound, std::move(resume));
+  }
+
  private:
   void SubmitCompleted() {
     for (auto& [l, layer] : assembler_->TakeCompleted()) pending_->Submit(l, std::move(layer));
@@ -183,6 +191,25 @@ class Upload {
   RelayService* svc_;
   std::optional<TurnAssembler> assembler_;
   std::shared_ptr<PendingCompression> pending_;
+};
+
+// What a worker calls to resume a reactor paused by backpressure. The
+// reactor is deleted in OnDone, possibly before the paused upload's layers
+// drain: like the idle watchdog, the worker goes through this shared gate,
+// under the watchdog entry's mutex, and finds `resume` cleared once the
+// reactor is done. The reactor's `resume` itself checks that it has not
+// finished (no StartRead after Finish).
+struct ReadGate {
+  explicit ReadGate(std::shared_ptr<UploadWatchdog::Entry> e) : idle(std::move(e)) {}
+  const std::shared_ptr<UploadWatchdog::Entry> idle;
+  std::function<void()> resume;  // guarded by idle->mu; runs under it; cleared in OnDone
+
+  static std::function<void()> Resumer(const std::shared_ptr<ReadGate>& gate) {
+    return [gate] {
+      std::lock_guard<std::mutex> lock(gate->idle->mu);
+      if (gate->resume) gate->resume();
+    };
+  }
 };
 
 // The bytes a composed message of `shape` with `n_history` history tokens
@@ -214,6 +241,8 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
   PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, v1::PublishResponse* resp)
       : svc_(svc), ctx_(ctx), resp_(resp), upload_(svc), started_(Clock::now()) {
     idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
+    gate_ = std::make_shared<ReadGate>(idle_);
+    gate_->resume = [this] { OnResume(); };
     StartRead(&req_);
   }
 
@@ -260,7 +289,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
         s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
     }
     if (!s.ok()) return Fail(s);
-    StartRead(&req_);
+    ReadNext();
   }
 
   void OnCancel() override {
@@ -273,6 +302,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
       std::lock_guard<std::mutex> lock(idle_->mu);
       idle_->armed = false;
       idle_->fire = nullptr;
+      gate_->resume = nullptr;  // a worker may still hold the gate
     }
     delete this;
   }
@@ -361,6 +391,25 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
     std::shared_ptr<const Pipeline> shared(std::move(*pipeline));
     std::lock_guard<std::mutex> lock(mu_);
     return upload_.Start(shape, std::move(shared), std::move(parent), pos0);
+  }
+
+  // Under idle_->mu, after a read: reads on, unless backpressure pauses
+  // the upload until a worker calls OnResume.
+  void ReadNext() {
+    if (upload_.PauseIfBusy(ReadGate::Resumer(gate_))) {
+      idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  // On a worker, under idle_->mu: a paused upload's layers drained below the
+  // bound (or were skipped after a cancel: the read then fails and ends the
+  // call). Nothing else finishes the call while it is paused.
+  void OnResume() {
+    if (replied_) return;
+    idle_->last = Clock::now();
+    StartRead(&req_);
   }
 
   // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
@@ -452,6 +501,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
   std::atomic<bool> replied_{false};
   const Clock::time_point started_;
   std::shared_ptr<UploadWatchdog::Entry> idle_;
+  std::shared_ptr<ReadGate> gate_;
 };
 
 // ------------------------------------------------------------------ Fetch
@@ -594,6 +644,8 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
   CompressReactor(RelayService* svc, grpc::CallbackServerContext* ctx)
       : svc_(svc), ctx_(ctx), upload_(svc), started_(Clock::now()) {
     idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
+    gate_ = std::make_shared<ReadGate>(idle_);
+    gate_->resume = [this] { OnResume(); };
     StartRead(&req_);
   }
 
@@ -633,7 +685,7 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
         s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
     }
     if (!s.ok()) return Fail(s);
-    StartRead(&req_);
+    ReadNext();
   }
 
   void OnWriteDone(bool ok) override {
@@ -658,6 +710,7 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
       std::lock_guard<std::mutex> lock(idle_->mu);
       idle_->armed = false;
       idle_->fire = nullptr;
+      gate_->resume = nullptr;  // a worker may still hold the gate
     }
     if (out_reserved_) svc_->store()->ReleaseInflight(out_reserved_);
     delete this;
@@ -676,6 +729,25 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
     std::shared_ptr<const Pipeline> shared(std::move(*pipeline));
     std::lock_guard<std::mutex> lock(mu_);
     return upload_.Start(shape, std::move(shared), nullptr, shape.prompt_pos0.value_or(shape.geo.n_history));
+  }
+
+  // Under idle_->mu, after a read: reads on, unless backpressure pauses
+  // the upload until a worker calls OnResume.
+  void ReadNext() {
+    if (upload_.PauseIfBusy(ReadGate::Resumer(gate_))) {
+      idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  // On a worker, under idle_->mu: a paused upload's layers drained below the
+  // bound (or were skipped after a cancel: the read then fails and ends the
+  // call). Nothing else finishes the call while it is paused.
+  void OnResume() {
+    if (finished_) return;
+    idle_->last = Clock::now();
+    StartRead(&req_);
   }
 
   // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
@@ -737,6 +809,7 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
   std::atomic<bool> finished_{false};
   const Clock::time_point started_;
   std::shared_ptr<UploadWatchdog::Entry> idle_;
+  std::shared_ptr<ReadGate> gate_;
 };
 
 }  // namespace

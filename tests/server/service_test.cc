@@ -7,6 +7,7 @@
 #include "prometheus/text_serializer.h"
 #include "relay_test_util.h"
 #include "server/assembler.h"
+#include "server/pending.h"
 #include "server/server.h"
 #include "tests/core/test_util.h"
 
@@ -20,7 +21,7 @@ class RelayTest : public ::testing::Test {
   void StartServer(ServerConfig cfg = {}) {
     cfg.listen = "127.0.0.1:0";
     cfg.metrics_listen = "";
-    cfg.worker_threads = 2;
+    if (cfg.worker_threads <= 0) cfg.worker_threads = 2;
     cfg.shutdown_grace_seconds = 2;
     auto s = RelayServer::Start(cfg);
     ASSERT_TRUE(s.ok()) << s.status();
@@ -795,6 +796,162 @@ TEST_F(RelayTest, IdleUploadsAreCancelled) {
   }
   w->WritesDone();
   EXPECT_TRUE(w->Finish().ok());
+}
+
+
+// Backpressure: with one worker and a policy slower per layer than the
+// upload, the server reads no further while max(2, 2 x workers) = 2 layers
+// are queued or compressing.
+class BackpressureTest : public RelayTest {
+ protected:
+  static constexpr int kBound = 2;  // max(2, 2 x 1 worker)
+  static constexpr const char* kPolicy = "h2o-head:k=32+obf:p=8";  // obf exact: slow per layer
+  void SetUp() override {}
+  void Start(double idle_timeout_s = 60) {
+    ServerConfig cfg;
+    cfg.worker_threads = 1;
+    cfg.upload_idle_timeout_seconds = idle_timeout_s;
+    StartServer(cfg);
+    PendingCompression::ResetPeakOutstanding();
+  }
+  static Turn BigTurn(uint64_t seed, int n_prompt = 512) {
+    TurnShape s;
+    s.layers = 24;
+    s.kv_heads = 8;
+    s.group = 1;
+    s.head_dim = 128;
+    s.n_prompt = n_prompt;
+    s.n_gen = 8;
+    s.dtype = DType::kBF16;
+    return RandomTurn(s, seed);
+  }
+};
+
+TEST_F(BackpressureTest, QueuedLayersStayBoundedAndTheResultIsBitExact) {
+  Start();
+  Turn t = BigTurn(41);
+  const Message want = Offline(t, kPolicy);
+  auto pub = PublishTurn(stub_.get(), Header("bp", "m1", "a", {"b"}, kPolicy, t), t, 64 << 10);
+  ASSERT_TRUE(pub.status.ok()) << pub.status.error_message();
+  EXPECT_GE(PendingCompression::peak_outstanding(), 1);
+  EXPECT_LE(PendingCompression::peak_outstanding(), kBound);
+  FetchResult f = DoFetch(stub_.get(), "bp", "b", /*auto_ack=*/true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  EXPECT_TRUE(f.trailer_ok);
+  EXPECT_EQ(f.header.accounting().sent_bytes(), want.sent_bytes);
+  ExpectSameMessage(f.msg, want);
+
+  // Compress shares the upload path.
+  PendingCompression::ResetPeakOutstanding();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(120));
+  auto stream = stub_->Compress(&ctx);
+  v1::CompressRequest req;
+  req.mutable_header()->set_policy(kPolicy);
+  *req.mutable_header()->mutable_geometry() = ProtoGeometry(t);
+  ASSERT_TRUE(stream->Write(req));
+  auto chunks = TurnChunks(t, 64 << 10);
+  for (const auto& c : chunks) {
+    *req.mutable_chunk() = c;
+    ASSERT_TRUE(stream->Write(req));
+  }
+  *req.mutable_commit() = TrailerOf(chunks);
+  ASSERT_TRUE(stream->Write(req));
+  stream->WritesDone();
+  Reassembler<v1::CompressResponse> ra;
+  v1::CompressResponse resp;
+  while (stream->Read(&resp)) ra.Add(resp);
+  ASSERT_TRUE(stream->Finish().ok());
+  ra.Build();
+  EXPECT_TRUE(ra.r.trailer_ok);
+  ExpectSameMessage(ra.r.msg, want);
+  EXPECT_GE(PendingCompression::peak_outstanding(), 1);
+  EXPECT_LE(PendingCompression::peak_outstanding(), kBound);
+  WaitInflightZero();
+}
+
+// Cancelled while paused (the client blocked by flow control): the call
+// ends promptly, nothing is committed, the reservation comes back.
+TEST_F(BackpressureTest, CancelWhilePausedLeavesNothing) {
+  Start();
+  // Layers that compress slowly (~0.4 s) and outweigh the flow-control
+  // windows (34 MB), so the client is still blocked when it cancels.
+  TurnShape s;
+  s.layers = 5;
+  s.kv_heads = 8;
+  s.group = 1;
+  s.head_dim = 128;
+  s.n_prompt = 8192;
+  s.n_gen = 8;
+  s.dtype = DType::kBF16;
+  v1::PublishRequest head;
+  std::vector<v1::Chunk> chunks;
+  {
+    Turn t = RandomTurn(s, 42);
+    *head.mutable_header() = Header("bpcut", "m", "a", {"b"}, "h2o-head:k=4096+obf:p=8", t);
+    chunks = TurnChunks(t, 256 << 10);
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(60));
+  v1::PublishResponse resp;
+  auto w = stub_->Publish(&ctx, &resp);
+  std::atomic<size_t> written{0};
+  std::thread writer([&] {
+    v1::PublishRequest req = head;
+    if (!w->Write(req)) return;
+    for (const auto& c : chunks) {
+      *req.mutable_chunk() = c;
+      if (!w->Write(req)) return;
+      ++written;
+    }
+  });
+  // Paused: the bound is reached and the client stops getting through.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (PendingCompression::peak_outstanding() < kBound && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(PendingCompression::peak_outstanding(), kBound);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_LT(written.load(), chunks.size());  // held back by flow control
+  EXPECT_GT(server_->store()->inflight_bytes(), 0u);
+  const auto t0 = std::chrono::steady_clock::now();
+  ctx.TryCancel();
+  writer.join();
+  EXPECT_EQ(w->Finish().error_code(), grpc::CANCELLED);
+  WaitInflightZero();
+  EXPECT_LT(Seconds(t0), 10.0);
+  EXPECT_LE(PendingCompression::peak_outstanding(), kBound);
+  ExpectNothingFor("bpcut", "b");
+  EXPECT_EQ(server_->store()->Stats().committed, 0u);
+  EXPECT_EQ(server_->store()->Stats().failed, 1u);
+}
+
+// A backpressure pause is the server's doing: the idle watchdog (shorter
+// than a layer's compression here) does not fail the upload for it.
+TEST_F(BackpressureTest, IdleWatchdogIgnoresPauses) {
+  constexpr double kTimeout = 0.15;
+  Start(kTimeout);
+  TurnShape s;
+  s.layers = 4;
+  s.kv_heads = 8;
+  s.group = 1;
+  s.head_dim = 128;
+  s.n_prompt = 8192;
+  s.n_gen = 8;
+  s.dtype = DType::kBF16;
+  Turn t = RandomTurn(s, 43);
+  const std::string policy = "h2o-head:k=4096+obf:p=8";  // ~0.4 s a layer: each pause outlasts the timeout
+  const auto c0 = std::chrono::steady_clock::now();
+  const Message want = Offline(t, policy);
+  const double layer_s = Seconds(c0) / s.layers;
+  if (layer_s < 2 * kTimeout) GTEST_SKIP() << "a layer compresses in " << layer_s << " s, too fast to pause long";
+  auto pub = PublishTurn(stub_.get(), Header("bpidle", "m", "a", {"b"}, policy, t), t, 256 << 10);
+  ASSERT_TRUE(pub.status.ok()) << pub.status.error_message();
+  EXPECT_EQ(PendingCompression::peak_outstanding(), kBound);  // it did pause
+  FetchResult f = DoFetch(stub_.get(), "bpidle", "b", true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  ExpectSameMessage(f.msg, want);
+  WaitInflightZero();
 }
 
 }  // namespace
