@@ -123,6 +123,23 @@ class DeliveryReader {
   Message message_;
 };
 
+// Feeds every response of `stream` to `delivery`. On the first one it
+// rejects, cancels the call and drains the rest; returns that error, or OK.
+template <typename Stream, typename Response>
+absl::Status ConsumeDelivery(Stream* stream, grpc::ClientContext* ctx, DeliveryReader<Response>* delivery) {
+  Response resp;
+  while (stream->Read(&resp)) {
+    absl::Status s = delivery->Consume(resp);
+    if (!s.ok()) {
+      ctx->TryCancel();
+      while (stream->Read(&resp)) {
+      }
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckId(absl::string_view field, const std::string& v, bool required) {
   if (v.empty()) {
     if (!required) return absl::OkStatus();
@@ -304,17 +321,7 @@ absl::StatusOr<FetchedMessage> RelayClient::Fetch(const FetchOptions& opts) {
   req.set_auto_ack(opts.auto_ack);
   std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader = stub_->Fetch(&ctx, req);
   DeliveryReader<v1::FetchResponse> delivery(opts.progress);
-  v1::FetchResponse resp;
-  absl::Status local;
-  while (reader->Read(&resp)) {
-    local = delivery.Consume(resp);
-    if (!local.ok()) {
-      ctx.TryCancel();
-      while (reader->Read(&resp)) {
-      }
-      break;
-    }
-  }
+  const absl::Status local = ConsumeDelivery(reader.get(), &ctx, &delivery);
   const grpc::Status s = reader->Finish();
   if (!local.ok()) return local;
   if (!s.ok()) return FromGrpcStatus(s);
@@ -398,18 +405,7 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
   // one writer at a time is what a gRPC sync stream allows.
   DeliveryReader<v1::CompressResponse> delivery(progress);
   absl::Status local;
-  std::thread reader([&] {
-    v1::CompressResponse resp;
-    while (stream->Read(&resp)) {
-      local = delivery.Consume(resp);
-      if (!local.ok()) {
-        ctx.TryCancel();
-        while (stream->Read(&resp)) {
-        }
-        return;
-      }
-    }
-  });
+  std::thread reader([&] { local = ConsumeDelivery(stream.get(), &ctx, &delivery); });
   v1::CompressRequest req;
   req.mutable_header()->set_policy(policy);
   *req.mutable_header()->mutable_geometry() = std::move(geometry);
