@@ -10,7 +10,15 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   python3 python3-numpy python3-grpcio
   prometheus
+  # Other-language clients and the HF adapter test (issue 4).
+  golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
+  python3-torch python3-matplotlib
 )
+# Node.js/npm and kubectl may come from other repositories on the image; take
+# Debian's only when the command is missing.
+command -v node >/dev/null 2>&1 || PACKAGES+=(nodejs)
+command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
+command -v kubectl >/dev/null 2>&1 || PACKAGES+=(kubernetes-client)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
