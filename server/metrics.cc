@@ -106,6 +106,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                       .Help("Bytes of every retained message, acked or not, all sessions.")
                       .Register(*registry_)
                       .Add({});
+  limits_ = &BuildGauge()
+                 .Name("kvrelay_limit_bytes")
+                 .Help("Configured byte limits: inflight, mailbox (per session and agent), session, store.")
+                 .Register(*registry_);
   BuildGauge()
       .Name("kvrelay_build_info")
       .Help("Build information; the value is always 1.")

@@ -58,6 +58,9 @@ class Metrics {
     mailbox_bytes_->Set(bytes);
   }
   void SetStoreBytes(double bytes) { store_bytes_->Set(bytes); }
+  // Exports a configured limit as kvrelay_limit_bytes{limit=NAME}, so alerts
+  // can compare usage gauges with it (e.g. "inflight", "mailbox", "store").
+  void SetLimit(const std::string& name, double bytes) { limits_->Add({{"limit", name}}).Set(bytes); }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -74,6 +77,7 @@ class Metrics {
   prometheus::Gauge* mailbox_messages_;
   prometheus::Gauge* mailbox_bytes_;
   prometheus::Gauge* store_bytes_;
+  prometheus::Family<prometheus::Gauge>* limits_;
 };
 
 }  // namespace kvrelay

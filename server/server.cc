@@ -26,6 +26,10 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   limits.max_store_bytes = config.max_store_bytes;
   limits.session_ttl_seconds = config.session_ttl_seconds;
   s->store_ = std::make_unique<Store>(limits, s->metrics_.get());
+  s->metrics_->SetLimit("inflight", static_cast<double>(config.max_inflight_bytes));
+  s->metrics_->SetLimit("mailbox", static_cast<double>(config.max_mailbox_bytes));
+  s->metrics_->SetLimit("session", static_cast<double>(config.max_session_bytes));
+  s->metrics_->SetLimit("store", static_cast<double>(config.max_store_bytes));
   s->pool_ = std::make_unique<ThreadPool>(std::max(1, config.worker_threads));
   s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get());
 
