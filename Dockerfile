@@ -6,7 +6,7 @@
 FROM debian:bookworm-slim AS build
 WORKDIR /src
 COPY . .
-RUN bash scripts/install_deps.sh && \
+RUN bash scripts/install_deps.sh --build-only && \
     KVRELAY_BUILD_DIR=/build bash scripts/build.sh -DKVRELAY_BUILD_TESTS=OFF -DKVRELAY_BUILD_BENCHMARKS=OFF
 
 FROM debian:bookworm-slim
@@ -19,6 +19,6 @@ COPY --from=build /build/bin/kvrelay-server /build/bin/kvrelayctl /usr/local/bin
 USER 65532:65532
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --retries=3 \
-  CMD ["/usr/local/bin/kvrelayctl", "health", "--addr", "127.0.0.1:50051", "--timeout", "2"]
+  CMD ["/usr/local/bin/kvrelay-server", "health", "--addr", "127.0.0.1:50051", "--timeout", "2"]
 ENTRYPOINT ["/usr/local/bin/kvrelay-server"]
 CMD ["--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]

@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
 # Installs every build and test dependency of kvrelay on a bare Debian 12 machine.
 # Idempotent: skips apt-get when every package is already installed.
+# usage: scripts/install_deps.sh [--build-only]
 set -euo pipefail
 
+# What building kvrelay (server, clients, tests, benchmarks) needs.
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates curl
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libeigen3-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
-  python3 python3-numpy python3-grpcio
-  prometheus
-  # Other-language clients and the HF adapter test (issue 4).
-  golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
-  python3-torch python3-matplotlib
 )
-# Node.js/npm and kubectl may come from other repositories on the image; take
-# Debian's only when the command is missing.
-command -v node >/dev/null 2>&1 || PACKAGES+=(nodejs)
-command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
-command -v kubectl >/dev/null 2>&1 || PACKAGES+=(kubernetes-client)
+# What running the test suite needs on top: Python (Debian's, with numpy and
+# grpcio), promtool and Prometheus, the Go and Node clients, torch for the HF
+# adapter test, matplotlib for the dashboard picture, kubectl for kustomize.
+# `--build-only` (scripts/run.sh, the Dockerfile) skips these.
+if [[ "${1:-}" != "--build-only" ]]; then
+  PACKAGES+=(
+    python3 python3-numpy python3-grpcio
+    prometheus
+    golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
+    python3-torch python3-matplotlib
+  )
+  # Node.js/npm and kubectl may come from other repositories on the image;
+  # take Debian's only when the command is missing.
+  command -v node >/dev/null 2>&1 || PACKAGES+=(nodejs)
+  command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
+  command -v kubectl >/dev/null 2>&1 || PACKAGES+=(kubernetes-client)
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

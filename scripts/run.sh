@@ -7,6 +7,6 @@
 # Stop it with Ctrl-C (SIGINT) or SIGTERM: it drains in-flight calls first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install_deps.sh
+bash scripts/install_deps.sh --build-only
 bash scripts/build.sh
 exec "${KVRELAY_BUILD_DIR:-build}/bin/kvrelay-server" "$@"

@@ -2,16 +2,62 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 
+#include "absl/strings/numbers.h"
+#include "client/relay_client.h"
 #include "server/config.h"
 #include "server/server.h"
 #include "spdlog/sinks/stdout_sinks.h"
 #include "spdlog/spdlog.h"
 
+namespace {
+
+// `kvrelay-server health [--addr HOST:PORT] [--timeout SECONDS]`: a probe for
+// container HEALTHCHECKs. Asks grpc.health.v1 (default 127.0.0.1:50051, 2 s)
+// and exits 0 only when the server answers SERVING; prints the status.
+int HealthMain(int argc, char** argv) {
+  std::string addr = "127.0.0.1:50051";
+  double timeout = 2;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if ((a == "--addr" || a == "--timeout") && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (a == "--addr") {
+        addr = v;
+      } else if (!absl::SimpleAtod(v, &timeout) || !(timeout > 0) || timeout > 3600) {
+        std::cerr << "kvrelay-server health: --timeout=" << v << ": expected seconds in (0, 3600]\n";
+        return 2;
+      }
+    } else if (a == "--help" || a == "-h") {
+      std::cout << "usage: kvrelay-server health [--addr HOST:PORT] [--timeout SECONDS]\n"
+                   "  exits 0 when grpc.health.v1 answers SERVING (default 127.0.0.1:50051, 2 s)\n";
+      return 0;
+    } else {
+      std::cerr << "kvrelay-server health: unknown or incomplete flag " << a
+                << " (expected --addr HOST:PORT or --timeout SECONDS)\n";
+      return 2;
+    }
+  }
+  absl::StatusOr<kvrelay::HealthStatus> h =
+      kvrelay::RelayClient::Connect(addr)->Health(
+          "", std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+  if (!h.ok()) {
+    std::cerr << "kvrelay-server health: " << addr << ": " << h.status().ToString() << "\n";
+    return 1;
+  }
+  std::cout << kvrelay::HealthStatusName(*h) << "\n";
+  return *h == kvrelay::HealthStatus::kServing ? 0 : 1;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "health") return HealthMain(argc, argv);
   absl::StatusOr<kvrelay::ServerConfig> config =
       kvrelay::ParseServerConfig(argc, argv, [](const char* name) { return std::getenv(name); });
   if (!config.ok()) {

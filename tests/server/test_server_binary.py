@@ -61,6 +61,7 @@ class Server:
     """A kvrelay-server process; waits for its ready line."""
 
     def __init__(self, binary, workdir, args=(), env=None, name="server", timeout=30):
+        self.binary = binary
         self.log_path = os.path.join(workdir, f"{name}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([binary] + list(args), stdout=subprocess.PIPE,
@@ -371,6 +372,11 @@ def test_ready_and_health(ctl, server):
     rc, out, err = ctl.run("health", "--service", "kvrelay.v1.Relay", "--timeout", "5",
                            addr=server.addr)
     check(rc == 0 and out.strip() == "SERVING", f"health kvrelay.v1.Relay: rc={rc} {out!r} {err!r}")
+    # The probe built into the server binary (the Dockerfile's HEALTHCHECK).
+    rc, out, err = run([server.binary, "health", "--addr", server.addr, "--timeout", "5"], timeout=20)
+    check(rc == 0 and out.strip() == "SERVING", f"kvrelay-server health: rc={rc} {out!r} {err!r}")
+    rc, out, err = run([server.binary, "health", "--timeout", "0"], timeout=20)
+    check(rc == 2 and "--timeout=0" in err, f"kvrelay-server health --timeout 0: rc={rc} {err!r}")
 
 
 def scrape(metrics_addr, timeout=10):
@@ -558,6 +564,8 @@ def test_sigterm(ctl, server_bin, work, turn):
         server.kill()
     rc, out, err = ctl.run("health", "--timeout", "2", addr=server.addr, timeout=15)
     check(rc != 0 and out.strip() != "SERVING", f"health after exit: rc={rc} {out!r} {err!r}")
+    rc, out, err = run([server.binary, "health", "--addr", server.addr, "--timeout", "2"], timeout=15)
+    check(rc == 1 and "UNAVAILABLE" in err, f"kvrelay-server health after exit: rc={rc} {out!r} {err!r}")
     check(not port_open(server.addr), f"grpc port {server.addr} closed after exit")
     check(not port_open(server.metrics), f"metrics port {server.metrics} closed after exit")
     with open(server.log_path) as f:
