@@ -8,11 +8,71 @@
 #endif
 
 namespace kvrelay {
-#if !defined(__SSE4_2__)
 namespace {
 
 constexpr uint32_t kPoly = 0x82f63b78u;  // reflected Castagnoli polynomial
 
+// a * b mod P over GF(2), in the reflected bit order (bit 31 is x^0).
+uint32_t MultModP(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
+  }
+  return p;
+}
+
+// kX2n[k] = x^(2^k) mod P.
+struct X2nTable {
+  std::array<uint32_t, 64> v;
+  X2nTable() {
+    uint32_t p = 1u << 30;  // x^1
+    for (auto& e : v) {
+      e = p;
+      p = MultModP(p, p);
+    }
+  }
+};
+
+// x^(8 n) mod P: the operator that appends n zero bytes to a CRC state.
+uint32_t X8nModP(uint64_t n) {
+  static const X2nTable table;
+  uint32_t p = 1u << 31;  // x^0
+  for (int k = 3; n; n >>= 1, ++k) {
+    if (n & 1) p = MultModP(table.v[k & 63], p);
+  }
+  return p;
+}
+
+#if defined(__SSE4_2__)
+// Three independent CRC streams over consecutive blocks of kBlock bytes hide
+// the crc32 instruction's latency; the streams are joined by shifting a state
+// over kBlock zero bytes, which is linear, so four byte tables do it.
+constexpr size_t kBlock = 8192;
+
+struct ShiftTables {
+  uint32_t t[4][256];
+  ShiftTables() {
+    const uint32_t op = X8nModP(kBlock);
+    for (int k = 0; k < 4; ++k) {
+      for (uint32_t b = 0; b < 256; ++b) t[k][b] = MultModP(op, b << (8 * k));
+    }
+  }
+  uint32_t Shift(uint32_t c) const {
+    return t[0][c & 0xff] ^ t[1][(c >> 8) & 0xff] ^ t[2][(c >> 16) & 0xff] ^ t[3][c >> 24];
+  }
+};
+
+inline uint64_t Load64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+#else
 std::array<uint32_t, 256> MakeTable() {
   std::array<uint32_t, 256> t{};
   for (uint32_t i = 0; i < 256; ++i) {
@@ -22,20 +82,29 @@ std::array<uint32_t, 256> MakeTable() {
   }
   return t;
 }
+#endif
 
 }  // namespace
-#endif
 
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
   const uint8_t* p = static_cast<const uint8_t*>(data);
   uint32_t c = ~crc;
 #if defined(__SSE4_2__)
   uint64_t c64 = c;
-  for (; n >= 8; n -= 8, p += 8) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    c64 = _mm_crc32_u64(c64, v);
+  if (n >= 3 * kBlock) {
+    static const ShiftTables shift;
+    for (; n >= 3 * kBlock; n -= 3 * kBlock, p += 3 * kBlock) {
+      uint64_t c1 = 0, c2 = 0;
+      for (size_t i = 0; i < kBlock; i += 8) {
+        c64 = _mm_crc32_u64(c64, Load64(p + i));
+        c1 = _mm_crc32_u64(c1, Load64(p + kBlock + i));
+        c2 = _mm_crc32_u64(c2, Load64(p + 2 * kBlock + i));
+      }
+      const uint32_t joined = shift.Shift(static_cast<uint32_t>(c64)) ^ static_cast<uint32_t>(c1);
+      c64 = shift.Shift(joined) ^ static_cast<uint32_t>(c2);
+    }
   }
+  for (; n >= 8; n -= 8, p += 8) c64 = _mm_crc32_u64(c64, Load64(p));
   c = static_cast<uint32_t>(c64);
   for (; n > 0; --n, ++p) c = _mm_crc32_u8(c, *p);
 #else
@@ -45,42 +114,9 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
   return ~c;
 }
 
-namespace {
-
-// GF(2) 32x32 matrices as 32 column vectors (zlib's crc32_combine method).
-uint32_t MatrixTimes(const uint32_t* mat, uint32_t vec) {
-  uint32_t sum = 0;
-  for (; vec; vec >>= 1, ++mat) {
-    if (vec & 1) sum ^= *mat;
-  }
-  return sum;
-}
-
-void MatrixSquare(uint32_t* square, const uint32_t* mat) {
-  for (int n = 0; n < 32; ++n) square[n] = MatrixTimes(mat, mat[n]);
-}
-
-}  // namespace
-
 uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
   if (len_b == 0) return crc_a;
-  uint32_t even[32], odd[32];
-  odd[0] = 0x82f63b78u;  // the operator for one zero bit
-  for (int n = 1; n < 32; ++n) odd[n] = 1u << (n - 1);
-  MatrixSquare(even, odd);  // two zero bits
-  MatrixSquare(odd, even);  // four zero bits
-  // Apply len_b zero bytes to crc_a, one bit of len_b at a time.
-  for (;;) {
-    MatrixSquare(even, odd);
-    if (len_b & 1) crc_a = MatrixTimes(even, crc_a);
-    len_b >>= 1;
-    if (len_b == 0) break;
-    MatrixSquare(odd, even);
-    if (len_b & 1) crc_a = MatrixTimes(odd, crc_a);
-    len_b >>= 1;
-    if (len_b == 0) break;
-  }
-  return crc_a ^ crc_b;
+  return MultModP(X8nModP(len_b), crc_a) ^ crc_b;
 }
 
 }  // namespace kvrelay

@@ -53,5 +53,34 @@ TEST(Crc32cTest, CombineEqualsTheCrcOfTheConcatenation) {
   }
 }
 
+// Long buffers take the interleaved three-stream path (blocks of 8 KiB);
+// every length around its boundaries and any starting state must agree with
+// the bitwise reference.
+TEST(Crc32cTest, LongBuffersMatchTheReference) {
+  std::mt19937 rng(3);
+  std::vector<uint8_t> d(3 * 3 * 8192 + 100);
+  for (auto& b : d) b = static_cast<uint8_t>(rng());
+  for (size_t n : {size_t{3 * 8192 - 1}, size_t{3 * 8192}, size_t{3 * 8192 + 7}, size_t{6 * 8192 + 13},
+                   d.size()}) {
+    const std::vector<uint8_t> head(d.begin(), d.begin() + n);
+    ASSERT_EQ(Crc32c(head.data(), head.size()), Reference(head)) << n;
+    const size_t cut = 1 + rng() % 100;  // a non-zero starting state, an unaligned start
+    ASSERT_EQ(Crc32cExtend(Crc32c(head.data(), cut), head.data() + cut, n - cut), Reference(head)) << n;
+  }
+}
+
+TEST(Crc32cTest, CombineHandlesLargeLengths) {
+  // Shifting over L1 then L2 bytes equals shifting over L1 + L2, also past
+  // 32-bit lengths, and a shift is not the identity.
+  const uint32_t a = 0x12345678u;
+  const uint64_t l1 = (uint64_t{1} << 33) + 5, l2 = (uint64_t{1} << 40) + 12345;
+  EXPECT_EQ(Crc32cCombine(Crc32cCombine(a, 0, l1), 0, l2), Crc32cCombine(a, 0, l1 + l2));
+  EXPECT_NE(Crc32cCombine(a, 0, l1), a);
+  const std::vector<uint8_t> z(1000, 0);
+  const uint32_t zc = Crc32c(z.data(), z.size());
+  EXPECT_EQ(Crc32cCombine(Crc32cCombine(a, zc, 1000), zc, 1000),
+            Crc32cCombine(a, Crc32cCombine(zc, zc, 1000), 2000));
+}
+
 }  // namespace
 }  // namespace kvrelay
