@@ -1,0 +1,458 @@
+"""kvrelay.hf: HF transformers caches <-> kvrelay turns and messages.
+
+Optional module: it needs torch (imported lazily, inside the functions, so
+`import kvrelay` never does) and works WITHOUT transformers. Caches are
+duck-typed, so any of these is accepted wherever a cache is expected:
+
+- a legacy tuple cache: a tuple (or list) over layers of (key, value) tensors,
+  each [batch=1, kv_heads, tokens, head_dim];
+- a transformers `DynamicCache`: newer versions (`.layers[i].keys/.values`),
+  older ones (`.key_cache` / `.value_cache` lists), or anything with
+  `to_legacy_cache()`.
+
+What comes back (`message_to_cache`) is a `DynamicCache` when transformers is
+importable, else the legacy tuple (`cache_format=` picks one explicitly).
+
+Typical agent step (LatentMAS style; see examples/latentmas_chain.py):
+
+    from kvrelay import hf
+    acc = hf.PromptAttention(n_prompt, prompt_start=n_history, kv_heads=H)
+    out = model(prompt_ids, past_key_values=past, position_ids=..., use_cache=True)
+    for step in range(n_latent):                # latent steps, eager attention
+        out = model(..., past_key_values=out.past_key_values, output_attentions=True)
+        acc.add(out.attentions)                 # tuple over layers [1, q_heads, q_len, kv_len]
+    turn = hf.turn_from_cache(out.past_key_values, n_prompt, acc.scores(), history=relayed)
+    client.publish(turn, session, me, [nxt], policy="h2o-head:k=32",
+                   parent_id=relayed.message_id if relayed else "")
+    ...
+    relayed = hf.message_to_cache(client.fetch(session, nxt))
+
+How a model consumes a relayed cache (`RelayedCache`):
+
+- Keys were stored AFTER RoPE, so the cached tokens need no position ids of
+  their own; `RelayedCache.positions` ([layers, kv_heads, tokens], int64) says
+  which original position each cached row had. After h2o-head selection the
+  rows of different heads (and layers) hold different positions, and the
+  token axis is only a storage index: attention is order-free, it only needs
+  every cached row to be visible.
+- New tokens continue at `next_pos` = 1 + the largest position held (the
+  original sequence length), NOT at the number of cached tokens: pass
+  `position_ids=relayed.position_ids(q_len)` explicitly. HF models otherwise
+  derive position ids from `cache_position` (= the cache length), which is
+  wrong for a compressed cache.
+- The attention mask covers every cached row plus the new tokens:
+  `attention_mask=relayed.attention_mask(q_len)` (all ones, length
+  tokens + q_len); models taking `cache_position` want
+  `relayed.cache_position(q_len)` (storage indices tokens .. tokens+q_len-1).
+- Attention scores for the relay (`PromptAttention`) come only from eager
+  attention (`attn_implementation="eager"`, `output_attentions=True`).
+"""
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvrelay.types import Turn, TurnLayer
+
+__all__ = ["DTYPE_NAMES", "RelayedCache", "PromptAttention", "cache_layers",
+           "prompt_attention_mass", "turn_from_cache", "message_to_cache"]
+
+# torch dtype name -> kvrelay dtype name
+DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("kvrelay.hf needs torch (Debian: apt-get install python3-torch)") from e
+    return torch
+
+
+def _dtype_name(t):
+    return str(t.dtype).replace("torch.", "")
+
+
+def _is_tensor(x):
+    return _torch().is_tensor(x)
+
+
+# ---- cache -> list of (k, v) ------------------------------------------------
+
+def cache_layers(cache):
+    """The (key, value) tensor pairs of a cache, one per layer, checked:
+    every tensor 4-D [1, kv_heads, tokens, head_dim], keys and values of the
+    same shape, the same shape and dtype in every layer, dtype float32,
+    float16 or bfloat16. Raises ValueError naming the layer and the problem.
+    Accepts a legacy tuple cache or a DynamicCache (any version, duck-typed)."""
+    pairs = _raw_pairs(cache)
+    if not pairs:
+        raise ValueError("cache: no layers, expected at least one (key, value) pair")
+    ref = None
+    for i, kv in enumerate(pairs):
+        if not isinstance(kv, (tuple, list)) or len(kv) < 2:
+            raise ValueError(f"cache layer {i}: {type(kv).__name__}, expected a (key, value) pair")
+        k, v = kv[0], kv[1]
+        for name, t in (("key", k), ("value", v)):
+            if not _is_tensor(t):
+                raise ValueError(f"cache layer {i} {name}: {type(t).__name__}, expected a "
+                                 "torch.Tensor (layer not initialised?)")
+            if t.dim() != 4:
+                raise ValueError(f"cache layer {i} {name}: shape {list(t.shape)}, expected 4-D "
+                                 "[batch=1, kv_heads, tokens, head_dim]")
+            if t.shape[0] != 1:
+                raise ValueError(f"cache layer {i} {name}: batch {t.shape[0]}, expected 1 "
+                                 "(a turn is one sequence; split the batch first)")
+            if _dtype_name(t) not in DTYPE_NAMES:
+                raise ValueError(f"cache layer {i} {name}: dtype {t.dtype}, expected "
+                                 "torch.float32, torch.float16 or torch.bfloat16")
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"cache layer {i} value: shape {list(v.shape)}, expected "
+                             f"{list(k.shape)} (the key's)")
+        if v.dtype != k.dtype:
+            raise ValueError(f"cache layer {i} value: dtype {v.dtype}, expected {k.dtype} "
+                             "(the key's)")
+        if ref is None:
+            ref = k
+        else:
+            if k.dtype != ref.dtype:
+                raise ValueError(f"cache layer {i} key: dtype {k.dtype}, expected {ref.dtype} "
+                                 "(layer 0's; every layer must have the same dtype)")
+            if tuple(k.shape) != tuple(ref.shape):
+                raise ValueError(f"cache layer {i} key: shape {list(k.shape)}, expected "
+                                 f"{list(ref.shape)} (layer 0's)")
+        pairs[i] = (k, v)
+    return pairs
+
+
+def _raw_pairs(cache):
+    if cache is None:
+        raise ValueError("cache: None, expected a legacy tuple cache or a DynamicCache")
+    if isinstance(cache, (tuple, list)):
+        return list(cache)
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, (list, tuple)) and layers and hasattr(layers[0], "keys"):
+        out = []
+        for i, layer in enumerate(layers):
+            if getattr(layer, "is_sliding", False):
+                raise ValueError(f"cache layer {i}: a sliding-window layer, expected full "
+                                 "attention layers (tokens outside the window are gone)")
+            out.append((layer.keys, layer.values))
+        return out
+    kc, vc = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+    if isinstance(kc, (list, tuple)) and isinstance(vc, (list, tuple)):
+        if len(kc) != len(vc):
+            raise ValueError(f"cache: {len(kc)} key layers and {len(vc)} value layers, "
+                             "expected the same number")
+        return list(zip(kc, vc))
+    if callable(getattr(cache, "to_legacy_cache", None)):
+        return list(cache.to_legacy_cache())
+    raise ValueError(f"cache: {type(cache).__name__}, expected a legacy tuple cache "
+                     "((k, v) per layer) or a DynamicCache")
+
+
+def _to_numpy(t, name):
+    """A [1, H, n, d] slice (or any tensor) -> contiguous little-endian numpy
+    in kvrelay's storage (bf16 as uint16 bit patterns)."""
+    torch = _torch()
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype in (torch.float32, torch.float16):
+        return t.numpy()
+    raise ValueError(f"{name}: dtype {t.dtype}, expected float32, float16 or bfloat16")
+
+
+# ---- attention mass on the prompt ---------------------------------------------
+
+class PromptAttention:
+    """Accumulates the attention mass each prompt token receives, BRIEF §3:
+    for every generated (latent) step and every query of that step, the
+    attention weight to prompt position j, summed over steps and queries
+    (float64), per layer.
+
+    n_prompt: prompt tokens; prompt_start: the prompt's first column in the
+    key axis (the number of cached tokens before the prompt, i.e. the relayed
+    history's length; 0 for the first agent). kv_heads: None keeps one row per
+    query head (the relay accepts score_heads = a multiple of kv_heads and
+    reduces itself); an int sums each group of q_heads/kv_heads consecutive
+    query heads (query head q -> KV head q // group), as the relay would.
+
+    add(attentions) takes one forward call's `outputs.attentions`: a sequence
+    over layers of [batch=1, q_heads, q_len, kv_len] tensors (eager attention,
+    output_attentions=True). Feed it the generated steps only, not the prompt
+    pass. scores() returns a list over layers of float32 numpy arrays
+    [score_heads, n_prompt], ready for turn_from_cache."""
+
+    def __init__(self, n_prompt, prompt_start=0, kv_heads=None):
+        if int(n_prompt) < 0 or int(prompt_start) < 0:
+            raise ValueError(f"n_prompt {n_prompt}, prompt_start {prompt_start}: expected >= 0")
+        if kv_heads is not None and int(kv_heads) < 1:
+            raise ValueError(f"kv_heads: {kv_heads}, expected >= 1 or None")
+        self.n_prompt, self.prompt_start = int(n_prompt), int(prompt_start)
+        self.kv_heads = None if kv_heads is None else int(kv_heads)
+        self.steps = 0
+        self._acc = None  # list over layers of float64 tensors [q_heads, n_prompt]
+
+    def add(self, attentions):
+        torch = _torch()
+        if attentions is None or _is_tensor(attentions):
+            raise ValueError("attentions: expected a sequence over layers of [1, q_heads, q_len, "
+                             "kv_len] tensors (outputs.attentions with output_attentions=True)")
+        attentions = list(attentions)
+        if not attentions:
+            raise ValueError("attentions: no layers")
+        if self._acc is not None and len(attentions) != len(self._acc):
+            raise ValueError(f"attentions: {len(attentions)} layers, expected {len(self._acc)} "
+                             "(as in the earlier steps)")
+        lo, hi = self.prompt_start, self.prompt_start + self.n_prompt
+        sums = []
+        for i, a in enumerate(attentions):
+            if not _is_tensor(a):
+                raise ValueError(f"attentions layer {i}: {type(a).__name__}, expected a tensor "
+                                 "(None: the model ran without eager attention?)")
+            if a.dim() != 4:
+                raise ValueError(f"attentions layer {i}: shape {list(a.shape)}, expected 4-D "
+                                 "[batch=1, q_heads, q_len, kv_len]")
+            if a.shape[0] != 1:
+                raise ValueError(f"attentions layer {i}: batch {a.shape[0]}, expected 1")
+            if a.shape[3] < hi:
+                raise ValueError(f"attentions layer {i}: kv_len {a.shape[3]}, expected >= "
+                                 f"prompt_start + n_prompt = {hi}")
+            q = a.shape[1]
+            if self.kv_heads is not None and q % self.kv_heads:
+                raise ValueError(f"attentions layer {i}: {q} query heads, expected a multiple "
+                                 f"of kv_heads={self.kv_heads}")
+            if self._acc is not None and q != self._acc[i].shape[0]:
+                raise ValueError(f"attentions layer {i}: {q} query heads, expected "
+                                 f"{self._acc[i].shape[0]} (as in the earlier steps)")
+            cols = a[0, :, :, lo:hi].detach().to("cpu", torch.float64)
+            sums.append(cols.sum(dim=1))  # over the step's queries -> [q_heads, n_prompt]
+        if self._acc is None:
+            self._acc = sums
+        else:
+            self._acc = [acc + s for acc, s in zip(self._acc, sums)]
+        self.steps += 1
+
+    def scores(self):
+        if self._acc is None:
+            raise ValueError("PromptAttention: no steps added")
+        out = []
+        for i, acc in enumerate(self._acc):
+            q = acc.shape[0]
+            if self.kv_heads is not None:
+                acc = acc.reshape(self.kv_heads, q // self.kv_heads, self.n_prompt).sum(dim=1)
+            s = acc.numpy().astype(np.float32)
+            if not np.isfinite(s).all():
+                raise ValueError(f"attentions layer {i}: the summed mass is not finite")
+            out.append(np.maximum(s, np.float32(0)))  # softmax rounding can give -0.0
+        return out
+
+
+def prompt_attention_mass(steps, n_prompt, prompt_start=0, kv_heads=None):
+    """PromptAttention over `steps` (an iterable of per-step
+    `outputs.attentions`); returns its scores()."""
+    acc = PromptAttention(n_prompt, prompt_start, kv_heads)
+    for a in steps:
+        acc.add(a)
+    return acc.scores()
+
+
+# ---- cache -> turn -------------------------------------------------------------
+
+def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=False,
+                    n_history=None, history_positions=None, first_agent=None, prompt_pos0=None):
+    """A kvrelay.Turn from an agent's cache.
+
+    The cache's token axis holds [history; prompt; generated]: the first
+    n_history tokens came from a relayed message (0 for the first agent), the
+    next n_prompt are this agent's prompt, the rest its generated (latent)
+    steps. history: the RelayedCache this agent continued from (sets
+    n_history = history.tokens, prompt_pos0 = history.next_pos,
+    first_agent=False). scores: a list over layers of [score_heads, n_prompt]
+    float32 (PromptAttention.scores()); None sends zeros (only sensible for
+    `full` and `gen`).
+
+    include_history=False (default) leaves the history out of the turn:
+    publish it with parent_id=history.message_id and the relay supplies it.
+    include_history=True uploads it (history.k/v/pos; publish without a
+    parent), with history_positions ([layers, kv_heads, n_history]) or the
+    history's own positions.
+
+    K/V keep the cache's dtype (float32 -> F32, float16 -> F16,
+    bfloat16 -> BF16); tensors are copied to host memory. ValueError names the
+    problem (bad shapes, batch > 1, dtypes differing across layers, n_prompt
+    beyond the cache, scores of the wrong shape)."""
+    pairs = cache_layers(cache)
+    k0 = pairs[0][0]
+    H, T = int(k0.shape[1]), int(k0.shape[2])
+    dtype = DTYPE_NAMES[_dtype_name(k0)]
+    if history is not None:
+        if n_history is None:
+            n_history = history.tokens
+        if prompt_pos0 is None:
+            prompt_pos0 = history.next_pos
+        if first_agent is None:
+            first_agent = False
+        if include_history and history_positions is None:
+            history_positions = history.positions
+    n_history = int(n_history or 0)
+    n_prompt = int(n_prompt)
+    if n_history < 0 or n_prompt < 0:
+        raise ValueError(f"n_history {n_history}, n_prompt {n_prompt}: expected >= 0")
+    if n_history + n_prompt > T:
+        raise ValueError(f"n_history + n_prompt: {n_history} + {n_prompt} = "
+                         f"{n_history + n_prompt}, expected <= the cache's {T} tokens")
+    if first_agent is None:
+        first_agent = n_history == 0
+    hist_pos = None
+    if include_history and n_history:
+        if history_positions is None:
+            raise ValueError("history_positions: None, expected [layers, kv_heads, n_history] "
+                             "position ids with include_history=True")
+        hp = history_positions
+        hp = hp.detach().cpu().numpy() if _is_tensor(hp) else np.asarray(hp)
+        if hp.ndim == 2:
+            hp = np.broadcast_to(hp, (len(pairs),) + hp.shape)
+        if hp.shape != (len(pairs), H, n_history):
+            raise ValueError(f"history_positions: shape {list(hp.shape)}, expected "
+                             f"{[len(pairs), H, n_history]}")
+        hist_pos = hp.astype(np.int32)
+    if scores is None:
+        scores = [np.zeros((H, n_prompt), np.float32)] * len(pairs)
+    scores = list(scores)
+    if len(scores) != len(pairs):
+        raise ValueError(f"scores: {len(scores)} layers, expected {len(pairs)} (the cache's)")
+    a, b = n_history, n_history + n_prompt
+    layers = []
+    for i, (k, v) in enumerate(pairs):
+        s = scores[i]
+        s = s.detach().cpu().numpy() if _is_tensor(s) else np.asarray(s)
+        if s.ndim != 2 or s.shape[1] != n_prompt or s.shape[0] < 1 or s.shape[0] % H:
+            raise ValueError(f"scores layer {i}: shape {list(s.shape)}, expected [score_heads, "
+                             f"{n_prompt}] with score_heads a multiple of kv_heads={H}")
+        tl = TurnLayer(prompt_k=_to_numpy(k[0, :, a:b], f"layer {i} key"),
+                       prompt_v=_to_numpy(v[0, :, a:b], f"layer {i} value"),
+                       gen_k=_to_numpy(k[0, :, b:], f"layer {i} key"),
+                       gen_v=_to_numpy(v[0, :, b:], f"layer {i} value"),
+                       score=np.ascontiguousarray(s, dtype=np.float32))
+        if hist_pos is not None:
+            tl.history_k = _to_numpy(k[0, :, :a], f"layer {i} key")
+            tl.history_v = _to_numpy(v[0, :, :a], f"layer {i} value")
+            tl.history_pos = np.ascontiguousarray(hist_pos[i])
+        layers.append(tl)
+    return Turn(layers, dtype=dtype, first_agent=bool(first_agent),
+                prompt_pos0=None if prompt_pos0 is None else int(prompt_pos0))
+
+
+# ---- message -> cache ----------------------------------------------------------
+
+@dataclass
+class RelayedCache:
+    """A fetched message as a model cache.
+
+    cache: a DynamicCache (transformers importable) or a legacy tuple of
+    (key, value) tensors [1, kv_heads, tokens, head_dim] per layer;
+    positions: int64 tensor [layers, kv_heads, tokens], each cached row's
+    original position id (rows of different heads may differ after
+    h2o-head); tokens: rows per head; next_pos: the position id the next
+    token takes (max position + 1); message: the kvrelay.Message (ids,
+    accounting). See the module docstring for how a model consumes it."""
+    cache: Any
+    positions: Any
+    tokens: int
+    next_pos: int
+    message: Any = None
+
+    @property
+    def message_id(self):
+        return self.message.message_id if self.message is not None else ""
+
+    def position_ids(self, q_len=1, device=None):
+        """[1, q_len] position ids of the next q_len tokens: next_pos, next_pos+1, ..."""
+        torch = _torch()
+        return torch.arange(self.next_pos, self.next_pos + q_len, device=device).unsqueeze(0)
+
+    def attention_mask(self, q_len=1, device=None):
+        """[1, tokens + q_len] all-ones mask: every cached row is visible."""
+        torch = _torch()
+        return torch.ones(1, self.tokens + q_len, dtype=torch.long, device=device)
+
+    def cache_position(self, q_len=1, device=None):
+        """[q_len] storage indices of the next tokens (tokens, tokens+1, ...)."""
+        torch = _torch()
+        return torch.arange(self.tokens, self.tokens + q_len, device=device)
+
+
+def _from_numpy(a, msg_dtype, want, name):
+    torch = _torch()
+    a = np.asarray(a)
+    if a.dtype == np.uint16:  # BF16 bit patterns
+        if msg_dtype != "BF16":
+            raise ValueError(f"{name}: uint16 data in a {msg_dtype} message")
+        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(np.array(a, copy=True))
+    return t if want is None else t.to(want)
+
+
+def message_to_cache(message, dtype=None, device=None, cache_format="auto"):
+    """A RelayedCache from a fetched (or Compress'ed) kvrelay.Message.
+
+    dtype: torch dtype of the returned K/V; None: the message's dtype (F32,
+    F16, BF16; quantized messages, delivered decoded to float32, are rounded
+    to it, bit-identical to `kvrelayctl compress --decode`). cache_format:
+    "auto" (a transformers DynamicCache when transformers is importable,
+    else the legacy tuple), "legacy" or "dynamic" (ImportError without
+    transformers)."""
+    torch = _torch()
+    if cache_format not in ("auto", "legacy", "dynamic"):
+        raise ValueError(f"cache_format: {cache_format!r}, expected 'auto', 'legacy' or 'dynamic'")
+    layers = getattr(message, "layers", None)
+    if not layers:
+        raise ValueError("message: no layers, expected a kvrelay.Message with at least one layer")
+    mdt = message.dtype
+    torch_dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(mdt)
+    if torch_dt is None:
+        raise ValueError(f"message.dtype: {mdt!r}, expected F32, F16 or BF16")
+    want = dtype if dtype is not None else torch_dt
+    pairs, pos = [], []
+    shape = None
+    for i, ml in enumerate(layers):
+        k = _from_numpy(ml.k, mdt, want, f"message layer {i} k")
+        v = _from_numpy(ml.v, mdt, want, f"message layer {i} v")
+        p = np.asarray(ml.pos)
+        if k.dim() != 3 or tuple(v.shape) != tuple(k.shape) or p.shape != tuple(k.shape[:2]):
+            raise ValueError(f"message layer {i}: k {list(k.shape)}, v {list(v.shape)}, pos "
+                             f"{list(p.shape)}, expected [H, n, d], [H, n, d], [H, n]")
+        if shape is not None and tuple(k.shape) != shape:
+            raise ValueError(f"message layer {i}: k {list(k.shape)}, expected {list(shape)} "
+                             "(layer 0's)")
+        shape = tuple(k.shape)
+        if device is not None:
+            k, v = k.to(device), v.to(device)
+        pairs.append((k.unsqueeze(0), v.unsqueeze(0)))
+        pos.append(torch.from_numpy(p.astype(np.int64)))
+    positions = torch.stack(pos)
+    tokens = int(shape[1])
+    next_pos = int(positions.max()) + 1 if tokens else 0
+    legacy = tuple(pairs)
+    return RelayedCache(cache=_wrap(legacy, cache_format), positions=positions, tokens=tokens,
+                        next_pos=next_pos, message=message)
+
+
+def _wrap(legacy, cache_format):
+    if cache_format == "legacy":
+        return legacy
+    try:
+        from transformers import DynamicCache
+    except ImportError:
+        if cache_format == "dynamic":
+            raise ImportError("cache_format='dynamic' needs transformers; use 'legacy' or 'auto'")
+        return legacy
+    if hasattr(DynamicCache, "from_legacy_cache"):
+        return DynamicCache.from_legacy_cache(legacy)
+    c = DynamicCache()
+    for i, (k, v) in enumerate(legacy):
+        c.update(k, v, i)
+    return c

@@ -1,0 +1,549 @@
+#!/usr/bin/python3
+"""kvrelay.hf (the HF transformers adapter) with a tiny torch decoder
+against a real kvrelay-server.
+
+    /usr/bin/python3 test_hf.py --server BIN [--example examples/latentmas_chain.py]
+
+PYTHONPATH must hold client/python and the generated stubs dir (the ctest
+registration sets both). Needs torch (Debian python3-torch), not
+transformers. The model is examples/tiny_decoder.py: a randomly initialised
+Llama/Qwen-style decoder (RoPE, GQA with 4 query / 2 KV heads, RMSNorm,
+SwiGLU, 3 layers) taking a legacy tuple cache and explicit position ids.
+
+Checks:
+- `full` through the live relay: the fetched cache gives logits bit-identical
+  (torch.equal) to passing the original cache, for F32 and BF16; also for an
+  agent continuing from a relayed cache (history by parent, and uploaded).
+- `h2o-head:k=8`: the fetched per-head positions equal the anchors + top-k
+  indices computed independently (numpy) from the attention mass the helper
+  returned, + the generated positions; the kept K/V rows are the original
+  rows; the model runs on it with positions continuing at the original
+  length, its logits are finite and equal to those on a cache gathered by
+  hand from the original.
+- The attention-mass helper against a hand-computed sum over steps, queries
+  and grouped heads (random tensors and the model's own attentions).
+- Errors: wrong dims, batch > 1, dtypes differing across layers, and more,
+  each a ValueError naming the problem.
+- Duck-typed caches (key_cache/value_cache, .layers[i].keys/.values,
+  to_legacy_cache) and the DynamicCache wrapping with a stand-in
+  transformers module.
+- examples/latentmas_chain.py runs once against the live relay.
+The whole run is bounded (watchdog) and the server is always stopped.
+"""
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import types
+import unittest
+
+import numpy as np
+import torch
+
+import kvrelay
+from kvrelay import hf
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", "..", "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+from tiny_decoder import CONFIG, TinyDecoder, encode  # noqa: E402
+
+ARGS = None
+SERVER = None
+ADDR = None
+WATCHDOG_S = 120
+H, Q_HEADS, LAYERS = CONFIG["num_key_value_heads"], CONFIG["num_attention_heads"], \
+    CONFIG["num_hidden_layers"]
+
+torch.set_num_threads(1)
+
+
+def start_server(binary):
+    proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = {}
+    ready = threading.Event()
+
+    def drain():
+        for line in proc.stdout:
+            m = re.match(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)", line)
+            if m and not ready.is_set():
+                found["addr"] = m.group(1)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ready.wait(20) or "addr" not in found:
+        stop_server(proc)
+        raise RuntimeError("kvrelay-server printed no ready line within 20 s")
+    return proc, found["addr"]
+
+
+def stop_server(proc):
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def setUpModule():
+    global SERVER, ADDR
+    SERVER, ADDR = start_server(ARGS.server)
+
+
+def tearDownModule():
+    stop_server(SERVER)
+
+
+# ---- helpers ---------------------------------------------------------------------
+
+PROMPT = "Plan: add the two numbers, check the carry."   # 43 byte tokens
+
+
+def run_turn(model, prompt=PROMPT, gen=5, relayed=None, kv_heads=None):
+    """Prompt pass + `gen` greedy steps (one token each) with attentions.
+    Returns (cache, n_prompt, per-step attentions, next token ids [1, 1],
+    next position id)."""
+    ids = encode(prompt)
+    n = ids.shape[1]
+    past = relayed.cache if relayed else None
+    n_hist = relayed.tokens if relayed else 0
+    p0 = relayed.next_pos if relayed else 0
+    out = model(input_ids=ids, past_key_values=past,
+                position_ids=torch.arange(p0, p0 + n).unsqueeze(0),
+                attention_mask=torch.ones(1, n_hist + n))
+    steps = []
+    for s in range(gen):
+        tok = out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=tok, past_key_values=out.past_key_values,
+                    position_ids=torch.tensor([[p0 + n + s]]), output_attentions=True)
+        steps.append(out.attentions)
+    return out.past_key_values, n, steps, out.logits[:, -1:].argmax(-1), p0 + n + gen
+
+
+def bits(t):
+    """Bit patterns of a tensor, for exact comparisons (NaN-safe)."""
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def topk_kept(score, k, sinks):
+    """Independent H2O selection on one KV head's scores: anchors 0..sinks-1,
+    then the k highest-scoring candidates (ties to the lower position),
+    ascending."""
+    n = score.shape[0]
+    cand = np.arange(sinks, n)
+    order = np.lexsort((cand, -score[sinks:].astype(np.float64)))
+    return np.concatenate([np.arange(sinks), np.sort(cand[order[:k]])])
+
+
+class Session:
+    n = 0
+
+    @classmethod
+    def new(cls, tag):
+        cls.n += 1
+        return f"hf-{tag}-{cls.n}"
+
+
+# ---- offline ---------------------------------------------------------------------
+
+class AttentionMassTest(unittest.TestCase):
+    def test_random_against_hand_sum(self):
+        g = torch.Generator().manual_seed(5)
+        n_hist, n_prompt, q_heads, kv_heads = 3, 7, 6, 2
+        steps = []
+        kv_len = n_hist + n_prompt + 2
+        for s, q_len in enumerate([1, 2, 1]):
+            steps.append(tuple(torch.rand(1, q_heads, q_len, kv_len + s, generator=g)
+                               for _ in range(2)))
+        per_q = hf.prompt_attention_mass(steps, n_prompt, prompt_start=n_hist)
+        per_kv = hf.prompt_attention_mass(steps, n_prompt, prompt_start=n_hist, kv_heads=kv_heads)
+        group = q_heads // kv_heads
+        for l in range(2):
+            self.assertEqual(per_q[l].dtype, np.float32)
+            self.assertEqual(per_q[l].shape, (q_heads, n_prompt))
+            self.assertEqual(per_kv[l].shape, (kv_heads, n_prompt))
+            for h in range(q_heads):
+                for j in range(n_prompt):
+                    want = 0.0
+                    for st in steps:
+                        a = st[l]
+                        for qi in range(a.shape[2]):
+                            want += float(a[0, h, qi, n_hist + j])
+                    self.assertAlmostEqual(float(per_q[l][h, j]), want, places=5)
+            for kh in range(kv_heads):
+                for j in range(n_prompt):
+                    want = sum(float(st[l][0, q, qi, n_hist + j]) for st in steps
+                               for q in range(kh * group, (kh + 1) * group)
+                               for qi in range(st[l].shape[2]))
+                    self.assertAlmostEqual(float(per_kv[l][kh, j]), want, places=5)
+
+    def test_model_attentions(self):
+        model = TinyDecoder(seed=1)
+        _, n, steps, _, _ = run_turn(model, gen=3)
+        s = hf.prompt_attention_mass(steps, n, kv_heads=H)
+        for l in range(LAYERS):
+            a = [st[l].double() for st in steps]
+            want = sum(x[0, :, :, :n].sum(dim=1) for x in a)             # [q_heads, n]
+            want = want.reshape(H, Q_HEADS // H, n).sum(dim=1).numpy()
+            np.testing.assert_allclose(s[l], want, rtol=1e-6, atol=1e-7)
+            # The steps' attention rows sum to 1; the prompt holds most of it.
+            self.assertLessEqual(s[l].sum(), 3 * Q_HEADS * (1 + 1e-5))
+            self.assertGreater(s[l].sum(), 0)
+
+    def test_errors(self):
+        acc = hf.PromptAttention(4, kv_heads=2)
+        with self.assertRaisesRegex(ValueError, r"attentions layer 0: batch 2, expected 1"):
+            acc.add((torch.rand(2, 4, 1, 5),))
+        with self.assertRaisesRegex(ValueError, r"attentions layer 0: shape \[4, 1, 5\], expected 4-D"):
+            acc.add((torch.rand(4, 1, 5),))
+        with self.assertRaisesRegex(ValueError, r"3 query heads, expected a multiple of kv_heads=2"):
+            acc.add((torch.rand(1, 3, 1, 5),))
+        with self.assertRaisesRegex(ValueError, r"kv_len 3, expected >= prompt_start \+ n_prompt = 4"):
+            acc.add((torch.rand(1, 4, 1, 3),))
+        with self.assertRaisesRegex(ValueError, r"no steps added"):
+            acc.scores()
+        acc.add((torch.rand(1, 4, 1, 5),))
+        with self.assertRaisesRegex(ValueError, r"attentions: 2 layers, expected 1"):
+            acc.add((torch.rand(1, 4, 1, 6),) * 2)
+        with self.assertRaisesRegex(ValueError, r"None: the model ran without eager"):
+            acc.add((None,))
+
+
+class CacheConversionTest(unittest.TestCase):
+    def cache(self, dtype=torch.float32, layers=2, tokens=9):
+        g = torch.Generator().manual_seed(2)
+        return tuple((torch.randn(1, H, tokens, 8, generator=g).to(dtype),
+                      torch.randn(1, H, tokens, 8, generator=g).to(dtype)) for _ in range(layers))
+
+    def test_turn_split_and_dtypes(self):
+        for dt, name in ((torch.float32, "F32"), (torch.float16, "F16"), (torch.bfloat16, "BF16")):
+            c = self.cache(dt)
+            t = hf.turn_from_cache(c, 6)
+            self.assertEqual(t.geometry(), (name, H, H, 8, 6, 3, 0))
+            self.assertTrue(t.first_agent)
+            self.assertIsNone(t.prompt_pos0)
+            for (k, v), tl in zip(c, t.layers):
+                self.assertTrue(np.array_equal(tl.prompt_k, bits(k[0, :, :6]).numpy().view(tl.prompt_k.dtype)))
+                self.assertTrue(np.array_equal(tl.gen_v, bits(v[0, :, 6:]).numpy().view(tl.gen_v.dtype)))
+                self.assertEqual(tl.score.dtype, np.float32)
+
+    def test_history_split(self):
+        c = self.cache(tokens=12)
+        pos = torch.tensor([[0, 1, 7], [0, 5, 7]]).expand(2, H, 3)   # [layers, H, 3]
+        rc = hf.RelayedCache(cache=None, positions=pos, tokens=3, next_pos=20)
+        t = hf.turn_from_cache(c, 6, history=rc)
+        self.assertEqual(t.geometry()[4:], (6, 3, 0))
+        self.assertEqual((t.first_agent, t.prompt_pos0), (False, 20))
+        t2 = hf.turn_from_cache(c, 6, history=rc, include_history=True)
+        self.assertEqual(t2.geometry()[4:], (6, 3, 3))
+        self.assertTrue(np.array_equal(t2.layers[1].history_pos, pos[1].numpy()))
+        self.assertTrue(np.array_equal(t2.layers[0].history_k, c[0][0][0, :, :3].numpy()))
+        self.assertTrue(np.array_equal(t2.layers[0].prompt_k, c[0][0][0, :, 3:9].numpy()))
+
+    def test_errors(self):
+        c = self.cache()
+        cases = [
+            (((c[0][0][0], c[0][1][0]),), r"cache layer 0 key: shape \[2, 9, 8\], expected 4-D"),
+            (((c[0][0].expand(2, -1, -1, -1), c[0][1].expand(2, -1, -1, -1)),),
+             r"cache layer 0 key: batch 2, expected 1"),
+            ((c[0], (c[1][0].half(), c[1][1].half())),
+             r"cache layer 1 key: dtype torch.float16, expected torch.float32 \(layer 0's"),
+            ((c[0], (c[1][0][:, :, :5], c[1][1][:, :, :5])),
+             r"cache layer 1 key: shape \[1, 2, 5, 8\], expected \[1, 2, 9, 8\]"),
+            (((c[0][0], c[0][1][:, :, :4]),), r"cache layer 0 value: shape \[1, 2, 4, 8\], expected"),
+            (((c[0][0].double(), c[0][1].double()),),
+             r"cache layer 0 key: dtype torch.float64, expected torch.float32, torch.float16"),
+            (((c[0][0], c[0][1].half()),), r"cache layer 0 value: dtype torch.float16, expected"),
+            ((), r"cache: no layers"),
+            ((c[0][0],), r"cache layer 0: Tensor, expected a \(key, value\) pair"),
+            (object(), r"cache: object, expected a legacy tuple cache"),
+        ]
+        for cache, msg in cases:
+            with self.subTest(msg=msg), self.assertRaisesRegex(ValueError, msg):
+                hf.turn_from_cache(cache, 2)
+        with self.assertRaisesRegex(ValueError, r"n_history \+ n_prompt: 0 \+ 10 = 10, expected <= the cache's 9"):
+            hf.turn_from_cache(c, 10)
+        with self.assertRaisesRegex(ValueError, r"scores layer 1: shape \[3, 4\], expected \[score_heads, 4\]"):
+            hf.turn_from_cache(c, 4, [np.zeros((2, 4), np.float32), np.zeros((3, 4), np.float32)])
+        with self.assertRaisesRegex(ValueError, r"scores: 1 layers, expected 2"):
+            hf.turn_from_cache(c, 4, [np.zeros((2, 4), np.float32)])
+        with self.assertRaisesRegex(ValueError, r"cache_format"):
+            hf.message_to_cache(kvrelay.Message([], "F32", 1, 1, 0, 0, 0, 0), cache_format="x")
+
+    def test_duck_typed_caches(self):
+        c = self.cache(torch.bfloat16)
+        want = hf.turn_from_cache(c, 5)
+
+        class Old:  # transformers 4.36 .. 4.55
+            key_cache = [k for k, _ in c]
+            value_cache = [v for _, v in c]
+
+        class Layer:
+            def __init__(self, k, v):
+                self.keys, self.values = k, v
+
+        class New:  # transformers >= 4.56
+            layers = [Layer(k, v) for k, v in c]
+
+        class Legacy:
+            def to_legacy_cache(self):
+                return c
+
+        for cache in (Old(), New(), Legacy(), list(c)):
+            with self.subTest(kind=type(cache).__name__):
+                t = hf.turn_from_cache(cache, 5)
+                for a, b in zip(t.layers, want.layers):
+                    for f in ("prompt_k", "prompt_v", "gen_k", "gen_v"):
+                        self.assertTrue(np.array_equal(getattr(a, f), getattr(b, f)), f)
+        sliding = New()
+        sliding.layers[1].is_sliding = True
+        with self.assertRaisesRegex(ValueError, r"cache layer 1: a sliding-window layer"):
+            hf.cache_layers(sliding)
+
+    def test_dynamic_cache_wrapping(self):
+        m = kvrelay.Message(layers=[kvrelay.MessageLayer(
+            k=np.ones((H, 3, 8), np.float32), v=np.zeros((H, 3, 8), np.float32),
+            pos=np.array([[0, 1, 5], [0, 2, 5]], np.int32))] * 2,
+            dtype="F32", kv_heads=H, head_dim=8, n_history=0, n_anchor=3, n_kept=0, n_gen=0)
+        self.assertNotIn("transformers", sys.modules)
+        rc = hf.message_to_cache(m)
+        self.assertIsInstance(rc.cache, tuple)  # no transformers: the legacy tuple
+        self.assertEqual((rc.tokens, rc.next_pos), (3, 6))
+        self.assertEqual(list(rc.positions.shape), [2, H, 3])
+        self.assertEqual(rc.position_ids(2).tolist(), [[6, 7]])
+        self.assertEqual(rc.attention_mask(2).shape, (1, 5))
+        self.assertEqual(rc.cache_position(2).tolist(), [3, 4])
+        with self.assertRaisesRegex(ImportError, "needs transformers"):
+            hf.message_to_cache(m, cache_format="dynamic")
+
+        # A stand-in transformers module: with from_legacy_cache (<= 4.5x) and
+        # without it (update() per layer).
+        class WithLegacy:
+            @classmethod
+            def from_legacy_cache(cls, legacy):
+                o = cls()
+                o.legacy = legacy
+                return o
+
+        class UpdateOnly:
+            def __init__(self):
+                self.kv = []
+
+            def update(self, k, v, i):
+                assert len(self.kv) == i
+                self.kv.append((k, v))
+
+        for cls in (WithLegacy, UpdateOnly):
+            fake = types.ModuleType("transformers")
+            fake.DynamicCache = cls
+            sys.modules["transformers"] = fake
+            try:
+                got = hf.message_to_cache(m, cache_format="auto").cache
+                self.assertIsInstance(got, cls)
+                pairs = got.legacy if cls is WithLegacy else got.kv
+                self.assertEqual(len(pairs), 2)
+                self.assertEqual(list(pairs[0][0].shape), [1, H, 3, 8])
+                self.assertIsInstance(hf.message_to_cache(m, cache_format="legacy").cache, tuple)
+            finally:
+                del sys.modules["transformers"]
+
+    def test_import_kvrelay_does_not_import_torch(self):
+        code = ("import sys, kvrelay; assert 'torch' not in sys.modules; "
+                "import kvrelay.hf; assert 'torch' not in sys.modules; print('ok')")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=30, env=os.environ)
+        self.assertEqual((p.returncode, p.stdout.strip()), (0, "ok"), p.stderr)
+
+
+# ---- through the live relay -----------------------------------------------------------
+
+class RelayTest(unittest.TestCase):
+    def setUp(self):
+        self.c = kvrelay.Client(ADDR)
+
+    def tearDown(self):
+        self.c.close()
+
+    def relay(self, turn, policy, session, parent="", sender="planner", to="critic"):
+        r = self.c.publish(turn, session, sender, [to], policy=policy, parent_id=parent)
+        m = self.c.fetch(session, to, timeout=20)
+        self.c.ack(session, to, m.message_id)
+        self.assertEqual(m.message_id, r.message_id)
+        return m, r
+
+    def test_full_bit_identical_logits(self):
+        for dt, name in ((torch.float32, "F32"), (torch.bfloat16, "BF16")):
+            with self.subTest(dtype=name):
+                model = TinyDecoder(seed=3).to(dt)
+                cache, n, steps, tok, nxt = run_turn(model)
+                turn = hf.turn_from_cache(cache, n, hf.prompt_attention_mass(steps, n, kv_heads=H))
+                self.assertEqual(turn.dtype, name)
+                sess = Session.new("full")
+                m, r = self.relay(turn, "full", sess)
+                self.assertEqual(r.accounting.full_bytes, r.accounting.sent_bytes)
+                rc = hf.message_to_cache(m)
+                self.assertIsInstance(rc.cache, tuple)
+                T = cache[0][0].shape[2]
+                self.assertEqual((rc.tokens, rc.next_pos, nxt), (T, T, T))
+                self.assertTrue(torch.equal(rc.positions, torch.arange(T).expand(LAYERS, H, T)))
+                for (k0, v0), (k1, v1) in zip(cache, rc.cache):
+                    self.assertEqual(k1.dtype, dt)
+                    self.assertTrue(torch.equal(bits(k0), bits(k1)))
+                    self.assertTrue(torch.equal(bits(v0), bits(v1)))
+                direct = model(input_ids=tok, past_key_values=cache, position_ids=torch.tensor([[T]]))
+                relayed = model(input_ids=tok, past_key_values=rc.cache,
+                                position_ids=rc.position_ids(1), attention_mask=rc.attention_mask(1))
+                self.assertTrue(torch.equal(direct.logits, relayed.logits))
+                for (a, b), (c, d) in zip(direct.past_key_values, relayed.past_key_values):
+                    self.assertTrue(torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(d)))
+
+                # The next agent continues from the relayed cache; its turn goes
+                # up with the parent (history by reference) and, separately,
+                # with the history uploaded: both messages equal its own cache.
+                cache2, n2, steps2, tok2, nxt2 = run_turn(model, "Critic: check it.", gen=4,
+                                                          relayed=rc)
+                scores2 = hf.prompt_attention_mass(steps2, n2, prompt_start=rc.tokens)
+                t2 = hf.turn_from_cache(cache2, n2, scores2, history=rc)
+                self.assertEqual((t2.first_agent, t2.prompt_pos0), (False, T))
+                m2, _ = self.relay(t2, "full", sess, parent=m.message_id, sender="critic",
+                                   to="refiner")
+                t3 = hf.turn_from_cache(cache2, n2, scores2, history=rc, include_history=True)
+                m3 = self.c.compress(t3, "full")
+                for mm in (m2, m3):
+                    rc2 = hf.message_to_cache(mm)
+                    T2 = cache2[0][0].shape[2]
+                    self.assertEqual((rc2.tokens, rc2.next_pos, nxt2), (T2, T2, T2))
+                    self.assertTrue(torch.equal(rc2.positions,
+                                                torch.arange(T2).expand(LAYERS, H, T2)))
+                    a = model(input_ids=tok2, past_key_values=cache2,
+                              position_ids=torch.tensor([[T2]]))
+                    b = model(input_ids=tok2, past_key_values=rc2.cache,
+                              position_ids=rc2.position_ids(1),
+                              attention_mask=rc2.attention_mask(1))
+                    self.assertTrue(torch.equal(a.logits, b.logits))
+                self.c.close_session(sess)
+
+    def test_h2o_head_positions_and_continuation(self):
+        k, sinks = 8, 4
+        for dt in (torch.float32, torch.bfloat16):
+            with self.subTest(dtype=str(dt)):
+                model = TinyDecoder(seed=4).to(dt)
+                cache, n, steps, tok, nxt = run_turn(model, gen=5)
+                T = cache[0][0].shape[2]
+                n_gen = T - n
+                # Per query head: the relay reduces the groups itself.
+                scores = hf.prompt_attention_mass(steps, n)
+                self.assertEqual(scores[0].shape, (Q_HEADS, n))
+                sess = Session.new("h2o")
+                m, r = self.relay(hf.turn_from_cache(cache, n, scores), f"h2o-head:k={k}", sess)
+                self.assertLess(r.accounting.sent_bytes, r.accounting.full_bytes)
+                self.assertEqual((m.n_anchor, m.n_kept, m.n_gen), (sinks, k, n_gen))
+                rc = hf.message_to_cache(m)
+                self.assertEqual((rc.tokens, rc.next_pos), (sinks + k + n_gen, T))
+                gathered = []
+                for l in range(LAYERS):
+                    # Independent reduction: sum consecutive query-head pairs.
+                    red = scores[l].astype(np.float64).reshape(H, Q_HEADS // H, n).sum(axis=1)
+                    want = np.stack([np.concatenate([topk_kept(red[h], k, sinks),
+                                                     np.arange(n, T)]) for h in range(H)])
+                    self.assertTrue(np.array_equal(rc.positions[l].numpy(), want), f"layer {l}")
+                    idx = torch.from_numpy(want)
+                    k0, v0 = cache[l]
+                    kg = torch.stack([k0[0, h, idx[h]] for h in range(H)]).unsqueeze(0)
+                    vg = torch.stack([v0[0, h, idx[h]] for h in range(H)]).unsqueeze(0)
+                    self.assertTrue(torch.equal(bits(kg), bits(rc.cache[l][0])))
+                    self.assertTrue(torch.equal(bits(vg), bits(rc.cache[l][1])))
+                    gathered.append((kg, vg))
+                # Heads kept different prompt tokens (the case positions exist for).
+                self.assertFalse(torch.equal(rc.positions[:, 0], rc.positions[:, 1]))
+                out = model(input_ids=tok, past_key_values=rc.cache,
+                            position_ids=rc.position_ids(1), attention_mask=rc.attention_mask(1))
+                self.assertTrue(torch.isfinite(out.logits).all())
+                ref = model(input_ids=tok, past_key_values=tuple(gathered),
+                            position_ids=torch.tensor([[T]]))
+                self.assertTrue(torch.equal(out.logits, ref.logits))
+                # Positions matter: continuing at the kept-row count instead
+                # of the original length gives other logits.
+                wrong = model(input_ids=tok, past_key_values=rc.cache,
+                              position_ids=torch.tensor([[rc.tokens]]))
+                self.assertFalse(torch.equal(out.logits, wrong.logits))
+                # Several new tokens at once, continuing positions T, T+1, ...
+                ids = encode("ok?")
+                out3 = model(input_ids=ids, past_key_values=rc.cache,
+                             position_ids=rc.position_ids(3), attention_mask=rc.attention_mask(3))
+                self.assertTrue(torch.isfinite(out3.logits).all())
+                self.assertEqual(out3.past_key_values[0][0].shape[2], rc.tokens + 3)
+                self.c.close_session(sess)
+
+    def test_quantized_message(self):
+        model = TinyDecoder(seed=6).to(torch.bfloat16)
+        cache, n, steps, tok, _ = run_turn(model, gen=3)
+        turn = hf.turn_from_cache(cache, n, hf.prompt_attention_mass(steps, n, kv_heads=H))
+        m = self.c.compress(turn, "h2o-head:k=8+obf:p=4+int8")
+        self.assertEqual(m.quant_bits, 8)
+        rc = hf.message_to_cache(m)
+        self.assertEqual(rc.cache[0][0].dtype, torch.bfloat16)
+        out = model(input_ids=tok, past_key_values=rc.cache, position_ids=rc.position_ids(1),
+                    attention_mask=rc.attention_mask(1))
+        self.assertTrue(torch.isfinite(out.logits).all())
+        rc32 = hf.message_to_cache(m, dtype=torch.float32)
+        self.assertTrue(torch.equal(rc32.cache[0][0], torch.from_numpy(m.layers[0].k).unsqueeze(0)))
+
+    def test_example_chain(self):
+        if not ARGS.example:
+            self.skipTest("--example not given")
+        cmd = [sys.executable, ARGS.example, "--addr", ADDR, "--latent-steps", "4",
+               "--answer-tokens", "3", "--policy", "h2o-head:k=8+obf:p=4"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=os.environ)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        hops = re.findall(r"^(\d)\s+(\w+) -> (\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)",
+                          p.stdout, re.M)
+        self.assertEqual([h[1:3] for h in hops], [("planner", "critic"), ("critic", "refiner"),
+                                                  ("refiner", "judger")], p.stdout)
+        for h in hops:
+            full, sent, ratio = int(h[5]), int(h[6]), float(h[7])
+            self.assertLess(sent, full)
+            self.assertAlmostEqual(ratio, full / sent, places=2)
+        tot = re.search(r"totals: hops=3 full_bytes=(\d+) sent_bytes=(\d+)", p.stdout)
+        self.assertIsNotNone(tot, p.stdout)
+        self.assertEqual(int(tot.group(1)), sum(int(h[5]) for h in hops))
+        self.assertIn("judger: received", p.stdout)
+
+
+def main():
+    global ARGS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--example", default=os.path.join(REPO, "examples", "latentmas_chain.py"),
+                    help="examples/latentmas_chain.py to run once against the relay ('' skips)")
+    ARGS, rest = ap.parse_known_args()
+
+    def expire():
+        print(f"FAIL: watchdog: the test ran past {WATCHDOG_S} s", file=sys.stderr, flush=True)
+        try:
+            if SERVER is not None:
+                SERVER.kill()
+        finally:
+            os._exit(1)
+
+    dog = threading.Timer(WATCHDOG_S, expire)
+    dog.daemon = True
+    dog.start()
+    try:
+        prog = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+    finally:
+        dog.cancel()
+        stop_server(SERVER)
+    sys.exit(0 if prog.result.wasSuccessful() else 1)
+
+
+if __name__ == "__main__":
+    main()
