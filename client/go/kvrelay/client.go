@@ -1,0 +1,286 @@
+// Package kvrelay is a Go client of the kvrelay.v1.Relay service
+// (proto/kvrelay/v1/relay.proto): publish an agent's turn, fetch the
+// composed message, acknowledge it.
+//
+//	c, err := kvrelay.Dial(ctx, "127.0.0.1:50051")
+//	r, err := c.Publish(ctx, turn, kvrelay.PublishOptions{
+//		SessionID: "s1", Sender: "planner", Recipients: []string{"critic"},
+//		Policy: "h2o-head:k=32+obf:p=8"})
+//	m, err := c.Fetch(ctx, "s1", "critic", false)
+//	err = c.Ack(ctx, "s1", "critic", m.Header.GetMessageId())
+//
+// Deadlines come from the context: Fetch waits for a message until the
+// context's deadline (DEADLINE_EXCEEDED when none arrived). Errors wrap the
+// relay's gRPC status, or a status this client produced itself (DataLoss for
+// a CRC32C or trailer mismatch in a delivery, InvalidArgument for a malformed
+// delivery or arguments that cannot be sent); Code and Status find it through
+// the wrapping. Nothing is retried; a publish always carries a message id
+// (generated when none is given), so retrying it is safe: a re-publish of a
+// committed id answers with Duplicate = true.
+package kvrelay
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"regexp"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "kvrelay/v1"
+)
+
+// MaxChunkBytes is the most tensor bytes one Chunk carries (relay.proto).
+const MaxChunkBytes = 1 << 20
+
+var idPattern = regexp.MustCompile(`^[A-Za-z0-9._:-]{1,128}$`)
+
+// Client is a connection to one relay. Safe for concurrent use.
+type Client struct {
+	conn  *grpc.ClientConn // nil when built by NewClient
+	relay pb.RelayClient
+}
+
+// callOpts go with every call (see protoCodec).
+var callOpts = []grpc.CallOption{grpc.ForceCodec(protoCodec{})}
+
+// Dial connects to the relay at addr ("HOST:PORT"). Without options the
+// channel is insecure (plaintext). The connection is made lazily: an
+// unreachable relay shows up as UNAVAILABLE on the first call.
+func Dial(ctx context.Context, addr string, opts ...grpc.DialOption) (*Client, error) {
+	if len(opts) == 0 {
+		opts = []grpc.DialOption{grpc.WithInsecure()}
+	}
+	conn, err := grpc.DialContext(ctx, addr, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: dial %s: %w", addr, err)
+	}
+	return &Client{conn: conn, relay: pb.NewRelayClient(conn)}, nil
+}
+
+// NewClient uses an existing connection, which the caller closes.
+func NewClient(conn grpc.ClientConnInterface) *Client {
+	return &Client{relay: pb.NewRelayClient(conn)}
+}
+
+// Close closes the connection Dial made.
+func (c *Client) Close() error {
+	if c.conn == nil {
+		return nil
+	}
+	return c.conn.Close()
+}
+
+// Status returns the gRPC status that err wraps (the relay's, or one this
+// package produced), and false when there is none.
+func Status(err error) (*status.Status, bool) {
+	var se interface{ GRPCStatus() *status.Status }
+	if errors.As(err, &se) {
+		return se.GRPCStatus(), true
+	}
+	return nil, false
+}
+
+// Code is the gRPC code that err wraps: OK for nil, Unknown when it wraps none.
+func Code(err error) codes.Code {
+	if err == nil {
+		return codes.OK
+	}
+	if s, ok := Status(err); ok {
+		return s.Code()
+	}
+	return codes.Unknown
+}
+
+// CodeName is the canonical name of a code, as relay.proto and the other
+// kvrelay clients write it: "INVALID_ARGUMENT", "DATA_LOSS", ...
+func CodeName(c codes.Code) string {
+	if name, ok := codeNames[c]; ok {
+		return name
+	}
+	return fmt.Sprintf("CODE_%d", uint32(c))
+}
+
+var codeNames = map[codes.Code]string{
+	codes.OK: "OK", codes.Canceled: "CANCELLED", codes.Unknown: "UNKNOWN",
+	codes.InvalidArgument: "INVALID_ARGUMENT", codes.DeadlineExceeded: "DEADLINE_EXCEEDED",
+	codes.NotFound: "NOT_FOUND", codes.AlreadyExists: "ALREADY_EXISTS",
+	codes.PermissionDenied: "PERMISSION_DENIED", codes.ResourceExhausted: "RESOURCE_EXHAUSTED",
+	codes.FailedPrecondition: "FAILED_PRECONDITION", codes.Aborted: "ABORTED",
+	codes.OutOfRange: "OUT_OF_RANGE", codes.Unimplemented: "UNIMPLEMENTED",
+	codes.Internal: "INTERNAL", codes.Unavailable: "UNAVAILABLE", codes.DataLoss: "DATA_LOSS",
+	codes.Unauthenticated: "UNAUTHENTICATED",
+}
+
+// NewMessageID returns a fresh message id: "m-" and 24 random hex digits.
+func NewMessageID() string {
+	b := make([]byte, 12)
+	if _, err := rand.Read(b); err != nil {
+		panic(fmt.Sprintf("kvrelay: crypto/rand: %v", err))
+	}
+	return "m-" + hex.EncodeToString(b)
+}
+
+func checkID(field, v string, required bool) error {
+	if v == "" && !required {
+		return nil
+	}
+	if !idPattern.MatchString(v) {
+		return status.Errorf(codes.InvalidArgument, "%s: %q, expected [A-Za-z0-9._:-]{1,128}", field, v)
+	}
+	return nil
+}
+
+// PublishOptions routes a turn.
+type PublishOptions struct {
+	SessionID  string   // required
+	MessageID  string   // idempotency key; empty: NewMessageID()
+	Sender     string   // required: the publishing agent
+	Recipients []string // 1..64 distinct agents
+	Role       string   // optional; selects the relay's default policy
+	Policy     string   // pipeline spec; empty: the role's default
+	ParentID   string   // history by reference; the turn then carries none
+}
+
+// PublishResult is the relay's answer to a publish.
+type PublishResult struct {
+	MessageID  string
+	Duplicate  bool // the id was already committed; nothing changed
+	Accounting *pb.Accounting
+}
+
+// Publish uploads turn for o.Recipients: the header, every tensor as
+// CRC32C-checked chunks in relay.proto's order, and the commit trailer.
+func (c *Client) Publish(ctx context.Context, turn *Turn, o PublishOptions) (*PublishResult, error) {
+	if o.MessageID == "" {
+		o.MessageID = NewMessageID()
+	}
+	if err := checkPublish(o); err != nil {
+		return nil, fmt.Errorf("kvrelay: publish: %w", err)
+	}
+	geometry, tensors, err := planUpload(turn)
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: publish: %w", err)
+	}
+	r, err := c.publish(ctx, &pb.PublishHeader{
+		SessionId: o.SessionID, MessageId: o.MessageID, Sender: o.Sender, Recipients: o.Recipients,
+		Role: o.Role, Policy: o.Policy, ParentId: o.ParentID, Geometry: geometry,
+	}, tensors)
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: publish %s to session %s: %w", o.MessageID, o.SessionID, err)
+	}
+	return &PublishResult{MessageID: r.GetMessageId(), Duplicate: r.GetDuplicate(), Accounting: r.GetAccounting()}, nil
+}
+
+func checkPublish(o PublishOptions) error {
+	for _, f := range []struct {
+		name, v  string
+		required bool
+	}{{"session_id", o.SessionID, true}, {"message_id", o.MessageID, true},
+		{"sender", o.Sender, true}, {"parent_id", o.ParentID, false}} {
+		if err := checkID(f.name, f.v, f.required); err != nil {
+			return err
+		}
+	}
+	if len(o.Recipients) == 0 {
+		return status.Error(codes.InvalidArgument, "recipients: empty, expected 1..64 agents")
+	}
+	for i, r := range o.Recipients {
+		if err := checkID(fmt.Sprintf("recipients[%d]", i), r, true); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (c *Client) publish(ctx context.Context, header *pb.PublishHeader, tensors []uploadTensor) (*pb.PublishResponse, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := c.relay.Publish(ctx, callOpts...)
+	if err != nil {
+		return nil, err
+	}
+	err = stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Header{Header: header}})
+	if err == nil {
+		err = sendChunks(tensors,
+			func(ch *pb.Chunk) error {
+				return stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Chunk{Chunk: ch}})
+			},
+			func(t *pb.Trailer) error {
+				return stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Commit{Commit: t}})
+			})
+	}
+	// io.EOF from Send: the relay ended the call early; CloseAndRecv has its status.
+	if err != nil && err != io.EOF {
+		return nil, err
+	}
+	return stream.CloseAndRecv()
+}
+
+// Fetch returns the oldest unacknowledged message for (session, agent),
+// waiting for one until ctx's deadline. With autoAck the relay acknowledges
+// once it sent the trailer, before this client checked it; prefer Ack once
+// the message is safely used.
+func (c *Client) Fetch(ctx context.Context, session, agent string, autoAck bool) (*Message, error) {
+	if err := checkID("session_id", session, true); err != nil {
+		return nil, fmt.Errorf("kvrelay: fetch: %w", err)
+	}
+	if err := checkID("agent", agent, true); err != nil {
+		return nil, fmt.Errorf("kvrelay: fetch: %w", err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // also cancels the call when the delivery is malformed
+	stream, err := c.relay.Fetch(ctx, &pb.FetchRequest{SessionId: session, Agent: agent, AutoAck: autoAck}, callOpts...)
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
+	}
+	var a assembler
+	for {
+		r, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
+		}
+		if err := a.add(r); err != nil {
+			return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
+		}
+	}
+	m, err := a.message()
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
+	}
+	return m, nil
+}
+
+// Ack acknowledges a delivered message (NOT_FOUND for an unknown one).
+func (c *Client) Ack(ctx context.Context, session, agent, messageID string) error {
+	for _, f := range [][2]string{{"session_id", session}, {"agent", agent}, {"message_id", messageID}} {
+		if err := checkID(f[0], f[1], true); err != nil {
+			return fmt.Errorf("kvrelay: ack: %w", err)
+		}
+	}
+	_, err := c.relay.Ack(ctx, &pb.AckRequest{SessionId: session, Agent: agent, MessageId: messageID}, callOpts...)
+	if err != nil {
+		return fmt.Errorf("kvrelay: ack %s for %s/%s: %w", messageID, session, agent, err)
+	}
+	return nil
+}
+
+// CloseSession frees a session; returns the number of messages freed. Idempotent.
+func (c *Client) CloseSession(ctx context.Context, session string) (uint32, error) {
+	if err := checkID("session_id", session, true); err != nil {
+		return 0, fmt.Errorf("kvrelay: close session: %w", err)
+	}
+	r, err := c.relay.CloseSession(ctx, &pb.CloseSessionRequest{SessionId: session}, callOpts...)
+	if err != nil {
+		return 0, fmt.Errorf("kvrelay: close session %s: %w", session, err)
+	}
+	return r.GetMessagesFreed(), nil
+}

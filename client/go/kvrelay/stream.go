@@ -1,0 +1,355 @@
+package kvrelay
+
+import (
+	"fmt"
+	"hash/crc32"
+	"math"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "kvrelay/v1"
+)
+
+// castagnoli is the CRC32C table (hardware-accelerated where the CPU has it).
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Turn is one agent turn: per layer the prompt and generated K/V, the
+// attention mass on the prompt and optionally history (docs/FORMAT.md,
+// "Turn"). Tensors are little-endian, row-major bytes: K/V in DType ("F32",
+// "F16" or "BF16" bit patterns) of shape [KVHeads, n, HeadDim], scores F32
+// [ScoreHeads, NPrompt], history positions I32 [KVHeads, NHistory].
+type Turn struct {
+	DType      string
+	KVHeads    int
+	ScoreHeads int
+	HeadDim    int
+	NPrompt    int
+	NGen       int
+	NHistory   int
+	FirstAgent bool   // keeps the anchors (attention sinks)
+	PromptPos0 *int64 // position id of the first prompt token; nil: NHistory
+	Layers     []TurnLayer
+}
+
+// TurnLayer holds one layer's tensors; the History* ones only when NHistory > 0.
+type TurnLayer struct {
+	PromptK, PromptV, GenK, GenV, PromptScore []byte
+	HistoryK, HistoryV, HistoryPos            []byte
+}
+
+// Tensor is one delivered tensor, named as in the message file format
+// ("layer.0.k", "layer.3.v.codes", ...).
+type Tensor struct {
+	Name  string
+	Layer uint32
+	Part  pb.Part
+	DType string // safetensors dtype: F32, F16, BF16, I32 or U8
+	Shape []int
+	Data  []byte // little-endian
+}
+
+// Message is a delivered message: its header (ids, token counts,
+// quantization, accounting) and its tensors in delivery order. Quantized
+// messages stay packed (k.codes, k.scale, k.zero, v.codes, ...).
+type Message struct {
+	Header  *pb.MessageHeader
+	Tensors []Tensor
+}
+
+var dtypeSize = map[string]int{"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1}
+
+var protoDType = map[string]pb.DType{"F32": pb.DType_DTYPE_F32, "F16": pb.DType_DTYPE_F16, "BF16": pb.DType_DTYPE_BF16}
+
+func invalidf(format string, args ...interface{}) error {
+	return status.Errorf(codes.InvalidArgument, format, args...)
+}
+
+type uploadTensor struct {
+	layer uint32
+	part  pb.Part
+	data  []byte
+}
+
+// planUpload checks every tensor's length against the turn's geometry and
+// lists the tensors in upload order (relay.proto, "Tensor order").
+func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
+	if t == nil || len(t.Layers) == 0 {
+		return nil, nil, invalidf("turn.layers: empty, expected at least one layer")
+	}
+	dtype, ok := protoDType[t.DType]
+	if !ok {
+		return nil, nil, invalidf("turn.dtype: %q, expected F32, F16 or BF16", t.DType)
+	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"kv_heads", t.KVHeads}, {"score_heads", t.ScoreHeads}, {"head_dim", t.HeadDim},
+		{"n_prompt", t.NPrompt}, {"n_gen", t.NGen}, {"n_history", t.NHistory}} {
+		if f.v < 0 || f.v > math.MaxUint32 {
+			return nil, nil, invalidf("turn.%s: %d, expected 0..2^32-1", f.name, f.v)
+		}
+	}
+	kv := dtypeSize[t.DType] * t.KVHeads * t.HeadDim
+	var tensors []uploadTensor
+	for l := range t.Layers {
+		layer := &t.Layers[l]
+		parts := []struct {
+			part pb.Part
+			name string
+			data []byte
+			want int
+		}{
+			{pb.Part_PART_PROMPT_K, "prompt.k", layer.PromptK, kv * t.NPrompt},
+			{pb.Part_PART_PROMPT_V, "prompt.v", layer.PromptV, kv * t.NPrompt},
+			{pb.Part_PART_GEN_K, "gen.k", layer.GenK, kv * t.NGen},
+			{pb.Part_PART_GEN_V, "gen.v", layer.GenV, kv * t.NGen},
+			{pb.Part_PART_PROMPT_SCORE, "prompt.score", layer.PromptScore, 4 * t.ScoreHeads * t.NPrompt},
+		}
+		if t.NHistory > 0 {
+			parts = append(parts, []struct {
+				part pb.Part
+				name string
+				data []byte
+				want int
+			}{
+				{pb.Part_PART_HISTORY_K, "history.k", layer.HistoryK, kv * t.NHistory},
+				{pb.Part_PART_HISTORY_V, "history.v", layer.HistoryV, kv * t.NHistory},
+				{pb.Part_PART_HISTORY_POS, "history.pos", layer.HistoryPos, 4 * t.KVHeads * t.NHistory},
+			}...)
+		}
+		for _, p := range parts {
+			if len(p.data) != p.want {
+				return nil, nil, invalidf("layer.%d.%s: %d bytes, expected %d", l, p.name, len(p.data), p.want)
+			}
+			tensors = append(tensors, uploadTensor{layer: uint32(l), part: p.part, data: p.data})
+		}
+	}
+	g := &pb.TurnGeometry{
+		Layers: uint32(len(t.Layers)), KvHeads: uint32(t.KVHeads), ScoreHeads: uint32(t.ScoreHeads),
+		HeadDim: uint32(t.HeadDim), Dtype: dtype, NPrompt: uint32(t.NPrompt), NGen: uint32(t.NGen),
+		NHistory: uint32(t.NHistory), FirstAgent: t.FirstAgent, PromptPos0: t.PromptPos0,
+	}
+	return g, tensors, nil
+}
+
+// sendChunks cuts tensors into chunks of at most MaxChunkBytes, each with its
+// CRC32C, then sends the trailer: chunk count, bytes and the CRC32C of all
+// chunk data in stream order. A tensor of 0 bytes sends no chunk.
+func sendChunks(tensors []uploadTensor, chunk func(*pb.Chunk) error, trailer func(*pb.Trailer) error) error {
+	var chunks, bytes uint64
+	var crc uint32
+	for _, t := range tensors {
+		for off := 0; off < len(t.data); off += MaxChunkBytes {
+			end := off + MaxChunkBytes
+			if end > len(t.data) {
+				end = len(t.data)
+			}
+			piece := t.data[off:end]
+			crc = crc32.Update(crc, castagnoli, piece)
+			chunks++
+			bytes += uint64(len(piece))
+			if err := chunk(&pb.Chunk{Layer: t.layer, Part: t.part, Offset: uint64(off), Data: piece,
+				Crc32C: crc32.Checksum(piece, castagnoli)}); err != nil {
+				return err
+			}
+		}
+	}
+	return trailer(&pb.Trailer{Chunks: chunks, Bytes: bytes, Crc32C: crc})
+}
+
+// assembler rebuilds a Message from a delivery stream (header, chunks,
+// trailer), checking order, offsets, sizes and CRC32Cs.
+type assembler struct {
+	header *pb.MessageHeader
+	slots  []Tensor
+	filled int // bytes of slots[next] received
+	next   int
+	chunks uint64
+	bytes  uint64
+	crc    uint32
+	done   bool
+}
+
+func (a *assembler) add(r *pb.FetchResponse) error {
+	if a.done {
+		return invalidf("delivery stream: response after the trailer, expected the end")
+	}
+	switch k := r.GetKind().(type) {
+	case *pb.FetchResponse_Header:
+		return a.start(k.Header)
+	case *pb.FetchResponse_Chunk:
+		return a.addChunk(k.Chunk)
+	case *pb.FetchResponse_Trailer:
+		return a.finish(k.Trailer)
+	default:
+		return invalidf("delivery stream: empty response, expected header, chunk or trailer")
+	}
+}
+
+func (a *assembler) start(h *pb.MessageHeader) error {
+	if a.header != nil {
+		return invalidf("header: given twice, expected one")
+	}
+	if h.GetLayers() < 1 || h.GetKvHeads() < 1 || h.GetHeadDim() < 1 {
+		return invalidf("header: layers %d, kv_heads %d, head_dim %d, expected each >= 1",
+			h.GetLayers(), h.GetKvHeads(), h.GetHeadDim())
+	}
+	var dtype string
+	for name, d := range protoDType {
+		if d == h.GetDtype() {
+			dtype = name
+		}
+	}
+	if dtype == "" {
+		return invalidf("header.dtype: %v, expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16", h.GetDtype())
+	}
+	n64 := uint64(h.GetNHistory()) + uint64(h.GetNAnchor()) + uint64(h.GetNKept()) + uint64(h.GetNGen())
+	if n64 >= 1<<31 {
+		return invalidf("header.n_history+n_anchor+n_kept+n_gen: %d, expected < 2^31", n64)
+	}
+	n, H, d, bits := int(n64), int(h.GetKvHeads()), int(h.GetHeadDim()), int(h.GetQuantBits())
+	type spec struct {
+		part   pb.Part
+		suffix string
+		dtype  string
+		shape  []int
+	}
+	var specs []spec
+	if bits != 0 {
+		if bits != 2 && bits != 4 && bits != 8 {
+			return invalidf("header.quant_bits: %d, expected 0, 2, 4 or 8", bits)
+		}
+		if h.GetQuantGroup() < 1 {
+			return invalidf("header.quant_group: %d, expected >= 1 when quantized", h.GetQuantGroup())
+		}
+		if d*bits%8 != 0 {
+			return invalidf("header.head_dim: %d, expected head_dim*quant_bits a multiple of 8", d)
+		}
+		groups := (n + int(h.GetQuantGroup()) - 1) / int(h.GetQuantGroup())
+		specs = []spec{
+			{pb.Part_PART_K_CODES, "k.codes", "U8", []int{H, n, d * bits / 8}},
+			{pb.Part_PART_K_SCALE, "k.scale", "F16", []int{H, groups, d}},
+			{pb.Part_PART_K_ZERO, "k.zero", "F16", []int{H, groups, d}},
+			{pb.Part_PART_V_CODES, "v.codes", "U8", []int{H, n, d * bits / 8}},
+			{pb.Part_PART_V_SCALE, "v.scale", "F16", []int{H, n}},
+			{pb.Part_PART_V_ZERO, "v.zero", "F16", []int{H, n}},
+		}
+	} else {
+		specs = []spec{
+			{pb.Part_PART_K, "k", dtype, []int{H, n, d}},
+			{pb.Part_PART_V, "v", dtype, []int{H, n, d}},
+		}
+	}
+	specs = append(specs, spec{pb.Part_PART_POS, "pos", "I32", []int{H, n}})
+	// The message's size, checked before anything is allocated.
+	var total uint64
+	for _, s := range specs {
+		total += mulSat(numBytes(s.dtype, s.shape), uint64(h.GetLayers()))
+	}
+	if total > maxMessageBytes {
+		return invalidf("header: a message of %d bytes, expected below 2^36", total)
+	}
+	if sent := h.GetAccounting().GetSentBytes(); sent != total {
+		return invalidf("header.accounting.sent_bytes: %d, expected %d (bytes of the tensors the header describes)", sent, total)
+	}
+	for l := 0; l < int(h.GetLayers()); l++ {
+		for _, s := range specs {
+			a.slots = append(a.slots, Tensor{Name: fmt.Sprintf("layer.%d.%s", l, s.suffix), Layer: uint32(l),
+				Part: s.part, DType: s.dtype, Shape: s.shape, Data: make([]byte, numBytes(s.dtype, s.shape))})
+		}
+	}
+	a.header = h
+	a.skipComplete()
+	return nil
+}
+
+func (a *assembler) skipComplete() {
+	for a.next < len(a.slots) && a.filled == len(a.slots[a.next].Data) {
+		a.next++
+		a.filled = 0
+	}
+}
+
+func (a *assembler) addChunk(c *pb.Chunk) error {
+	if a.header == nil {
+		return invalidf("chunk: before the header, expected a header first")
+	}
+	what := fmt.Sprintf("chunk layer %d %v offset %d", c.GetLayer(), c.GetPart(), c.GetOffset())
+	if a.next >= len(a.slots) {
+		return invalidf("%s: after every tensor of the message is complete, expected the trailer", what)
+	}
+	slot := &a.slots[a.next]
+	if c.GetLayer() != slot.Layer || c.GetPart() != slot.Part || c.GetOffset() != uint64(a.filled) {
+		return invalidf("%s: out of order, expected chunk layer %d %v offset %d", what, slot.Layer, slot.Part, a.filled)
+	}
+	n, room := len(c.GetData()), len(slot.Data)-a.filled
+	if n < 1 || n > MaxChunkBytes || n > room {
+		return invalidf("%s: %d data bytes, expected 1..%d (%s has %d bytes)", what, n,
+			minInt(MaxChunkBytes, room), slot.Name, len(slot.Data))
+	}
+	if crc := crc32.Checksum(c.GetData(), castagnoli); crc != c.GetCrc32C() {
+		return status.Errorf(codes.DataLoss, "%s: crc32c %d, expected %d (computed over the data)", what, c.GetCrc32C(), crc)
+	}
+	copy(slot.Data[a.filled:], c.GetData())
+	a.filled += n
+	a.chunks++
+	a.bytes += uint64(n)
+	a.crc = crc32.Update(a.crc, castagnoli, c.GetData())
+	a.skipComplete()
+	return nil
+}
+
+func (a *assembler) finish(t *pb.Trailer) error {
+	if a.header == nil {
+		return invalidf("trailer: before the header, expected a header first")
+	}
+	if a.next < len(a.slots) {
+		s := a.slots[a.next]
+		return invalidf("trailer: stream ended with %s at %d of %d bytes", s.Name, a.filled, len(s.Data))
+	}
+	for _, f := range []struct {
+		name      string
+		got, want uint64
+	}{{"chunks", t.GetChunks(), a.chunks}, {"bytes", t.GetBytes(), a.bytes}, {"crc32c", uint64(t.GetCrc32C()), uint64(a.crc)}} {
+		if f.got != f.want {
+			return status.Errorf(codes.DataLoss, "trailer.%s: %d, expected %d (computed over the chunks received)", f.name, f.got, f.want)
+		}
+	}
+	a.done = true
+	return nil
+}
+
+func (a *assembler) message() (*Message, error) {
+	if !a.done {
+		return nil, status.Error(codes.DataLoss, "delivery stream: ended without a trailer, expected header, chunks, trailer")
+	}
+	return &Message{Header: a.header, Tensors: a.slots}, nil
+}
+
+// maxMessageBytes bounds what a delivery header may announce (64 GiB).
+const maxMessageBytes = 1 << 36
+
+// numBytes is the size of a tensor, saturated above maxMessageBytes.
+func numBytes(dtype string, shape []int) uint64 {
+	n := uint64(dtypeSize[dtype])
+	for _, x := range shape {
+		n = mulSat(n, uint64(x))
+	}
+	return n
+}
+
+// mulSat is a*b, or maxMessageBytes+1 when that is larger.
+func mulSat(a, b uint64) uint64 {
+	if b != 0 && a > maxMessageBytes/b {
+		return maxMessageBytes + 1
+	}
+	return a * b
+}
+
+func minInt(a, b int) int {
+	if a < b {
+		return a
+	}
+	return b
+}

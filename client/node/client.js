@@ -1,0 +1,442 @@
+'use strict';
+// Node.js client of the kvrelay.v1.Relay service (proto/kvrelay/v1/relay.proto),
+// with @grpc/grpc-js and @grpc/proto-loader (the .proto is loaded at run time).
+//
+//   const { RelayClient } = require('./client');
+//   const relay = new RelayClient('127.0.0.1:50051');
+//   const r = await relay.publish(turn, { sessionId: 's1', sender: 'planner',
+//                                         recipients: ['critic'], policy: 'h2o-head:k=32+obf:p=8' });
+//   const msg = await relay.fetch('s1', 'critic', { timeoutMs: 30000 });
+//   await relay.ack('s1', 'critic', msg.header.messageId);
+//   relay.close();
+//
+// Every method returns a promise. Errors are the relay's gRPC status (an
+// Error with numeric `code` and `details`, see grpc.status) or a RelayError of
+// the same shape for what this client checks itself: DATA_LOSS for a CRC32C
+// or trailer mismatch in a delivery, INVALID_ARGUMENT for a malformed
+// delivery stream or for arguments that cannot be sent. Nothing is retried;
+// a publish always carries a message id (generated when none is given), so
+// the caller may retry it safely: a re-publish of a committed id answers
+// with duplicate = true.
+
+const crypto = require('node:crypto');
+const path = require('node:path');
+const buffer = require('node:buffer');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+const { crc32c, crc32cCombine } = require('./crc32c');
+const { DTYPE_SIZE } = require('./safetensors');
+
+/** The contract, as laid out in this repository. */
+const DEFAULT_PROTO_PATH = path.resolve(__dirname, '../../proto/kvrelay/v1/relay.proto');
+/** relay.proto: a Chunk carries 1 .. 1 MiB of tensor bytes. */
+const MAX_CHUNK_BYTES = 1 << 20;
+const ID_PATTERN = /^[A-Za-z0-9._:-]{1,128}$/;
+const STATUS_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([name, code]) => [code, name]));
+
+/** An error this client detected itself, shaped like a gRPC status error. */
+class RelayError extends Error {
+  constructor(code, details) {
+    super(`${STATUS_NAMES[code]}: ${details}`);
+    this.name = 'RelayError';
+    this.code = code;
+    this.details = details;
+  }
+}
+
+/** "INVALID_ARGUMENT", ... for an error with a gRPC status code; undefined otherwise. */
+function statusName(err) {
+  return err && typeof err.code === 'number' ? STATUS_NAMES[err.code] : undefined;
+}
+
+/** A fresh message id: "m-" and 24 random hex digits. */
+function newMessageId() {
+  return 'm-' + crypto.randomBytes(12).toString('hex');
+}
+
+function invalid(details) {
+  return new RelayError(grpc.status.INVALID_ARGUMENT, details);
+}
+
+function checkId(field, value, { required = true } = {}) {
+  if (!required && !value) return;
+  if (typeof value !== 'string' || !ID_PATTERN.test(value)) {
+    throw invalid(`${field}: ${JSON.stringify(value)}, expected [A-Za-z0-9._:-]{1,128}`);
+  }
+}
+
+function deadlineAfter(timeoutMs) {
+  return new Date(Date.now() + timeoutMs);
+}
+
+/**
+ * Loads the Relay service constructor from relay.proto. Field names are
+ * camelCase (sessionId), enums strings ('PART_K'), 64-bit integers numbers
+ * (byte counts stay far below 2^53), and `kind` names the oneof member set.
+ */
+function loadRelayService(protoPath = DEFAULT_PROTO_PATH) {
+  const definition = protoLoader.loadSync(protoPath, {
+    keepCase: false,
+    longs: Number,
+    enums: String,
+    defaults: true,
+    oneofs: true,
+  });
+  return grpc.loadPackageDefinition(definition).kvrelay.v1.Relay;
+}
+
+// ---- uploads ----------------------------------------------------------------
+
+// Upload order of one layer (relay.proto, "Tensor order"): [part, turn field,
+// file-format name, bytes for turn geometry g].
+const UPLOAD_PARTS = [
+  ['PART_PROMPT_K', 'promptK', 'prompt.k', (g, kv) => g.kvHeads * g.nPrompt * g.headDim * kv],
+  ['PART_PROMPT_V', 'promptV', 'prompt.v', (g, kv) => g.kvHeads * g.nPrompt * g.headDim * kv],
+  ['PART_GEN_K', 'genK', 'gen.k', (g, kv) => g.kvHeads * g.nGen * g.headDim * kv],
+  ['PART_GEN_V', 'genV', 'gen.v', (g, kv) => g.kvHeads * g.nGen * g.headDim * kv],
+  ['PART_PROMPT_SCORE', 'promptScore', 'prompt.score', (g) => g.scoreHeads * g.nPrompt * 4],
+];
+const HISTORY_PARTS = [
+  ['PART_HISTORY_K', 'historyK', 'history.k', (g, kv) => g.kvHeads * g.nHistory * g.headDim * kv],
+  ['PART_HISTORY_V', 'historyV', 'history.v', (g, kv) => g.kvHeads * g.nHistory * g.headDim * kv],
+  ['PART_HISTORY_POS', 'historyPos', 'history.pos', (g) => g.kvHeads * g.nHistory * 4],
+];
+
+/**
+ * The TurnGeometry of `turn` and its tensors in upload order; checks that
+ * every tensor has the byte length its geometry implies.
+ *
+ * A turn: { dtype: 'F32'|'F16'|'BF16', kvHeads, scoreHeads, headDim, nPrompt,
+ * nGen, nHistory (0), firstAgent (true), promptPos0 (optional),
+ * layers: [{ promptK, promptV, genK, genV, promptScore[, historyK, historyV,
+ * historyPos] }] } with every tensor as little-endian bytes (Uint8Array or
+ * Buffer; BF16 as its 16-bit patterns, scores F32, positions I32).
+ */
+function planUpload(turn) {
+  const kv = { F32: 4, F16: 2, BF16: 2 }[turn.dtype];
+  if (!kv) throw invalid(`turn.dtype: ${JSON.stringify(turn.dtype)}, expected F32, F16 or BF16`);
+  if (!Array.isArray(turn.layers) || turn.layers.length === 0) {
+    throw invalid('turn.layers: empty, expected at least one layer');
+  }
+  const g = { nHistory: 0, firstAgent: true, ...turn };
+  for (const f of ['kvHeads', 'scoreHeads', 'headDim', 'nPrompt', 'nGen', 'nHistory']) {
+    if (!Number.isSafeInteger(g[f]) || g[f] < 0) throw invalid(`turn.${f}: ${g[f]}, expected an integer >= 0`);
+  }
+  const parts = g.nHistory > 0 ? UPLOAD_PARTS.concat(HISTORY_PARTS) : UPLOAD_PARTS;
+  const tensors = [];
+  turn.layers.forEach((layer, l) => {
+    for (const [part, field, name, bytes] of parts) {
+      const data = layer[field];
+      const want = bytes(g, kv);
+      if (!(data instanceof Uint8Array) || data.length !== want) {
+        throw invalid(`layer.${l}.${name}: ${data instanceof Uint8Array ? data.length + ' bytes' : 'missing'}, ` +
+                      `expected ${want} bytes (a Uint8Array)`);
+      }
+      tensors.push({ layer: l, part, data });
+    }
+  });
+  const geometry = {
+    layers: turn.layers.length,
+    kvHeads: g.kvHeads,
+    scoreHeads: g.scoreHeads,
+    headDim: g.headDim,
+    dtype: `DTYPE_${g.dtype}`,
+    nPrompt: g.nPrompt,
+    nGen: g.nGen,
+    nHistory: g.nHistory,
+    firstAgent: Boolean(g.firstAgent),
+  };
+  if (g.promptPos0 !== undefined && g.promptPos0 !== null) geometry.promptPos0 = g.promptPos0;
+  return { geometry, tensors };
+}
+
+/** The requests after the header: every chunk, then the commit trailer. */
+function* chunkRequests(tensors) {
+  let chunks = 0;
+  let bytes = 0;
+  let crc = 0;
+  for (const { layer, part, data } of tensors) {
+    for (let offset = 0; offset < data.length; offset += MAX_CHUNK_BYTES) {
+      const piece = data.subarray(offset, offset + MAX_CHUNK_BYTES);
+      const pieceCrc = crc32c(piece);
+      crc = crc32cCombine(crc, pieceCrc, piece.length);
+      chunks++;
+      bytes += piece.length;
+      yield { chunk: { layer, part, offset, data: piece, crc32c: pieceCrc } };
+    }
+  }
+  yield { commit: { chunks, bytes, crc32c: crc } };
+}
+
+// ---- deliveries -------------------------------------------------------------
+
+const DTYPE_NAMES = { DTYPE_F32: 'F32', DTYPE_F16: 'F16', DTYPE_BF16: 'BF16' };
+
+/** Rebuilds a message from a delivery stream: header, chunks, trailer. */
+class Assembler {
+  constructor() {
+    this.slots = null; // [{layer, part, name, dtype, shape, data, filled}]
+    this.done = false;
+  }
+
+  add(response) {
+    if (this.done) throw invalid('delivery stream: response after the trailer, expected the end');
+    switch (response.kind) {
+      case 'header': return this.start(response.header);
+      case 'chunk': return this.addChunk(response.chunk);
+      case 'trailer': return this.finish(response.trailer);
+      default: throw invalid('delivery stream: empty response, expected header, chunk or trailer');
+    }
+  }
+
+  start(h) {
+    if (this.slots) throw invalid('header: given twice, expected one');
+    for (const f of ['layers', 'kvHeads', 'headDim']) {
+      if (!(h[f] >= 1)) throw invalid(`header.${f}: ${h[f]}, expected >= 1`);
+    }
+    const dtype = DTYPE_NAMES[h.dtype];
+    if (!dtype) throw invalid(`header.dtype: ${h.dtype}, expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16`);
+    const n = h.nHistory + h.nAnchor + h.nKept + h.nGen;
+    const H = h.kvHeads;
+    const d = h.headDim;
+    const bits = h.quantBits;
+    let specs;
+    if (bits) {
+      if (![2, 4, 8].includes(bits)) throw invalid(`header.quantBits: ${bits}, expected 0, 2, 4 or 8`);
+      if (!(h.quantGroup >= 1)) throw invalid(`header.quantGroup: ${h.quantGroup}, expected >= 1 when quantized`);
+      if ((d * bits) % 8) throw invalid(`header.headDim: ${d}, expected headDim * quantBits a multiple of 8`);
+      const groups = Math.ceil(n / h.quantGroup);
+      specs = [
+        ['PART_K_CODES', 'k.codes', 'U8', [H, n, (d * bits) / 8]],
+        ['PART_K_SCALE', 'k.scale', 'F16', [H, groups, d]],
+        ['PART_K_ZERO', 'k.zero', 'F16', [H, groups, d]],
+        ['PART_V_CODES', 'v.codes', 'U8', [H, n, (d * bits) / 8]],
+        ['PART_V_SCALE', 'v.scale', 'F16', [H, n]],
+        ['PART_V_ZERO', 'v.zero', 'F16', [H, n]],
+      ];
+    } else {
+      specs = [['PART_K', 'k', dtype, [H, n, d]], ['PART_V', 'v', dtype, [H, n, d]]];
+    }
+    specs.push(['PART_POS', 'pos', 'I32', [H, n]]);
+    let total = 0;
+    const slots = [];
+    for (let layer = 0; layer < h.layers; layer++) {
+      for (const [part, suffix, dt, shape] of specs) {
+        const size = shape.reduce((a, b) => a * b, 1) * DTYPE_SIZE[dt];
+        total += size;
+        if (size > buffer.constants.MAX_LENGTH || total > Number.MAX_SAFE_INTEGER) {
+          throw invalid(`header: layer.${layer}.${suffix} of ${size} bytes, expected a message this process can hold`);
+        }
+        slots.push({ layer, part, name: `layer.${layer}.${suffix}`, dtype: dt, shape, size, data: null, filled: 0 });
+      }
+    }
+    this.header = h;
+    this.slots = slots;
+    this.total = total;
+    this.next = 0;
+    this.chunks = 0;
+    this.bytes = 0;
+    this.crc = 0;
+    this.skipComplete();
+  }
+
+  skipComplete() {
+    while (this.next < this.slots.length && this.slots[this.next].filled === this.slots[this.next].size) this.next++;
+  }
+
+  addChunk(c) {
+    if (!this.slots) throw invalid('chunk: before the header, expected a header first');
+    const what = `chunk layer ${c.layer} ${c.part} offset ${c.offset}`;
+    const slot = this.slots[this.next];
+    if (!slot) throw invalid(`${what}: after every tensor of the message is complete, expected the trailer`);
+    if (c.layer !== slot.layer || c.part !== slot.part || c.offset !== slot.filled) {
+      throw invalid(`${what}: out of order, expected chunk layer ${slot.layer} ${slot.part} offset ${slot.filled}`);
+    }
+    const n = c.data.length;
+    if (n < 1 || n > MAX_CHUNK_BYTES || n > slot.size - slot.filled) {
+      throw invalid(`${what}: ${n} data bytes, expected 1..${Math.min(MAX_CHUNK_BYTES, slot.size - slot.filled)} ` +
+                    `(${slot.name} has ${slot.size} bytes)`);
+    }
+    const crc = crc32c(c.data);
+    if (crc !== c.crc32c) {
+      throw new RelayError(grpc.status.DATA_LOSS, `${what}: crc32c ${c.crc32c}, expected ${crc} (computed over the data)`);
+    }
+    if (!slot.data) slot.data = Buffer.alloc(slot.size);
+    c.data.copy(slot.data, slot.filled);
+    slot.filled += n;
+    this.chunks++;
+    this.bytes += n;
+    this.crc = crc32cCombine(this.crc, crc, n);
+    this.skipComplete();
+  }
+
+  finish(t) {
+    if (!this.slots) throw invalid('trailer: before the header, expected a header first');
+    const slot = this.slots[this.next];
+    if (slot) throw invalid(`trailer: stream ended with ${slot.name} at ${slot.filled} of ${slot.size} bytes`);
+    for (const [field, want] of [['chunks', this.chunks], ['bytes', this.bytes], ['crc32c', this.crc]]) {
+      if (t[field] !== want) {
+        throw new RelayError(grpc.status.DATA_LOSS,
+                             `trailer.${field}: ${t[field]}, expected ${want} (computed over the chunks received)`);
+      }
+    }
+    const sent = this.header.accounting ? this.header.accounting.sentBytes : 0;
+    if (sent !== this.total) {
+      throw invalid(`header.accounting.sentBytes: ${sent}, expected ${this.total} (bytes of the delivered tensors)`);
+    }
+    this.done = true;
+  }
+
+  /** { header, tensors: [{name, layer, part, dtype, shape, data}] } in delivery order. */
+  message() {
+    if (!this.done) {
+      throw new RelayError(grpc.status.DATA_LOSS, 'delivery stream: ended without a trailer, expected header, chunks, trailer');
+    }
+    const tensors = this.slots.map(({ name, layer, part, dtype, shape, data }) =>
+      ({ name, layer, part, dtype, shape, data: data || Buffer.alloc(0) }));
+    return { header: this.header, tensors };
+  }
+}
+
+/** Consumes a Fetch/Compress response stream; cancels the call on a local error. */
+async function readDelivery(call) {
+  const assembler = new Assembler();
+  try {
+    for await (const response of call) assembler.add(response);
+  } catch (err) {
+    if (err instanceof RelayError) {
+      call.on('error', () => {}); // the CANCELLED status that cancel() causes
+      call.cancel();
+    }
+    throw err;
+  }
+  return assembler.message();
+}
+
+// ---- the client ---------------------------------------------------------------
+
+class RelayClient {
+  #stub;
+
+  /**
+   * @param {string} address "HOST:PORT"
+   * @param {{protoPath?: string, credentials?: grpc.ChannelCredentials, channelOptions?: Object}} [options]
+   *   credentials default to an insecure channel.
+   */
+  constructor(address, { protoPath = DEFAULT_PROTO_PATH, credentials, channelOptions } = {}) {
+    const Relay = loadRelayService(protoPath);
+    this.#stub = new Relay(address, credentials || grpc.credentials.createInsecure(), channelOptions);
+  }
+
+  close() {
+    this.#stub.close();
+  }
+
+  /**
+   * Uploads `turn` (see planUpload) for `recipients`. `policy` is a pipeline
+   * spec ('' = the relay's default for `role`); `parentId` passes history by
+   * reference (the turn then carries none). Resolves to
+   * { messageId, duplicate, accounting }.
+   */
+  async publish(turn, { sessionId, sender, recipients, messageId = newMessageId(), policy = '', role = '',
+                        parentId = '', timeoutMs = 120000 } = {}) {
+    checkId('sessionId', sessionId);
+    checkId('sender', sender);
+    checkId('messageId', messageId);
+    checkId('parentId', parentId, { required: false });
+    if (!Array.isArray(recipients) || recipients.length === 0) {
+      throw invalid('recipients: empty, expected 1..64 agents');
+    }
+    recipients.forEach((r, i) => checkId(`recipients[${i}]`, r));
+    const { geometry, tensors } = planUpload(turn);
+    const header = { sessionId, messageId, sender, recipients, role, policy, parentId, geometry };
+    const reply = await this.#clientStream('Publish', { header }, tensors, timeoutMs);
+    return { messageId: reply.messageId, duplicate: reply.duplicate, accounting: reply.accounting };
+  }
+
+  /**
+   * The oldest unacknowledged message for (sessionId, agent), waiting up to
+   * `timeoutMs` for one (DEADLINE_EXCEEDED when none arrived). Resolves to
+   * { header, tensors } with header the MessageHeader (messageId,
+   * accounting, nHistory, ...) and tensors the message's tensors as
+   * little-endian bytes, named as in the message file format (quantized
+   * messages stay packed: k.codes, k.scale, ...). With autoAck the relay
+   * acknowledges once it sent the trailer, before this client checked it;
+   * prefer ack() once the message is safely used.
+   */
+  async fetch(sessionId, agent, { timeoutMs = 30000, autoAck = false } = {}) {
+    checkId('sessionId', sessionId);
+    checkId('agent', agent);
+    const call = this.#stub.Fetch({ sessionId, agent, autoAck }, { deadline: deadlineAfter(timeoutMs) });
+    return readDelivery(call);
+  }
+
+  /** Acknowledges a delivered message (NOT_FOUND for an unknown one). */
+  async ack(sessionId, agent, messageId, { timeoutMs = 10000 } = {}) {
+    checkId('sessionId', sessionId);
+    checkId('agent', agent);
+    checkId('messageId', messageId);
+    await this.#unary('Ack', { sessionId, agent, messageId }, timeoutMs);
+  }
+
+  /** Frees a session; resolves to the number of messages freed. Idempotent. */
+  async closeSession(sessionId, { timeoutMs = 10000 } = {}) {
+    checkId('sessionId', sessionId);
+    return (await this.#unary('CloseSession', { sessionId }, timeoutMs)).messagesFreed;
+  }
+
+  /** The relay's counters (StatsResponse). */
+  async stats({ timeoutMs = 10000 } = {}) {
+    return this.#unary('Stats', {}, timeoutMs);
+  }
+
+  #unary(method, request, timeoutMs) {
+    return new Promise((resolve, reject) => {
+      this.#stub[method](request, { deadline: deadlineAfter(timeoutMs) },
+                         (err, reply) => (err ? reject(err) : resolve(reply)));
+    });
+  }
+
+  // Sends `first`, the chunks of `tensors` and the commit, honouring the
+  // stream's flow control; stops writing as soon as the relay answered (an
+  // early error) and resolves/rejects with that answer.
+  async #clientStream(method, first, tensors, timeoutMs) {
+    let call;
+    const reply = new Promise((resolve, reject) => {
+      call = this.#stub[method]({ deadline: deadlineAfter(timeoutMs) },
+                                (err, response) => (err ? reject(err) : resolve(response)));
+    });
+    let answered = false;
+    const settled = reply.then(() => { answered = true; }, () => { answered = true; });
+    const drained = () => new Promise((resolve) => {
+      const done = () => { call.off('drain', done); resolve(); };
+      call.on('drain', done);
+      settled.then(done);
+    });
+    try {
+      if (!call.write(first)) await drained();
+      for (const request of chunkRequests(tensors)) {
+        if (answered) break;
+        if (!call.write(request)) await drained();
+      }
+    } catch (err) {
+      call.cancel(); // `reply` then rejects with CANCELLED; `settled` handles that
+      throw err;
+    }
+    if (!answered) call.end();
+    return reply;
+  }
+}
+
+module.exports = {
+  RelayClient,
+  RelayError,
+  MAX_CHUNK_BYTES,
+  DEFAULT_PROTO_PATH,
+  loadRelayService,
+  newMessageId,
+  statusName,
+  planUpload,
+  chunkRequests,
+  Assembler,
+};

@@ -1,0 +1,200 @@
+'use strict';
+// Minimal safetensors I/O for kvrelay turn and message files (docs/FORMAT.md):
+// an 8-byte little-endian header length N, N bytes of JSON header, then the
+// raw little-endian tensor data.
+
+const fs = require('node:fs/promises');
+
+/** Bytes per element of each safetensors dtype kvrelay uses. */
+const DTYPE_SIZE = Object.freeze({ F32: 4, F16: 2, BF16: 2, I32: 4, U8: 1 });
+
+function product(shape) {
+  return shape.reduce((a, b) => a * b, 1);
+}
+
+/**
+ * Parses a safetensors file.
+ * @param {string} path
+ * @returns {Promise<{metadata: Object<string, string>,
+ *                    tensors: Map<string, {dtype: string, shape: number[], data: Buffer}>}>}
+ *   `data` are views into one buffer holding the whole file.
+ */
+async function readSafetensors(path) {
+  const buf = await fs.readFile(path);
+  const bad = (what) => new Error(`${path}: ${what}`);
+  if (buf.length < 8) throw bad(`${buf.length} bytes, expected at least 8 (header length)`);
+  const n = buf.readBigUInt64LE(0);
+  if (n > BigInt(buf.length - 8)) {
+    throw bad(`header length ${n}, expected at most ${buf.length - 8} (file size - 8)`);
+  }
+  const base = 8 + Number(n);
+  let header;
+  try {
+    header = JSON.parse(buf.toString('utf8', 8, base));
+  } catch (e) {
+    throw bad(`header: not JSON (${e.message})`);
+  }
+  const metadata = header.__metadata__ || {};
+  delete header.__metadata__;
+  const tensors = new Map();
+  for (const [name, t] of Object.entries(header)) {
+    const size = DTYPE_SIZE[t.dtype];
+    if (size === undefined) throw bad(`${name}: dtype ${t.dtype}, expected one of ${Object.keys(DTYPE_SIZE)}`);
+    const [begin, end] = t.data_offsets;
+    const want = product(t.shape) * size;
+    if (!(begin >= 0 && end - begin === want && base + end <= buf.length)) {
+      throw bad(`${name}: data_offsets [${begin},${end}], expected ${want} bytes within the file`);
+    }
+    tensors.set(name, { dtype: t.dtype, shape: t.shape, data: buf.subarray(base + begin, base + end) });
+  }
+  return { metadata, tensors };
+}
+
+/**
+ * Writes a safetensors file.
+ * @param {string} path
+ * @param {Array<{name: string, dtype: string, shape: number[], data: Uint8Array}>} tensors
+ * @param {Object<string, string>} [metadata]
+ */
+async function writeSafetensors(path, tensors, metadata) {
+  const header = {};
+  if (metadata && Object.keys(metadata).length) header.__metadata__ = metadata;
+  let offset = 0;
+  for (const t of tensors) {
+    header[t.name] = { dtype: t.dtype, shape: t.shape, data_offsets: [offset, offset + t.data.length] };
+    offset += t.data.length;
+  }
+  let json = JSON.stringify(header);
+  json += ' '.repeat((8 - (Buffer.byteLength(json) % 8)) % 8);
+  const len = Buffer.alloc(8);
+  len.writeBigUInt64LE(BigInt(Buffer.byteLength(json)));
+  await fs.writeFile(path, Buffer.concat([len, Buffer.from(json), ...tensors.map((t) => t.data)]));
+}
+
+/**
+ * Reads a turn file (docs/FORMAT.md, "Turn") into the turn object that
+ * RelayClient.publish takes. Checks names, dtypes and shapes; the relay
+ * checks the values.
+ * @param {string} path
+ */
+async function readTurnFile(path) {
+  const { metadata, tensors } = await readSafetensors(path);
+  const bad = (what) => new Error(`${path}: ${what}`);
+  const get = (name) => {
+    const t = tensors.get(name);
+    if (!t) throw bad(`${name}: missing`);
+    return t;
+  };
+  const k0 = get('layer.0.prompt.k');
+  if (k0.shape.length !== 3) throw bad(`layer.0.prompt.k: shape [${k0.shape}], expected [kv_heads, n_prompt, head_dim]`);
+  const [kvHeads, nPrompt, headDim] = k0.shape;
+  const dtype = k0.dtype;
+  if (!['F32', 'F16', 'BF16'].includes(dtype)) throw bad(`layer.0.prompt.k: dtype ${dtype}, expected F32, F16 or BF16`);
+  const score0 = get('layer.0.prompt.score');
+  const nGen = get('layer.0.gen.k').shape[1];
+  const hasHistory = tensors.has('layer.0.history.k');
+  const nHistory = hasHistory ? get('layer.0.history.k').shape[1] : 0;
+  let layers = 0;
+  while (tensors.has(`layer.${layers}.prompt.k`)) layers++;
+
+  const expect = (name, wantDtype, wantShape) => {
+    const t = get(name);
+    if (t.dtype !== wantDtype || t.shape.join() !== wantShape.join()) {
+      throw bad(`${name}: ${t.dtype} [${t.shape}], expected ${wantDtype} [${wantShape}] (from layer.0)`);
+    }
+    return t.data;
+  };
+  const out = [];
+  let used = 0;
+  for (let l = 0; l < layers; l++) {
+    const p = `layer.${l}.`;
+    const layer = {
+      promptK: expect(p + 'prompt.k', dtype, [kvHeads, nPrompt, headDim]),
+      promptV: expect(p + 'prompt.v', dtype, [kvHeads, nPrompt, headDim]),
+      genK: expect(p + 'gen.k', dtype, [kvHeads, nGen, headDim]),
+      genV: expect(p + 'gen.v', dtype, [kvHeads, nGen, headDim]),
+      promptScore: expect(p + 'prompt.score', 'F32', [score0.shape[0], nPrompt]),
+    };
+    used += 5;
+    if (hasHistory) {
+      layer.historyK = expect(p + 'history.k', dtype, [kvHeads, nHistory, headDim]);
+      layer.historyV = expect(p + 'history.v', dtype, [kvHeads, nHistory, headDim]);
+      layer.historyPos = expect(p + 'history.pos', 'I32', [kvHeads, nHistory]);
+      used += 3;
+    }
+    out.push(layer);
+  }
+  if (used !== tensors.size) {
+    const known = new Set();
+    for (let l = 0; l < layers; l++) {
+      for (const s of ['prompt.k', 'prompt.v', 'gen.k', 'gen.v', 'prompt.score', 'history.k', 'history.v', 'history.pos']) {
+        known.add(`layer.${l}.${s}`);
+      }
+    }
+    const extra = [...tensors.keys()].find((n) => !known.has(n));
+    throw bad(`${extra}: unexpected tensor in a turn of ${layers} layers`);
+  }
+  const firstAgent = metadata.first_agent ?? 'true';
+  if (firstAgent !== 'true' && firstAgent !== 'false') {
+    throw bad(`metadata first_agent: ${JSON.stringify(firstAgent)}, expected "true" or "false"`);
+  }
+  const turn = {
+    dtype,
+    kvHeads,
+    scoreHeads: score0.shape[0],
+    headDim,
+    nPrompt,
+    nGen,
+    nHistory,
+    firstAgent: firstAgent === 'true',
+    layers: out,
+  };
+  if (metadata.prompt_pos0 !== undefined) {
+    if (!/^\d+$/.test(metadata.prompt_pos0)) {
+      throw bad(`metadata prompt_pos0: ${JSON.stringify(metadata.prompt_pos0)}, expected a decimal integer >= 0`);
+    }
+    turn.promptPos0 = Number(metadata.prompt_pos0);
+  }
+  return turn;
+}
+
+/**
+ * Writes a fetched message as a message file (docs/FORMAT.md, "Message"),
+ * with the delivery in its metadata like `kvrelayctl fetch --out`.
+ * @param {string} path
+ * @param {{header: Object, tensors: Array}} message from RelayClient.fetch
+ */
+async function writeMessageFile(path, message) {
+  const h = message.header;
+  const a = h.accounting || { policy: '', fullBytes: 0, sentBytes: 0, receivedBytes: 0, ratio: 0,
+                              compressSeconds: 0, commitSeconds: 0 };
+  const meta = {
+    format: 'kvrelay.message.v1',
+    policy: a.policy,
+    dtype: h.dtype.replace(/^DTYPE_/, ''),
+    n_history: String(h.nHistory),
+    n_anchor: String(h.nAnchor),
+    n_kept: String(h.nKept),
+    n_gen: String(h.nGen),
+    full_bytes: String(a.fullBytes),
+    sent_bytes: String(a.sentBytes),
+  };
+  if (h.quantBits) {
+    meta.quant_bits = String(h.quantBits);
+    meta.quant_group = String(h.quantGroup);
+    meta.quant_rotate = h.quantRotate ? 'true' : 'false';
+  }
+  meta.message_id = h.messageId;
+  meta.session = h.sessionId;
+  meta.from = h.sender;
+  if (h.role) meta.role = h.role;
+  if (h.parentId) meta.parent_id = h.parentId;
+  meta.delivery_attempt = String(h.deliveryAttempt);
+  meta.received_bytes = String(a.receivedBytes);
+  meta.ratio = a.ratio.toFixed(6);
+  meta.compress_seconds = a.compressSeconds.toFixed(6);
+  meta.commit_seconds = a.commitSeconds.toFixed(6);
+  await writeSafetensors(path, message.tensors, meta);
+}
+
+module.exports = { DTYPE_SIZE, readSafetensors, writeSafetensors, readTurnFile, writeMessageFile };

@@ -1,0 +1,128 @@
+'use strict';
+// Offline unit tests of client/node (node:test): CRC32C, chunking and the
+// delivery assembler. Run by test_node_client.py as
+//   NODE_PATH=<deps>/node_modules node --test unit.test.js
+// with KVRELAY_NODE_CLIENT_DIR pointing at client/node.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const crypto = require('node:crypto');
+const path = require('node:path');
+
+const dir = process.env.KVRELAY_NODE_CLIENT_DIR || path.resolve(__dirname, '../../../client/node');
+const { crc32c, crc32cCombine } = require(path.join(dir, 'crc32c.js'));
+const { RelayError, MAX_CHUNK_BYTES, planUpload, chunkRequests, Assembler } = require(path.join(dir, 'client.js'));
+const grpc = require('@grpc/grpc-js');
+
+// Bit-at-a-time reference, independent of the table code.
+function crcReference(data) {
+  let c = 0xffffffff;
+  for (const b of data) {
+    c ^= b;
+    for (let i = 0; i < 8; i++) c = c & 1 ? (c >>> 1) ^ 0x82f63b78 : c >>> 1;
+  }
+  return ~c >>> 0;
+}
+
+test('crc32c: known vectors and the bitwise reference', () => {
+  assert.equal(crc32c(Buffer.from('123456789')), 0xe3069283);
+  assert.equal(crc32c(Buffer.alloc(0)), 0);
+  assert.equal(crc32c(Buffer.alloc(32)), 0x8a9136aa); // RFC 3720 B.4: 32 bytes of zeros
+  assert.equal(crc32c(Buffer.alloc(32, 0xff)), 0x62a8ab43); // 32 bytes of 0xff
+  for (const n of [1, 7, 8, 9, 63, 1000, 4099]) {
+    const d = crypto.randomBytes(n);
+    assert.equal(crc32c(d), crcReference(d), `n=${n}`);
+  }
+});
+
+test('crc32c: extend and combine agree with one pass', () => {
+  const d = crypto.randomBytes((1 << 20) + 13);
+  const whole = crc32c(d);
+  for (const k of [0, 1, 7, 4096, 1 << 20, d.length]) {
+    const a = crc32c(d.subarray(0, k));
+    const b = crc32c(d.subarray(k));
+    assert.equal(crc32c(d.subarray(k), a), whole, `extend at ${k}`);
+    assert.equal(crc32cCombine(a, b, d.length - k), whole, `combine at ${k}`);
+  }
+});
+
+function tinyTurn(overrides = {}) {
+  const H = 1, d = 4, nPrompt = 3, nGen = 1, S = 2;
+  const f32 = (n) => Buffer.from(new Float32Array(n).map((_, i) => i).buffer);
+  const layer = () => ({ promptK: f32(H * nPrompt * d), promptV: f32(H * nPrompt * d), genK: f32(H * nGen * d),
+                         genV: f32(H * nGen * d), promptScore: f32(S * nPrompt) });
+  return { dtype: 'F32', kvHeads: H, scoreHeads: S, headDim: d, nPrompt, nGen, layers: [layer(), layer()], ...overrides };
+}
+
+test('planUpload: geometry, order, and the tensor a bad length names', () => {
+  const { geometry, tensors } = planUpload(tinyTurn({ promptPos0: 5 }));
+  assert.equal(geometry.layers, 2);
+  assert.equal(geometry.dtype, 'DTYPE_F32');
+  assert.equal(geometry.promptPos0, 5);
+  assert.deepEqual(tensors.map((t) => `${t.layer}:${t.part}`), [
+    '0:PART_PROMPT_K', '0:PART_PROMPT_V', '0:PART_GEN_K', '0:PART_GEN_V', '0:PART_PROMPT_SCORE',
+    '1:PART_PROMPT_K', '1:PART_PROMPT_V', '1:PART_GEN_K', '1:PART_GEN_V', '1:PART_PROMPT_SCORE']);
+  const bad = tinyTurn();
+  bad.layers[1].genK = bad.layers[1].genK.subarray(4);
+  assert.throws(() => planUpload(bad), (e) => e instanceof RelayError &&
+    e.code === grpc.status.INVALID_ARGUMENT && /layer\.1\.gen\.k: 12 bytes, expected 16/.test(e.details));
+  assert.throws(() => planUpload(tinyTurn({ dtype: 'F64' })), /turn\.dtype/);
+});
+
+test('chunkRequests: 1 MiB chunks, contiguous offsets, trailer over the stream', () => {
+  const big = crypto.randomBytes(2 * MAX_CHUNK_BYTES + 5);
+  const small = crypto.randomBytes(3);
+  const reqs = [...chunkRequests([{ layer: 0, part: 'PART_PROMPT_K', data: big },
+                                  { layer: 0, part: 'PART_PROMPT_V', data: Buffer.alloc(0) },
+                                  { layer: 0, part: 'PART_GEN_K', data: small }])];
+  const chunks = reqs.slice(0, -1).map((r) => r.chunk);
+  assert.deepEqual(chunks.map((c) => [c.part, c.offset, c.data.length]), [
+    ['PART_PROMPT_K', 0, MAX_CHUNK_BYTES], ['PART_PROMPT_K', MAX_CHUNK_BYTES, MAX_CHUNK_BYTES],
+    ['PART_PROMPT_K', 2 * MAX_CHUNK_BYTES, 5], ['PART_GEN_K', 0, 3]]);
+  for (const c of chunks) assert.equal(c.crc32c, crc32c(c.data));
+  assert.deepEqual(reqs.at(-1), { commit: { chunks: 4, bytes: big.length + 3, crc32c: crc32c(Buffer.concat([big, small])) } });
+});
+
+// A valid delivery of a 1-layer dense F32 message: H=1, n=2, d=2.
+function delivery() {
+  const k = Buffer.from(new Float32Array([1, 2, 3, 4]).buffer);
+  const v = Buffer.from(new Float32Array([5, 6, 7, 8]).buffer);
+  const pos = Buffer.from(new Int32Array([0, 1]).buffer);
+  const header = { messageId: 'm', layers: 1, kvHeads: 1, headDim: 2, dtype: 'DTYPE_F32', nHistory: 0, nAnchor: 1,
+                   nKept: 0, nGen: 1, quantBits: 0, quantGroup: 0, accounting: { sentBytes: 40 } };
+  const chunk = (part, data) => ({ kind: 'chunk', chunk: { layer: 0, part, offset: 0, data, crc32c: crc32c(data) } });
+  const all = Buffer.concat([k, v, pos]);
+  return [{ kind: 'header', header }, chunk('PART_K', k), chunk('PART_V', v), chunk('PART_POS', pos),
+          { kind: 'trailer', trailer: { chunks: 3, bytes: all.length, crc32c: crc32c(all) } }];
+}
+
+function assemble(responses) {
+  const a = new Assembler();
+  for (const r of responses) a.add(r);
+  return a.message();
+}
+
+test('Assembler: a valid delivery', () => {
+  const m = assemble(delivery());
+  assert.deepEqual(m.tensors.map((t) => [t.name, t.dtype, t.shape.join('x'), t.data.length]),
+                   [['layer.0.k', 'F32', '1x2x2', 16], ['layer.0.v', 'F32', '1x2x2', 16], ['layer.0.pos', 'I32', '1x2', 8]]);
+  assert.deepEqual([...new Float32Array(m.tensors[1].data.buffer, m.tensors[1].data.byteOffset, 4)], [5, 6, 7, 8]);
+});
+
+test('Assembler: corruption is DATA_LOSS, disorder INVALID_ARGUMENT', () => {
+  const code = (c) => (e) => e instanceof RelayError && e.code === c;
+  const badCrc = delivery();
+  badCrc[2].chunk.crc32c ^= 1;
+  assert.throws(() => assemble(badCrc), code(grpc.status.DATA_LOSS));
+  const badTrailer = delivery();
+  badTrailer[4].trailer.crc32c ^= 1;
+  assert.throws(() => assemble(badTrailer), code(grpc.status.DATA_LOSS));
+  const swapped = delivery();
+  [swapped[1], swapped[2]] = [swapped[2], swapped[1]];
+  assert.throws(() => assemble(swapped), (e) => code(grpc.status.INVALID_ARGUMENT)(e) && /out of order/.test(e.details));
+  assert.throws(() => assemble(delivery().slice(0, 4)), code(grpc.status.DATA_LOSS)); // no trailer
+  assert.throws(() => assemble(delivery().slice(0, 3).concat(delivery().slice(4))), code(grpc.status.INVALID_ARGUMENT));
+  const wrongSize = delivery();
+  wrongSize[0].header.accounting.sentBytes = 41;
+  assert.throws(() => assemble(wrongSize), /sentBytes: 41, expected 40/);
+});
