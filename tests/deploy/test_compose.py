@@ -1,0 +1,188 @@
+#!/usr/bin/python3
+"""deploy/compose/compose.yaml and the Grafana provisioning, checked without Docker.
+
+No Docker engine on the test machines, so the compose file is parsed and
+checked for what `docker compose up` would trip over or silently get wrong:
+  - the services are kvrelay, prometheus and grafana; depends_on names
+    existing services; named volumes are declared;
+  - the relay is built from the repository's Dockerfile (context ../..),
+    publishes the gRPC and metrics ports the image listens on (Dockerfile
+    EXPOSE and CMD), runs read-only without capabilities, and every KVRELAY_*
+    variable is one kvrelay-server --help lists, with a value it accepts
+    (the relay is started with that environment);
+  - every bind mount's host path exists in the repository; Prometheus reads
+    its --config.file where deploy/prometheus/prometheus.yml is mounted, and
+    the rules directory lands where that config's rule_files glob looks;
+  - prometheus.yml scrapes job "kvrelay" at the relay service's metrics port;
+  - Grafana's datasource provisioning points at the prometheus service with
+    a fixed uid and is the default (the dashboard's datasource variable picks
+    it); the dashboard provider is a file provider whose path is where
+    kvrelay-dashboard.json is mounted.
+"""
+import argparse
+import fnmatch
+import json
+import os
+import posixpath
+import re
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deploy_common import DEPLOY, REPO, Node, Relay, check, clean_env, finish, run  # noqa: E402
+
+COMPOSE = os.path.join(DEPLOY, "compose", "compose.yaml")
+
+
+def port_map(entries):
+    """{container_port: host_port} of a compose `ports:` list (short or long syntax)."""
+    out = {}
+    for p in entries or []:
+        if isinstance(p, dict):
+            out[int(p["target"])] = int(p.get("published", p["target"]))
+            continue
+        parts = str(p).split(":")
+        cport = int(parts[-1].split("/")[0])
+        out[cport] = int(parts[-2]) if len(parts) >= 2 else cport
+    return out
+
+
+def mounts(service):
+    """[(source, target, read_only)] of a service's volumes (short or long syntax)."""
+    out = []
+    for v in service.get("volumes") or []:
+        if isinstance(v, dict):
+            out.append((v.get("source"), v["target"], bool(v.get("read_only"))))
+        else:
+            parts = str(v).split(":")
+            out.append((parts[0], parts[1], len(parts) > 2 and "ro" in parts[2].split(",")))
+    return out
+
+
+def env_of(service):
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(e.split("=", 1) for e in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--node", default=shutil.which("node"))
+    ap.add_argument("--node-modules", required=True)
+    ap.add_argument("--server", required=True)
+    args = ap.parse_args()
+    node = Node(args.node, args.node_modules)
+    base = os.path.dirname(COMPOSE)
+    doc = node.yaml(COMPOSE)[0]
+    services = doc.get("services") or {}
+    check(set(services) == {"kvrelay", "prometheus", "grafana"}, f"compose services {sorted(services)}")
+    check("version" not in doc, "compose.yaml has the obsolete top-level `version`")
+    for name, s in services.items():
+        for dep in (s.get("depends_on") or []):
+            check(dep in services, f"{name} depends on unknown service {dep}")
+        check(s.get("image") or s.get("build"), f"{name}: neither image nor build")
+        for src, target, ro in mounts(s):
+            if src.startswith((".", "/")):
+                host = os.path.normpath(os.path.join(base, src))
+                check(os.path.exists(host), f"{name}: bind mount source {src} ({host}) does not exist")
+                check(host.startswith(REPO + os.sep), f"{name}: bind mount {src} leaves the repository")
+                check(ro, f"{name}: bind mount {src} should be read-only")
+            else:
+                check(src in (doc.get("volumes") or {}), f"{name}: named volume {src} is not declared")
+
+    # The relay: the repository's Dockerfile, its ports, locked down, a valid environment.
+    relay = services.get("kvrelay", {})
+    build = relay.get("build") or {}
+    build = {"context": build} if isinstance(build, str) else build
+    ctx = os.path.normpath(os.path.join(base, build.get("context", ".")))
+    dockerfile = os.path.join(ctx, build.get("dockerfile", "Dockerfile"))
+    check(ctx == REPO, f"kvrelay build context {ctx}, expected the repository root {REPO}")
+    check(os.path.isfile(dockerfile), f"kvrelay Dockerfile {dockerfile} missing")
+    with open(os.path.join(REPO, "Dockerfile")) as f:
+        df = f.read()
+    exposed = {int(p) for line in re.findall(r"^EXPOSE\s+(.+)$", df, re.M) for p in line.split()}
+    cmd = re.search(r"^CMD\s+(\[.*\])\s*$", df, re.M)
+    cmd_args = json.loads(cmd.group(1)) if cmd else []  # the exec (JSON) form
+    listen = dict(zip(cmd_args[::2], cmd_args[1::2]))
+    grpc_port = int(listen.get("--listen", "0.0.0.0:50051").rsplit(":", 1)[1])
+    metrics_port = int(listen.get("--metrics-listen", "0.0.0.0:9464").rsplit(":", 1)[1])
+    check({grpc_port, metrics_port} <= exposed, f"Dockerfile EXPOSE {exposed} lacks {grpc_port}/{metrics_port}")
+    ports = port_map(relay.get("ports"))
+    check(grpc_port in ports and metrics_port in ports, f"kvrelay publishes {ports}, expected {grpc_port} and {metrics_port}")
+    check(relay.get("read_only") is True, "kvrelay: read_only is not true")
+    check("ALL" in (relay.get("cap_drop") or []), "kvrelay: cap_drop lacks ALL")
+    check(any(str(o).startswith("no-new-privileges") for o in relay.get("security_opt") or []),
+          "kvrelay: no no-new-privileges")
+    env = env_of(relay)
+    rc, help_text, _ = run([args.server, "--help"])
+    known = set(re.findall(r"\b(KVRELAY_[A-Z0-9_]+)\b", help_text))
+    for k in env:
+        check(k in known, f"kvrelay: environment {k} is not one kvrelay-server --help lists")
+    check(not {"KVRELAY_LISTEN", "KVRELAY_METRICS_LISTEN"} & set(env), "kvrelay: the environment moves the listen ports")
+    with tempfile.TemporaryDirectory(prefix="kvrelay-compose-") as work:
+        try:
+            r = Relay(args.server, work, args=["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
+                      env=clean_env(**env), name="compose-relay")
+            check(r.stop() == 0, "the relay with the compose environment did not exit 0 on SIGTERM")
+        except RuntimeError as e:
+            check(False, f"kvrelay-server rejects the compose environment: {e}")
+
+    # Prometheus: config and rules where the config expects them; the scrape target.
+    prom = services.get("prometheus", {})
+    pm = {t: os.path.normpath(os.path.join(base, s)) for s, t, _ in mounts(prom) if s.startswith(".")}
+    cfg_flag = next((a.split("=", 1)[1] for a in prom.get("command") or [] if a.startswith("--config.file=")),
+                    "/etc/prometheus/prometheus.yml")
+    check(pm.get(cfg_flag) == os.path.join(DEPLOY, "prometheus", "prometheus.yml"),
+          f"prometheus: {cfg_flag} is not deploy/prometheus/prometheus.yml ({pm.get(cfg_flag)})")
+    check(9090 in port_map(prom.get("ports")), "prometheus: port 9090 not published")
+    pconf = node.yaml(os.path.join(DEPLOY, "prometheus", "prometheus.yml"))[0]
+    cfg_dir = posixpath.dirname(cfg_flag)
+    local_rules = sorted(os.path.relpath(os.path.join(dp, f), os.path.join(DEPLOY, "prometheus"))
+                         for dp, _, fs in os.walk(os.path.join(DEPLOY, "prometheus", "rules")) for f in fs)
+    for glob_ in pconf.get("rule_files") or []:
+        check(not glob_.startswith("/"), f"prometheus.yml rule_files {glob_} should be relative to the config")
+        target = posixpath.join(cfg_dir, glob_)
+        mounted_dir = posixpath.dirname(target)
+        check(pm.get(mounted_dir) == os.path.join(DEPLOY, "prometheus", posixpath.dirname(glob_)),
+              f"prometheus: rule_files {glob_} looks in {mounted_dir}, where {pm.get(mounted_dir)} is mounted")
+        check([r for r in local_rules if fnmatch.fnmatch(r, glob_)], f"rule_files {glob_} matches no rule file")
+    jobs = {j["job_name"]: j for j in pconf.get("scrape_configs") or []}
+    if check("kvrelay" in jobs, f"prometheus.yml jobs {sorted(jobs)}: no job kvrelay (the alerts select job=\"kvrelay\")"):
+        targets = [t for sc in jobs["kvrelay"].get("static_configs") or [] for t in sc.get("targets") or []]
+        check(targets == [f"kvrelay:{metrics_port}"], f"job kvrelay targets {targets}, expected kvrelay:{metrics_port}")
+        check(jobs["kvrelay"].get("metrics_path", "/metrics") == "/metrics", "job kvrelay metrics_path")
+
+    # Grafana: datasource and dashboard provisioning match the mounts.
+    graf = services.get("grafana", {})
+    gm = {t: os.path.normpath(os.path.join(base, s)) for s, t, _ in mounts(graf) if s.startswith(".")}
+    check(3000 in port_map(graf.get("ports")), "grafana: port 3000 not published")
+    ds_dir = gm.get("/etc/grafana/provisioning/datasources")
+    db_dir = gm.get("/etc/grafana/provisioning/dashboards")
+    check(ds_dir and db_dir, f"grafana: provisioning directories not mounted ({sorted(gm)})")
+    if ds_dir:
+        dss = [d for f in sorted(os.listdir(ds_dir)) for d in node.yaml(os.path.join(ds_dir, f))[0].get("datasources", [])]
+        proms = [d for d in dss if d.get("type") == "prometheus"]
+        check(len(proms) == 1, f"grafana: {len(proms)} prometheus datasources provisioned")
+        for d in proms:
+            check(re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", str(d.get("uid", ""))), f"datasource uid {d.get('uid')!r} not fixed")
+            check(d.get("url") == "http://prometheus:9090", f"datasource url {d.get('url')}")
+            check(d.get("isDefault") is True, "the prometheus datasource is not the default")
+    if db_dir:
+        provs = [p for f in sorted(os.listdir(db_dir)) for p in node.yaml(os.path.join(db_dir, f))[0].get("providers", [])]
+        check(len(provs) == 1 and provs[0].get("type") == "file", f"grafana dashboard providers {provs}")
+        for p in provs:
+            path = (p.get("options") or {}).get("path")
+            files = {posixpath.dirname(t): s for t, s in gm.items() if s.endswith(".json")}
+            check(files.get(path) == os.path.join(DEPLOY, "grafana", "kvrelay-dashboard.json"),
+                  f"dashboard provider path {path} does not hold deploy/grafana/kvrelay-dashboard.json ({files})")
+        home = env_of(graf).get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
+        if home:
+            check(gm.get(home) == os.path.join(DEPLOY, "grafana", "kvrelay-dashboard.json"),
+                  f"GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH {home} is not the mounted dashboard")
+    return finish("deploy_compose")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

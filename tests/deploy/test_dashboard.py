@@ -1,0 +1,172 @@
+#!/usr/bin/python3
+"""Lint of deploy/grafana/kvrelay-dashboard.json (stdlib only).
+
+  - portable: a `datasource` template variable (type datasource, query
+    prometheus) that every panel and query uses; no `__inputs` (the
+    export-for-sharing form that the provisioning and the ConfigMap sidecar
+    cannot resolve), no ${DS_...} references;
+  - every panel has a unit (fieldConfig.defaults.unit) and a description, a
+    unique id and a place on the grid that overlaps no other panel;
+  - every range in every query is $__rate_interval (so rate()/increase()
+    follow the scrape interval), every selector filters by $instance, every
+    metric is one server/metrics.cc registers (or `up`), every
+    histogram_quantile aggregates `by (le)`;
+  - the required panels exist with fitting units: compression ratio by
+    family (full/sent), bytes saved per second, hop latency p50/p99
+    (kvrelay_publish_delivered_seconds), compression time p50/p99,
+    mailbox depth, in-flight bytes with the in-flight limit, errors by code.
+"""
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deploy_common import (DASHBOARD, check, dashboard_targets, finish,  # noqa: E402
+                           metric_names_in_expr, metric_names_in_source)
+
+DS_REF = ("${datasource}", "$datasource")
+
+
+def squash(expr):
+    return re.sub(r"\s+", "", expr)
+
+
+def panels_of(dash):
+    out = []
+
+    def walk(ps):
+        for p in ps:
+            if p.get("type") == "row":
+                walk(p.get("panels", []))
+            else:
+                out.append(p)
+
+    walk(dash.get("panels", []))
+    return out
+
+
+def find_panel(panels, what, pred):
+    hits = [p for p in panels if any(pred(squash(t.get("expr", ""))) for t in p.get("targets", []))]
+    check(hits, f"required panel missing: {what}")
+    return hits
+
+
+def main():
+    with open(DASHBOARD) as f:
+        text = f.read()
+    try:
+        dash = json.loads(text)
+    except ValueError as e:
+        check(False, f"{DASHBOARD}: not JSON: {e}")
+        return finish("deploy_dashboard")
+
+    check("__inputs" not in dash, "the dashboard has __inputs (use a datasource variable instead)")
+    check("${DS_" not in text, "the dashboard references ${DS_...} inputs")
+    check(dash.get("uid") == "kvrelay", f"dashboard uid {dash.get('uid')!r}, expected a fixed 'kvrelay'")
+    check(dash.get("id") is None, "dashboard id should be null (Grafana assigns it)")
+    check(dash.get("title"), "dashboard has no title")
+    check(isinstance(dash.get("schemaVersion"), int) and dash["schemaVersion"] >= 36,
+          f"schemaVersion {dash.get('schemaVersion')} (Grafana >= 9 dashboards)")
+
+    variables = {v.get("name"): v for v in dash.get("templating", {}).get("list", [])}
+    ds = variables.get("datasource")
+    check(ds and ds.get("type") == "datasource" and ds.get("query") == "prometheus",
+          f"no `datasource` variable of type datasource with query prometheus: {ds}")
+    inst = variables.get("instance")
+    if check(inst is not None, "no `instance` variable"):
+        check((inst.get("datasource") or {}).get("uid") in DS_REF, "the instance variable does not use ${datasource}")
+        check(inst.get("includeAll") and inst.get("allValue") == ".*",
+              "the instance variable needs includeAll with allValue .* (the queries match it with =~)")
+        q = inst.get("query")
+        q = q.get("query") if isinstance(q, dict) else q
+        m = re.match(r"label_values\((\w+),\s*instance\)", q or "")
+        check(m and m.group(1) in metric_names_in_source(), f"instance variable query {q!r}")
+
+    panels = panels_of(dash)
+    check(len(panels) >= 7, f"only {len(panels)} panels")
+    ids = [p.get("id") for p in panels]
+    check(len(set(ids)) == len(ids) and None not in ids, f"panel ids not unique: {ids}")
+    cells = {}
+    known = metric_names_in_source() | {"up"}
+    for p in panels:
+        name = f"panel {p.get('id')} {p.get('title')!r}"
+        check(p.get("title"), f"{name}: no title")
+        check(isinstance(p.get("description"), str) and len(p["description"].strip()) >= 20,
+              f"{name}: no description")
+        unit = ((p.get("fieldConfig") or {}).get("defaults") or {}).get("unit")
+        check(isinstance(unit, str) and unit.strip(), f"{name}: no unit (fieldConfig.defaults.unit)")
+        check((p.get("datasource") or {}).get("uid") in DS_REF and (p.get("datasource") or {}).get("type") == "prometheus",
+              f"{name}: datasource {p.get('datasource')}, expected the ${{datasource}} variable")
+        g = p.get("gridPos") or {}
+        if check(all(isinstance(g.get(k), int) for k in "xywh") and g["x"] + g["w"] <= 24, f"{name}: gridPos {g}"):
+            for x in range(g["x"], g["x"] + g["w"]):
+                for y in range(g["y"], g["y"] + g["h"]):
+                    check((x, y) not in cells, f"{name} overlaps panel {cells.get((x, y))}")
+                    cells[(x, y)] = p.get("id")
+        targets = p.get("targets") or []
+        check(targets, f"{name}: no queries")
+        refs = [t.get("refId") for t in targets]
+        check(len(set(refs)) == len(refs), f"{name}: duplicate refIds {refs}")
+        for t in targets:
+            expr = t.get("expr", "")
+            tn = f"{name} {t.get('refId')}"
+            check(expr.strip(), f"{tn}: empty expr")
+            if "datasource" in t:
+                check((t["datasource"] or {}).get("uid") in DS_REF, f"{tn}: datasource {t['datasource']}")
+            for rng in re.findall(r"\[([^\]]*)\]", expr):
+                check(rng == "$__rate_interval", f"{tn}: range [{rng}] should be [$__rate_interval]")
+            calls = re.findall(r"\b(?:rate|irate|increase)\s*\(([^()]*(?:\([^()]*\))?[^()]*)\)", expr)
+            for c in calls:
+                check("[$__rate_interval]" in c, f"{tn}: {c!r} does not use $__rate_interval")
+            for metric in metric_names_in_expr(expr):
+                check(metric in known, f"{tn}: metric {metric} is not registered in server/metrics.cc")
+            selectors = re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}", expr)
+            bare = [m for m in metric_names_in_expr(re.sub(r"\{[^}]*\}", "", expr))
+                    if m not in {s[0] for s in selectors}]
+            check(not bare, f"{tn}: metrics without a selector {bare} (filter by instance=~\"$instance\")")
+            for metric, labels in selectors:
+                check('instance=~"$instance"' in labels, f"{tn}: {metric}{{{labels}}} does not filter by $instance")
+            if "histogram_quantile" in expr:
+                check(re.search(r"by\s*\(\s*le\s*\)", expr), f"{tn}: histogram_quantile without sum by (le)")
+            if (p.get("type") == "timeseries" and len(targets) > 1) or " by (" in expr:
+                check(t.get("legendFormat"), f"{tn}: no legendFormat")
+
+    # The required panels, recognised by their queries, and their units.
+    def unit(p):
+        return p["fieldConfig"]["defaults"].get("unit", "")
+
+    for p in find_panel(panels, "compression ratio by family (full / sent)",
+                        lambda e: re.search(r"sumby\(family\)\(rate\(kvrelay_full_bytes_total\{[^}]*\}\[\$__rate_interval\]\)\)"
+                                            r"/sumby\(family\)\(rate\(kvrelay_sent_bytes_total\{[^}]*\}\[\$__rate_interval\]\)\)$", e)):
+        check("byte" not in unit(p).lower() and "bps" not in unit(p).lower(), f"ratio panel unit {unit(p)!r}")
+    for p in find_panel(panels, "bytes saved per second",
+                        lambda e: "rate(kvrelay_saved_bytes_total" in e):
+        check(unit(p) in ("Bps", "binBps", "decBps"), f"bytes-saved panel unit {unit(p)!r}")
+
+    def quantiles(metric):
+        return lambda e: re.search(r"histogram_quantile\(0\.(5|99),sumby\(le\)\(rate\(" + metric, e)
+
+    for metric, what in (("kvrelay_publish_delivered_seconds_bucket", "hop latency"),
+                         ("kvrelay_compress_seconds_bucket", "compression time")):
+        hits = find_panel(panels, f"{what} p50/p99", quantiles(metric))
+        for p in hits:
+            qs = {re.search(r"histogram_quantile\((0\.\d+)", squash(t["expr"])).group(1)
+                  for t in p["targets"] if metric in t["expr"]}
+            check({"0.5", "0.99"} <= qs, f"{what} panel has quantiles {sorted(qs)}, expected 0.5 and 0.99")
+            check(unit(p) == "s", f"{what} panel unit {unit(p)!r}, expected s")
+    for p in find_panel(panels, "mailbox depth", lambda e: "kvrelay_mailbox_messages" in e):
+        check(unit(p) in ("short", "none"), f"mailbox depth unit {unit(p)!r}")
+    for p in find_panel(panels, "in-flight bytes", lambda e: "kvrelay_inflight_bytes" in e):
+        exprs = [squash(t["expr"]) for t in p["targets"]]
+        check(any('kvrelay_limit_bytes{limit="inflight"' in e for e in exprs),
+              f"in-flight panel {p['title']!r} does not show kvrelay_limit_bytes{{limit=\"inflight\"}}")
+        check(unit(p) in ("bytes", "decbytes"), f"in-flight unit {unit(p)!r}")
+    for p in find_panel(panels, "errors by code",
+                        lambda e: re.search(r"sumby\(code\)\(rate\(kvrelay_errors_total", e)):
+        check(unit(p) in ("reqps", "ops", "short", "cps") or unit(p).startswith("suffix:"), f"errors unit {unit(p)!r}")
+    return finish("deploy_dashboard")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

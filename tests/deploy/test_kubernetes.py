@@ -1,0 +1,432 @@
+#!/usr/bin/python3
+"""deploy/kubernetes: kustomize builds, schema validation and our own checks.
+
+For the base and every overlay under deploy/kubernetes/overlays:
+  1. `kubectl kustomize DIR` builds (each kubectl given; more through
+     KVRELAY_DEPLOY_EXTRA_KUBECTL=path[:path], e.g. Debian's kubectl 1.20 with
+     kustomize v2.0, and the builds must agree);
+  2. every rendered object validates against the Kubernetes 1.31 and
+     prometheus-operator schemas (npm kubernetes-models,
+     @kubernetes-models/prometheus-operator) and type-checks against their
+     TypeScript interfaces (unknown fields, enum values): validate_k8s.cjs;
+  3. our checks of what schemas cannot see: the relay is a native sidecar
+     (an init container with restartPolicy Always), its startup, readiness
+     and liveness probes are grpc probes on the port --listen serves, ports
+     named by the PodMonitor and Service exist (and the Service does not name
+     a sidecar port, which endpoints ignore before Kubernetes 1.32),
+     selectors match the pod template, the security context is the image's
+     non-root user 65532 with a read-only root filesystem and no
+     capabilities, the byte limits fit the memory limit, every KVRELAY_*
+     variable and flag is one kvrelay-server --help lists, the PrometheusRule
+     equals deploy/prometheus/rules/kvrelay-alerts.yaml (and the generated file
+     is current), the dashboard ConfigMap is labelled grafana_dashboard: "1"
+     and holds deploy/grafana/kvrelay-dashboard.json byte for byte;
+  4. kvrelay-server accepts the sidecar's rendered args and environment
+     (listen addresses moved to 127.0.0.1:0) and exports the configured
+     limits as kvrelay_limit_bytes.
+"""
+import argparse
+import copy
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deploy_common import (DEPLOY, REPO, RULES, Node, Relay, check, clean_env, finish,  # noqa: E402
+                           parse_bytes, parse_exposition, parse_quantity, run)
+
+K8S = os.path.join(DEPLOY, "kubernetes")
+IMAGE_USER = None  # from the Dockerfile's USER line
+
+
+def dockerfile_user():
+    with open(os.path.join(REPO, "Dockerfile")) as f:
+        users = re.findall(r"^USER\s+(\d+)(?::(\d+))?\s*$", f.read(), re.M)
+    return (int(users[-1][0]), int(users[-1][1] or users[-1][0])) if users else None
+
+
+def server_help(server):
+    rc, out, err = run([server, "--help"], timeout=30)
+    check(rc == 0, f"kvrelay-server --help: rc={rc} {err.strip()}")
+    flags = set(re.findall(r"^\s+--([a-z0-9-]+)", out, re.M))
+    envs = set(re.findall(r"\b(KVRELAY_[A-Z0-9_]+)\b", out))
+    return flags, envs
+
+
+def kustomize(kubectl, path, workdir, tag):
+    rc, out, err = run([kubectl, "kustomize", path], timeout=120)
+    if not check(rc == 0, f"{kubectl} kustomize {os.path.relpath(path, REPO)}: rc={rc} {err.strip()}"):
+        return None
+    # kustomize v5 warns about `bases`/`patchesStrategicMerge` (kept for v2.0).
+    for line in err.splitlines():
+        if line.strip() and "deprecated" not in line:
+            print(f"note: {kubectl} kustomize {os.path.relpath(path, REPO)}: {line}")
+    f = os.path.join(workdir, f"{tag}.yaml")
+    with open(f, "w") as fh:
+        fh.write(out)
+    return f
+
+
+def normalized(objs):
+    """Objects with lists of named things (env, containers, ports) sorted, for comparing builds."""
+    def norm(v):
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in sorted(v.items())}
+        if isinstance(v, list):
+            items = [norm(x) for x in v]
+            if items and all(isinstance(x, dict) and "name" in x for x in items):
+                items.sort(key=lambda x: str(x["name"]))
+            return items
+        return v
+    return sorted((norm(o) for o in objs), key=lambda o: (o.get("kind", ""), o["metadata"].get("name", "")))
+
+
+def by_kind(objs, kind):
+    return [o for o in objs if o.get("kind") == kind]
+
+
+def matches(selector, labels):
+    return all(labels.get(k) == v for k, v in (selector or {}).items())
+
+
+def effective_security(pod_spec, container):
+    """The container's security context with the pod-level defaults it inherits."""
+    eff = {}
+    pod = pod_spec.get("securityContext") or {}
+    for k in ("runAsUser", "runAsGroup", "runAsNonRoot", "seccompProfile"):
+        if k in pod:
+            eff[k] = pod[k]
+    eff.update(container.get("securityContext") or {})
+    return eff
+
+
+def container_ports(pod_spec):
+    """{name: (containerPort, container, is_init)} for every named port in the pod."""
+    ports = {}
+    for is_init, key in ((False, "containers"), (True, "initContainers")):
+        for c in pod_spec.get(key) or []:
+            for p in c.get("ports") or []:
+                if "name" in p:
+                    check(p["name"] not in ports, f"port name {p['name']} used twice in the pod")
+                    ports[p["name"]] = (p["containerPort"], c, is_init)
+    return ports
+
+
+def listen_port(container, flag, env_name, default):
+    """The port a kvrelay-server flag or its environment variable sets (flags win)."""
+    value = None
+    env = {e["name"]: e.get("value") for e in container.get("env") or []}
+    if env.get(env_name):
+        value = env[env_name]
+    args = list(container.get("args") or []) + list(container.get("command") or [])
+    for i, a in enumerate(args):
+        if a == f"--{flag}" and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(f"--{flag}="):
+            value = a.split("=", 1)[1]
+    value = value or default
+    return int(value.rsplit(":", 1)[1])
+
+
+def check_sidecar(tag, pod_spec, flags, envs):
+    inits = pod_spec.get("initContainers") or []
+    relays = [c for c in inits if c.get("name") == "kvrelay"]
+    if not check(len(relays) == 1, f"{tag}: one init container named kvrelay (the native sidecar), got {len(relays)}"):
+        return None
+    relay = relays[0]
+    check(relay.get("restartPolicy") == "Always",
+          f"{tag}: the kvrelay init container has restartPolicy {relay.get('restartPolicy')!r}, "
+          "expected 'Always' (a native sidecar; without it the pod never starts its agent)")
+    for c in inits:
+        check(c.get("restartPolicy") in (None, "Always"),
+              f"{tag}: init container {c['name']}: restartPolicy {c.get('restartPolicy')!r} (only 'Always' is valid)")
+    check(pod_spec.get("restartPolicy") in (None, "Always"),
+          f"{tag}: pod restartPolicy {pod_spec.get('restartPolicy')!r} (a Deployment's pods restart Always)")
+    check(relay.get("image"), f"{tag}: the sidecar has no image")
+
+    # Ports and probes: grpc probes on the port --listen serves.
+    ports = {p.get("name"): p for p in relay.get("ports") or []}
+    grpc_port = listen_port(relay, "listen", "KVRELAY_LISTEN", "0.0.0.0:50051")
+    metrics_port = listen_port(relay, "metrics-listen", "KVRELAY_METRICS_LISTEN", "0.0.0.0:9464")
+    check("grpc" in ports and ports["grpc"]["containerPort"] == grpc_port,
+          f"{tag}: sidecar port 'grpc' should be {grpc_port} (--listen), got {ports.get('grpc')}")
+    check("metrics" in ports and ports["metrics"]["containerPort"] == metrics_port,
+          f"{tag}: sidecar port 'metrics' should be {metrics_port} (--metrics-listen), got {ports.get('metrics')}")
+    for p in relay.get("ports") or []:
+        check(p.get("protocol", "TCP") == "TCP", f"{tag}: sidecar port {p.get('name')}: protocol {p.get('protocol')}")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        pr = relay.get(probe)
+        if not check(isinstance(pr, dict), f"{tag}: the sidecar has no {probe}"):
+            continue
+        handlers = [h for h in ("grpc", "httpGet", "tcpSocket", "exec") if h in pr]
+        check(handlers == ["grpc"], f"{tag}: {probe} handlers {handlers}, expected exactly ['grpc'] (grpc.health.v1)")
+        g = pr.get("grpc") or {}
+        check(g.get("port") == grpc_port,
+              f"{tag}: {probe}.grpc.port {g.get('port')!r} should be the gRPC port {grpc_port} (the kubelet dials the pod IP)")
+        check(g.get("service", "") in ("", "kvrelay.v1.Relay"),
+              f"{tag}: {probe}.grpc.service {g.get('service')!r}: the relay reports '' and kvrelay.v1.Relay")
+        for k in ("periodSeconds", "failureThreshold", "timeoutSeconds", "initialDelaySeconds"):
+            if k in pr:
+                check(isinstance(pr[k], int) and pr[k] >= (0 if k == "initialDelaySeconds" else 1),
+                      f"{tag}: {probe}.{k} = {pr[k]!r}")
+    lp, sp = relay.get("livenessProbe") or {}, relay.get("startupProbe") or {}
+    check(sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3) >= 10,
+          f"{tag}: the startup probe gives the relay under 10 s to start")
+    check(lp.get("failureThreshold", 3) >= 2, f"{tag}: the liveness probe kills the relay after one failure")
+
+    # Security context: the image's numeric non-root user, nothing writable, no capabilities.
+    sec = effective_security(pod_spec, relay)
+    if IMAGE_USER:
+        check(sec.get("runAsUser") == IMAGE_USER[0] and sec.get("runAsGroup", IMAGE_USER[1]) == IMAGE_USER[1],
+              f"{tag}: sidecar runs as {sec.get('runAsUser')}:{sec.get('runAsGroup')}, "
+              f"the Dockerfile's USER is {IMAGE_USER[0]}:{IMAGE_USER[1]}")
+    check(sec.get("runAsNonRoot") is True, f"{tag}: sidecar runAsNonRoot is {sec.get('runAsNonRoot')!r}")
+    check(sec.get("readOnlyRootFilesystem") is True, f"{tag}: sidecar readOnlyRootFilesystem is not true")
+    check(sec.get("allowPrivilegeEscalation") is False, f"{tag}: sidecar allowPrivilegeEscalation is not false")
+    caps = sec.get("capabilities") or {}
+    check("ALL" in (caps.get("drop") or []), f"{tag}: sidecar does not drop ALL capabilities")
+    check(not caps.get("add"), f"{tag}: sidecar adds capabilities {caps.get('add')}")
+    check(sec.get("privileged") in (None, False), f"{tag}: sidecar is privileged")
+    check((sec.get("seccompProfile") or {}).get("type") in ("RuntimeDefault", "Localhost"),
+          f"{tag}: no seccomp profile (RuntimeDefault)")
+
+    # Flags and environment variables the server knows.
+    for a in relay.get("args") or []:
+        if a.startswith("--"):
+            name = a[2:].split("=", 1)[0]
+            check(name in flags, f"{tag}: sidecar arg {a!r}: kvrelay-server --help has no --{name}")
+    for e in relay.get("env") or []:
+        if e["name"].startswith("KVRELAY_"):
+            check(e["name"] in envs, f"{tag}: sidecar env {e['name']}: kvrelay-server --help does not list it")
+        vf = e.get("valueFrom") or {}
+        if "resourceFieldRef" in vf:
+            check(vf["resourceFieldRef"].get("containerName") in (None, relay["name"]),
+                  f"{tag}: env {e['name']} reads another container's resources")
+
+    # Resources: requests and limits everywhere; the byte limits fit the memory limit.
+    for c in (pod_spec.get("containers") or []) + inits:
+        res = c.get("resources") or {}
+        for kind in ("requests", "limits"):
+            for r in ("cpu", "memory"):
+                check(r in (res.get(kind) or {}), f"{tag}: container {c['name']} has no {kind}.{r}")
+        if "memory" in (res.get("requests") or {}) and "memory" in (res.get("limits") or {}):
+            check(parse_quantity(res["requests"]["memory"]) <= parse_quantity(res["limits"]["memory"]),
+                  f"{tag}: container {c['name']}: memory request above its limit")
+        if c is not relay:
+            s = effective_security(pod_spec, c)
+            check(s.get("runAsNonRoot") is True and s.get("allowPrivilegeEscalation") is False
+                  and "ALL" in ((s.get("capabilities") or {}).get("drop") or []),
+                  f"{tag}: container {c['name']} is less locked down than the sidecar")
+    env = {e["name"]: e.get("value") for e in relay.get("env") or []}
+    limits = {k: parse_bytes(env[f"KVRELAY_MAX_{k.upper()}_BYTES"]) for k in ("inflight", "mailbox", "session", "store")
+              if env.get(f"KVRELAY_MAX_{k.upper()}_BYTES")}
+    check(set(limits) == {"inflight", "mailbox", "session", "store"},
+          f"{tag}: the sidecar should set all four byte limits (KVRELAY_MAX_*_BYTES), sets {sorted(limits)}")
+    mem = (relay.get("resources") or {}).get("limits", {}).get("memory")
+    if mem and "inflight" in limits and "store" in limits:
+        check(limits["inflight"] + limits["store"] <= parse_quantity(mem),
+              f"{tag}: in-flight ({limits['inflight']}) + store ({limits['store']}) bytes exceed the memory limit {mem}")
+    if "session" in limits and "store" in limits:
+        check(limits["session"] <= limits["store"], f"{tag}: session limit above the store limit")
+    return relay
+
+
+def check_build(tag, objs, flags, envs, rules_doc, dashboard_text):
+    for o in objs:
+        labels = (o.get("metadata") or {}).get("labels") or {}
+        check(labels.get("app.kubernetes.io/part-of") == "kvrelay",
+              f"{tag}: {o['kind']}/{o['metadata'].get('name')} lacks app.kubernetes.io/part-of: kvrelay")
+    kinds = sorted(o["kind"] for o in objs)
+    check({"ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service"} <= set(kinds),
+          f"{tag}: objects {kinds}, expected a Deployment, Service, PodMonitor, PrometheusRule and ConfigMap")
+
+    deps = by_kind(objs, "Deployment")
+    if not check(len(deps) == 1, f"{tag}: one Deployment"):
+        return {}
+    dep = deps[0]
+    tmpl = dep["spec"]["template"]
+    pod_labels = (tmpl.get("metadata") or {}).get("labels") or {}
+    pod_spec = tmpl["spec"]
+    sel = dep["spec"]["selector"]
+    check(not sel.get("matchExpressions"), f"{tag}: Deployment selector uses matchExpressions (not checked)")
+    check(sel.get("matchLabels") and matches(sel["matchLabels"], pod_labels),
+          f"{tag}: Deployment selector {sel} does not match its pod labels {pod_labels}")
+    relay = check_sidecar(f"{tag}: Deployment/{dep['metadata']['name']}", pod_spec, flags, envs)
+    ports = container_ports(pod_spec)
+    tgp = pod_spec.get("terminationGracePeriodSeconds", 30)
+    if relay:
+        env = {e["name"]: e.get("value") for e in relay.get("env") or []}
+        grace = int(env.get("KVRELAY_SHUTDOWN_GRACE_SECONDS") or 10)
+        check(tgp > grace, f"{tag}: terminationGracePeriodSeconds {tgp} leaves the relay no time for its "
+              f"{grace} s drain after the agent stops")
+
+    for svc in by_kind(objs, "Service"):
+        spec = svc["spec"]
+        check(spec.get("selector") and matches(spec["selector"], pod_labels),
+              f"{tag}: Service {svc['metadata']['name']} selector {spec.get('selector')} does not select the pods {pod_labels}")
+        names = [p.get("name") for p in spec.get("ports") or []]
+        check({"grpc", "metrics"} <= set(names), f"{tag}: Service ports {names}, expected grpc and metrics")
+        for p in spec.get("ports") or []:
+            check(p.get("appProtocol"), f"{tag}: Service port {p.get('name')} has no appProtocol")
+            tp = p.get("targetPort", p.get("port"))
+            if isinstance(tp, int):
+                owners = [(n, c["name"]) for n, (cp, c, _) in ports.items() if cp == tp]
+                check(owners, f"{tag}: Service port {p.get('name')} targets {tp}, which no container declares")
+                if relay and p.get("name") in ("grpc", "metrics"):
+                    check(any(c == relay["name"] and n == p["name"] for n, c in owners),
+                          f"{tag}: Service port {p['name']} ({tp}) is not the sidecar's {p['name']} port")
+            else:
+                check(tp in ports, f"{tag}: Service port {p.get('name')} targets the port name {tp!r}, not in the pod")
+                if tp in ports:
+                    check(not ports[tp][2], f"{tag}: Service port {p.get('name')} targets the sidecar port name {tp!r}: "
+                          "endpoints ignore named ports of init containers before Kubernetes 1.32; use the number")
+        if p := next((p for p in spec.get("ports") or [] if p.get("name") == "grpc"), None):
+            check(p.get("appProtocol") in ("grpc", "kubernetes.io/h2c"),
+                  f"{tag}: the grpc Service port's appProtocol {p.get('appProtocol')!r}")
+
+    for pm in by_kind(objs, "PodMonitor"):
+        spec = pm["spec"]
+        check(matches((spec.get("selector") or {}).get("matchLabels"), pod_labels) and spec["selector"].get("matchLabels"),
+              f"{tag}: PodMonitor selector {spec.get('selector')} does not select the pods {pod_labels}")
+        for ep in spec.get("podMetricsEndpoints") or []:
+            check(ep.get("port") in ports, f"{tag}: PodMonitor port {ep.get('port')!r} is not a named port of the pod "
+                  f"({sorted(ports)})")
+            if relay and ep.get("port") in ports:
+                check(ports[ep["port"]][1] is relay, f"{tag}: PodMonitor scrapes {ep['port']}, not the sidecar's port")
+            check(ep.get("path", "/metrics") == "/metrics", f"{tag}: PodMonitor path {ep.get('path')}")
+            jobs = [r.get("replacement") for r in ep.get("relabelings") or []
+                    if r.get("targetLabel") == "job" and r.get("action", "replace").lower() == "replace"]
+            check(jobs == ["kvrelay"], f"{tag}: PodMonitor should set job=\"kvrelay\" (the rules select it), sets {jobs}")
+
+    for pr in by_kind(objs, "PrometheusRule"):
+        check(pr["spec"].get("groups") == rules_doc.get("groups"),
+              f"{tag}: PrometheusRule spec.groups differ from deploy/prometheus/rules/kvrelay-alerts.yaml "
+              "(run deploy/prometheus/make_prometheusrule.py)")
+
+    for cm in by_kind(objs, "ConfigMap"):
+        labels = cm["metadata"].get("labels") or {}
+        check(labels.get("grafana_dashboard") == "1",
+              f"{tag}: ConfigMap {cm['metadata']['name']} label grafana_dashboard is {labels.get('grafana_dashboard')!r}, "
+              "expected the string \"1\"")
+        data = cm.get("data") or {}
+        check(list(data) == ["kvrelay-dashboard.json"], f"{tag}: dashboard ConfigMap keys {list(data)}")
+        check(data.get("kvrelay-dashboard.json") == dashboard_text,
+              f"{tag}: the ConfigMap's dashboard differs from deploy/grafana/kvrelay-dashboard.json")
+    return {"relay": relay, "pod_spec": pod_spec, "deployment": dep}
+
+
+def dry_run_relay(tag, server, relay, workdir):
+    """kvrelay-server with the sidecar's args and env: starts, exports the limits it was given."""
+    args = [a for a in relay.get("args") or []
+            if not re.match(r"--(listen|metrics-listen)(=|$)", a)]
+    args += ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
+    env = clean_env()
+    limits = (relay.get("resources") or {}).get("limits") or {}
+    for e in relay.get("env") or []:
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "resourceFieldRef" in (e.get("valueFrom") or {}):
+            ref = e["valueFrom"]["resourceFieldRef"]
+            q = parse_quantity(limits.get(ref["resource"].split(".", 1)[1], "1"))
+            env[e["name"]] = str(max(1, math.ceil(q / parse_quantity(ref.get("divisor", "1")))))
+    env.pop("KVRELAY_LISTEN", None)
+    env.pop("KVRELAY_METRICS_LISTEN", None)
+    try:
+        r = Relay(server, workdir, args=args, env=env, name=f"relay-{tag}")
+    except RuntimeError as e:
+        check(False, f"{tag}: kvrelay-server rejects the sidecar's configuration: {e}")
+        return
+    try:
+        with urllib.request.urlopen(f"http://{r.metrics}/metrics", timeout=10) as resp:
+            samples = parse_exposition(resp.read().decode())
+        for k in ("inflight", "mailbox", "session", "store"):
+            v = env.get(f"KVRELAY_MAX_{k.upper()}_BYTES")
+            got = samples.get(("kvrelay_limit_bytes", frozenset({("limit", k)})))
+            if v:
+                check(got == parse_bytes(v), f"{tag}: kvrelay_limit_bytes{{limit=\"{k}\"}} = {got}, configured {v}")
+    finally:
+        check(r.stop() == 0, f"{tag}: relay with the sidecar's configuration did not exit 0 on SIGTERM")
+
+
+def main():
+    global IMAGE_USER
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kubectl", default=shutil.which("kubectl"))
+    ap.add_argument("--node", default=shutil.which("node"))
+    ap.add_argument("--node-modules", required=True)
+    ap.add_argument("--server", required=True)
+    args = ap.parse_args()
+    if not args.kubectl or not args.node:
+        print("FAIL: kubectl and node are required (scripts/install_deps.sh installs them)")
+        return 1
+    node = Node(args.node, args.node_modules)
+    IMAGE_USER = dockerfile_user()
+    check(IMAGE_USER == (65532, 65532), f"Dockerfile USER {IMAGE_USER}")
+    flags, envs = server_help(args.server)
+    rules_doc = node.yaml(RULES)[0]
+    with open(os.path.join(DEPLOY, "grafana", "kvrelay-dashboard.json")) as f:
+        dashboard_text = f.read()
+
+    rc, out, err = run(["/usr/bin/python3", os.path.join(DEPLOY, "prometheus", "make_prometheusrule.py"), "--check"])
+    check(rc == 0, f"deploy/kubernetes/base/prometheusrule.yaml is stale: {err.strip()}")
+
+    kubectls = [args.kubectl] + [k for k in os.environ.get("KVRELAY_DEPLOY_EXTRA_KUBECTL", "").split(":") if k]
+    for k in kubectls:
+        rc, out, err = run([k, "version", "--client"], timeout=30)
+        print(f"{k}: {' '.join((out or err).split())[:160]}")
+
+    dirs = [os.path.join(K8S, "base")] + sorted(
+        d for d in glob.glob(os.path.join(K8S, "overlays", "*")) if os.path.isfile(os.path.join(d, "kustomization.yaml")))
+    check(os.path.join(K8S, "overlays", "production") in dirs, "deploy/kubernetes/overlays/production exists")
+    with tempfile.TemporaryDirectory(prefix="kvrelay-k8s-") as work:
+        builds = {}
+        for d in dirs:
+            tag = os.path.relpath(d, K8S)
+            files = [kustomize(k, d, work, f"{tag.replace('/', '_')}-{i}") for i, k in enumerate(kubectls)]
+            if not files[0]:
+                continue
+            rendered = [node.yaml(f) for f in files if f]
+            for i, other in enumerate(rendered[1:], 1):
+                check(normalized(other) == normalized(rendered[0]),
+                      f"{tag}: {kubectls[i]} builds different objects than {kubectls[0]}")
+            rc, out, err = node.run("validate", files[0], timeout=180)
+            try:
+                report = json.loads(out)
+            except ValueError:
+                report = {"objects": [], "errors": [f"validator output unreadable: rc={rc} {err.strip()[-2000:]}"]}
+            for o in report["objects"]:
+                print(f"{tag}: {o['object']}: schema {o['schema']}")
+            for e in report["errors"]:
+                check(False, f"{tag}: {e}")
+            check(rc == (1 if report["errors"] else 0), f"{tag}: validator rc={rc} {err.strip()[-500:]}")
+            builds[tag] = check_build(tag, rendered[0], flags, envs, rules_doc, dashboard_text)
+            print(f"{tag}: {len(rendered[0])} objects checked")
+
+        base, prod = builds.get("base") or {}, builds.get(os.path.join("overlays", "production")) or {}
+        if base.get("relay") and prod.get("relay"):
+            def env_of(c):
+                return {e["name"]: e.get("value") for e in c.get("env") or []}
+            be, pe = env_of(base["relay"]), env_of(prod["relay"])
+            for k in ("INFLIGHT", "STORE"):
+                name = f"KVRELAY_MAX_{k}_BYTES"
+                check(name in pe and parse_bytes(pe[name]) > parse_bytes(be.get(name, "0")),
+                      f"production: {name} {pe.get(name)} should be above the base's {be.get(name)}")
+            bm = parse_quantity(base["relay"]["resources"]["limits"]["memory"])
+            pm = parse_quantity(prod["relay"]["resources"]["limits"]["memory"])
+            check(pm > bm, "production: the sidecar's memory limit should be above the base's")
+            check(prod["relay"]["image"] != base["relay"]["image"] and ":" in prod["relay"]["image"],
+                  f"production: image {prod['relay']['image']} should be pinned (kustomize images)")
+        for tag, b in builds.items():
+            if b.get("relay"):
+                dry_run_relay(tag.replace("/", "_"), args.server, b["relay"], work)
+    return finish("deploy_kubernetes")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+#!/usr/bin/python3
+"""promtool over the alerting rules, the scrape config and the dashboard's queries.
+
+  1. `promtool check rules deploy/prometheus/rules/*.yaml`; every alert has
+     `for:`, a severity label, summary and description annotations, and
+     selects only metrics server/metrics.cc registers (or `up`);
+  2. `promtool check config deploy/prometheus/prometheus.yml` (the compose
+     scrape config; it loads the rule files it names);
+  3. every dashboard query, with $__rate_interval -> 5m and $instance -> .*,
+     as a recording rule in a temporary rule file: `promtool check rules`
+     parses each one;
+  4. `promtool test rules deploy/prometheus/tests/*.yaml`: synthetic series
+     for which the dashboard's ratio-by-family and bytes-saved queries give
+     known numbers, and for which each alert fires or stays quiet; the test
+     file's copies of those queries must be the dashboard's own
+     ($__rate_interval -> 4m there, so the expected rates are exact floats).
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deploy_common import (DEPLOY, PROM_CONFIG, PROM_TESTS, Node, check, dashboard_targets,  # noqa: E402
+                           finish, load_dashboard, metric_names_in_expr, metric_names_in_source, run, substitute)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--promtool", default=shutil.which("promtool"))
+    ap.add_argument("--node", default=shutil.which("node"))
+    ap.add_argument("--node-modules", required=True)
+    args = ap.parse_args()
+    if not check(args.promtool, "promtool is required (Debian package prometheus; scripts/install_deps.sh)"):
+        return finish("deploy_promtool")
+    node = Node(args.node, args.node_modules)
+    rc, out, err = run([args.promtool, "--version"])
+    print(" ".join((out or err).split()[:3]))
+
+    rule_files = sorted(glob.glob(os.path.join(DEPLOY, "prometheus", "rules", "*.yaml")))
+    check(rule_files, "no rule files under deploy/prometheus/rules")
+    rc, out, err = run([args.promtool, "check", "rules"] + rule_files)
+    print(out.strip())
+    check(rc == 0, f"promtool check rules: rc={rc} {out.strip()} {err.strip()}")
+
+    known = metric_names_in_source() | {"up"}
+    alerts = set()
+    for f in rule_files:
+        for g in node.yaml(f)[0]["groups"]:
+            for r in g["rules"]:
+                name = r.get("alert") or r.get("record")
+                if "alert" in r:
+                    alerts.add(name)
+                    check(r.get("for"), f"{name}: no `for:`")
+                    check((r.get("labels") or {}).get("severity") in ("critical", "warning", "info"),
+                          f"{name}: severity label {(r.get('labels') or {}).get('severity')!r}")
+                    ann = r.get("annotations") or {}
+                    check(ann.get("summary") and len(ann.get("description", "")) >= 80,
+                          f"{name}: needs a summary and a runbook-like description")
+                for m in metric_names_in_expr(r["expr"]):
+                    check(m in known, f"{name}: metric {m} is not registered in server/metrics.cc")
+    check({"KvrelayDown", "KvrelayHighErrorRate", "KvrelayCompressionRatioCollapsed",
+           "KvrelayInflightBytesNearLimit"} <= alerts, f"alerts {sorted(alerts)}")
+
+    rc, out, err = run([args.promtool, "check", "config", PROM_CONFIG])
+    print(out.strip())
+    check(rc == 0, f"promtool check config {PROM_CONFIG}: rc={rc} {out.strip()} {err.strip()}")
+
+    dash = load_dashboard()
+    targets = dashboard_targets(dash)
+    with tempfile.TemporaryDirectory(prefix="kvrelay-promtool-") as work:
+        rules = []
+        for p, t in targets:
+            rules.append({"record": f"dashboard:panel{p['id']}:{t['refId'].lower()}",
+                          "expr": substitute(t["expr"], "5m")})
+        path = os.path.join(work, "dashboard-queries.json")  # JSON is YAML
+        with open(path, "w") as f:
+            json.dump({"groups": [{"name": "dashboard", "rules": rules}]}, f, indent=1)
+        rc, out, err = run([args.promtool, "check", "rules", path])
+        check(rc == 0 and f"SUCCESS: {len(rules)} rules found" in out,
+              f"promtool check rules on the {len(rules)} dashboard queries: rc={rc} {out.strip()} {err.strip()}")
+        print(f"dashboard: {len(rules)} queries parse")
+
+    tests = sorted(glob.glob(os.path.join(PROM_TESTS, "*.yaml")))
+    check(tests, "no promtool tests under deploy/prometheus/tests")
+    rc, out, err = run([args.promtool, "test", "rules"] + tests, timeout=300)
+    print(out.strip())
+    check(rc == 0, f"promtool test rules: rc={rc}\n{out}\n{err}")
+
+    # The test file must test the dashboard's own ratio and bytes-saved queries.
+    tested = set()
+    for f in tests:
+        doc = node.yaml(f)[0]
+        for tg in doc.get("tests", []):
+            for e in tg.get("promql_expr_test", []):
+                tested.add(re.sub(r"\s+", " ", e["expr"]).strip())
+        fired = {a["alertname"] for tg in doc.get("tests", []) for a in tg.get("alert_rule_test", [])
+                 if a.get("exp_alerts")}
+        check(alerts <= fired, f"alerts never shown firing in the promtool tests: {sorted(alerts - fired)}")
+    required = {
+        "ratio by family": lambda e: "sum by (family)" in e and "kvrelay_full_bytes_total" in e
+                                     and "kvrelay_sent_bytes_total" in e,
+        "bytes saved by family": lambda e: "sum by (family)" in e and "kvrelay_saved_bytes_total" in e,
+    }
+    for what, pred in required.items():
+        exprs = [re.sub(r"\s+", " ", substitute(t["expr"], "4m")).strip() for _, t in targets if pred(t["expr"])]
+        check(exprs, f"dashboard has no {what} query")
+        for e in exprs:
+            check(e in tested, f"the promtool tests do not test the dashboard's {what} query verbatim: {e}")
+    return finish("deploy_promtool")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
