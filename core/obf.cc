@@ -82,32 +82,6 @@ struct ReleaseIfLarge {
   }
 };
 
-// Orthonormal basis of the column span of `a` (rank-revealing QR).
-template <typename Matrix>
-Matrix ColumnBasis(const Matrix& a, double rel_tol) {
-  Eigen::ColPivHouseholderQR<Matrix> qr(a);
-  qr.setThreshold(rel_tol);
-  const int r = static_cast<int>(qr.rank());
-  Matrix q = Matrix::Identity(a.rows(), r);
-  q.applyOnTheLeft(qr.householderQ());
-  return q;
-}
-
-// G = P S P with P = I - Q Q^T, as a rank-2r update of S:
-// with W = S Q and Z = W - Q (Q^T W) / 2, G = S - Q Z^T - Z Q^T.
-template <typename Matrix>
-Matrix ProjectGram(const Matrix& s, const Matrix& q) {
-  using Scalar = typename Matrix::Scalar;
-  if (q.cols() == 0) return s;
-  Matrix z = s * q;                                    // d x r
-  const Matrix m = q.transpose() * z;                  // r x r
-  z.noalias() -= Scalar(0.5) * (q * m);
-  Matrix g = s;
-  g.noalias() -= q * z.transpose();
-  g.noalias() -= z * q.transpose();
-  return g;
-}
-
 // Deterministic standard-normal start vectors (SplitMix64 + Box-Muller).
 Eigen::MatrixXf StartVectors(int rows, int cols) {
   uint64_t state = 0x9e3779b97f4a7c15ull;
@@ -266,7 +240,7 @@ bool CholeskyQr(const Eigen::MatrixXf& y, Eigen::MatrixXf* x) {
   }
   const Eigen::MatrixXf rf = l.transpose().cast<float>();
   *x = y;
-  rf.triangularView<Eigen::Upper>().solveInPlace<Eigen::OnTheRight>(*x);
+  rf.template triangularView<Eigen::Upper>().solveInPlace<Eigen::OnTheRight>(*x);
   return true;
 }
 
@@ -290,6 +264,62 @@ void Finish(const ObfOptions& opts, absl::Span<const double> scores, absl::Span<
   out->applied = true;
 }
 
+// The orthogonal complement of span(V_keep) in the basis the QR's first r
+// Householder reflectors give: H = H_0 ... H_{r-1} = I - Y T Y^T (compact WY
+// form), whose first r columns span V_keep's rows and whose last d - r
+// columns are an orthonormal basis of the complement. Working there, the
+// eigenproblem of G = P S P shrinks from d x d to (d - r) x (d - r).
+template <typename Matrix>
+class Complement {
+ public:
+  using Scalar = typename Matrix::Scalar;
+  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+
+  Complement(const Eigen::ColPivHouseholderQR<Matrix>& qr, int r)
+      : d_(static_cast<int>(qr.rows())), r_(r), y_(Matrix::Zero(d_, r)), t_(Matrix::Zero(r, r)) {
+    const Matrix& qrm = qr.matrixQR();
+    for (int j = 0; j < r; ++j) {
+      y_(j, j) = 1;
+      y_.col(j).tail(d_ - j - 1) = qrm.col(j).tail(d_ - j - 1);
+      const Scalar tau = qr.hCoeffs()[j];
+      t_(j, j) = tau;
+      if (j > 0) {  // LAPACK dlarft, forward and columnwise
+        const Vector v = y_.leftCols(j).transpose() * y_.col(j);
+        const Vector tv = t_.topLeftCorner(j, j).template triangularView<Eigen::Upper>() * v;
+        t_.col(j).head(j) = -tau * tv;
+      }
+    }
+  }
+
+  // The trailing (d - r) x (d - r) block of H^T S H for symmetric S:
+  // H^T S H = S - Y Z^T - Z Y^T with W = S Y T, Z = W - Y (T^T Y^T W) / 2.
+  Matrix ReduceGram(const Matrix& s) const {
+    const int m = d_ - r_;
+    Matrix w = s * y_;
+    w = w * t_.template triangularView<Eigen::Upper>();
+    const Matrix mm = t_.template triangularView<Eigen::Upper>().transpose() * (y_.transpose() * w);
+    w.noalias() -= Scalar(0.5) * (y_ * mm);  // now Z
+    Matrix g = s.bottomRightCorner(m, m);
+    g.noalias() -= y_.bottomRows(m) * w.bottomRows(m).transpose();
+    g.noalias() -= w.bottomRows(m) * y_.bottomRows(m).transpose();
+    return g;
+  }
+
+  // Complement coordinates (columns of x, (d - r) rows) to R^d: H [0; x].
+  Matrix Expand(const Matrix& x) const {
+    Matrix out = Matrix::Zero(d_, x.cols());
+    out.bottomRows(d_ - r_) = x;
+    const Matrix tx = t_.template triangularView<Eigen::Upper>() * (y_.bottomRows(d_ - r_).transpose() * x);
+    out.noalias() -= y_ * tx;
+    return out;
+  }
+
+ private:
+  int d_, r_;
+  Matrix y_;  // d x r, unit lower trapezoidal
+  Matrix t_;  // r x r, upper triangular
+};
+
 ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
                  absl::Span<const double> scores, absl::Span<const int> kept, const Split& split) {
   ObfHead out;
@@ -305,21 +335,25 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   ReleaseIfLarge<Eigen::MatrixXd> release_del{del};
   del.resize(n_del, d);
   for (int i = 0; i < n_del; ++i) del.row(i) = vm.row(split.del[i]).cast<double>();
-  out.q = ColumnBasis(keep_t, 1e-9);
-  const int r = static_cast<int>(out.q.cols());
+  Eigen::ColPivHouseholderQR<Eigen::MatrixXd> qr(keep_t);
+  qr.setThreshold(1e-9);
+  const int r = static_cast<int>(qr.rank());
+  out.q = Eigen::MatrixXd::Identity(d, r);
+  out.q.applyOnTheLeft(qr.householderQ());
   if (r == d) return out;  // V_keep spans everything: R = 0
 
   thread_local Eigen::MatrixXd s;
   s.setZero(d, d);
   s.selfadjointView<Eigen::Lower>().rankUpdate(del.transpose());
   s.triangularView<Eigen::StrictlyUpper>() = s.transpose();
-  const Eigen::MatrixXd g = ProjectGram(s, out.q);  // R^T R
+  const Complement<Eigen::MatrixXd> h(qr, r);
+  const Eigen::MatrixXd g = h.ReduceGram(s);  // R^T R in the complement basis, (d-r) x (d-r)
   // ||R||_F^2 = trace(G); near zero the trace loses digits, so decide on R itself.
   if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
     const Eigen::MatrixXd res = del - (del * out.q) * out.q.transpose();
     if (res.norm() <= kSkipResidual) return out;
   }
-  out.c = TopEigenvectors(g, opts.p, 1e-12).transpose();
+  out.c = h.Expand(TopEigenvectors(g, opts.p, 1e-12)).transpose();
   const Eigen::VectorXd w = ResidualWeights<double>(scores, split.del);
   Eigen::VectorXd rbar = del.transpose() * w;
   rbar -= out.q * (out.q.transpose() * rbar);
@@ -352,26 +386,31 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
     del *= to_unit;
   }
 
-  const Eigen::MatrixXf q = ColumnBasis(keep_t, 1e-5);
+  Eigen::ColPivHouseholderQR<Eigen::MatrixXf> qr(keep_t);
+  qr.setThreshold(1e-5);
+  const int r = static_cast<int>(qr.rank());
+  Eigen::MatrixXf q = Eigen::MatrixXf::Identity(d, r);
+  q.applyOnTheLeft(qr.householderQ());
   out.q = q.cast<double>();
-  const int r = static_cast<int>(q.cols());
   if (r == d) return out;
   thread_local Eigen::MatrixXf s;
   s.setZero(d, d);
   s.selfadjointView<Eigen::Lower>().rankUpdate(del.transpose());
   s.triangularView<Eigen::StrictlyUpper>() = s.transpose();
-  const Eigen::MatrixXf g = ProjectGram(s, q);
+  // G = P S P in the complement basis of span(V_keep): (d - r) x (d - r).
+  const Complement<Eigen::MatrixXf> h(qr, r);
+  const Eigen::MatrixXf g = h.ReduceGram(s);
   // float32 cannot resolve ||R||_F below ~1e-5 ||V_del||_F: treat as zero.
   const double total = s.trace();
   if (g.trace() <= std::max(kSkipResidual * kSkipResidual, 1e-10 * total)) return out;
 
   // rank(G) <= min(d - r, n_del): more directions would only add noise.
-  const int m = std::min({d - r, n_del, opts.p + opts.oversample});
+  const int dc = d - r;
+  const int m = std::min({dc, n_del, opts.p + opts.oversample});
   thread_local Eigen::MatrixXf start;
-  if (start.rows() != d || start.cols() != m) start = StartVectors(d, m);
+  if (start.rows() != dc || start.cols() != m) start = StartVectors(dc, m);
   Eigen::MatrixXf x = start;
-  x.noalias() -= q * (q.transpose() * x);
-  Eigen::MatrixXf y(d, m);
+  Eigen::MatrixXf y(dc, m);
   for (int it = 0; it < opts.iters; ++it) {
     y.noalias() = g * x;
     Orthonormalize(y, /*twice=*/it + 1 == opts.iters, &x);
@@ -385,8 +424,8 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   const float lambda_max = std::max(lambda[m - 1], 0.0f);
   int p = 0;
   while (p < opts.p && p < m && lambda[m - 1 - p] > 1e-6f * lambda_max) ++p;
-  out.c.resize(p, d);
-  for (int i = 0; i < p; ++i) out.c.row(i) = (x * es.eigenvectors().col(m - 1 - i)).transpose().cast<double>();
+  const Eigen::MatrixXf ritz = x * es.eigenvectors().rightCols(p).rowwise().reverse();
+  out.c = h.Expand(ritz).transpose().cast<double>();
 
   const Eigen::VectorXf w = ResidualWeights<float>(scores, split.del);
   Eigen::VectorXf rbar = del.transpose() * w;
