@@ -8,18 +8,16 @@ with parents, session close, stats, the demo, and bad inputs with their exit
 codes and status names. Stdlib only. Exit 77 (skipped) without a server binary.
 """
 import argparse
-import json
 import os
-import queue
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
-import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
+from kvrelay_testlib import Server, read_st  # noqa: E402
 
 SKIP = 77
 FAILURES = []
@@ -30,60 +28,6 @@ def check(cond, what):
         FAILURES.append(what)
         print("FAIL:", what, flush=True)
     return cond
-
-
-def read_st(path):
-    """A safetensors file as (metadata, {name: (dtype, shape, bytes)})."""
-    with open(path, "rb") as f:
-        buf = f.read()
-    (n,) = struct.unpack("<Q", buf[:8])
-    header = json.loads(buf[8:8 + n])
-    meta = header.pop("__metadata__", {})
-    base = 8 + n
-    tensors = {}
-    for name, t in header.items():
-        b, e = t["data_offsets"]
-        tensors[name] = (t["dtype"], tuple(t["shape"]), buf[base + b:base + e])
-    return meta, tensors
-
-
-class Server:
-    def __init__(self, binary, workdir):
-        self.log = open(os.path.join(workdir, "server.log"), "w")
-        self.proc = subprocess.Popen(
-            [binary, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines = queue.Queue()
-        threading.Thread(target=self._drain, daemon=True).start()
-        deadline = time.time() + 30
-        self.addr = None
-        while time.time() < deadline and self.addr is None:
-            try:
-                line = self.lines.get(timeout=max(0.1, deadline - time.time()))
-            except queue.Empty:
-                break
-            m = re.match(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)", line)
-            if m:
-                self.addr, self.metrics = m.group(1), m.group(2)
-        if self.addr is None:
-            self.stop()
-            raise RuntimeError("kvrelay-server printed no ready line within 30 s")
-
-    def _drain(self):
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            self.lines.put(line)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
 
 
 class Ctl:
@@ -328,7 +272,7 @@ def main():
         print(f"SKIP: no kvrelay-server binary at {server_bin!r}")
         return SKIP
     work = tempfile.mkdtemp(prefix="kvrelay_e2e_")
-    server = Server(server_bin, work)
+    server = Server(server_bin, work, name="server")
     try:
         ctl = Ctl(args.kvrelayctl, server.addr, work)
         rc, out, err = ctl.run("health")

@@ -3,17 +3,19 @@
 check() records failures instead of stopping, so one run lists every problem;
 finish() prints the summary and gives the exit status. yaml() converts YAML
 through tests/deploy/validate_k8s.cjs (the `yaml` npm package), so the drivers
-need no Python YAML module.
+need no Python YAML module. Relay, run, clean_env, port_open,
+parse_exposition and stop_process come from tests/testlib/kvrelay_testlib.py
+(shared with the other drivers) and are re-exported here.
 """
 import json
 import os
-import queue
 import re
-import signal
 import socket
-import subprocess
-import threading
-import time
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
+from kvrelay_testlib import (Server, clean_env, parse_exposition, port_open, run,  # noqa: E402,F401
+                             stop_process)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -44,24 +46,6 @@ def finish(name):
     return 0
 
 
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
-    env.update(extra)
-    return env
-
-
-def run(cmd, timeout=120, env=None, cwd=None):
-    """(returncode or None on timeout, stdout, stderr)."""
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env=env if env is not None else clean_env(), cwd=cwd)
-        return p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired:
-        return None, "", f"timed out after {timeout} s: {' '.join(cmd)}"
-    except OSError as e:
-        return None, "", f"{cmd[0]}: {e}"
-
-
 class Node:
     """node + the npm ci'd node_modules (NODE_PATH) for validate_k8s.cjs."""
 
@@ -88,74 +72,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def port_open(hostport, timeout=2.0):
-    host, port = hostport.rsplit(":", 1)
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-class Relay:
-    """A kvrelay-server process on 127.0.0.1; waits for its ready line."""
+class Relay(Server):
+    """A kvrelay-server process on 127.0.0.1; waits for its ready line (kvrelay_testlib.Server)."""
 
     def __init__(self, binary, workdir, args=(), env=None, name="relay", timeout=30):
-        self.log_path = os.path.join(workdir, f"{name}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([binary] + list(args), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env=env if env is not None else clean_env())
-        self.lines = queue.Queue()
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.addr = self.metrics = None
-        deadline = time.time() + timeout
-        while time.time() < deadline and self.addr is None:
-            try:
-                line = self.lines.get(timeout=max(0.1, deadline - time.time()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            m = re.match(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)$", line.rstrip("\n"))
-            if m:
-                self.addr, self.metrics = m.group(1), m.group(2)
-        if self.addr is None:
-            self.stop()
-            with open(self.log_path) as f:
-                tail = f.read()[-2000:]
-            raise RuntimeError(f"{name}: no ready line within {timeout} s; log:\n{tail}")
-
-    def _drain(self):
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
-
-
-def parse_exposition(text):
-    """{(name, frozenset(labels.items())): value} of a text-format scrape."""
-    samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$', line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        samples[(m.group(1), frozenset(labels.items()))] = float(m.group(3))
-    return samples
+        super().__init__(binary, workdir, args=args, env=env, name=name, timeout=timeout)
 
 
 def parse_bytes(text):

@@ -38,7 +38,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from deploy_common import (DEPLOY, FAILURES, PROM_CONFIG, Node, Relay, check, clean_env,  # noqa: E402
                            dashboard_targets, finish, free_port, load_dashboard, parse_exposition, run,
-                           substitute)
+                           stop_process, substitute)
 
 sys.path.insert(0, os.path.join(DEPLOY, "grafana"))
 
@@ -102,13 +101,7 @@ class Prometheus:
         return self.api("query", **params)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, timeout=30)
 
 
 def scrape(relay):

@@ -26,7 +26,6 @@ killed at the end.
 import argparse
 import json
 import os
-import queue
 import re
 import shutil
 import signal
@@ -35,12 +34,14 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
+import kvrelay_testlib as tl  # noqa: E402
+from kvrelay_testlib import Server, clean_env, port_open, run  # noqa: E402
+
 FAILURES = []
-SERVERS = []  # every server process started, killed at the end
 
 
 def check(cond, what):
@@ -48,85 +49,6 @@ def check(cond, what):
         FAILURES.append(what)
         print("FAIL:", what, flush=True)
     return cond
-
-
-def clean_env(**extra):
-    """The environment without any KVRELAY_* variable, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
-    env.update(extra)
-    return env
-
-
-class Server:
-    """A kvrelay-server process; waits for its ready line."""
-
-    def __init__(self, binary, workdir, args=(), env=None, name="server", timeout=30):
-        self.binary = binary
-        self.log_path = os.path.join(workdir, f"{name}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([binary] + list(args), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env=env if env is not None else clean_env())
-        SERVERS.append(self.proc)
-        self.lines = queue.Queue()
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.addr = self.metrics = self.ready_line = None
-        deadline = time.time() + timeout
-        while time.time() < deadline and self.addr is None:
-            try:
-                line = self.lines.get(timeout=max(0.1, deadline - time.time()))
-            except queue.Empty:
-                break
-            if line is None:  # stdout closed: the server exited
-                break
-            m = re.match(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)$", line.rstrip("\n"))
-            if m:
-                self.ready_line = line.rstrip("\n")
-                self.addr, self.metrics = m.group(1), m.group(2)
-        if self.addr is None:
-            self.kill()
-            raise RuntimeError(f"{name}: no ready line within {timeout} s (log {self.log_path})")
-
-    def _drain(self):
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def terminate(self, timeout):
-        """SIGTERM; (exit status or None when still running after `timeout`, seconds taken)."""
-        t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        return rc, time.monotonic() - t0
-
-    def stop(self):
-        if self.proc.poll() is None:
-            rc, _ = self.terminate(20)
-            if rc is None:
-                self.kill()
-        return self.proc.returncode
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def run(cmd, timeout=60, env=None):
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env=env if env is not None else clean_env())
-        return p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired:
-        return None, "", f"timed out after {timeout} s: {' '.join(cmd)}"
 
 
 class Ctl:
@@ -149,15 +71,6 @@ class Ctl:
         return os.path.join(self.dir, name)
 
 
-def port_open(hostport, timeout=2.0):
-    host, port = hostport.rsplit(":", 1)
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def policy_family(spec):
     """server/metrics.cc PolicyFamily: the stage names joined by '+'."""
     return "+".join(stage.split(":", 1)[0] for stage in spec.split("+"))
@@ -167,18 +80,9 @@ def policy_family(spec):
 
 
 def parse_exposition(text):
-    """{(name, frozenset(labels.items())): value} of a text-format scrape."""
-    samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$', line)
-        if not m:
-            check(False, f"metrics: unparsable line {line!r}")
-            continue
-        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        samples[(m.group(1), frozenset(labels.items()))] = float(m.group(3))
-    return samples
+    """{(name, frozenset(labels.items())): value} of a text-format scrape; an
+    unparsable line is a failure."""
+    return tl.parse_exposition(text, on_bad_line=lambda line: check(False, f"metrics: unparsable line {line!r}"))
 
 
 def metric(samples, name, **labels):
@@ -704,13 +608,8 @@ def main():
     except Exception as e:
         check(False, f"exception {e!r}")
     finally:
-        for p in SERVERS:
-            if p.poll() is None:
-                p.kill()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    check(False, f"server pid {p.pid} did not die")
+        for pid in tl.kill_started():  # every server started, killed at the end
+            check(False, f"server pid {pid} did not die")
     if FAILURES:
         print(f"{len(FAILURES)} failure(s); logs and scrape in {work}")
         return 1

@@ -16,13 +16,10 @@ always stopped.
 """
 import argparse
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import unittest
 
@@ -34,6 +31,9 @@ from kvrelay import Turn, TurnLayer
 from kvrelay import safetensors as st
 from kvrelay.types import from_f32, to_f32
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "testlib"))
+from kvrelay_testlib import Server, unittest_main  # noqa: E402
+
 ARGS = None
 SERVER = None
 ADDR = None
@@ -41,46 +41,16 @@ TMP = None
 WATCHDOG_S = 55
 
 
-def start_server(binary):
-    proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    found = {}
-    ready = threading.Event()
-
-    def drain():
-        for line in proc.stdout:
-            m = re.match(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)", line)
-            if m and not ready.is_set():
-                found["addr"] = m.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    if not ready.wait(20) or "addr" not in found:
-        stop_server(proc)
-        raise RuntimeError("kvrelay-server printed no ready line within 20 s")
-    return proc, found["addr"]
-
-
-def stop_server(proc):
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 def setUpModule():
     global SERVER, ADDR, TMP
     TMP = tempfile.mkdtemp(prefix="kvrelay-py-")
-    SERVER, ADDR = start_server(ARGS.server)
+    SERVER = Server(ARGS.server, timeout=20)
+    ADDR = SERVER.addr
 
 
 def tearDownModule():
-    stop_server(SERVER)
+    if SERVER:
+        SERVER.stop()
     if TMP:
         shutil.rmtree(TMP, ignore_errors=True)
 
@@ -392,24 +362,7 @@ def main():
     ap.add_argument("--server", required=True)
     ap.add_argument("--kvrelayctl", required=True)
     ARGS, rest = ap.parse_known_args()
-
-    def expire():
-        print(f"FAIL: watchdog: the test ran past {WATCHDOG_S} s", file=sys.stderr, flush=True)
-        try:
-            if SERVER is not None:
-                SERVER.kill()
-        finally:
-            os._exit(1)
-
-    dog = threading.Timer(WATCHDOG_S, expire)
-    dog.daemon = True
-    dog.start()
-    try:
-        prog = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
-    finally:
-        dog.cancel()
-        stop_server(SERVER)
-    sys.exit(0 if prog.result.wasSuccessful() else 1)
+    sys.exit(unittest_main(rest, WATCHDOG_S))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,222 @@
+"""The live-relay cases shared by the Go and Node.js client tests
+(tests/client/go/test_go_client.py, tests/client/node/test_node_client.py).
+
+Each language ships an example client that publishes a turn file, fetches
+the message, writes it as a safetensors file and acks it. A driver starts a
+Live (kvrelay-server on 127.0.0.1:0, kvrelayctl, a scratch folder) and
+defines its RelayTest as RelayCases + unittest.TestCase with:
+
+    LANG         prefix of the message ids it chooses ("go", "node")
+    USAGE_ERROR  what the example prints for a missing --out
+    live         the Live (set in setUpModule)
+    example(*args, timeout=60) -> subprocess.CompletedProcess (a staticmethod)
+                 runs the example with --addr live.addr and args
+
+The cases: the fetched message equals `kvrelayctl compress` of the same turn
+bit for bit (every tensor's dtype, shape and bytes, and the accounting
+metadata) for dense, quantized and default policies, multi-chunk F32
+tensors, F16/BF16, GQA and uploaded history; with `full` it equals the input
+K/V (and positions); every message was acked (the relay holds nothing, stats
+count every ack); a bad policy fails with INVALID_ARGUMENT naming
+header.policy and commits nothing; a malformed turn file fails before any
+call, naming the tensor; a missing flag is a usage error (exit 2).
+"""
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
+from kvrelay_testlib import Server, check_run, read_st  # noqa: E402
+
+MESSAGE_KEYS = ("format", "policy", "dtype", "n_history", "n_anchor", "n_kept", "n_gen",
+                "full_bytes", "sent_bytes", "quant_bits", "quant_group", "quant_rotate")
+
+# (name, policy, make-turn flags); policy None: the relay's default for the role.
+CASES = [
+    ("full-f32-multichunk", "full", dict(dtype="F32", layers=2, kv_heads=4, head_dim=128, prompt=600,
+                                          gen=20, seed=11)),  # 1.2 MiB tensors: 2 chunks each way
+    ("full-bf16-history", "full", dict(dtype="BF16", history=8, seed=12)),
+    ("h2o-head-obf-bf16", "h2o-head:k=8+obf:p=4", dict(dtype="BF16", seed=13)),
+    ("h2o-layer-fast-f16-gqa", "h2o-layer:k=16,recent=2+obf:p=4,mode=fast",
+     dict(dtype="F16", kv_heads=2, score_heads=8, seed=14)),
+    ("int4-hadamard-f32-history", "h2o-head:k=8+obf:p=4+int4:group=16,rotate=hadamard",
+     dict(dtype="F32", history=6, seed=15)),
+    ("gen-int8-bf16", "gen+int8", dict(dtype="BF16", seed=16)),
+    ("default-policy", None, dict(dtype="BF16", seed=17)),
+]
+
+
+def rows(t):
+    """A [H, n, ...] tensor as uint8 [H, n, row_bytes], for concatenating along tokens."""
+    dtype, shape, data = t
+    return np.frombuffer(data, np.uint8).reshape(shape[0], shape[1], -1)
+
+
+class Live:
+    """A kvrelay-server on 127.0.0.1:0, kvrelayctl and a scratch folder (tmp)."""
+
+    def __init__(self, server, kvrelayctl, prefix):
+        self.kvrelayctl = kvrelayctl
+        self.tmp = tempfile.mkdtemp(prefix=prefix)
+        try:
+            self.server = Server(server, timeout=20)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        self.addr = self.server.addr
+
+    def close(self):
+        self.server.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def path(self, name):
+        return os.path.join(self.tmp, name)
+
+    def make_turn(self, name, **flags):
+        path = self.path(name + ".safetensors")
+        cmd = [self.kvrelayctl, "make-turn", "--out", path]
+        for k, v in flags.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        check_run(cmd)
+        return path
+
+    def stats(self):
+        out = check_run([self.kvrelayctl, "stats", "--addr", self.addr]).stdout
+        return {k: v for k, v in re.findall(r"^(\w+): (\S+)$", out, re.M)}
+
+
+class RelayCases:
+    """The cases, for a unittest.TestCase subclass (see the module docstring)."""
+
+    LANG = None
+    USAGE_ERROR = None
+    live = None
+
+    @staticmethod
+    def example(*args, timeout=60):
+        raise NotImplementedError("the driver's RelayTest sets example")
+
+    def assert_same_tensors(self, got, want, what):
+        self.assertEqual(sorted(got), sorted(want), f"{what}: tensor names")
+        for name, (dtype, shape, data) in want.items():
+            g = got[name]
+            self.assertEqual((g[0], g[1]), (dtype, shape), f"{what}: {name} dtype/shape")
+            if g[2] != data:
+                a, b = np.frombuffer(g[2], np.uint8), np.frombuffer(data, np.uint8)
+                first = int(np.argmax(a != b)) if len(a) == len(b) else -1
+                self.fail(f"{what}: {name}: bytes differ (first at byte {first} of {len(b)})")
+
+    def assert_full_equals_turn(self, msg, turn_path):
+        tmeta, t = read_st(turn_path)
+        layers = sum(1 for n in t if n.endswith(".prompt.k"))
+        self.assertEqual(len(msg), 3 * layers)
+        for l in range(layers):
+            p = f"layer.{l}."
+            hist = [p + "history.k"] if p + "history.k" in t else []
+            for kv in ("k", "v"):
+                parts = [rows(t[n]) for n in [p + f"history.{kv}"] * len(hist) +
+                         [p + f"prompt.{kv}", p + f"gen.{kv}"]]
+                want = np.concatenate(parts, axis=1).tobytes()
+                self.assertEqual(msg[p + kv][0], t[p + f"prompt.{kv}"][0])
+                self.assertTrue(msg[p + kv][2] == want, f"{p}{kv}: differs from the turn's K/V")
+            H, n_prompt = t[p + "prompt.k"][1][:2]
+            n_gen = t[p + "gen.k"][1][1]
+            n_hist = t[p + "history.k"][1][1] if hist else 0
+            pos0 = int(tmeta.get("prompt_pos0", n_hist))
+            own = np.broadcast_to(pos0 + np.arange(n_prompt + n_gen, dtype=np.int32), (H, n_prompt + n_gen))
+            want_pos = own if not hist else np.concatenate(
+                [np.frombuffer(t[p + "history.pos"][2], "<i4").reshape(H, n_hist), own], axis=1)
+            self.assertTrue(msg[p + "pos"][2] == np.ascontiguousarray(want_pos, "<i4").tobytes(), f"{p}pos")
+
+    def publish_fetch(self, name, policy, turn, msg_id=None):
+        out = self.live.path(f"msg-{name}.safetensors")
+        args = ["--in", turn, "--out", out, "--session", f"s-{name}", "--from", "planner", "--to", "critic"]
+        if policy is not None:
+            args += ["--policy", policy]
+        if msg_id:
+            args += ["--id", msg_id]
+        p = self.example(*args)
+        self.assertEqual(p.returncode, 0, f"{name}: rc={p.returncode}\n{p.stdout}\n{p.stderr}")
+        pub = re.search(r"^published message_id=(\S+) duplicate=false ", p.stdout, re.M)
+        got = re.search(r"^fetched message_id=(\S+) delivery_attempt=1 .* acked=true ", p.stdout, re.M)
+        self.assertTrue(pub and got, p.stdout)
+        self.assertEqual(pub.group(1), got.group(1))
+        if msg_id:
+            self.assertEqual(pub.group(1), msg_id)
+        return out, pub.group(1)
+
+    def test_messages_match_offline_compress(self):
+        live = self.live
+        before = live.stats()
+        for i, (name, policy, flags) in enumerate(CASES):
+            with self.subTest(case=name):
+                turn = live.make_turn(name, **flags)
+                out, msg_id = self.publish_fetch(name, policy, turn,
+                                                 msg_id=f"{self.LANG}-{i}" if i % 2 else None)
+                meta, msg = read_st(out)
+                self.assertEqual((meta["message_id"], meta["session"], meta["from"], meta["delivery_attempt"]),
+                                 (msg_id, f"s-{name}", "planner", "1"))
+                # The file is a well-formed message file for kvrelayctl too.
+                check_run([live.kvrelayctl, "inspect", out])
+                # The same turn compressed offline, with the canonical policy the relay applied.
+                ref = live.path(f"ref-{name}.safetensors")
+                check_run([live.kvrelayctl, "compress", "--policy", meta["policy"], "--in", turn,
+                           "--out", ref, "--threads", "2"])
+                rmeta, rmsg = read_st(ref)
+                for key in MESSAGE_KEYS:
+                    self.assertEqual(meta.get(key), rmeta.get(key), key)
+                self.assert_same_tensors(msg, rmsg, name)
+                if policy == "full":
+                    self.assertEqual(meta["full_bytes"], meta["sent_bytes"])
+                    self.assert_full_equals_turn(msg, turn)
+                if policy is None:
+                    self.assertTrue(meta["policy"].startswith("h2o-"), meta["policy"])
+        # Every message was acked: the relay holds nothing and counted each ack.
+        after = live.stats()
+        n = len(CASES)
+        for key in ("messages_committed", "messages_delivered", "messages_acked"):
+            self.assertEqual(int(after[key]) - int(before[key]), n, key)
+        self.assertEqual(after["mailbox_messages"], "0")
+
+    def test_bad_policy_is_invalid_argument(self):
+        live = self.live
+        turn = live.make_turn("bad-policy", seed=21)
+        before = live.stats()
+        p = self.example("--in", turn, "--out", live.path("never.safetensors"), "--session", "s-bad",
+                         "--policy", "h2o-head:k=8+bogus")
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertRegex(p.stderr, r"kvrelay-example: publish: INVALID_ARGUMENT: header\.policy .*'bogus'")
+        self.assertNotIn("published", p.stdout)
+        self.assertFalse(os.path.exists(live.path("never.safetensors")))
+        after = live.stats()
+        self.assertEqual(after["messages_committed"], before["messages_committed"])
+        self.assertEqual(int(after["messages_failed"]), int(before["messages_failed"]) + 1)
+
+    def test_malformed_turn_file_fails_before_any_call(self):
+        live = self.live
+        good = live.make_turn("malformed", layers=2, seed=22)
+        with open(good, "rb") as f:
+            buf = f.read()
+        (n,) = struct.unpack("<Q", buf[:8])
+        header = json.loads(buf[8:8 + n])
+        del header["layer.1.gen.v"]
+        h = json.dumps(header).encode()
+        h += b" " * (-len(h) % 8)
+        bad = live.path("malformed-bad.safetensors")
+        with open(bad, "wb") as f:
+            f.write(struct.pack("<Q", len(h)) + h + buf[8 + n:])
+        p = self.example("--in", bad, "--out", live.path("never2.safetensors"))
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertIn("read turn: ", p.stderr)
+        self.assertIn("layer.1.gen.v: missing", p.stderr)
+
+    def test_usage_error(self):
+        p = self.example("--in", "x.safetensors")
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn(self.USAGE_ERROR, p.stderr)
