@@ -1,6 +1,10 @@
 #include "core/turn.h"
 
 #include <cmath>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -25,6 +29,49 @@ TEST(TurnTest, RandomTurnsAreValid) {
     s.dtype = d;
     s.n_history = 7;
     EXPECT_TRUE(ValidateTurn(RandomTurn(s, 1)).ok());
+  }
+}
+
+// Every bit pattern with an all-ones exponent (NaN with any payload or sign,
+// +-Inf) is found at its exact position, in every dtype, past the scan's
+// 4096-element blocks; the largest finite values and all other patterns pass.
+TEST(TurnTest, FindsEveryNonFinitePatternAtItsPosition) {
+  std::mt19937 rng(7);
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const size_t width = DTypeSize(d);
+    const uint32_t exp_mask = d == DType::kF32 ? 0x7f800000u : d == DType::kF16 ? 0x7c00u : 0x7f80u;
+    const uint32_t sign = d == DType::kF32 ? 0x80000000u : 0x8000u;
+    TurnShape s;
+    s.dtype = d;
+    s.layers = 1;
+    s.n_prompt = 600;  // 2 heads x 600 x 16 > 4096 elements
+    const Turn good = RandomTurn(s, 3);
+    const uint32_t low = exp_mask & (~exp_mask + 1);
+    const uint32_t mant = (sign - 1) & ~exp_mask;
+    // The largest finite magnitudes, both signs, everywhere: still valid.
+    Turn t = good;
+    absl::Span<uint8_t> bytes = t.layers[0].prompt_k.mutable_bytes();
+    for (size_t i = 0; i < bytes.size() / width; i += 97) {
+      const uint32_t v = (exp_mask - low) | mant | ((i & 1) ? sign : 0u);  // +-largest finite
+      std::memcpy(bytes.data() + i * width, &v, width);
+    }
+    EXPECT_TRUE(ValidateTurn(t).ok()) << DTypeName(d) << ": " << ValidateTurn(t);
+    for (int trial = 0; trial < 40; ++trial) {
+      t = good;
+      bytes = t.layers[0].prompt_k.mutable_bytes();
+      const size_t n = bytes.size() / width;
+      const size_t at = rng() % n;
+      uint32_t v = exp_mask | ((rng() & 1) ? sign : 0u);
+      if (trial % 2) v |= (rng() | 1u) & mant;  // NaN with a payload
+      std::memcpy(bytes.data() + at * width, &v, width);
+      const int h = static_cast<int>(at / (600 * 16)), tok = static_cast<int>(at / 16 % 600),
+                c = static_cast<int>(at % 16);
+      const absl::Status st = ValidateTurn(t);
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << DTypeName(d) << " at " << at;
+      EXPECT_THAT(std::string(st.message()),
+                  HasSubstr(absl::StrCat("at [", h, ",", tok, ",", c, "]")))
+          << DTypeName(d) << " pattern " << std::hex << v;
+    }
   }
 }
 
