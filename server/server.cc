@@ -67,7 +67,10 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   return s;
 }
 
-RelayServer::~RelayServer() { Shutdown(); }
+RelayServer::~RelayServer() {
+  Shutdown();
+  exposer_.reset();
+}
 
 std::string RelayServer::grpc_address() const { return absl::StrCat(grpc_host_, ":", grpc_port_); }
 
@@ -92,7 +95,6 @@ void RelayServer::Shutdown() {
   }
   // The pool drains queued layers (their reactors are gone or finished).
   pool_.reset();
-  exposer_.reset();
   spdlog::info("kvrelay-server stopped");
 }
 

@@ -30,7 +30,7 @@ class RelayServer {
   // Binds both addresses and starts serving. Unavailable when an address
   // cannot be bound.
   static absl::StatusOr<std::unique_ptr<RelayServer>> Start(const ServerConfig& config);
-  ~RelayServer();  // Shutdown()
+  ~RelayServer();  // Shutdown(), then stops the metrics endpoint
 
   // "kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT" with the bound
   // ports (metrics=off without a metrics endpoint).
@@ -40,7 +40,10 @@ class RelayServer {
   int metrics_port() const { return metrics_port_; }
 
   // Health NOT_SERVING, then drains in-flight calls for up to the grace
-  // period (config.shutdown_grace_seconds) before cancelling the rest.
+  // period (config.shutdown_grace_seconds) before cancelling the rest, and
+  // waits for the compression workers. /metrics keeps answering until the
+  // destructor (stopping its HTTP server takes up to ~2 s of civetweb's poll
+  // interval, which a process that exits right after may skip).
   // Idempotent.
   void Shutdown();
 
