@@ -226,31 +226,26 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
   return tri.matrixQ() * x;
 }
 
-// One Cholesky-QR pass: x = y R^-1 with R^T R = y^T y. False when y is too
-// ill-conditioned for it.
-bool CholeskyQr(const Eigen::MatrixXf& y, Eigen::MatrixXf* x) {
-  const Eigen::MatrixXd gram = (y.transpose() * y).cast<double>();
-  Eigen::LLT<Eigen::MatrixXd> llt(gram);
-  if (llt.info() != Eigen::Success) return false;
-  const Eigen::MatrixXd l = llt.matrixL();
-  // l(i,i) / |y_i| is the sine of the angle between column i and the span of
-  // the columns before it; column scale does not matter.
-  for (int i = 0; i < l.rows(); ++i) {
-    if (!(l(i, i) > 1e-3 * std::sqrt(gram(i, i)))) return false;
-  }
-  const Eigen::MatrixXf rf = l.transpose().cast<float>();
+// Orthonormalizes the columns of y into x by modified Gram-Schmidt (`passes`
+// sweeps; a second one restores orthogonality to float precision), or by
+// Householder QR when a column is nearly dependent on the ones before it
+// (keeps less than 1e-3 of its norm). The inner iterations need only a well
+// conditioned basis; the Rayleigh-Ritz step gets two passes.
+void Orthonormalize(const Eigen::MatrixXf& y, int passes, Eigen::MatrixXf* x) {
   *x = y;
-  rf.template triangularView<Eigen::Upper>().solveInPlace<Eigen::OnTheRight>(*x);
-  return true;
-}
-
-// Orthonormalizes the columns of y into x by Cholesky QR, or Householder QR
-// when y is too ill-conditioned for it. One pass leaves x well conditioned,
-// which is all the inner iterations need; `twice` adds a second pass that
-// restores orthogonality to float precision, for the Rayleigh-Ritz step.
-void Orthonormalize(const Eigen::MatrixXf& y, bool twice, Eigen::MatrixXf* x) {
-  thread_local Eigen::MatrixXf once;
-  if (CholeskyQr(y, twice ? &once : x) && (!twice || CholeskyQr(once, x))) return;
+  const int m = static_cast<int>(x->cols());
+  bool ok = true;
+  for (int j = 0; j < m && ok; ++j) {
+    auto cj = x->col(j);
+    const float before = cj.norm();
+    for (int pass = 0; pass < passes; ++pass) {
+      for (int i = 0; i < j; ++i) cj -= x->col(i).dot(cj) * x->col(i);
+    }
+    const float after = cj.norm();
+    ok = after > 1e-3f * before;
+    if (ok) cj /= after;
+  }
+  if (ok) return;
   Eigen::HouseholderQR<Eigen::MatrixXf> qr(y);
   x->setIdentity(y.rows(), y.cols());
   x->applyOnTheLeft(qr.householderQ());
@@ -413,7 +408,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::MatrixXf y(dc, m);
   for (int it = 0; it < opts.iters; ++it) {
     y.noalias() = g * x;
-    Orthonormalize(y, /*twice=*/it + 1 == opts.iters, &x);
+    Orthonormalize(y, /*passes=*/it + 1 == opts.iters ? 2 : 1, &x);
   }
   // Rayleigh-Ritz on span(x).
   y.noalias() = g * x;
