@@ -71,6 +71,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                  .Name("kvrelay_errors_total")
                  .Help("Failed RPCs by gRPC status code.")
                  .Register(*registry_);
+  rpcs_ = &BuildCounter()
+               .Name("kvrelay_rpcs_total")
+               .Help("Finished RPCs of the Relay service by method and gRPC status code (OK included).")
+               .Register(*registry_);
   compress_ = &BuildHistogram()
                    .Name("kvrelay_compress_seconds")
                    .Help("Worker seconds spent compressing one message.")
@@ -119,6 +123,15 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   for (const char* o : {"committed", "duplicate", "failed", "delivered", "acked", "expired"}) {
     messages_->Add({{"outcome", o}});
   }
+  // Series that exist from the start, so rate() sees their first increment.
+  for (const char* m : {"Publish", "Fetch", "Compress", "Ack", "CloseSession", "Stats"}) {
+    rpcs_->Add({{"method", m}, {"code", "OK"}});
+  }
+  for (grpc::StatusCode c : {grpc::INVALID_ARGUMENT, grpc::DATA_LOSS, grpc::FAILED_PRECONDITION,
+                             grpc::RESOURCE_EXHAUSTED, grpc::NOT_FOUND, grpc::DEADLINE_EXCEEDED,
+                             grpc::UNAVAILABLE, grpc::CANCELLED}) {
+    errors_->Add({{"code", GrpcCodeName(c)}});
+  }
 }
 
 void Metrics::AddCommitted(const std::string& family, uint64_t full, uint64_t sent) {
@@ -131,8 +144,9 @@ void Metrics::AddOutcome(const std::string& outcome, double n) {
   messages_->Add({{"outcome", outcome}}).Increment(n);
 }
 
-void Metrics::AddError(grpc::StatusCode code) {
-  errors_->Add({{"code", GrpcCodeName(code)}}).Increment();
+void Metrics::AddRpc(const char* method, grpc::StatusCode code) {
+  rpcs_->Add({{"method", method}, {"code", GrpcCodeName(code)}}).Increment();
+  if (code != grpc::StatusCode::OK) errors_->Add({{"code", GrpcCodeName(code)}}).Increment();
 }
 
 }  // namespace kvrelay

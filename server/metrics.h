@@ -48,7 +48,10 @@ class Metrics {
   void AddReceived(uint64_t bytes) { received_->Increment(static_cast<double>(bytes)); }
   void AddCommitted(const std::string& family, uint64_t full, uint64_t sent);
   void AddOutcome(const std::string& outcome, double n = 1);
-  void AddError(grpc::StatusCode code);
+  // One finished RPC: kvrelay_rpcs_total{method, code}, and for a non-OK
+  // code also kvrelay_errors_total{code}. `method` is the RPC's name
+  // ("Publish", "Fetch", "Compress", "Ack", "CloseSession", "Stats").
+  void AddRpc(const char* method, grpc::StatusCode code);
   void ObserveCompress(double s) { compress_->Observe(s); }
   void ObserveVisible(double s) { visible_->Observe(s); }
   void ObserveDelivered(double s) { delivered_->Observe(s); }
@@ -70,6 +73,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* saved_;
   prometheus::Family<prometheus::Counter>* messages_;
   prometheus::Family<prometheus::Counter>* errors_;
+  prometheus::Family<prometheus::Counter>* rpcs_;
   prometheus::Histogram* compress_;
   prometheus::Histogram* visible_;
   prometheus::Histogram* delivered_;

@@ -481,7 +481,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
 
   void FinishOnce(const grpc::Status& s) {
     if (replied_.exchange(true)) return;
-    if (!s.ok()) svc_->CountError(s);
+    svc_->CountRpc("Publish", s);
     // Drop the upload now: the in-flight reservation returns once queued
     // layers drain, not when gRPC gets around to OnDone.
     {
@@ -618,7 +618,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
 
   void FinishOnce(const grpc::Status& s) {
     if (finished_.exchange(true)) return;
-    if (!s.ok()) svc_->CountError(s);
+    svc_->CountRpc("Fetch", s);
     Finish(s);
   }
 
@@ -793,7 +793,7 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
 
   void FinishOnce(const grpc::Status& s) {
     if (finished_.exchange(true)) return;
-    if (!s.ok()) svc_->CountError(s);
+    svc_->CountRpc("Compress", s);
     Finish(s);
   }
 
@@ -889,8 +889,8 @@ std::string RelayService::NewMessageId() {
   return absl::StrFormat("m-%016x-%d", id_salt_, id_counter_.fetch_add(1) + 1);
 }
 
-void RelayService::CountError(const grpc::Status& s) const {
-  if (metrics_ && !s.ok()) metrics_->AddError(s.error_code());
+void RelayService::CountRpc(const char* method, const grpc::Status& s) const {
+  if (metrics_) metrics_->AddRpc(method, s.error_code());
 }
 
 grpc::ServerReadReactor<v1::PublishRequest>* RelayService::Publish(grpc::CallbackServerContext* ctx,
@@ -915,7 +915,7 @@ grpc::ServerUnaryReactor* RelayService::Ack(grpc::CallbackServerContext* ctx, co
   if (s.ok()) s = CheckId("message_id", req->message_id());
   if (s.ok()) s = store_->Ack(req->session_id(), req->agent(), req->message_id());
   grpc::Status g = ToGrpcStatus(s);
-  CountError(g);
+  CountRpc("Ack", g);
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(g);
   return r;
@@ -930,7 +930,7 @@ grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext
     spdlog::info("session closed session={} messages_freed={}", req->session_id(), resp->messages_freed());
   }
   grpc::Status g = ToGrpcStatus(s);
-  CountError(g);
+  CountRpc("CloseSession", g);
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(g);
   return r;
@@ -951,6 +951,7 @@ grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, 
   resp->set_mailbox_bytes(st.mailbox_bytes);
   resp->set_inflight_bytes(st.inflight_bytes);
   resp->set_version(KVRELAY_VERSION);
+  CountRpc("Stats", grpc::Status::OK);
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(grpc::Status::OK);
   return r;

@@ -89,7 +89,8 @@ class RelayService final : public v1::Relay::CallbackService {
   ThreadPool* pool() const { return pool_; }
   Metrics* metrics() const { return metrics_; }
   // Counts a failed RPC in kvrelay_errors_total.
-  void CountError(const grpc::Status& s) const;
+  // Counts a finished RPC in the metrics (kvrelay_rpcs_total, kvrelay_errors_total).
+  void CountRpc(const char* method, const grpc::Status& s) const;
   std::string NewMessageId();
   UploadWatchdog* watchdog() { return &watchdog_; }
 

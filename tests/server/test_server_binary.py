@@ -416,6 +416,17 @@ def test_metrics(ctl, server, promtool, turn, turn2):
     check(metric(s, "kvrelay_mailbox_bytes") == 0, "kvrelay_mailbox_bytes is 0: all acked")
     build = [v for (n, _), v in s.items() if n == "kvrelay_build_info"]
     check(build == [1.0], f"kvrelay_build_info is 1: {build}")
+    # Every publish that committed or was a duplicate finished OK; nothing
+    # failed in this scenario, so every error series (pre-created) is 0.
+    ok_publishes = metric(s, "kvrelay_rpcs_total", method="Publish", code="OK")
+    check(ok_publishes == want["committed"] + 1,
+          f"kvrelay_rpcs_total{{method=Publish,code=OK}} {ok_publishes} == "
+          f"{want['committed']} committed + 1 duplicate")
+    check(metric(s, "kvrelay_rpcs_total", method="Fetch", code="OK") == deliveries,
+          f"kvrelay_rpcs_total{{method=Fetch,code=OK}} == {deliveries} deliveries")
+    errors = metric_by(s, "kvrelay_errors_total", "code")
+    check(errors and set(errors.values()) == {0.0} and "INVALID_ARGUMENT" in errors,
+          f"kvrelay_errors_total pre-created and all 0: {errors}")
     # The Stats RPC agrees with the scrape.
     rc, out, err = ctl.run("stats", addr=addr)
     st = dict(re.findall(r"^(\w+): (\S+)$", out, re.M))
