@@ -14,10 +14,15 @@
 // Error with numeric `code` and `details`, see grpc.status) or a RelayError of
 // the same shape for what this client checks itself: DATA_LOSS for a CRC32C
 // or trailer mismatch in a delivery, INVALID_ARGUMENT for a malformed
-// delivery stream or for arguments that cannot be sent. Nothing is retried;
-// a publish always carries a message id (generated when none is given), so
-// the caller may retry it safely: a re-publish of a committed id answers
-// with duplicate = true.
+// delivery stream or for arguments that cannot be sent. Nothing is retried.
+//
+// Retrying a publish is safe only with the SAME message id: a re-publish of a
+// committed id answers with duplicate = true, while a new id publishes a
+// second message. When the outcome is unknown (DEADLINE_EXCEEDED,
+// UNAVAILABLE, ...) retry with the id you passed, or, when you passed none,
+// with the one the error carries: every error publish() rejects with has
+// `messageId`, the id that publish carried (also when it was generated).
+// Simplest: choose the id up front with newMessageId().
 
 const crypto = require('node:crypto');
 const path = require('node:path');
@@ -335,11 +340,24 @@ class RelayClient {
   /**
    * Uploads `turn` (see planUpload) for `recipients`. `policy` is a pipeline
    * spec ('' = the relay's default for `role`); `parentId` passes history by
-   * reference (the turn then carries none). Resolves to
-   * { messageId, duplicate, accounting }.
+   * reference (the turn then carries none). `messageId` is the idempotency
+   * key (default: newMessageId()). Resolves to
+   * { messageId, duplicate, accounting }. Rejects with an error that carries
+   * `messageId`: retry with that id (never a fresh one) when the outcome is
+   * unknown, and a committed publish answers duplicate = true.
    */
   async publish(turn, { sessionId, sender, recipients, messageId = newMessageId(), policy = '', role = '',
                         parentId = '', timeoutMs = 120000 } = {}) {
+    try {
+      return await this.#publish(turn, { sessionId, sender, recipients, messageId, policy, role, parentId,
+                                         timeoutMs });
+    } catch (err) {
+      if (err !== null && typeof err === 'object' && Object.isExtensible(err)) err.messageId = messageId;
+      throw err;
+    }
+  }
+
+  async #publish(turn, { sessionId, sender, recipients, messageId, policy, role, parentId, timeoutMs }) {
     checkId('sessionId', sessionId);
     checkId('sender', sender);
     checkId('messageId', messageId);

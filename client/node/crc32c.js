@@ -66,11 +66,13 @@ function multModP(a, b) {
   return p >>> 0;
 }
 
-// X2N[k] = x^(2^k) mod P(x).
+// X2N[k] = x^(2^k) mod P(x), for every k a byte length up to 2^53 needs
+// (k = 3 .. 56). The powers do not repeat with period 32: x^(2^32) is not x
+// modulo the Castagnoli polynomial, so no index may be reduced mod 32.
 const X2N = (() => {
-  const t = new Uint32Array(32);
+  const t = new Uint32Array(64);
   let p = 0x40000000; // x^1
-  for (let k = 0; k < 32; k++) {
+  for (let k = 0; k < t.length; k++) {
     t[k] = p;
     p = multModP(p, p);
   }
@@ -81,17 +83,20 @@ const X2N = (() => {
  * CRC32C of A||B given crc(A), crc(B) and the length of B in bytes.
  * @param {number} crcA
  * @param {number} crcB
- * @param {number} lenB non-negative safe integer
+ * @param {number} lenB non-negative safe integer (RangeError otherwise)
  * @returns {number}
  */
 function crc32cCombine(crcA, crcB, lenB) {
+  if (!Number.isSafeInteger(lenB) || lenB < 0) {
+    throw new RangeError(`crc32cCombine: lenB ${lenB}, expected a non-negative safe integer`);
+  }
   // Multiply crcA by x^(8 * lenB): one factor x^(2^k) per set bit of lenB, k from 3.
   let p = 0x80000000; // x^0
   let k = 3;
   for (let n = lenB; n > 0; n = Math.floor(n / 2), k++) {
-    if (n % 2) p = multModP(X2N[k & 31], p);
+    if (n % 2) p = multModP(X2N[k], p);
   }
-  return (multModP(p, crcA) ^ crcB) >>> 0;
+  return (multModP(p, crcA >>> 0) ^ crcB) >>> 0;
 }
 
 module.exports = { crc32c, crc32cCombine };
