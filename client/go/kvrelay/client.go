@@ -14,9 +14,15 @@
 // relay's gRPC status, or a status this client produced itself (DataLoss for
 // a CRC32C or trailer mismatch in a delivery, InvalidArgument for a malformed
 // delivery or arguments that cannot be sent); Code and Status find it through
-// the wrapping. Nothing is retried; a publish always carries a message id
-// (generated when none is given), so retrying it is safe: a re-publish of a
-// committed id answers with Duplicate = true.
+// the wrapping. Nothing is retried.
+//
+// Retrying a publish is safe only with the SAME message id: a re-publish of a
+// committed id answers with Duplicate = true, while a new id publishes a
+// second message. When the outcome is unknown (DEADLINE_EXCEEDED,
+// UNAVAILABLE, ...) retry with the id you passed, or, when you passed none,
+// with the one the error carries: every error Publish returns is a
+// *PublishError with the MessageID that publish used (errors.As finds it).
+// Simplest: choose the id up front with NewMessageID.
 package kvrelay
 
 import (
@@ -139,7 +145,7 @@ func checkID(field, v string, required bool) error {
 // PublishOptions routes a turn.
 type PublishOptions struct {
 	SessionID  string   // required
-	MessageID  string   // idempotency key; empty: NewMessageID()
+	MessageID  string   // idempotency key; empty: NewMessageID() (the error or result tells which)
 	Sender     string   // required: the publishing agent
 	Recipients []string // 1..64 distinct agents
 	Role       string   // optional; selects the relay's default policy
@@ -154,25 +160,52 @@ type PublishResult struct {
 	Accounting *pb.Accounting
 }
 
+// PublishError is every error Publish returns: the message id that publish
+// used (o.MessageID, or the one generated when that was empty) and what
+// failed. Retry a publish whose outcome is unknown with this MessageID, never
+// a fresh one: a re-publish of a committed id answers Duplicate = true.
+//
+//	var pe *kvrelay.PublishError
+//	if errors.As(err, &pe) { o.MessageID = pe.MessageID } // then retry with o
+type PublishError struct {
+	MessageID string
+	SessionID string
+	Err       error // the gRPC status error (Code and Status find it)
+}
+
+func (e *PublishError) Error() string {
+	if e.SessionID == "" {
+		return fmt.Sprintf("kvrelay: publish %s: %v", e.MessageID, e.Err)
+	}
+	return fmt.Sprintf("kvrelay: publish %s to session %s: %v", e.MessageID, e.SessionID, e.Err)
+}
+
+// Unwrap returns Err.
+func (e *PublishError) Unwrap() error { return e.Err }
+
 // Publish uploads turn for o.Recipients: the header, every tensor as
 // CRC32C-checked chunks in relay.proto's order, and the commit trailer.
+// Errors are *PublishError, carrying the message id to retry with.
 func (c *Client) Publish(ctx context.Context, turn *Turn, o PublishOptions) (*PublishResult, error) {
 	if o.MessageID == "" {
 		o.MessageID = NewMessageID()
 	}
+	fail := func(err error) (*PublishResult, error) {
+		return nil, &PublishError{MessageID: o.MessageID, SessionID: o.SessionID, Err: err}
+	}
 	if err := checkPublish(o); err != nil {
-		return nil, fmt.Errorf("kvrelay: publish: %w", err)
+		return fail(err)
 	}
 	geometry, tensors, err := planUpload(turn)
 	if err != nil {
-		return nil, fmt.Errorf("kvrelay: publish: %w", err)
+		return fail(err)
 	}
 	r, err := c.publish(ctx, &pb.PublishHeader{
 		SessionId: o.SessionID, MessageId: o.MessageID, Sender: o.Sender, Recipients: o.Recipients,
 		Role: o.Role, Policy: o.Policy, ParentId: o.ParentID, Geometry: geometry,
 	}, tensors)
 	if err != nil {
-		return nil, fmt.Errorf("kvrelay: publish %s to session %s: %w", o.MessageID, o.SessionID, err)
+		return fail(err)
 	}
 	return &PublishResult{MessageID: r.GetMessageId(), Duplicate: r.GetDuplicate(), Accounting: r.GetAccounting()}, nil
 }

@@ -2,15 +2,23 @@ package kvrelay
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"math"
 	"path/filepath"
+	"regexp"
+	"runtime"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	pb "kvrelay/v1"
@@ -211,5 +219,245 @@ func TestTurnFileRoundTrip(t *testing.T) {
 	}
 	if _, err := ReadTurnFile(path); err == nil || !strings.Contains(err.Error(), "layer.1.prompt.v: F32 [1 2 3], expected F32 [1 3 2]") {
 		t.Errorf("wrong shape: %v", err)
+	}
+}
+
+// ---- Publish: the message id travels with every error ----------------------------
+
+// fakeRelay stands in for a relay's Publish: it records each header's message
+// id; session "down" answers UNAVAILABLE; session "slow" never answers the
+// first upload of an id (the caller's deadline passes: the outcome is
+// unknown) and answers a re-publish of that id with duplicate = true, as the
+// relay does once committed.
+type fakeRelay struct {
+	mu        sync.Mutex
+	seen      []string
+	committed map[string]bool
+}
+
+func (f *fakeRelay) Invoke(ctx context.Context, method string, args, reply interface{}, opts ...grpc.CallOption) error {
+	return status.Error(codes.Unimplemented, method)
+}
+
+func (f *fakeRelay) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	if method != "/kvrelay.v1.Relay/Publish" {
+		return nil, status.Error(codes.Unimplemented, method)
+	}
+	return &fakePublish{ctx: ctx, relay: f}, nil
+}
+
+type fakePublish struct {
+	ctx    context.Context
+	relay  *fakeRelay
+	header *pb.PublishHeader
+}
+
+func (s *fakePublish) Header() (metadata.MD, error) { return nil, nil }
+func (s *fakePublish) Trailer() metadata.MD         { return nil }
+func (s *fakePublish) CloseSend() error             { return nil }
+func (s *fakePublish) Context() context.Context     { return s.ctx }
+
+func (s *fakePublish) SendMsg(m interface{}) error {
+	if h := m.(*pb.PublishRequest).GetHeader(); h != nil {
+		s.header = h
+		s.relay.mu.Lock()
+		s.relay.seen = append(s.relay.seen, h.GetMessageId())
+		s.relay.mu.Unlock()
+	}
+	return nil
+}
+
+func (s *fakePublish) RecvMsg(m interface{}) error {
+	id := s.header.GetMessageId()
+	if s.header.GetSessionId() == "down" {
+		return status.Error(codes.Unavailable, "fake relay: going away")
+	}
+	s.relay.mu.Lock()
+	dup := s.relay.committed[id]
+	s.relay.committed[id] = true
+	s.relay.mu.Unlock()
+	if dup {
+		*m.(*pb.PublishResponse) = pb.PublishResponse{MessageId: id, Duplicate: true}
+		return nil
+	}
+	<-s.ctx.Done() // committed, but the answer never comes
+	return status.Error(codes.DeadlineExceeded, "context deadline exceeded")
+}
+
+var generatedID = regexp.MustCompile(`^m-[0-9a-f]{24}$`)
+
+func publishError(t *testing.T, err error) *PublishError {
+	t.Helper()
+	var pe *PublishError
+	if !errors.As(err, &pe) {
+		t.Fatalf("error %v (%T): errors.As finds no *PublishError", err, err)
+	}
+	return pe
+}
+
+func TestPublishErrorCarriesMessageID(t *testing.T) {
+	relay := &fakeRelay{committed: map[string]bool{}}
+	c := NewClient(relay)
+	ctx := context.Background()
+	o := PublishOptions{SessionID: "down", Sender: "planner", Recipients: []string{"critic"}}
+
+	// A server error, generated id: the id on the error is the one the relay saw.
+	_, err := c.Publish(ctx, tinyTurn(), o)
+	pe := publishError(t, err)
+	if !generatedID.MatchString(pe.MessageID) || fmt.Sprint(relay.seen) != fmt.Sprint([]string{pe.MessageID}) {
+		t.Errorf("message id %q, relay saw %v", pe.MessageID, relay.seen)
+	}
+	if Code(err) != codes.Unavailable || pe.SessionID != "down" ||
+		!strings.Contains(err.Error(), "kvrelay: publish "+pe.MessageID+" to session down: ") {
+		t.Errorf("error %v: code %v", err, Code(err))
+	}
+
+	// The caller's id, chosen up front.
+	o.MessageID = NewMessageID()
+	_, err = c.Publish(ctx, tinyTurn(), o)
+	if pe := publishError(t, err); pe.MessageID != o.MessageID || relay.seen[len(relay.seen)-1] != o.MessageID {
+		t.Errorf("message id %q, want %q (relay saw %v)", pe.MessageID, o.MessageID, relay.seen)
+	}
+
+	// Errors found before any call carry it too.
+	bad := tinyTurn()
+	bad.DType = "F64"
+	_, err = c.Publish(ctx, bad, PublishOptions{SessionID: "s", MessageID: "m-x", Sender: "a", Recipients: []string{"b"}})
+	if pe := publishError(t, err); pe.MessageID != "m-x" || Code(err) != codes.InvalidArgument {
+		t.Errorf("bad dtype: %v (id %q)", err, pe.MessageID)
+	}
+	_, err = c.Publish(ctx, tinyTurn(), PublishOptions{SessionID: "s", Sender: "a"})
+	if pe := publishError(t, err); !generatedID.MatchString(pe.MessageID) || Code(err) != codes.InvalidArgument {
+		t.Errorf("no recipients: %v (id %q)", err, pe.MessageID)
+	}
+}
+
+func TestPublishRetryWithTheErrorsID(t *testing.T) {
+	relay := &fakeRelay{committed: map[string]bool{}}
+	c := NewClient(relay)
+	o := PublishOptions{SessionID: "slow", Sender: "planner", Recipients: []string{"critic"}}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	_, err := c.Publish(ctx, tinyTurn(), o)
+	if Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("first publish: %v, want DEADLINE_EXCEEDED", err)
+	}
+	o.MessageID = publishError(t, err).MessageID
+	r, err := c.Publish(context.Background(), tinyTurn(), o)
+	if err != nil || r.MessageID != o.MessageID || !r.Duplicate {
+		t.Fatalf("retry with %s: %+v, %v; want a duplicate", o.MessageID, r, err)
+	}
+	if fmt.Sprint(relay.seen) != fmt.Sprint([]string{o.MessageID, o.MessageID}) {
+		t.Errorf("relay saw %v, want %s twice (one message)", relay.seen, o.MessageID)
+	}
+}
+
+func TestPublishUnreachableRelayTellsTheID(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := Dial(ctx, "127.0.0.1:1") // nothing listens on port 1
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, err = c.Publish(ctx, tinyTurn(), PublishOptions{SessionID: "s", Sender: "planner", Recipients: []string{"critic"}})
+	if code := Code(err); code != codes.Unavailable && code != codes.DeadlineExceeded {
+		t.Errorf("publish to a closed port: %v, want UNAVAILABLE", err)
+	}
+	if pe := publishError(t, err); !generatedID.MatchString(pe.MessageID) {
+		t.Errorf("message id %q", pe.MessageID)
+	}
+}
+
+// ---- assembler memory ----------------------------------------------------------------
+
+func fetchChunks(t *testing.T, tensors []uploadTensor) []*pb.FetchResponse {
+	t.Helper()
+	var rs []*pb.FetchResponse
+	err := sendChunks(tensors,
+		func(c *pb.Chunk) error {
+			rs = append(rs, &pb.FetchResponse{Kind: &pb.FetchResponse_Chunk{Chunk: c}})
+			return nil
+		},
+		func(tr *pb.Trailer) error {
+			rs = append(rs, &pb.FetchResponse{Kind: &pb.FetchResponse_Trailer{Trailer: tr}})
+			return nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rs
+}
+
+func TestAssemblerHugeHeaderAllocatesOnlyWhatArrives(t *testing.T) {
+	// 1 layer, 8 KV heads, head_dim 128, F32, 2^22 tokens: k and v of 16 GiB
+	// each, pos of 128 MiB; a valid header (below the 64 GiB bound) whose
+	// data never comes: 3 chunks of k, then the trailer.
+	const n = 1 << 22
+	kBytes := uint64(8 * n * 128 * 4)
+	h := &pb.MessageHeader{MessageId: "m", Layers: 1, KvHeads: 8, HeadDim: 128, Dtype: pb.DType_DTYPE_F32,
+		NKept: n, Accounting: &pb.Accounting{SentBytes: 2*kBytes + 8*n*4}}
+	piece := bytes.Repeat([]byte{1, 2, 3, 4}, MaxChunkBytes/4)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	var a assembler
+	if err := a.add(&pb.FetchResponse{Kind: &pb.FetchResponse_Header{Header: h}}); err != nil {
+		t.Fatalf("header: %v", err)
+	}
+	rs := fetchChunks(t, []uploadTensor{{0, pb.Part_PART_K, bytes.Repeat(piece, 3)}})
+	for _, r := range rs[:3] {
+		if err := a.add(r); err != nil {
+			t.Fatalf("chunk: %v", err)
+		}
+	}
+	err := a.add(rs[3])
+	runtime.ReadMemStats(&after)
+	want := fmt.Sprintf("trailer: stream ended with layer.0.k at %d of %d bytes", 3*MaxChunkBytes, kBytes)
+	if Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), want) {
+		t.Errorf("trailer: %v, want INVALID_ARGUMENT %q", err, want)
+	}
+	if got := cap(a.slots[0].Data); got > 2*3*MaxChunkBytes {
+		t.Errorf("layer.0.k holds %d bytes of capacity for %d received", got, 3*MaxChunkBytes)
+	}
+	for i, s := range a.slots[1:] {
+		if s.Data != nil {
+			t.Errorf("%s (slot %d): %d bytes allocated before any chunk", s.Name, i+1, cap(s.Data))
+		}
+	}
+	// What the assembler allocated (the 3 MiB of chunks and the trailer's
+	// test data included), far from the 32 GiB the header announces.
+	if grown := after.TotalAlloc - before.TotalAlloc; grown > 64<<20 {
+		t.Errorf("allocated %d bytes for a header announcing %d", grown, h.GetAccounting().GetSentBytes())
+	}
+}
+
+func TestAssemblerMultiChunkTensors(t *testing.T) {
+	// H=1, d=320, F32, n=2049: k and v of 2,622,720 bytes (3 chunks each).
+	const H, d, n = 1, 320, 2049
+	k, v, pos := make([]byte, H*n*d*4), make([]byte, H*n*d*4), make([]byte, H*n*4)
+	for i := range k {
+		k[i], v[i] = byte(i*7), byte(i*13+1)
+	}
+	for i := 0; i < n; i++ {
+		binary.LittleEndian.PutUint32(pos[4*i:], uint32(i))
+	}
+	h := &pb.MessageHeader{MessageId: "m", Layers: 1, KvHeads: H, HeadDim: d, Dtype: pb.DType_DTYPE_F32,
+		NAnchor: 4, NKept: n - 4, Accounting: &pb.Accounting{SentBytes: uint64(len(k) + len(v) + len(pos))}}
+	rs := append([]*pb.FetchResponse{{Kind: &pb.FetchResponse_Header{Header: h}}},
+		fetchChunks(t, []uploadTensor{{0, pb.Part_PART_K, k}, {0, pb.Part_PART_V, v}, {0, pb.Part_PART_POS, pos}})...)
+	if len(rs) != 1+3+3+1+1 {
+		t.Fatalf("%d responses", len(rs))
+	}
+	m, err := assemble(rs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range [][]byte{k, v, pos} {
+		got := m.Tensors[i].Data
+		if !bytes.Equal(got, want) || cap(got) != len(want) {
+			t.Errorf("%s: %d bytes (capacity %d), equal %t; want %d bytes", m.Tensors[i].Name, len(got), cap(got),
+				bytes.Equal(got, want), len(want))
+		}
 	}
 }

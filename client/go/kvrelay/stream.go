@@ -159,11 +159,15 @@ func sendChunks(tensors []uploadTensor, chunk func(*pb.Chunk) error, trailer fun
 }
 
 // assembler rebuilds a Message from a delivery stream (header, chunks,
-// trailer), checking order, offsets, sizes and CRC32Cs.
+// trailer), checking order, offsets, sizes and CRC32Cs. Memory follows the
+// data received, not what the header announces: a tensor's buffer is made
+// on its first chunk and grows (at most doubling, never past the tensor's
+// size) as chunks arrive, so a bogus header costs nothing.
 type assembler struct {
 	header *pb.MessageHeader
-	slots  []Tensor
-	filled int // bytes of slots[next] received
+	slots  []Tensor // Data: the bytes received so far
+	sizes  []int    // each slot's size as the header implies
+	filled int      // bytes of slots[next] received (len(slots[next].Data))
 	next   int
 	chunks uint64
 	bytes  uint64
@@ -242,12 +246,13 @@ func (a *assembler) start(h *pb.MessageHeader) error {
 		}
 	}
 	specs = append(specs, spec{pb.Part_PART_POS, "pos", "I32", []int{H, n}})
-	// The message's size, checked before anything is allocated.
+	// The message's size, checked here; a tensor's buffer is made only when
+	// its first chunk arrives (addChunk).
 	var total uint64
 	for _, s := range specs {
 		total += mulSat(numBytes(s.dtype, s.shape), uint64(h.GetLayers()))
 	}
-	if total > maxMessageBytes {
+	if total > maxMessageBytes || total > uint64(math.MaxInt) {
 		return invalidf("header: a message of %d bytes, expected below 2^36", total)
 	}
 	if sent := h.GetAccounting().GetSentBytes(); sent != total {
@@ -256,7 +261,8 @@ func (a *assembler) start(h *pb.MessageHeader) error {
 	for l := 0; l < int(h.GetLayers()); l++ {
 		for _, s := range specs {
 			a.slots = append(a.slots, Tensor{Name: fmt.Sprintf("layer.%d.%s", l, s.suffix), Layer: uint32(l),
-				Part: s.part, DType: s.dtype, Shape: s.shape, Data: make([]byte, numBytes(s.dtype, s.shape))})
+				Part: s.part, DType: s.dtype, Shape: s.shape})
+			a.sizes = append(a.sizes, int(numBytes(s.dtype, s.shape)))
 		}
 	}
 	a.header = h
@@ -265,7 +271,7 @@ func (a *assembler) start(h *pb.MessageHeader) error {
 }
 
 func (a *assembler) skipComplete() {
-	for a.next < len(a.slots) && a.filled == len(a.slots[a.next].Data) {
+	for a.next < len(a.slots) && a.filled == a.sizes[a.next] {
 		a.next++
 		a.filled = 0
 	}
@@ -279,19 +285,19 @@ func (a *assembler) addChunk(c *pb.Chunk) error {
 	if a.next >= len(a.slots) {
 		return invalidf("%s: after every tensor of the message is complete, expected the trailer", what)
 	}
-	slot := &a.slots[a.next]
+	slot, size := &a.slots[a.next], a.sizes[a.next]
 	if c.GetLayer() != slot.Layer || c.GetPart() != slot.Part || c.GetOffset() != uint64(a.filled) {
 		return invalidf("%s: out of order, expected chunk layer %d %v offset %d", what, slot.Layer, slot.Part, a.filled)
 	}
-	n, room := len(c.GetData()), len(slot.Data)-a.filled
+	n, room := len(c.GetData()), size-a.filled
 	if n < 1 || n > MaxChunkBytes || n > room {
 		return invalidf("%s: %d data bytes, expected 1..%d (%s has %d bytes)", what, n,
-			minInt(MaxChunkBytes, room), slot.Name, len(slot.Data))
+			minInt(MaxChunkBytes, room), slot.Name, size)
 	}
 	if crc := crc32.Checksum(c.GetData(), castagnoli); crc != c.GetCrc32C() {
 		return status.Errorf(codes.DataLoss, "%s: crc32c %d, expected %d (computed over the data)", what, c.GetCrc32C(), crc)
 	}
-	copy(slot.Data[a.filled:], c.GetData())
+	slot.Data = appendBounded(slot.Data, c.GetData(), size)
 	a.filled += n
 	a.chunks++
 	a.bytes += uint64(n)
@@ -305,8 +311,7 @@ func (a *assembler) finish(t *pb.Trailer) error {
 		return invalidf("trailer: before the header, expected a header first")
 	}
 	if a.next < len(a.slots) {
-		s := a.slots[a.next]
-		return invalidf("trailer: stream ended with %s at %d of %d bytes", s.Name, a.filled, len(s.Data))
+		return invalidf("trailer: stream ended with %s at %d of %d bytes", a.slots[a.next].Name, a.filled, a.sizes[a.next])
 	}
 	for _, f := range []struct {
 		name      string
@@ -324,7 +329,34 @@ func (a *assembler) message() (*Message, error) {
 	if !a.done {
 		return nil, status.Error(codes.DataLoss, "delivery stream: ended without a trailer, expected header, chunks, trailer")
 	}
+	for i := range a.slots {
+		if a.slots[i].Data == nil { // a tensor of 0 bytes: no chunk
+			a.slots[i].Data = []byte{}
+		}
+	}
 	return &Message{Header: a.header, Tensors: a.slots}, nil
+}
+
+// appendBounded appends data to buf, a tensor of size bytes being filled:
+// when buf has no room, its capacity at most doubles (at least to fit data,
+// at most to size), so what is allocated stays within twice what was
+// received and a complete tensor's capacity is exactly its size.
+// REQUIRES: len(buf)+len(data) <= size.
+func appendBounded(buf, data []byte, size int) []byte {
+	need := len(buf) + len(data)
+	if need > cap(buf) {
+		c := 2 * cap(buf)
+		if c < need {
+			c = need
+		}
+		if c > size {
+			c = size
+		}
+		grown := make([]byte, len(buf), c)
+		copy(grown, buf)
+		buf = grown
+	}
+	return append(buf, data...)
 }
 
 // maxMessageBytes bounds what a delivery header may announce (64 GiB).

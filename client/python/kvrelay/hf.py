@@ -10,6 +10,15 @@ duck-typed, so any of these is accepted wherever a cache is expected:
   older ones (`.key_cache` / `.value_cache` lists), or anything with
   `to_legacy_cache()`.
 
+Every token of such a cache must be in its tensors. When the cache has
+`get_seq_length()`, each layer's token count must equal it: pre-allocated
+caches (`StaticCache`: keys of length max_cache_len, zero padding past the
+tokens seen) and quantized ones (`QuantizedCache`: only the unquantized
+residual tokens are tensors) fail with a ValueError instead of uploading
+padding as generated tokens or losing the quantized part; so do
+sliding-window layers. Convert those to a `DynamicCache` (or its legacy
+tuples) first.
+
 What comes back (`message_to_cache`) is a `DynamicCache` when transformers is
 importable, else the legacy tuple (`cache_format=` picks one explicitly).
 
@@ -84,10 +93,14 @@ def cache_layers(cache):
     every tensor 4-D [1, kv_heads, tokens, head_dim], keys and values of the
     same shape, the same shape and dtype in every layer, dtype float32,
     float16 or bfloat16. Raises ValueError naming the layer and the problem.
-    Accepts a legacy tuple cache or a DynamicCache (any version, duck-typed)."""
+    Accepts a legacy tuple cache or a DynamicCache (any version, duck-typed);
+    a cache with get_seq_length() must hold exactly that many tokens in every
+    layer (so a StaticCache's padding or a QuantizedCache's residual is
+    refused, see the module docstring)."""
     pairs = _raw_pairs(cache)
     if not pairs:
         raise ValueError("cache: no layers, expected at least one (key, value) pair")
+    _check_seq_length(cache, pairs)
     ref = None
     for i, kv in enumerate(pairs):
         if not isinstance(kv, (tuple, list)) or len(kv) < 2:
@@ -123,6 +136,45 @@ def cache_layers(cache):
                                  f"{list(ref.shape)} (layer 0's)")
         pairs[i] = (k, v)
     return pairs
+
+
+def _tokens_held(t):
+    """Tokens in a cache key tensor: the token axis of a 4-D tensor, 0 for an
+    empty one (a layer holding nothing as tensors), None when unknown (the
+    shape checks report it)."""
+    if not _is_tensor(t):
+        return None
+    if t.dim() == 4:
+        return int(t.shape[2])
+    return 0 if t.numel() == 0 else None
+
+
+def _check_seq_length(cache, pairs):
+    """When the cache reports get_seq_length(), every layer's key tensor must
+    hold exactly that many tokens."""
+    seq_length = getattr(cache, "get_seq_length", None)
+    if isinstance(cache, (tuple, list)) or not callable(seq_length):
+        return
+    for i, kv in enumerate(pairs):
+        if not isinstance(kv, (tuple, list)) or len(kv) < 2:
+            return  # cache_layers reports the malformed pair
+        held = _tokens_held(kv[0])
+        if held is None:
+            continue
+        try:
+            want = seq_length(i)
+        except TypeError:  # get_seq_length() without a layer index: layer 0's
+            if i:
+                return
+            want = seq_length()
+        want = int(want)
+        if held != want:
+            raise ValueError(
+                f"cache layer {i}: {held} tokens in its key tensor, but "
+                f"{type(cache).__name__}.get_seq_length({i}) is {want}; expected them equal "
+                "(a pre-allocated cache such as StaticCache pads with zeros, a quantized one "
+                "holds only its residual tokens as tensors): publish from a DynamicCache, or "
+                "its to_legacy_cache() tuples, holding every token")
 
 
 def _raw_pairs(cache):

@@ -11,7 +11,8 @@ const path = require('node:path');
 
 const dir = process.env.KVRELAY_NODE_CLIENT_DIR || path.resolve(__dirname, '../../../client/node');
 const { crc32c, crc32cCombine } = require(path.join(dir, 'crc32c.js'));
-const { RelayError, MAX_CHUNK_BYTES, planUpload, chunkRequests, Assembler } = require(path.join(dir, 'client.js'));
+const { RelayClient, RelayError, MAX_CHUNK_BYTES, loadRelayService, newMessageId, planUpload, chunkRequests,
+        Assembler } = require(path.join(dir, 'client.js'));
 const grpc = require('@grpc/grpc-js');
 
 // Bit-at-a-time reference, independent of the table code.
@@ -43,6 +44,27 @@ test('crc32c: extend and combine agree with one pass', () => {
     const b = crc32c(d.subarray(k));
     assert.equal(crc32c(d.subarray(k), a), whole, `extend at ${k}`);
     assert.equal(crc32cCombine(a, b, d.length - k), whole, `combine at ${k}`);
+  }
+});
+
+test('crc32cCombine: lengths of 2^29 bytes and more (x^(2^32) is not x mod P)', () => {
+  // Values of the C++ Crc32cCombine (core/crc32c.cc) and kvrelay.crc32c_combine
+  // (Python) for crcA 0x12345678, crcB 0x9abcdef0.
+  const known = [[2 ** 29, 0x9e31cb6e], [2 ** 29 + 7, 0x5d3819c2], [2 ** 32, 0xcf75e6c0],
+                 [2 ** 33 + 5, 0x5e623719], [2 ** 40 + 12345, 0xa9cf6671], [Number.MAX_SAFE_INTEGER, 0xbff3d3c9]];
+  for (const [len, want] of known) {
+    assert.equal(crc32cCombine(0x12345678, 0x9abcdef0, len), want, `lenB ${len}`);
+  }
+  // Shifting over L1 then L2 zero bytes equals shifting over L1 + L2, also
+  // past 32-bit lengths; a shift is not the identity.
+  const a = 0x12345678;
+  for (const [l1, l2] of [[2 ** 29, 2 ** 29], [2 ** 33 + 5, 2 ** 40 + 12345], [2 ** 31 - 1, 2 ** 31 + 1],
+                          [2 ** 50 + 3, 2 ** 52 - 7]]) {
+    assert.equal(crc32cCombine(crc32cCombine(a, 0, l1), 0, l2), crc32cCombine(a, 0, l1 + l2), `${l1} + ${l2}`);
+  }
+  assert.notEqual(crc32cCombine(a, 0, 2 ** 33), a);
+  for (const bad of [-1, 1.5, 2 ** 53, NaN]) {
+    assert.throws(() => crc32cCombine(0, 0, bad), RangeError, `lenB ${bad}`);
   }
 });
 
@@ -125,4 +147,91 @@ test('Assembler: corruption is DATA_LOSS, disorder INVALID_ARGUMENT', () => {
   const wrongSize = delivery();
   wrongSize[0].header.accounting.sentBytes = 41;
   assert.throws(() => assemble(wrongSize), /sentBytes: 41, expected 40/);
+});
+
+// ---- publish: the message id travels with every error --------------------------
+
+// A stand-in relay: Publish records each header's message id; session 'down'
+// answers UNAVAILABLE, session 'slow' never answers the first upload of an id
+// (the caller's deadline passes: the outcome is unknown) and answers a
+// re-publish of that id with duplicate = true, as the relay does once committed.
+async function withFakeRelay(fn) {
+  const seen = [];
+  const committed = new Set();
+  const server = new grpc.Server();
+  server.addService(loadRelayService().service, {
+    Publish(call, callback) {
+      let header;
+      call.on('data', (r) => { if (r.header) { header = r.header; seen.push(header.messageId); } });
+      call.on('error', () => {});
+      call.on('end', () => {
+        if (header.sessionId === 'down') {
+          callback({ code: grpc.status.UNAVAILABLE, details: 'fake relay: going away' });
+        } else if (committed.has(header.messageId)) {
+          callback(null, { messageId: header.messageId, duplicate: true });
+        } else {
+          committed.add(header.messageId); // committed, but the answer never comes
+        }
+      });
+    },
+  });
+  const port = await new Promise((resolve, reject) =>
+    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  const relay = new RelayClient(`127.0.0.1:${port}`);
+  try {
+    await fn(relay, seen, port);
+  } finally {
+    relay.close();
+    server.forceShutdown();
+  }
+}
+
+const route = { sender: 'planner', recipients: ['critic'] };
+
+test('publish: every error carries the message id the publish sent', async () => {
+  await withFakeRelay(async (relay, seen) => {
+    // A server error, generated id: the id on the error is the one the relay saw.
+    const e1 = await relay.publish(tinyTurn(), { ...route, sessionId: 'down' }).then(
+      () => assert.fail('resolved'), (e) => e);
+    assert.equal(e1.code, grpc.status.UNAVAILABLE);
+    assert.match(e1.messageId, /^m-[0-9a-f]{24}$/);
+    assert.deepEqual(seen, [e1.messageId]);
+    // The caller's id, chosen up front.
+    const id = newMessageId();
+    const e2 = await relay.publish(tinyTurn(), { ...route, sessionId: 'down', messageId: id }).then(
+      () => assert.fail('resolved'), (e) => e);
+    assert.equal(e2.messageId, id);
+    assert.equal(seen.at(-1), id);
+    // Errors found before any call carry it too.
+    const e3 = await relay.publish(tinyTurn({ dtype: 'F64' }), { ...route, sessionId: 's', messageId: 'm-x' }).then(
+      () => assert.fail('resolved'), (e) => e);
+    assert.ok(e3 instanceof RelayError && e3.code === grpc.status.INVALID_ARGUMENT);
+    assert.equal(e3.messageId, 'm-x');
+  });
+});
+
+test('publish: a retry with the id from DEADLINE_EXCEEDED is a duplicate, not a second message', async () => {
+  await withFakeRelay(async (relay, seen) => {
+    const opts = { ...route, sessionId: 'slow', timeoutMs: 800 };
+    const err = await relay.publish(tinyTurn(), opts).then(() => assert.fail('resolved'), (e) => e);
+    assert.equal(err.code, grpc.status.DEADLINE_EXCEEDED);
+    assert.match(err.messageId, /^m-[0-9a-f]{24}$/);
+    const r = await relay.publish(tinyTurn(), { ...opts, messageId: err.messageId, timeoutMs: 5000 });
+    assert.deepEqual([r.messageId, r.duplicate], [err.messageId, true]);
+    assert.deepEqual(seen, [err.messageId, err.messageId]);
+  });
+});
+
+test('publish: an unreachable relay (UNAVAILABLE) still tells the id', async () => {
+  let port;
+  await withFakeRelay(async (_relay, _seen, p) => { port = p; });
+  const relay = new RelayClient(`127.0.0.1:${port}`); // the stand-in is gone
+  try {
+    const err = await relay.publish(tinyTurn(), { ...route, sessionId: 's', timeoutMs: 5000 }).then(
+      () => assert.fail('resolved'), (e) => e);
+    assert.ok([grpc.status.UNAVAILABLE, grpc.status.DEADLINE_EXCEEDED].includes(err.code), String(err));
+    assert.match(err.messageId, /^m-[0-9a-f]{24}$/);
+  } finally {
+    relay.close();
+  }
 });

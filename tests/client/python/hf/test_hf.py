@@ -26,7 +26,9 @@ Checks:
   each a ValueError naming the problem.
 - Duck-typed caches (key_cache/value_cache, .layers[i].keys/.values,
   to_legacy_cache) and the DynamicCache wrapping with a stand-in
-  transformers module.
+  transformers module; stand-ins of a pre-allocated StaticCache (zero
+  padding past get_seq_length()) and a QuantizedCache (only the residual as
+  tensors) are refused with a ValueError naming the mismatch.
 - examples/latentmas_chain.py runs once against the live relay.
 The whole run is bounded (watchdog) and the server is always stopped.
 """
@@ -277,6 +279,98 @@ class CacheConversionTest(unittest.TestCase):
         sliding.layers[1].is_sliding = True
         with self.assertRaisesRegex(ValueError, r"cache layer 1: a sliding-window layer"):
             hf.cache_layers(sliding)
+
+    def test_seq_length_must_match_the_tensors(self):
+        # Stand-ins for transformers caches whose tensors are not the tokens:
+        # StaticCache pre-allocates max_cache_len rows (zeros past the tokens
+        # seen; get_seq_length() counts the non-zero rows of head 0),
+        # QuantizedCache keeps only the unquantized residual as tensors (an
+        # empty 1-D tensor right after the prompt pass). Both as the newer
+        # .layers[i].keys/.values and the older key_cache/value_cache.
+        c = self.cache(tokens=9)
+        max_len = 16
+
+        def padded(t):
+            z = torch.zeros(1, H, max_len, 8)
+            z[:, :, :t.shape[2]] = t
+            return z
+
+        class Layer:
+            def __init__(self, k, v):
+                self.keys, self.values = k, v
+
+        class StaticCache:  # transformers >= 4.56
+            layers = [Layer(padded(k), padded(v)) for k, v in c]
+
+            def get_seq_length(self, layer_idx=0):
+                return self.layers[layer_idx].keys[0, 0].any(dim=-1).sum()  # a 0-d tensor, as HF's
+
+        class OldStaticCache:  # transformers 4.38 .. 4.55
+            key_cache = [padded(k) for k, _ in c]
+            value_cache = [padded(v) for _, v in c]
+
+            def get_seq_length(self, layer_idx=0):
+                return self.key_cache[layer_idx][0, 0].any(dim=-1).sum()
+
+        class QuantizedCache:  # 7 tokens quantized, 2 in the residual
+            layers = [Layer(k[:, :, 7:], v[:, :, 7:]) for k, v in c]
+
+            def get_seq_length(self, layer_idx=0):
+                return 9
+
+        class FreshQuantizedCache:  # after the prompt pass: nothing left as tensors
+            key_cache = [torch.zeros(0) for _ in c]
+            value_cache = [torch.zeros(0) for _ in c]
+
+            def get_seq_length(self):  # no layer index
+                return 9
+
+        class LegacyOnly:  # to_legacy_cache() of a pre-allocated cache
+            def to_legacy_cache(self):
+                return tuple((padded(k), padded(v)) for k, v in c)
+
+            def get_seq_length(self, layer_idx=0):
+                return 9
+
+        for cache, msg in (
+                (StaticCache(), r"cache layer 0: 16 tokens in its key tensor, but "
+                                r"StaticCache\.get_seq_length\(0\) is 9; expected them equal"),
+                (OldStaticCache(), r"cache layer 0: 16 tokens .* OldStaticCache\.get_seq_length\(0\) is 9"),
+                (QuantizedCache(), r"cache layer 0: 2 tokens .* QuantizedCache\.get_seq_length\(0\) is 9"),
+                (FreshQuantizedCache(), r"cache layer 0: 0 tokens .*get_seq_length\(0\) is 9"),
+                (LegacyOnly(), r"cache layer 0: 16 tokens .* LegacyOnly\.get_seq_length\(0\) is 9")):
+            with self.subTest(kind=type(cache).__name__):
+                with self.assertRaisesRegex(ValueError, msg) as cm:
+                    hf.turn_from_cache(cache, 5)
+                self.assertIn("DynamicCache", str(cm.exception))
+                self.assertIn("to_legacy_cache()", str(cm.exception))
+
+        # A layer other than 0 disagreeing is named.
+        skewed = StaticCache()
+        skewed.get_seq_length = lambda layer_idx=0: 9 if layer_idx == 0 else 8
+        skewed.layers = [Layer(k, v) for k, v in c]
+        with self.assertRaisesRegex(ValueError, r"cache layer 1: 9 tokens .*get_seq_length\(1\) is 8"):
+            hf.cache_layers(skewed)
+
+        # A full StaticCache (every row used) and caches whose count matches
+        # are the tokens: accepted, bit for bit.
+        want = hf.turn_from_cache(c, 5)
+        full = StaticCache()
+        full.layers = [Layer(k, v) for k, v in c]
+
+        class DynamicCache:  # old-style, with get_seq_length
+            key_cache = [k for k, _ in c]
+            value_cache = [v for _, v in c]
+
+            def get_seq_length(self, layer_idx=0):
+                return self.key_cache[layer_idx].shape[-2]
+
+        for cache in (full, DynamicCache()):
+            with self.subTest(kind="ok " + type(cache).__name__):
+                t = hf.turn_from_cache(cache, 5)
+                for a, b in zip(t.layers, want.layers):
+                    for f in ("prompt_k", "prompt_v", "gen_k", "gen_v"):
+                        self.assertTrue(np.array_equal(getattr(a, f), getattr(b, f)), f)
 
     def test_dynamic_cache_wrapping(self):
         m = kvrelay.Message(layers=[kvrelay.MessageLayer(
