@@ -121,6 +121,11 @@ def fmt_value(v, unit, decimals=None):
         return _scaled(v, None, 1000, ["req/s", "K req/s", "M req/s"], 2 if decimals is None and abs(v) < 10 else decimals)
     if unit in ("ops",):
         return _scaled(v, None, 1000, ["ops/s", "K ops/s", "M ops/s"], decimals)
+    if unit == "percentunit":
+        pct = v * 100
+        a = abs(pct)
+        d = decimals if decimals is not None else (0 if a == int(a) or a >= 100 else 1 if a >= 10 else 2)
+        return f"{pct:.{d}f}%"
     if unit.startswith("suffix:"):
         d = 2 if decimals is None else decimals
         if abs(v) >= 100:
@@ -231,6 +236,15 @@ def draw_timeseries(ax, panel, series, start, end):
         if finite.size:
             vmax = max(vmax, float(finite.max()))
         handles.append((line, name, calcs(vs, panel)))
+    # Thresholds drawn as lines (custom.thresholdsStyle), and a soft maximum the axis reaches at least.
+    if (custom.get("thresholdsStyle") or {}).get("mode") in ("line", "dashed", "line+area", "dashed+area"):
+        for step in (defaults.get("thresholds") or {}).get("steps") or []:
+            if step.get("value") is not None:
+                ax.axhline(step["value"], color=color_of(step.get("color", "red")), linewidth=1.0,
+                           linestyle=(0, (6, 4)) if custom["thresholdsStyle"]["mode"].startswith("dashed") else "-")
+                vmax = max(vmax, float(step["value"]))
+    if isinstance(custom.get("axisSoftMax"), (int, float)):
+        vmax = max(vmax, float(custom["axisSoftMax"]) / 1.08)
     ax.set_xlim(datetime.datetime.fromtimestamp(start), datetime.datetime.fromtimestamp(end))
     lo = defaults.get("min", custom.get("axisSoftMin"))
     ticks = axis_ticks(vmax * 1.08 if vmax > 0 else 1, unit)

@@ -7,7 +7,8 @@ checked for what `docker compose up` would trip over or silently get wrong:
     existing services; named volumes are declared;
   - the relay is built from the repository's Dockerfile (context ../..),
     publishes the gRPC and metrics ports the image listens on (Dockerfile
-    EXPOSE and CMD), runs read-only without capabilities, and every KVRELAY_*
+    EXPOSE and CMD), names the command the image's HEALTHCHECK really runs
+    where a comment describes it, runs read-only without capabilities, and every KVRELAY_*
     variable is one kvrelay-server --help lists, with a value it accepts
     (the relay is started with that environment);
   - every bind mount's host path exists in the repository; Prometheus reads
@@ -115,6 +116,18 @@ def main():
     check("ALL" in (relay.get("cap_drop") or []), "kvrelay: cap_drop lacks ALL")
     check(any(str(o).startswith("no-new-privileges") for o in relay.get("security_opt") or []),
           "kvrelay: no no-new-privileges")
+    # A comment naming what the image's HEALTHCHECK runs must name what the Dockerfile runs.
+    hc = re.search(r"^HEALTHCHECK\b.*?\bCMD\s+(\[.*\])\s*$", df.replace("\\\n", " "), re.M)
+    if check(hc, "Dockerfile: no HEALTHCHECK ... CMD [...] (exec form)"):
+        hc_argv = json.loads(hc.group(1))
+        hc_cmd = " ".join([os.path.basename(hc_argv[0])] + hc_argv[1:])
+        with open(COMPOSE) as f:
+            compose_text = f.read()
+        said = re.findall(r"HEALTHCHECK runs\s+`([^`]+)`", re.sub(r"\n\s*#\s*", " ", compose_text))
+        for s_ in said:
+            check(s_ == hc_cmd, f"compose.yaml says the image's HEALTHCHECK runs `{s_}`; the Dockerfile runs `{hc_cmd}`")
+        if not relay.get("healthcheck"):
+            check(said, "compose.yaml: the kvrelay service relies on the image's HEALTHCHECK; say what it runs")
     env = env_of(relay)
     rc, help_text, _ = run([args.server, "--help"])
     known = set(re.findall(r"\b(KVRELAY_[A-Z0-9_]+)\b", help_text))

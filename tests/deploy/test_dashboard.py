@@ -14,7 +14,9 @@
   - the required panels exist with fitting units: compression ratio by
     family (full/sent), bytes saved per second, hop latency p50/p99
     (kvrelay_publish_delivered_seconds), compression time p50/p99,
-    mailbox depth, in-flight bytes with the in-flight limit, errors by code.
+    mailbox depth, in-flight bytes with the in-flight limit, errors by code,
+    RPCs by method and code (kvrelay_rpcs_total) and the failed-call ratio by
+    method (the KvrelayHighErrorRate alert's ratio, per relay).
 """
 import json
 import os
@@ -165,6 +167,17 @@ def main():
     for p in find_panel(panels, "errors by code",
                         lambda e: re.search(r"sumby\(code\)\(rate\(kvrelay_errors_total", e)):
         check(unit(p) in ("reqps", "ops", "short", "cps") or unit(p).startswith("suffix:"), f"errors unit {unit(p)!r}")
+    for p in find_panel(panels, "RPCs by method and code (kvrelay_rpcs_total)",
+                        lambda e: re.search(r"sumby\(method,code\)\(rate\(kvrelay_rpcs_total\{", e)):
+        check(unit(p) in ("reqps", "ops", "short", "cps") or unit(p).startswith("suffix:"), f"RPCs unit {unit(p)!r}")
+        check(any("{{method}}" in t.get("legendFormat", "") and "{{code}}" in t.get("legendFormat", "")
+                  for t in p["targets"]), f"RPCs panel {p['title']!r}: the legend should name method and code")
+    # The KvrelayHighErrorRate alert's ratio: failed calls of a method over all its calls, per relay.
+    for p in find_panel(panels, "failed RPC ratio by method",
+                        lambda e: re.search(r"sumby\(instance,method\)\(rate\(kvrelay_rpcs_total\{code!~\"OK\|[^\"]*\",", e)
+                        and re.search(r"/sumby\(instance,method\)\(rate\(kvrelay_rpcs_total\{instance", e)):
+        check(unit(p) in ("percentunit", "percent"), f"failed-ratio panel unit {unit(p)!r}")
+    check("kvrelay_rpcs_total" in metric_names_in_source(), "server/metrics.cc does not register kvrelay_rpcs_total")
     return finish("deploy_dashboard")
 
 

@@ -21,6 +21,15 @@ For the base and every overlay under deploy/kubernetes/overlays:
      equals deploy/prometheus/rules/kvrelay-alerts.yaml (and the generated file
      is current), the dashboard ConfigMap is labelled grafana_dashboard: "1"
      and holds deploy/grafana/kvrelay-dashboard.json byte for byte;
+     a NetworkPolicy selects the relay pods and, evaluated by the
+     NetworkPolicy rules, admits the sidecar's gRPC port (a number, the
+     sidecar's `grpc` port) only from kvrelay pods of the namespace and its
+     metrics port only from the monitoring namespace, egress open;
+     a `sh -c` loop in an agent container traps TERM and sleeps with
+     `sleep & wait` (it is PID 1: without a handler it ignores SIGTERM and the
+     relay loses its drain), and, where PID namespaces are available
+     (unshare), run as PID 1 it exits on SIGTERM; overlays run no
+     `kvrelayctl demo` agent and not the relay image as the agent;
   4. kvrelay-server accepts the sidecar's rendered args and environment
      (listen addresses moved to 127.0.0.1:0) and exports the configured
      limits as kvrelay_limit_bytes.
@@ -33,8 +42,11 @@ import math
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -237,14 +249,227 @@ def check_sidecar(tag, pod_spec, flags, envs):
     return relay
 
 
-def check_build(tag, objs, flags, envs, rules_doc, dashboard_text):
+# ------------------------------------------------------------ agent shutdown
+SHELLS = {"sh", "bash", "dash", "ash", "zsh", "busybox"}
+
+
+def shell_script(container):
+    """The script of a `sh -c SCRIPT` container (command and args joined), else None."""
+    argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+    if len(argv) >= 3 and os.path.basename(argv[0]) in SHELLS and argv[1] == "-c":
+        return argv[2]
+    return None
+
+
+def pid1_prefix():
+    """An unshare command line that runs a program as PID 1 of a new PID namespace, as in a
+    container (the kernel drops signals PID 1 has no handler for), or None where the
+    machine allows no such namespace."""
+    for prefix in (["unshare", "--pid", "--fork", "--kill-child", "--user", "--map-root-user"],
+                   ["unshare", "--pid", "--fork", "--kill-child"]):
+        rc, out, _ = run(prefix + ["/bin/sh", "-c", "echo $$"], timeout=30)
+        if rc == 0 and out.strip() == "1":
+            return prefix
+    return None
+
+
+def children(pid):
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def sigterm_as_pid1(prefix, script, env):
+    """Runs SCRIPT with /bin/sh as PID 1 of a fresh PID namespace, sends it SIGTERM after a
+    second, returns (running_before, exit code or None if it ignored SIGTERM, seconds)."""
+    p = subprocess.Popen(prefix + ["/bin/sh", "-c", script], env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        shell = None
+        deadline = time.time() + 10
+        while time.time() < deadline and shell is None and p.poll() is None:
+            kids = children(p.pid)
+            shell = kids[0] if kids else None
+            time.sleep(0.05)
+        time.sleep(1.0)
+        if shell is None or p.poll() is not None:
+            return False, p.poll(), 0.0
+        os.kill(shell, signal.SIGTERM)
+        t0 = time.time()
+        try:
+            rc = p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return True, None, time.time() - t0
+        return True, rc, time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()  # --kill-child: the namespace's PID 1 and with it everything in it
+            p.wait()
+
+
+def check_agent_shutdown(tag, pod_spec, relay, pid1):
+    """A `sh -c` loop in a regular container is PID 1 of its container: without a TERM trap
+    it ignores SIGTERM, the pod waits out terminationGracePeriodSeconds and the sidecar
+    relay is stopped with ~2 s left instead of its drain. Checked in the text (a trap on
+    TERM, no foreground sleep) and, where PID namespaces are available, by running the
+    script as PID 1 and sending it SIGTERM. Returns how many containers were checked."""
+    n = 0
+    for c in pod_spec.get("containers") or []:
+        script = shell_script(c)
+        if script is None or not re.search(r"\b(while|until|sleep)\b", script):
+            continue
+        n += 1
+        name = f"{tag}: container {c['name']}"
+        check(re.search(r"^\s*trap\s+(\S.*\s)?(TERM|SIGTERM|15)\b", script, re.M),
+              f"{name}: its shell loop has no `trap ... TERM`: as PID 1 it ignores SIGTERM, so every "
+              "delete or rollout waits the whole grace period and the relay loses its drain")
+        bare = [ln.strip() for ln in script.splitlines()
+                if re.search(r"\bsleep\b", ln) and not re.search(r"\bsleep\b[^;&|]*&\s*wait\b", ln)]
+        check(not bare, f"{name}: foreground sleep {bare}: the shell runs its TERM trap only after "
+              "the sleep ends; use `sleep N & wait $!`")
+        if pid1 is None:
+            print(f"note: {name}: no PID namespace here (unshare); SIGTERM checked in the text only")
+            continue
+        env = clean_env()
+        for e in c.get("env") or []:
+            if "value" in e:
+                env[e["name"]] = str(e["value"])
+        env["KVRELAY_ADDR"] = "127.0.0.1:1"  # any kvrelayctl found fails at once
+        running, rc, secs = sigterm_as_pid1(pid1, script, env)
+        if check(running, f"{name}: the script exited by itself within a second (rc={rc}); the container would "
+                 "restart in a loop"):
+            check(rc is not None, f"{name}: as PID 1 the script ignored SIGTERM for 5 s (no handler)")
+            if rc is not None:
+                check(rc in (0, 128 + signal.SIGTERM), f"{name}: exited {rc} on SIGTERM")
+                print(f"{name}: as PID 1, exits {rc} {secs:.2f} s after SIGTERM")
+    return n
+
+
+# ------------------------------------------------------------ NetworkPolicy
+def selector_matches(sel, labels):
+    """A LabelSelector (matchLabels, matchExpressions) against labels; {} matches all."""
+    for k, v in (sel.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in sel.get("matchExpressions") or []:
+        k, op, vals = e.get("key"), e.get("operator"), e.get("values") or []
+        if (op == "In" and labels.get(k) not in vals) or (op == "NotIn" and k in labels and labels[k] in vals) \
+                or (op == "Exists" and k not in labels) or (op == "DoesNotExist" and k in labels):
+            return False
+    return True
+
+
+def policy_admits(policy, policy_ns, dst_pod_spec, src, port, protocol="TCP"):
+    """Whether the ingress rules of POLICY (in namespace POLICY_NS, selecting the destination
+    pod) admit a connection from SRC = {"ns", "ns_labels", "labels"} to PORT, by the
+    networking.k8s.io/v1 semantics: rules add up; a rule without ports admits every port,
+    one without peers every source; a peer's podSelector alone means the policy's
+    namespace; an ipBlock is taken to match any pod (conservatively)."""
+    named = {p["name"]: (p["containerPort"], p.get("protocol", "TCP"))
+             for key in ("containers", "initContainers") for c in dst_pod_spec.get(key) or []
+             for p in c.get("ports") or [] if "name" in p}
+    for rule in policy["spec"].get("ingress") or []:
+        ports = rule.get("ports") or []
+        if ports and not any(
+                p.get("protocol", "TCP") == protocol and (
+                    p.get("port") is None
+                    or (isinstance(p["port"], int) and p["port"] <= port <= p.get("endPort", p["port"]))
+                    or (isinstance(p["port"], str) and named.get(p["port"]) == (port, protocol)))
+                for p in ports):
+            continue
+        peers = rule.get("from") or []
+        if not peers:
+            return True
+        for peer in peers:
+            if "ipBlock" in peer:
+                return True
+            ns_sel, pod_sel = peer.get("namespaceSelector"), peer.get("podSelector")
+            ns_ok = selector_matches(ns_sel, src["ns_labels"]) if ns_sel is not None else src["ns"] == policy_ns
+            if ns_ok and (pod_sel is None or selector_matches(pod_sel, src["labels"])):
+                return True
+    return False
+
+
+def check_network_policy(tag, objs, pod_labels, pod_spec, relay):
+    """The relay has no TLS or authentication: a NetworkPolicy must select its pods and
+    admit the gRPC port only from kvrelay pods of the namespace, the metrics port only
+    from the monitoring namespace, nothing else; egress stays open."""
+    pols = [p for p in by_kind(objs, "NetworkPolicy")
+            if selector_matches(p["spec"].get("podSelector") or {}, pod_labels)]
+    if not check(len(pols) == 1, f"{tag}: {len(pols)} NetworkPolicies select the relay pods {pod_labels}, "
+                 "expected one (the relay has no TLS or auth; only kvrelay pods may reach 50051)"):
+        return
+    pol = pols[0]
+    spec = pol["spec"]
+    name = f"{tag}: NetworkPolicy/{pol['metadata']['name']}"
+    sel = spec.get("podSelector") or {}
+    check(sel.get("matchLabels") and not sel.get("matchExpressions"),
+          f"{name}: podSelector {sel} should name the sidecar label (an empty one selects every pod of the namespace)")
+    check(spec.get("policyTypes") == ["Ingress"] and not spec.get("egress"),
+          f"{name}: policyTypes {spec.get('policyTypes')} (egress {spec.get('egress')}): expected ['Ingress'], "
+          "egress unrestricted")
+    if not relay:
+        return
+    rports = {p["name"]: p["containerPort"] for p in relay.get("ports") or []}
+    grpc_port, metrics_port = rports.get("grpc"), rports.get("metrics")
+    seen = set()
+    for i, rule in enumerate(spec.get("ingress") or []):
+        check(rule.get("from"), f"{name}: ingress rule {i} has no `from` (admits every source)")
+        check(rule.get("ports"), f"{name}: ingress rule {i} has no `ports` (admits every port of the pod)")
+        for p in rule.get("ports") or []:
+            port = p.get("port")
+            check(isinstance(port, int), f"{name}: ingress rule {i} port {port!r}: use the number (CNIs resolve "
+                  "named ports from the pod's containers; some ignore init (sidecar) containers')")
+            check(port in rports.values(), f"{name}: ingress rule {i} port {port!r} is not one of the sidecar's "
+                  f"named ports {rports}")
+            check(p.get("protocol", "TCP") == "TCP" and "endPort" not in p, f"{name}: ingress rule {i} port {p}")
+            seen.add(port)
+    check({grpc_port, metrics_port} <= seen, f"{name}: admits ports {sorted(seen, key=str)}, expected the "
+          f"sidecar's grpc ({grpc_port}) and metrics ({metrics_port})")
+
+    # Who gets in, by the NetworkPolicy semantics (the policy in namespace "apps").
+    def src(ns, labels, ns_labels=None):
+        return {"ns": ns, "labels": labels, "ns_labels": {"kubernetes.io/metadata.name": ns, **(ns_labels or {})}}
+
+    prometheus = src("monitoring", {"app.kubernetes.io/name": "prometheus"})
+    cases = [
+        ("an agent pod of the namespace", src("apps", dict(pod_labels)), grpc_port, True),
+        ("another pod with the sidecar label", src("apps", {"kvrelay/sidecar": "true"}), grpc_port, True),
+        ("Prometheus in namespace monitoring", prometheus, metrics_port, True),
+        ("Prometheus in namespace monitoring", prometheus, grpc_port, False),
+        ("an unlabelled pod of the namespace", src("apps", {"app": "other"}), grpc_port, False),
+        ("an unlabelled pod of the namespace", src("apps", {"app": "other"}), metrics_port, False),
+        ("a pod with the sidecar label in another namespace", src("other", {"kvrelay/sidecar": "true"}),
+         grpc_port, False),
+        ("a pod of another namespace", src("other", {"app": "x"}), metrics_port, False),
+        ("an agent pod of the namespace", src("apps", dict(pod_labels)), 8080, False),
+    ]
+    for who, s, port, want in cases:
+        got = policy_admits(pol, "apps", pod_spec, s, port)
+        check(got == want, f"{name}: {who} -> port {port}: {'admitted' if got else 'refused'}, expected "
+              f"{'admitted' if want else 'refused'}")
+    ns_sel = [peer.get("namespaceSelector") for r in spec.get("ingress") or [] for peer in r.get("from") or []
+              if peer.get("namespaceSelector") is not None]
+    print(f"{name}: grpc {grpc_port} from kvrelay pods, metrics {metrics_port} from namespaces {ns_sel}")
+
+
+def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
     for o in objs:
         labels = (o.get("metadata") or {}).get("labels") or {}
         check(labels.get("app.kubernetes.io/part-of") == "kvrelay",
               f"{tag}: {o['kind']}/{o['metadata'].get('name')} lacks app.kubernetes.io/part-of: kvrelay")
     kinds = sorted(o["kind"] for o in objs)
-    check({"ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service"} <= set(kinds),
-          f"{tag}: objects {kinds}, expected a Deployment, Service, PodMonitor, PrometheusRule and ConfigMap")
+    check({"ConfigMap", "Deployment", "NetworkPolicy", "PodMonitor", "PrometheusRule", "Service"} <= set(kinds),
+          f"{tag}: objects {kinds}, expected a Deployment, Service, NetworkPolicy, PodMonitor, PrometheusRule "
+          "and ConfigMap")
 
     deps = by_kind(objs, "Deployment")
     if not check(len(deps) == 1, f"{tag}: one Deployment"):
@@ -265,6 +490,9 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text):
         grace = int(env.get("KVRELAY_SHUTDOWN_GRACE_SECONDS") or 10)
         check(tgp > grace, f"{tag}: terminationGracePeriodSeconds {tgp} leaves the relay no time for its "
               f"{grace} s drain after the agent stops")
+
+    shells = check_agent_shutdown(f"{tag}: Deployment/{dep['metadata']['name']}", pod_spec, relay, pid1)
+    check_network_policy(tag, objs, pod_labels, pod_spec, relay)
 
     for svc in by_kind(objs, "Service"):
         spec = svc["spec"]
@@ -318,7 +546,7 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text):
         check(list(data) == ["kvrelay-dashboard.json"], f"{tag}: dashboard ConfigMap keys {list(data)}")
         check(data.get("kvrelay-dashboard.json") == dashboard_text,
               f"{tag}: the ConfigMap's dashboard differs from deploy/grafana/kvrelay-dashboard.json")
-    return {"relay": relay, "pod_spec": pod_spec, "deployment": dep}
+    return {"relay": relay, "pod_spec": pod_spec, "deployment": dep, "shell_loops": shells}
 
 
 def dry_run_relay(tag, server, relay, workdir):
@@ -384,6 +612,8 @@ def main():
     dirs = [os.path.join(K8S, "base")] + sorted(
         d for d in glob.glob(os.path.join(K8S, "overlays", "*")) if os.path.isfile(os.path.join(d, "kustomization.yaml")))
     check(os.path.join(K8S, "overlays", "production") in dirs, "deploy/kubernetes/overlays/production exists")
+    pid1 = pid1_prefix()
+    print(f"PID namespaces for the SIGTERM check: {'yes' if pid1 else 'no (text checks only)'}")
     with tempfile.TemporaryDirectory(prefix="kvrelay-k8s-") as work:
         builds = {}
         for d in dirs:
@@ -405,10 +635,24 @@ def main():
             for e in report["errors"]:
                 check(False, f"{tag}: {e}")
             check(rc == (1 if report["errors"] else 0), f"{tag}: validator rc={rc} {err.strip()[-500:]}")
-            builds[tag] = check_build(tag, rendered[0], flags, envs, rules_doc, dashboard_text)
+            builds[tag] = check_build(tag, rendered[0], flags, envs, rules_doc, dashboard_text, pid1)
             print(f"{tag}: {len(rendered[0])} objects checked")
 
         base, prod = builds.get("base") or {}, builds.get(os.path.join("overlays", "production")) or {}
+        # The base's example agent is a shell loop (kvrelayctl demo): its SIGTERM handling was checked.
+        check(base.get("shell_loops", 0) >= 1, "base: the example agent's shell loop was not found to check its "
+              "SIGTERM handling")
+        # Only the base (the example) makes demo traffic; overlays run the user's agent.
+        for tag, b in builds.items():
+            if tag == "base" or not b.get("pod_spec"):
+                continue
+            for c in b["pod_spec"].get("containers") or []:
+                argv = " ".join(str(a) for a in (c.get("command") or []) + (c.get("args") or []))
+                check("kvrelayctl" not in argv, f"{tag}: container {c['name']} runs kvrelayctl ({argv[:80]!r}): "
+                      "the demo agent belongs to the example (base), not next to production relays")
+                if b.get("relay"):
+                    check(c.get("image") != b["relay"].get("image"),
+                          f"{tag}: container {c['name']} runs the relay image {c.get('image')}: put your agent's image")
         if base.get("relay") and prod.get("relay"):
             def env_of(c):
                 return {e["name"]: e.get("value") for e in c.get("env") or []}

@@ -12,8 +12,12 @@
   4. `promtool test rules deploy/prometheus/tests/*.yaml`: synthetic series
      for which the dashboard's ratio-by-family and bytes-saved queries give
      known numbers, and for which each alert fires or stays quiet; the test
-     file's copies of those queries must be the dashboard's own
-     ($__rate_interval -> 4m there, so the expected rates are exact floats).
+     file's copies of those queries (and of the failed-RPC ratio by method)
+     must be the dashboard's own ($__rate_interval -> 4m there, so the
+     expected rates are exact floats);
+  5. KvrelayHighErrorRate is a per-method ratio of kvrelay_rpcs_total with a
+     minimum-traffic guard, leaving out the same codes as the dashboard's
+     failed-ratio panel.
 """
 import argparse
 import glob
@@ -66,6 +70,27 @@ def main():
     check({"KvrelayDown", "KvrelayHighErrorRate", "KvrelayCompressionRatioCollapsed",
            "KvrelayInflightBytesNearLimit"} <= alerts, f"alerts {sorted(alerts)}")
 
+    # The error-rate alert: a per-method ratio of kvrelay_rpcs_total (every finished call,
+    # OK included), not errors of all methods over a message count; the codes it does not
+    # count as failures are the ones the dashboard's failed-ratio panel leaves out.
+    err_rules = [r for f in rule_files for g in node.yaml(f)[0]["groups"] for r in g["rules"]
+                 if r.get("alert") == "KvrelayHighErrorRate"]
+    alert_excluded = None
+    if check(len(err_rules) == 1, "one KvrelayHighErrorRate rule"):
+        e = re.sub(r"\s+", " ", err_rules[0]["expr"])
+        check(metric_names_in_expr(e) == {"kvrelay_rpcs_total"},
+              f"KvrelayHighErrorRate should use kvrelay_rpcs_total only, uses {sorted(metric_names_in_expr(e))}")
+        groupings = re.findall(r"\bby \(([^)]*)\)", e)
+        check(groupings and all("method" in g for g in groupings),
+              f"KvrelayHighErrorRate should aggregate by method (per-method ratio), groups by {groupings}")
+        excl = set(re.findall(r'code!~"([^"]*)"', e))
+        check(len(excl) == 1, f"KvrelayHighErrorRate: one code!~ exclusion expected, got {excl}")
+        alert_excluded = set(next(iter(excl)).split("|")) if excl else None
+        check(alert_excluded and "OK" in alert_excluded,
+              f"KvrelayHighErrorRate counts OK calls as failures (code!~ {alert_excluded})")
+        check(re.search(r"\band\b.*\bincrease\(kvrelay_rpcs_total", e),
+              "KvrelayHighErrorRate has no minimum-traffic guard (`and ... increase(kvrelay_rpcs_total...)`)")
+
     rc, out, err = run([args.promtool, "check", "config", PROM_CONFIG])
     print(out.strip())
     check(rc == 0, f"promtool check config {PROM_CONFIG}: rc={rc} {out.strip()} {err.strip()}")
@@ -105,7 +130,13 @@ def main():
         "ratio by family": lambda e: "sum by (family)" in e and "kvrelay_full_bytes_total" in e
                                      and "kvrelay_sent_bytes_total" in e,
         "bytes saved by family": lambda e: "sum by (family)" in e and "kvrelay_saved_bytes_total" in e,
+        "failed RPC ratio by method": lambda e: "kvrelay_rpcs_total" in e and "code!~" in e,
     }
+    for _, t in targets:
+        if "kvrelay_rpcs_total" in t["expr"] and "code!~" in t["expr"]:
+            panel_excl = {c for m in re.findall(r'code!~"([^"]*)"', t["expr"]) for c in m.split("|")}
+            check(panel_excl == alert_excluded, f"the dashboard's failed-ratio query leaves out codes {panel_excl}, "
+                  f"the KvrelayHighErrorRate alert {alert_excluded}")
     for what, pred in required.items():
         exprs = [re.sub(r"\s+", " ", substitute(t["expr"], "4m")).strip() for _, t in targets if pred(t["expr"])]
         check(exprs, f"dashboard has no {what} query")
