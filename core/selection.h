@@ -27,7 +27,8 @@ struct Selection {
 };
 
 // Indices of the `k` largest of scores[begin, end), ties to the lower index,
-// returned ascending. All of [begin, end) when k >= end - begin.
+// returned ascending. All of [begin, end) when k >= end - begin. REQUIRES: no
+// NaN in scores[begin, end).
 std::vector<int> TopK(absl::Span<const double> scores, int begin, int end, int k);
 
 // Selects for one layer. `head_scores` is the reduced [kv_heads, n_prompt]

@@ -40,6 +40,22 @@ TEST(TopKTest, MatchesBruteForceOverSeeds) {
   }
 }
 
+TEST(TopKTest, MatchesBruteForceOnHeavyTailedScoresWithZeros) {
+  // The shapes the compressor sees: hundreds of candidates, heavy tails, a
+  // block of exact zeros (and -0.0, which compares equal), k up to n.
+  for (int seed = 0; seed < 100; ++seed) {
+    std::mt19937 rng(1000 + seed);
+    std::lognormal_distribution<double> tail(0.0, 2.0);
+    const int n = 1 + static_cast<int>(rng() % 600);
+    std::vector<double> s(n);
+    for (int j = 0; j < n; ++j) s[j] = (j % 5 == 0) ? ((j % 10 == 0) ? 0.0 : -0.0) : tail(rng);
+    const int begin = static_cast<int>(rng() % n);
+    for (int k : {1, 8, 32, n / 2, n - begin - 1, n - begin, n + 3}) {
+      ASSERT_EQ(TopK(s, begin, n, k), BruteTopK(s, begin, n, k)) << "seed " << seed << " k " << k;
+    }
+  }
+}
+
 std::vector<double> RandomScores(int heads, int n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::exponential_distribution<double> e(1.0);
