@@ -177,10 +177,36 @@ function* chunkRequests(tensors) {
 
 const DTYPE_NAMES = { DTYPE_F32: 'F32', DTYPE_F16: 'F16', DTYPE_BF16: 'BF16' };
 
-/** Rebuilds a message from a delivery stream: header, chunks, trailer. */
+/**
+ * A Buffer holding `buf`'s first `filled` bytes and then `data`, for a tensor
+ * of `size` bytes being filled: `buf` itself when it has room, else a new one
+ * whose length at most doubles (at least to fit data, at most to size), so
+ * what is allocated stays within twice what was received and a complete
+ * tensor's buffer is exactly its size. REQUIRES: filled + data.length <= size.
+ */
+function appendBounded(buf, filled, data, size) {
+  const need = filled + data.length;
+  if (!buf || need > buf.length) {
+    const grown = Buffer.alloc(Math.min(size, Math.max(need, 2 * (buf ? buf.length : 0))));
+    if (buf) buf.copy(grown, 0, 0, filled);
+    buf = grown;
+  }
+  buf.set(data, filled);
+  return buf;
+}
+
+/**
+ * Rebuilds a message from a delivery stream: header, chunks, trailer. Memory
+ * follows the data received, not what the header announces: a tensor's
+ * buffer is made on its first chunk and grows (at most doubling, never past
+ * the tensor's size) as chunks arrive, so a bogus header costs nothing.
+ */
 class Assembler {
   constructor() {
-    this.slots = null; // [{layer, part, name, dtype, shape, data, filled}]
+    // [{layer, part, name, dtype, shape, size, data, filled}]: data holds the
+    // `filled` bytes received so far (its length is its capacity), null
+    // before the first chunk.
+    this.slots = null;
     this.done = false;
   }
 
@@ -266,8 +292,7 @@ class Assembler {
     if (crc !== c.crc32c) {
       throw new RelayError(grpc.status.DATA_LOSS, `${what}: crc32c ${c.crc32c}, expected ${crc} (computed over the data)`);
     }
-    if (!slot.data) slot.data = Buffer.alloc(slot.size);
-    c.data.copy(slot.data, slot.filled);
+    slot.data = appendBounded(slot.data, slot.filled, c.data, slot.size);
     slot.filled += n;
     this.chunks++;
     this.bytes += n;

@@ -149,6 +149,80 @@ test('Assembler: corruption is DATA_LOSS, disorder INVALID_ARGUMENT', () => {
   assert.throws(() => assemble(wrongSize), /sentBytes: 41, expected 40/);
 });
 
+// A delivery of `tensors` ({layer, part, data} in delivery order) cut into
+// chunks whose sizes cycle through `sizes`, then the trailer over them all.
+function chunkedDelivery(header, tensors, sizes) {
+  const out = [{ kind: 'header', header }];
+  let i = 0;
+  let bytes = 0;
+  let crc = 0;
+  for (const { layer, part, data } of tensors) {
+    for (let offset = 0; offset < data.length;) {
+      const piece = data.subarray(offset, offset + sizes[i++ % sizes.length]);
+      const pieceCrc = crc32c(piece);
+      out.push({ kind: 'chunk', chunk: { layer, part, offset, data: piece, crc32c: pieceCrc } });
+      crc = crc32cCombine(crc, pieceCrc, piece.length);
+      bytes += piece.length;
+      offset += piece.length;
+    }
+  }
+  out.push({ kind: 'trailer', trailer: { chunks: out.length - 1, bytes, crc32c: crc } });
+  return out;
+}
+
+test('Assembler: multi-chunk tensors of every size come back byte-exact, each its own size', () => {
+  // 2 layers, F16, H=2, d=64, n=11111: k and v are 2,844,416 bytes (3 chunks of
+  // 1 MiB, the last partial), pos 88,888; chunk sizes irregular on purpose.
+  const header = { messageId: 'm', layers: 2, kvHeads: 2, headDim: 64, dtype: 'DTYPE_F16', nHistory: 3000,
+                   nAnchor: 4, nKept: 8100, nGen: 7, quantBits: 0, quantGroup: 0, accounting: {} };
+  const n = 11111;
+  const want = [];
+  for (let layer = 0; layer < 2; layer++) {
+    for (const [part, suffix, size] of [['PART_K', 'k', 2 * n * 64 * 2], ['PART_V', 'v', 2 * n * 64 * 2],
+                                        ['PART_POS', 'pos', 2 * n * 4]]) {
+      want.push({ layer, part, name: `layer.${layer}.${suffix}`, data: crypto.randomBytes(size) });
+    }
+  }
+  header.accounting.sentBytes = want.reduce((s, t) => s + t.data.length, 0);
+  for (const sizes of [[MAX_CHUNK_BYTES], [1, 7, 4096, 333333, MAX_CHUNK_BYTES, 65537]]) {
+    const m = assemble(chunkedDelivery(header, want, sizes));
+    assert.deepEqual(m.tensors.map((t) => t.name), want.map((t) => t.name));
+    m.tensors.forEach((t, i) => {
+      assert.equal(t.data.length, want[i].data.length, t.name);
+      assert.equal(t.data.buffer.byteLength, want[i].data.length, `${t.name}: capacity is the tensor's size`);
+      assert.ok(t.data.equals(want[i].data), `${t.name}: bytes differ (chunk sizes ${sizes})`);
+    });
+  }
+});
+
+test('Assembler: a header announcing 16 GiB costs what arrives, and the short stream fails cleanly', () => {
+  // 4 layers, F32, H=1, d=128, n=2^22: k and v are 2 GiB each (within
+  // buffer.constants.MAX_LENGTH), ~16 GiB in all. 4 MiB of layer.0.k arrive.
+  const n = 2 ** 22;
+  const tensor = n * 128 * 4;
+  const header = { messageId: 'm', layers: 4, kvHeads: 1, headDim: 128, dtype: 'DTYPE_F32', nHistory: 0,
+                   nAnchor: n, nKept: 0, nGen: 0, quantBits: 0, quantGroup: 0,
+                   accounting: { sentBytes: 4 * (2 * tensor + n * 4) } };
+  const received = 4 * MAX_CHUNK_BYTES;
+  const data = crypto.randomBytes(received);
+  const responses = chunkedDelivery(header, [{ layer: 0, part: 'PART_K', data }], [MAX_CHUNK_BYTES]);
+  const a = new Assembler();
+  const before = process.memoryUsage().arrayBuffers;
+  for (const r of responses.slice(0, -1)) a.add(r);
+  const grown = process.memoryUsage().arrayBuffers - before;
+  const slot = a.slots[0];
+  assert.equal(slot.filled, received);
+  // The tensor's buffer follows the data: at most twice what arrived.
+  assert.ok(slot.data.length >= received && slot.data.length <= 2 * received,
+            `layer.0.k buffer of ${slot.data.length} bytes after ${received} received`);
+  assert.ok(slot.data.subarray(0, received).equals(data));
+  assert.ok(grown <= 8 * received, `arrayBuffers grew by ${grown} bytes after ${received} received`);
+  assert.throws(() => a.add(responses.at(-1)), (e) => e instanceof RelayError &&
+    e.code === grpc.status.INVALID_ARGUMENT &&
+    e.details === `trailer: stream ended with layer.0.k at ${received} of ${tensor} bytes`);
+  assert.throws(() => a.message(), (e) => e instanceof RelayError && e.code === grpc.status.DATA_LOSS);
+});
+
 // ---- publish: the message id travels with every error --------------------------
 
 // A stand-in relay: Publish records each header's message id; session 'down'
