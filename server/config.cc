@@ -230,6 +230,9 @@ std::string ServerUsage() {
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
   --config FILE                  JSON object with the same keys (KVRELAY_CONFIG)
 Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT
+
+       kvrelay-server health [--addr HOST:PORT] [--timeout SECONDS]
+  asks a running relay's grpc.health.v1 (default 127.0.0.1:50051, 2 s); exit 0 when SERVING
 )";
 }
 
