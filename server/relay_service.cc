@@ -234,46 +234,40 @@ absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const st
   return absl::OkStatus();
 }
 
-// ---------------------------------------------------------------- Publish
-
-class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> {
+// The upload half that Publish and Compress share: the request stream's
+// header / chunks / commit protocol, the idle watchdog and backpressure.
+// Derived supplies OnHeader(header) (which may finish the call, e.g. a
+// duplicate publish), Complete() (on a worker once every layer is
+// compressed) and Fail(status), and finishes only through TryFinish().
+// Derived's constructor calls StartUpload() last, once it is whole.
+template <typename Derived, typename Reactor, typename Request>
+class UploadReactor : public Reactor {
  public:
-  PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, v1::PublishResponse* resp)
-      : svc_(svc), ctx_(ctx), resp_(resp), upload_(svc), started_(Clock::now()) {
-    idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
-    gate_ = std::make_shared<ReadGate>(idle_);
-    gate_->resume = [this] { OnResume(); };
-    StartRead(&req_);
-  }
-
   void OnReadDone(bool ok) override {
     std::lock_guard<std::mutex> activity(idle_->mu);  // no idle firing during the reaction
     idle_->last = Clock::now();
-    if (replied_) return;  // failed meanwhile (idle): read no further
+    if (finished_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
-      if (ctx_->IsCancelled()) return Fail(absl::CancelledError("publish: cancelled by the client"));
-      return Fail(absl::InvalidArgumentError(
-          upload_.started() ? "publish: stream ended before the commit, expected a commit trailer"
-                            : "publish: empty stream, expected a header first"));
+      if (ctx_->IsCancelled()) return self().Fail(absl::CancelledError(absl::StrCat(rpc_, ": cancelled by the client")));
+      return self().Fail(absl::InvalidArgumentError(
+          absl::StrCat(rpc_, upload_.started() ? ": stream ended before the commit, expected a commit trailer"
+                                               : ": empty stream, expected a header first")));
     }
     absl::Status s;
     switch (req_.kind_case()) {
-      case v1::PublishRequest::kHeader:
-        if (upload_.started() || replied_) {
+      case Request::kHeader:
+        if (upload_.started()) {
           s = absl::InvalidArgumentError("header: a second header, expected chunks or the commit");
         } else {
-          s = OnHeader(req_.header());
-          if (replied_) return;  // duplicate: already finished
+          s = self().OnHeader(req_.header());
+          if (finished_) return;  // e.g. a duplicate publish: already answered
         }
         break;
-      case v1::PublishRequest::kChunk:
-        if (!upload_.started()) {
-          s = absl::InvalidArgumentError("chunk: before the header, expected the header first");
-        } else {
-          s = upload_.Chunk(req_.chunk());
-        }
+      case Request::kChunk:
+        s = upload_.started() ? upload_.Chunk(req_.chunk())
+                              : absl::InvalidArgumentError("chunk: before the header, expected the header first");
         break;
-      case v1::PublishRequest::kCommit:
+      case Request::kCommit:
         if (!upload_.started()) {
           s = absl::InvalidArgumentError("commit: before the header, expected the header first");
           break;
@@ -281,33 +275,115 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
         s = upload_.Commit(req_.commit());
         if (s.ok()) {
           idle_->armed = false;  // uploaded: compression is not idleness
-          upload_.pending()->WhenDone([this] { Complete(); });
+          upload_.pending()->WhenDone([this] { self().Complete(); });
           return;
         }
         break;
       default:
         s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
     }
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return self().Fail(s);
     ReadNext();
   }
 
-  void OnCancel() override {
+  void OnCancel() override { CancelUpload(); }
+
+ protected:
+  UploadReactor(RelayService* svc, grpc::CallbackServerContext* ctx, const char* rpc)
+      : svc_(svc), ctx_(ctx), rpc_(rpc), upload_(svc), started_(Clock::now()) {}
+
+  void StartUpload() {
+    idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
+    gate_ = std::make_shared<ReadGate>(idle_);
+    gate_->resume = [this] { OnResume(); };
+    this->StartRead(&req_);
+  }
+
+  // From OnDone: neither the watchdog nor a worker may call in any more.
+  void StopWatching() {
+    std::lock_guard<std::mutex> lock(idle_->mu);
+    idle_->armed = false;
+    idle_->fire = nullptr;
+    gate_->resume = nullptr;  // a worker may still hold the gate
+  }
+
+  // Stops the compression still running: its remaining layers are skipped.
+  void CancelUpload() {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto p = upload_.pending()) p->Cancel();
   }
 
-  void OnDone() override {
-    {
-      std::lock_guard<std::mutex> lock(idle_->mu);
-      idle_->armed = false;
-      idle_->fire = nullptr;
-      gate_->resume = nullptr;  // a worker may still hold the gate
+  // Drops the upload: its in-flight reservation returns once queued layers
+  // drain, not when gRPC gets around to OnDone.
+  void DropUpload() {
+    std::lock_guard<std::mutex> lock(mu_);
+    upload_ = Upload(svc_);
+  }
+
+  // True exactly once: the caller is the one to Finish the call.
+  bool TryFinish() { return !finished_.exchange(true); }
+
+  RelayService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  const char* const rpc_;  // "publish" or "compress", for messages
+  Request req_;
+  std::mutex mu_;  // guards upload_ against OnCancel
+  Upload upload_;
+  std::atomic<bool> finished_{false};
+  const Clock::time_point started_;
+
+ private:
+  Derived& self() { return static_cast<Derived&>(*this); }
+
+  // Under idle_->mu, after a read: reads on, unless backpressure pauses
+  // the upload until a worker calls OnResume.
+  void ReadNext() {
+    if (upload_.PauseIfBusy(ReadGate::Resumer(gate_))) {
+      idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
+      return;
     }
+    this->StartRead(&req_);
+  }
+
+  // On a worker, under idle_->mu: a paused upload's layers drained below the
+  // bound (or were skipped after a cancel: the read then fails and ends the
+  // call). Nothing else finishes the call while it is paused.
+  void OnResume() {
+    if (finished_) return;
+    idle_->last = Clock::now();
+    this->StartRead(&req_);
+  }
+
+  // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
+  void OnIdle() {
+    if (finished_) return;
+    self().Fail(absl::DeadlineExceededError(absl::StrFormat(
+        "%s: upload idle for %g s (--upload-idle-timeout-seconds), expected %s", rpc_,
+        svc_->watchdog()->timeout_seconds(), upload_.started() ? "chunks or the commit" : "the header")));
+  }
+
+  std::shared_ptr<UploadWatchdog::Entry> idle_;
+  std::shared_ptr<ReadGate> gate_;
+};
+
+// ---------------------------------------------------------------- Publish
+
+class PublishReactor final
+    : public UploadReactor<PublishReactor, grpc::ServerReadReactor<v1::PublishRequest>, v1::PublishRequest> {
+ public:
+  PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, v1::PublishResponse* resp)
+      : UploadReactor(svc, ctx, "publish"), resp_(resp) {
+    StartUpload();
+  }
+
+  void OnDone() override {
+    StopWatching();
     delete this;
   }
 
  private:
+  friend class UploadReactor;
+
   absl::Status OnHeader(const v1::PublishHeader& h) {
     header_ = h;  // for the logs, also when it is rejected
     KVRELAY_RETURN_IF_ERROR(CheckId("header.session_id", h.session_id()));
@@ -393,33 +469,6 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
     return upload_.Start(shape, std::move(shared), std::move(parent), pos0);
   }
 
-  // Under idle_->mu, after a read: reads on, unless backpressure pauses
-  // the upload until a worker calls OnResume.
-  void ReadNext() {
-    if (upload_.PauseIfBusy(ReadGate::Resumer(gate_))) {
-      idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
-      return;
-    }
-    StartRead(&req_);
-  }
-
-  // On a worker, under idle_->mu: a paused upload's layers drained below the
-  // bound (or were skipped after a cancel: the read then fails and ends the
-  // call). Nothing else finishes the call while it is paused.
-  void OnResume() {
-    if (replied_) return;
-    idle_->last = Clock::now();
-    StartRead(&req_);
-  }
-
-  // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
-  void OnIdle() {
-    if (replied_) return;
-    Fail(absl::DeadlineExceededError(absl::StrFormat(
-        "publish: upload idle for %g s (--upload-idle-timeout-seconds), expected %s", svc_->watchdog()->timeout_seconds(),
-        upload_.started() ? "chunks or the commit" : "the header")));
-  }
-
   void ReplyDuplicate(const MessagePtr& prior) {
     resp_->set_message_id(prior->message_id);
     *resp_->mutable_accounting() = prior->accounting;
@@ -468,10 +517,7 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
   }
 
   void Fail(const absl::Status& s) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (auto p = upload_.pending()) p->Cancel();
-    }
+    CancelUpload();
     svc_->store()->AddFailed();
     if (svc_->metrics()) svc_->metrics()->AddOutcome("failed");
     spdlog::info("publish failed session={} message={}: {}", header_.session_id(), header_.message_id(),
@@ -480,28 +526,14 @@ class PublishReactor final : public grpc::ServerReadReactor<v1::PublishRequest> 
   }
 
   void FinishOnce(const grpc::Status& s) {
-    if (replied_.exchange(true)) return;
+    if (!TryFinish()) return;
     svc_->CountRpc("Publish", s);
-    // Drop the upload now: the in-flight reservation returns once queued
-    // layers drain, not when gRPC gets around to OnDone.
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      upload_ = Upload(svc_);
-    }
+    DropUpload();
     Finish(s);
   }
 
-  RelayService* const svc_;
-  grpc::CallbackServerContext* const ctx_;
   v1::PublishResponse* const resp_;
-  v1::PublishRequest req_;
   v1::PublishHeader header_;
-  std::mutex mu_;  // guards upload_ against OnCancel
-  Upload upload_;
-  std::atomic<bool> replied_{false};
-  const Clock::time_point started_;
-  std::shared_ptr<UploadWatchdog::Entry> idle_;
-  std::shared_ptr<ReadGate> gate_;
 };
 
 // ------------------------------------------------------------------ Fetch
@@ -639,53 +671,12 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
 
 // --------------------------------------------------------------- Compress
 
-class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest, v1::CompressResponse> {
+class CompressReactor final
+    : public UploadReactor<CompressReactor, grpc::ServerBidiReactor<v1::CompressRequest, v1::CompressResponse>,
+                           v1::CompressRequest> {
  public:
-  CompressReactor(RelayService* svc, grpc::CallbackServerContext* ctx)
-      : svc_(svc), ctx_(ctx), upload_(svc), started_(Clock::now()) {
-    idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
-    gate_ = std::make_shared<ReadGate>(idle_);
-    gate_->resume = [this] { OnResume(); };
-    StartRead(&req_);
-  }
-
-  void OnReadDone(bool ok) override {
-    std::lock_guard<std::mutex> activity(idle_->mu);  // no idle firing during the reaction
-    idle_->last = Clock::now();
-    if (finished_) return;  // failed meanwhile (idle): read no further
-    if (!ok) {
-      if (ctx_->IsCancelled()) return Fail(absl::CancelledError("compress: cancelled by the client"));
-      return Fail(absl::InvalidArgumentError(
-          upload_.started() ? "compress: stream ended before the commit, expected a commit trailer"
-                            : "compress: empty stream, expected a header first"));
-    }
-    absl::Status s;
-    switch (req_.kind_case()) {
-      case v1::CompressRequest::kHeader:
-        s = upload_.started() ? absl::InvalidArgumentError("header: a second header, expected chunks or the commit")
-                              : OnHeader(req_.header());
-        break;
-      case v1::CompressRequest::kChunk:
-        s = upload_.started() ? upload_.Chunk(req_.chunk())
-                              : absl::InvalidArgumentError("chunk: before the header, expected the header first");
-        break;
-      case v1::CompressRequest::kCommit:
-        if (!upload_.started()) {
-          s = absl::InvalidArgumentError("commit: before the header, expected the header first");
-          break;
-        }
-        s = upload_.Commit(req_.commit());
-        if (s.ok()) {
-          idle_->armed = false;  // uploaded: the rest is ours to do
-          upload_.pending()->WhenDone([this] { Complete(); });
-          return;
-        }
-        break;
-      default:
-        s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
-    }
-    if (!s.ok()) return Fail(s);
-    ReadNext();
+  CompressReactor(RelayService* svc, grpc::CallbackServerContext* ctx) : UploadReactor(svc, ctx, "compress") {
+    StartUpload();
   }
 
   void OnWriteDone(bool ok) override {
@@ -700,23 +691,15 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
     FinishOnce(grpc::Status::OK);
   }
 
-  void OnCancel() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (auto p = upload_.pending()) p->Cancel();
-  }
-
   void OnDone() override {
-    {
-      std::lock_guard<std::mutex> lock(idle_->mu);
-      idle_->armed = false;
-      idle_->fire = nullptr;
-      gate_->resume = nullptr;  // a worker may still hold the gate
-    }
+    StopWatching();
     if (out_reserved_) svc_->store()->ReleaseInflight(out_reserved_);
     delete this;
   }
 
  private:
+  friend class UploadReactor;
+
   absl::Status OnHeader(const v1::CompressHeader& h) {
     if (h.policy().empty()) return absl::InvalidArgumentError("header.policy: empty, expected a pipeline spec");
     if (!h.has_geometry()) return absl::InvalidArgumentError("header.geometry: missing, expected the turn's geometry");
@@ -729,33 +712,6 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
     std::shared_ptr<const Pipeline> shared(std::move(*pipeline));
     std::lock_guard<std::mutex> lock(mu_);
     return upload_.Start(shape, std::move(shared), nullptr, shape.prompt_pos0.value_or(shape.geo.n_history));
-  }
-
-  // Under idle_->mu, after a read: reads on, unless backpressure pauses
-  // the upload until a worker calls OnResume.
-  void ReadNext() {
-    if (upload_.PauseIfBusy(ReadGate::Resumer(gate_))) {
-      idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
-      return;
-    }
-    StartRead(&req_);
-  }
-
-  // On a worker, under idle_->mu: a paused upload's layers drained below the
-  // bound (or were skipped after a cancel: the read then fails and ends the
-  // call). Nothing else finishes the call while it is paused.
-  void OnResume() {
-    if (finished_) return;
-    idle_->last = Clock::now();
-    StartRead(&req_);
-  }
-
-  // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
-  void OnIdle() {
-    if (finished_) return;
-    Fail(absl::DeadlineExceededError(absl::StrFormat(
-        "compress: upload idle for %g s (--upload-idle-timeout-seconds), expected %s",
-        svc_->watchdog()->timeout_seconds(), upload_.started() ? "chunks or the commit" : "the header")));
   }
 
   void Complete() {
@@ -783,33 +739,21 @@ class CompressReactor final : public grpc::ServerBidiReactor<v1::CompressRequest
   }
 
   void Fail(const absl::Status& s) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (auto p = upload_.pending()) p->Cancel();
-      upload_ = Upload(svc_);
-    }
+    CancelUpload();
+    DropUpload();
     FinishOnce(ToGrpcStatus(s));
   }
 
   void FinishOnce(const grpc::Status& s) {
-    if (finished_.exchange(true)) return;
+    if (!TryFinish()) return;
     svc_->CountRpc("Compress", s);
     Finish(s);
   }
 
-  RelayService* const svc_;
-  grpc::CallbackServerContext* const ctx_;
-  v1::CompressRequest req_;
   v1::CompressResponse resp_;
-  std::mutex mu_;
-  Upload upload_;
   std::optional<OutgoingMessage> out_;
   uint64_t out_reserved_ = 0;  // in flight until OnDone
   bool trailer_sent_ = false;
-  std::atomic<bool> finished_{false};
-  const Clock::time_point started_;
-  std::shared_ptr<UploadWatchdog::Entry> idle_;
-  std::shared_ptr<ReadGate> gate_;
 };
 
 }  // namespace
