@@ -225,6 +225,42 @@ inline FetchResult DoFetch(v1::Relay::Stub* stub, const std::string& session, co
   return std::move(ra.r);
 }
 
+using CompressStream = grpc::ClientReaderWriter<v1::CompressRequest, v1::CompressResponse>;
+
+// Writes a whole Compress upload: the header, the turn's chunks, the commit,
+// then WritesDone. False when the server ended the call early.
+inline bool WriteCompressUpload(CompressStream* stream, const Turn& t, const std::string& policy,
+                                size_t chunk_bytes = 1 << 20) {
+  v1::CompressRequest req;
+  req.mutable_header()->set_policy(policy);
+  *req.mutable_header()->mutable_geometry() = ProtoGeometry(t);
+  if (!stream->Write(req)) return false;
+  const auto chunks = TurnChunks(t, chunk_bytes);
+  for (const auto& c : chunks) {
+    *req.mutable_chunk() = c;
+    if (!stream->Write(req)) return false;
+  }
+  *req.mutable_commit() = TrailerOf(chunks);
+  if (!stream->Write(req)) return false;
+  return stream->WritesDone();
+}
+
+// One stateless Compress call: the turn in, the reassembled message out.
+inline FetchResult DoCompress(v1::Relay::Stub* stub, const Turn& t, const std::string& policy,
+                              size_t chunk_bytes = 1 << 20, double timeout_s = 20) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(timeout_s));
+  auto stream = stub->Compress(&ctx);
+  Reassembler<v1::CompressResponse> ra;
+  if (WriteCompressUpload(stream.get(), t, policy, chunk_bytes)) {
+    v1::CompressResponse resp;
+    while (stream->Read(&resp)) ra.Add(resp);
+  }
+  ra.r.status = stream->Finish();
+  if (ra.r.status.ok()) ra.Build();
+  return std::move(ra.r);
+}
+
 }  // namespace kvrelay::testing
 
 #endif  // KVRELAY_TESTS_SERVER_RELAY_TEST_UTIL_H_

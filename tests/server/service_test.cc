@@ -422,30 +422,12 @@ TEST_F(RelayTest, LimitsAreResourceExhausted) {
 TEST_F(RelayTest, CompressRpcIsStateless) {
   Turn t = MakeTurn(12);
   const std::string policy = "h2o-head:k=8+obf:p=4+int8";
-  grpc::ClientContext ctx;
-  ctx.set_deadline(In(20));
-  auto stream = stub_->Compress(&ctx);
-  v1::CompressRequest req;
-  req.mutable_header()->set_policy(policy);
-  *req.mutable_header()->mutable_geometry() = ProtoGeometry(t);
-  ASSERT_TRUE(stream->Write(req));
-  auto chunks = TurnChunks(t, 3000);
-  for (const auto& c : chunks) {
-    *req.mutable_chunk() = c;
-    ASSERT_TRUE(stream->Write(req));
-  }
-  *req.mutable_commit() = TrailerOf(chunks);
-  ASSERT_TRUE(stream->Write(req));
-  stream->WritesDone();
-  Reassembler<v1::CompressResponse> ra;
-  v1::CompressResponse resp;
-  while (stream->Read(&resp)) ra.Add(resp);
-  ASSERT_TRUE(stream->Finish().ok());
-  ra.Build();
-  EXPECT_TRUE(ra.r.trailer_ok);
+  const FetchResult r = DoCompress(stub_.get(), t, policy, 3000);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_TRUE(r.trailer_ok);
   const Message want = Offline(t, policy);
-  EXPECT_EQ(ra.r.header.accounting().sent_bytes(), want.sent_bytes);
-  ExpectSameMessage(ra.r.msg, want);
+  EXPECT_EQ(r.header.accounting().sent_bytes(), want.sent_bytes);
+  ExpectSameMessage(r.msg, want);
   EXPECT_EQ(server_->store()->Stats().sessions, 0u);
   WaitInflightZero();
 }
@@ -718,18 +700,7 @@ TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
   grpc::ClientContext ctx;
   ctx.set_deadline(In(60));
   auto stream = stub_->Compress(&ctx);
-  v1::CompressRequest req;
-  req.mutable_header()->set_policy("full");
-  *req.mutable_header()->mutable_geometry() = ProtoGeometry(t);
-  ASSERT_TRUE(stream->Write(req));
-  auto chunks = TurnChunks(t);
-  for (const auto& c : chunks) {
-    *req.mutable_chunk() = c;
-    ASSERT_TRUE(stream->Write(req));
-  }
-  *req.mutable_commit() = TrailerOf(chunks);
-  ASSERT_TRUE(stream->Write(req));
-  stream->WritesDone();
+  ASSERT_TRUE(WriteCompressUpload(stream.get(), t, "full"));
   v1::CompressResponse resp;
   ASSERT_TRUE(stream->Read(&resp));
   ASSERT_TRUE(resp.has_header());
@@ -843,28 +814,10 @@ TEST_F(BackpressureTest, QueuedLayersStayBoundedAndTheResultIsBitExact) {
 
   // Compress shares the upload path.
   PendingCompression::ResetPeakOutstanding();
-  grpc::ClientContext ctx;
-  ctx.set_deadline(In(120));
-  auto stream = stub_->Compress(&ctx);
-  v1::CompressRequest req;
-  req.mutable_header()->set_policy(kPolicy);
-  *req.mutable_header()->mutable_geometry() = ProtoGeometry(t);
-  ASSERT_TRUE(stream->Write(req));
-  auto chunks = TurnChunks(t, 64 << 10);
-  for (const auto& c : chunks) {
-    *req.mutable_chunk() = c;
-    ASSERT_TRUE(stream->Write(req));
-  }
-  *req.mutable_commit() = TrailerOf(chunks);
-  ASSERT_TRUE(stream->Write(req));
-  stream->WritesDone();
-  Reassembler<v1::CompressResponse> ra;
-  v1::CompressResponse resp;
-  while (stream->Read(&resp)) ra.Add(resp);
-  ASSERT_TRUE(stream->Finish().ok());
-  ra.Build();
-  EXPECT_TRUE(ra.r.trailer_ok);
-  ExpectSameMessage(ra.r.msg, want);
+  const FetchResult c = DoCompress(stub_.get(), t, kPolicy, 64 << 10, 120);
+  ASSERT_TRUE(c.status.ok()) << c.status.error_message();
+  EXPECT_TRUE(c.trailer_ok);
+  ExpectSameMessage(c.msg, want);
   EXPECT_GE(PendingCompression::peak_outstanding(), 1);
   EXPECT_LE(PendingCompression::peak_outstanding(), kBound);
   WaitInflightZero();
