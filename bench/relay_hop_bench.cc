@@ -81,14 +81,7 @@ std::string LoadAvg() {
 // ---------------------------------------------------------------- the turn
 
 Turn Qwen14BTurn() {
-  SyntheticTurnOptions o;
-  o.layers = 40;
-  o.kv_heads = 8;
-  o.score_heads = 40;
-  o.head_dim = 128;
-  o.n_prompt = 512;
-  o.n_gen = 40;
-  o.dtype = DType::kBF16;
+  SyntheticTurnOptions o = Qwen3_14BTurn();
   o.seed = 14;
   auto t = MakeSyntheticTurn(o);
   if (!t.ok()) Die(t.status().ToString());

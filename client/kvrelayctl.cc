@@ -643,15 +643,14 @@ std::optional<Failure> Demo(int argc, char** argv) {
   if (auto f = NoPositional(flags, "demo")) return f;
   KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
   KVRELAYCTL_FLAG(const int64_t rounds, flags.Int("rounds", 1, 1, 1000));
-  SyntheticTurnOptions o;  // Qwen3-14B
-  KVRELAYCTL_FLAG(o.layers, flags.Int("layers", 40, 1, 4096));
-  KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", 8, 1, 4096));
-  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", 40, 0, 65536));
-  KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", 128, 1, 65536));
-  KVRELAYCTL_FLAG(o.n_prompt, flags.Int("prompt", 512, 0, 1 << 24));
-  KVRELAYCTL_FLAG(o.n_gen, flags.Int("gen", 40, 0, 1 << 24));
+  SyntheticTurnOptions o = Qwen3_14BTurn();
+  KVRELAYCTL_FLAG(o.layers, flags.Int("layers", o.layers, 1, 4096));
+  KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", o.kv_heads, 1, 4096));
+  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", o.score_heads, 0, 65536));
+  KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", o.head_dim, 1, 65536));
+  KVRELAYCTL_FLAG(o.n_prompt, flags.Int("prompt", o.n_prompt, 0, 1 << 24));
+  KVRELAYCTL_FLAG(o.n_gen, flags.Int("gen", o.n_gen, 0, 1 << 24));
   KVRELAYCTL_FLAG(const int64_t seed, flags.Int("seed", 1, 0, INT64_MAX));
-  o.dtype = DType::kBF16;
   if (auto v = flags.Get("dtype")) {
     std::optional<DType> dt = ParseDType(*v);
     if (!dt) return Usage(absl::StrCat("flag --dtype: \"", *v, "\", expected F32, F16 or BF16"));

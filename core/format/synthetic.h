@@ -42,6 +42,21 @@ struct SyntheticTurnOptions {
   bool first_agent = true;
 };
 
+// The shape of one Qwen3-14B agent turn in the method's reference setting
+// (BRIEF §6): 40 layers, 8 KV heads, 40 query heads, head_dim 128, BF16, 512
+// prompt and 40 generated tokens. The demo and the benchmarks use it.
+inline SyntheticTurnOptions Qwen3_14BTurn() {
+  SyntheticTurnOptions o;
+  o.layers = 40;
+  o.kv_heads = 8;
+  o.score_heads = 40;
+  o.head_dim = 128;
+  o.n_prompt = 512;
+  o.n_gen = 40;
+  o.dtype = DType::kBF16;
+  return o;
+}
+
 // InvalidArgument naming the option when it is out of range, or when the
 // turn would exceed 16 GiB.
 absl::StatusOr<Turn> MakeSyntheticTurn(const SyntheticTurnOptions& opts);
