@@ -12,45 +12,13 @@ import os
 import re
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
-from kvrelay_testlib import Server, read_st  # noqa: E402
+from kvrelay_testlib import FAILURES, Ctl, Server, check, read_st  # noqa: E402
 
 SKIP = 77
-FAILURES = []
-
-
-def check(cond, what):
-    if not cond:
-        FAILURES.append(what)
-        print("FAIL:", what, flush=True)
-    return cond
-
-
-class Ctl:
-    def __init__(self, binary, addr, workdir):
-        self.binary, self.addr, self.dir = binary, addr, workdir
-
-    def run(self, *args, addr=True, timeout=120):
-        cmd = [self.binary] + list(args)
-        if addr:
-            cmd += ["--addr", self.addr]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        return p.returncode, p.stdout, p.stderr
-
-    def ok(self, *args, **kw):
-        rc, out, err = self.run(*args, **kw)
-        if not check(rc == 0, f"{' '.join(args)}: rc={rc} stderr={err.strip()}"):
-            return {}
-        return dict(re.findall(r"(\w+)=(\S+)", out)) | {"_out": out}
-
-    def path(self, name):
-        return os.path.join(self.dir, name)
-
-
 def kv_line(out):
     return dict(re.findall(r"(\w+)=(\S+)", out))
 
@@ -274,7 +242,7 @@ def main():
     work = tempfile.mkdtemp(prefix="kvrelay_e2e_")
     server = Server(server_bin, work, name="server")
     try:
-        ctl = Ctl(args.kvrelayctl, server.addr, work)
+        ctl = Ctl(args.kvrelayctl, work, addr=server.addr)
         rc, out, err = ctl.run("health")
         check(rc == 0 and out.strip() == "SERVING", f"health: {rc} {out} {err}")
         turn, turn2, turn_hist = ctl.path("t.st"), ctl.path("t2.st"), ctl.path("th.st")

@@ -39,37 +39,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
 import kvrelay_testlib as tl  # noqa: E402
-from kvrelay_testlib import Server, clean_env, port_open, run  # noqa: E402
-
-FAILURES = []
-
-
-def check(cond, what):
-    if not cond:
-        FAILURES.append(what)
-        print("FAIL:", what, flush=True)
-    return cond
-
-
-class Ctl:
-    def __init__(self, binary, workdir):
-        self.binary, self.dir = binary, workdir
-
-    def run(self, *args, addr=None, timeout=120):
-        cmd = [self.binary] + list(args)
-        if addr:
-            cmd += ["--addr", addr]
-        return run(cmd, timeout=timeout)
-
-    def ok(self, *args, addr=None, timeout=120):
-        rc, out, err = self.run(*args, addr=addr, timeout=timeout)
-        if not check(rc == 0, f"kvrelayctl {' '.join(args)}: rc={rc} stderr={err.strip()}"):
-            return {}
-        return dict(re.findall(r"(\w+)=(\S+)", out)) | {"_out": out}
-
-    def path(self, name):
-        return os.path.join(self.dir, name)
-
+from kvrelay_testlib import FAILURES, Ctl, Server, check, clean_env, port_open, run  # noqa: E402
 
 def policy_family(spec):
     """server/metrics.cc PolicyFamily: the stage names joined by '+'."""

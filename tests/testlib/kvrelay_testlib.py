@@ -68,6 +68,46 @@ def check_run(cmd, timeout=120, env=None, cwd=None):
     return p
 
 
+# Failures collected by check() for drivers that run every step and report
+# all failures at the end (instead of stopping at the first).
+FAILURES = []
+
+
+def check(cond, what):
+    """Records `what` as a failure unless cond; returns cond."""
+    if not cond:
+        FAILURES.append(what)
+        print("FAIL:", what, flush=True)
+    return cond
+
+
+class Ctl:
+    """Runs kvrelayctl with a clean environment. `addr` (constructor) is the
+    relay appended as --addr by default; per call, addr=False appends none
+    and a string appends that address instead."""
+
+    def __init__(self, binary, workdir, addr=None):
+        self.binary, self.dir, self.addr = binary, workdir, addr
+
+    def run(self, *args, addr=True, timeout=120):
+        cmd = [self.binary] + list(args)
+        target = self.addr if addr is True else addr
+        if target:
+            cmd += ["--addr", target]
+        return run(cmd, timeout=timeout)
+
+    def ok(self, *args, addr=True, timeout=120):
+        """The key=value pairs kvrelayctl printed (plus "_out"), or {} after
+        recording a failure when it did not exit 0."""
+        rc, out, err = self.run(*args, addr=addr, timeout=timeout)
+        if not check(rc == 0, f"kvrelayctl {' '.join(args)}: rc={rc} stderr={err.strip()}"):
+            return {}
+        return dict(re.findall(r"(\w+)=(\S+)", out)) | {"_out": out}
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+
 def stop_process(proc, timeout=20, kill_timeout=10):
     """SIGTERM, up to `timeout` s for it to exit, then SIGKILL; the exit status."""
     if proc.poll() is None:
