@@ -17,7 +17,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
-#include "server/status_util.h"
+#include "proto/status_util.h"
 
 namespace kvrelay {
 

@@ -48,14 +48,12 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
   if (g.head_dim() < 1 || g.head_dim() > static_cast<uint32_t>(kMaxHeadDim)) {
     return Field(field, "head_dim", g.head_dim(), range(kMaxHeadDim));
   }
-  switch (g.dtype()) {
-    case v1::DTYPE_F32: s.geo.dtype = DType::kF32; break;
-    case v1::DTYPE_F16: s.geo.dtype = DType::kF16; break;
-    case v1::DTYPE_BF16: s.geo.dtype = DType::kBF16; break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", v1::DType_Name(g.dtype()),
-                                                     " (", static_cast<int>(g.dtype()),
-                                                     "), expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16"));
+  if (std::optional<DType> dt = DTypeFromProto(g.dtype())) {
+    s.geo.dtype = *dt;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", v1::DType_Name(g.dtype()), " (",
+                                                   static_cast<int>(g.dtype()),
+                                                   "), expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16"));
   }
   for (auto [name, v] : {std::pair<const char*, uint32_t>{"n_prompt", g.n_prompt()},
                          {"n_gen", g.n_gen()},

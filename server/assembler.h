@@ -22,10 +22,10 @@
 #include "absl/status/statusor.h"
 #include "core/turn.h"
 #include "kvrelay/v1/relay.pb.h"
+#include "proto/wire.h"
 
 namespace kvrelay {
 
-constexpr size_t kMaxChunkBytes = 1 << 20;
 // Bookkeeping an upload holds per layer beyond its tensor bytes (layer
 // objects, queued work, the compressed layer's headers); counted in the
 // in-flight reservation.

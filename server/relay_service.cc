@@ -13,9 +13,10 @@
 #include "core/crc32c.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
+#include "proto/status_util.h"
+#include "proto/wire.h"
 #include "server/assembler.h"
 #include "server/pending.h"
-#include "server/status_util.h"
 #include "spdlog/spdlog.h"
 
 namespace kvrelay {
@@ -25,100 +26,44 @@ double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-v1::DType ToProto(DType d) {
-  switch (d) {
-    case DType::kF32: return v1::DTYPE_F32;
-    case DType::kF16: return v1::DTYPE_F16;
-    case DType::kBF16: return v1::DTYPE_BF16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
 // Serializes a message as Fetch and Compress deliver it: per layer K, V,
 // POS (dense) or K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS
 // (quantized); tensors of 0 bytes send no chunk; chunks of at most 1 MiB.
 class OutgoingMessage {
  public:
   OutgoingMessage(std::shared_ptr<const void> hold, const Message* m) : hold_(std::move(hold)) {
-    for (size_t l = 0; l < m->layers.size(); ++l) {
-      const MessageLayer& L = m->layers[l];
-      auto add = [&](v1::Part part, const void* data, size_t size) {
-        if (size > 0) tensors_.push_back({static_cast<uint32_t>(l), part, static_cast<const uint8_t*>(data), size});
-      };
-      if (L.quant) {
-        const QuantizedKv& q = *L.quant;
-        add(v1::PART_K_CODES, q.k.codes.data(), q.k.codes.size());
-        add(v1::PART_K_SCALE, q.k.scale.data(), 2 * q.k.scale.size());
-        add(v1::PART_K_ZERO, q.k.zero.data(), 2 * q.k.zero.size());
-        add(v1::PART_V_CODES, q.v.codes.data(), q.v.codes.size());
-        add(v1::PART_V_SCALE, q.v.scale.data(), 2 * q.v.scale.size());
-        add(v1::PART_V_ZERO, q.v.zero.data(), 2 * q.v.zero.size());
-      } else {
-        add(v1::PART_K, L.k.bytes().data(), L.k.byte_size());
-        add(v1::PART_V, L.v.bytes().data(), L.v.byte_size());
-      }
-      add(v1::PART_POS, L.pos.data.data(), 4 * L.pos.data.size());
+    for (const TensorRef& t : MessageDeliveryOrder(*m)) {
+      if (!t.data.empty()) tensors_.push_back(t);
     }
   }
 
   // Fills the next chunk; false when every chunk was produced.
   bool NextChunk(v1::Chunk* c) {
     if (cursor_ == tensors_.size()) return false;
-    const Tensor& t = tensors_[cursor_];
-    const size_t n = std::min(kMaxChunkBytes, t.size - offset_);
+    const TensorRef& t = tensors_[cursor_];
+    const size_t n = std::min(kMaxChunkBytes, t.data.size() - offset_);
     c->set_layer(t.layer);
     c->set_part(t.part);
     c->set_offset(offset_);
-    c->set_data(t.data + offset_, n);
-    const uint32_t crc = Crc32c(t.data + offset_, n);
-    c->set_crc32c(crc);
-    crc_ = Crc32cCombine(crc_, crc, n);
-    bytes_ += n;
-    ++chunks_;
+    c->set_data(t.data.data() + offset_, n);
+    c->set_crc32c(Crc32c(t.data.data() + offset_, n));
+    trailer_.Add(*c);
     offset_ += n;
-    if (offset_ == t.size) {
+    if (offset_ == t.data.size()) {
       ++cursor_;
       offset_ = 0;
     }
     return true;
   }
 
-  void FillTrailer(v1::Trailer* t) const {
-    t->set_chunks(chunks_);
-    t->set_bytes(bytes_);
-    t->set_crc32c(crc_);
-  }
+  void FillTrailer(v1::Trailer* t) const { *t = trailer_.Build(); }
 
  private:
-  struct Tensor {
-    uint32_t layer;
-    v1::Part part;
-    const uint8_t* data;
-    size_t size;
-  };
-  std::shared_ptr<const void> hold_;
-  std::vector<Tensor> tensors_;
+  std::shared_ptr<const void> hold_;  // keeps the message the views point into
+  std::vector<TensorRef> tensors_;     // delivery order, empty tensors left out
   size_t cursor_ = 0, offset_ = 0;
-  uint64_t chunks_ = 0, bytes_ = 0;
-  uint32_t crc_ = 0;
+  TrailerBuilder trailer_;
 };
-
-void FillMessageHeader(const Message& m, v1::MessageHeader* h) {
-  h->set_layers(static_cast<uint32_t>(m.layers.size()));
-  h->set_kv_heads(m.kv_heads);
-  h->set_head_dim(m.head_dim);
-  h->set_dtype(ToProto(m.dtype));
-  h->set_n_history(m.n_history);
-  h->set_n_anchor(m.n_anchor);
-  h->set_n_kept(m.n_kept);
-  h->set_n_gen(m.n_gen);
-  if (!m.layers.empty() && m.layers[0].quant) {
-    const QuantizedKv& q = *m.layers[0].quant;
-    h->set_quant_bits(q.bits);
-    h->set_quant_group(q.group);
-    h->set_quant_rotate(q.rotate);
-  }
-}
 
 void FillAccounting(const Message& m, uint64_t received, double compress_s, double commit_s,
                     v1::Accounting* a) {

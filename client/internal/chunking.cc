@@ -49,24 +49,9 @@ const char* PartName(v1::Part part) {
   }
 }
 
-v1::DType ToProtoDType(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return v1::DTYPE_F32;
-    case DType::kF16: return v1::DTYPE_F16;
-    case DType::kBF16: return v1::DTYPE_BF16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_F32: return DType::kF32;
-    case v1::DTYPE_F16: return DType::kF16;
-    case v1::DTYPE_BF16: return DType::kBF16;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("dtype: ", static_cast<int>(dtype), ", expected F32, F16 or BF16"));
-  }
+  if (std::optional<DType> d = DTypeFromProto(dtype)) return *d;
+  return absl::InvalidArgumentError(absl::StrCat("dtype: ", static_cast<int>(dtype), ", expected F32, F16 or BF16"));
 }
 
 absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn) {
@@ -106,44 +91,9 @@ std::vector<TensorRef> TurnUploadOrder(const Turn& turn) {
   return out;
 }
 
-std::vector<TensorRef> MessageDeliveryOrder(const Message& msg) {
-  std::vector<TensorRef> out;
-  for (size_t i = 0; i < msg.layers.size(); ++i) {
-    const MessageLayer& l = msg.layers[i];
-    const uint32_t li = static_cast<uint32_t>(i);
-    if (l.quant) {
-      const QuantizedKv& q = *l.quant;
-      out.push_back({li, v1::PART_K_CODES, BytesOf(q.k.codes)});
-      out.push_back({li, v1::PART_K_SCALE, BytesOf(q.k.scale)});
-      out.push_back({li, v1::PART_K_ZERO, BytesOf(q.k.zero)});
-      out.push_back({li, v1::PART_V_CODES, BytesOf(q.v.codes)});
-      out.push_back({li, v1::PART_V_SCALE, BytesOf(q.v.scale)});
-      out.push_back({li, v1::PART_V_ZERO, BytesOf(q.v.zero)});
-    } else {
-      out.push_back({li, v1::PART_K, l.k.bytes()});
-      out.push_back({li, v1::PART_V, l.v.bytes()});
-    }
-    out.push_back({li, v1::PART_POS, BytesOf(l.pos.data)});
-  }
-  return out;
-}
-
 v1::MessageHeader MessageHeaderOf(const Message& msg) {
   v1::MessageHeader h;
-  h.set_layers(static_cast<uint32_t>(msg.layers.size()));
-  h.set_kv_heads(msg.kv_heads);
-  h.set_head_dim(msg.head_dim);
-  h.set_dtype(ToProtoDType(msg.dtype));
-  h.set_n_history(msg.n_history);
-  h.set_n_anchor(msg.n_anchor);
-  h.set_n_kept(msg.n_kept);
-  h.set_n_gen(msg.n_gen);
-  if (!msg.layers.empty() && msg.layers[0].quant) {
-    const QuantizedKv& q = *msg.layers[0].quant;
-    h.set_quant_bits(q.bits);
-    h.set_quant_group(q.group);
-    h.set_quant_rotate(q.rotate);
-  }
+  FillMessageHeader(msg, &h);
   v1::Accounting* a = h.mutable_accounting();
   a->set_policy(msg.policy);
   a->set_full_bytes(msg.full_bytes);
@@ -156,21 +106,6 @@ uint64_t TotalBytes(absl::Span<const TensorRef> tensors) {
   uint64_t n = 0;
   for (const TensorRef& t : tensors) n += t.data.size();
   return n;
-}
-
-void TrailerBuilder::Add(const v1::Chunk& chunk) {
-  ++chunks_;
-  bytes_ += chunk.data().size();
-  // The chunk's own CRC was computed over the same bytes; combine it.
-  crc_ = Crc32cCombine(crc_, chunk.crc32c(), chunk.data().size());
-}
-
-v1::Trailer TrailerBuilder::Build() const {
-  v1::Trailer t;
-  t.set_chunks(chunks_);
-  t.set_bytes(bytes_);
-  t.set_crc32c(crc_);
-  return t;
 }
 
 absl::Status ForEachChunk(const TensorRef& tensor, size_t max_chunk, v1::Chunk* chunk,
@@ -234,13 +169,9 @@ absl::Status MessageAssembler::Start(const v1::MessageHeader& h) {
   for (uint32_t l = 0; l < L; ++l) {
     MessageLayer& layer = msg_.layers[l];
     layer.pos = PosTensor(Hi, ni);
-    auto pos_slot = Slot{l, v1::PART_POS, reinterpret_cast<uint8_t*>(layer.pos.data.data()),
-                         layer.pos.data.size() * sizeof(int32_t)};
     if (!quant) {
       layer.k = KvTensor::Uninitialized(*dtype, Hi, ni, di);
       layer.v = KvTensor::Uninitialized(*dtype, Hi, ni, di);
-      slots_.push_back({l, v1::PART_K, layer.k.mutable_bytes().data(), layer.k.byte_size()});
-      slots_.push_back({l, v1::PART_V, layer.v.mutable_bytes().data(), layer.v.byte_size()});
     } else {
       layer.k = KvTensor(*dtype, Hi, 0, di);
       layer.v = KvTensor(*dtype, Hi, 0, di);
@@ -259,18 +190,11 @@ absl::Status MessageAssembler::Start(const v1::MessageHeader& h) {
         t->scale.resize(stats);
         t->zero.resize(stats);
       }
-      auto add = [&](v1::Part part, auto& vec) {
-        slots_.push_back({l, part, reinterpret_cast<uint8_t*>(vec.data()),
-                          vec.size() * sizeof(vec[0])});
-      };
-      add(v1::PART_K_CODES, q.k.codes);
-      add(v1::PART_K_SCALE, q.k.scale);
-      add(v1::PART_K_ZERO, q.k.zero);
-      add(v1::PART_V_CODES, q.v.codes);
-      add(v1::PART_V_SCALE, q.v.scale);
-      add(v1::PART_V_ZERO, q.v.zero);
     }
-    slots_.push_back(pos_slot);
+  }
+  // The slots are the message's own buffers, in the delivery order.
+  for (const TensorRef& t : MessageDeliveryOrder(msg_)) {
+    slots_.push_back({t.layer, t.part, const_cast<uint8_t*>(t.data.data()), t.data.size()});
   }
   bytes_expected_ = 0;
   for (const Slot& s : slots_) bytes_expected_ += s.size;

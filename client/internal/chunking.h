@@ -22,24 +22,21 @@
 #include "core/message.h"
 #include "core/turn.h"
 #include "kvrelay/v1/relay.pb.h"
+#include "proto/wire.h"
 
 namespace kvrelay {
 namespace client_internal {
 
-// Most tensor bytes one Chunk carries (relay.proto: kMaxChunkBytes).
-inline constexpr size_t kMaxChunkBytes = size_t{1} << 20;
-
-// One tensor of a stream: (layer, part) and a view of its bytes.
-struct TensorRef {
-  uint32_t layer = 0;
-  v1::Part part = v1::PART_UNSPECIFIED;
-  absl::Span<const uint8_t> data;
-};
+// The stream vocabulary shared with the relay (proto/wire.h).
+using ::kvrelay::kMaxChunkBytes;
+using ::kvrelay::MessageDeliveryOrder;
+using ::kvrelay::TensorRef;
+using ::kvrelay::ToProtoDType;
+using ::kvrelay::TrailerBuilder;
 
 // "prompt.k", "k.codes", ...: the file-format suffix of `part`.
 const char* PartName(v1::Part part);
 
-v1::DType ToProtoDType(DType dtype);
 // InvalidArgument for DTYPE_UNSPECIFIED or an unknown value.
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
 
@@ -52,12 +49,6 @@ absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn);
 // turn has history. Views into `turn`, which must outlive the result.
 std::vector<TensorRef> TurnUploadOrder(const Turn& turn);
 
-// Every tensor of `msg` in delivery order: per layer K, V, POS when dense;
-// K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS when quantized.
-// Views into `msg`, which must outlive the result. (Used by tests to play
-// the relay's side of a delivery.)
-std::vector<TensorRef> MessageDeliveryOrder(const Message& msg);
-
 // The MessageHeader fields that describe `msg` (geometry, token counts,
 // quantization, accounting.{policy, full_bytes, sent_bytes, ratio}).
 // REQUIRES: msg has at least one layer.
@@ -65,21 +56,6 @@ v1::MessageHeader MessageHeaderOf(const Message& msg);
 
 // Tensor bytes of `tensors` in total.
 uint64_t TotalBytes(absl::Span<const TensorRef> tensors);
-
-// Accumulates the trailer of a stream: chunk count, bytes, CRC32C over all
-// chunk data in stream order.
-class TrailerBuilder {
- public:
-  // REQUIRES: chunk.crc32c() is the CRC32C of chunk.data() (it is combined,
-  // not recomputed).
-  void Add(const v1::Chunk& chunk);
-  v1::Trailer Build() const;
-
- private:
-  uint64_t chunks_ = 0;
-  uint64_t bytes_ = 0;
-  uint32_t crc_ = 0;
-};
 
 // Splits `tensor` into chunks of at most `max_chunk` bytes (each with its
 // CRC32C): fills `*chunk` with each in turn and calls `sink`, stopping at

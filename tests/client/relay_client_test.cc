@@ -19,7 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
-#include "server/status_util.h"
+#include "proto/status_util.h"
 
 namespace kvrelay {
 namespace {

@@ -14,13 +14,14 @@
 #include "core/crc32c.h"
 #include "core/message.h"
 #include "core/turn.h"
+#include "proto/wire.h"
 #include "grpcpp/grpcpp.h"
 #include "kvrelay/v1/relay.grpc.pb.h"
 
 namespace kvrelay::testing {
 
 inline v1::DType ProtoDType(DType d) {
-  return d == DType::kF32 ? v1::DTYPE_F32 : d == DType::kF16 ? v1::DTYPE_F16 : v1::DTYPE_BF16;
+  return ToProtoDType(d);
 }
 
 inline v1::TurnGeometry ProtoGeometry(const Turn& t, bool with_history = true) {
@@ -172,7 +173,7 @@ struct Reassembler {
 
   void Build() {
     const auto& h = r.header;
-    const DType dt = h.dtype() == v1::DTYPE_F32 ? DType::kF32 : h.dtype() == v1::DTYPE_F16 ? DType::kF16 : DType::kBF16;
+    const DType dt = DTypeFromProto(h.dtype()).value_or(DType::kBF16);
     const int n = h.n_history() + h.n_anchor() + h.n_kept() + h.n_gen();
     r.msg.dtype = dt;
     r.msg.kv_heads = h.kv_heads();

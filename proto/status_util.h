@@ -1,7 +1,7 @@
 // The one place where absl::Status becomes grpc::Status. The canonical codes
 // map one to one.
-#ifndef KVRELAY_SERVER_STATUS_UTIL_H_
-#define KVRELAY_SERVER_STATUS_UTIL_H_
+#ifndef KVRELAY_PROTO_STATUS_UTIL_H_
+#define KVRELAY_PROTO_STATUS_UTIL_H_
 
 #include <string>
 
@@ -24,4 +24,4 @@ inline absl::Status FromGrpcStatus(const grpc::Status& s) {
 
 }  // namespace kvrelay
 
-#endif  // KVRELAY_SERVER_STATUS_UTIL_H_
+#endif  // KVRELAY_PROTO_STATUS_UTIL_H_

@@ -1,0 +1,87 @@
+#include "proto/wire.h"
+
+#include "core/crc32c.h"
+
+namespace kvrelay {
+namespace {
+
+template <typename T>
+absl::Span<const uint8_t> BytesOf(const std::vector<T>& v) {
+  return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T));
+}
+
+}  // namespace
+
+std::vector<TensorRef> MessageDeliveryOrder(const Message& msg) {
+  std::vector<TensorRef> out;
+  for (size_t i = 0; i < msg.layers.size(); ++i) {
+    const MessageLayer& l = msg.layers[i];
+    const uint32_t li = static_cast<uint32_t>(i);
+    if (l.quant) {
+      const QuantizedKv& q = *l.quant;
+      out.push_back({li, v1::PART_K_CODES, BytesOf(q.k.codes)});
+      out.push_back({li, v1::PART_K_SCALE, BytesOf(q.k.scale)});
+      out.push_back({li, v1::PART_K_ZERO, BytesOf(q.k.zero)});
+      out.push_back({li, v1::PART_V_CODES, BytesOf(q.v.codes)});
+      out.push_back({li, v1::PART_V_SCALE, BytesOf(q.v.scale)});
+      out.push_back({li, v1::PART_V_ZERO, BytesOf(q.v.zero)});
+    } else {
+      out.push_back({li, v1::PART_K, l.k.bytes()});
+      out.push_back({li, v1::PART_V, l.v.bytes()});
+    }
+    out.push_back({li, v1::PART_POS, BytesOf(l.pos.data)});
+  }
+  return out;
+}
+
+void TrailerBuilder::Add(const v1::Chunk& chunk) {
+  ++chunks_;
+  bytes_ += chunk.data().size();
+  // The chunk's own CRC was computed over the same bytes; combine it.
+  crc_ = Crc32cCombine(crc_, chunk.crc32c(), chunk.data().size());
+}
+
+v1::Trailer TrailerBuilder::Build() const {
+  v1::Trailer t;
+  t.set_chunks(chunks_);
+  t.set_bytes(bytes_);
+  t.set_crc32c(crc_);
+  return t;
+}
+
+v1::DType ToProtoDType(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return v1::DTYPE_F32;
+    case DType::kF16: return v1::DTYPE_F16;
+    case DType::kBF16: return v1::DTYPE_BF16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+std::optional<DType> DTypeFromProto(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_F32: return DType::kF32;
+    case v1::DTYPE_F16: return DType::kF16;
+    case v1::DTYPE_BF16: return DType::kBF16;
+    default: return std::nullopt;
+  }
+}
+
+void FillMessageHeader(const Message& msg, v1::MessageHeader* h) {
+  h->set_layers(static_cast<uint32_t>(msg.layers.size()));
+  h->set_kv_heads(msg.kv_heads);
+  h->set_head_dim(msg.head_dim);
+  h->set_dtype(ToProtoDType(msg.dtype));
+  h->set_n_history(msg.n_history);
+  h->set_n_anchor(msg.n_anchor);
+  h->set_n_kept(msg.n_kept);
+  h->set_n_gen(msg.n_gen);
+  if (!msg.layers.empty() && msg.layers[0].quant) {
+    const QuantizedKv& q = *msg.layers[0].quant;
+    h->set_quant_bits(q.bits);
+    h->set_quant_group(q.group);
+    h->set_quant_rotate(q.rotate);
+  }
+}
+
+}  // namespace kvrelay

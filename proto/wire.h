@@ -1,0 +1,62 @@
+// Conversions between the core data model and relay.proto that both the
+// relay and its clients need. Pure functions, thread-safe.
+#ifndef KVRELAY_PROTO_WIRE_H_
+#define KVRELAY_PROTO_WIRE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "core/dtype.h"
+#include "core/message.h"
+#include "kvrelay/v1/relay.pb.h"
+
+namespace kvrelay {
+
+// Most tensor bytes one Chunk carries (relay.proto).
+inline constexpr size_t kMaxChunkBytes = size_t{1} << 20;
+
+// One tensor of a stream: (layer, part) and a view of its bytes.
+struct TensorRef {
+  uint32_t layer = 0;
+  v1::Part part = v1::PART_UNSPECIFIED;
+  absl::Span<const uint8_t> data;
+};
+
+// Every tensor of `msg` in delivery order (relay.proto): per layer K, V, POS
+// when dense; K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS when
+// quantized. Tensors of 0 bytes are included (they send no chunk). Views
+// into `msg`, which must outlive the result.
+std::vector<TensorRef> MessageDeliveryOrder(const Message& msg);
+
+// Accumulates the trailer of a stream: chunk count, bytes, CRC32C over all
+// chunk data in stream order. Not thread-safe.
+class TrailerBuilder {
+ public:
+  // REQUIRES: chunk.crc32c() is the CRC32C of chunk.data() (it is combined,
+  // not recomputed).
+  void Add(const v1::Chunk& chunk);
+  v1::Trailer Build() const;
+
+ private:
+  uint64_t chunks_ = 0;
+  uint64_t bytes_ = 0;
+  uint32_t crc_ = 0;
+};
+
+v1::DType ToProtoDType(DType dtype);
+
+// std::nullopt for DTYPE_UNSPECIFIED and unknown values; callers name the
+// field in their error.
+std::optional<DType> DTypeFromProto(v1::DType dtype);
+
+// The message-shape fields of a delivery header: layers, kv_heads, head_dim,
+// dtype, the four part sizes and the quantization (bits, group, rotate).
+// Leaves ids, routing and accounting alone.
+void FillMessageHeader(const Message& msg, v1::MessageHeader* h);
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_PROTO_WIRE_H_
