@@ -658,6 +658,15 @@ def compare_decoded(case, refm, tensors, meta, pol, ctx, decoded):
 STATS = {"cli_runs": 0, "policies": 0}
 
 
+def run_and_read(case, spec, out, ctx, decode=False):
+    """Runs the CLI once; ((tensors, meta), []) or (None, [error])."""
+    rc, text = run_cli(case, spec, out, decode=decode)
+    STATS["cli_runs"] += 1
+    if rc != 0:
+        return None, ["%s%s kvrelayctl exited %d: %s" % (ctx, " --decode:" if decode else "", rc, text[-2000:])]
+    return ref.read_safetensors(out), []
+
+
 def check_policy(case, spec, tmpdir):
     """Runs the CLI for `spec` on `case` and returns a list of error strings."""
     ctx = "[%s] policy=%r:" % (case.name, spec)
@@ -666,12 +675,8 @@ def check_policy(case, spec, tmpdir):
     out = os.path.join(tmpdir, "msg.safetensors")
     if pol["quant"] is None:
         refm = ref.compress(case.turn, pol)
-        rc, text = run_cli(case, spec, out)
-        STATS["cli_runs"] += 1
-        if rc != 0:
-            return ["%s kvrelayctl exited %d: %s" % (ctx, rc, text[-2000:])]
-        tensors, meta = ref.read_safetensors(out)
-        return compare_dense(case, refm, tensors, meta, pol, ctx)
+        got, errs = run_and_read(case, spec, out, ctx)
+        return errs if got is None else compare_dense(case, refm, got[0], got[1], pol, ctx)
     # Quantized: unquantized run (x), packed run, --decode run.
     base = split_spec(spec)
     errs = check_policy(case, base, tmpdir)
@@ -681,20 +686,16 @@ def check_policy(case, spec, tmpdir):
     xk = [ref.to_f64(bt["layer.%d.k" % l][1], case.turn.dtype) for l in range(case.turn.L)]
     xv = [ref.to_f64(bt["layer.%d.v" % l][1], case.turn.dtype) for l in range(case.turn.L)]
     refm = ref.compress(case.turn, pol)
-    rc, text = run_cli(case, spec, out)
-    STATS["cli_runs"] += 1
-    if rc != 0:
-        return ["%s kvrelayctl exited %d: %s" % (ctx, rc, text[-2000:])]
-    tensors, meta = ref.read_safetensors(out)
-    errs, decoded = compare_packed(case, refm, tensors, meta, pol, ctx, xk, xv)
+    got, errs = run_and_read(case, spec, out, ctx)
+    if got is None:
+        return errs
+    errs, decoded = compare_packed(case, refm, got[0], got[1], pol, ctx, xk, xv)
     if decoded is None:
         return errs
-    rc, text = run_cli(case, spec, out, decode=True)
-    STATS["cli_runs"] += 1
-    if rc != 0:
-        return errs + ["%s --decode: kvrelayctl exited %d: %s" % (ctx, rc, text[-2000:])]
-    tensors, meta = ref.read_safetensors(out)
-    errs += compare_decoded(case, refm, tensors, meta, pol, ctx + " --decode", decoded)
+    got, run_errs = run_and_read(case, spec, out, ctx, decode=True)
+    if got is None:
+        return errs + run_errs
+    errs += compare_decoded(case, refm, got[0], got[1], pol, ctx + " --decode", decoded)
     return errs
 
 
