@@ -300,6 +300,14 @@ class Complement {
     return g;
   }
 
+  // H's first r columns, I[:, :r] - Y T Y[:r, :]^T: an orthonormal basis of
+  // span(V_keep), d x r.
+  Matrix Basis() const {
+    Matrix q = -(y_ * (t_.template triangularView<Eigen::Upper>() * y_.topRows(r_).transpose()));
+    q.topRows(r_).diagonal().array() += Scalar(1);
+    return q;
+  }
+
   // Complement coordinates (columns of x, (d - r) rows) to R^d: H [0; x].
   Matrix Expand(const Matrix& x) const {
     Matrix out = Matrix::Zero(d_, x.cols());
@@ -314,6 +322,14 @@ class Complement {
   Matrix y_;  // d x r, unit lower trapezoidal
   Matrix t_;  // r x r, upper triangular
 };
+
+// The full symmetric Gram rows^T rows into the per-thread workspace *s.
+template <typename Matrix, typename Rows>
+void GramOf(const Rows& rows, Matrix* s) {
+  s->setZero(rows.cols(), rows.cols());
+  s->template selfadjointView<Eigen::Lower>().rankUpdate(rows.transpose());
+  s->template triangularView<Eigen::StrictlyUpper>() = s->transpose();
+}
 
 ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
                  absl::Span<const double> scores, absl::Span<const int> kept, const Split& split) {
@@ -333,15 +349,12 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::ColPivHouseholderQR<Eigen::MatrixXd> qr(keep_t);
   qr.setThreshold(1e-9);
   const int r = static_cast<int>(qr.rank());
-  out.q = Eigen::MatrixXd::Identity(d, r);
-  out.q.applyOnTheLeft(qr.householderQ());
+  const Complement<Eigen::MatrixXd> h(qr, r);
+  out.q = h.Basis();
   if (r == d) return out;  // V_keep spans everything: R = 0
 
   thread_local Eigen::MatrixXd s;
-  s.setZero(d, d);
-  s.selfadjointView<Eigen::Lower>().rankUpdate(del.transpose());
-  s.triangularView<Eigen::StrictlyUpper>() = s.transpose();
-  const Complement<Eigen::MatrixXd> h(qr, r);
+  GramOf(del, &s);
   const Eigen::MatrixXd g = h.ReduceGram(s);  // R^T R in the complement basis, (d-r) x (d-r)
   // ||R||_F^2 = trace(G); near zero the trace loses digits, so decide on R itself.
   if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
@@ -384,16 +397,13 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::ColPivHouseholderQR<Eigen::MatrixXf> qr(keep_t);
   qr.setThreshold(1e-5);
   const int r = static_cast<int>(qr.rank());
-  Eigen::MatrixXf q = Eigen::MatrixXf::Identity(d, r);
-  q.applyOnTheLeft(qr.householderQ());
+  const Complement<Eigen::MatrixXf> h(qr, r);
+  const Eigen::MatrixXf q = h.Basis();
   out.q = q.cast<double>();
   if (r == d) return out;
   thread_local Eigen::MatrixXf s;
-  s.setZero(d, d);
-  s.selfadjointView<Eigen::Lower>().rankUpdate(del.transpose());
-  s.triangularView<Eigen::StrictlyUpper>() = s.transpose();
+  GramOf(del, &s);
   // G = P S P in the complement basis of span(V_keep): (d - r) x (d - r).
-  const Complement<Eigen::MatrixXf> h(qr, r);
   const Eigen::MatrixXf g = h.ReduceGram(s);
   // float32 cannot resolve ||R||_F below ~1e-5 ||V_del||_F: treat as zero.
   const double total = s.trace();
