@@ -56,13 +56,24 @@ class OutgoingMessage {
     return true;
   }
 
-  void FillTrailer(v1::Trailer* t) const { *t = trailer_.Build(); }
+  // Fills the delivery's next response into `resp` (FetchResponse or
+  // CompressResponse): each chunk, then the trailer; false after the trailer.
+  template <typename Resp>
+  bool FillNext(Resp* resp) {
+    resp->Clear();
+    if (NextChunk(resp->mutable_chunk())) return true;
+    if (trailer_sent_) return false;
+    trailer_sent_ = true;
+    *resp->mutable_trailer() = trailer_.Build();
+    return true;
+  }
 
  private:
   std::shared_ptr<const void> hold_;  // keeps the message the views point into
   std::vector<TensorRef> tensors_;     // delivery order, empty tensors left out
   size_t cursor_ = 0, offset_ = 0;
   TrailerBuilder trailer_;
+  bool trailer_sent_ = false;
 };
 
 void FillAccounting(const Message& m, uint64_t received, double compress_s, double commit_s,
@@ -515,13 +526,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
 
   void OnWriteDone(bool ok) override {
     if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: stream broken while delivering"));
-    resp_.Clear();
-    if (out_->NextChunk(resp_.mutable_chunk())) return StartWrite(&resp_);
-    if (!trailer_sent_) {
-      trailer_sent_ = true;
-      out_->FillTrailer(resp_.mutable_trailer());
-      return StartWrite(&resp_);
-    }
+    if (out_->FillNext(&resp_)) return StartWrite(&resp_);
     Delivered();
   }
 
@@ -610,7 +615,6 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
   std::atomic<bool> finished_{false};
   Store::Delivery delivery_;
   std::optional<OutgoingMessage> out_;
-  bool trailer_sent_ = false;
   v1::FetchResponse resp_;
 };
 
@@ -626,13 +630,7 @@ class CompressReactor final
 
   void OnWriteDone(bool ok) override {
     if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "compress: stream broken while delivering"));
-    resp_.Clear();
-    if (out_->NextChunk(resp_.mutable_chunk())) return StartWrite(&resp_);
-    if (!trailer_sent_) {
-      trailer_sent_ = true;
-      out_->FillTrailer(resp_.mutable_trailer());
-      return StartWrite(&resp_);
-    }
+    if (out_->FillNext(&resp_)) return StartWrite(&resp_);
     FinishOnce(grpc::Status::OK);
   }
 
@@ -698,7 +696,6 @@ class CompressReactor final
   v1::CompressResponse resp_;
   std::optional<OutgoingMessage> out_;
   uint64_t out_reserved_ = 0;  // in flight until OnDone
-  bool trailer_sent_ = false;
 };
 
 }  // namespace
