@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "Eigen/Dense"
+#include "core/internal/gram.h"
 
 namespace kvrelay {
 namespace {
@@ -72,14 +73,52 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
   return w;
 }
 
-// Frees a per-thread workspace on scope exit when it holds more than 16 MiB,
-// so one long prompt does not pin its buffers in every worker for good.
-template <typename Matrix>
-struct ReleaseIfLarge {
-  Matrix& m;
-  ~ReleaseIfLarge() {
-    if (m.size() * sizeof(typename Matrix::Scalar) > (size_t{16} << 20)) m.resize(0, 0);
+// The rows `idx` of the row-major [*, d] matrix `vm`, converted to Scalar,
+// in a per-thread row-major buffer whose stride is padded with zeros for
+// GramLower. The buffer is freed when the object dies if it holds more than
+// 16 MiB, so one long prompt does not pin memory in every worker for good.
+template <typename Scalar>
+class PaddedRows {
+ public:
+  using Map = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, 0,
+                         Eigen::OuterStride<>>;
+
+  template <typename Source>
+  PaddedRows(const Source& vm, const std::vector<int>& idx)
+      : n_(static_cast<int>(idx.size())), d_(static_cast<int>(vm.cols())), ld_(internal::GramStride(d_)) {
+    buf().resize(static_cast<size_t>(n_) * ld_);
+    for (int i = 0; i < n_; ++i) {
+      Scalar* row = buf().data() + static_cast<size_t>(i) * ld_;
+      Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(row, d_) = vm.row(idx[i]).template cast<Scalar>();
+      std::fill(row + d_, row + ld_, Scalar(0));
+    }
   }
+  ~PaddedRows() {
+    if (buf().capacity() * sizeof(Scalar) > (size_t{16} << 20)) std::vector<Scalar>().swap(buf());
+  }
+  PaddedRows(const PaddedRows&) = delete;
+  PaddedRows& operator=(const PaddedRows&) = delete;
+
+  Map rows() { return Map(buf().data(), n_, d_, Eigen::OuterStride<>(ld_)); }
+
+  // The full symmetric Gram rows^T rows, d x d.
+  template <typename Matrix>
+  void Gram(Matrix* s) {
+    thread_local std::vector<Scalar> g;
+    g.resize(static_cast<size_t>(ld_) * ld_);
+    internal::GramLower(buf().data(), n_, d_, g.data());
+    s->resize(d_, d_);
+    for (int j = 0; j < d_; ++j) {
+      for (int i = j; i < d_; ++i) (*s)(i, j) = (*s)(j, i) = g[static_cast<size_t>(i) * ld_ + j];
+    }
+  }
+
+ private:
+  static std::vector<Scalar>& buf() {
+    thread_local std::vector<Scalar> b;
+    return b;
+  }
+  int n_, d_, ld_;
 };
 
 // Deterministic standard-normal start vectors (SplitMix64 + Box-Muller).
@@ -323,29 +362,18 @@ class Complement {
   Matrix t_;  // r x r, upper triangular
 };
 
-// The full symmetric Gram rows^T rows into the per-thread workspace *s.
-template <typename Matrix, typename Rows>
-void GramOf(const Rows& rows, Matrix* s) {
-  s->setZero(rows.cols(), rows.cols());
-  s->template selfadjointView<Eigen::Lower>().rankUpdate(rows.transpose());
-  s->template triangularView<Eigen::StrictlyUpper>() = s->transpose();
-}
-
 ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
                  absl::Span<const double> scores, absl::Span<const int> kept, const Split& split) {
   ObfHead out;
   out.delta = Eigen::VectorXd::Zero(d);
   const int n_keep = static_cast<int>(kept.size());
-  const int n_del = static_cast<int>(split.del.size());
   Eigen::Map<const RowMatrixXf> vm(v.data(), v.size() / d, d);
   Eigen::MatrixXd keep_t(d, n_keep);  // V_keep^T
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose().cast<double>();
-  // Per-thread workspaces: the deleted rows are the largest buffer, and
-  // allocating it per head costs page faults.
-  thread_local Eigen::MatrixXd del;
-  ReleaseIfLarge<Eigen::MatrixXd> release_del{del};
-  del.resize(n_del, d);
-  for (int i = 0; i < n_del; ++i) del.row(i) = vm.row(split.del[i]).cast<double>();
+  // The deleted rows are the largest buffer: a per-thread one, since a fresh
+  // allocation per head costs page faults.
+  PaddedRows<double> del_rows(vm, split.del);
+  const auto del = del_rows.rows();
   Eigen::ColPivHouseholderQR<Eigen::MatrixXd> qr(keep_t);
   qr.setThreshold(1e-9);
   const int r = static_cast<int>(qr.rank());
@@ -354,7 +382,7 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   if (r == d) return out;  // V_keep spans everything: R = 0
 
   thread_local Eigen::MatrixXd s;
-  GramOf(del, &s);
+  del_rows.Gram(&s);
   const Eigen::MatrixXd g = h.ReduceGram(s);  // R^T R in the complement basis, (d-r) x (d-r)
   // ||R||_F^2 = trace(G); near zero the trace loses digits, so decide on R itself.
   if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
@@ -378,10 +406,8 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::Map<const RowMatrixXf> vm(v.data(), v.size() / d, d);
   Eigen::MatrixXf keep_t(d, n_keep);
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose();
-  thread_local RowMatrixXf del;  // per-thread workspace, see ExactObf
-  ReleaseIfLarge<RowMatrixXf> release_del{del};
-  del.resize(n_del, d);
-  for (int i = 0; i < n_del; ++i) del.row(i) = vm.row(split.del[i]);
+  PaddedRows<float> del_rows(vm, split.del);  // per-thread, see ExactObf
+  auto del = del_rows.rows();
   // Scale by a power of two (exact) so that the float32 Gram cannot overflow
   // for large values (BF16 and F32 hold up to ~3e38); delta is scaled back.
   const float vmax = std::max(keep_t.cwiseAbs().maxCoeff(), del.cwiseAbs().maxCoeff());
@@ -402,7 +428,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   out.q = q.cast<double>();
   if (r == d) return out;
   thread_local Eigen::MatrixXf s;
-  GramOf(del, &s);
+  del_rows.Gram(&s);
   // G = P S P in the complement basis of span(V_keep): (d - r) x (d - r).
   const Eigen::MatrixXf g = h.ReduceGram(s);
   // float32 cannot resolve ||R||_F below ~1e-5 ||V_del||_F: treat as zero.

@@ -1,0 +1,62 @@
+#include "core/internal/gram.h"
+
+#include "core/internal/gram_kernels.h"
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVRELAY_GRAM_AVX2 1
+#endif
+
+namespace kvrelay {
+namespace internal {
+
+// Defined in gram_avx512.cc; called only when the CPU has AVX-512F.
+void GramAvx512(const double* a, int n, int d, double* g);
+void GramAvx512(const float* a, int n, int d, float* g);
+
+namespace {
+
+#if defined(KVRELAY_GRAM_AVX2)
+template <typename T> struct Avx2;
+template <> struct Avx2<double> {
+  using V = __m256d;
+  static constexpr int kWidth = 4;
+  static V Zero() { return _mm256_setzero_pd(); }
+  static V Load(const double* p) { return _mm256_loadu_pd(p); }
+  static V Bcast(const double* p) { return _mm256_broadcast_sd(p); }
+  static V Fma(V x, V y, V acc) { return _mm256_fmadd_pd(x, y, acc); }
+  static void Store(double* p, V v) { _mm256_storeu_pd(p, v); }
+};
+template <> struct Avx2<float> {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static V Bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V Fma(V x, V y, V acc) { return _mm256_fmadd_ps(x, y, acc); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
+bool UseAvx512() {
+  static const bool use = __builtin_cpu_supports("avx512f");
+  return use;
+}
+#endif
+
+template <typename T>
+void Dispatch(const T* a, int n, int d, T* g, GramIsa isa) {
+#if defined(KVRELAY_GRAM_AVX2)
+  if (isa == GramIsa::kBest && UseAvx512()) return GramAvx512(a, n, d, g);
+  if (isa != GramIsa::kScalar) return GramTiled<Avx2<T>, 4, 3>(a, n, d, g);
+#endif
+  const int ld = GramStride(d);
+  for (int i = 0; i < d; ++i) GramEntries(a, n, ld, i, 1, 0, i + 1, g);
+}
+
+}  // namespace
+
+void GramLower(const double* a, int n, int d, double* g, GramIsa isa) { Dispatch(a, n, d, g, isa); }
+void GramLower(const float* a, int n, int d, float* g, GramIsa isa) { Dispatch(a, n, d, g, isa); }
+
+}  // namespace internal
+}  // namespace kvrelay
