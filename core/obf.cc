@@ -101,16 +101,17 @@ class PaddedRows {
 
   Map rows() { return Map(buf().data(), n_, d_, Eigen::OuterStride<>(ld_)); }
 
-  // The full symmetric Gram rows^T rows, d x d.
-  template <typename Matrix>
-  void Gram(Matrix* s) {
+  // The full symmetric Gram rows^T rows, d x d, as a view of a per-thread
+  // buffer that the next call on this thread overwrites.
+  using GramView = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>;
+  GramView Gram() {
     thread_local std::vector<Scalar> g;
     g.resize(static_cast<size_t>(ld_) * ld_);
     internal::GramLower(buf().data(), n_, d_, g.data());
-    s->resize(d_, d_);
-    for (int j = 0; j < d_; ++j) {
-      for (int i = j; i < d_; ++i) (*s)(i, j) = (*s)(j, i) = g[static_cast<size_t>(i) * ld_ + j];
+    for (int i = 0; i < d_; ++i) {
+      for (int j = 0; j < i; ++j) g[static_cast<size_t>(j) * ld_ + i] = g[static_cast<size_t>(i) * ld_ + j];
     }
+    return GramView(g.data(), d_, d_, Eigen::OuterStride<>(ld_));
   }
 
  private:
@@ -265,12 +266,15 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
   return tri.matrixQ() * x;
 }
 
+// Column-major [rows, cols] view of a padded buffer (column stride ld).
+using PaddedCols = Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>>;
+
 // Orthonormalizes the columns of y into x by modified Gram-Schmidt (`passes`
 // sweeps; a second one restores orthogonality to float precision), or by
 // Householder QR when a column is nearly dependent on the ones before it
 // (keeps less than 1e-3 of its norm). The inner iterations need only a well
 // conditioned basis; the Rayleigh-Ritz step gets two passes.
-void Orthonormalize(const Eigen::MatrixXf& y, int passes, Eigen::MatrixXf* x) {
+void Orthonormalize(const PaddedCols& y, int passes, PaddedCols* x) {
   *x = y;
   const int m = static_cast<int>(x->cols());
   bool ok = true;
@@ -285,9 +289,11 @@ void Orthonormalize(const Eigen::MatrixXf& y, int passes, Eigen::MatrixXf* x) {
     if (ok) cj /= after;
   }
   if (ok) return;
-  Eigen::HouseholderQR<Eigen::MatrixXf> qr(y);
-  x->setIdentity(y.rows(), y.cols());
-  x->applyOnTheLeft(qr.householderQ());
+  const Eigen::MatrixXf dense = y;
+  Eigen::HouseholderQR<Eigen::MatrixXf> qr(dense);
+  Eigen::MatrixXf q = Eigen::MatrixXf::Identity(dense.rows(), dense.cols());
+  q.applyOnTheLeft(qr.householderQ());
+  *x = q;
 }
 
 void Finish(const ObfOptions& opts, absl::Span<const double> scores, absl::Span<const int> kept,
@@ -327,7 +333,8 @@ class Complement {
 
   // The trailing (d - r) x (d - r) block of H^T S H for symmetric S:
   // H^T S H = S - Y Z^T - Z Y^T with W = S Y T, Z = W - Y (T^T Y^T W) / 2.
-  Matrix ReduceGram(const Matrix& s) const {
+  template <typename Symmetric>
+  Matrix ReduceGram(const Symmetric& s) const {
     const int m = d_ - r_;
     Matrix w = s * y_;
     w = w * t_.template triangularView<Eigen::Upper>();
@@ -381,8 +388,7 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   out.q = h.Basis();
   if (r == d) return out;  // V_keep spans everything: R = 0
 
-  thread_local Eigen::MatrixXd s;
-  del_rows.Gram(&s);
+  const auto s = del_rows.Gram();
   const Eigen::MatrixXd g = h.ReduceGram(s);  // R^T R in the complement basis, (d-r) x (d-r)
   // ||R||_F^2 = trace(G); near zero the trace loses digits, so decide on R itself.
   if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
@@ -427,8 +433,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   const Eigen::MatrixXf q = h.Basis();
   out.q = q.cast<double>();
   if (r == d) return out;
-  thread_local Eigen::MatrixXf s;
-  del_rows.Gram(&s);
+  const auto s = del_rows.Gram();
   // G = P S P in the complement basis of span(V_keep): (d - r) x (d - r).
   const Eigen::MatrixXf g = h.ReduceGram(s);
   // float32 cannot resolve ||R||_F below ~1e-5 ||V_del||_F: treat as zero.
@@ -440,14 +445,24 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   const int m = std::min({dc, n_del, opts.p + opts.oversample});
   thread_local Eigen::MatrixXf start;
   if (start.rows() != dc || start.cols() != m) start = StartVectors(dc, m);
-  Eigen::MatrixXf x = start;
-  Eigen::MatrixXf y(dc, m);
+  // G and the blocks of vectors in padded per-thread buffers for
+  // SymmetricTimes; the padding of G is zero.
+  const int ld = internal::GramStride(dc);
+  thread_local std::vector<float> gbuf, xbuf, ybuf;
+  gbuf.resize(static_cast<size_t>(ld) * ld);
+  xbuf.resize(static_cast<size_t>(ld) * m);
+  ybuf.resize(static_cast<size_t>(ld) * m);
+  PaddedCols(gbuf.data(), dc, dc, Eigen::OuterStride<>(ld)) = g;
+  PaddedCols(gbuf.data() + dc, ld - dc, dc, Eigen::OuterStride<>(ld)).setZero();
+  PaddedCols x(xbuf.data(), dc, m, Eigen::OuterStride<>(ld));
+  PaddedCols y(ybuf.data(), dc, m, Eigen::OuterStride<>(ld));
+  x = start;
   for (int it = 0; it < opts.iters; ++it) {
-    y.noalias() = g * x;
+    internal::SymmetricTimes(gbuf.data(), dc, xbuf.data(), m, ybuf.data());
     Orthonormalize(y, /*passes=*/it + 1 == opts.iters ? 2 : 1, &x);
   }
   // Rayleigh-Ritz on span(x).
-  y.noalias() = g * x;
+  internal::SymmetricTimes(gbuf.data(), dc, xbuf.data(), m, ybuf.data());
   Eigen::MatrixXf t = x.transpose() * y;
   t = (0.5f * (t + t.transpose())).eval();
   Eigen::SelfAdjointEigenSolver<Eigen::MatrixXf> es(t);

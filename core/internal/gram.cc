@@ -13,6 +13,7 @@ namespace internal {
 // Defined in gram_avx512.cc; called only when the CPU has AVX-512F.
 void GramAvx512(const double* a, int n, int d, double* g);
 void GramAvx512(const float* a, int n, int d, float* g);
+void SymmetricTimesAvx512(const float* s, int d, const float* x, int m, float* y);
 
 namespace {
 
@@ -50,10 +51,24 @@ void Dispatch(const T* a, int n, int d, T* g, GramIsa isa) {
   if (isa != GramIsa::kScalar) return GramTiled<Avx2<T>, 4, 3>(a, n, d, g);
 #endif
   const int ld = GramStride(d);
-  for (int i = 0; i < d; ++i) GramEntries(a, n, ld, i, 1, 0, i + 1, g);
+  const Operands<T> o{a, ld, 1, a, ld, n, g, ld};
+  for (int i = 0; i < d; ++i) Entries(o, i, 1, 0, i + 1);
+}
+
+void SymmetricDispatch(const float* s, int d, const float* x, int m, float* y, GramIsa isa) {
+#if defined(KVRELAY_GRAM_AVX2)
+  if (isa == GramIsa::kBest && UseAvx512()) return SymmetricTimesAvx512(s, d, x, m, y);
+  if (isa != GramIsa::kScalar) return SymmetricTimesTiled<Avx2<float>, 4, 3>(s, d, x, m, y);
+#endif
+  const int ld = GramStride(d);
+  Entries(Operands<float>{x, 1, ld, s, ld, d, y, ld}, 0, m, 0, d);
 }
 
 }  // namespace
+
+void SymmetricTimes(const float* s, int d, const float* x, int m, float* y, GramIsa isa) {
+  SymmetricDispatch(s, d, x, m, y, isa);
+}
 
 void GramLower(const double* a, int n, int d, double* g, GramIsa isa) { Dispatch(a, n, d, g, isa); }
 void GramLower(const float* a, int n, int d, float* g, GramIsa isa) { Dispatch(a, n, d, g, isa); }

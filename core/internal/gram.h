@@ -5,11 +5,16 @@
 namespace kvrelay {
 namespace internal {
 
-// Padding unit of GramLower's row stride: kGramPad elements.
+// Padding unit of the row stride of the kernels' operands: kGramPad elements.
 inline constexpr int kGramPad = 16;
 
-// Rounds d up to a multiple of kGramPad.
-inline int GramStride(int d) { return (d + kGramPad - 1) / kGramPad * kGramPad; }
+// The row stride for d columns: d rounded up to an odd multiple of kGramPad.
+// A stride of a power of two (d = 128) would map a column's entries to a few
+// cache sets, and every kernel walks columns.
+inline int GramStride(int d) {
+  const int units = (d + kGramPad - 1) / kGramPad;
+  return (units | 1) * kGramPad;
+}
 
 // Computes the lower triangle of g = a^T a.
 //   a: row-major [n, ld], ld = GramStride(d); columns d..ld-1 must be zero.
@@ -25,6 +30,16 @@ enum class GramIsa { kBest, kAvx2, kScalar };  // kBest: AVX-512 when the CPU ha
 
 void GramLower(const double* a, int n, int d, double* g, GramIsa isa = GramIsa::kBest);
 void GramLower(const float* a, int n, int d, float* g, GramIsa isa = GramIsa::kBest);
+
+// Computes y = s x for a symmetric d x d matrix s and m vectors x.
+//   s: row-major [ld, ld], ld = GramStride(d), the full symmetric matrix;
+//      columns d..ld-1 must be zero.
+//   x: column-major [d, m] with column stride ld: x(t, i) = x[i * ld + t].
+//   y: same layout as x; y[i * ld + j] for j < d holds
+//      sum_t x(t, i) * s[t][j], with fused multiply-adds in ascending t, the
+//      same on every CPU. Entries j >= d are unspecified.
+// Thread-safe. REQUIRES: d >= 0, m >= 0, y overlaps neither s nor x.
+void SymmetricTimes(const float* s, int d, const float* x, int m, float* y, GramIsa isa = GramIsa::kBest);
 
 }  // namespace internal
 }  // namespace kvrelay

@@ -1,10 +1,11 @@
-// Register-tiled Gram kernels, included by gram.cc (AVX2 baseline) and by
-// gram_avx512.cc (compiled with -mavx512f). Everything has internal linkage,
-// so each translation unit keeps the copy built for its own instruction set.
+// Register-tiled kernels behind gram.h, included by gram.cc (AVX2 baseline)
+// and by gram_avx512.cc (compiled with -mavx512f). Everything has internal
+// linkage, so each translation unit keeps the copy built for its own
+// instruction set.
 #ifndef KVRELAY_CORE_INTERNAL_GRAM_KERNELS_H_
 #define KVRELAY_CORE_INTERNAL_GRAM_KERNELS_H_
 
-#include <cmath>
+#include <cstddef>
 
 #include "core/internal/gram.h"
 
@@ -12,63 +13,100 @@ namespace kvrelay {
 namespace internal {
 namespace {  // NOLINT(build/namespaces): one copy per instruction set
 
-// g[i][j] for j in [j0, j0 + cols) of rows [i0, i0 + rows), one entry at a time.
+// Compiler builtins, not std::fma: an inline library function emitted in the
+// AVX-512 translation unit could be the copy the linker keeps for everyone.
+inline double Fma(double x, double y, double z) { return __builtin_fma(x, y, z); }
+inline float Fma(float x, float y, float z) { return __builtin_fmaf(x, y, z); }
+
+// Both kernels compute out[i][j] = sum_t b[t * bt + i * br] * v[t * lv + j]
+// with fused multiply-adds in ascending t: the Gram with b = v = a, and the
+// symmetric product with b = x (column i of x is row i of the output) and
+// v = the symmetric matrix.
 template <typename T>
-void GramEntries(const T* a, int n, int ld, int i0, int rows, int j0, int cols, T* g) {
+struct Operands {
+  const T* b;
+  int bt, br;
+  const T* v;
+  int lv;
+  int n;  // terms t
+  T* out;
+  int ldo;
+};
+
+template <typename T>
+void Entries(const Operands<T>& o, int i0, int rows, int j0, int cols) {
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols; ++c) {
       T acc = 0;
-      const T* p = a;
-      for (int t = 0; t < n; ++t, p += ld) acc = std::fma(p[i0 + r], p[j0 + c], acc);
-      g[(i0 + r) * ld + j0 + c] = acc;
+      for (int t = 0; t < o.n; ++t) {
+        acc = Fma(o.b[static_cast<size_t>(t) * o.bt + static_cast<size_t>(i0 + r) * o.br],
+                       o.v[static_cast<size_t>(t) * o.lv + j0 + c], acc);
+      }
+      o.out[static_cast<size_t>(i0 + r) * o.ldo + j0 + c] = acc;
     }
   }
 }
 
-// kRows x kVecs vector accumulators over all t; every lane is one entry of
-// g summed in t order, as in GramEntries. Loads stay inside the padded row
-// because ld is a multiple of every vector width.
+// kRows x kVecs vector accumulators over all t; every lane is one output
+// entry summed in t order, exactly as Entries does. Loads and stores stay
+// inside padded rows because lv and ldo are multiples of every vector width.
 template <typename Isa, int kRows, int kVecs, typename T>
-inline void Tile(const T* a, int n, int ld, int i0, int j0, T* g) {
+inline void Tile(const Operands<T>& o, int i0, int j0) {
   typename Isa::V acc[kRows][kVecs];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kVecs; ++c) acc[r][c] = Isa::Zero();
-  const T* p = a;
-  for (int t = 0; t < n; ++t, p += ld) {
-    typename Isa::V b[kVecs];
-    for (int c = 0; c < kVecs; ++c) b[c] = Isa::Load(p + j0 + c * Isa::kWidth);
+  const T* b = o.b + static_cast<size_t>(i0) * o.br;
+  const T* v = o.v + j0;
+  for (int t = 0; t < o.n; ++t, b += o.bt, v += o.lv) {
+    typename Isa::V w[kVecs];
+    for (int c = 0; c < kVecs; ++c) w[c] = Isa::Load(v + c * Isa::kWidth);
     for (int r = 0; r < kRows; ++r) {
-      const typename Isa::V x = Isa::Bcast(p + i0 + r);
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = Isa::Fma(x, b[c], acc[r][c]);
+      const typename Isa::V x = Isa::Bcast(b + static_cast<size_t>(r) * o.br);
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = Isa::Fma(x, w[c], acc[r][c]);
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kVecs; ++c) Isa::Store(g + (i0 + r) * ld + j0 + c * Isa::kWidth, acc[r][c]);
+    for (int c = 0; c < kVecs; ++c)
+      Isa::Store(o.out + static_cast<size_t>(i0 + r) * o.ldo + j0 + c * Isa::kWidth, acc[r][c]);
 }
 
-// The lower triangle by blocks of kRows rows: each block covers columns
-// [0, i0 + kRows) with tiles of kVecs vectors, the last one narrower if
-// that is enough.
+// Output rows [i0, i0 + kRows), columns [0, j_end): tiles of kVecs vectors,
+// the last one narrower if that is enough.
 template <typename Isa, int kRows, int kVecs, typename T>
-inline void GramTiled(const T* a, int n, int d, T* g) {
+inline void RowBlock(const Operands<T>& o, int i0, int j_end) {
   static_assert(kVecs >= 1 && kVecs <= 3, "tiles of 1 to 3 vectors");
-  const int ld = GramStride(d);
   constexpr int kW = Isa::kWidth;
-  int i0 = 0;
-  for (; i0 + kRows <= d; i0 += kRows) {
-    const int end = i0 + kRows;
-    for (int j0 = 0; j0 < end; j0 += kVecs * kW) {
-      const int vecs = (end - j0 + kW - 1) / kW;
-      if (vecs >= kVecs) {
-        Tile<Isa, kRows, kVecs>(a, n, ld, i0, j0, g);
-      } else if (vecs == 2) {
-        Tile<Isa, kRows, 2>(a, n, ld, i0, j0, g);
-      } else {
-        Tile<Isa, kRows, 1>(a, n, ld, i0, j0, g);
-      }
+  for (int j0 = 0; j0 < j_end; j0 += kVecs * kW) {
+    const int vecs = (j_end - j0 + kW - 1) / kW;
+    if (vecs >= kVecs) {
+      Tile<Isa, kRows, kVecs>(o, i0, j0);
+    } else if (vecs == 2) {
+      Tile<Isa, kRows, 2>(o, i0, j0);
+    } else {
+      Tile<Isa, kRows, 1>(o, i0, j0);
     }
   }
-  for (int i = i0; i < d; ++i) GramEntries(a, n, ld, i, 1, 0, i + 1, g);
+}
+
+// The lower triangle of a^T a (see GramLower) by blocks of kRows rows.
+template <typename Isa, int kRows, int kVecs, typename T>
+inline void GramTiled(const T* a, int n, int d, T* g) {
+  const int ld = GramStride(d);
+  const Operands<T> o{a, ld, 1, a, ld, n, g, ld};
+  int i0 = 0;
+  for (; i0 + kRows <= d; i0 += kRows) RowBlock<Isa, kRows, kVecs>(o, i0, i0 + kRows);
+  for (int i = i0; i < d; ++i) Entries(o, i, 1, 0, i + 1);
+}
+
+// y = s x for symmetric s (see SymmetricTimes); output column i is row i of
+// `out`. Blocks of kRows columns, then blocks of one.
+template <typename Isa, int kRows, int kVecs, typename T>
+inline void SymmetricTimesTiled(const T* s, int d, const T* x, int m, T* y) {
+  const int ld = GramStride(d);
+  const Operands<T> o{x, 1, ld, s, ld, d, y, ld};
+  int i0 = 0;
+  for (; i0 + kRows <= m; i0 += kRows) RowBlock<Isa, kRows, kVecs>(o, i0, d);
+  for (; i0 < m; ++i0) RowBlock<Isa, 1, kVecs>(o, i0, d);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ void CheckShapes(uint32_t seed) {
     SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d);
     const int ld = GramStride(d);
     ASSERT_EQ(ld % kGramPad, 0);
+    ASSERT_EQ(ld / kGramPad % 2, 1);
     ASSERT_GE(ld, d);
     const std::vector<T> a = RandomRows<T>(&rng, n, d);
     std::vector<T> best(static_cast<size_t>(ld) * ld, T(-1)), avx2(best), scalar(best);
@@ -80,6 +81,42 @@ TEST(GramTest, DoubleIsExactOnIntegers) {
       long long want = 0;
       for (int t = 0; t < n; ++t) want += static_cast<long long>(((t * 31 + i * 17) % 23 - 11)) * ((t * 31 + j * 17) % 23 - 11);
       ASSERT_EQ(g[static_cast<size_t>(i) * ld + j], static_cast<double>(want)) << i << "," << j;
+    }
+  }
+}
+
+
+TEST(SymmetricTimesTest, MatchesReferenceAndIsIdenticalOnEveryPath) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> n01(0, 1);
+  const int shapes[][2] = {{1, 1}, {5, 3}, {16, 18}, {96, 18}, {96, 1}, {100, 7}, {33, 40}, {0, 4}, {7, 0}};
+  for (const auto& shape : shapes) {
+    const int d = shape[0], m = shape[1];
+    SCOPED_TRACE(testing::Message() << "d=" << d << " m=" << m);
+    const int ld = GramStride(d);
+    std::vector<float> s(static_cast<size_t>(ld) * ld, 0.0f), x(static_cast<size_t>(ld) * m, 0.0f);
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j <= i; ++j) s[static_cast<size_t>(i) * ld + j] = s[static_cast<size_t>(j) * ld + i] = n01(rng);
+    for (int i = 0; i < m; ++i)
+      for (int t = 0; t < d; ++t) x[static_cast<size_t>(i) * ld + t] = n01(rng);
+    std::vector<float> best(x.size() + 1, -1.0f), avx2(best), scalar(best);
+    SymmetricTimes(s.data(), d, x.data(), m, best.data(), GramIsa::kBest);
+    SymmetricTimes(s.data(), d, x.data(), m, avx2.data(), GramIsa::kAvx2);
+    SymmetricTimes(s.data(), d, x.data(), m, scalar.data(), GramIsa::kScalar);
+    EXPECT_EQ(best.back(), -1.0f) << "wrote past the end";
+    for (int i = 0; i < m; ++i) {
+      for (int j = 0; j < d; ++j) {
+        const size_t at = static_cast<size_t>(i) * ld + j;
+        double ref = 0, abs_sum = 0;
+        for (int t = 0; t < d; ++t) {
+          const double p = static_cast<double>(x[static_cast<size_t>(i) * ld + t]) * s[static_cast<size_t>(t) * ld + j];
+          ref += p;
+          abs_sum += std::abs(p);
+        }
+        ASSERT_LE(std::abs(best[at] - ref), (d + 1) * 6e-8 * abs_sum + 1e-30) << "(" << j << "," << i << ")";
+        ASSERT_EQ(0, std::memcmp(&best[at], &scalar[at], sizeof(float))) << "(" << j << "," << i << ")";
+        ASSERT_EQ(0, std::memcmp(&avx2[at], &scalar[at], sizeof(float))) << "(" << j << "," << i << ")";
+      }
     }
   }
 }
