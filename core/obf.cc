@@ -373,16 +373,24 @@ class Complement {
 
   // The trailing (d - r) x (d - r) block of H^T S H for symmetric S:
   // H^T S H = S - Y Z^T - Z Y^T with W = S Y T, Z = W - Y (T^T Y^T W) / 2.
-  template <typename Symmetric>
-  Matrix ReduceGram(const Symmetric& s) const {
-    const int m = d_ - r_;
-    Matrix w = s * y_;
-    w = w * t_.template triangularView<Eigen::Upper>();
+  // s: the full S, row-major with stride GramStride(d) (PaddedRows::Gram).
+  Matrix ReduceGram(const Scalar* s) const {
+    const int m = d_ - r_, ld = internal::GramStride(d_);
+    using Padded = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
+    thread_local std::vector<Scalar> ybuf, wbuf;
+    ybuf.resize(static_cast<size_t>(ld) * r_);
+    wbuf.resize(static_cast<size_t>(ld) * r_);
+    Padded(ybuf.data(), d_, r_, Eigen::OuterStride<>(ld)) = y_;
+    internal::SymmetricTimes(s, d_, ybuf.data(), r_, wbuf.data());  // S Y
+    Matrix w = Padded(wbuf.data(), d_, r_, Eigen::OuterStride<>(ld)) * t_.template triangularView<Eigen::Upper>();
     const Matrix mm = t_.template triangularView<Eigen::Upper>().transpose() * (y_.transpose() * w);
     w.noalias() -= Scalar(0.5) * (y_ * mm);  // now Z
-    Matrix g = s.bottomRightCorner(m, m);
-    g.noalias() -= y_.bottomRows(m) * w.bottomRows(m).transpose();
-    g.noalias() -= w.bottomRows(m) * y_.bottomRows(m).transpose();
+    Matrix g = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>(
+        s + static_cast<size_t>(r_) * ld + r_, m, m, Eigen::OuterStride<>(ld));
+    auto lower = g.template triangularView<Eigen::Lower>();
+    lower -= y_.bottomRows(m) * w.bottomRows(m).transpose();
+    lower -= w.bottomRows(m) * y_.bottomRows(m).transpose();
+    g.template triangularView<Eigen::StrictlyUpper>() = g.transpose();
     return g;
   }
 
@@ -429,7 +437,7 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   if (r == d) return out;  // V_keep spans everything: R = 0
 
   const auto s = del_rows.Gram();
-  const Eigen::MatrixXd g = h.ReduceGram(s);  // R^T R in the complement basis, (d-r) x (d-r)
+  const Eigen::MatrixXd g = h.ReduceGram(s.data());  // R^T R in the complement basis, (d-r) x (d-r)
   // ||R||_F^2 = trace(G); near zero the trace loses digits, so decide on R itself.
   if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
     const Eigen::MatrixXd res = del - (del * out.q) * out.q.transpose();
@@ -475,7 +483,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   if (r == d) return out;
   const auto s = del_rows.Gram();
   // G = P S P in the complement basis of span(V_keep): (d - r) x (d - r).
-  const Eigen::MatrixXf g = h.ReduceGram(s);
+  const Eigen::MatrixXf g = h.ReduceGram(s.data());
   // float32 cannot resolve ||R||_F below ~1e-5 ||V_del||_F: treat as zero.
   const double total = s.trace();
   if (g.trace() <= std::max(kSkipResidual * kSkipResidual, 1e-10 * total)) return out;

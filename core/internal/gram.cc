@@ -13,6 +13,7 @@ namespace internal {
 // Defined in gram_avx512.cc; called only when the CPU has AVX-512F.
 void GramAvx512(const double* a, int n, int d, double* g);
 void GramAvx512(const float* a, int n, int d, float* g);
+void SymmetricTimesAvx512(const double* s, int d, const double* x, int m, double* y);
 void SymmetricTimesAvx512(const float* s, int d, const float* x, int m, float* y);
 
 namespace {
@@ -55,17 +56,21 @@ void Dispatch(const T* a, int n, int d, T* g, GramIsa isa) {
   for (int i = 0; i < d; ++i) Entries(o, i, 1, 0, i + 1);
 }
 
-void SymmetricDispatch(const float* s, int d, const float* x, int m, float* y, GramIsa isa) {
+template <typename T>
+void SymmetricDispatch(const T* s, int d, const T* x, int m, T* y, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
   if (isa == GramIsa::kBest && UseAvx512()) return SymmetricTimesAvx512(s, d, x, m, y);
-  if (isa != GramIsa::kScalar) return SymmetricTimesTiled<Avx2<float>, 4, 3>(s, d, x, m, y);
+  if (isa != GramIsa::kScalar) return SymmetricTimesTiled<Avx2<T>, 4, 3>(s, d, x, m, y);
 #endif
   const int ld = GramStride(d);
-  Entries(Operands<float>{x, 1, ld, s, ld, d, y, ld}, 0, m, 0, d);
+  Entries(Operands<T>{x, 1, ld, s, ld, d, y, ld}, 0, m, 0, d);
 }
 
 }  // namespace
 
+void SymmetricTimes(const double* s, int d, const double* x, int m, double* y, GramIsa isa) {
+  SymmetricDispatch(s, d, x, m, y, isa);
+}
 void SymmetricTimes(const float* s, int d, const float* x, int m, float* y, GramIsa isa) {
   SymmetricDispatch(s, d, x, m, y, isa);
 }

@@ -32,13 +32,15 @@ void GramLower(const double* a, int n, int d, double* g, GramIsa isa = GramIsa::
 void GramLower(const float* a, int n, int d, float* g, GramIsa isa = GramIsa::kBest);
 
 // Computes y = s x for a symmetric d x d matrix s and m vectors x.
-//   s: row-major [ld, ld], ld = GramStride(d), the full symmetric matrix;
-//      columns d..ld-1 must be zero.
+//   s: row-major [ld, ld], ld = GramStride(d), the full symmetric matrix in
+//      rows 0..d-1; its padding columns are read but reach only the
+//      unspecified entries of y.
 //   x: column-major [d, m] with column stride ld: x(t, i) = x[i * ld + t].
 //   y: same layout as x; y[i * ld + j] for j < d holds
 //      sum_t x(t, i) * s[t][j], with fused multiply-adds in ascending t, the
 //      same on every CPU. Entries j >= d are unspecified.
 // Thread-safe. REQUIRES: d >= 0, m >= 0, y overlaps neither s nor x.
+void SymmetricTimes(const double* s, int d, const double* x, int m, double* y, GramIsa isa = GramIsa::kBest);
 void SymmetricTimes(const float* s, int d, const float* x, int m, float* y, GramIsa isa = GramIsa::kBest);
 
 }  // namespace internal

@@ -33,6 +33,9 @@ template <> struct Avx512<float> {
 
 void GramAvx512(const double* a, int n, int d, double* g) { GramTiled<Avx512<double>, 8, 3>(a, n, d, g); }
 void GramAvx512(const float* a, int n, int d, float* g) { GramTiled<Avx512<float>, 8, 2>(a, n, d, g); }
+void SymmetricTimesAvx512(const double* s, int d, const double* x, int m, double* y) {
+  SymmetricTimesTiled<Avx512<double>, 4, 3>(s, d, x, m, y);
+}
 void SymmetricTimesAvx512(const float* s, int d, const float* x, int m, float* y) {
   SymmetricTimesTiled<Avx512<float>, 6, 3>(s, d, x, m, y);
 }
