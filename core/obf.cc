@@ -77,8 +77,8 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
   return w;
 }
 
-// The rows `idx` of the row-major [*, d] matrix `vm`, converted to Scalar,
-// in a per-thread row-major buffer whose stride is padded with zeros for
+// The rows `idx` of the row-major [*, d] matrix `vm`, converted to Scalar
+// and multiplied by `scale`, in a per-thread row-major buffer whose stride is padded with zeros for
 // GramLower. The buffer is freed when the object dies if it holds more than
 // 16 MiB, so one long prompt does not pin memory in every worker for good.
 template <typename Scalar>
@@ -88,12 +88,12 @@ class PaddedRows {
                          Eigen::OuterStride<>>;
 
   template <typename Source>
-  PaddedRows(const Source& vm, const std::vector<int>& idx)
+  PaddedRows(const Source& vm, const std::vector<int>& idx, Scalar scale = 1)
       : n_(static_cast<int>(idx.size())), d_(static_cast<int>(vm.cols())), ld_(internal::GramStride(d_)) {
     buf().resize(static_cast<size_t>(n_) * ld_);
     for (int i = 0; i < n_; ++i) {
       Scalar* row = buf().data() + static_cast<size_t>(i) * ld_;
-      Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(row, d_) = vm.row(idx[i]).template cast<Scalar>();
+      Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(row, d_) = vm.row(idx[i]).template cast<Scalar>() * scale;
       std::fill(row + d_, row + ld_, Scalar(0));
     }
   }
@@ -458,21 +458,17 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   const int n_keep = static_cast<int>(kept.size());
   const int n_del = static_cast<int>(split.del.size());
   Eigen::Map<const RowMatrixXf> vm(v.data(), v.size() / d, d);
-  Eigen::MatrixXf keep_t(d, n_keep);
-  for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose();
-  PaddedRows<float> del_rows(vm, split.del);  // per-thread, see ExactObf
-  auto del = del_rows.rows();
   // Scale by a power of two (exact) so that the float32 Gram cannot overflow
   // for large values (BF16 and F32 hold up to ~3e38); delta is scaled back.
-  const float vmax = std::max(keep_t.cwiseAbs().maxCoeff(), del.cwiseAbs().maxCoeff());
+  const float vmax = vm.cwiseAbs().maxCoeff();  // kept and deleted rows
   int exponent = 0;
   std::frexp(vmax, &exponent);
-  const float to_unit = std::ldexp(1.0f, -exponent);
-  const double from_unit = std::ldexp(1.0, exponent);
-  if (vmax > 0) {
-    keep_t *= to_unit;
-    del *= to_unit;
-  }
+  const float to_unit = vmax > 0 ? std::ldexp(1.0f, -exponent) : 1.0f;
+  const double from_unit = vmax > 0 ? std::ldexp(1.0, exponent) : 1.0;
+  Eigen::MatrixXf keep_t(d, n_keep);
+  for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose() * to_unit;
+  PaddedRows<float> del_rows(vm, split.del, to_unit);  // per-thread, see ExactObf
+  auto del = del_rows.rows();
 
   Eigen::ColPivHouseholderQR<Eigen::MatrixXf> qr(keep_t);
   qr.setThreshold(1e-5);
