@@ -309,25 +309,75 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
 // Column-major [rows, cols] view of a padded buffer (column stride ld).
 using PaddedCols = Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>>;
 
-// Orthonormalizes the columns of y into x by modified Gram-Schmidt (`passes`
-// sweeps; a second one restores orthogonality to float precision), or by
-// Householder QR when a column is nearly dependent on the ones before it
-// (keeps less than 1e-3 of its norm). The inner iterations need only a well
-// conditioned basis; the Rayleigh-Ritz step gets two passes.
+// a . b and b -= r a over n floats. With AVX2 two independent accumulators
+// per dot; the sweep below issues many of these that do not depend on each
+// other, which is what keeps it from being latency-bound.
+float Dot(const float* a, const float* b, int n) {
+  int t = 0;
+  float s = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; t + 16 <= n; t += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t + 8), _mm256_loadu_ps(b + t + 8), s1);
+  }
+  for (; t + 8 <= n; t += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), s0);
+  s0 = _mm256_add_ps(s0, s1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; t < n; ++t) s += a[t] * b[t];
+  return s;
+}
+
+void SubtractScaled(float r, const float* a, float* b, int n) {
+  int t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 rv = _mm256_set1_ps(r);
+  for (; t + 8 <= n; t += 8) {
+    _mm256_storeu_ps(b + t, _mm256_fnmadd_ps(rv, _mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t)));
+  }
+#endif
+  for (; t < n; ++t) b[t] -= r * a[t];
+}
+
+// One sweep of modified Gram-Schmidt over the columns of *x, right-looking:
+// once column i is normalized it is removed from every later column, and
+// those updates are independent of each other. Returns false, leaving *x
+// partly done, when a column keeps less than 1e-3 of its norm (nearly
+// dependent on the ones before it).
+bool GramSchmidtSweep(PaddedCols* x) {
+  const int d = static_cast<int>(x->rows()), m = static_cast<int>(x->cols());
+  const int ld = static_cast<int>(x->outerStride());
+  float* data = x->data();
+  thread_local std::vector<float> before;
+  before.resize(m);
+  for (int j = 0; j < m; ++j) before[j] = std::sqrt(Dot(data + j * ld, data + j * ld, d));
+  for (int i = 0; i < m; ++i) {
+    float* ci = data + i * ld;
+    const float after = std::sqrt(Dot(ci, ci, d));
+    if (!(after > 1e-3f * before[i])) return false;
+    const float inv = 1.0f / after;
+    for (int t = 0; t < d; ++t) ci[t] *= inv;
+    for (int j = i + 1; j < m; ++j) {
+      float* cj = data + j * ld;
+      SubtractScaled(Dot(ci, cj, d), ci, cj, d);
+    }
+  }
+  return true;
+}
+
+// Orthonormalizes the columns of y into x: `passes` sweeps of modified
+// Gram-Schmidt (a second one restores orthogonality to float precision), or
+// Householder QR when a column is nearly dependent on the ones before it.
+// The inner iterations need only a well conditioned basis; the
+// Rayleigh-Ritz step gets two passes.
 void Orthonormalize(const PaddedCols& y, int passes, PaddedCols* x) {
   *x = y;
-  const int m = static_cast<int>(x->cols());
   bool ok = true;
-  for (int j = 0; j < m && ok; ++j) {
-    auto cj = x->col(j);
-    const float before = cj.norm();
-    for (int pass = 0; pass < passes; ++pass) {
-      for (int i = 0; i < j; ++i) cj -= x->col(i).dot(cj) * x->col(i);
-    }
-    const float after = cj.norm();
-    ok = after > 1e-3f * before;
-    if (ok) cj /= after;
-  }
+  for (int pass = 0; pass < passes && ok; ++pass) ok = GramSchmidtSweep(x);
   if (ok) return;
   const Eigen::MatrixXf dense = y;
   Eigen::HouseholderQR<Eigen::MatrixXf> qr(dense);
