@@ -354,7 +354,7 @@ void Pipeline::BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, con
   // Per-thread: a fresh buffer this size per head costs page faults.
   thread_local std::vector<float> v;
   v.resize(static_cast<size_t>(n_cand) * d);
-  for (int j = 0; j < n_cand; ++j) layer.prompt_v.ReadRow(h, n_anchor + j, v.data() + static_cast<size_t>(j) * d);
+  layer.prompt_v.ReadRows(h, n_anchor, n_cand, v.data());
   std::vector<int> kept_local(kept);
   for (int& j : kept_local) j -= n_anchor;
   const ObfHead obf = ComputeObf(

@@ -72,6 +72,11 @@ class KvTensor {
 
   // Reads row (h, t) as dim() floats into `out`.
   void ReadRow(int h, int t, float* out) const { ToFloat(dtype_, row(h, t), out, dim_); }
+  // Converts rows (h, t) .. (h, t + count - 1), count * dim() floats, to `out`.
+  // REQUIRES: t + count <= tokens().
+  void ReadRows(int h, int t, int count, float* out) const {
+    ToFloat(dtype_, row(h, t), out, static_cast<size_t>(count) * dim_);
+  }
   // Writes dim() floats from `in` to row (h, t), rounding to dtype().
   void WriteRow(int h, int t, const float* in) { FromFloat(dtype_, in, row(h, t), dim_); }
   // Copies row (src_h, src_t) of `src` to row (h, t). REQUIRES: same dtype and dim.
