@@ -16,18 +16,19 @@ inline int GramStride(int d) {
   return (units | 1) * kGramPad;
 }
 
+// Which code path runs. Every path (AVX-512, AVX2, scalar) performs the same
+// operations in the same order per output entry, so results are
+// bit-identical on every CPU; the choice exists so tests can check that.
+// kBest: AVX-512 when the CPU has it, else AVX2. kAvx2 is scalar in builds
+// without AVX2.
+enum class GramIsa { kBest, kAvx2, kScalar };
+
 // Computes the lower triangle of g = a^T a.
 //   a: row-major [n, ld], ld = GramStride(d); columns d..ld-1 must be zero.
 //   g: row-major [ld, ld]; g[i * ld + j] for j <= i < d holds
 //      sum_t a[t][i] * a[t][j], accumulated with fused multiply-adds in
 //      ascending t. Other entries are unspecified.
-// Every code path (AVX-512, AVX2, scalar) performs the same operations in the
-// same order per entry, so the result is bit-identical on every CPU; `isa`
-// exists so tests can check that. kAvx2 falls back to scalar in builds
-// without AVX2.
-// Thread-safe. REQUIRES: n >= 0, 0 <= d, a and g do not overlap.
-enum class GramIsa { kBest, kAvx2, kScalar };  // kBest: AVX-512 when the CPU has it
-
+// Thread-safe. REQUIRES: n >= 0, d >= 0, a and g do not overlap.
 void GramLower(const double* a, int n, int d, double* g, GramIsa isa = GramIsa::kBest);
 void GramLower(const float* a, int n, int d, float* g, GramIsa isa = GramIsa::kBest);
 
