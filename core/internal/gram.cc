@@ -1,5 +1,8 @@
 #include "core/internal/gram.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include "core/internal/gram_kernels.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
@@ -40,7 +43,11 @@ template <> struct Avx2<float> {
 };
 
 bool UseAvx512() {
-  static const bool use = __builtin_cpu_supports("avx512f");
+  static const bool use = [] {
+    const char* off = std::getenv("KVRELAY_DISABLE_AVX512");
+    if (off != nullptr && *off != '\0' && std::strcmp(off, "0") != 0) return false;
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
   return use;
 }
 #endif

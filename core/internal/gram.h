@@ -19,8 +19,9 @@ inline int GramStride(int d) {
 // Which code path runs. Every path (AVX-512, AVX2, scalar) performs the same
 // operations in the same order per output entry, so results are
 // bit-identical on every CPU; the choice exists so tests can check that.
-// kBest: AVX-512 when the CPU has it, else AVX2. kAvx2 is scalar in builds
-// without AVX2.
+// kBest: AVX-512 when the CPU has it and the environment variable
+// KVRELAY_DISABLE_AVX512 is unset, empty or "0" (read once per process),
+// else AVX2. kAvx2 is scalar in builds without AVX2.
 enum class GramIsa { kBest, kAvx2, kScalar };
 
 // Computes the lower triangle of g = a^T a.

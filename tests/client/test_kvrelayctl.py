@@ -5,6 +5,7 @@ Usage: test_kvrelayctl.py --kvrelayctl PATH [unittest args]
 
 Stdlib only: safetensors files are read and written here with struct/json.
 """
+import hashlib
 import json
 import os
 import re
@@ -315,6 +316,32 @@ class CliTest(unittest.TestCase):
             with open(out, "rb") as f:
                 outs.append(f.read())
         self.assertEqual(outs[0], outs[1])
+
+    def test_avx512_and_avx2_paths_give_identical_messages(self):
+        # The OBF kernels use AVX-512 where the CPU has it; the AVX2 path must
+        # give the same bytes (only discriminating on an AVX-512 machine).
+        with open("/proc/cpuinfo") as f:
+            has_avx512 = " avx512f" in f.read()
+        if not has_avx512:
+            print("note: no AVX-512 on this CPU; both runs take the AVX2 path", file=sys.stderr)
+        turn = self.path("isa_turn.safetensors")
+        self.run_ok(["make-turn", "--out", turn, "--layers", "2", "--kv-heads", "2", "--head-dim", "72",
+                     "--prompt", "150", "--gen", "5", "--seed", "21", "--dtype", "F32"])
+        for policy in ["h2o-head:k=16+obf:p=4", "h2o-head:k=16+obf:p=4,mode=fast",
+                       "h2o-layer:k=40+obf:p=6,mode=fast,iters=3"]:
+            outs = []
+            for disable in [None, "1"]:
+                out = self.path("isa_%s.safetensors" % ("avx2" if disable else "best"))
+                env = dict(os.environ)
+                env.pop("KVRELAY_DISABLE_AVX512", None)
+                if disable:
+                    env["KVRELAY_DISABLE_AVX512"] = disable
+                p = subprocess.run([KVRELAYCTL, "compress", "--policy", policy, "--in", turn, "--out", out,
+                                    "--threads", "1"], capture_output=True, text=True, timeout=120, env=env)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                with open(out, "rb") as f:
+                    outs.append(hashlib.sha256(f.read()).hexdigest())
+            self.assertEqual(outs[0], outs[1], "%s: AVX-512 and AVX2 messages differ" % policy)
 
     def test_compressed_message_and_inspect(self):
         out = self.path("h2o.safetensors")
