@@ -518,7 +518,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::MatrixXf keep_t(d, n_keep);
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose() * to_unit;
   PaddedRows<float> del_rows(vm, split.del, to_unit);  // per-thread, see ExactObf
-  auto del = del_rows.rows();
+  const auto del = del_rows.rows();
 
   Eigen::ColPivHouseholderQR<Eigen::MatrixXf> qr(keep_t);
   qr.setThreshold(1e-5);
