@@ -248,7 +248,7 @@ std::vector<uint16_t> RoundTo(DType dtype, const std::vector<float>& x) {
 
 std::vector<uint16_t> Halfwords(const KvTensor& t) {
   std::vector<uint16_t> out(t.byte_size() / 2);
-  std::memcpy(out.data(), t.bytes().data(), t.byte_size());
+  if (!out.empty()) std::memcpy(out.data(), t.bytes().data(), t.byte_size());
   return out;
 }
 
