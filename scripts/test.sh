@@ -6,3 +6,5 @@ bash scripts/install_deps.sh
 bash scripts/build.sh
 BUILD_DIR=${KVRELAY_BUILD_DIR:-build}
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
+# The core math again under AddressSanitizer + UndefinedBehaviorSanitizer.
+if [ "${KVRELAY_SKIP_SANITIZERS:-0}" != 1 ]; then bash scripts/sanitize.sh; fi
