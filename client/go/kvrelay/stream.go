@@ -91,15 +91,16 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 		}
 	}
 	kv := dtypeSize[t.DType] * t.KVHeads * t.HeadDim
+	type partData struct {
+		part pb.Part
+		name string
+		data []byte
+		want int
+	}
 	var tensors []uploadTensor
 	for l := range t.Layers {
 		layer := &t.Layers[l]
-		parts := []struct {
-			part pb.Part
-			name string
-			data []byte
-			want int
-		}{
+		parts := []partData{
 			{pb.Part_PART_PROMPT_K, "prompt.k", layer.PromptK, kv * t.NPrompt},
 			{pb.Part_PART_PROMPT_V, "prompt.v", layer.PromptV, kv * t.NPrompt},
 			{pb.Part_PART_GEN_K, "gen.k", layer.GenK, kv * t.NGen},
@@ -107,12 +108,7 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 			{pb.Part_PART_PROMPT_SCORE, "prompt.score", layer.PromptScore, 4 * t.ScoreHeads * t.NPrompt},
 		}
 		if t.NHistory > 0 {
-			parts = append(parts, []struct {
-				part pb.Part
-				name string
-				data []byte
-				want int
-			}{
+			parts = append(parts, []partData{
 				{pb.Part_PART_HISTORY_K, "history.k", layer.HistoryK, kv * t.NHistory},
 				{pb.Part_PART_HISTORY_V, "history.v", layer.HistoryV, kv * t.NHistory},
 				{pb.Part_PART_HISTORY_POS, "history.pos", layer.HistoryPos, 4 * t.KVHeads * t.NHistory},
