@@ -20,6 +20,15 @@ constexpr double kTiny = 1e-12;
 
 using RowMatrixXf = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
+// A rows x cols view of padded storage: consecutive columns (rows, for a
+// row-major M) are `ld` elements apart. M may be const-qualified.
+template <typename M>
+using Strided = Eigen::Map<M, 0, Eigen::OuterStride<>>;
+template <typename M, typename Scalar>
+Strided<M> StridedView(Scalar* data, int rows, int cols, int ld) {
+  return Strided<M>(data, rows, cols, Eigen::OuterStride<>(ld));
+}
+
 struct Split {
   std::vector<int> del;  // candidate indices not kept
   double a_keep = 0, a_del = 0;
@@ -78,14 +87,15 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
 }
 
 // The rows `idx` of the row-major [*, d] matrix `vm`, converted to Scalar
-// and multiplied by `scale`, in a per-thread row-major buffer whose stride is padded with zeros for
-// GramLower. The buffer is freed when the object dies if it holds more than
-// 16 MiB, so one long prompt does not pin memory in every worker for good.
+// and multiplied by `scale`, in a per-thread row-major buffer whose stride is
+// padded with zeros for GramLower. The buffer is freed when the object dies
+// if it holds more than 16 MiB, so one long prompt does not pin memory in
+// every worker for good.
 template <typename Scalar>
 class PaddedRows {
  public:
-  using Map = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, 0,
-                         Eigen::OuterStride<>>;
+  using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using ColMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
 
   template <typename Source>
   PaddedRows(const Source& vm, const std::vector<int>& idx, Scalar scale = 1)
@@ -103,19 +113,18 @@ class PaddedRows {
   PaddedRows(const PaddedRows&) = delete;
   PaddedRows& operator=(const PaddedRows&) = delete;
 
-  Map rows() { return Map(buf().data(), n_, d_, Eigen::OuterStride<>(ld_)); }
+  Strided<RowMajor> rows() { return StridedView<RowMajor>(buf().data(), n_, d_, ld_); }
 
   // The full symmetric Gram rows^T rows, d x d, as a view of a per-thread
   // buffer that the next call on this thread overwrites.
-  using GramView = Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>;
-  GramView Gram() {
+  Strided<const ColMajor> Gram() {
     thread_local std::vector<Scalar> g;
     g.resize(static_cast<size_t>(ld_) * ld_);
     internal::GramLower(buf().data(), n_, d_, g.data());
     for (int i = 0; i < d_; ++i) {
       for (int j = 0; j < i; ++j) g[static_cast<size_t>(j) * ld_ + i] = g[static_cast<size_t>(i) * ld_ + j];
     }
-    return GramView(g.data(), d_, d_, Eigen::OuterStride<>(ld_));
+    return StridedView<const ColMajor>(g.data(), d_, d_, ld_);
   }
 
  private:
@@ -307,7 +316,7 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
 }
 
 // Column-major [rows, cols] view of a padded buffer (column stride ld).
-using PaddedCols = Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>>;
+using PaddedCols = Strided<Eigen::MatrixXf>;
 
 // a . b and b -= r a over n floats. With AVX2 two independent accumulators
 // per dot; the sweep below issues many of these that do not depend on each
@@ -426,17 +435,15 @@ class Complement {
   // s: the full S, row-major with stride GramStride(d) (PaddedRows::Gram).
   Matrix ReduceGram(const Scalar* s) const {
     const int m = d_ - r_, ld = internal::GramStride(d_);
-    using Padded = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
     thread_local std::vector<Scalar> ybuf, wbuf;
     ybuf.resize(static_cast<size_t>(ld) * r_);
     wbuf.resize(static_cast<size_t>(ld) * r_);
-    Padded(ybuf.data(), d_, r_, Eigen::OuterStride<>(ld)) = y_;
+    StridedView<Matrix>(ybuf.data(), d_, r_, ld) = y_;
     internal::SymmetricTimes(s, d_, ybuf.data(), r_, wbuf.data());  // S Y
-    Matrix w = Padded(wbuf.data(), d_, r_, Eigen::OuterStride<>(ld)) * t_.template triangularView<Eigen::Upper>();
+    Matrix w = StridedView<Matrix>(wbuf.data(), d_, r_, ld) * t_.template triangularView<Eigen::Upper>();
     const Matrix mm = t_.template triangularView<Eigen::Upper>().transpose() * (y_.transpose() * w);
     w.noalias() -= Scalar(0.5) * (y_ * mm);  // now Z
-    Matrix g = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>(
-        s + static_cast<size_t>(r_) * ld + r_, m, m, Eigen::OuterStride<>(ld));
+    Matrix g = StridedView<const Matrix>(s + static_cast<size_t>(r_) * ld + r_, m, m, ld);
     auto lower = g.template triangularView<Eigen::Lower>();
     lower -= y_.bottomRows(m) * w.bottomRows(m).transpose();
     lower -= w.bottomRows(m) * y_.bottomRows(m).transpose();
@@ -546,10 +553,10 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   gbuf.resize(static_cast<size_t>(ld) * ld);
   xbuf.resize(static_cast<size_t>(ld) * m);
   ybuf.resize(static_cast<size_t>(ld) * m);
-  PaddedCols(gbuf.data(), dc, dc, Eigen::OuterStride<>(ld)) = g;
-  PaddedCols(gbuf.data() + dc, ld - dc, dc, Eigen::OuterStride<>(ld)).setZero();
-  PaddedCols x(xbuf.data(), dc, m, Eigen::OuterStride<>(ld));
-  PaddedCols y(ybuf.data(), dc, m, Eigen::OuterStride<>(ld));
+  StridedView<Eigen::MatrixXf>(gbuf.data(), dc, dc, ld) = g;
+  StridedView<Eigen::MatrixXf>(gbuf.data() + dc, ld - dc, dc, ld).setZero();
+  PaddedCols x = StridedView<Eigen::MatrixXf>(xbuf.data(), dc, m, ld);
+  PaddedCols y = StridedView<Eigen::MatrixXf>(ybuf.data(), dc, m, ld);
   x = start;
   for (int it = 0; it < opts.iters; ++it) {
     internal::SymmetricTimes(gbuf.data(), dc, xbuf.data(), m, ybuf.data());
