@@ -58,9 +58,7 @@ void Dispatch(const T* a, int n, int d, T* g, GramIsa isa) {
   if (isa == GramIsa::kBest && UseAvx512()) return GramAvx512(a, n, d, g);
   if (isa != GramIsa::kScalar) return GramTiled<Avx2<T>, 4, 3>(a, n, d, g);
 #endif
-  const int ld = GramStride(d);
-  const Operands<T> o{a, ld, 1, a, ld, n, g, ld};
-  for (int i = 0; i < d; ++i) Entries(o, i, 1, 0, i + 1);
+  GramRowsByEntry(GramOperands(a, n, d, g), 0, d);
 }
 
 template <typename T>
@@ -69,8 +67,7 @@ void SymmetricDispatch(const T* s, int d, const T* x, int m, T* y, GramIsa isa) 
   if (isa == GramIsa::kBest && UseAvx512()) return SymmetricTimesAvx512(s, d, x, m, y);
   if (isa != GramIsa::kScalar) return SymmetricTimesTiled<Avx2<T>, 4, 3>(s, d, x, m, y);
 #endif
-  const int ld = GramStride(d);
-  Entries(Operands<T>{x, 1, ld, s, ld, d, y, ld}, 0, m, 0, d);
+  Entries(SymmetricOperands(s, d, x, y), 0, m, 0, d);
 }
 
 }  // namespace

@@ -88,22 +88,42 @@ inline void RowBlock(const Operands<T>& o, int i0, int j_end) {
   }
 }
 
+// GramLower's operands: b = v = a, both walked by row t.
+template <typename T>
+Operands<T> GramOperands(const T* a, int n, int d, T* g) {
+  const int ld = GramStride(d);
+  return Operands<T>{a, ld, 1, a, ld, n, g, ld};
+}
+
+// Rows i0.. of the lower triangle one entry at a time (the scalar path, and
+// the rows a tiled path leaves over).
+template <typename T>
+void GramRowsByEntry(const Operands<T>& o, int i0, int d) {
+  for (int i = i0; i < d; ++i) Entries(o, i, 1, 0, i + 1);
+}
+
+// SymmetricTimes' operands: b = x (column i of x is row i of the output),
+// v = the symmetric matrix.
+template <typename T>
+Operands<T> SymmetricOperands(const T* s, int d, const T* x, T* y) {
+  const int ld = GramStride(d);
+  return Operands<T>{x, 1, ld, s, ld, d, y, ld};
+}
+
 // The lower triangle of a^T a (see GramLower) by blocks of kRows rows.
 template <typename Isa, int kRows, int kVecs, typename T>
 inline void GramTiled(const T* a, int n, int d, T* g) {
-  const int ld = GramStride(d);
-  const Operands<T> o{a, ld, 1, a, ld, n, g, ld};
+  const Operands<T> o = GramOperands(a, n, d, g);
   int i0 = 0;
   for (; i0 + kRows <= d; i0 += kRows) RowBlock<Isa, kRows, kVecs>(o, i0, i0 + kRows);
-  for (int i = i0; i < d; ++i) Entries(o, i, 1, 0, i + 1);
+  GramRowsByEntry(o, i0, d);
 }
 
 // y = s x for symmetric s (see SymmetricTimes); output column i is row i of
 // `out`. Blocks of kRows columns, then blocks of one.
 template <typename Isa, int kRows, int kVecs, typename T>
 inline void SymmetricTimesTiled(const T* s, int d, const T* x, int m, T* y) {
-  const int ld = GramStride(d);
-  const Operands<T> o{x, 1, ld, s, ld, d, y, ld};
+  const Operands<T> o = SymmetricOperands(s, d, x, y);
   int i0 = 0;
   for (; i0 + kRows <= m; i0 += kRows) RowBlock<Isa, kRows, kVecs>(o, i0, d);
   for (; i0 < m; ++i0) RowBlock<Isa, 1, kVecs>(o, i0, d);
