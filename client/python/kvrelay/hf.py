@@ -88,6 +88,16 @@ def _is_tensor(x):
 
 # ---- cache -> list of (k, v) ------------------------------------------------
 
+def _check_4d(t, where, layout, tensor_hint, batch_hint=""):
+    """ValueError naming `where` unless t is a 4-D torch tensor with batch 1."""
+    if not _is_tensor(t):
+        raise ValueError(f"{where}: {type(t).__name__}, expected {tensor_hint}")
+    if t.dim() != 4:
+        raise ValueError(f"{where}: shape {list(t.shape)}, expected 4-D {layout}")
+    if t.shape[0] != 1:
+        raise ValueError(f"{where}: batch {t.shape[0]}, expected 1{batch_hint}")
+
+
 def cache_layers(cache):
     """The (key, value) tensor pairs of a cache, one per layer, checked:
     every tensor 4-D [1, kv_heads, tokens, head_dim], keys and values of the
@@ -107,15 +117,9 @@ def cache_layers(cache):
             raise ValueError(f"cache layer {i}: {type(kv).__name__}, expected a (key, value) pair")
         k, v = kv[0], kv[1]
         for name, t in (("key", k), ("value", v)):
-            if not _is_tensor(t):
-                raise ValueError(f"cache layer {i} {name}: {type(t).__name__}, expected a "
-                                 "torch.Tensor (layer not initialised?)")
-            if t.dim() != 4:
-                raise ValueError(f"cache layer {i} {name}: shape {list(t.shape)}, expected 4-D "
-                                 "[batch=1, kv_heads, tokens, head_dim]")
-            if t.shape[0] != 1:
-                raise ValueError(f"cache layer {i} {name}: batch {t.shape[0]}, expected 1 "
-                                 "(a turn is one sequence; split the batch first)")
+            _check_4d(t, f"cache layer {i} {name}", "[batch=1, kv_heads, tokens, head_dim]",
+                      "a torch.Tensor (layer not initialised?)",
+                      " (a turn is one sequence; split the batch first)")
             if _dtype_name(t) not in DTYPE_NAMES:
                 raise ValueError(f"cache layer {i} {name}: dtype {t.dtype}, expected "
                                  "torch.float32, torch.float16 or torch.bfloat16")
@@ -260,14 +264,8 @@ class PromptAttention:
         lo, hi = self.prompt_start, self.prompt_start + self.n_prompt
         sums = []
         for i, a in enumerate(attentions):
-            if not _is_tensor(a):
-                raise ValueError(f"attentions layer {i}: {type(a).__name__}, expected a tensor "
-                                 "(None: the model ran without eager attention?)")
-            if a.dim() != 4:
-                raise ValueError(f"attentions layer {i}: shape {list(a.shape)}, expected 4-D "
-                                 "[batch=1, q_heads, q_len, kv_len]")
-            if a.shape[0] != 1:
-                raise ValueError(f"attentions layer {i}: batch {a.shape[0]}, expected 1")
+            _check_4d(a, f"attentions layer {i}", "[batch=1, q_heads, q_len, kv_len]",
+                      "a tensor (None: the model ran without eager attention?)")
             if a.shape[3] < hi:
                 raise ValueError(f"attentions layer {i}: kv_len {a.shape[3]}, expected >= "
                                  f"prompt_start + n_prompt = {hi}")
