@@ -17,6 +17,9 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
+#include "grpcpp/impl/rpc_method.h"
+#include "grpcpp/support/sync_stream.h"
+#include "proto/raw_chunk.h"
 #include "proto/status_util.h"
 
 namespace kvrelay {
@@ -44,13 +47,23 @@ Accounting FromProto(const v1::Accounting& a) {
   return out;
 }
 
-// Writes the chunks of every tensor of `turn` and the trailer through
-// `write` (returns false once the stream broke). Ok when the whole upload
-// was written; Cancelled when the stream broke (the call's status says why).
+// The tensor streams run raw (proto/raw_chunk.h): a chunk's data is copied
+// once into the outgoing message, its CRC32C computed during that copy, and
+// delivered chunks are copied once out of gRPC's slices into the message.
+// The wire format is relay.proto's. These are the methods' full names (the
+// generated stub's, which the raw calls cannot use).
+constexpr char kPublishMethod[] = "/kvrelay.v1.Relay/Publish";
+constexpr char kFetchMethod[] = "/kvrelay.v1.Relay/Fetch";
+constexpr char kCompressMethod[] = "/kvrelay.v1.Relay/Compress";
+
+using WriteFn = std::function<bool(const grpc::ByteBuffer&)>;
+
+// Writes the chunks of every tensor of `turn` (as Request.chunk) and the
+// trailer (Request.commit) through `write` (returns false once the stream
+// broke). Ok when the whole upload was written; Cancelled when the stream
+// broke (the call's status says why).
 template <typename Request>
-absl::Status UploadTurn(const Turn& turn, Request* req,
-                        const std::function<bool(const Request&)>& write,
-                        const ProgressCallback& progress) {
+absl::Status UploadTurn(const Turn& turn, const WriteFn& write, const ProgressCallback& progress) {
   const std::vector<TensorRef> tensors = client_internal::TurnUploadOrder(turn);
   TransferProgress p;
   p.phase = TransferProgress::Phase::kUpload;
@@ -58,17 +71,18 @@ absl::Status UploadTurn(const Turn& turn, Request* req,
   TrailerBuilder trailer;
   const absl::Status broken = absl::CancelledError("upload stream broke");
   for (const TensorRef& t : tensors) {
-    KVRELAY_RETURN_IF_ERROR(client_internal::ForEachChunk(
-        t, kMaxChunkBytes, req->mutable_chunk(), [&](const v1::Chunk& c) {
-          trailer.Add(c);
-          if (!write(*req)) return broken;
-          p.bytes_done += c.data().size();
-          if (progress) progress(p);
-          return absl::OkStatus();
-        }));
+    for (size_t off = 0; off < t.data.size(); off += kMaxChunkBytes) {
+      const absl::Span<const uint8_t> data = t.data.subspan(off, kMaxChunkBytes);
+      uint32_t crc = 0;
+      if (!write(EncodeChunkCopy(Request::kChunkFieldNumber, t.layer, t.part, off, data, &crc))) return broken;
+      trailer.Add(crc, data.size());
+      p.bytes_done += data.size();
+      if (progress) progress(p);
+    }
   }
-  *req->mutable_commit() = trailer.Build();
-  if (!write(*req)) return broken;
+  Request commit;
+  *commit.mutable_commit() = trailer.Build();
+  if (!write(EncodeProto(commit))) return broken;
   return absl::OkStatus();
 }
 
@@ -79,6 +93,19 @@ class DeliveryReader {
  public:
   explicit DeliveryReader(ProgressCallback progress) : progress_(std::move(progress)) {
     p_.phase = TransferProgress::Phase::kDownload;
+  }
+
+  // A response as it arrived: a chunk is copied straight out of gRPC's
+  // slices; anything else is parsed as a Response.
+  absl::Status Consume(const grpc::ByteBuffer& wire) {
+    if (!raw_.Reset(wire)) return absl::DataLossError("delivery stream: unreadable response");
+    if (raw_.AsChunk(Response::kChunkFieldNumber, &chunk_)) return Consume(chunk_);
+    if (!raw_.ParseAs(&resp_)) {
+      return absl::InvalidArgumentError(absl::StrCat("delivery stream: a response of ", raw_.size(),
+                                                     " bytes that is not a kvrelay.v1.",
+                                                     Response::descriptor()->name()));
+    }
+    return Consume(resp_);
   }
 
   absl::Status Consume(const Response& r) {
@@ -95,10 +122,7 @@ class DeliveryReader {
         if (progress_) progress_(p_);
         return absl::OkStatus();
       case Response::kChunk:
-        KVRELAY_RETURN_IF_ERROR(assembler_.Add(r.chunk()));
-        p_.bytes_done = assembler_.bytes_received();
-        if (progress_) progress_(p_);
-        return absl::OkStatus();
+        return Consume(ChunkView::Of(r.chunk()));
       case Response::kTrailer: {
         KVRELAY_ASSIGN_OR_RETURN(message_, assembler_.Finish(r.trailer()));
         done_ = true;
@@ -114,6 +138,19 @@ class DeliveryReader {
   Message TakeMessage() { return std::move(message_); }
 
  private:
+  absl::Status Consume(const ChunkView& c) {
+    if (done_) {
+      return absl::InvalidArgumentError("delivery stream: chunk after the trailer, expected the end");
+    }
+    KVRELAY_RETURN_IF_ERROR(assembler_.Add(c));
+    p_.bytes_done = assembler_.bytes_received();
+    if (progress_) progress_(p_);
+    return absl::OkStatus();
+  }
+
+  RawMessage raw_;
+  ChunkView chunk_;
+  Response resp_;
   ProgressCallback progress_;
   TransferProgress p_;
   MessageAssembler assembler_;
@@ -127,7 +164,7 @@ class DeliveryReader {
 // rejects, cancels the call and drains the rest; returns that error, or OK.
 template <typename Stream, typename Response>
 absl::Status ConsumeDelivery(Stream* stream, grpc::ClientContext* ctx, DeliveryReader<Response>* delivery) {
-  Response resp;
+  grpc::ByteBuffer resp;
   while (stream->Read(&resp)) {
     absl::Status s = delivery->Consume(resp);
     if (!s.ok()) {
@@ -288,14 +325,14 @@ absl::StatusOr<PublishResult> RelayClient::PublishOnce(const Turn& turn,
   grpc::ClientContext ctx;
   SetDeadline(&ctx, opts.deadline);
   v1::PublishResponse resp;
-  std::unique_ptr<grpc::ClientWriter<v1::PublishRequest>> writer = stub_->Publish(&ctx, &resp);
+  const grpc::internal::RpcMethod method(kPublishMethod, grpc::internal::RpcMethod::CLIENT_STREAMING);
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel_.get(), method, &ctx, &resp));
   v1::PublishRequest req;
   *req.mutable_header() = header;
-  auto write = [&](const v1::PublishRequest& r) { return writer->Write(r); };
+  const WriteFn write = [&](const grpc::ByteBuffer& b) { return writer->Write(b); };
   absl::Status up = absl::CancelledError("upload stream broke");
-  if (write(req)) {
-    up = UploadTurn<v1::PublishRequest>(turn, &req, write, opts.progress);
-  }
+  if (write(EncodeProto(req))) up = UploadTurn<v1::PublishRequest>(turn, write, opts.progress);
   if (up.ok()) writer->WritesDone();
   const grpc::Status s = writer->Finish();
   if (!s.ok()) return FromGrpcStatus(s);
@@ -319,7 +356,9 @@ absl::StatusOr<FetchedMessage> RelayClient::Fetch(const FetchOptions& opts) {
   req.set_session_id(opts.session);
   req.set_agent(opts.agent);
   req.set_auto_ack(opts.auto_ack);
-  std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader = stub_->Fetch(&ctx, req);
+  const grpc::internal::RpcMethod method(kFetchMethod, grpc::internal::RpcMethod::SERVER_STREAMING);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel_.get(), method, &ctx, req));
   DeliveryReader<v1::FetchResponse> delivery(opts.progress);
   const absl::Status local = ConsumeDelivery(reader.get(), &ctx, &delivery);
   const grpc::Status s = reader->Finish();
@@ -398,7 +437,10 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
   KVRELAY_ASSIGN_OR_RETURN(v1::TurnGeometry geometry, client_internal::TurnGeometryOf(turn));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, deadline);
-  auto stream = stub_->Compress(&ctx);
+  const grpc::internal::RpcMethod method(kCompressMethod, grpc::internal::RpcMethod::BIDI_STREAMING);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel_.get(), method,
+                                                                                           &ctx));
 
   // The relay may stream the message back while the upload is still going
   // (layer by layer), so the reply is read on its own thread: one reader and
@@ -409,9 +451,9 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
   v1::CompressRequest req;
   req.mutable_header()->set_policy(policy);
   *req.mutable_header()->mutable_geometry() = std::move(geometry);
-  auto write = [&](const v1::CompressRequest& r) { return stream->Write(r); };
+  const WriteFn write = [&](const grpc::ByteBuffer& b) { return stream->Write(b); };
   absl::Status up = absl::CancelledError("upload stream broke");
-  if (write(req)) up = UploadTurn<v1::CompressRequest>(turn, &req, write, progress);
+  if (write(EncodeProto(req))) up = UploadTurn<v1::CompressRequest>(turn, write, progress);
   if (up.ok()) stream->WritesDone();
   reader.join();
   const grpc::Status s = stream->Finish();

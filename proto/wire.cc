@@ -34,11 +34,13 @@ std::vector<TensorRef> MessageDeliveryOrder(const Message& msg) {
   return out;
 }
 
-void TrailerBuilder::Add(const v1::Chunk& chunk) {
+void TrailerBuilder::Add(const v1::Chunk& chunk) { Add(chunk.crc32c(), chunk.data().size()); }
+
+void TrailerBuilder::Add(uint32_t crc32c, uint64_t size) {
   ++chunks_;
-  bytes_ += chunk.data().size();
+  bytes_ += size;
   // The chunk's own CRC was computed over the same bytes; combine it.
-  crc_ = Crc32cCombine(crc_, chunk.crc32c(), chunk.data().size());
+  crc_ = Crc32cCombine(crc_, crc32c, size);
 }
 
 v1::Trailer TrailerBuilder::Build() const {

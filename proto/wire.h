@@ -38,6 +38,8 @@ class TrailerBuilder {
   // REQUIRES: chunk.crc32c() is the CRC32C of chunk.data() (it is combined,
   // not recomputed).
   void Add(const v1::Chunk& chunk);
+  // A chunk of `size` bytes whose data has CRC32C `crc32c`.
+  void Add(uint32_t crc32c, uint64_t size);
   v1::Trailer Build() const;
 
  private:

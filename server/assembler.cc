@@ -146,20 +146,22 @@ uint8_t* TurnAssembler::Dest(const Tensor& t) {
   }
 }
 
-absl::Status TurnAssembler::Accept(const v1::Chunk& c) {
+absl::Status TurnAssembler::Accept(const v1::Chunk& c) { return Accept(ChunkView::Of(c)); }
+
+absl::Status TurnAssembler::Accept(const ChunkView& c) {
   if (cursor_ == tensors_.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "chunk: layer ", c.layer(), " ", PartName(c.part()), " offset ", c.offset(),
+        "chunk: layer ", c.layer, " ", PartName(c.part), " offset ", c.offset,
         ", expected the commit: every tensor of the turn is already complete"));
   }
   const Tensor& t = tensors_[cursor_];
-  if (c.layer() != static_cast<uint32_t>(t.layer) || c.part() != t.part || c.offset() != offset_) {
+  if (c.layer != static_cast<uint32_t>(t.layer) || c.part != t.part || c.offset != offset_) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "chunk: layer ", c.layer(), " ", PartName(c.part()), " offset ", c.offset(), ", expected layer ",
+        "chunk: layer ", c.layer, " ", PartName(c.part), " offset ", c.offset, ", expected layer ",
         t.layer, " ", PartName(t.part), " offset ", offset_,
         " (tensors in upload order, contiguous offsets, no duplicates)"));
   }
-  const size_t n = c.data().size();
+  const uint64_t n = c.size;
   if (n == 0 || n > kMaxChunkBytes) {
     return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", n, " bytes at layer ", t.layer, " ",
                                                    PartName(t.part), " offset ", offset_,
@@ -170,14 +172,14 @@ absl::Status TurnAssembler::Accept(const v1::Chunk& c) {
         "chunk.data: ", n, " bytes at layer ", t.layer, " ", PartName(t.part), " offset ", offset_,
         " runs past the tensor's ", t.size, " bytes (from the header's geometry)"));
   }
-  const uint32_t crc = Crc32c(c.data().data(), n);
-  if (crc != c.crc32c()) {
-    return absl::DataLossError(absl::StrCat("chunk.crc32c: ", c.crc32c(), " at layer ", t.layer, " ",
+  // Copied before it is checked (one pass over the data); a chunk that
+  // fails leaves its bytes where the next chunk will overwrite them.
+  const uint32_t crc = c.CopyTo(Dest(t) + offset_);
+  if (crc != c.crc32c) {
+    return absl::DataLossError(absl::StrCat("chunk.crc32c: ", c.crc32c, " at layer ", t.layer, " ",
                                             PartName(t.part), " offset ", offset_, ", expected ", crc,
                                             " (CRC32C of the chunk's data)"));
   }
-  uint8_t* dst = Dest(t);
-  std::memcpy(dst + offset_, c.data().data(), n);
   crc_ = Crc32cCombine(crc_, crc, n);  // the chunk was checked: no second pass
   ++chunks_;
   bytes_ += n;

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "core/turn.h"
 #include "kvrelay/v1/relay.pb.h"
+#include "proto/raw_chunk.h"
 #include "proto/wire.h"
 
 namespace kvrelay {
@@ -62,8 +63,11 @@ class TurnAssembler {
 
   // Accepts the next chunk. InvalidArgument when it is not the expected
   // (layer, part, offset), is empty, longer than 1 MiB or runs past its
-  // tensor; DataLoss when its CRC32C does not match. Nothing is copied on
-  // error.
+  // tensor; DataLoss when its CRC32C does not match. Nothing is accepted on
+  // error: a chunk failing its CRC32C is copied (the check runs during the
+  // copy) into the bytes the next accepted chunk overwrites, and no layer
+  // holding it is reported complete.
+  absl::Status Accept(const ChunkView& chunk);
   absl::Status Accept(const v1::Chunk& chunk);
 
   // Layers that became complete since the last call, ascending. Moves them

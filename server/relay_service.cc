@@ -13,6 +13,7 @@
 #include "core/crc32c.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
+#include "proto/raw_chunk.h"
 #include "proto/status_util.h"
 #include "proto/wire.h"
 #include "server/assembler.h"
@@ -37,34 +38,30 @@ class OutgoingMessage {
     }
   }
 
-  // Fills the next chunk; false when every chunk was produced.
-  bool NextChunk(v1::Chunk* c) {
-    if (cursor_ == tensors_.size()) return false;
-    const TensorRef& t = tensors_[cursor_];
-    const size_t n = std::min(kMaxChunkBytes, t.data.size() - offset_);
-    c->set_layer(t.layer);
-    c->set_part(t.part);
-    c->set_offset(offset_);
-    c->set_data(t.data.data() + offset_, n);
-    c->set_crc32c(Crc32c(t.data.data() + offset_, n));
-    trailer_.Add(*c);
-    offset_ += n;
-    if (offset_ == t.data.size()) {
-      ++cursor_;
-      offset_ = 0;
-    }
-    return true;
-  }
-
-  // Fills the delivery's next response into `resp` (FetchResponse or
-  // CompressResponse): each chunk, then the trailer; false after the trailer.
+  // Encodes the delivery's next response of type Resp (FetchResponse or
+  // CompressResponse) into `out`: each chunk, its data sent from the message
+  // itself (the slices hold the message), then the trailer; false after the
+  // trailer.
   template <typename Resp>
-  bool FillNext(Resp* resp) {
-    resp->Clear();
-    if (NextChunk(resp->mutable_chunk())) return true;
+  bool FillNext(grpc::ByteBuffer* out) {
+    if (cursor_ < tensors_.size()) {
+      const TensorRef& t = tensors_[cursor_];
+      const absl::Span<const uint8_t> data = t.data.subspan(offset_, kMaxChunkBytes);
+      const uint32_t crc = Crc32c(data.data(), data.size());
+      *out = EncodeChunkNoCopy(Resp::kChunkFieldNumber, t.layer, t.part, offset_, data, crc, hold_);
+      trailer_.Add(crc, data.size());
+      offset_ += data.size();
+      if (offset_ == t.data.size()) {
+        ++cursor_;
+        offset_ = 0;
+      }
+      return true;
+    }
     if (trailer_sent_) return false;
     trailer_sent_ = true;
-    *resp->mutable_trailer() = trailer_.Build();
+    Resp resp;
+    *resp.mutable_trailer() = trailer_.Build();
+    *out = EncodeProto(resp);
     return true;
   }
 
@@ -118,10 +115,10 @@ class Upload {
 
   bool started() const { return pending_ != nullptr; }
 
-  absl::Status Chunk(const v1::Chunk& c) {
+  absl::Status Chunk(const ChunkView& c) {
     KVRELAY_RETURN_IF_ERROR(assembler_->Accept(c));
-    svc_->store()->AddReceived(c.data().size());
-    if (svc_->metrics()) svc_->metrics()->AddReceived(c.data().size());
+    svc_->store()->AddReceived(c.size);
+    if (svc_->metrics()) svc_->metrics()->AddReceived(c.size);
     SubmitCompleted();
     return pending_->status();  // a layer may already have failed
   }
@@ -196,6 +193,8 @@ absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const st
 // duplicate publish), Complete() (on a worker once every layer is
 // compressed) and Fail(status), and finishes only through TryFinish().
 // Derived's constructor calls StartUpload() last, once it is whole.
+// Requests arrive raw: a chunk is read straight out of gRPC's slices
+// (RawMessage::AsChunk), anything else is parsed as a Request.
 template <typename Derived, typename Reactor, typename Request>
 class UploadReactor : public Reactor {
  public:
@@ -210,6 +209,16 @@ class UploadReactor : public Reactor {
                                                : ": empty stream, expected a header first")));
     }
     absl::Status s;
+    if (!raw_.Reset(wire_)) return self().Fail(absl::InvalidArgumentError(absl::StrCat(rpc_, ": unreadable request")));
+    if (raw_.AsChunk(Request::kChunkFieldNumber, &chunk_)) {
+      s = OnChunk(chunk_);
+      if (!s.ok()) return self().Fail(s);
+      return ReadNext();
+    }
+    if (!raw_.ParseAs(&req_)) {
+      return self().Fail(absl::InvalidArgumentError(absl::StrCat(
+          rpc_, ": request of ", raw_.size(), " bytes is not a kvrelay.v1.", Request::descriptor()->name())));
+    }
     switch (req_.kind_case()) {
       case Request::kHeader:
         if (upload_.started()) {
@@ -220,8 +229,8 @@ class UploadReactor : public Reactor {
         }
         break;
       case Request::kChunk:
-        s = upload_.started() ? upload_.Chunk(req_.chunk())
-                              : absl::InvalidArgumentError("chunk: before the header, expected the header first");
+        chunk_ = ChunkView::Of(req_.chunk());
+        s = OnChunk(chunk_);
         break;
       case Request::kCommit:
         if (!upload_.started()) {
@@ -252,7 +261,7 @@ class UploadReactor : public Reactor {
     idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
     gate_ = std::make_shared<ReadGate>(idle_);
     gate_->resume = [this] { OnResume(); };
-    this->StartRead(&req_);
+    this->StartRead(&wire_);
   }
 
   // From OnDone: neither the watchdog nor a worker may call in any more.
@@ -282,7 +291,10 @@ class UploadReactor : public Reactor {
   RelayService* const svc_;
   grpc::CallbackServerContext* const ctx_;
   const char* const rpc_;  // "publish" or "compress", for messages
-  Request req_;
+  grpc::ByteBuffer wire_;  // the request being read
+  RawMessage raw_;         // wire_'s slices
+  ChunkView chunk_;        // a chunk request: views into raw_ (or req_)
+  Request req_;            // any other request, parsed
   std::mutex mu_;  // guards upload_ against OnCancel
   Upload upload_;
   std::atomic<bool> finished_{false};
@@ -291,6 +303,11 @@ class UploadReactor : public Reactor {
  private:
   Derived& self() { return static_cast<Derived&>(*this); }
 
+  absl::Status OnChunk(const ChunkView& c) {
+    if (!upload_.started()) return absl::InvalidArgumentError("chunk: before the header, expected the header first");
+    return upload_.Chunk(c);
+  }
+
   // Under idle_->mu, after a read: reads on, unless backpressure pauses
   // the upload until a worker calls OnResume.
   void ReadNext() {
@@ -298,7 +315,7 @@ class UploadReactor : public Reactor {
       idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
       return;
     }
-    this->StartRead(&req_);
+    this->StartRead(&wire_);
   }
 
   // On a worker, under idle_->mu: a paused upload's layers drained below the
@@ -307,7 +324,7 @@ class UploadReactor : public Reactor {
   void OnResume() {
     if (finished_) return;
     idle_->last = Clock::now();
-    this->StartRead(&req_);
+    this->StartRead(&wire_);
   }
 
   // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
@@ -325,10 +342,10 @@ class UploadReactor : public Reactor {
 // ---------------------------------------------------------------- Publish
 
 class PublishReactor final
-    : public UploadReactor<PublishReactor, grpc::ServerReadReactor<v1::PublishRequest>, v1::PublishRequest> {
+    : public UploadReactor<PublishReactor, grpc::ServerReadReactor<grpc::ByteBuffer>, v1::PublishRequest> {
  public:
-  PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, v1::PublishResponse* resp)
-      : UploadReactor(svc, ctx, "publish"), resp_(resp) {
+  PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
+      : UploadReactor(svc, ctx, "publish"), wire_resp_(resp) {
     StartUpload();
   }
 
@@ -368,7 +385,7 @@ class PublishReactor final
     if (!h.parent_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.parent_id", h.parent_id()));
     if (!h.has_geometry()) return absl::InvalidArgumentError("header.geometry: missing, expected the turn's geometry");
     if (header_.message_id().empty()) header_.set_message_id(svc_->NewMessageId());
-    resp_->set_message_id(header_.message_id());
+    resp_.set_message_id(header_.message_id());
 
     // Idempotency: a committed id answers with the original accounting.
     if (MessagePtr prior = svc_->store()->Find(header_.session_id(), header_.message_id())) {
@@ -426,9 +443,9 @@ class PublishReactor final
   }
 
   void ReplyDuplicate(const MessagePtr& prior) {
-    resp_->set_message_id(prior->message_id);
-    *resp_->mutable_accounting() = prior->accounting;
-    resp_->set_duplicate(true);
+    resp_.set_message_id(prior->message_id);
+    *resp_.mutable_accounting() = prior->accounting;
+    resp_.set_duplicate(true);
     if (svc_->metrics()) svc_->metrics()->AddOutcome("duplicate");
     spdlog::info("publish duplicate session={} message={}", prior->session_id, prior->message_id);
     FinishOnce(grpc::Status::OK);
@@ -457,8 +474,8 @@ class PublishReactor final
     if (!r.ok()) return Fail(r.status());
     if (r->duplicate) return ReplyDuplicate(r->msg);
     const StoredMessage& c = *r->msg;
-    resp_->set_message_id(c.message_id);
-    *resp_->mutable_accounting() = c.accounting;
+    resp_.set_message_id(c.message_id);
+    *resp_.mutable_accounting() = c.accounting;
     if (Metrics* mx = svc_->metrics()) {
       mx->AddCommitted(c.family, c.msg.full_bytes, c.msg.sent_bytes);
       mx->AddOutcome("committed");
@@ -485,20 +502,24 @@ class PublishReactor final
     if (!TryFinish()) return;
     svc_->CountRpc("Publish", s);
     DropUpload();
+    if (s.ok()) *wire_resp_ = EncodeProto(resp_);
     Finish(s);
   }
 
-  v1::PublishResponse* const resp_;
+  grpc::ByteBuffer* const wire_resp_;
+  v1::PublishResponse resp_;
   v1::PublishHeader header_;
 };
 
 // ------------------------------------------------------------------ Fetch
 
-class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
+class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  FetchReactor(RelayService* svc, grpc::CallbackServerContext* ctx, const v1::FetchRequest& req)
+  // `parsed`: whether the request was a FetchRequest at all.
+  FetchReactor(RelayService* svc, grpc::CallbackServerContext* ctx, const v1::FetchRequest& req, bool parsed)
       : svc_(svc), ctx_(ctx), session_(req.session_id()), agent_(req.agent()), auto_ack_(req.auto_ack()) {
-    absl::Status s = CheckId("session_id", session_);
+    absl::Status s = parsed ? CheckId("session_id", session_)
+                            : absl::InvalidArgumentError("fetch: the request is not a kvrelay.v1.FetchRequest");
     if (s.ok()) s = CheckId("agent", agent_);
     if (!s.ok()) {
       FinishOnce(ToGrpcStatus(s));
@@ -526,7 +547,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
 
   void OnWriteDone(bool ok) override {
     if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: stream broken while delivering"));
-    if (out_->FillNext(&resp_)) return StartWrite(&resp_);
+    if (out_->FillNext<v1::FetchResponse>(&wire_)) return StartWrite(&wire_);
     Delivered();
   }
 
@@ -569,7 +590,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
     delivery_ = std::move(d);
     const StoredMessage& m = *delivery_.msg;
     out_.emplace(delivery_.msg, &m.msg);
-    v1::MessageHeader* h = resp_.mutable_header();
+    v1::FetchResponse resp;
+    v1::MessageHeader* h = resp.mutable_header();
     h->set_message_id(m.message_id);
     h->set_session_id(m.session_id);
     h->set_sender(m.sender);
@@ -578,7 +600,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
     FillMessageHeader(m.msg, h);
     *h->mutable_accounting() = m.accounting;
     h->set_delivery_attempt(delivery_.attempt);
-    StartWrite(&resp_);
+    wire_ = EncodeProto(resp);
+    StartWrite(&wire_);
   }
 
   void Delivered() {
@@ -615,13 +638,13 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
   std::atomic<bool> finished_{false};
   Store::Delivery delivery_;
   std::optional<OutgoingMessage> out_;
-  v1::FetchResponse resp_;
+  grpc::ByteBuffer wire_;  // the response being written
 };
 
 // --------------------------------------------------------------- Compress
 
 class CompressReactor final
-    : public UploadReactor<CompressReactor, grpc::ServerBidiReactor<v1::CompressRequest, v1::CompressResponse>,
+    : public UploadReactor<CompressReactor, grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                            v1::CompressRequest> {
  public:
   CompressReactor(RelayService* svc, grpc::CallbackServerContext* ctx) : UploadReactor(svc, ctx, "compress") {
@@ -630,7 +653,7 @@ class CompressReactor final
 
   void OnWriteDone(bool ok) override {
     if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "compress: stream broken while delivering"));
-    if (out_->FillNext(&resp_)) return StartWrite(&resp_);
+    if (out_->FillNext<v1::CompressResponse>(&out_wire_)) return StartWrite(&out_wire_);
     FinishOnce(grpc::Status::OK);
   }
 
@@ -675,10 +698,12 @@ class CompressReactor final
     }
     if (Metrics* mx = svc_->metrics()) mx->ObserveCompress(compress_s);
     out_.emplace(msg, msg.get());
-    v1::MessageHeader* h = resp_.mutable_header();
+    v1::CompressResponse resp;
+    v1::MessageHeader* h = resp.mutable_header();
     FillMessageHeader(*msg, h);
     FillAccounting(*msg, received, compress_s, SecondsSince(started_), h->mutable_accounting());
-    StartWrite(&resp_);
+    out_wire_ = EncodeProto(resp);
+    StartWrite(&out_wire_);
   }
 
   void Fail(const absl::Status& s) {
@@ -693,7 +718,7 @@ class CompressReactor final
     Finish(s);
   }
 
-  v1::CompressResponse resp_;
+  grpc::ByteBuffer out_wire_;  // the response being written
   std::optional<OutgoingMessage> out_;
   uint64_t out_reserved_ = 0;  // in flight until OnDone
 };
@@ -779,17 +804,20 @@ void RelayService::CountRpc(const char* method, const grpc::Status& s) const {
   if (metrics_) metrics_->AddRpc(method, s.error_code());
 }
 
-grpc::ServerReadReactor<v1::PublishRequest>* RelayService::Publish(grpc::CallbackServerContext* ctx,
-                                                                   v1::PublishResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* RelayService::Publish(grpc::CallbackServerContext* ctx,
+                                                                 grpc::ByteBuffer* response) {
   return new PublishReactor(this, ctx, response);
 }
 
-grpc::ServerWriteReactor<v1::FetchResponse>* RelayService::Fetch(grpc::CallbackServerContext* ctx,
-                                                                 const v1::FetchRequest* request) {
-  return new FetchReactor(this, ctx, *request);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::Fetch(grpc::CallbackServerContext* ctx,
+                                                               const grpc::ByteBuffer* request) {
+  RawMessage raw;
+  v1::FetchRequest req;
+  const bool parsed = raw.Reset(*request) && raw.ParseAs(&req);
+  return new FetchReactor(this, ctx, req, parsed);
 }
 
-grpc::ServerBidiReactor<v1::CompressRequest, v1::CompressResponse>* RelayService::Compress(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RelayService::Compress(
     grpc::CallbackServerContext* ctx) {
   return new CompressReactor(this, ctx);
 }

@@ -64,22 +64,32 @@ class UploadWatchdog {
   std::thread thread_;
 };
 
-class RelayService final : public v1::Relay::CallbackService {
+// The tensor streams (Publish, Fetch, Compress) are registered raw: their
+// messages stay gRPC byte buffers, so chunk data is copied once on the way in
+// (into the turn being assembled) and not at all on the way out
+// (proto/raw_chunk.h). The wire format is relay.proto's.
+using RelayCallbackBase = v1::Relay::WithCallbackMethod_Ack<v1::Relay::WithCallbackMethod_CloseSession<
+    v1::Relay::WithCallbackMethod_Stats<v1::Relay::WithRawCallbackMethod_Publish<
+        v1::Relay::WithRawCallbackMethod_Fetch<v1::Relay::WithRawCallbackMethod_Compress<v1::Relay::Service>>>>>>;
+
+class RelayService final : public RelayCallbackBase {
  public:
   // All pointers must outlive the service; `metrics` may be null.
   RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics);
 
-  grpc::ServerReadReactor<v1::PublishRequest>* Publish(grpc::CallbackServerContext* ctx,
-                                                       v1::PublishResponse* response) override;
-  grpc::ServerWriteReactor<v1::FetchResponse>* Fetch(grpc::CallbackServerContext* ctx,
-                                                     const v1::FetchRequest* request) override;
+  // Raw PublishRequest in, PublishResponse out.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Publish(grpc::CallbackServerContext* ctx,
+                                                     grpc::ByteBuffer* response) override;
+  // Raw FetchRequest in, FetchResponse out.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* Ack(grpc::CallbackServerContext* ctx, const v1::AckRequest* request,
                                 v1::AckResponse* response) override;
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
                                          const v1::CloseSessionRequest* request,
                                          v1::CloseSessionResponse* response) override;
-  grpc::ServerBidiReactor<v1::CompressRequest, v1::CompressResponse>* Compress(
-      grpc::CallbackServerContext* ctx) override;
+  // Raw CompressRequest in, CompressResponse out.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Compress(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
 

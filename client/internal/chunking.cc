@@ -213,23 +213,25 @@ void MessageAssembler::SkipComplete() {
   }
 }
 
-absl::Status MessageAssembler::Add(const v1::Chunk& c) {
+absl::Status MessageAssembler::Add(const v1::Chunk& c) { return Add(ChunkView::Of(c)); }
+
+absl::Status MessageAssembler::Add(const ChunkView& c) {
   if (!started_) return absl::InvalidArgumentError("chunk: before the header, expected a header first");
-  const std::string name = ChunkName(c.layer(), c.part());
+  const std::string name = ChunkName(c.layer, c.part);
   if (next_ >= slots_.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": after every tensor of the message is complete, expected the trailer"));
   }
   const Slot& s = slots_[next_];
-  if (c.layer() != s.layer || c.part() != s.part) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " (offset ", c.offset(), "): out of order, expected ",
+  if (c.layer != s.layer || c.part != s.part) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " (offset ", c.offset, "): out of order, expected ",
                                                    ChunkName(s.layer, s.part), " offset ", filled_));
   }
-  if (c.offset() != filled_) {
+  if (c.offset != filled_) {
     return absl::InvalidArgumentError(
-        absl::StrCat(name, ": offset ", c.offset(), ", expected ", filled_));
+        absl::StrCat(name, ": offset ", c.offset, ", expected ", filled_));
   }
-  const size_t len = c.data().size();
+  const uint64_t len = c.size;
   if (len < 1 || len > kMaxChunkBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": ", len, " data bytes, expected 1..", kMaxChunkBytes));
@@ -239,12 +241,11 @@ absl::Status MessageAssembler::Add(const v1::Chunk& c) {
                                                    ", expected at most ", s.size - filled_,
                                                    " (tensor of ", s.size, " bytes)"));
   }
-  const uint32_t crc = Crc32c(c.data().data(), len);
-  if (crc != c.crc32c()) {
-    return absl::DataLossError(absl::StrCat(name, " offset ", c.offset(), ": crc32c ", c.crc32c(),
+  const uint32_t crc = c.CopyTo(s.data + filled_);
+  if (crc != c.crc32c) {
+    return absl::DataLossError(absl::StrCat(name, " offset ", c.offset, ": crc32c ", c.crc32c,
                                             ", expected ", crc, " (computed over the data)"));
   }
-  std::memcpy(s.data + filled_, c.data().data(), len);
   filled_ += len;
   ++chunks_;
   bytes_received_ += len;

@@ -22,6 +22,7 @@
 #include "core/message.h"
 #include "core/turn.h"
 #include "kvrelay/v1/relay.pb.h"
+#include "proto/raw_chunk.h"
 #include "proto/wire.h"
 
 namespace kvrelay {
@@ -87,6 +88,9 @@ class MessageAssembler {
 
   // Validates `header` and allocates every tensor of the message.
   absl::Status Start(const v1::MessageHeader& header);
+  // Copies the chunk's data into its tensor, checking its CRC32C during the
+  // copy: a chunk that fails it leaves bytes that the next chunk overwrites.
+  absl::Status Add(const ChunkView& chunk);
   absl::Status Add(const v1::Chunk& chunk);
   // REQUIRES: Start() succeeded. The message is moved out.
   absl::StatusOr<Message> Finish(const v1::Trailer& trailer);

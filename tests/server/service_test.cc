@@ -3,8 +3,11 @@
 #include <thread>
 
 #include "core/pipeline.h"
+#include "grpcpp/impl/rpc_method.h"
+#include "grpcpp/support/sync_stream.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
+#include "proto/raw_chunk.h"
 #include "relay_test_util.h"
 #include "server/assembler.h"
 #include "server/pending.h"
@@ -397,6 +400,82 @@ TEST_F(RelayTest, BadInputsTable) {
   EXPECT_EQ(server_->store()->Stats().committed, 0u);
   EXPECT_EQ(server_->store()->Stats().sessions, 0u);
   ExpectNothingFor("bad", "b");
+}
+
+// Raw calls: any gRPC client may send bytes that are not relay.proto's.
+std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> RawPublish(grpc::Channel* ch, grpc::ClientContext* ctx,
+                                                                 grpc::ByteBuffer* resp) {
+  static const grpc::internal::RpcMethod kMethod("/kvrelay.v1.Relay/Publish",
+                                                 grpc::internal::RpcMethod::CLIENT_STREAMING);
+  return std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>>(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(ch, kMethod, ctx, resp));
+}
+
+TEST_F(RelayTest, RequestsThatAreNotProtobufAreInvalidArgument) {
+  Turn t = MakeTurn(11);
+  const grpc::Slice junk_slice(std::string(9, '\xff'));
+  const grpc::ByteBuffer junk(&junk_slice, 1);
+  {  // a valid header, then bytes that are no PublishRequest
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer resp;
+    auto w = RawPublish(channel_.get(), &ctx, &resp);
+    v1::PublishRequest h;
+    *h.mutable_header() = Header("raw", "m1", "a", {"b"}, "h2o-head:k=8", t);
+    w->Write(EncodeProto(h));
+    w->Write(junk);
+    w->WritesDone();
+    const grpc::Status s = w->Finish();
+    EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("not a kvrelay.v1.PublishRequest"), std::string::npos) << s.error_message();
+  }
+  {  // a Fetch whose request is no FetchRequest
+    static const grpc::internal::RpcMethod kFetch("/kvrelay.v1.Relay/Fetch",
+                                                  grpc::internal::RpcMethod::SERVER_STREAMING);
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> r(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel_.get(), kFetch, &ctx, junk));
+    grpc::ByteBuffer b;
+    while (r->Read(&b)) {
+    }
+    const grpc::Status s = r->Finish();
+    EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("not a kvrelay.v1.FetchRequest"), std::string::npos) << s.error_message();
+  }
+  WaitInflightZero();
+  EXPECT_EQ(server_->store()->Stats().committed, 0u);
+  ExpectNothingFor("raw", "b");
+}
+
+// The relay reads plain chunk messages straight from gRPC's buffers; a
+// chunk encoded some other valid way (here each after an empty header
+// field, which protobuf's oneof replaces) is parsed as a PublishRequest and
+// must give the same message.
+TEST_F(RelayTest, UnusuallyEncodedChunksGiveTheSameMessage) {
+  Turn t = MakeTurn(12);
+  const std::string policy = "h2o-head:k=8+obf:p=4";
+  const auto chunks = TurnChunks(t, 1000);
+  grpc::ClientContext ctx;
+  grpc::ByteBuffer resp;
+  auto w = RawPublish(channel_.get(), &ctx, &resp);
+  v1::PublishRequest req;
+  *req.mutable_header() = Header("odd", "m1", "a", {"b"}, policy, t);
+  ASSERT_TRUE(w->Write(EncodeProto(req)));
+  v1::PublishRequest empty_header;
+  empty_header.mutable_header();
+  for (const v1::Chunk& c : chunks) {
+    *req.mutable_chunk() = c;
+    const std::string bytes = empty_header.SerializeAsString() + req.SerializeAsString();
+    const grpc::Slice slice(bytes);
+    ASSERT_TRUE(w->Write(grpc::ByteBuffer(&slice, 1)));
+  }
+  *req.mutable_commit() = TrailerOf(chunks);
+  ASSERT_TRUE(w->Write(EncodeProto(req)));
+  w->WritesDone();
+  const grpc::Status s = w->Finish();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  FetchResult f = DoFetch(stub_.get(), "odd", "b", true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  ExpectSameMessage(f.msg, Offline(t, policy));
 }
 
 TEST_F(RelayTest, LimitsAreResourceExhausted) {
