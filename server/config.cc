@@ -119,6 +119,13 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   }
   if (name == "role-policy") return ParseRolePolicy(name, value, &c->role_policies);
   if (name == "log-json") return ParseBool(name, value, &c->log_json);
+  if (name == "heap-retain-bytes") {
+    if (absl::StripAsciiWhitespace(value) == "0") {
+      c->heap_retain_bytes = 0;
+      return absl::OkStatus();
+    }
+    return ParseBytes(name, value, &c->heap_retain_bytes);
+  }
   return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see --help)"));
 }
 
@@ -133,6 +140,7 @@ const char* const kEnv[][2] = {
     {"max-session-messages", "KVRELAY_MAX_SESSION_MESSAGES"},
     {"max-session-bytes", "KVRELAY_MAX_SESSION_BYTES"},
     {"max-store-bytes", "KVRELAY_MAX_STORE_BYTES"},
+    {"heap-retain-bytes", "KVRELAY_HEAP_RETAIN_BYTES"},
     {"upload-idle-timeout-seconds", "KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS"},
     {"session-ttl-seconds", "KVRELAY_SESSION_TTL_SECONDS"},
     {"default-policy", "KVRELAY_DEFAULT_POLICY"},
@@ -228,6 +236,9 @@ std::string ServerUsage() {
   --role-policy ROLE=SPEC        per-role default policy, repeatable (KVRELAY_ROLE_POLICY: ROLE=SPEC;ROLE=SPEC)
   --log-json                     JSON log lines (KVRELAY_LOG_JSON)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
+  --heap-retain-bytes N          freed heap kept for reuse instead of returned to the kernel, so the next
+                                 message does not fault its pages in again (KVRELAY_HEAP_RETAIN_BYTES;
+                                 128MiB; 0: glibc's defaults)
   --config FILE                  JSON object with the same keys (KVRELAY_CONFIG)
 Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT
 

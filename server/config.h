@@ -20,6 +20,7 @@
 //   --role-policy ROLE=SPEC       KVRELAY_ROLE_POLICY (';'-separated ROLE=SPEC list)   repeatable
 //   --log-json                    KVRELAY_LOG_JSON (1/true)         off
 //   --shutdown-grace-seconds S    KVRELAY_SHUTDOWN_GRACE_SECONDS    10
+//   --heap-retain-bytes N         KVRELAY_HEAP_RETAIN_BYTES         128MiB (0: glibc's defaults)
 //   --config FILE                 KVRELAY_CONFIG                    none
 //
 // Byte sizes accept a plain integer or a KiB/MiB/GiB/TiB suffix ("4GiB").
@@ -52,6 +53,11 @@ struct ServerConfig {
   std::map<std::string, std::string> role_policies;
   bool log_json = false;
   double shutdown_grace_seconds = 10;
+  // Freed heap memory kept for reuse rather than returned to the kernel
+  // (glibc's trim threshold; the mmap threshold becomes min(N, 32MiB) so
+  // tensors come from the heap). Re-faulting a turn's ~90 MB of fresh pages
+  // costs tens of ms per message; 0 leaves glibc's defaults.
+  uint64_t heap_retain_bytes = 128ull << 20;
 
   // The policy spec for `role` (its role policy, else the default).
   const std::string& PolicyForRole(const std::string& role) const;

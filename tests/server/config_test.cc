@@ -122,5 +122,22 @@ TEST(ConfigTest, StoreByteLimitsAndUploadIdleTimeout) {
   }
 }
 
+TEST(ConfigTest, HeapRetainBytes) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->heap_retain_bytes, 128ull << 20);
+  c = Parse({"--heap-retain-bytes=0"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->heap_retain_bytes, 0u);  // glibc's defaults
+  c = Parse({}, {{"KVRELAY_HEAP_RETAIN_BYTES", "64MiB"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->heap_retain_bytes, 64ull << 20);
+  auto bad = Parse({"--heap-retain-bytes=-1"});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--heap-retain-bytes"), std::string::npos) << bad.status();
+  const std::string usage(Parse({"--help"}).status().message());
+  EXPECT_NE(usage.find("KVRELAY_HEAP_RETAIN_BYTES"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvrelay
