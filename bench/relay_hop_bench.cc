@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "client/heap_retain.h"
 #include "client/relay_client.h"
 #include "core/format/synthetic.h"
 
@@ -495,4 +496,9 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace kvrelay
 
-int main(int argc, char** argv) { return kvrelay::Main(argc, argv); }
+int main(int argc, char** argv) {
+  // The sending and receiving agent keep freed tensors for reuse, as
+  // kvrelayctl and kvrelay-server do (client/heap_retain.h).
+  kvrelay::RetainFreedHeap(kvrelay::kDefaultHeapRetainBytes);
+  return kvrelay::Main(argc, argv);
+}

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "client/heap_retain.h"
 #include "core/format/safetensors.h"
 #include "core/format/synthetic.h"
 #include "core/format/turn_file.h"
@@ -819,6 +820,8 @@ int Main(int argc, char** argv) {
 }  // namespace kvrelay
 
 int main(int argc, char** argv) {
+  // Turns are tens of MB: keep freed tensors for reuse (client/heap_retain.h).
+  kvrelay::RetainFreedHeap(kvrelay::kDefaultHeapRetainBytes);
   try {
     return kvrelay::Main(argc, argv);
   } catch (const std::exception& e) {

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/heap_retain.h"
 
 namespace kvrelay {
 
@@ -57,7 +58,7 @@ struct ServerConfig {
   // (glibc's trim threshold; the mmap threshold becomes min(N, 32MiB) so
   // tensors come from the heap). Re-faulting a turn's ~90 MB of fresh pages
   // costs tens of ms per message; 0 leaves glibc's defaults.
-  uint64_t heap_retain_bytes = 128ull << 20;
+  uint64_t heap_retain_bytes = kDefaultHeapRetainBytes;
 
   // The policy spec for `role` (its role policy, else the default).
   const std::string& PolicyForRole(const std::string& role) const;

@@ -4,7 +4,6 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <climits>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -12,6 +11,7 @@
 #include <iostream>
 
 #include "absl/strings/numbers.h"
+#include "client/heap_retain.h"
 #include "client/relay_client.h"
 #include "server/config.h"
 #include "server/server.h"
@@ -77,19 +77,7 @@ int main(int argc, char** argv) {
   // of a turn more than it needs. One arena per worker (at least 2) keeps it
   // down at no measured speed cost; MALLOC_ARENA_MAX, when set, wins.
   if (std::getenv("MALLOC_ARENA_MAX") == nullptr) mallopt(M_ARENA_MAX, std::max(2, config->worker_threads));
-  // Every message allocates and frees a turn's worth of megabyte tensors.
-  // By default glibc serves them with mmap or trims them off the heap when
-  // freed, and the next message faults every page in again (~35 ms of CPU
-  // per 90 MB turn on a VM). Keep up to --heap-retain-bytes for reuse
-  // instead; MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_, when set, win.
-  if (config->heap_retain_bytes > 0) {
-    constexpr uint64_t kMaxMmapThreshold = 32ull << 20;  // glibc's cap
-    const uint64_t retain = std::min<uint64_t>(config->heap_retain_bytes, INT_MAX);
-    if (std::getenv("MALLOC_TRIM_THRESHOLD_") == nullptr) mallopt(M_TRIM_THRESHOLD, static_cast<int>(retain));
-    if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) {
-      mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min(retain, kMaxMmapThreshold)));
-    }
-  }
+  kvrelay::RetainFreedHeap(config->heap_retain_bytes);  // see client/heap_retain.h
   auto logger = spdlog::stdout_logger_mt("kvrelay");
   spdlog::set_default_logger(logger);
   if (config->log_json) {
