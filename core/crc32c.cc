@@ -49,15 +49,16 @@ uint32_t X8nModP(uint64_t n) {
 }
 
 #if defined(__SSE4_2__)
-// Three independent CRC streams over consecutive blocks of kBlock bytes hide
+// Three independent CRC streams over consecutive blocks of Block bytes hide
 // the crc32 instruction's latency; the streams are joined by shifting a state
-// over kBlock zero bytes, which is linear, so four byte tables do it.
-constexpr size_t kBlock = 8192;
-
+// over Block zero bytes, which is linear, so four byte tables do it. Two block
+// sizes: large ones join rarely, small ones keep 3 KiB..24 KiB buffers (gRPC
+// slices, cache-sized copy blocks) off the one-stream loop.
+template <size_t Block>
 struct ShiftTables {
   uint32_t t[4][256];
   ShiftTables() {
-    const uint32_t op = X8nModP(kBlock);
+    const uint32_t op = X8nModP(Block);
     for (int k = 0; k < 4; ++k) {
       for (uint32_t b = 0; b < 256; ++b) t[k][b] = MultModP(op, b << (8 * k));
     }
@@ -71,6 +72,29 @@ inline uint64_t Load64(const uint8_t* p) {
   uint64_t v;
   std::memcpy(&v, p, 8);
   return v;
+}
+
+// Consumes whole triples of Block-byte blocks from (*p, *n) into *c64.
+template <size_t Block>
+void ThreeStreams(uint64_t* c64, const uint8_t** p, size_t* n) {
+  if (*n < 3 * Block) return;
+  static const ShiftTables<Block> shift;
+  uint64_t c0 = *c64;
+  const uint8_t* q = *p;
+  size_t left = *n;
+  for (; left >= 3 * Block; left -= 3 * Block, q += 3 * Block) {
+    uint64_t c1 = 0, c2 = 0;
+    for (size_t i = 0; i < Block; i += 8) {
+      c0 = _mm_crc32_u64(c0, Load64(q + i));
+      c1 = _mm_crc32_u64(c1, Load64(q + Block + i));
+      c2 = _mm_crc32_u64(c2, Load64(q + 2 * Block + i));
+    }
+    const uint32_t joined = shift.Shift(static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1);
+    c0 = shift.Shift(joined) ^ static_cast<uint32_t>(c2);
+  }
+  *c64 = c0;
+  *p = q;
+  *n = left;
 }
 #else
 std::array<uint32_t, 256> MakeTable() {
@@ -91,19 +115,8 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
   uint32_t c = ~crc;
 #if defined(__SSE4_2__)
   uint64_t c64 = c;
-  if (n >= 3 * kBlock) {
-    static const ShiftTables shift;
-    for (; n >= 3 * kBlock; n -= 3 * kBlock, p += 3 * kBlock) {
-      uint64_t c1 = 0, c2 = 0;
-      for (size_t i = 0; i < kBlock; i += 8) {
-        c64 = _mm_crc32_u64(c64, Load64(p + i));
-        c1 = _mm_crc32_u64(c1, Load64(p + kBlock + i));
-        c2 = _mm_crc32_u64(c2, Load64(p + 2 * kBlock + i));
-      }
-      const uint32_t joined = shift.Shift(static_cast<uint32_t>(c64)) ^ static_cast<uint32_t>(c1);
-      c64 = shift.Shift(joined) ^ static_cast<uint32_t>(c2);
-    }
-  }
+  ThreeStreams<8192>(&c64, &p, &n);
+  ThreeStreams<1024>(&c64, &p, &n);
   for (; n >= 8; n -= 8, p += 8) c64 = _mm_crc32_u64(c64, Load64(p));
   c = static_cast<uint32_t>(c64);
   for (; n > 0; --n, ++p) c = _mm_crc32_u8(c, *p);

@@ -66,22 +66,24 @@ absl::Status CheckKv(const KvTensor& t, int layer, absl::string_view part, const
         Shape({geo.kv_heads, tokens, geo.head_dim}), " (from layer.0)"));
   }
   if (!check_values) return absl::OkStatus();
-  // Non-finite values have an all-ones exponent in every dtype.
-  const absl::Span<const uint8_t> bytes = t.bytes();
-  const size_t n = t.elements();
-  const size_t bad = FirstNonFinite(t.dtype(), bytes.data(), n);
-  if (bad < n) {
-    float v;
-    ToFloat(t.dtype(), bytes.data() + bad * DTypeSize(t.dtype()), &v, 1);
-    const int d = t.dim(), tok = t.tokens();
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: non-finite value %g at [%d,%d,%d], expected finite values", Name(layer, part), v,
-        static_cast<int>(bad / d / tok), static_cast<int>(bad / d % tok), static_cast<int>(bad % d)));
-  }
-  return absl::OkStatus();
+  return CheckKvFinite(t.dtype(), t.bytes().data(), 0, t.elements(), layer, part, t.tokens(), t.dim());
 }
 
 }  // namespace
+
+absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_t n, int layer,
+                           absl::string_view part, int tokens, int dim) {
+  // Non-finite values have an all-ones exponent in every dtype.
+  const size_t es = DTypeSize(dtype);
+  const size_t bad = first + FirstNonFinite(dtype, data + first * es, n);
+  if (bad == first + n) return absl::OkStatus();
+  float v;
+  ToFloat(dtype, data + bad * es, &v, 1);
+  const size_t d = static_cast<size_t>(dim), tok = static_cast<size_t>(tokens);
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s: non-finite value %g at [%d,%d,%d], expected finite values", Name(layer, part), v,
+      static_cast<int>(bad / d / tok), static_cast<int>(bad / d % tok), static_cast<int>(bad % d)));
+}
 
 int64_t Turn::PromptPos0() const {
   if (prompt_pos0.has_value()) return *prompt_pos0;

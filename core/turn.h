@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/tensor.h"
 
 namespace kvrelay {
@@ -70,6 +71,14 @@ struct Turn {
 // e.g. "layer.3.prompt.v: shape [8,512,64], expected [8,512,128]".
 absl::Status ValidateTurnLayer(const TurnLayer& layer, int layer_index, const TurnGeometry& geo,
                                int64_t prompt_pos0, bool check_kv_values = true);
+
+// Checks elements [first, first + n) of the K/V tensor `part` ("prompt.v")
+// of layer `layer`, shape [heads, tokens, dim] in `dtype`, whose element 0
+// is at `data`: InvalidArgument naming the tensor, the value and its
+// [head, token, dim] index at the first NaN or Inf. For callers that check a
+// tensor piece by piece as it arrives (the relay's chunk assembly).
+absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_t n, int layer,
+                           absl::string_view part, int tokens, int dim);
 
 // Derives the geometry from layer 0. InvalidArgument when the turn has no
 // layers or layer 0 is inconsistent in itself.

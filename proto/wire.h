@@ -48,6 +48,10 @@ class TrailerBuilder {
   uint32_t crc_ = 0;
 };
 
+// The file-format suffix of `part` ("prompt.k", "k.codes", ...; docs/FORMAT.md):
+// tensor (layer l, part) is named "layer.{l}.{suffix}". "unknown" otherwise.
+const char* FilePartName(v1::Part part);
+
 v1::DType ToProtoDType(DType dtype);
 
 // std::nullopt for DTYPE_UNSPECIFIED and unknown values; callers name the

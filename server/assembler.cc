@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
+#include "core/status_macros.h"
 
 namespace kvrelay {
 namespace {
@@ -111,6 +112,24 @@ TurnAssembler::TurnAssembler(const UploadShape& shape) : shape_(shape), layers_(
   AdvanceCompleted();
 }
 
+absl::Status TurnAssembler::CheckFinite(const Tensor& t, const uint8_t* base, uint64_t n) const {
+  const TurnGeometry& g = shape_.geo;
+  int tokens;
+  switch (t.part) {
+    case v1::PART_PROMPT_K:
+    case v1::PART_PROMPT_V: tokens = g.n_prompt; break;
+    case v1::PART_GEN_K:
+    case v1::PART_GEN_V: tokens = g.n_gen; break;
+    case v1::PART_HISTORY_K:
+    case v1::PART_HISTORY_V: tokens = g.n_history; break;
+    default: return absl::OkStatus();  // scores and positions: checked per layer
+  }
+  // The elements this chunk completes (one may straddle the previous chunk).
+  const uint64_t es = DTypeSize(g.dtype);
+  const uint64_t first = offset_ / es, end = (offset_ + n) / es;
+  return CheckKvFinite(g.dtype, base, first, end - first, t.layer, FilePartName(t.part), tokens, g.head_dim);
+}
+
 uint8_t* TurnAssembler::Dest(const Tensor& t) {
   TurnLayer& L = layers_[t.layer];
   const TurnGeometry& g = shape_.geo;
@@ -174,12 +193,14 @@ absl::Status TurnAssembler::Accept(const ChunkView& c) {
   }
   // Copied before it is checked (one pass over the data); a chunk that
   // fails leaves its bytes where the next chunk will overwrite them.
-  const uint32_t crc = c.CopyTo(Dest(t) + offset_);
+  uint8_t* const base = Dest(t);
+  const uint32_t crc = c.CopyTo(base + offset_);
   if (crc != c.crc32c) {
     return absl::DataLossError(absl::StrCat("chunk.crc32c: ", c.crc32c, " at layer ", t.layer, " ",
                                             PartName(t.part), " offset ", offset_, ", expected ", crc,
                                             " (CRC32C of the chunk's data)"));
   }
+  KVRELAY_RETURN_IF_ERROR(CheckFinite(t, base, n));
   crc_ = Crc32cCombine(crc_, crc, n);  // the chunk was checked: no second pass
   ++chunks_;
   bytes_ += n;

@@ -62,8 +62,10 @@ class TurnAssembler {
   explicit TurnAssembler(const UploadShape& shape);
 
   // Accepts the next chunk. InvalidArgument when it is not the expected
-  // (layer, part, offset), is empty, longer than 1 MiB or runs past its
-  // tensor; DataLoss when its CRC32C does not match. Nothing is accepted on
+  // (layer, part, offset), is empty, longer than 1 MiB, runs past its
+  // tensor or completes a K/V element that is NaN or Inf (named like
+  // core's "layer.2.gen.v: non-finite value ..."); DataLoss when its CRC32C
+  // does not match. Nothing is accepted on
   // error: a chunk failing its CRC32C is copied (the check runs during the
   // copy) into the bytes the next accepted chunk overwrites, and no layer
   // holding it is reported complete.
@@ -88,6 +90,10 @@ class TurnAssembler {
     uint64_t size;
   };
   uint8_t* Dest(const Tensor& t);
+  // NaN/Inf in the K/V elements the chunk of `n` bytes just copied to
+  // `base` + offset_ completes, while they are in cache: the layer is then
+  // not scanned again before compression.
+  absl::Status CheckFinite(const Tensor& t, const uint8_t* base, uint64_t n) const;
   void AdvanceCompleted();
 
   UploadShape shape_;

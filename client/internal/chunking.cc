@@ -26,28 +26,7 @@ constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 36;
 
 }  // namespace
 
-const char* PartName(v1::Part part) {
-  switch (part) {
-    case v1::PART_PROMPT_K: return "prompt.k";
-    case v1::PART_PROMPT_V: return "prompt.v";
-    case v1::PART_GEN_K: return "gen.k";
-    case v1::PART_GEN_V: return "gen.v";
-    case v1::PART_PROMPT_SCORE: return "prompt.score";
-    case v1::PART_HISTORY_K: return "history.k";
-    case v1::PART_HISTORY_V: return "history.v";
-    case v1::PART_HISTORY_POS: return "history.pos";
-    case v1::PART_K: return "k";
-    case v1::PART_V: return "v";
-    case v1::PART_POS: return "pos";
-    case v1::PART_K_CODES: return "k.codes";
-    case v1::PART_K_SCALE: return "k.scale";
-    case v1::PART_K_ZERO: return "k.zero";
-    case v1::PART_V_CODES: return "v.codes";
-    case v1::PART_V_SCALE: return "v.scale";
-    case v1::PART_V_ZERO: return "v.zero";
-    default: return "unknown";
-  }
-}
+const char* PartName(v1::Part part) { return FilePartName(part); }
 
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
   if (std::optional<DType> d = DTypeFromProto(dtype)) return *d;

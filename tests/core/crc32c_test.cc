@@ -53,15 +53,17 @@ TEST(Crc32cTest, CombineEqualsTheCrcOfTheConcatenation) {
   }
 }
 
-// Long buffers take the interleaved three-stream path (blocks of 8 KiB);
-// every length around its boundaries and any starting state must agree with
-// the bitwise reference.
+// Long buffers take the interleaved three-stream paths (triples of 8 KiB
+// blocks, then of 1 KiB blocks, then 8 bytes at a time); every length around
+// their boundaries and any starting state must agree with the bitwise
+// reference.
 TEST(Crc32cTest, LongBuffersMatchTheReference) {
   std::mt19937 rng(3);
-  std::vector<uint8_t> d(3 * 3 * 8192 + 100);
+  std::vector<uint8_t> d(3 * 3 * 8192 + 3 * 3 * 1024 + 100);
   for (auto& b : d) b = static_cast<uint8_t>(rng());
-  for (size_t n : {size_t{3 * 8192 - 1}, size_t{3 * 8192}, size_t{3 * 8192 + 7}, size_t{6 * 8192 + 13},
-                   d.size()}) {
+  for (size_t n : {size_t{3 * 1024 - 1}, size_t{3 * 1024}, size_t{3 * 1024 + 9}, size_t{6 * 1024 + 5},
+                   size_t{3 * 8192 - 1}, size_t{3 * 8192}, size_t{3 * 8192 + 7}, size_t{3 * 8192 + 3 * 1024 + 3},
+                   size_t{6 * 8192 + 13}, size_t{6 * 8192 + 6 * 1024 + 17}, d.size()}) {
     const std::vector<uint8_t> head(d.begin(), d.begin() + n);
     ASSERT_EQ(Crc32c(head.data(), head.size()), Reference(head)) << n;
     const size_t cut = 1 + rng() % 100;  // a non-zero starting state, an unaligned start

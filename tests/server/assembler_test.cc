@@ -1,7 +1,11 @@
 // Chunk assembly: order, offsets, sizes, CRCs and the commit trailer.
 #include "server/assembler.h"
 
+#include <cmath>
 #include <functional>
+#include <random>
+
+#include "absl/strings/str_cat.h"
 
 #include "gtest/gtest.h"
 #include "relay_test_util.h"
@@ -107,6 +111,61 @@ TEST(AssemblerTest, BadChunks) {
     EXPECT_EQ(s.code(), tc.code) << tc.name << ": " << s;
     EXPECT_NE(s.message().find(tc.needle), std::string::npos) << tc.name << ": " << s;
   }
+}
+
+// K/V values are checked for NaN/Inf chunk by chunk, in the chunk that
+// completes the element (chunk sizes that split elements included), with
+// the tensor and the [head, token, dim] index named as the core names them.
+TEST(AssemblerTest, NonFiniteValueFailsTheChunkThatCompletesIt) {
+  std::mt19937_64 rng(11);
+  int checked = 0;
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (v1::Part part : {v1::PART_PROMPT_K, v1::PART_PROMPT_V, v1::PART_GEN_V, v1::PART_HISTORY_V}) {
+      kvrelay::testing::TurnShape ts;
+      ts.layers = 2;
+      ts.n_history = 5;
+      ts.dtype = dtype;
+      Turn t = kvrelay::testing::RandomTurn(ts, rng());
+      const int layer = static_cast<int>(rng() % 2);
+      TurnLayer& L = t.layers[layer];
+      KvTensor* kv = part == v1::PART_PROMPT_K   ? &L.prompt_k
+                     : part == v1::PART_PROMPT_V ? &L.prompt_v
+                     : part == v1::PART_GEN_V    ? &L.gen_v
+                                                 : &L.history_v;
+      const int h = static_cast<int>(rng() % kv->heads()), tok = static_cast<int>(rng() % kv->tokens()),
+                d = static_cast<int>(rng() % kv->dim());
+      std::vector<float> row(kv->dim(), 0.25f);
+      row[d] = rng() % 2 ? std::nanf("") : -INFINITY;
+      kv->WriteRow(h, tok, row.data());
+      const size_t es = DTypeSize(dtype);
+      const uint64_t last_byte = ((static_cast<uint64_t>(h) * kv->tokens() + tok) * kv->dim() + d + 1) * es - 1;
+      // Odd sizes split elements; every other case splits this very one
+      // (its last byte starts the second chunk).
+      const size_t chunk_bytes = checked % 2 ? 1 + rng() % 400 : std::max<uint64_t>(1, last_byte);
+      const std::vector<v1::Chunk> chunks = TurnChunks(t, chunk_bytes);
+      auto shape = CheckGeometry(testing::ProtoGeometry(t), "header.geometry");
+      ASSERT_TRUE(shape.ok()) << shape.status();
+      TurnAssembler a(*shape);
+      size_t i = 0;
+      absl::Status st;
+      for (; i < chunks.size(); ++i) {
+        st = a.Accept(chunks[i]);
+        if (!st.ok()) break;
+      }
+      ASSERT_LT(i, chunks.size()) << "never rejected";
+      const v1::Chunk& bad = chunks[i];
+      EXPECT_EQ(bad.layer(), static_cast<uint32_t>(layer));
+      EXPECT_EQ(bad.part(), part);
+      EXPECT_LE(bad.offset(), last_byte);
+      EXPECT_GT(bad.offset() + bad.data().size(), last_byte);
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+      const std::string want = absl::StrCat("layer.", layer, ".", FilePartName(part), ": non-finite value ");
+      EXPECT_EQ(st.message().substr(0, want.size()), want) << st;
+      EXPECT_NE(st.message().find(absl::StrCat("at [", h, ",", tok, ",", d, "]")), std::string::npos) << st;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 12);
 }
 
 TEST(AssemblerTest, OversizedChunkIsRejected) {
