@@ -128,11 +128,11 @@ class Upload {
   std::shared_ptr<PendingCompression> pending() const { return pending_; }
   uint64_t received() const { return assembler_ ? assembler_->bytes_received() : 0; }
 
-  // Backpressure: true when max(2, 2 x workers) of the upload's layers are
+  // Backpressure: true when max(2, workers) of the upload's layers are
   // queued or compressing; then the reactor reads no further until `resume`
   // runs (on a worker), and HTTP/2 flow control holds the client back.
   bool PauseIfBusy(std::function<void()> resume) {
-    const int bound = std::max(2, 2 * svc_->pool()->size());
+    const int bound = std::max(2, svc_->pool()->size());
     return pending_ && pending_->PauseIfBusy(bound, std::move(resume));
   }
 

@@ -850,11 +850,11 @@ TEST_F(RelayTest, IdleUploadsAreCancelled) {
 
 
 // Backpressure: with one worker and a policy slower per layer than the
-// upload, the server reads no further while max(2, 2 x workers) = 2 layers
+// upload, the server reads no further while max(2, workers) = 2 layers
 // are queued or compressing.
 class BackpressureTest : public RelayTest {
  protected:
-  static constexpr int kBound = 2;  // max(2, 2 x 1 worker)
+  static constexpr int kBound = 2;  // max(2, 1 worker)
   static constexpr const char* kPolicy = "h2o-head:k=32+obf:p=8";  // obf exact: slow per layer
   void SetUp() override {}
   void Start(double idle_timeout_s = 60) {
