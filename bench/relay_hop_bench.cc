@@ -224,6 +224,8 @@ class ServerProcess {
 
 // ------------------------------------------------------------ one relay hop
 
+bool g_copy_upload = false;  // --copy-upload
+
 struct HopResult {
   double hop_ms = 0;      // publish start -> fetch returned the message
   double upload_ms = 0;   // publish start -> the last chunk handed to gRPC
@@ -232,7 +234,8 @@ struct HopResult {
   uint64_t full_bytes = 0, sent_bytes = 0;
 };
 
-HopResult OneHop(RelayClient& sender, RelayClient& recipient, const Turn& turn, const std::string& policy,
+HopResult OneHop(RelayClient& sender, RelayClient& recipient, const std::shared_ptr<const Turn>& turn,
+                 const std::string& policy,
                  const std::string& session) {
   std::mutex mu;
   std::condition_variable cv;
@@ -272,7 +275,7 @@ HopResult OneHop(RelayClient& sender, RelayClient& recipient, const Turn& turn, 
     if (tp.bytes_done == tp.bytes_total) uploaded = Clock::now();
   };
   const Clock::time_point t0 = Clock::now();
-  absl::StatusOr<PublishResult> pub = sender.Publish(turn, p);
+  absl::StatusOr<PublishResult> pub = g_copy_upload ? sender.Publish(*turn, p) : sender.Publish(turn, p);
   const Clock::time_point t_pub = Clock::now();
   fetcher.join();
   if (!pub.ok()) Die("publish (" + policy + "): " + pub.status().ToString());
@@ -363,11 +366,14 @@ std::string SelfDir() {
 void Usage() {
   std::printf(
       "usage: relay_hop_bench [--server PATH] [--reps N] [--policy SPEC]... [--worker-threads N]\n"
+      "                       [--copy-upload]\n"
       "  --server PATH        kvrelay-server binary (default: next to this binary)\n"
       "  --reps N             timed hops per policy (default 5; plus one memory hop)\n"
       "  --policy SPEC        policy to relay (repeatable; default: H-OBF exact, H-OBF fast,\n"
       "                       h2o-head, full)\n"
-      "  --worker-threads N   passed to the server (default: the server's own default)\n");
+      "  --worker-threads N   passed to the server (default: the server's own default)\n"
+      "  --copy-upload        publish with Publish(const Turn&), which copies each chunk once,\n"
+      "                       instead of the shared turn sent without a copy\n");
 }
 
 struct PolicyRow {
@@ -403,6 +409,8 @@ int Main(int argc, char** argv) {
       policies.push_back(value());
     } else if (a == "--worker-threads") {
       server_args = {"--worker-threads", value()};
+    } else if (a == "--copy-upload") {
+      g_copy_upload = true;
     } else if (a == "--help" || a == "-h") {
       Usage();
       return 0;
@@ -420,7 +428,9 @@ int Main(int argc, char** argv) {
               std::thread::hardware_concurrency());
   std::printf("server: %s %s\n", server.c_str(),
               server_args.empty() ? "" : (server_args[0] + " " + server_args[1]).c_str());
-  const Turn turn = Qwen14BTurn();
+  // Shared: Publish sends its tensors without copying them, as kvrelayctl does.
+  const auto shared_turn = std::make_shared<const Turn>(Qwen14BTurn());
+  const Turn& turn = *shared_turn;
   const std::vector<absl::Span<const uint8_t>> bufs = TurnBuffers(turn);
   const uint64_t turn_bytes = TotalBytes(bufs);
   const double turn_mb = turn_bytes / 1e6;
@@ -452,13 +462,13 @@ int Main(int argc, char** argv) {
       if (auto h = sender->Health(); !h.ok()) Die("health: " + h.status().ToString());
       if (auto h = recipient->Health(); !h.ok()) Die("health: " + h.status().ToString());
       const ProcMem before = ReadProcMem(proc.pid());
-      row.mem_hop = OneHop(*sender, *recipient, turn, spec, "bench-" + std::to_string(session_no++));
+      row.mem_hop = OneHop(*sender, *recipient, shared_turn, spec, "bench-" + std::to_string(session_no++));
       const ProcMem after = ReadProcMem(proc.pid());
       row.rss_ready_mb = before.rss_kb * 1024 / 1e6;
       row.hwm_after_mb = after.hwm_kb * 1024 / 1e6;
       row.rss_after_mb = after.rss_kb * 1024 / 1e6;
       for (int r = 0; r < reps; ++r) {
-        row.hops.push_back(OneHop(*sender, *recipient, turn, spec, "bench-" + std::to_string(session_no++)));
+        row.hops.push_back(OneHop(*sender, *recipient, shared_turn, spec, "bench-" + std::to_string(session_no++)));
       }
     }
     std::printf("  %-34s hops ms:", spec.c_str());

@@ -528,7 +528,8 @@ std::optional<Failure> Publish(int argc, char** argv) {
   ProgressLine line("publish");
   o.progress = line.Callback();
   auto client = RelayClient::Connect(addr);
-  absl::StatusOr<PublishResult> r = client->Publish(*turn, o);
+  // Shared, so the upload sends the tensors without copying them.
+  absl::StatusOr<PublishResult> r = client->Publish(std::make_shared<const Turn>(*std::move(turn)), o);
   line.Clear();
   if (!r.ok()) return RelayError("publish", r.status());
   std::printf("message_id=%s duplicate=%s attempts=%d %s\n", r->message_id.c_str(),
@@ -712,7 +713,8 @@ std::optional<Failure> Demo(int argc, char** argv) {
         fetched = client->Fetch(f);
         fetched_at = std::chrono::steady_clock::now();
       });
-      absl::StatusOr<PublishResult> r = client->Publish(*turn, p);
+      const int64_t pos0 = turn->PromptPos0();
+      absl::StatusOr<PublishResult> r = client->Publish(std::make_shared<const Turn>(*std::move(turn)), p);
       if (!r.ok()) {
         // Unblock the recipient: closing the session ends its wait.
         (void)client->CloseSession(session);
@@ -752,7 +754,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
       for (const MessageLayer& l : m.layers) {
         for (int32_t x : l.pos.data) max_pos = std::max(max_pos, x);
       }
-      next_pos = std::max<int64_t>(max_pos + 1, turn->PromptPos0() + o.n_prompt + o.n_gen);
+      next_pos = std::max<int64_t>(max_pos + 1, pos0 + o.n_prompt + o.n_gen);
     }
     absl::StatusOr<uint32_t> freed = client->CloseSession(session);
     if (!freed.ok()) return RelayError("demo: close", freed.status());

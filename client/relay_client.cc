@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/internal/chunking.h"
+#include "core/crc32c.h"
 #include "core/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -61,9 +62,11 @@ using WriteFn = std::function<bool(const grpc::ByteBuffer&)>;
 // Writes the chunks of every tensor of `turn` (as Request.chunk) and the
 // trailer (Request.commit) through `write` (returns false once the stream
 // broke). Ok when the whole upload was written; Cancelled when the stream
-// broke (the call's status says why).
+// broke (the call's status says why). With `hold` (which owns `turn`) the
+// chunks refer to the tensors instead of copying them.
 template <typename Request>
-absl::Status UploadTurn(const Turn& turn, const WriteFn& write, const ProgressCallback& progress) {
+absl::Status UploadTurn(const Turn& turn, const std::shared_ptr<const Turn>& hold, const WriteFn& write,
+                        const ProgressCallback& progress) {
   const std::vector<TensorRef> tensors = client_internal::TurnUploadOrder(turn);
   TransferProgress p;
   p.phase = TransferProgress::Phase::kUpload;
@@ -74,7 +77,14 @@ absl::Status UploadTurn(const Turn& turn, const WriteFn& write, const ProgressCa
     for (size_t off = 0; off < t.data.size(); off += kMaxChunkBytes) {
       const absl::Span<const uint8_t> data = t.data.subspan(off, kMaxChunkBytes);
       uint32_t crc = 0;
-      if (!write(EncodeChunkCopy(Request::kChunkFieldNumber, t.layer, t.part, off, data, &crc))) return broken;
+      grpc::ByteBuffer msg;
+      if (hold) {
+        crc = Crc32c(data.data(), data.size());
+        msg = EncodeChunkNoCopy(Request::kChunkFieldNumber, t.layer, t.part, off, data, crc, hold);
+      } else {
+        msg = EncodeChunkCopy(Request::kChunkFieldNumber, t.layer, t.part, off, data, &crc);
+      }
+      if (!write(msg)) return broken;
       trailer.Add(crc, data.size());
       p.bytes_done += data.size();
       if (progress) progress(p);
@@ -276,6 +286,17 @@ std::string RelayClient::NewMessageId() {
 }
 
 absl::StatusOr<PublishResult> RelayClient::Publish(const Turn& turn, const PublishOptions& opts) {
+  return PublishImpl(turn, nullptr, opts);
+}
+
+absl::StatusOr<PublishResult> RelayClient::Publish(std::shared_ptr<const Turn> turn, const PublishOptions& opts) {
+  if (!turn) return absl::InvalidArgumentError("turn: null, expected a turn");
+  const Turn& t = *turn;
+  return PublishImpl(t, std::move(turn), opts);
+}
+
+absl::StatusOr<PublishResult> RelayClient::PublishImpl(const Turn& turn, std::shared_ptr<const Turn> hold,
+                                                       const PublishOptions& opts) {
   KVRELAY_RETURN_IF_ERROR(CheckId("session", opts.session, true));
   KVRELAY_RETURN_IF_ERROR(CheckId("message_id", opts.message_id, false));
   KVRELAY_RETURN_IF_ERROR(CheckId("sender", opts.sender, true));
@@ -305,7 +326,7 @@ absl::StatusOr<PublishResult> RelayClient::Publish(const Turn& turn, const Publi
 
   std::chrono::milliseconds backoff = opts.initial_backoff;
   for (int attempt = 1;; ++attempt) {
-    absl::StatusOr<PublishResult> r = PublishOnce(turn, header, opts);
+    absl::StatusOr<PublishResult> r = PublishOnce(turn, hold, header, opts);
     if (r.ok()) {
       r->attempts = attempt;
       return r;
@@ -319,7 +340,7 @@ absl::StatusOr<PublishResult> RelayClient::Publish(const Turn& turn, const Publi
   }
 }
 
-absl::StatusOr<PublishResult> RelayClient::PublishOnce(const Turn& turn,
+absl::StatusOr<PublishResult> RelayClient::PublishOnce(const Turn& turn, const std::shared_ptr<const Turn>& hold,
                                                        const v1::PublishHeader& header,
                                                        const PublishOptions& opts) {
   grpc::ClientContext ctx;
@@ -332,7 +353,7 @@ absl::StatusOr<PublishResult> RelayClient::PublishOnce(const Turn& turn,
   *req.mutable_header() = header;
   const WriteFn write = [&](const grpc::ByteBuffer& b) { return writer->Write(b); };
   absl::Status up = absl::CancelledError("upload stream broke");
-  if (write(EncodeProto(req))) up = UploadTurn<v1::PublishRequest>(turn, write, opts.progress);
+  if (write(EncodeProto(req))) up = UploadTurn<v1::PublishRequest>(turn, hold, write, opts.progress);
   if (up.ok()) writer->WritesDone();
   const grpc::Status s = writer->Finish();
   if (!s.ok()) return FromGrpcStatus(s);
@@ -453,7 +474,7 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
   *req.mutable_header()->mutable_geometry() = std::move(geometry);
   const WriteFn write = [&](const grpc::ByteBuffer& b) { return stream->Write(b); };
   absl::Status up = absl::CancelledError("upload stream broke");
-  if (write(EncodeProto(req))) up = UploadTurn<v1::CompressRequest>(turn, write, progress);
+  if (write(EncodeProto(req))) up = UploadTurn<v1::CompressRequest>(turn, nullptr, write, progress);
   if (up.ok()) stream->WritesDone();
   reader.join();
   const grpc::Status s = stream->Finish();

@@ -144,7 +144,15 @@ class RelayClient {
   // message id and accounting. INVALID_ARGUMENT without contacting the relay
   // when the options are incomplete or the turn is inconsistent in itself
   // (turn values are not scanned for NaN/Inf here; the relay does that).
+  // The tensor bytes are copied once, into gRPC's buffers.
   [[nodiscard]] absl::StatusOr<PublishResult> Publish(const Turn& turn,
+                                                      const PublishOptions& opts);
+  // The same, without copying the tensor bytes: gRPC sends them from `turn`
+  // itself and holds a reference to it until it is done with them, which
+  // may be shortly after Publish returns. REQUIRES: nobody modifies `turn`
+  // while a reference is held. For large turns the copy costs about as
+  // much CPU as the kernel's own.
+  [[nodiscard]] absl::StatusOr<PublishResult> Publish(std::shared_ptr<const Turn> turn,
                                                       const PublishOptions& opts);
 
   // Receives the oldest unacknowledged message for (session, agent).
@@ -179,8 +187,11 @@ class RelayClient {
   static std::string NewMessageId();
 
  private:
-  absl::StatusOr<PublishResult> PublishOnce(const Turn& turn, const v1::PublishHeader& header,
+  // `hold`: non-null when `turn` is owned by it (sent without a copy).
+  absl::StatusOr<PublishResult> PublishImpl(const Turn& turn, std::shared_ptr<const Turn> hold,
                                             const PublishOptions& opts);
+  absl::StatusOr<PublishResult> PublishOnce(const Turn& turn, const std::shared_ptr<const Turn>& hold,
+                                            const v1::PublishHeader& header, const PublishOptions& opts);
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Relay::Stub> stub_;

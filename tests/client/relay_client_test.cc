@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "client/internal/chunking.h"
 #include "core/crc32c.h"
@@ -286,6 +287,34 @@ TEST_F(RelayClientTest, PublishFetchAckRoundTripIsBitExact) {
     EXPECT_EQ(client_->Fetch(f).status().code(), absl::StatusCode::kDeadlineExceeded);
     EXPECT_EQ(client_->Ack("s1", "b", m->message_id).code(), absl::StatusCode::kNotFound);
   }
+}
+
+// The shared-turn Publish sends the tensors without copying them; the result
+// is the same message, retries resend the same bytes, and the client lets go
+// of the turn once gRPC is done with it.
+TEST_F(RelayClientTest, SharedTurnPublishIsTheSameMessageAndReleasesTheTurn) {
+  opts_.policy = "h2o-head:k=32+obf:p=4";
+  opts_.message_id = "shared";
+  opts_.initial_backoff = std::chrono::milliseconds(1);
+  relay_.fail_publishes = 1;  // one retry: the second attempt re-sends from the turn
+  auto turn = std::make_shared<const Turn>(turn_);
+  std::weak_ptr<const Turn> watch = turn;
+  absl::StatusOr<PublishResult> r = client_->Publish(std::move(turn), opts_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->attempts, 2);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!watch.expired() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(watch.expired()) << "the client still holds the turn";
+  FetchOptions f;
+  f.session = "s1";
+  f.agent = "b";
+  absl::StatusOr<FetchedMessage> m = client_->Fetch(f);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(Bytes(m->message), Bytes(Offline(opts_.policy)));
+  EXPECT_EQ(client_->Publish(std::shared_ptr<const Turn>(), opts_).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(RelayClientTest, RetriesUnavailableWithTheSameId) {
