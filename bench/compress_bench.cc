@@ -5,11 +5,15 @@
 //
 //   build/bin/compress_bench --benchmark_repetitions=5
 //       --benchmark_report_aggregates_only=true
+//
+// The process keeps freed heap for reuse like kvrelay-server does
+// (--heap-retain-bytes); see main().
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "client/heap_retain.h"
 #include "core/format/synthetic.h"
 #include "core/pipeline.h"
 #include "core/thread_pool.h"
@@ -120,4 +124,14 @@ BENCHMARK(BM_ObfHead)->Arg(0)->Arg(1)->ArgName("fast")->Unit(benchmark::kMicrose
 }  // namespace
 }  // namespace kvrelay
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  // As kvrelay-server and kvrelayctl run: freed tensors stay mapped for the
+  // next message (client/heap_retain.h). MALLOC_TRIM_THRESHOLD_=131072
+  // MALLOC_MMAP_THRESHOLD_=131072 measures glibc's defaults instead.
+  kvrelay::RetainFreedHeap(kvrelay::kDefaultHeapRetainBytes);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -40,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -381,7 +382,23 @@ struct PolicyRow {
   HopResult mem_hop;
   double rss_ready_mb = 0, hwm_after_mb = 0, rss_after_mb = 0;
   std::vector<HopResult> hops;
+  double server_cpu_ms = 0, client_cpu_ms = 0;  // per timed hop, mean
 };
+
+// CPU time (user + system) of process `pid` so far, in ms.
+double ProcessCpuMs(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  // Fields after the ")" that closes the command name: state is field 3;
+  // utime and stime are fields 14 and 15.
+  std::istringstream rest(stat.substr(stat.rfind(')') + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i >= 14) ticks += std::strtod(field.c_str(), nullptr);
+  }
+  return ticks * 1000.0 / sysconf(_SC_CLK_TCK);
+}
 
 int Main(int argc, char** argv) {
   std::string server = SelfDir() + "/kvrelay-server";
@@ -467,9 +484,12 @@ int Main(int argc, char** argv) {
       row.rss_ready_mb = before.rss_kb * 1024 / 1e6;
       row.hwm_after_mb = after.hwm_kb * 1024 / 1e6;
       row.rss_after_mb = after.rss_kb * 1024 / 1e6;
+      const double server_cpu0 = ProcessCpuMs(proc.pid()), client_cpu0 = ProcessCpuMs(getpid());
       for (int r = 0; r < reps; ++r) {
         row.hops.push_back(OneHop(*sender, *recipient, shared_turn, spec, "bench-" + std::to_string(session_no++)));
       }
+      row.server_cpu_ms = (ProcessCpuMs(proc.pid()) - server_cpu0) / reps;
+      row.client_cpu_ms = (ProcessCpuMs(getpid()) - client_cpu0) / reps;
     }
     std::printf("  %-34s hops ms:", spec.c_str());
     for (const HopResult& h : row.hops) std::printf(" %.0f", h.hop_ms);
@@ -507,6 +527,10 @@ int Main(int argc, char** argv) {
   for (const PolicyRow& row : rows) {
     std::printf("  %-34s server RSS: %.1f MB ready, %.1f MB peak, %.1f MB after the first hop\n", row.spec.c_str(),
                 row.rss_ready_mb, row.hwm_after_mb, row.rss_after_mb);
+  }
+  std::printf("CPU time per hop (user + system, mean of the timed hops; the client includes both agents):\n");
+  for (const PolicyRow& row : rows) {
+    std::printf("  %-34s server %.0f ms, client %.0f ms\n", row.spec.c_str(), row.server_cpu_ms, row.client_cpu_ms);
   }
   std::printf("load average after: %s\n", LoadAvg().c_str());
   return 0;
