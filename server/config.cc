@@ -237,8 +237,9 @@ std::string ServerUsage() {
   --log-json                     JSON log lines (KVRELAY_LOG_JSON)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
   --heap-retain-bytes N          freed heap kept for reuse instead of returned to the kernel, so the next
-                                 message does not fault its pages in again (KVRELAY_HEAP_RETAIN_BYTES;
-                                 128MiB; 0: glibc's defaults)
+                                 message does not fault its pages in again; per malloc arena (one per
+                                 worker, at least 2), so count workers x N against the memory limit
+                                 (KVRELAY_HEAP_RETAIN_BYTES; 128MiB; 0: glibc's defaults)
   --config FILE                  JSON object with the same keys (KVRELAY_CONFIG)
 Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT
 

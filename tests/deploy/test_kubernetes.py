@@ -242,8 +242,14 @@ def check_sidecar(tag, pod_spec, flags, envs):
           f"{tag}: the sidecar should set all four byte limits (KVRELAY_MAX_*_BYTES), sets {sorted(limits)}")
     mem = (relay.get("resources") or {}).get("limits", {}).get("memory")
     if mem and "inflight" in limits and "store" in limits:
-        check(limits["inflight"] + limits["store"] <= parse_quantity(mem),
-              f"{tag}: in-flight ({limits['inflight']}) + store ({limits['store']}) bytes exceed the memory limit {mem}")
+        # Freed heap the relay keeps: per malloc arena, one per worker (the
+        # CPU limit), at least 2; the server's default when unset.
+        retain = parse_bytes(env.get("KVRELAY_HEAP_RETAIN_BYTES") or "128MiB")
+        cpu = (relay.get("resources") or {}).get("limits", {}).get("cpu")
+        arenas = max(2, math.ceil(parse_quantity(cpu))) if cpu else 2
+        check(limits["inflight"] + limits["store"] + arenas * retain <= parse_quantity(mem),
+              f"{tag}: in-flight ({limits['inflight']}) + store ({limits['store']}) + retained heap "
+              f"({arenas} x {retain}) bytes exceed the memory limit {mem}")
     if "session" in limits and "store" in limits:
         check(limits["session"] <= limits["store"], f"{tag}: session limit above the store limit")
     return relay
