@@ -110,10 +110,9 @@ class DeliveryReader {
   absl::Status Consume(const grpc::ByteBuffer& wire) {
     if (!raw_.Reset(wire)) return absl::DataLossError("delivery stream: unreadable response");
     if (raw_.AsChunk(Response::kChunkFieldNumber, &chunk_)) return Consume(chunk_);
-    if (!raw_.ParseAs(&resp_)) {
-      return absl::InvalidArgumentError(absl::StrCat("delivery stream: a response of ", raw_.size(),
-                                                     " bytes that is not a kvrelay.v1.",
-                                                     Response::descriptor()->name()));
+    if (!raw_.ParseAs(&resp_)) {  // the relay sent something else: corruption on the way
+      return absl::DataLossError(absl::StrCat("delivery stream: a response of ", raw_.size(),
+                                              " bytes that is not a kvrelay.v1.", Response::descriptor()->name()));
     }
     return Consume(resp_);
   }

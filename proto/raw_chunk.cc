@@ -1,6 +1,8 @@
 #include "proto/raw_chunk.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -30,17 +32,17 @@ class Cursor {
     return true;
   }
 
-  bool Varint(uint64_t* v) {
-    *v = 0;
-    for (int shift = 0; shift < 70; shift += 7) {
-      uint8_t b;
-      if (!Byte(&b)) return false;
-      if (shift == 63 && b > 1) return false;  // more than 64 bits
-      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
-      if (!(b & 0x80)) return true;
-    }
-    return false;
-  }
+  // A value varint: at most 10 bytes, 64 bits (uint32 and enum fields take
+  // the low 32 bits, as protobuf does).
+  // A 10th byte above 1 is left to protobuf.
+  bool Varint(uint64_t* v) { return VarintOf(10, v) && (bytes_ < 10 || last_ <= 1); }
+
+  // A tag as protobuf reads it: at most 5 bytes and 32 bits, field number
+  // not 0. Anything else is left to protobuf (which rejects it).
+  bool Tag(uint64_t* key) { return VarintOf(5, key) && *key <= UINT32_MAX && (*key >> 3) != 0; }
+
+  // A length as protobuf reads it: at most 5 bytes, below 2^31.
+  bool Length(uint64_t* n) { return VarintOf(5, n) && *n <= INT32_MAX; }
 
   // The next n bytes as views (appended to *out); false past the end.
   bool Take(uint64_t n, std::vector<absl::Span<const uint8_t>>* out) {
@@ -67,9 +69,26 @@ class Cursor {
     }
   }
 
+  // Reads a varint of at most `max_bytes` bytes; its length and last byte
+  // are left in bytes_ and last_.
+  bool VarintOf(int max_bytes, uint64_t* v) {
+    *v = 0;
+    for (int i = 0; i < max_bytes; ++i) {
+      uint8_t b;
+      if (!Byte(&b)) return false;
+      bytes_ = i + 1;
+      last_ = b;
+      *v |= static_cast<uint64_t>(b & 0x7f) << (7 * i);
+      if (!(b & 0x80)) return true;
+    }
+    return false;
+  }
+
   const std::vector<grpc::Slice>& s_;
   size_t i_ = 0, off_ = 0;
   uint64_t pos_ = 0;
+  int bytes_ = 0;
+  uint8_t last_ = 0;
 };
 
 size_t VarintSize(uint64_t v) {
@@ -156,12 +175,12 @@ bool RawMessage::Reset(const grpc::ByteBuffer& buf) {
 bool RawMessage::AsChunk(int field, ChunkView* chunk) const {
   Cursor c(slices_);
   uint64_t key, len;
-  if (!c.Varint(&key) || key != (static_cast<uint64_t>(field) << 3 | kLengthDelimited)) return false;
-  if (!c.Varint(&len) || len != size_ - c.pos()) return false;  // exactly this one field
+  if (!c.Tag(&key) || key != (static_cast<uint64_t>(field) << 3 | kLengthDelimited)) return false;
+  if (!c.Length(&len) || len != size_ - c.pos()) return false;  // exactly this one field
   ChunkView v;
   while (c.pos() < size_) {
     uint64_t value;
-    if (!c.Varint(&key)) return false;
+    if (!c.Tag(&key)) return false;
     const uint64_t f = key >> 3;
     const int wire = static_cast<int>(key & 7);
     const bool known = f >= kLayer && f <= kCrc;
@@ -175,7 +194,7 @@ bool RawMessage::AsChunk(int field, ChunkView* chunk) const {
         if (f == kCrc) v.crc32c = static_cast<uint32_t>(value);
         break;
       case kLengthDelimited:
-        if (!c.Varint(&value) || value > size_ - c.pos()) return false;
+        if (!c.Length(&value) || value > size_ - c.pos()) return false;
         if (f == kData) {
           v.pieces.clear();  // the last occurrence wins
           v.size = value;

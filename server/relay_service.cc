@@ -213,6 +213,7 @@ class UploadReactor : public Reactor {
     if (raw_.AsChunk(Request::kChunkFieldNumber, &chunk_)) {
       s = OnChunk(chunk_);
       if (!s.ok()) return self().Fail(s);
+      ReleaseRequest();
       return ReadNext();
     }
     if (!raw_.ParseAs(&req_)) {
@@ -248,6 +249,7 @@ class UploadReactor : public Reactor {
         s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
     }
     if (!s.ok()) return self().Fail(s);
+    ReleaseRequest();
     ReadNext();
   }
 
@@ -302,6 +304,15 @@ class UploadReactor : public Reactor {
 
  private:
   Derived& self() { return static_cast<Derived&>(*this); }
+
+  // Drops the handled request's gRPC slices (a chunk's MiB) before the next
+  // read, which a backpressure pause may delay.
+  void ReleaseRequest() {
+    chunk_ = ChunkView();
+    raw_.Reset(grpc::ByteBuffer());
+    wire_.Clear();
+    req_.Clear();
+  }
 
   absl::Status OnChunk(const ChunkView& c) {
     if (!upload_.started()) return absl::InvalidArgumentError("chunk: before the header, expected the header first");

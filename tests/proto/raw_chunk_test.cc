@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "core/crc32c.h"
 #include "gtest/gtest.h"
 #include "kvrelay/v1/relay.pb.h"
@@ -186,6 +187,41 @@ TEST(RawChunk, UnusualEncodingsAreLeftToProtobuf) {
   const std::string odd = std::string("\x12\x04\x0a\x02zz", 6);
   ASSERT_TRUE(raw.Reset(Sliced(odd, rng)));
   EXPECT_FALSE(raw.AsChunk(v1::PublishRequest::kChunkFieldNumber, &v));
+
+  // Tags and lengths are read as protobuf reads them (at most 5 bytes, a tag
+  // of 32 bits with a field number, a length below 2^31); anything else is
+  // left to protobuf, whichever way protobuf decides.
+  const auto in_chunk = [](const std::string& inner) {
+    return std::string("\x12") + static_cast<char>(inner.size()) + inner;
+  };
+  const std::string odd_encodings[] = {
+      // data "ab", then a 5-byte tag whose 32-bit truncation is data again.
+      in_chunk(std::string("\x22\x02" "ab" "\xa2\x80\x80\x80\x10\x02" "xy", 12)),
+      in_chunk(std::string("\x88\x80\x80\x80\x10\x05", 6)),    // layer = 5 behind a 5-byte tag
+      in_chunk(std::string("\x88\x80\x80\x80\x80\x00\x05", 7)),  // a 6-byte tag
+      in_chunk(std::string("\x00\x05", 2)),                         // field number 0
+      in_chunk(std::string("\x02\x01z", 3)),                        // field number 0, bytes
+      in_chunk(std::string("\x22\x81\x80\x80\x80\x80\x00" "a", 8)),  // a 6-byte length
+      std::string("\x92\x80\x80\x80\x00\x02\x22\x00", 8),        // outer tag in 5 bytes, bits above 32 clear
+  };
+  for (const std::string& bytes : odd_encodings) {
+    ASSERT_TRUE(raw.Reset(Sliced(bytes, rng)));
+    ChunkView got;
+    const bool fast = raw.AsChunk(v1::PublishRequest::kChunkFieldNumber, &got);
+    v1::PublishRequest pb;
+    const bool parsed = raw.ParseAs(&pb);
+    if (fast) {  // then protobuf must read the very same chunk
+      ASSERT_TRUE(parsed) << absl::CHexEscape(bytes);
+      ASSERT_EQ(pb.kind_case(), v1::PublishRequest::kChunk) << absl::CHexEscape(bytes);
+      ExpectSame(got, pb.chunk());
+    }
+  }
+  // None of the first six may take the fast path: protobuf reads them
+  // differently from a plain 64-bit varint reader, or rejects them.
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(raw.Reset(Sliced(odd_encodings[i], rng)));
+    EXPECT_FALSE(raw.AsChunk(v1::PublishRequest::kChunkFieldNumber, &v)) << i;
+  }
 
   // Not protobuf at all.
   ASSERT_TRUE(raw.Reset(Sliced(std::string(9, '\xff'), rng)));
