@@ -238,7 +238,7 @@ std::string ServerUsage() {
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
   --heap-retain-bytes N          freed heap kept for reuse instead of returned to the kernel, so the next
                                  message does not fault its pages in again; per malloc arena (one per
-                                 worker, at least 2), so count workers x N against the memory limit
+                                 two workers, at least 1): count that many x N against the memory limit
                                  (KVRELAY_HEAP_RETAIN_BYTES; 128MiB; 0: glibc's defaults)
   --config FILE                  JSON object with the same keys (KVRELAY_CONFIG)
 Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT

@@ -242,11 +242,13 @@ def check_sidecar(tag, pod_spec, flags, envs):
           f"{tag}: the sidecar should set all four byte limits (KVRELAY_MAX_*_BYTES), sets {sorted(limits)}")
     mem = (relay.get("resources") or {}).get("limits", {}).get("memory")
     if mem and "inflight" in limits and "store" in limits:
-        # Freed heap the relay keeps: per malloc arena, one per worker (the
-        # CPU limit), at least 2; the server's default when unset.
+        # Freed heap the relay keeps: per malloc arena, one per two workers
+        # (workers = the CPU limit), at least 1 (server/config.h,
+        # MallocArenas); the server's default when unset. Without a CPU limit
+        # assume 8 workers.
         retain = parse_bytes(env.get("KVRELAY_HEAP_RETAIN_BYTES") or "128MiB")
         cpu = (relay.get("resources") or {}).get("limits", {}).get("cpu")
-        arenas = max(2, math.ceil(parse_quantity(cpu))) if cpu else 2
+        arenas = max(1, math.ceil(parse_quantity(cpu)) // 2) if cpu else 4
         check(limits["inflight"] + limits["store"] + arenas * retain <= parse_quantity(mem),
               f"{tag}: in-flight ({limits['inflight']}) + store ({limits['store']}) + retained heap "
               f"({arenas} x {retain}) bytes exceed the memory limit {mem}")

@@ -137,6 +137,10 @@ TEST(ConfigTest, HeapRetainBytes) {
   EXPECT_NE(bad.status().message().find("--heap-retain-bytes"), std::string::npos) << bad.status();
   const std::string usage(Parse({"--help"}).status().message());
   EXPECT_NE(usage.find("KVRELAY_HEAP_RETAIN_BYTES"), std::string::npos);
+  // The retained heap is per malloc arena: one per two workers, at least 1.
+  for (auto [workers, arenas] : {std::pair{1, 1}, {2, 1}, {3, 1}, {4, 2}, {8, 4}, {4096, 2048}}) {
+    EXPECT_EQ(MallocArenas(workers), arenas) << workers;
+  }
 }
 
 }  // namespace
