@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -39,6 +40,19 @@ size_t FirstAllOnes(const U* p, size_t n, U mask) {
     }
   }
   return n;
+}
+
+// Whether every value is finite and >= 0 (-0.0 included), branch-free so it
+// vectorizes; the caller looks for the offender only when it is not.
+bool AllFiniteNonNegative(const float* p, size_t n) {
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, p + i, sizeof u);
+    // Sign clear and exponent not all ones, or exactly -0.0.
+    bad |= static_cast<uint32_t>(u >= 0x7f800000u) & static_cast<uint32_t>(u != 0x80000000u);
+  }
+  return bad == 0;
 }
 
 size_t FirstNonFinite(DType dtype, const uint8_t* data, size_t n) {
@@ -149,7 +163,8 @@ absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometr
                                                    Shape({sc.rows, sc.cols}), ", expected ",
                                                    Shape({geo.score_heads, geo.n_prompt})));
   }
-  for (int r = 0; r < sc.rows; ++r) {
+  const bool scores_ok = AllFiniteNonNegative(sc.data.data(), sc.data.size());
+  for (int r = 0; r < sc.rows && !scores_ok; ++r) {
     for (int c = 0; c < sc.cols; ++c) {
       const float v = sc.at(r, c);
       if (!std::isfinite(v) || v < 0) {

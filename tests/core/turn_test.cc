@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -113,6 +114,23 @@ TEST(TurnTest, RejectsEachBadInput) {
   t = good;
   t.layers[0].scores.at(0, 0) = nan;
   ExpectInvalid(t, "layer.0.prompt.score: value nan at [0,0]");
+
+  // Every bit pattern class, anywhere in the matrix: only finite values >= 0
+  // (-0.0 included) pass, and the first offender is named.
+  for (float bad : {-1e-30f, -1.f, -INFINITY, INFINITY, nan, -nan, -std::numeric_limits<float>::denorm_min()}) {
+    t = good;
+    t.layers[2].scores.at(1, 39) = bad;
+    t.layers[2].scores.at(2, 0) = -1.f;  // a later one is not reported
+    const absl::Status st = ValidateTurn(t);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find("layer.2.prompt.score: value "), std::string::npos) << st;
+    EXPECT_NE(st.message().find(" at [1,39]"), std::string::npos) << st;
+  }
+  t = good;
+  t.layers[1].scores.at(0, 5) = -0.f;
+  t.layers[1].scores.at(3, 0) = std::numeric_limits<float>::max();
+  t.layers[1].scores.at(3, 1) = std::numeric_limits<float>::denorm_min();
+  EXPECT_TRUE(ValidateTurn(t).ok());
 
   t = good;
   t.layers[0].scores = ScoreMatrix(3, 40);
