@@ -1,21 +1,33 @@
 #include "core/selection.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 
 namespace kvrelay {
 
 std::vector<int> TopK(absl::Span<const double> scores, int begin, int end, int k) {
-  std::vector<int> idx(std::max(0, end - begin));
-  std::iota(idx.begin(), idx.end(), begin);
-  if (k < static_cast<int>(idx.size())) {
-    auto better = [&scores](int a, int b) {
-      return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-    };
-    std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-    idx.resize(std::max(0, k));
+  const int n = std::max(0, end - begin);
+  std::vector<int> idx;
+  if (k >= n) {
+    idx.resize(n);
+    std::iota(idx.begin(), idx.end(), begin);
+    return idx;
   }
-  std::sort(idx.begin(), idx.end());
+  if (k <= 0) return idx;
+  // The k-th largest value, selected among the values themselves (no
+  // indirection), then one ascending pass: everything above it, and as many
+  // of the values equal to it as fit, lowest positions first.
+  thread_local std::vector<double> values;
+  values.assign(scores.begin() + begin, scores.begin() + end);
+  std::nth_element(values.begin(), values.begin() + (k - 1), values.end(), std::greater<double>());
+  const double kth = values[k - 1];
+  int ties = k;
+  for (int j = begin; j < end; ++j) ties -= scores[j] > kth;
+  idx.reserve(k);
+  for (int j = begin; j < end; ++j) {
+    if (scores[j] > kth || (scores[j] == kth && ties-- > 0)) idx.push_back(j);
+  }
   return idx;
 }
 
