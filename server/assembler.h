@@ -65,10 +65,9 @@ class TurnAssembler {
   // (layer, part, offset), is empty, longer than 1 MiB, runs past its
   // tensor or completes a K/V element that is NaN or Inf (named like
   // core's "layer.2.gen.v: non-finite value ..."); DataLoss when its CRC32C
-  // does not match. Nothing is accepted on
-  // error: a chunk failing its CRC32C is copied (the check runs during the
-  // copy) into the bytes the next accepted chunk overwrites, and no layer
-  // holding it is reported complete.
+  // does not match. Nothing is accepted on error: a chunk failing its CRC32C
+  // is copied (the check runs during the copy) into the bytes the next
+  // accepted chunk overwrites, and no layer holding it is reported complete.
   absl::Status Accept(const ChunkView& chunk);
   absl::Status Accept(const v1::Chunk& chunk);
 

@@ -56,8 +56,9 @@ struct ServerConfig {
   double shutdown_grace_seconds = 10;
   // Freed heap memory kept for reuse rather than returned to the kernel
   // (glibc's trim threshold, per malloc arena: see MallocArenas; the mmap
-  // threshold becomes min(N, 32MiB) so tensors come from the heap). Re-faulting a turn's ~90 MB of fresh pages costs
-  // tens of ms per message; 0 leaves glibc's defaults.
+  // threshold becomes min(N, 32MiB) so tensors come from the heap).
+  // Re-faulting a turn's ~90 MB of fresh pages costs tens of ms per
+  // message; 0 leaves glibc's defaults.
   uint64_t heap_retain_bytes = kDefaultHeapRetainBytes;
 
   // The policy spec for `role` (its role policy, else the default).

@@ -68,9 +68,10 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
     // The assembler checked every uploaded K/V element as its chunk arrived;
     // the history taken from a parent (dequantized, maybe) is checked here.
     if (st.ok()) st = ValidateTurnLayer(layer, l, geo_, prompt_pos0_, /*check_kv_values=*/false);
-    for (auto [t, part] : {std::pair<const KvTensor*, const char*>{&layer.history_k, "history.k"},
-                           {&layer.history_v, "history.v"}}) {
-      if (st.ok() && parent_) {
+    if (parent_) {
+      for (auto [t, part] : {std::pair<const KvTensor*, const char*>{&layer.history_k, "history.k"},
+                             {&layer.history_v, "history.v"}}) {
+        if (!st.ok()) break;
         st = CheckKvFinite(t->dtype(), t->bytes().data(), 0, t->elements(), l, part, t->tokens(), t->dim());
       }
     }

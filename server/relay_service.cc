@@ -208,45 +208,42 @@ class UploadReactor : public Reactor {
           absl::StrCat(rpc_, upload_.started() ? ": stream ended before the commit, expected a commit trailer"
                                                : ": empty stream, expected a header first")));
     }
-    absl::Status s;
     if (!raw_.Reset(wire_)) return self().Fail(absl::InvalidArgumentError(absl::StrCat(rpc_, ": unreadable request")));
+    absl::Status s;
     if (raw_.AsChunk(Request::kChunkFieldNumber, &chunk_)) {
       s = OnChunk(chunk_);
-      if (!s.ok()) return self().Fail(s);
-      ReleaseRequest();
-      return ReadNext();
-    }
-    if (!raw_.ParseAs(&req_)) {
+    } else if (!raw_.ParseAs(&req_)) {
       return self().Fail(absl::InvalidArgumentError(absl::StrCat(
           rpc_, ": request of ", raw_.size(), " bytes is not a kvrelay.v1.", Request::descriptor()->name())));
-    }
-    switch (req_.kind_case()) {
-      case Request::kHeader:
-        if (upload_.started()) {
-          s = absl::InvalidArgumentError("header: a second header, expected chunks or the commit");
-        } else {
-          s = self().OnHeader(req_.header());
-          if (finished_) return;  // e.g. a duplicate publish: already answered
-        }
-        break;
-      case Request::kChunk:
-        chunk_ = ChunkView::Of(req_.chunk());
-        s = OnChunk(chunk_);
-        break;
-      case Request::kCommit:
-        if (!upload_.started()) {
-          s = absl::InvalidArgumentError("commit: before the header, expected the header first");
+    } else {
+      switch (req_.kind_case()) {
+        case Request::kHeader:
+          if (upload_.started()) {
+            s = absl::InvalidArgumentError("header: a second header, expected chunks or the commit");
+          } else {
+            s = self().OnHeader(req_.header());
+            if (finished_) return;  // e.g. a duplicate publish: already answered
+          }
           break;
-        }
-        s = upload_.Commit(req_.commit());
-        if (s.ok()) {
-          idle_->armed = false;  // uploaded: compression is not idleness
-          upload_.pending()->WhenDone([this] { self().Complete(); });
-          return;
-        }
-        break;
-      default:
-        s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
+        case Request::kChunk:
+          chunk_ = ChunkView::Of(req_.chunk());
+          s = OnChunk(chunk_);
+          break;
+        case Request::kCommit:
+          if (!upload_.started()) {
+            s = absl::InvalidArgumentError("commit: before the header, expected the header first");
+            break;
+          }
+          s = upload_.Commit(req_.commit());
+          if (s.ok()) {
+            idle_->armed = false;  // uploaded: compression is not idleness
+            upload_.pending()->WhenDone([this] { self().Complete(); });
+            return;
+          }
+          break;
+        default:
+          s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
+      }
     }
     if (!s.ok()) return self().Fail(s);
     ReleaseRequest();

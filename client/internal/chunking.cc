@@ -18,15 +18,13 @@ absl::Span<const uint8_t> BytesOf(const std::vector<T>& v) {
 }
 
 std::string ChunkName(uint32_t layer, v1::Part part) {
-  return absl::StrCat("chunk layer ", layer, " part ", PartName(part));
+  return absl::StrCat("chunk layer ", layer, " part ", FilePartName(part));
 }
 
 // A message larger than this is not a plausible delivery (64 GiB).
 constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 36;
 
 }  // namespace
-
-const char* PartName(v1::Part part) { return FilePartName(part); }
 
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
   if (std::optional<DType> d = DTypeFromProto(dtype)) return *d;

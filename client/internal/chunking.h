@@ -29,14 +29,12 @@ namespace kvrelay {
 namespace client_internal {
 
 // The stream vocabulary shared with the relay (proto/wire.h).
+using ::kvrelay::FilePartName;  // "prompt.k", "k.codes", ...
 using ::kvrelay::kMaxChunkBytes;
 using ::kvrelay::MessageDeliveryOrder;
 using ::kvrelay::TensorRef;
 using ::kvrelay::ToProtoDType;
 using ::kvrelay::TrailerBuilder;
-
-// "prompt.k", "k.codes", ...: the file-format suffix of `part`.
-const char* PartName(v1::Part part);
 
 // InvalidArgument for DTYPE_UNSPECIFIED or an unknown value.
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
