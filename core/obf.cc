@@ -86,7 +86,7 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
   return w;
 }
 
-// The rows `idx` of the row-major [*, d] matrix `vm`, converted to Scalar
+// The rows `idx` of the row-major [*, d] floats `v`, converted to Scalar
 // and multiplied by `scale`, in a per-thread row-major buffer whose stride is
 // padded with zeros for GramLower. The buffer is freed when the object dies
 // if it holds more than 16 MiB, so one long prompt does not pin memory in
@@ -97,14 +97,14 @@ class PaddedRows {
   using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using ColMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
 
-  template <typename Source>
-  PaddedRows(const Source& vm, const std::vector<int>& idx, Scalar scale = 1)
-      : n_(static_cast<int>(idx.size())), d_(static_cast<int>(vm.cols())), ld_(internal::GramStride(d_)) {
+  PaddedRows(const float* v, int d, const std::vector<int>& idx, Scalar scale = 1)
+      : n_(static_cast<int>(idx.size())), d_(d), ld_(internal::GramStride(d_)) {
     buf().resize(static_cast<size_t>(n_) * ld_);
     for (int i = 0; i < n_; ++i) {
       Scalar* row = buf().data() + static_cast<size_t>(i) * ld_;
-      Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(row, d_) = vm.row(idx[i]).template cast<Scalar>() * scale;
-      std::fill(row + d_, row + ld_, Scalar(0));
+      const float* src = v + static_cast<size_t>(idx[i]) * d_;
+      for (int j = 0; j < d_; ++j) row[j] = static_cast<Scalar>(src[j]) * scale;
+      for (int j = d_; j < ld_; ++j) row[j] = Scalar(0);
     }
   }
   ~PaddedRows() {
@@ -134,6 +134,25 @@ class PaddedRows {
   }
   int n_, d_, ld_;
 };
+
+// max |p[i]| over n > 0 finite floats.
+float MaxAbs(const float* p, size_t n) {
+  size_t i = 0;
+  float m = 0;
+#if defined(__AVX2__)
+  const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_and_ps(mask, _mm256_loadu_ps(p + i)));
+    m1 = _mm256_max_ps(m1, _mm256_and_ps(mask, _mm256_loadu_ps(p + i + 8)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+  for (float l : lanes) m = std::max(m, l);
+#endif
+  for (; i < n; ++i) m = std::max(m, std::abs(p[i]));
+  return m;
+}
 
 // Deterministic standard-normal start vectors (SplitMix64 + Box-Muller).
 Eigen::MatrixXf StartVectors(int rows, int cols) {
@@ -318,66 +337,6 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
 // Column-major [rows, cols] view of a padded buffer (column stride ld).
 using PaddedCols = Strided<Eigen::MatrixXf>;
 
-// a . b and b -= r a over n floats. With AVX2 two independent accumulators
-// per dot; the sweep below issues many of these that do not depend on each
-// other, which is what keeps it from being latency-bound.
-float Dot(const float* a, const float* b, int n) {
-  int t = 0;
-  float s = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  for (; t + 16 <= n; t += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t + 8), _mm256_loadu_ps(b + t + 8), s1);
-  }
-  for (; t + 8 <= n; t += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), s0);
-  s0 = _mm256_add_ps(s0, s1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  s = _mm_cvtss_f32(h);
-#endif
-  for (; t < n; ++t) s += a[t] * b[t];
-  return s;
-}
-
-void SubtractScaled(float r, const float* a, float* b, int n) {
-  int t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 rv = _mm256_set1_ps(r);
-  for (; t + 8 <= n; t += 8) {
-    _mm256_storeu_ps(b + t, _mm256_fnmadd_ps(rv, _mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t)));
-  }
-#endif
-  for (; t < n; ++t) b[t] -= r * a[t];
-}
-
-// One sweep of modified Gram-Schmidt over the columns of *x, right-looking:
-// once column i is normalized it is removed from every later column, and
-// those updates are independent of each other. Returns false, leaving *x
-// partly done, when a column keeps less than 1e-3 of its norm (nearly
-// dependent on the ones before it).
-bool GramSchmidtSweep(PaddedCols* x) {
-  const int d = static_cast<int>(x->rows()), m = static_cast<int>(x->cols());
-  const int ld = static_cast<int>(x->outerStride());
-  float* data = x->data();
-  thread_local std::vector<float> before;
-  before.resize(m);
-  for (int j = 0; j < m; ++j) before[j] = std::sqrt(Dot(data + j * ld, data + j * ld, d));
-  for (int i = 0; i < m; ++i) {
-    float* ci = data + i * ld;
-    const float after = std::sqrt(Dot(ci, ci, d));
-    if (!(after > 1e-3f * before[i])) return false;
-    const float inv = 1.0f / after;
-    for (int t = 0; t < d; ++t) ci[t] *= inv;
-    for (int j = i + 1; j < m; ++j) {
-      float* cj = data + j * ld;
-      SubtractScaled(Dot(ci, cj, d), ci, cj, d);
-    }
-  }
-  return true;
-}
-
 // Orthonormalizes the columns of y into x: `passes` sweeps of modified
 // Gram-Schmidt (a second one restores orthogonality to float precision), or
 // Householder QR when a column is nearly dependent on the ones before it.
@@ -386,7 +345,10 @@ bool GramSchmidtSweep(PaddedCols* x) {
 void Orthonormalize(const PaddedCols& y, int passes, PaddedCols* x) {
   *x = y;
   bool ok = true;
-  for (int pass = 0; pass < passes && ok; ++pass) ok = GramSchmidtSweep(x);
+  for (int pass = 0; pass < passes && ok; ++pass) {
+    ok = internal::GramSchmidtSweep(x->data(), static_cast<int>(x->rows()), static_cast<int>(x->cols()),
+                                    static_cast<int>(x->outerStride()));
+  }
   if (ok) return;
   const Eigen::MatrixXf dense = y;
   Eigen::HouseholderQR<Eigen::MatrixXf> qr(dense);
@@ -484,7 +446,7 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose().cast<double>();
   // The deleted rows are the largest buffer: a per-thread one, since a fresh
   // allocation per head costs page faults.
-  PaddedRows<double> del_rows(vm, split.del);
+  PaddedRows<double> del_rows(v.data(), d, split.del);
   const auto del = del_rows.rows();
   Eigen::ColPivHouseholderQR<Eigen::MatrixXd> qr(keep_t);
   qr.setThreshold(1e-9);
@@ -517,14 +479,14 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::Map<const RowMatrixXf> vm(v.data(), v.size() / d, d);
   // Scale by a power of two (exact) so that the float32 Gram cannot overflow
   // for large values (BF16 and F32 hold up to ~3e38); delta is scaled back.
-  const float vmax = vm.cwiseAbs().maxCoeff();  // kept and deleted rows
+  const float vmax = MaxAbs(v.data(), v.size());  // kept and deleted rows
   int exponent = 0;
   std::frexp(vmax, &exponent);
   const float to_unit = vmax > 0 ? std::ldexp(1.0f, -exponent) : 1.0f;
   const double from_unit = vmax > 0 ? std::ldexp(1.0, exponent) : 1.0;
   Eigen::MatrixXf keep_t(d, n_keep);
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose() * to_unit;
-  PaddedRows<float> del_rows(vm, split.del, to_unit);  // per-thread, see ExactObf
+  PaddedRows<float> del_rows(v.data(), d, split.del, to_unit);  // per-thread, see ExactObf
   const auto del = del_rows.rows();
 
   Eigen::ColPivHouseholderQR<Eigen::MatrixXf> qr(keep_t);

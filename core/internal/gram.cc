@@ -18,6 +18,7 @@ void GramAvx512(const double* a, int n, int d, double* g);
 void GramAvx512(const float* a, int n, int d, float* g);
 void SymmetricTimesAvx512(const double* s, int d, const double* x, int m, double* y);
 void SymmetricTimesAvx512(const float* s, int d, const float* x, int m, float* y);
+bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld);
 
 namespace {
 
@@ -40,6 +41,45 @@ template <> struct Avx2<float> {
   static V Bcast(const float* p) { return _mm256_broadcast_ss(p); }
   static V Fma(V x, V y, V acc) { return _mm256_fmadd_ps(x, y, acc); }
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
+struct Avx2SweepOps {
+  static float Dot(const float* a, const float* b, int n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t + 8), _mm256_loadu_ps(b + t + 8), s1);
+    }
+    if (t + 8 <= n) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), s0);
+      t += 8;
+    }
+    float r = ReduceEight8(_mm256_add_ps(s0, s1));
+    for (; t < n; ++t) r = Fma(a[t], b[t], r);
+    return r;
+  }
+  static void SubtractScaled(float r, const float* a, float* b, int n) {
+    const __m256 rv = _mm256_set1_ps(r);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+      _mm256_storeu_ps(b + t, _mm256_fnmadd_ps(rv, _mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t)));
+    }
+    for (; t < n; ++t) b[t] = Fma(-r, a[t], b[t]);
+  }
+  static void Scale(float f, float* a, int n) {
+    const __m256 fv = _mm256_set1_ps(f);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) _mm256_storeu_ps(a + t, _mm256_mul_ps(fv, _mm256_loadu_ps(a + t)));
+    for (; t < n; ++t) a[t] *= f;
+  }
+  // ReduceEight on the lanes of s.
+  static float ReduceEight8(__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+  }
 };
 
 bool UseAvx512() {
@@ -71,6 +111,14 @@ void SymmetricDispatch(const T* s, int d, const T* x, int m, T* y, GramIsa isa) 
 }
 
 }  // namespace
+
+bool GramSchmidtSweep(float* x, int d, int m, int ld, GramIsa isa) {
+#if defined(KVRELAY_GRAM_AVX2)
+  if (isa == GramIsa::kBest && UseAvx512()) return GramSchmidtSweepAvx512(x, d, m, ld);
+  if (isa != GramIsa::kScalar) return GramSchmidtSweepImpl<Avx2SweepOps>(x, d, m, ld);
+#endif
+  return GramSchmidtSweepImpl<ScalarSweepOps>(x, d, m, ld);
+}
 
 void SymmetricTimes(const double* s, int d, const double* x, int m, double* y, GramIsa isa) {
   SymmetricDispatch(s, d, x, m, y, isa);

@@ -45,6 +45,17 @@ void GramLower(const float* a, int n, int d, float* g, GramIsa isa = GramIsa::kB
 void SymmetricTimes(const double* s, int d, const double* x, int m, double* y, GramIsa isa = GramIsa::kBest);
 void SymmetricTimes(const float* s, int d, const float* x, int m, float* y, GramIsa isa = GramIsa::kBest);
 
+// One sweep of right-looking modified Gram-Schmidt over the m columns of x:
+// column i is normalized, then removed from every later column.
+//   x: column-major [d, m], column stride ld: x(t, i) = x[i * ld + t].
+// Returns false, leaving x partly done, as soon as a column keeps no more
+// than 1e-3 of the norm it had before the sweep (nearly dependent on the
+// columns before it). Every dot product sums in one fixed order (16 lanes
+// t mod 16, an 8-element tail into lanes 0..7, a fixed pairwise reduction,
+// then the remaining elements), so results are bit-identical on every path.
+// Thread-safe. REQUIRES: d >= 0, m >= 0, ld >= d.
+bool GramSchmidtSweep(float* x, int d, int m, int ld, GramIsa isa = GramIsa::kBest);
+
 }  // namespace internal
 }  // namespace kvrelay
 

@@ -5,6 +5,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+// GCC 12 reports its own _mm512_castps512_ps256 (an extract from an
+// undefined register) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 namespace kvrelay {
 namespace internal {
 namespace {
@@ -29,7 +33,54 @@ template <> struct Avx512<float> {
   static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
 };
 
+// The AVX2 order (gram.cc): lanes 0..7 of the 16-lane sum are its first
+// accumulator, lanes 8..15 its second.
+struct Avx512SweepOps {
+  static float Dot(const float* a, const float* b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    int t = 0;
+    for (; t + 16 <= n; t += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + t), _mm512_loadu_ps(b + t), acc);
+    if (t + 8 <= n) {
+      const __mmask16 low = 0xff;
+      acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(low, a + t), _mm512_maskz_loadu_ps(low, b + t), acc, low);
+      t += 8;
+    }
+    const __m512 sum = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4e));  // lane l + lane l+8
+    const __m256 s = _mm512_castps512_ps256(sum);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    float r = _mm_cvtss_f32(h);
+    for (; t < n; ++t) r = Fma(a[t], b[t], r);
+    return r;
+  }
+  static void SubtractScaled(float r, const float* a, float* b, int n) {
+    const __m512 rv = _mm512_set1_ps(r);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+      _mm512_storeu_ps(b + t, _mm512_fnmadd_ps(rv, _mm512_loadu_ps(a + t), _mm512_loadu_ps(b + t)));
+    }
+    if (t < n) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1);
+      _mm512_mask_storeu_ps(b + t, k, _mm512_fnmadd_ps(rv, _mm512_maskz_loadu_ps(k, a + t), _mm512_maskz_loadu_ps(k, b + t)));
+    }
+  }
+  static void Scale(float f, float* a, int n) {
+    const __m512 fv = _mm512_set1_ps(f);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) _mm512_storeu_ps(a + t, _mm512_mul_ps(fv, _mm512_loadu_ps(a + t)));
+    if (t < n) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1);
+      _mm512_mask_storeu_ps(a + t, k, _mm512_mul_ps(fv, _mm512_maskz_loadu_ps(k, a + t)));
+    }
+  }
+};
+
 }  // namespace
+
+bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld) {
+  return GramSchmidtSweepImpl<Avx512SweepOps>(x, d, m, ld);
+}
 
 void GramAvx512(const double* a, int n, int d, double* g) { GramTiled<Avx512<double>, 8, 3>(a, n, d, g); }
 void GramAvx512(const float* a, int n, int d, float* g) { GramTiled<Avx512<float>, 8, 2>(a, n, d, g); }

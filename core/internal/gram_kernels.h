@@ -6,6 +6,7 @@
 #define KVRELAY_CORE_INTERNAL_GRAM_KERNELS_H_
 
 #include <cstddef>
+#include <memory>
 
 #include "core/internal/gram.h"
 
@@ -127,6 +128,71 @@ inline void SymmetricTimesTiled(const T* s, int d, const T* x, int m, T* y) {
   int i0 = 0;
   for (; i0 + kRows <= m; i0 += kRows) RowBlock<Isa, kRows, kVecs>(o, i0, d);
   for (; i0 < m; ++i0) RowBlock<Isa, 1, kVecs>(o, i0, d);
+}
+
+// The dot product's fixed order (see GramSchmidtSweep) reduced from its
+// eight partial sums, as the AVX2 horizontal reduction does it.
+inline float ReduceEight(const float* s) {
+  const float h0 = s[0] + s[4], h1 = s[1] + s[5], h2 = s[2] + s[6], h3 = s[3] + s[7];
+  return (h0 + h2) + (h1 + h3);
+}
+
+// Scalar reference of the vector paths' dot product and update.
+struct ScalarSweepOps {
+  static float Dot(const float* a, const float* b, int n) {
+    float lane[16] = {};
+    int t = 0;
+    for (; t + 16 <= n; t += 16)
+      for (int l = 0; l < 16; ++l) lane[l] = Fma(a[t + l], b[t + l], lane[l]);
+    if (t + 8 <= n) {
+      for (int l = 0; l < 8; ++l) lane[l] = Fma(a[t + l], b[t + l], lane[l]);
+      t += 8;
+    }
+    float s[8];
+    for (int l = 0; l < 8; ++l) s[l] = lane[l] + lane[l + 8];
+    float r = ReduceEight(s);
+    for (; t < n; ++t) r = Fma(a[t], b[t], r);
+    return r;
+  }
+  // b -= r a, one rounding per element.
+  static void SubtractScaled(float r, const float* a, float* b, int n) {
+    for (int t = 0; t < n; ++t) b[t] = Fma(-r, a[t], b[t]);
+  }
+  static void Scale(float f, float* a, int n) {
+    for (int t = 0; t < n; ++t) a[t] *= f;
+  }
+};
+
+template <typename Ops>
+bool GramSchmidtSweepImpl(float* x, int d, int m, int ld) {
+  constexpr int kOnStack = 64;
+  float stack_before[kOnStack];
+  std::unique_ptr<float[]> heap_before;
+  float* before = stack_before;
+  if (m > kOnStack) {
+    heap_before.reset(new float[m]);
+    before = heap_before.get();
+  }
+  for (int j = 0; j < m; ++j) {
+    const float* cj = x + static_cast<size_t>(j) * ld;
+    before[j] = __builtin_sqrtf(Ops::Dot(cj, cj, d));
+  }
+  // Column i is removed from the later ones before it is normalized, as
+  // (c_i . c_j / c_i . c_i) c_i: the updates then wait for one dot product
+  // instead of a square root, a division and a pass over c_i.
+  for (int i = 0; i < m; ++i) {
+    float* ci = x + static_cast<size_t>(i) * ld;
+    const float norm2 = Ops::Dot(ci, ci, d);
+    const float after = __builtin_sqrtf(norm2);
+    if (!(after > 1e-3f * before[i])) return false;
+    const float inv2 = 1.0f / norm2;
+    for (int j = i + 1; j < m; ++j) {
+      float* cj = x + static_cast<size_t>(j) * ld;
+      Ops::SubtractScaled(Ops::Dot(ci, cj, d) * inv2, ci, cj, d);
+    }
+    Ops::Scale(1.0f / after, ci, d);
+  }
+  return true;
 }
 
 }  // namespace

@@ -121,6 +121,68 @@ TEST(SymmetricTimesTest, MatchesReferenceAndIsIdenticalOnEveryPath) {
   }
 }
 
+// Columns of a column-major [d, m] matrix with column stride ld.
+double ColumnDot(const std::vector<float>& x, int ld, int d, int i, int j) {
+  double s = 0;
+  for (int t = 0; t < d; ++t) s += static_cast<double>(x[static_cast<size_t>(i) * ld + t]) * x[static_cast<size_t>(j) * ld + t];
+  return s;
+}
+
+TEST(GramSchmidtSweepTest, OrthonormalSameSpanAndIdenticalOnEveryPath) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n01(0, 1);
+  // d covers every tail: full blocks of 16, an 8-element block, single elements.
+  const int shapes[][2] = {{96, 18}, {56, 12}, {1, 1}, {7, 3}, {8, 8}, {16, 5}, {25, 9}, {130, 70}, {40, 0}};
+  for (const auto& shape : shapes) {
+    const int d = shape[0], m = shape[1];
+    SCOPED_TRACE(testing::Message() << "d=" << d << " m=" << m);
+    const int ld = GramStride(d);
+    std::vector<float> x(static_cast<size_t>(ld) * m + 1, -7.0f);
+    for (int i = 0; i < m; ++i)
+      for (int t = 0; t < d; ++t) x[static_cast<size_t>(i) * ld + t] = n01(rng) * (1 + i);
+    std::vector<float> best(x), avx2(x), scalar(x);
+    // Two sweeps, as OBF's last iteration runs them: orthonormal to float precision.
+    for (int sweep = 0; sweep < 2; ++sweep) {
+      ASSERT_TRUE(GramSchmidtSweep(best.data(), d, m, ld, GramIsa::kBest));
+      ASSERT_TRUE(GramSchmidtSweep(avx2.data(), d, m, ld, GramIsa::kAvx2));
+      ASSERT_TRUE(GramSchmidtSweep(scalar.data(), d, m, ld, GramIsa::kScalar));
+      ASSERT_EQ(0, std::memcmp(best.data(), scalar.data(), best.size() * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(avx2.data(), scalar.data(), avx2.size() * sizeof(float)));
+    }
+    for (int i = 0; i < m; ++i) {
+      for (int t = d; t < ld && i + 1 < m; ++t) ASSERT_EQ(best[static_cast<size_t>(i) * ld + t], -7.0f) << "padding";
+      for (int j = 0; j <= i; ++j) {
+        ASSERT_NEAR(ColumnDot(best, ld, d, i, j), i == j ? 1.0 : 0.0, 2e-6) << i << "," << j;
+      }
+      // Column i of the input lies in the span of output columns 0..i.
+      double norm2 = 0, in_span = 0;
+      for (int t = 0; t < d; ++t) norm2 += static_cast<double>(x[static_cast<size_t>(i) * ld + t]) * x[static_cast<size_t>(i) * ld + t];
+      for (int j = 0; j <= i; ++j) {
+        double c = 0;
+        for (int t = 0; t < d; ++t) c += static_cast<double>(x[static_cast<size_t>(i) * ld + t]) * best[static_cast<size_t>(j) * ld + t];
+        in_span += c * c;
+      }
+      ASSERT_NEAR(in_span / norm2, 1.0, 1e-5) << i;
+    }
+    ASSERT_EQ(best.back(), -7.0f) << "wrote past the last column";
+  }
+}
+
+TEST(GramSchmidtSweepTest, StopsOnANearlyDependentColumn) {
+  const int d = 40, m = 4, ld = GramStride(d);
+  std::vector<float> x(static_cast<size_t>(ld) * m, 0.0f);
+  for (int t = 0; t < d; ++t) {
+    x[t] = 1.0f + t;
+    x[static_cast<size_t>(ld) + t] = 0.5f * (1.0f + t);  // column 1 = column 0 / 2
+    x[static_cast<size_t>(2) * ld + t] = static_cast<float>(t % 3);
+    x[static_cast<size_t>(3) * ld + t] = static_cast<float>(t % 5);
+  }
+  for (GramIsa isa : {GramIsa::kBest, GramIsa::kAvx2, GramIsa::kScalar}) {
+    std::vector<float> y(x);
+    EXPECT_FALSE(GramSchmidtSweep(y.data(), d, m, ld, isa));
+  }
+}
+
 }  // namespace
 }  // namespace internal
 }  // namespace kvrelay
