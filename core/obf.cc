@@ -392,25 +392,42 @@ class Complement {
     }
   }
 
-  // The trailing (d - r) x (d - r) block of H^T S H for symmetric S:
+  // The trailing m x m block (m = d - r) of H^T S H for symmetric S:
   // H^T S H = S - Y Z^T - Z Y^T with W = S Y T, Z = W - Y (T^T Y^T W) / 2.
-  // s: the full S, row-major with stride GramStride(d) (PaddedRows::Gram).
-  Matrix ReduceGram(const Scalar* s) const {
-    const int m = d_ - r_, ld = internal::GramStride(d_);
-    thread_local std::vector<Scalar> ybuf, wbuf;
+  //   s: the full S, row-major with stride GramStride(d) (PaddedRows::Gram).
+  //   g: receives the block in full, row-major with stride GramStride(m) and
+  //      zero padding columns (SymmetricTimes' layout), m rows.
+  void ReduceGram(const Scalar* s, Scalar* g) const {
+    const int m = d_ - r_, ld = internal::GramStride(d_), ldm = internal::GramStride(m);
+    thread_local std::vector<Scalar> ybuf, wbuf, terms_a, terms_b, cross;
     ybuf.resize(static_cast<size_t>(ld) * r_);
     wbuf.resize(static_cast<size_t>(ld) * r_);
-    StridedView<Matrix>(ybuf.data(), d_, r_, ld) = y_;
-    internal::SymmetricTimes(s, d_, ybuf.data(), r_, wbuf.data());  // S Y
-    Matrix w = StridedView<Matrix>(wbuf.data(), d_, r_, ld) * t_.template triangularView<Eigen::Upper>();
-    const Matrix mm = t_.template triangularView<Eigen::Upper>().transpose() * (y_.transpose() * w);
-    w.noalias() -= Scalar(0.5) * (y_ * mm);  // now Z
-    Matrix g = StridedView<const Matrix>(s + static_cast<size_t>(r_) * ld + r_, m, m, ld);
-    auto lower = g.template triangularView<Eigen::Lower>();
-    lower -= y_.bottomRows(m) * w.bottomRows(m).transpose();
-    lower -= w.bottomRows(m) * y_.bottomRows(m).transpose();
-    g.template triangularView<Eigen::StrictlyUpper>() = g.transpose();
-    return g;
+    const Matrix yt = y_ * t_.template triangularView<Eigen::Upper>();
+    StridedView<Matrix>(ybuf.data(), d_, r_, ld) = yt;
+    internal::SymmetricTimes(s, d_, ybuf.data(), r_, wbuf.data());  // W = S Y T
+    const auto w = StridedView<const Matrix>(wbuf.data(), d_, r_, ld);
+    const Matrix mm = yt.transpose() * w;
+    // Y Z^T + Z Y^T on the trailing rows as one product over 2r terms:
+    // [Y_b Z_b] [Z_b Y_b]^T, each term a row of a CrossLower operand.
+    terms_a.assign(static_cast<size_t>(2 * r_) * ldm, Scalar(0));
+    terms_b.assign(static_cast<size_t>(2 * r_) * ldm, Scalar(0));
+    auto ya = StridedView<Matrix>(terms_a.data(), m, r_, ldm);
+    auto za = StridedView<Matrix>(terms_a.data() + static_cast<size_t>(r_) * ldm, m, r_, ldm);
+    ya = y_.bottomRows(m);
+    za.noalias() = w.bottomRows(m) - Scalar(0.5) * (y_.bottomRows(m) * mm);
+    StridedView<Matrix>(terms_b.data(), m, r_, ldm) = za;
+    StridedView<Matrix>(terms_b.data() + static_cast<size_t>(r_) * ldm, m, r_, ldm) = ya;
+    cross.resize(static_cast<size_t>(ldm) * ldm);
+    internal::CrossLower(terms_a.data(), terms_b.data(), 2 * r_, m, cross.data());
+    for (int i = 0; i < m; ++i) {
+      const Scalar* srow = s + static_cast<size_t>(r_ + i) * ld + r_;
+      Scalar* grow = g + static_cast<size_t>(i) * ldm;
+      for (int j = 0; j <= i; ++j) {
+        grow[j] = srow[j] - cross[static_cast<size_t>(i) * ldm + j];
+        g[static_cast<size_t>(j) * ldm + i] = grow[j];
+      }
+      for (int j = m; j < ldm; ++j) grow[j] = Scalar(0);
+    }
   }
 
   // H's first r columns, I[:, :r] - Y T Y[:r, :]^T: an orthonormal basis of
@@ -456,7 +473,12 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   if (r == d) return out;  // V_keep spans everything: R = 0
 
   const auto s = del_rows.Gram();
-  const Eigen::MatrixXd g = h.ReduceGram(s.data());  // R^T R in the complement basis, (d-r) x (d-r)
+  // R^T R in the complement basis, (d - r) x (d - r).
+  const int dc = d - r, ldc = internal::GramStride(dc);
+  thread_local std::vector<double> gbuf;
+  gbuf.resize(static_cast<size_t>(ldc) * dc);
+  h.ReduceGram(s.data(), gbuf.data());
+  const Eigen::MatrixXd g = StridedView<const Eigen::MatrixXd>(gbuf.data(), dc, dc, ldc);
   // ||R||_F^2 = trace(G); near zero the trace loses digits, so decide on R itself.
   if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
     const Eigen::MatrixXd res = del - (del * out.q) * out.q.transpose();
@@ -497,26 +519,24 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   out.q = q.cast<double>();
   if (r == d) return out;
   const auto s = del_rows.Gram();
-  // G = P S P in the complement basis of span(V_keep): (d - r) x (d - r).
-  const Eigen::MatrixXf g = h.ReduceGram(s.data());
+  // G = P S P in the complement basis of span(V_keep), (d - r) x (d - r),
+  // and the blocks of vectors, in padded per-thread buffers for
+  // SymmetricTimes.
+  const int dc = d - r, ld = internal::GramStride(dc);
+  thread_local std::vector<float> gbuf, xbuf, ybuf;
+  gbuf.resize(static_cast<size_t>(ld) * dc);
+  h.ReduceGram(s.data(), gbuf.data());
+  const auto g = StridedView<const Eigen::MatrixXf>(gbuf.data(), dc, dc, ld);
   // float32 cannot resolve ||R||_F below ~1e-5 ||V_del||_F: treat as zero.
   const double total = s.trace();
   if (g.trace() <= std::max(kSkipResidual * kSkipResidual, 1e-10 * total)) return out;
 
   // rank(G) <= min(d - r, n_del): more directions would only add noise.
-  const int dc = d - r;
   const int m = std::min({dc, n_del, opts.p + opts.oversample});
   thread_local Eigen::MatrixXf start;
   if (start.rows() != dc || start.cols() != m) start = StartVectors(dc, m);
-  // G and the blocks of vectors in padded per-thread buffers for
-  // SymmetricTimes; the padding of G is zero.
-  const int ld = internal::GramStride(dc);
-  thread_local std::vector<float> gbuf, xbuf, ybuf;
-  gbuf.resize(static_cast<size_t>(ld) * ld);
   xbuf.resize(static_cast<size_t>(ld) * m);
   ybuf.resize(static_cast<size_t>(ld) * m);
-  StridedView<Eigen::MatrixXf>(gbuf.data(), dc, dc, ld) = g;
-  StridedView<Eigen::MatrixXf>(gbuf.data() + dc, ld - dc, dc, ld).setZero();
   PaddedCols x = StridedView<Eigen::MatrixXf>(xbuf.data(), dc, m, ld);
   PaddedCols y = StridedView<Eigen::MatrixXf>(ybuf.data(), dc, m, ld);
   x = start;

@@ -14,8 +14,8 @@ namespace kvrelay {
 namespace internal {
 
 // Defined in gram_avx512.cc; called only when the CPU has AVX-512F.
-void GramAvx512(const double* a, int n, int d, double* g);
-void GramAvx512(const float* a, int n, int d, float* g);
+void GramAvx512(const double* a, const double* b, int n, int d, double* g);
+void GramAvx512(const float* a, const float* b, int n, int d, float* g);
 void SymmetricTimesAvx512(const double* s, int d, const double* x, int m, double* y);
 void SymmetricTimesAvx512(const float* s, int d, const float* x, int m, float* y);
 bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld);
@@ -93,12 +93,12 @@ bool UseAvx512() {
 #endif
 
 template <typename T>
-void Dispatch(const T* a, int n, int d, T* g, GramIsa isa) {
+void Dispatch(const T* a, const T* b, int n, int d, T* g, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
-  if (isa == GramIsa::kBest && UseAvx512()) return GramAvx512(a, n, d, g);
-  if (isa != GramIsa::kScalar) return GramTiled<Avx2<T>, 4, 3>(a, n, d, g);
+  if (isa == GramIsa::kBest && UseAvx512()) return GramAvx512(a, b, n, d, g);
+  if (isa != GramIsa::kScalar) return GramTiled<Avx2<T>, 4, 3>(a, b, n, d, g);
 #endif
-  GramRowsByEntry(GramOperands(a, n, d, g), 0, d);
+  GramRowsByEntry(GramOperands(a, b, n, d, g), 0, d);
 }
 
 template <typename T>
@@ -127,8 +127,14 @@ void SymmetricTimes(const float* s, int d, const float* x, int m, float* y, Gram
   SymmetricDispatch(s, d, x, m, y, isa);
 }
 
-void GramLower(const double* a, int n, int d, double* g, GramIsa isa) { Dispatch(a, n, d, g, isa); }
-void GramLower(const float* a, int n, int d, float* g, GramIsa isa) { Dispatch(a, n, d, g, isa); }
+void GramLower(const double* a, int n, int d, double* g, GramIsa isa) { Dispatch(a, a, n, d, g, isa); }
+void GramLower(const float* a, int n, int d, float* g, GramIsa isa) { Dispatch(a, a, n, d, g, isa); }
+void CrossLower(const double* a, const double* b, int n, int d, double* g, GramIsa isa) {
+  Dispatch(a, b, n, d, g, isa);
+}
+void CrossLower(const float* a, const float* b, int n, int d, float* g, GramIsa isa) {
+  Dispatch(a, b, n, d, g, isa);
+}
 
 }  // namespace internal
 }  // namespace kvrelay

@@ -33,6 +33,13 @@ enum class GramIsa { kBest, kAvx2, kScalar };
 void GramLower(const double* a, int n, int d, double* g, GramIsa isa = GramIsa::kBest);
 void GramLower(const float* a, int n, int d, float* g, GramIsa isa = GramIsa::kBest);
 
+// Computes the lower triangle of a^T b, as GramLower does that of a^T a
+// (GramLower(a) is CrossLower(a, a)): g[i * ld + j] for j <= i < d holds
+// sum_t a[t][i] * b[t][j] in ascending t; a and b have GramLower's layout.
+// Thread-safe. REQUIRES: n >= 0, d >= 0, g overlaps neither a nor b.
+void CrossLower(const double* a, const double* b, int n, int d, double* g, GramIsa isa = GramIsa::kBest);
+void CrossLower(const float* a, const float* b, int n, int d, float* g, GramIsa isa = GramIsa::kBest);
+
 // Computes y = s x for a symmetric d x d matrix s and m vectors x.
 //   s: row-major [ld, ld], ld = GramStride(d), the full symmetric matrix in
 //      rows 0..d-1; its padding columns are read but reach only the

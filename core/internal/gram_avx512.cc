@@ -82,8 +82,12 @@ bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld) {
   return GramSchmidtSweepImpl<Avx512SweepOps>(x, d, m, ld);
 }
 
-void GramAvx512(const double* a, int n, int d, double* g) { GramTiled<Avx512<double>, 8, 3>(a, n, d, g); }
-void GramAvx512(const float* a, int n, int d, float* g) { GramTiled<Avx512<float>, 8, 2>(a, n, d, g); }
+void GramAvx512(const double* a, const double* b, int n, int d, double* g) {
+  GramTiled<Avx512<double>, 8, 3>(a, b, n, d, g);
+}
+void GramAvx512(const float* a, const float* b, int n, int d, float* g) {
+  GramTiled<Avx512<float>, 8, 2>(a, b, n, d, g);
+}
 void SymmetricTimesAvx512(const double* s, int d, const double* x, int m, double* y) {
   SymmetricTimesTiled<Avx512<double>, 4, 3>(s, d, x, m, y);
 }

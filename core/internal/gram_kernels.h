@@ -89,11 +89,11 @@ inline void RowBlock(const Operands<T>& o, int i0, int j_end) {
   }
 }
 
-// GramLower's operands: b = v = a, both walked by row t.
+// CrossLower's operands (GramLower's with b = a): both walked by row t.
 template <typename T>
-Operands<T> GramOperands(const T* a, int n, int d, T* g) {
+Operands<T> GramOperands(const T* a, const T* b, int n, int d, T* g) {
   const int ld = GramStride(d);
-  return Operands<T>{a, ld, 1, a, ld, n, g, ld};
+  return Operands<T>{a, ld, 1, b, ld, n, g, ld};
 }
 
 // Rows i0.. of the lower triangle one entry at a time (the scalar path, and
@@ -111,10 +111,10 @@ Operands<T> SymmetricOperands(const T* s, int d, const T* x, T* y) {
   return Operands<T>{x, 1, ld, s, ld, d, y, ld};
 }
 
-// The lower triangle of a^T a (see GramLower) by blocks of kRows rows.
+// The lower triangle of a^T b (see CrossLower) by blocks of kRows rows.
 template <typename Isa, int kRows, int kVecs, typename T>
-inline void GramTiled(const T* a, int n, int d, T* g) {
-  const Operands<T> o = GramOperands(a, n, d, g);
+inline void GramTiled(const T* a, const T* b, int n, int d, T* g) {
+  const Operands<T> o = GramOperands(a, b, n, d, g);
   int i0 = 0;
   for (; i0 + kRows <= d; i0 += kRows) RowBlock<Isa, kRows, kVecs>(o, i0, i0 + kRows);
   GramRowsByEntry(o, i0, d);

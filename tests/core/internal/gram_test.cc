@@ -68,6 +68,34 @@ TEST(GramTest, FloatMatchesReferenceAndIsIdenticalOnEveryPath) {
   for (uint32_t seed = 1; seed <= 5; ++seed) CheckShapes<float>(seed);
 }
 
+TEST(CrossLowerTest, MatchesReferenceAndIsIdenticalOnEveryPath) {
+  std::mt19937 rng(3);
+  const int shapes[][2] = {{64, 96}, {1, 1}, {5, 17}, {33, 40}, {0, 8}, {12, 130}};
+  for (const auto& shape : shapes) {
+    const int n = shape[0], d = shape[1], ld = GramStride(d);
+    SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d);
+    const std::vector<float> a = RandomRows<float>(&rng, n, d), b = RandomRows<float>(&rng, n, d);
+    std::vector<float> best(static_cast<size_t>(ld) * ld, -1.0f), avx2(best), scalar(best);
+    CrossLower(a.data(), b.data(), n, d, best.data(), GramIsa::kBest);
+    CrossLower(a.data(), b.data(), n, d, avx2.data(), GramIsa::kAvx2);
+    CrossLower(a.data(), b.data(), n, d, scalar.data(), GramIsa::kScalar);
+    for (int i = 0; i < d; ++i) {
+      for (int j = 0; j <= i; ++j) {
+        const size_t at = static_cast<size_t>(i) * ld + j;
+        double ref = 0, abs_sum = 0;
+        for (int t = 0; t < n; ++t) {
+          const double p = static_cast<double>(a[static_cast<size_t>(t) * ld + i]) * b[static_cast<size_t>(t) * ld + j];
+          ref += p;
+          abs_sum += std::abs(p);
+        }
+        ASSERT_LE(std::abs(best[at] - ref), (n + 1) * 6e-8 * abs_sum + 1e-30) << "(" << i << "," << j << ")";
+        ASSERT_EQ(0, std::memcmp(&best[at], &scalar[at], sizeof(float))) << "(" << i << "," << j << ")";
+        ASSERT_EQ(0, std::memcmp(&avx2[at], &scalar[at], sizeof(float))) << "(" << i << "," << j << ")";
+      }
+    }
+  }
+}
+
 // Products and sums of small integers are exact in double: so is the Gram.
 TEST(GramTest, DoubleIsExactOnIntegers) {
   const int n = 300, d = 37, ld = GramStride(d);
