@@ -961,8 +961,6 @@ TEST_F(BackpressureTest, CancelWhilePausedLeavesNothing) {
 // A backpressure pause is the server's doing: the idle watchdog (shorter
 // than a layer's compression here) does not fail the upload for it.
 TEST_F(BackpressureTest, IdleWatchdogIgnoresPauses) {
-  constexpr double kTimeout = 0.15;
-  Start(kTimeout);
   TurnShape s;
   s.layers = 4;
   s.kv_heads = 8;
@@ -972,11 +970,14 @@ TEST_F(BackpressureTest, IdleWatchdogIgnoresPauses) {
   s.n_gen = 8;
   s.dtype = DType::kBF16;
   Turn t = RandomTurn(s, 43);
-  const std::string policy = "h2o-head:k=4096+obf:p=8";  // ~0.4 s a layer: each pause outlasts the timeout
+  const std::string policy = "h2o-head:k=4096+obf:p=8";  // 0.1-0.4 s a layer
   const auto c0 = std::chrono::steady_clock::now();
   const Message want = Offline(t, policy);
   const double layer_s = Seconds(c0) / s.layers;
-  if (layer_s < 2 * kTimeout) GTEST_SKIP() << "a layer compresses in " << layer_s << " s, too fast to pause long";
+  // A third of a layer's compression, so that every pause outlasts it.
+  const double timeout = std::min(0.15, layer_s / 3);
+  if (timeout < 0.03) GTEST_SKIP() << "a layer compresses in " << layer_s << " s, too fast to pause long";
+  Start(timeout);
   auto pub = PublishTurn(stub_.get(), Header("bpidle", "m", "a", {"b"}, policy, t), t, 256 << 10);
   ASSERT_TRUE(pub.status.ok()) << pub.status.error_message();
   EXPECT_EQ(PendingCompression::peak_outstanding(), kBound);  // it did pause
