@@ -73,22 +73,21 @@ absl::Status UploadTurn(const Turn& turn, const std::shared_ptr<const Turn>& hol
   p.bytes_total = client_internal::TotalBytes(tensors);
   TrailerBuilder trailer;
   const absl::Status broken = absl::CancelledError("upload stream broke");
-  for (const TensorRef& t : tensors) {
-    for (size_t off = 0; off < t.data.size(); off += kMaxChunkBytes) {
-      const absl::Span<const uint8_t> data = t.data.subspan(off, kMaxChunkBytes);
-      uint32_t crc = 0;
-      grpc::ByteBuffer msg;
-      if (hold) {
-        crc = Crc32c(data.data(), data.size());
-        msg = EncodeChunkNoCopy(Request::kChunkFieldNumber, t.layer, t.part, off, data, crc, hold);
-      } else {
-        msg = EncodeChunkCopy(Request::kChunkFieldNumber, t.layer, t.part, off, data, &crc);
-      }
-      if (!write(msg)) return broken;
-      trailer.Add(crc, data.size());
-      p.bytes_done += data.size();
-      if (progress) progress(p);
+  ChunkCursor chunks(tensors);
+  ChunkCursor::Piece c;
+  while (chunks.Next(&c)) {
+    uint32_t crc = 0;
+    grpc::ByteBuffer msg;
+    if (hold) {
+      crc = Crc32c(c.data.data(), c.data.size());
+      msg = EncodeChunkNoCopy(Request::kChunkFieldNumber, c.layer, c.part, c.offset, c.data, crc, hold);
+    } else {
+      msg = EncodeChunkCopy(Request::kChunkFieldNumber, c.layer, c.part, c.offset, c.data, &crc);
     }
+    if (!write(msg)) return broken;
+    trailer.Add(crc, c.data.size());
+    p.bytes_done += c.data.size();
+    if (progress) progress(p);
   }
   Request commit;
   *commit.mutable_commit() = trailer.Build();

@@ -12,6 +12,21 @@ absl::Span<const uint8_t> BytesOf(const std::vector<T>& v) {
 
 }  // namespace
 
+bool ChunkCursor::Next(Piece* piece) {
+  while (cursor_ < tensors_.size() && offset_ >= tensors_[cursor_].data.size()) {
+    ++cursor_;
+    offset_ = 0;
+  }
+  if (cursor_ == tensors_.size()) return false;
+  const TensorRef& t = tensors_[cursor_];
+  piece->layer = t.layer;
+  piece->part = t.part;
+  piece->offset = offset_;
+  piece->data = t.data.subspan(offset_, max_chunk_);
+  offset_ += piece->data.size();
+  return true;
+}
+
 std::vector<TensorRef> MessageDeliveryOrder(const Message& msg) {
   std::vector<TensorRef> out;
   for (size_t i = 0; i < msg.layers.size(); ++i) {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -30,6 +31,32 @@ struct TensorRef {
 // quantized. Tensors of 0 bytes are included (they send no chunk). Views
 // into `msg`, which must outlive the result.
 std::vector<TensorRef> MessageDeliveryOrder(const Message& msg);
+
+// Walks tensors in order in pieces of at most `max_chunk` bytes: the chunks
+// of a stream. Tensors of 0 bytes give none. The pieces are views into the
+// tensors, which must outlive the cursor. Not thread-safe.
+// REQUIRES: max_chunk >= 1.
+class ChunkCursor {
+ public:
+  struct Piece {
+    uint32_t layer = 0;
+    v1::Part part = v1::PART_UNSPECIFIED;
+    uint64_t offset = 0;              // of data within its tensor
+    absl::Span<const uint8_t> data;   // 1 to max_chunk bytes
+  };
+
+  explicit ChunkCursor(std::vector<TensorRef> tensors, size_t max_chunk = kMaxChunkBytes)
+      : tensors_(std::move(tensors)), max_chunk_(max_chunk) {}
+
+  // Sets *piece to the next piece; false once every piece was given.
+  bool Next(Piece* piece);
+
+ private:
+  std::vector<TensorRef> tensors_;
+  size_t max_chunk_;
+  size_t cursor_ = 0;  // tensor
+  size_t offset_ = 0;  // within it
+};
 
 // Accumulates the trailer of a stream: chunk count, bytes, CRC32C over all
 // chunk data in stream order. Not thread-safe.

@@ -32,11 +32,8 @@ double SecondsSince(Clock::time_point t) {
 // (quantized); tensors of 0 bytes send no chunk; chunks of at most 1 MiB.
 class OutgoingMessage {
  public:
-  OutgoingMessage(std::shared_ptr<const void> hold, const Message* m) : hold_(std::move(hold)) {
-    for (const TensorRef& t : MessageDeliveryOrder(*m)) {
-      if (!t.data.empty()) tensors_.push_back(t);
-    }
-  }
+  OutgoingMessage(std::shared_ptr<const void> hold, const Message* m)
+      : hold_(std::move(hold)), chunks_(MessageDeliveryOrder(*m)) {}
 
   // Encodes the delivery's next response of type Resp (FetchResponse or
   // CompressResponse) into `out`: each chunk, its data sent from the message
@@ -44,17 +41,11 @@ class OutgoingMessage {
   // trailer.
   template <typename Resp>
   bool FillNext(grpc::ByteBuffer* out) {
-    if (cursor_ < tensors_.size()) {
-      const TensorRef& t = tensors_[cursor_];
-      const absl::Span<const uint8_t> data = t.data.subspan(offset_, kMaxChunkBytes);
-      const uint32_t crc = Crc32c(data.data(), data.size());
-      *out = EncodeChunkNoCopy(Resp::kChunkFieldNumber, t.layer, t.part, offset_, data, crc, hold_);
-      trailer_.Add(crc, data.size());
-      offset_ += data.size();
-      if (offset_ == t.data.size()) {
-        ++cursor_;
-        offset_ = 0;
-      }
+    ChunkCursor::Piece c;
+    if (chunks_.Next(&c)) {
+      const uint32_t crc = Crc32c(c.data.data(), c.data.size());
+      *out = EncodeChunkNoCopy(Resp::kChunkFieldNumber, c.layer, c.part, c.offset, c.data, crc, hold_);
+      trailer_.Add(crc, c.data.size());
       return true;
     }
     if (trailer_sent_) return false;
@@ -67,8 +58,7 @@ class OutgoingMessage {
 
  private:
   std::shared_ptr<const void> hold_;  // keeps the message the views point into
-  std::vector<TensorRef> tensors_;     // delivery order, empty tensors left out
-  size_t cursor_ = 0, offset_ = 0;
+  ChunkCursor chunks_;                 // delivery order
   TrailerBuilder trailer_;
   bool trailer_sent_ = false;
 };

@@ -87,13 +87,14 @@ uint64_t TotalBytes(absl::Span<const TensorRef> tensors) {
 
 absl::Status ForEachChunk(const TensorRef& tensor, size_t max_chunk, v1::Chunk* chunk,
                           const std::function<absl::Status(const v1::Chunk&)>& sink) {
-  for (size_t off = 0; off < tensor.data.size(); off += max_chunk) {
-    const size_t n = std::min(max_chunk, tensor.data.size() - off);
-    chunk->set_layer(tensor.layer);
-    chunk->set_part(tensor.part);
-    chunk->set_offset(off);
-    chunk->set_data(tensor.data.data() + off, n);
-    chunk->set_crc32c(Crc32c(tensor.data.data() + off, n));
+  ChunkCursor chunks({tensor}, max_chunk);
+  ChunkCursor::Piece c;
+  while (chunks.Next(&c)) {
+    chunk->set_layer(c.layer);
+    chunk->set_part(c.part);
+    chunk->set_offset(c.offset);
+    chunk->set_data(c.data.data(), c.data.size());
+    chunk->set_crc32c(Crc32c(c.data.data(), c.data.size()));
     KVRELAY_RETURN_IF_ERROR(sink(*chunk));
   }
   return absl::OkStatus();

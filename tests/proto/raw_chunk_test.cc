@@ -10,6 +10,7 @@
 #include "core/crc32c.h"
 #include "gtest/gtest.h"
 #include "kvrelay/v1/relay.pb.h"
+#include "proto/wire.h"
 
 namespace kvrelay {
 namespace {
@@ -247,6 +248,34 @@ TEST(RawChunk, CopyToCopiesEveryPieceAndReturnsItsCrc) {
     EXPECT_EQ(v.CopyTo(dst.data()), Crc32c(all.data(), all.size()));
     EXPECT_TRUE(std::equal(all.begin(), all.end(), dst.begin()));
     EXPECT_EQ(dst.back(), 0xab);  // nothing past the data
+  }
+}
+
+// Property over random tensor sizes: the pieces tile every tensor in order,
+// each 1..max_chunk bytes, and empty tensors give none.
+TEST(ChunkCursorTest, PiecesTileEveryTensorInOrder) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    const size_t max_chunk = 1 + rng() % 9;
+    std::vector<std::vector<uint8_t>> bufs(rng() % 6);
+    std::vector<TensorRef> tensors;
+    for (size_t i = 0; i < bufs.size(); ++i) {
+      bufs[i].resize(rng() % 3 == 0 ? 0 : rng() % 30);
+      tensors.push_back({static_cast<uint32_t>(i), v1::PART_K, bufs[i]});
+    }
+    ChunkCursor cursor(tensors, max_chunk);
+    ChunkCursor::Piece piece;
+    for (size_t i = 0; i < bufs.size(); ++i) {
+      for (size_t off = 0; off < bufs[i].size(); off += max_chunk) {
+        ASSERT_TRUE(cursor.Next(&piece)) << "tensor " << i << " offset " << off;
+        EXPECT_EQ(piece.layer, i);
+        EXPECT_EQ(piece.offset, off);
+        EXPECT_EQ(piece.data.data(), bufs[i].data() + off);
+        EXPECT_EQ(piece.data.size(), std::min(max_chunk, bufs[i].size() - off));
+      }
+    }
+    EXPECT_FALSE(cursor.Next(&piece));
+    EXPECT_FALSE(cursor.Next(&piece)) << "stays done";
   }
 }
 
