@@ -457,13 +457,14 @@ int Main(int argc, char** argv) {
 
   // Raw TCP loopback baseline.
   std::vector<double> raw_warm, raw_fresh;
+  double raw_cpu_ms = 0;  // sender + receiver, per send into the touched buffer
   {
     std::vector<uint8_t> dst(turn_bytes, 0);  // touched once
     RawTcpSend(bufs, turn_bytes, dst.data());  // warm-up
-    for (int r = 0; r < reps; ++r) {
-      raw_warm.push_back(RawTcpSend(bufs, turn_bytes, dst.data()));
-      raw_fresh.push_back(RawTcpSend(bufs, turn_bytes, nullptr));
-    }
+    const double cpu0 = ProcessCpuMs(getpid());
+    for (int r = 0; r < reps; ++r) raw_warm.push_back(RawTcpSend(bufs, turn_bytes, dst.data()));
+    raw_cpu_ms = (ProcessCpuMs(getpid()) - cpu0) / reps;
+    for (int r = 0; r < reps; ++r) raw_fresh.push_back(RawTcpSend(bufs, turn_bytes, nullptr));
   }
 
   std::vector<PolicyRow> rows;
@@ -499,9 +500,9 @@ int Main(int argc, char** argv) {
   }
 
   const double raw_ms = Median(raw_warm), raw_fresh_ms = Median(raw_fresh);
-  std::printf("\nraw TCP loopback, %.1f MB, median of %d: %.1f ms into a touched buffer (%.2f GB/s), "
-              "%.1f ms into a fresh one\n",
-              turn_mb, reps, raw_ms, turn_bytes / raw_ms / 1e6, raw_fresh_ms);
+  std::printf("\nraw TCP loopback, %.1f MB, median of %d: %.1f ms into a touched buffer (%.2f GB/s; "
+              "CPU %.0f ms per send, sender + receiver), %.1f ms into a fresh one\n",
+              turn_mb, reps, raw_ms, turn_bytes / raw_ms / 1e6, raw_cpu_ms, raw_fresh_ms);
   std::printf("\n%-34s %9s %8s %7s %8s %8s %9s %8s %9s %9s %11s\n", "policy", "sent MB", "hop ms", "up ms",
               "pub ms", "comp ms", "deliv ms", "hop/raw", "hop/rawF", "RSS +MB", "+RSS/turn");
   for (const PolicyRow& row : rows) {
