@@ -399,6 +399,13 @@ class Complement {
   //      zero padding columns (SymmetricTimes' layout), m rows.
   void ReduceGram(const Scalar* s, Scalar* g) const {
     const int m = d_ - r_, ld = internal::GramStride(d_), ldm = internal::GramStride(m);
+    if (r_ == 0) {  // H = I (and Eigen's blocked products divide by a zero depth)
+      for (int i = 0; i < m; ++i) {
+        std::copy(s + static_cast<size_t>(i) * ld, s + static_cast<size_t>(i) * ld + m, g + static_cast<size_t>(i) * ldm);
+        std::fill(g + static_cast<size_t>(i) * ldm + m, g + static_cast<size_t>(i + 1) * ldm, Scalar(0));
+      }
+      return;
+    }
     thread_local std::vector<Scalar> ybuf, wbuf, terms_a, terms_b, cross;
     ybuf.resize(static_cast<size_t>(ld) * r_);
     wbuf.resize(static_cast<size_t>(ld) * r_);
@@ -433,6 +440,7 @@ class Complement {
   // H's first r columns, I[:, :r] - Y T Y[:r, :]^T: an orthonormal basis of
   // span(V_keep), d x r.
   Matrix Basis() const {
+    if (r_ == 0) return Matrix(d_, 0);
     Matrix q = -(y_ * (t_.template triangularView<Eigen::Upper>() * y_.topRows(r_).transpose()));
     q.topRows(r_).diagonal().array() += Scalar(1);
     return q;
@@ -440,6 +448,7 @@ class Complement {
 
   // Complement coordinates (columns of x, (d - r) rows) to R^d: H [0; x].
   Matrix Expand(const Matrix& x) const {
+    if (r_ == 0) return x;
     Matrix out = Matrix::Zero(d_, x.cols());
     out.bottomRows(d_ - r_) = x;
     const Matrix tx = t_.template triangularView<Eigen::Upper>() * (y_.bottomRows(d_ - r_).transpose() * x);
@@ -527,9 +536,10 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   gbuf.resize(static_cast<size_t>(ld) * dc);
   h.ReduceGram(s.data(), gbuf.data());
   const auto g = StridedView<const Eigen::MatrixXf>(gbuf.data(), dc, dc, ld);
-  // float32 cannot resolve ||R||_F below ~1e-5 ||V_del||_F: treat as zero.
-  const double total = s.trace();
-  if (g.trace() <= std::max(kSkipResidual * kSkipResidual, 1e-10 * total)) return out;
+  // ||R||_F <= 1e-10 in the values' own units skips the head; float32
+  // cannot resolve ||R||_F below ~1e-5 ||V_del||_F either: treat as zero.
+  const double trace = g.trace(), total = s.trace();
+  if (trace * from_unit * from_unit <= kSkipResidual * kSkipResidual || trace <= 1e-10 * total) return out;
 
   // rank(G) <= min(d - r, n_del): more directions would only add noise.
   const int m = std::min({dc, n_del, opts.p + opts.oversample});

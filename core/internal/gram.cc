@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "core/internal/gram_kernels.h"
 
@@ -18,7 +19,7 @@ void GramAvx512(const double* a, const double* b, int n, int d, double* g);
 void GramAvx512(const float* a, const float* b, int n, int d, float* g);
 void SymmetricTimesAvx512(const double* s, int d, const double* x, int m, double* y);
 void SymmetricTimesAvx512(const float* s, int d, const float* x, int m, float* y);
-bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld);
+bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld, float* scratch);
 
 namespace {
 
@@ -113,11 +114,19 @@ void SymmetricDispatch(const T* s, int d, const T* x, int m, T* y, GramIsa isa) 
 }  // namespace
 
 bool GramSchmidtSweep(float* x, int d, int m, int ld, GramIsa isa) {
+  constexpr int kOnStack = 64;
+  float on_stack[kOnStack];
+  std::vector<float> on_heap;
+  float* scratch = on_stack;
+  if (m > kOnStack) {
+    on_heap.resize(m);
+    scratch = on_heap.data();
+  }
 #if defined(KVRELAY_GRAM_AVX2)
-  if (isa == GramIsa::kBest && UseAvx512()) return GramSchmidtSweepAvx512(x, d, m, ld);
-  if (isa != GramIsa::kScalar) return GramSchmidtSweepImpl<Avx2SweepOps>(x, d, m, ld);
+  if (isa == GramIsa::kBest && UseAvx512()) return GramSchmidtSweepAvx512(x, d, m, ld, scratch);
+  if (isa != GramIsa::kScalar) return GramSchmidtSweepImpl<Avx2SweepOps>(x, d, m, ld, scratch);
 #endif
-  return GramSchmidtSweepImpl<ScalarSweepOps>(x, d, m, ld);
+  return GramSchmidtSweepImpl<ScalarSweepOps>(x, d, m, ld, scratch);
 }
 
 void SymmetricTimes(const double* s, int d, const double* x, int m, double* y, GramIsa isa) {

@@ -41,8 +41,8 @@ void CrossLower(const double* a, const double* b, int n, int d, double* g, GramI
 void CrossLower(const float* a, const float* b, int n, int d, float* g, GramIsa isa = GramIsa::kBest);
 
 // Computes y = s x for a symmetric d x d matrix s and m vectors x.
-//   s: row-major [ld, ld], ld = GramStride(d), the full symmetric matrix in
-//      rows 0..d-1; its padding columns are read but reach only the
+//   s: row-major [d, ld], ld = GramStride(d), the full symmetric matrix; its
+//      padding columns are read but reach only the
 //      unspecified entries of y.
 //   x: column-major [d, m] with column stride ld: x(t, i) = x[i * ld + t].
 //   y: same layout as x; y[i * ld + j] for j < d holds
@@ -53,7 +53,7 @@ void SymmetricTimes(const double* s, int d, const double* x, int m, double* y, G
 void SymmetricTimes(const float* s, int d, const float* x, int m, float* y, GramIsa isa = GramIsa::kBest);
 
 // One sweep of right-looking modified Gram-Schmidt over the m columns of x:
-// column i is normalized, then removed from every later column.
+// column i is removed from every later column, then normalized.
 //   x: column-major [d, m], column stride ld: x(t, i) = x[i * ld + t].
 // Returns false, leaving x partly done, as soon as a column keeps no more
 // than 1e-3 of the norm it had before the sweep (nearly dependent on the

@@ -78,8 +78,8 @@ struct Avx512SweepOps {
 
 }  // namespace
 
-bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld) {
-  return GramSchmidtSweepImpl<Avx512SweepOps>(x, d, m, ld);
+bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld, float* scratch) {
+  return GramSchmidtSweepImpl<Avx512SweepOps>(x, d, m, ld, scratch);
 }
 
 void GramAvx512(const double* a, const double* b, int n, int d, double* g) {

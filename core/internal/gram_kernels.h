@@ -6,7 +6,6 @@
 #define KVRELAY_CORE_INTERNAL_GRAM_KERNELS_H_
 
 #include <cstddef>
-#include <memory>
 
 #include "core/internal/gram.h"
 
@@ -163,34 +162,29 @@ struct ScalarSweepOps {
   }
 };
 
+// before: scratch for m floats (allocated by the caller, outside the
+// AVX-512 translation unit).
 template <typename Ops>
-bool GramSchmidtSweepImpl(float* x, int d, int m, int ld) {
-  constexpr int kOnStack = 64;
-  float stack_before[kOnStack];
-  std::unique_ptr<float[]> heap_before;
-  float* before = stack_before;
-  if (m > kOnStack) {
-    heap_before.reset(new float[m]);
-    before = heap_before.get();
-  }
+bool GramSchmidtSweepImpl(float* x, int d, int m, int ld, float* before) {
   for (int j = 0; j < m; ++j) {
     const float* cj = x + static_cast<size_t>(j) * ld;
     before[j] = __builtin_sqrtf(Ops::Dot(cj, cj, d));
   }
   // Column i is removed from the later ones before it is normalized, as
-  // (c_i . c_j / c_i . c_i) c_i: the updates then wait for one dot product
-  // instead of a square root, a division and a pass over c_i.
+  // ((c_i . c_j) / |c_i|) / |c_i| c_i: the updates then wait for one dot
+  // product instead of a square root, a division and a pass over c_i.
+  // Dividing by |c_i| twice, not by |c_i|^2 once, keeps columns whose norm
+  // is below ~1e-19 from overflowing the factor.
   for (int i = 0; i < m; ++i) {
     float* ci = x + static_cast<size_t>(i) * ld;
-    const float norm2 = Ops::Dot(ci, ci, d);
-    const float after = __builtin_sqrtf(norm2);
+    const float after = __builtin_sqrtf(Ops::Dot(ci, ci, d));
     if (!(after > 1e-3f * before[i])) return false;
-    const float inv2 = 1.0f / norm2;
+    const float inv = 1.0f / after;
     for (int j = i + 1; j < m; ++j) {
       float* cj = x + static_cast<size_t>(j) * ld;
-      Ops::SubtractScaled(Ops::Dot(ci, cj, d) * inv2, ci, cj, d);
+      Ops::SubtractScaled(Ops::Dot(ci, cj, d) * inv * inv, ci, cj, d);
     }
-    Ops::Scale(1.0f / after, ci, d);
+    Ops::Scale(inv, ci, d);
   }
   return true;
 }

@@ -63,7 +63,8 @@ VectorXd ReferenceDelta(const ObfOptions& o, const Case& c, MatrixXd* c_out = nu
   int r = 0;
   while (r < svk.singularValues().size() && svk.singularValues()[r] > 1e-9 * svk.singularValues()[0]) ++r;
   const MatrixXd q = svk.matrixV().leftCols(r);
-  const MatrixXd res = vdel - vdel * q * q.transpose();
+  // (Eigen's blocked product of an empty inner dimension divides by zero.)
+  const MatrixXd res = r == 0 ? vdel : MatrixXd(vdel - vdel * q * q.transpose());
   if (res.norm() <= 1e-10) return VectorXd::Zero(d);
   Eigen::JacobiSVD<MatrixXd> svr(res, Eigen::ComputeThinV);
   int p = 0;
@@ -213,6 +214,59 @@ TEST(ObfTest, RankDeficientKeptValues) {
     EXPECT_EQ(h.q.cols(), 4) << "mode " << static_cast<int>(mode);
     const VectorXd ref = ReferenceDelta(ObfOptions{}, c);
     EXPECT_LE((h.delta - ref).norm(), (mode == ObfMode::kExact ? 1e-7 : 1e-3) * ref.norm());
+  }
+}
+
+// Every kept row zero: span(V_keep) = {0}, r = 0, and R is V_del itself.
+TEST(ObfTest, KeptValuesAllZero) {
+  for (int d : {16, 64, 128}) {
+    Case c = RandomCase(13 + d, 90, d, 6);
+    for (int i : c.kept) std::fill(&c.v[i * d], &c.v[i * d] + d, 0.0f);
+    const VectorXd ref = ReferenceDelta(ObfOptions{}, c);
+    ASSERT_GT(ref.norm(), 0);
+    for (ObfMode mode : {ObfMode::kExact, ObfMode::kFast}) {
+      ObfOptions o;
+      o.mode = mode;
+      const ObfHead h = ComputeObf(o, c.v, c.n_cand, d, c.score, c.kept);
+      ASSERT_TRUE(h.applied) << "d=" << d << " mode " << static_cast<int>(mode);
+      EXPECT_EQ(h.q.cols(), 0);
+      EXPECT_EQ(h.c.rows(), o.p);
+      EXPECT_LE((h.delta - ref).norm(), (mode == ObfMode::kExact ? 1e-7 : 1e-3) * ref.norm()) << "d=" << d;
+    }
+    // Deleted rows tiny too (the exact path then measures R itself) or zero.
+    for (float scale : {1e-14f, 0.0f}) {  // ||R||_F ~1e-12: below the 1e-10 skip
+      Case z = c;
+      for (float& x : z.v) x *= scale;
+      for (ObfMode mode : {ObfMode::kExact, ObfMode::kFast}) {
+        ObfOptions o;
+        o.mode = mode;
+        const ObfHead h = ComputeObf(o, z.v, z.n_cand, d, z.score, z.kept);
+        EXPECT_FALSE(h.applied) << "d=" << d << " scale " << scale << " mode " << static_cast<int>(mode);
+        EXPECT_EQ(h.delta.norm(), 0.0);
+      }
+    }
+  }
+}
+
+// Deleted rows ~1e-10 of the kept ones: the fast path's vectors are tiny
+// but must not overflow (their squared norms are below 1/FLT_MAX).
+TEST(ObfTest, FastPathTinyResiduals) {
+  for (uint32_t seed = 0; seed < 10; ++seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n01(0.f, 1.f);
+    const int d = 16 << (seed % 3), n = 2 + seed % 7;
+    Case c{n, d, std::vector<float>(static_cast<size_t>(n) * d), std::vector<double>(n, 1.0), {0}};
+    c.v[0] = 1.0f;  // kept row e_0
+    for (int j = 1; j < n; ++j)
+      for (int x = 0; x < d; ++x) c.v[j * d + x] = 5e-11f * n01(rng);
+    const VectorXd ref = ReferenceDelta(ObfOptions{}, c);
+    ASSERT_GT(ref.norm(), 0);
+    ObfOptions o;
+    o.mode = ObfMode::kFast;
+    const ObfHead h = ComputeObf(o, c.v, n, d, c.score, c.kept);
+    ASSERT_TRUE(h.applied) << "seed " << seed;
+    EXPECT_EQ(h.c.rows(), std::min(o.p, n - 1)) << "seed " << seed;
+    EXPECT_LE((h.delta - ref).norm(), 1e-3 * ref.norm()) << "seed " << seed << " d=" << d << " n=" << n;
   }
 }
 

@@ -196,6 +196,23 @@ TEST(GramSchmidtSweepTest, OrthonormalSameSpanAndIdenticalOnEveryPath) {
   }
 }
 
+// Norms far below 1/sqrt(FLT_MAX): no factor may overflow.
+TEST(GramSchmidtSweepTest, TinyColumnsStayFinite) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> n01(0, 1);
+  const int d = 16, m = 3, ld = GramStride(d);
+  std::vector<float> x(static_cast<size_t>(ld) * m, 0.0f);
+  for (int i = 0; i < m; ++i)
+    for (int t = 0; t < d; ++t) x[static_cast<size_t>(i) * ld + t] = 1e-20f * n01(rng);
+  for (GramIsa isa : {GramIsa::kBest, GramIsa::kAvx2, GramIsa::kScalar}) {
+    std::vector<float> y(x);
+    ASSERT_TRUE(GramSchmidtSweep(y.data(), d, m, ld, isa));
+    ASSERT_TRUE(GramSchmidtSweep(y.data(), d, m, ld, isa));
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j <= i; ++j) ASSERT_NEAR(ColumnDot(y, ld, d, i, j), i == j ? 1.0 : 0.0, 2e-6) << i << "," << j;
+  }
+}
+
 TEST(GramSchmidtSweepTest, StopsOnANearlyDependentColumn) {
   const int d = 40, m = 4, ld = GramStride(d);
   std::vector<float> x(static_cast<size_t>(ld) * m, 0.0f);
