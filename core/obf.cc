@@ -17,6 +17,8 @@ namespace {
 
 constexpr double kSkipResidual = 1e-10;  // ||R||_F at or below this: skip the head
 constexpr double kTiny = 1e-12;
+// The fast path's smallest residual energy, relative to V_del's (see FastObf).
+constexpr double kFastResolution = 1e-3;
 
 using RowMatrixXf = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
@@ -448,7 +450,7 @@ class Complement {
 
   // Complement coordinates (columns of x, (d - r) rows) to R^d: H [0; x].
   Matrix Expand(const Matrix& x) const {
-    if (r_ == 0) return x;
+    if (r_ == 0 || x.cols() == 0) return r_ == 0 ? x : Matrix(d_, 0);
     Matrix out = Matrix::Zero(d_, x.cols());
     out.bottomRows(d_ - r_) = x;
     const Matrix tx = t_.template triangularView<Eigen::Upper>() * (y_.bottomRows(d_ - r_).transpose() * x);
@@ -511,6 +513,8 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   // Scale by a power of two (exact) so that the float32 Gram cannot overflow
   // for large values (BF16 and F32 hold up to ~3e38); delta is scaled back.
   const float vmax = MaxAbs(v.data(), v.size());  // kept and deleted rows
+  // Subnormal values: no float power of two brings them to unit scale.
+  if (vmax > 0 && vmax < std::numeric_limits<float>::min()) return ExactObf(opts, v, d, scores, kept, split);
   int exponent = 0;
   std::frexp(vmax, &exponent);
   const float to_unit = vmax > 0 ? std::ldexp(1.0f, -exponent) : 1.0f;
@@ -536,10 +540,14 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   gbuf.resize(static_cast<size_t>(ld) * dc);
   h.ReduceGram(s.data(), gbuf.data());
   const auto g = StridedView<const Eigen::MatrixXf>(gbuf.data(), dc, dc, ld);
-  // ||R||_F <= 1e-10 in the values' own units skips the head; float32
-  // cannot resolve ||R||_F below ~1e-5 ||V_del||_F either: treat as zero.
-  const double trace = g.trace(), total = s.trace();
-  if (trace * from_unit * from_unit <= kSkipResidual * kSkipResidual || trace <= 1e-10 * total) return out;
+  // G comes from S by cancellation, so its float32 rounding is ~1e-7 of
+  // S's size: a residual below kFastResolution of V_del's energy (e.g. rows
+  // that V_keep nearly spans) is left to the exact path. Above it, trace(G)
+  // = ||R||_F^2 is resolved well enough for the skip rule, in the values'
+  // own units.
+  const double trace = g.trace();
+  if (trace <= kFastResolution * s.trace()) return ExactObf(opts, v, d, scores, kept, split);
+  if (trace * from_unit * from_unit <= kSkipResidual * kSkipResidual) return out;
 
   // rank(G) <= min(d - r, n_del): more directions would only add noise.
   const int m = std::min({dc, n_del, opts.p + opts.oversample});

@@ -50,7 +50,16 @@ void LoadRow(DType dtype, const uint8_t* src, float* dst, size_t n) { ToFloat(dt
 
 void LoadF16(const uint16_t* src, float* dst, size_t n) { ToFloat(DType::kF16, src, dst, n); }
 
-void StoreRow(DType dtype, const float* src, uint8_t* dst, int n) {
+// Decoded values lie within scale/2 of values the dtype holds, so they are
+// first clamped to its finite range (which only brings them closer): a value
+// just past F16's 65504 would otherwise round to infinity.
+void StoreRow(DType dtype, float* src, uint8_t* dst, int n) {
+  float limit = 0;
+  if (dtype == DType::kF16) limit = 65504.0f;
+  if (dtype == DType::kBF16) limit = 0x1.fep127f;  // largest finite BF16
+  if (limit > 0) {
+    for (int i = 0; i < n; ++i) src[i] = std::min(std::max(src[i], -limit), limit);
+  }
   FromFloat(dtype, src, dst, static_cast<size_t>(n));
 }
 

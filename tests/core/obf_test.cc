@@ -248,6 +248,64 @@ TEST(ObfTest, KeptValuesAllZero) {
   }
 }
 
+// Deleted rows that V_keep (nearly) spans, with the kept score 0 so that
+// ad_over_as multiplies the residual by ~1e12: float32's rounding of G would
+// be backfilled as if it were signal, so the fast path defers to the exact
+// one below its resolution.
+TEST(ObfTest, FastPathAgreesWhereFloatCannotResolveR) {
+  for (int d : {16, 128}) {
+    for (float noise : {0.0f, 1e-4f}) {
+      std::mt19937 rng(d);
+      std::normal_distribution<float> n01(0.f, 1.f);
+      const int n = 200;
+      Case c{n, d, std::vector<float>(static_cast<size_t>(n) * d), std::vector<double>(n, 1.0), {}};
+      std::vector<float> base(static_cast<size_t>(2) * d);
+      for (float& x : base) x = n01(rng);
+      for (int j = 0; j < n; ++j) {
+        const float a = n01(rng), b = n01(rng);
+        for (int x = 0; x < d; ++x) c.v[j * d + x] = a * base[x] + b * base[d + x] + noise * n01(rng);
+      }
+      c.kept = {3, 7, 11};
+      for (int t : c.kept) c.score[t] = 0;
+      ObfOptions exact, fast;
+      fast.mode = ObfMode::kFast;
+      const ObfHead he = ComputeObf(exact, c.v, n, d, c.score, c.kept);
+      const ObfHead hf = ComputeObf(fast, c.v, n, d, c.score, c.kept);
+      EXPECT_EQ(hf.applied, he.applied) << "d=" << d << " noise " << noise;
+      EXPECT_LE((hf.delta - he.delta).norm(), 1e-3 * std::max(1.0, he.delta.norm())) << "d=" << d << " noise " << noise;
+    }
+  }
+}
+
+// Subnormal values: no float scale brings them to unit size.
+TEST(ObfTest, FastPathHandlesSubnormalValues) {
+  for (float scale : {1e-40f, 1e-44f}) {
+    std::vector<float> v(16);  // 4 rows of d = 4
+    for (int i = 0; i < 16; ++i) v[i] = scale * static_cast<float>((i * 7 % 5) - 2 + (i % 3));
+    for (ObfMode mode : {ObfMode::kExact, ObfMode::kFast}) {
+      ObfOptions o;
+      o.p = 2;
+      o.mode = mode;
+      const ObfHead h = ComputeObf(o, v, 4, 4, std::vector<double>(4, 1.0), std::vector<int>{0});
+      EXPECT_FALSE(h.applied) << scale << " mode " << static_cast<int>(mode);  // ||R||_F far below 1e-10
+      EXPECT_TRUE(h.delta.allFinite());
+      EXPECT_TRUE(h.q.allFinite());
+    }
+  }
+}
+
+// Values at the float limit: the exact path's C may come out empty.
+TEST(ObfTest, HugeEqualRowsGiveAFiniteResult) {
+  const float big = std::numeric_limits<float>::max();
+  const std::vector<float> v(6, big);  // two rows of d = 3
+  for (ObfMode mode : {ObfMode::kExact, ObfMode::kFast}) {
+    ObfOptions o;
+    o.mode = mode;
+    const ObfHead h = ComputeObf(o, v, 2, 3, std::vector<double>{1.0, 1.0}, std::vector<int>{0});
+    EXPECT_TRUE(h.delta.allFinite()) << static_cast<int>(mode);
+  }
+}
+
 // Deleted rows ~1e-10 of the kept ones: the fast path's vectors are tiny
 // but must not overflow (their squared norms are below 1/FLT_MAX).
 TEST(ObfTest, FastPathTinyResiduals) {

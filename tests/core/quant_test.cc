@@ -535,6 +535,39 @@ TEST(QuantRangeTest, ValuesNearTheFp16LimitWork) {
   }
 }
 
+// A value at the F16 limit can decode to just past it (within scale/2);
+// decoding back to F16 saturates instead of rounding to infinity.
+TEST(QuantRangeTest, DecodingToF16NearItsLimitStaysFinite) {
+  std::vector<float> x(1 * 3 * 8, 0.0f);
+  x[0] = 65504.0f;
+  x[1] = -65504.0f;
+  x[8] = 65504.0f;
+  x[17] = -65504.0f;
+  const KvTensor k = FromValues(DType::kF16, 1, 3, 8, x);
+  for (int bits : {8, 4, 2}) {
+    SCOPED_TRACE(absl::StrFormat("bits %d", bits));
+    QuantOptions opts;
+    opts.bits = bits;
+    opts.group = 3;
+    absl::StatusOr<QuantizedKv> q = QuantizeKv(k, k, opts);
+    ASSERT_TRUE(q.ok()) << q.status();
+    for (DType out : {DType::kF16, DType::kBF16, DType::kF32}) {
+      KvTensor dk, dv;
+      ASSERT_TRUE(DequantizeKv(*q, out, &dk, &dv).ok());
+      const std::vector<float> ks = ReadAll(dk), vs = ReadAll(dv);
+      for (size_t i = 0; i < x.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(ks[i]) && std::isfinite(vs[i])) << "element " << i;
+        if (out == DType::kF16) {
+          ASSERT_LE(std::fabs(ks[i]), 65504.0f);
+          ASSERT_LE(std::fabs(vs[i]), 65504.0f);
+        }
+      }
+    }
+    CheckTensorBounds(*q, true, k, "limit");
+    CheckTensorBounds(*q, false, k, "limit");
+  }
+}
+
 TEST(QuantRangeTest, StatisticOutsideFp16IsInvalidArgument) {
   // A minimum below -65504 has no fp16 zero point <= it.
   {
