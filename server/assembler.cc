@@ -73,8 +73,9 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
   s.first_agent = g.first_agent();
   if (g.has_prompt_pos0()) {
     const int64_t p = g.prompt_pos0();
-    const int64_t last = p + g.n_prompt() + g.n_gen();
-    if (p < 0 || last > std::numeric_limits<int32_t>::max()) {
+    constexpr int64_t kMaxPos = std::numeric_limits<int32_t>::max();
+    // p is bounded before the sum, which could otherwise overflow.
+    if (p < 0 || p > kMaxPos || p + g.n_prompt() + g.n_gen() > kMaxPos) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".prompt_pos0: ", p, ", expected >= 0 with prompt_pos0 + n_prompt + n_gen <= 2^31-1"));
     }

@@ -23,6 +23,17 @@
 namespace kvrelay {
 namespace {
 
+// Longest policy spec a header may carry. Specs are tens of bytes; the
+// bound keeps error messages (which quote the spec) and log lines small, and
+// under the 8 KiB of trailing metadata gRPC clients accept by default.
+constexpr size_t kMaxPolicyBytes = 1024;
+
+absl::Status CheckPolicyLength(const std::string& policy) {
+  if (policy.size() <= kMaxPolicyBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("header.policy: ", policy.size(), " bytes, expected at most ", kMaxPolicyBytes));
+}
+
 double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
@@ -391,6 +402,7 @@ class PublishReactor final
       return absl::OkStatus();
     }
     KVRELAY_ASSIGN_OR_RETURN(UploadShape shape, CheckGeometry(h.geometry(), "header.geometry"));
+    KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(h.policy()));
     const std::string& spec = h.policy().empty() ? svc_->config().PolicyForRole(h.role()) : h.policy();
     absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = Pipeline::Create(spec);
     if (!pipeline.ok()) {
@@ -668,6 +680,7 @@ class CompressReactor final
     if (h.policy().empty()) return absl::InvalidArgumentError("header.policy: empty, expected a pipeline spec");
     if (!h.has_geometry()) return absl::InvalidArgumentError("header.geometry: missing, expected the turn's geometry");
     KVRELAY_ASSIGN_OR_RETURN(UploadShape shape, CheckGeometry(h.geometry(), "header.geometry"));
+    KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(h.policy()));
     absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = Pipeline::Create(h.policy());
     if (!pipeline.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("header.policy '", h.policy(), "': ", pipeline.status().message()));

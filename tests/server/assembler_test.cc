@@ -214,6 +214,10 @@ TEST(AssemblerTest, BadGeometry) {
       {[](auto* g) { g->set_dtype(v1::DTYPE_UNSPECIFIED); }, "header.geometry.dtype"},
       {[](auto* g) { g->set_dtype(static_cast<v1::DType>(9)); }, "header.geometry.dtype"},
       {[](auto* g) { g->set_prompt_pos0(-1); }, "header.geometry.prompt_pos0"},
+      // The bound holds where prompt_pos0 + n_prompt + n_gen overflows int64.
+      {[](auto* g) { g->set_prompt_pos0(std::numeric_limits<int64_t>::max()); }, "header.geometry.prompt_pos0"},
+      {[](auto* g) { g->set_prompt_pos0(std::numeric_limits<int64_t>::max() - 5); }, "header.geometry.prompt_pos0"},
+      {[](auto* g) { g->set_prompt_pos0(int64_t{1} << 31); }, "header.geometry.prompt_pos0"},
       {[](auto* g) { g->set_n_prompt(1u << 30); }, "header.geometry.n_prompt"},
   };
   for (const auto& tc : cases) {

@@ -371,6 +371,10 @@ TEST_F(RelayTest, BadInputsTable) {
       {"no recipients", with_header([](auto* h) { h->clear_recipients(); }), grpc::INVALID_ARGUMENT, "header.recipients"},
       {"no sender", with_header([](auto* h) { h->clear_sender(); }), grpc::INVALID_ARGUMENT, "header.sender"},
       {"unknown policy token", with_header([](auto* h) { h->set_policy("h2o-head:k=8+bogus"); }), grpc::INVALID_ARGUMENT, "bogus"},
+      // Quoting a long spec in the status would pass gRPC's 8 KiB metadata
+      // limit, which clients report as RESOURCE_EXHAUSTED.
+      {"long policy", with_header([](auto* h) { h->set_policy(std::string(5000, 'x')); }), grpc::INVALID_ARGUMENT,
+       "header.policy: 5000 bytes, expected at most 1024"},
       {"unknown dtype", with_header([](auto* h) { h->mutable_geometry()->set_dtype(v1::DTYPE_UNSPECIFIED); }),
        grpc::INVALID_ARGUMENT, "header.geometry.dtype"},
       {"shape mismatch", with_header([](auto* h) { h->mutable_geometry()->set_head_dim(16); }), grpc::INVALID_ARGUMENT, "chunk"},
@@ -508,6 +512,11 @@ TEST_F(RelayTest, CompressRpcIsStateless) {
   EXPECT_EQ(r.header.accounting().sent_bytes(), want.sent_bytes);
   ExpectSameMessage(r.msg, want);
   EXPECT_EQ(server_->store()->Stats().sessions, 0u);
+  WaitInflightZero();
+  // A long spec is named by its length, not quoted (see BadInputsTable).
+  const FetchResult bad = DoCompress(stub_.get(), t, std::string(5000, 'x'), 3000);
+  EXPECT_EQ(bad.status.error_code(), grpc::INVALID_ARGUMENT) << bad.status.error_message();
+  EXPECT_EQ(bad.status.error_message(), "header.policy: 5000 bytes, expected at most 1024");
   WaitInflightZero();
 }
 
