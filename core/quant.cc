@@ -171,10 +171,13 @@ std::string Describe(const BlockRef& b) {
   return absl::StrFormat("%s head %d token %d", b.tensor, b.head, b.token0);
 }
 
+// Inputs are checked finite; a rotation can still overflow near FLT_MAX.
+constexpr char kRotationOverflow[] = "rotating values near the float32 limit overflows";
+
 absl::Status NanError(const char* tensor, int head, int token0, int token1) {
   return absl::InvalidArgumentError(
-      absl::StrFormat("quant: %s head %d tokens [%d, %d): NaN value (after rotation, if any)",
-                      tensor, head, token0, token1));
+      absl::StrFormat("quant: %s head %d tokens [%d, %d): NaN value (after rotation, if any: %s)", tensor, head,
+                      token0, token1, kRotationOverflow));
 }
 
 // Scalar reference for one statistic; also builds the error for a block
@@ -183,8 +186,8 @@ absl::Status MakeStat(float lo, float hi, int max_code, const BlockRef& where,
                       uint16_t* zero_bits, uint16_t* scale_bits) {
   if (!std::isfinite(lo) || !std::isfinite(hi)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "quant: %s: non-finite value %g (after rotation, if any)", Describe(where),
-        std::isfinite(lo) ? hi : lo));
+        "quant: %s: non-finite value %g (after rotation, if any: %s)", Describe(where),
+        std::isfinite(lo) ? hi : lo, kRotationOverflow));
   }
   uint16_t z = FloatToF16(lo);
   while (F16ToFloat(z) > lo) z = F16NextDown(z);
