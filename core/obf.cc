@@ -137,7 +137,7 @@ class PaddedRows {
   int n_, d_, ld_;
 };
 
-// max |p[i]| over n > 0 finite floats.
+// max |p[i]| over n finite floats (0 when n = 0).
 float MaxAbs(const float* p, size_t n) {
   size_t i = 0;
   float m = 0;
@@ -396,47 +396,27 @@ class Complement {
 
   // The trailing m x m block (m = d - r) of H^T S H for symmetric S:
   // H^T S H = S - Y Z^T - Z Y^T with W = S Y T, Z = W - Y (T^T Y^T W) / 2.
-  //   s: the full S, row-major with stride GramStride(d) (PaddedRows::Gram).
-  //   g: receives the block in full, row-major with stride GramStride(m) and
-  //      zero padding columns (SymmetricTimes' layout), m rows.
-  void ReduceGram(const Scalar* s, Scalar* g) const {
+  // s: the full S, row-major with stride GramStride(d) (PaddedRows::Gram).
+  // Returns the block in full as a view of a per-thread buffer that the next
+  // call on this thread overwrites: stride GramStride(m), zero padding
+  // columns (SymmetricTimes' layout).
+  Strided<const Matrix> ReduceGram(const Scalar* s) const {
     const int m = d_ - r_, ld = internal::GramStride(d_), ldm = internal::GramStride(m);
-    if (r_ == 0) {  // H = I (and Eigen's blocked products divide by a zero depth)
-      for (int i = 0; i < m; ++i) {
-        std::copy(s + static_cast<size_t>(i) * ld, s + static_cast<size_t>(i) * ld + m, g + static_cast<size_t>(i) * ldm);
-        std::fill(g + static_cast<size_t>(i) * ldm + m, g + static_cast<size_t>(i + 1) * ldm, Scalar(0));
-      }
-      return;
-    }
-    thread_local std::vector<Scalar> ybuf, wbuf, terms_a, terms_b, cross;
-    ybuf.resize(static_cast<size_t>(ld) * r_);
-    wbuf.resize(static_cast<size_t>(ld) * r_);
-    const Matrix yt = y_ * t_.template triangularView<Eigen::Upper>();
-    StridedView<Matrix>(ybuf.data(), d_, r_, ld) = yt;
-    internal::SymmetricTimes(s, d_, ybuf.data(), r_, wbuf.data());  // W = S Y T
-    const auto w = StridedView<const Matrix>(wbuf.data(), d_, r_, ld);
-    const Matrix mm = yt.transpose() * w;
-    // Y Z^T + Z Y^T on the trailing rows as one product over 2r terms:
-    // [Y_b Z_b] [Z_b Y_b]^T, each term a row of a CrossLower operand.
-    terms_a.assign(static_cast<size_t>(2 * r_) * ldm, Scalar(0));
-    terms_b.assign(static_cast<size_t>(2 * r_) * ldm, Scalar(0));
-    auto ya = StridedView<Matrix>(terms_a.data(), m, r_, ldm);
-    auto za = StridedView<Matrix>(terms_a.data() + static_cast<size_t>(r_) * ldm, m, r_, ldm);
-    ya = y_.bottomRows(m);
-    za.noalias() = w.bottomRows(m) - Scalar(0.5) * (y_.bottomRows(m) * mm);
-    StridedView<Matrix>(terms_b.data(), m, r_, ldm) = za;
-    StridedView<Matrix>(terms_b.data() + static_cast<size_t>(r_) * ldm, m, r_, ldm) = ya;
-    cross.resize(static_cast<size_t>(ldm) * ldm);
-    internal::CrossLower(terms_a.data(), terms_b.data(), 2 * r_, m, cross.data());
+    thread_local std::vector<Scalar> g, cross;
+    g.resize(static_cast<size_t>(ldm) * m);
+    // With r = 0, H = I and there is nothing to subtract (nor may Eigen's
+    // blocked products run with an empty inner dimension).
+    if (r_ > 0) TrailingUpdate(s, &cross);
     for (int i = 0; i < m; ++i) {
       const Scalar* srow = s + static_cast<size_t>(r_ + i) * ld + r_;
-      Scalar* grow = g + static_cast<size_t>(i) * ldm;
+      Scalar* grow = g.data() + static_cast<size_t>(i) * ldm;
       for (int j = 0; j <= i; ++j) {
-        grow[j] = srow[j] - cross[static_cast<size_t>(i) * ldm + j];
+        grow[j] = r_ > 0 ? srow[j] - cross[static_cast<size_t>(i) * ldm + j] : srow[j];
         g[static_cast<size_t>(j) * ldm + i] = grow[j];
       }
       for (int j = m; j < ldm; ++j) grow[j] = Scalar(0);
     }
+    return StridedView<const Matrix>(g.data(), m, m, ldm);
   }
 
   // H's first r columns, I[:, :r] - Y T Y[:r, :]^T: an orthonormal basis of
@@ -450,7 +430,8 @@ class Complement {
 
   // Complement coordinates (columns of x, (d - r) rows) to R^d: H [0; x].
   Matrix Expand(const Matrix& x) const {
-    if (r_ == 0 || x.cols() == 0) return r_ == 0 ? x : Matrix(d_, 0);
+    if (r_ == 0) return x;  // H = I
+    if (x.cols() == 0) return Matrix(d_, 0);
     Matrix out = Matrix::Zero(d_, x.cols());
     out.bottomRows(d_ - r_) = x;
     const Matrix tx = t_.template triangularView<Eigen::Upper>() * (y_.bottomRows(d_ - r_).transpose() * x);
@@ -459,6 +440,32 @@ class Complement {
   }
 
  private:
+  // Lower triangle of Y_b Z_b^T + Z_b Y_b^T (the trailing rows, m of them)
+  // into *cross, row-major with stride GramStride(m): one product over 2r
+  // terms, [Y_b Z_b] [Z_b Y_b]^T, each term a row of a CrossLower operand.
+  // REQUIRES: r > 0.
+  void TrailingUpdate(const Scalar* s, std::vector<Scalar>* cross) const {
+    const int m = d_ - r_, ld = internal::GramStride(d_), ldm = internal::GramStride(m);
+    thread_local std::vector<Scalar> ybuf, wbuf, terms_a, terms_b;
+    ybuf.resize(static_cast<size_t>(ld) * r_);
+    wbuf.resize(static_cast<size_t>(ld) * r_);
+    const Matrix yt = y_ * t_.template triangularView<Eigen::Upper>();
+    StridedView<Matrix>(ybuf.data(), d_, r_, ld) = yt;
+    internal::SymmetricTimes(s, d_, ybuf.data(), r_, wbuf.data());  // W = S Y T
+    const auto w = StridedView<const Matrix>(wbuf.data(), d_, r_, ld);
+    const Matrix mm = yt.transpose() * w;
+    terms_a.assign(static_cast<size_t>(2 * r_) * ldm, Scalar(0));
+    terms_b.assign(static_cast<size_t>(2 * r_) * ldm, Scalar(0));
+    auto ya = StridedView<Matrix>(terms_a.data(), m, r_, ldm);
+    auto za = StridedView<Matrix>(terms_a.data() + static_cast<size_t>(r_) * ldm, m, r_, ldm);
+    ya = y_.bottomRows(m);
+    za.noalias() = w.bottomRows(m) - Scalar(0.5) * (y_.bottomRows(m) * mm);
+    StridedView<Matrix>(terms_b.data(), m, r_, ldm) = za;
+    StridedView<Matrix>(terms_b.data() + static_cast<size_t>(r_) * ldm, m, r_, ldm) = ya;
+    cross->resize(static_cast<size_t>(ldm) * ldm);
+    internal::CrossLower(terms_a.data(), terms_b.data(), 2 * r_, m, cross->data());
+  }
+
   int d_, r_;
   Matrix y_;  // d x r, unit lower trapezoidal
   Matrix t_;  // r x r, upper triangular
@@ -484,12 +491,7 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   if (r == d) return out;  // V_keep spans everything: R = 0
 
   const auto s = del_rows.Gram();
-  // R^T R in the complement basis, (d - r) x (d - r).
-  const int dc = d - r, ldc = internal::GramStride(dc);
-  thread_local std::vector<double> gbuf;
-  gbuf.resize(static_cast<size_t>(ldc) * dc);
-  h.ReduceGram(s.data(), gbuf.data());
-  const Eigen::MatrixXd g = StridedView<const Eigen::MatrixXd>(gbuf.data(), dc, dc, ldc);
+  const Eigen::MatrixXd g = h.ReduceGram(s.data());  // R^T R in the complement basis, (d-r) x (d-r)
   // ||R||_F^2 = trace(G); near zero the trace loses digits, so decide on R itself.
   if (g.trace() <= std::max(1e-8 * s.trace(), 1e-18)) {
     const Eigen::MatrixXd res = del - (del * out.q) * out.q.transpose();
@@ -535,11 +537,9 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   // G = P S P in the complement basis of span(V_keep), (d - r) x (d - r),
   // and the blocks of vectors, in padded per-thread buffers for
   // SymmetricTimes.
-  const int dc = d - r, ld = internal::GramStride(dc);
-  thread_local std::vector<float> gbuf, xbuf, ybuf;
-  gbuf.resize(static_cast<size_t>(ld) * dc);
-  h.ReduceGram(s.data(), gbuf.data());
-  const auto g = StridedView<const Eigen::MatrixXf>(gbuf.data(), dc, dc, ld);
+  const auto g = h.ReduceGram(s.data());
+  const int dc = d - r, ld = static_cast<int>(g.outerStride());
+  thread_local std::vector<float> xbuf, ybuf;
   // G comes from S by cancellation, so its float32 rounding is ~1e-7 of
   // S's size: a residual below kFastResolution of V_del's energy (e.g. rows
   // that V_keep nearly spans) is left to the exact path. Above it, trace(G)
@@ -559,11 +559,11 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   PaddedCols y = StridedView<Eigen::MatrixXf>(ybuf.data(), dc, m, ld);
   x = start;
   for (int it = 0; it < opts.iters; ++it) {
-    internal::SymmetricTimes(gbuf.data(), dc, xbuf.data(), m, ybuf.data());
+    internal::SymmetricTimes(g.data(), dc, xbuf.data(), m, ybuf.data());
     Orthonormalize(y, /*passes=*/it + 1 == opts.iters ? 2 : 1, &x);
   }
   // Rayleigh-Ritz on span(x).
-  internal::SymmetricTimes(gbuf.data(), dc, xbuf.data(), m, ybuf.data());
+  internal::SymmetricTimes(g.data(), dc, xbuf.data(), m, ybuf.data());
   Eigen::MatrixXf t = x.transpose() * y;
   t = (0.5f * (t + t.transpose())).eval();
   Eigen::SelfAdjointEigenSolver<Eigen::MatrixXf> es(t);
