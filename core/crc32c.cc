@@ -3,6 +3,9 @@
 #include <array>
 #include <cstring>
 
+#include "core/internal/cpu.h"
+#include "core/internal/crc32c_fold.h"
+
 #if defined(__SSE4_2__)
 #include <nmmintrin.h>
 #endif
@@ -47,6 +50,9 @@ uint32_t X8nModP(uint64_t n) {
   }
   return p;
 }
+
+// x^k mod P, for k >= 1.
+uint32_t XPowModP(uint64_t k) { return (k & 7) == 0 ? X8nModP(k >> 3) : MultModP(XPowModP(k - 1), 1u << 30); }
 
 #if defined(__SSE4_2__)
 // Three independent CRC streams over consecutive blocks of Block bytes hide
@@ -108,11 +114,8 @@ std::array<uint32_t, 256> MakeTable() {
 }
 #endif
 
-}  // namespace
-
-uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  uint32_t c = ~crc;
+// The raw state extended with [p, p + n), without the folding path.
+uint32_t ExtendState(uint32_t c, const uint8_t* p, size_t n) {
 #if defined(__SSE4_2__)
   uint64_t c64 = c;
   ThreeStreams<8192>(&c64, &p, &n);
@@ -124,7 +127,33 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
   static const std::array<uint32_t, 256> table = MakeTable();
   for (; n > 0; --n, ++p) c = table[(c ^ *p) & 0xffu] ^ (c >> 8);
 #endif
-  return ~c;
+  return c;
+}
+
+internal::Crc32cFoldKey FoldKey(uint64_t bits) {
+  return {uint64_t{XPowModP(bits + 63)} << 32, uint64_t{XPowModP(bits - 1)} << 32};
+}
+
+}  // namespace
+
+namespace internal {
+
+uint32_t Crc32cExtendPortable(uint32_t crc, const void* data, size_t n) {
+  return ~ExtendState(~crc, static_cast<const uint8_t*>(data), n);
+}
+
+}  // namespace internal
+
+uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  uint32_t c = ~crc;
+#if defined(__x86_64__) && defined(__SSE4_2__)
+  if (n >= internal::kCrc32cFoldMinBytes && internal::Avx512ClmulEnabled()) {
+    static const internal::Crc32cFoldKeys keys{FoldKey(2048), FoldKey(512), FoldKey(384), FoldKey(256), FoldKey(128)};
+    c = internal::Crc32cFoldAvx512(c, &p, &n, keys);
+  }
+#endif
+  return ~ExtendState(c, p, n);
 }
 
 uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {

@@ -1,9 +1,8 @@
 #include "core/internal/gram.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
+#include "core/internal/cpu.h"
 #include "core/internal/gram_kernels.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
@@ -83,20 +82,12 @@ struct Avx2SweepOps {
   }
 };
 
-bool UseAvx512() {
-  static const bool use = [] {
-    const char* off = std::getenv("KVRELAY_DISABLE_AVX512");
-    if (off != nullptr && *off != '\0' && std::strcmp(off, "0") != 0) return false;
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return use;
-}
 #endif
 
 template <typename T>
 void Dispatch(const T* a, const T* b, int n, int d, T* g, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
-  if (isa == GramIsa::kBest && UseAvx512()) return GramAvx512(a, b, n, d, g);
+  if (isa == GramIsa::kBest && Avx512Enabled()) return GramAvx512(a, b, n, d, g);
   if (isa != GramIsa::kScalar) return GramTiled<Avx2<T>, 4, 3>(a, b, n, d, g);
 #endif
   GramRowsByEntry(GramOperands(a, b, n, d, g), 0, d);
@@ -105,7 +96,7 @@ void Dispatch(const T* a, const T* b, int n, int d, T* g, GramIsa isa) {
 template <typename T>
 void SymmetricDispatch(const T* s, int d, const T* x, int m, T* y, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
-  if (isa == GramIsa::kBest && UseAvx512()) return SymmetricTimesAvx512(s, d, x, m, y);
+  if (isa == GramIsa::kBest && Avx512Enabled()) return SymmetricTimesAvx512(s, d, x, m, y);
   if (isa != GramIsa::kScalar) return SymmetricTimesTiled<Avx2<T>, 4, 3>(s, d, x, m, y);
 #endif
   Entries(SymmetricOperands(s, d, x, y), 0, m, 0, d);
@@ -123,7 +114,7 @@ bool GramSchmidtSweep(float* x, int d, int m, int ld, GramIsa isa) {
     scratch = on_heap.data();
   }
 #if defined(KVRELAY_GRAM_AVX2)
-  if (isa == GramIsa::kBest && UseAvx512()) return GramSchmidtSweepAvx512(x, d, m, ld, scratch);
+  if (isa == GramIsa::kBest && Avx512Enabled()) return GramSchmidtSweepAvx512(x, d, m, ld, scratch);
   if (isa != GramIsa::kScalar) return GramSchmidtSweepImpl<Avx2SweepOps>(x, d, m, ld, scratch);
 #endif
   return GramSchmidtSweepImpl<ScalarSweepOps>(x, d, m, ld, scratch);
