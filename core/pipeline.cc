@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/status_macros.h"
@@ -165,6 +166,14 @@ std::string CanonicalSpec(const PipelineConfig& c) {
 absl::StatusOr<std::vector<StageSpec>> SplitSpec(absl::string_view spec) {
   std::vector<StageSpec> stages;
   if (spec.empty()) return absl::InvalidArgumentError("policy: empty spec, expected e.g. 'h2o-head:k=32'");
+  for (size_t i = 0; i < spec.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(spec[i]);
+    if (c <= ' ' || c >= 0x7f) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "policy: byte %d is %s (0x%02x), expected printable ASCII without spaces, e.g. 'h2o-head:k=32+obf:p=8'", i,
+          c == ' ' ? "a space" : "not printable ASCII", c));
+    }
+  }
   int index = 0;
   for (absl::string_view token : absl::StrSplit(spec, '+')) {
     ++index;

@@ -57,6 +57,13 @@ TEST(PipelineSpecTest, ErrorsNameTheToken) {
   ExpectSpecError("h2o-head+obf:scale=half", "scale=half: expected one of ad_over_as, ad_frac, ad, none");
   ExpectSpecError("h2o-head+int8:rotate=hadamard", "rotate=hadamard applies to int4 and int2 only");
   ExpectSpecError("h2o-head+int4:group=0", "group=0: expected an integer in [1,");
+  // No spaces or control bytes anywhere.
+  ExpectSpecError("h2o-head:k=32 ", "policy: byte 13 is a space (0x20), expected printable ASCII without spaces");
+  ExpectSpecError("h2o-head: k=32", "policy: byte 9 is a space");
+  ExpectSpecError("h2o-head:k=32\n", "byte 13 is not printable ASCII (0x0a)");
+  ExpectSpecError("h2o-head:k=3\xc3\xa9", "byte 12 is not printable ASCII (0xc3)");
+  ExpectSpecError("h2o-head:k=", "k=: expected an integer in [0,");
+  ExpectSpecError("h2o-head:k=+3", "policy stage 'h2o-head': k=: expected an integer");  // '+' joins stages
 }
 
 TEST(PipelineSpecTest, RegistryIsExtensible) {
