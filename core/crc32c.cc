@@ -51,8 +51,6 @@ uint32_t X8nModP(uint64_t n) {
   return p;
 }
 
-// x^k mod P, for k >= 1.
-uint32_t XPowModP(uint64_t k) { return (k & 7) == 0 ? X8nModP(k >> 3) : MultModP(XPowModP(k - 1), 1u << 30); }
 
 #if defined(__SSE4_2__)
 // Three independent CRC streams over consecutive blocks of Block bytes hide
@@ -130,9 +128,14 @@ uint32_t ExtendState(uint32_t c, const uint8_t* p, size_t n) {
   return c;
 }
 
+#if defined(KVRELAY_AVX512_KERNELS) && defined(__SSE4_2__)
+// x^k mod P, for k >= 1.
+uint32_t XPowModP(uint64_t k) { return (k & 7) == 0 ? X8nModP(k >> 3) : MultModP(XPowModP(k - 1), 1u << 30); }
+
 internal::Crc32cFoldKey FoldKey(uint64_t bits) {
   return {uint64_t{XPowModP(bits + 63)} << 32, uint64_t{XPowModP(bits - 1)} << 32};
 }
+#endif
 
 }  // namespace
 
@@ -147,7 +150,7 @@ uint32_t Crc32cExtendPortable(uint32_t crc, const void* data, size_t n) {
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
   const uint8_t* p = static_cast<const uint8_t*>(data);
   uint32_t c = ~crc;
-#if defined(__x86_64__) && defined(__SSE4_2__)
+#if defined(KVRELAY_AVX512_KERNELS) && defined(__SSE4_2__)
   if (n >= internal::kCrc32cFoldMinBytes && internal::Avx512ClmulEnabled()) {
     static const internal::Crc32cFoldKeys keys{FoldKey(2048), FoldKey(512), FoldKey(384), FoldKey(256), FoldKey(128)};
     c = internal::Crc32cFoldAvx512(c, &p, &n, keys);

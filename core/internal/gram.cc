@@ -87,7 +87,9 @@ struct Avx2SweepOps {
 template <typename T>
 void Dispatch(const T* a, const T* b, int n, int d, T* g, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
+#if defined(KVRELAY_AVX512_KERNELS)
   if (isa == GramIsa::kBest && Avx512Enabled()) return GramAvx512(a, b, n, d, g);
+#endif
   if (isa != GramIsa::kScalar) return GramTiled<Avx2<T>, 4, 3>(a, b, n, d, g);
 #endif
   GramRowsByEntry(GramOperands(a, b, n, d, g), 0, d);
@@ -96,7 +98,9 @@ void Dispatch(const T* a, const T* b, int n, int d, T* g, GramIsa isa) {
 template <typename T>
 void SymmetricDispatch(const T* s, int d, const T* x, int m, T* y, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
+#if defined(KVRELAY_AVX512_KERNELS)
   if (isa == GramIsa::kBest && Avx512Enabled()) return SymmetricTimesAvx512(s, d, x, m, y);
+#endif
   if (isa != GramIsa::kScalar) return SymmetricTimesTiled<Avx2<T>, 4, 3>(s, d, x, m, y);
 #endif
   Entries(SymmetricOperands(s, d, x, y), 0, m, 0, d);
@@ -114,7 +118,9 @@ bool GramSchmidtSweep(float* x, int d, int m, int ld, GramIsa isa) {
     scratch = on_heap.data();
   }
 #if defined(KVRELAY_GRAM_AVX2)
+#if defined(KVRELAY_AVX512_KERNELS)
   if (isa == GramIsa::kBest && Avx512Enabled()) return GramSchmidtSweepAvx512(x, d, m, ld, scratch);
+#endif
   if (isa != GramIsa::kScalar) return GramSchmidtSweepImpl<Avx2SweepOps>(x, d, m, ld, scratch);
 #endif
   return GramSchmidtSweepImpl<ScalarSweepOps>(x, d, m, ld, scratch);
