@@ -206,6 +206,9 @@ _QUANT = {"group": 32, "rotate": "none"}
 
 def parse_policy(spec):
     """Returns dict(selector=dict(name,...), obf=dict|None, quant=dict|None)."""
+    for i, ch in enumerate(spec):
+        if not "!" <= ch <= "~":
+            raise ValueError("byte %d of %r: expected printable ASCII without spaces" % (i, spec))
     stages = spec.split("+")
     out = {"selector": None, "obf": None, "quant": None}
     for i, st in enumerate(stages):
