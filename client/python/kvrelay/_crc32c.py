@@ -10,6 +10,8 @@ takes a few milliseconds.
 crc32c(data, crc=0) extends `crc` (the CRC of the preceding bytes) by
 `data`; crc32c_combine(a, b, len_b) is the CRC of A||B from crc(A), crc(B).
 """
+import threading
+
 import numpy as np
 
 __all__ = ["crc32c", "crc32c_combine", "BACKEND"]
@@ -65,18 +67,21 @@ def _apply(tabs, x):
 
 
 _POW2_OPS = []  # _POW2_OPS[j]: advance 2**j zero bytes
+_CACHE_LOCK = threading.Lock()  # the lazily built operators and tables
 
 
 def _pow2_op(j):
-    while len(_POW2_OPS) <= j:
-        if not _POW2_OPS:
+    if j < len(_POW2_OPS):
+        return _POW2_OPS[j]
+    with _CACHE_LOCK:  # two threads extending the list would misplace entries
+        while len(_POW2_OPS) <= j:
             basis = np.uint32(1) << np.arange(32, dtype=np.uint32)
-            cols = _T0[basis & 0xFF] ^ (basis >> 8)  # one zero byte
-        else:
-            prev = _POW2_OPS[-1]
-            basis = np.uint32(1) << np.arange(32, dtype=np.uint32)
-            cols = _apply(prev, _apply(prev, basis))
-        _POW2_OPS.append(_op_from_columns(cols))
+            if not _POW2_OPS:
+                cols = _T0[basis & 0xFF] ^ (basis >> 8)  # one zero byte
+            else:
+                prev = _POW2_OPS[-1]
+                cols = _apply(prev, _apply(prev, basis))
+            _POW2_OPS.append(_op_from_columns(cols))
     return _POW2_OPS[j]
 
 
@@ -100,11 +105,13 @@ _WORD_TABLES = None  # (TA, TB): 16-bit tables of "advance 4 zero bytes"
 def _reg0_lanes(cols):
     """Raw registers (from 0) of each lane: column of `cols` [w, lanes]."""
     global _WORD_TABLES
-    if _WORD_TABLES is None:
+    tables = _WORD_TABLES
+    if tables is None:
         z4 = _pow2_op(2)
         i = np.arange(65536, dtype=np.uint32)
-        _WORD_TABLES = (z4[0][i & 0xFF] ^ z4[1][i >> 8], z4[2][i & 0xFF] ^ z4[3][i >> 8])
-    ta, tb = _WORD_TABLES
+        tables = (z4[0][i & 0xFF] ^ z4[1][i >> 8], z4[2][i & 0xFF] ^ z4[3][i >> 8])
+        _WORD_TABLES = tables  # one assignment of a finished pair: safe to race
+    ta, tb = tables
     r = np.zeros(cols.shape[1], dtype=np.uint32)
     x, a, b = np.empty_like(r), np.empty_like(r), np.empty_like(r)
     for j in range(cols.shape[0]):

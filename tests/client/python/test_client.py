@@ -104,6 +104,35 @@ class Crc32cTest(unittest.TestCase):
                 from kvrelay._crc32c import _reg_bytes
                 self.assertEqual(full, (~_reg_bytes(0xFFFFFFFF, d)) & 0xFFFFFFFF, n)
 
+    def test_concurrent_first_use(self):
+        # The numpy backend builds its shift operators on first use; threads
+        # racing to build them once stored them at the wrong places.
+        from kvrelay import _crc32c as c
+        if c.BACKEND != "numpy":
+            self.skipTest(f"backend {c.BACKEND}")
+        import threading
+        d = bytes(range(256)) * 64
+        want = (~c._reg_bytes(0xFFFFFFFF, d)) & 0xFFFFFFFF
+        for _ in range(5):
+            c._POW2_OPS.clear()
+            c._WORD_TABLES = None
+            barrier = threading.Barrier(8)
+            got = []
+
+            def run():
+                barrier.wait()
+                for _ in range(3):
+                    got.append(c.crc32c(d))
+                    c.crc32c_combine(1, 2, 1 << 20)
+
+            threads = [threading.Thread(target=run) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            self.assertEqual(set(got), {want})
+            self.assertEqual(c.crc32c(d), want)
+
     def test_speed(self):
         d = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
         kvrelay.crc32c(d)
