@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <random>
 
 #include "absl/container/flat_hash_map.h"
@@ -360,6 +361,7 @@ class PublishReactor final
 
   void OnDone() override {
     StopWatching();
+    if (ticket_) svc_->store()->EndPublish(*ticket_);
     delete this;
   }
 
@@ -369,6 +371,8 @@ class PublishReactor final
   absl::Status OnHeader(const v1::PublishHeader& h) {
     header_ = h;  // for the logs, also when it is rejected
     KVRELAY_RETURN_IF_ERROR(CheckId("header.session_id", h.session_id()));
+    // From here a CloseSession of the session fences this publish.
+    ticket_ = svc_->store()->BeginPublish(h.session_id());
     if (!h.message_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.message_id", h.message_id()));
     KVRELAY_RETURN_IF_ERROR(CheckId("header.sender", h.sender()));
     if (h.recipients_size() == 0) {
@@ -480,7 +484,7 @@ class PublishReactor final
     m->started = started_;
     const double compress_s = pending->compress_seconds();
     FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);
-    absl::StatusOr<Store::CommitResult> r = svc_->store()->Commit(m);
+    absl::StatusOr<Store::CommitResult> r = svc_->store()->Commit(m, *ticket_);
     if (!r.ok()) return Fail(r.status());
     if (r->duplicate) return ReplyDuplicate(r->msg);
     const StoredMessage& c = *r->msg;
@@ -519,6 +523,7 @@ class PublishReactor final
   grpc::ByteBuffer* const wire_resp_;
   v1::PublishResponse resp_;
   v1::PublishHeader header_;
+  std::optional<Store::PublishTicket> ticket_;  // from the header on; ended in OnDone
 };
 
 // ------------------------------------------------------------------ Fetch

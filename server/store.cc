@@ -138,11 +138,34 @@ absl::Status Store::CheckCanPublish(const std::string& session, const std::vecto
   return CheckBytesLocked(session, sp, recipients, bytes, "the message (at least)");
 }
 
-absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage> m) {
+Store::PublishTicket Store::BeginPublish(const std::string& session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  open_publishes_.insert(close_seq_);
+  ++publishing_[session];
+  return PublishTicket{session, close_seq_};
+}
+
+void Store::EndPublish(const PublishTicket& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  open_publishes_.erase(open_publishes_.find(t.close_seq));
+  if (auto it = publishing_.find(t.session); it != publishing_.end() && --it->second == 0) publishing_.erase(it);
+  // A close only matters to publishes that began before it.
+  const uint64_t oldest = open_publishes_.empty() ? close_seq_ : *open_publishes_.begin();
+  for (auto it = closed_.begin(); it != closed_.end();) {
+    it = it->second <= oldest ? closed_.erase(it) : std::next(it);
+  }
+}
+
+absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) {
   std::vector<WakeFn> wakes;
   CommitResult result;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (auto c = closed_.find(m->session_id); c != closed_.end() && c->second > t.close_seq) {
+      return absl::FailedPreconditionError(absl::StrCat("session '", m->session_id,
+                                                        "': closed while this publish was uploading; nothing "
+                                                        "was stored"));
+    }
     Session& s = sessions_[m->session_id];
     const bool fresh = s.messages.empty() && s.mailboxes.empty();
     auto drop_if_fresh = [&] {
@@ -293,6 +316,8 @@ uint32_t Store::CloseSession(const std::string& session) {
       n = static_cast<uint32_t>(s->second.messages.size());
       EraseSessionLocked(s, /*expired=*/false);
     }
+    ++close_seq_;
+    if (publishing_.count(session)) closed_[session] = close_seq_;
   }
   for (WakeFn& w : wakes) w(Wake::kClosed);
   return n;
@@ -314,7 +339,7 @@ void Store::SweepExpired() {
   const Clock::time_point cutoff = Clock::now() - Ttl();
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     auto next = std::next(it);
-    if (it->second.last_active < cutoff) EraseSessionLocked(it, /*expired=*/true);
+    if (it->second.last_active < cutoff && !publishing_.count(it->first)) EraseSessionLocked(it, /*expired=*/true);
     it = next;
   }
 }

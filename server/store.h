@@ -104,14 +104,27 @@ class Store {
   absl::Status CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
                                uint64_t bytes = 0) const;
 
+  // A publish in progress on `session`, from its header until EndPublish:
+  // the session does not expire meanwhile, and a CloseSession in between
+  // fences it (Commit fails). Copyable token; pass it back unchanged.
+  struct PublishTicket {
+    std::string session;
+    uint64_t close_seq = 0;  // closes before the publish began
+  };
+  PublishTicket BeginPublish(const std::string& session);
+  // REQUIRES: `t` came from BeginPublish and is ended once.
+  void EndPublish(const PublishTicket& t);
+
   // Makes `m` visible to its recipients, atomically. When the id is
   // already committed returns the existing message and duplicate = true.
-  // RESOURCE_EXHAUSTED for the session and mailbox limits.
+  // RESOURCE_EXHAUSTED for the session and mailbox limits;
+  // FAILED_PRECONDITION when the session was closed after `t` began.
+  // REQUIRES: t.session == m->session_id.
   struct CommitResult {
     MessagePtr msg;
     bool duplicate = false;
   };
-  absl::StatusOr<CommitResult> Commit(std::shared_ptr<StoredMessage> m);
+  absl::StatusOr<CommitResult> Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t);
 
   struct Delivery {
     MessagePtr msg;
@@ -141,14 +154,16 @@ class Store {
   absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id);
 
   // Frees the session and wakes its waiters (Wake::kClosed); returns the
-  // number of messages it held. Idempotent.
+  // number of messages it held. Publishes of the session still uploading
+  // fail when they complete. Idempotent.
   uint32_t CloseSession(const std::string& session);
 
   // Wakes every waiter (Wake::kShutdown); later FetchOrWait calls never
   // wait. Deliveries already held can still be fetched. Idempotent.
   void Shutdown();
 
-  // Drops sessions idle past the TTL (also runs on the timer thread).
+  // Drops sessions idle past the TTL (also runs on the timer thread), but
+  // none with a publish in progress.
   void SweepExpired();
 
   void AddReceived(uint64_t bytes) { received_ += bytes; }
@@ -198,6 +213,14 @@ class Store {
   uint64_t next_waiter_ = 1;
   uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0, store_bytes_ = 0;
   uint64_t committed_ = 0, acked_ = 0, full_ = 0, sent_ = 0;
+  // Publish fencing: closes so far; the sequence number of each session's
+  // last close while publishes were in progress (pruned once no publish
+  // that began before it is left); the begin tokens of the publishes in
+  // progress, and their count per session.
+  uint64_t close_seq_ = 0;
+  std::map<std::string, uint64_t> closed_;
+  std::multiset<uint64_t> open_publishes_;
+  std::map<std::string, int> publishing_;
   std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
   std::mutex gauge_mu_;  // orders in-flight gauge updates
   bool stop_ = false, shutting_down_ = false;

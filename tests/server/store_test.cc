@@ -26,6 +26,14 @@ std::shared_ptr<StoredMessage> Msg(const std::string& session, const std::string
 
 const Clock::time_point kNever = Clock::now() + std::chrono::hours(1);
 
+// A whole publish: begin, commit, end.
+absl::StatusOr<Store::CommitResult> Commit(Store& s, std::shared_ptr<StoredMessage> m) {
+  const Store::PublishTicket t = s.BeginPublish(m->session_id);
+  absl::StatusOr<Store::CommitResult> r = s.Commit(std::move(m), t);
+  s.EndPublish(t);
+  return r;
+}
+
 std::optional<Store::Delivery> TryFetch(Store& s, const std::string& session, const std::string& agent) {
   uint64_t w = 0;
   auto d = s.FetchOrWait(session, agent, kNever, [](Store::Wake) {}, &w);
@@ -37,8 +45,8 @@ std::optional<Store::Delivery> TryFetch(Store& s, const std::string& session, co
 
 TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
   Store s(StoreLimits{}, nullptr);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"})).ok());
-  ASSERT_TRUE(s.Commit(Msg("s", "m2", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m2", {"b"})).ok());
   auto d = TryFetch(s, "s", "b");
   ASSERT_TRUE(d);
   EXPECT_EQ(d->msg->message_id, "m1");
@@ -59,14 +67,14 @@ TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
 TEST(StoreTest, AckUnknownIsNotFound) {
   Store s(StoreLimits{}, nullptr);
   EXPECT_EQ(s.Ack("s", "b", "m1").code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   EXPECT_EQ(s.Ack("s", "b", "nope").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(s.Ack("s", "c", "m1").code(), absl::StatusCode::kNotFound);
 }
 
 TEST(StoreTest, FanOutGivesEachRecipientItsOwnDelivery) {
   Store s(StoreLimits{}, nullptr);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b", "c"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b", "c"})).ok());
   EXPECT_EQ(s.Stats().mailbox_messages, 2u);
   ASSERT_TRUE(s.Ack("s", "b", "m1").ok());
   auto d = TryFetch(s, "s", "c");
@@ -77,8 +85,8 @@ TEST(StoreTest, FanOutGivesEachRecipientItsOwnDelivery) {
 
 TEST(StoreTest, DuplicateCommitKeepsTheOriginal) {
   Store s(StoreLimits{}, nullptr);
-  auto r1 = s.Commit(Msg("s", "m1", {"b"}, 100));
-  auto r2 = s.Commit(Msg("s", "m1", {"b"}, 999));
+  auto r1 = Commit(s, Msg("s", "m1", {"b"}, 100));
+  auto r2 = Commit(s, Msg("s", "m1", {"b"}, 999));
   ASSERT_TRUE(r1.ok() && r2.ok());
   EXPECT_FALSE(r1->duplicate);
   EXPECT_TRUE(r2->duplicate);
@@ -89,7 +97,7 @@ TEST(StoreTest, DuplicateCommitKeepsTheOriginal) {
 TEST(StoreTest, ParentMustBeDeliveredToTheSender) {
   Store s(StoreLimits{}, nullptr);
   EXPECT_EQ(s.LookupParent("s", "m1", "b").status().code(), absl::StatusCode::kFailedPrecondition);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   EXPECT_EQ(s.LookupParent("s", "m1", "b").status().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(TryFetch(s, "s", "b"));
   EXPECT_TRUE(s.LookupParent("s", "m1", "b").ok());
@@ -104,12 +112,12 @@ TEST(StoreTest, LimitsAreResourceExhausted) {
   lim.max_mailbox_bytes = 250;
   lim.max_inflight_bytes = 1000;
   Store s(lim, nullptr);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"})).ok());
-  ASSERT_TRUE(s.Commit(Msg("s", "m2", {"c"})).ok());
-  EXPECT_EQ(s.Commit(Msg("s", "m3", {"d"})).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m2", {"c"})).ok());
+  EXPECT_EQ(Commit(s, Msg("s", "m3", {"d"})).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(s.CheckCanPublish("s", {"d"}).code(), absl::StatusCode::kResourceExhausted);
-  ASSERT_TRUE(s.Commit(Msg("t", "m1", {"b"}, 200)).ok());
-  EXPECT_EQ(s.Commit(Msg("t", "m2", {"b"}, 100)).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(Commit(s, Msg("t", "m1", {"b"}, 200)).ok());
+  EXPECT_EQ(Commit(s, Msg("t", "m2", {"b"}, 100)).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(s.Stats().mailbox_messages, 3u);
   EXPECT_TRUE(s.ReserveInflight(600).ok());
   EXPECT_EQ(s.ReserveInflight(600).code(), absl::StatusCode::kResourceExhausted);
@@ -119,8 +127,8 @@ TEST(StoreTest, LimitsAreResourceExhausted) {
 
 TEST(StoreTest, CloseFreesEverything) {
   Store s(StoreLimits{}, nullptr);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b", "c"})).ok());
-  ASSERT_TRUE(s.Commit(Msg("s", "m2", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b", "c"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m2", {"b"})).ok());
   EXPECT_EQ(s.CloseSession("s"), 2u);
   EXPECT_EQ(s.CloseSession("s"), 0u);
   const StoreStats st = s.Stats();
@@ -134,11 +142,54 @@ TEST(StoreTest, IdleSessionsExpire) {
   StoreLimits lim;
   lim.session_ttl_seconds = 0.2;
   Store s(lim, nullptr);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   const auto until = Clock::now() + std::chrono::seconds(5);
   while (s.Stats().sessions > 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(s.Stats().sessions, 0u);
   EXPECT_EQ(s.Stats().mailbox_messages, 0u);
+}
+
+TEST(StoreTest, CloseFencesPublishesInProgress) {
+  Store s(StoreLimits{}, nullptr);
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
+  const Store::PublishTicket before = s.BeginPublish("s");
+  const Store::PublishTicket other = s.BeginPublish("t");
+  EXPECT_EQ(s.CloseSession("s"), 1u);
+  const Store::PublishTicket after = s.BeginPublish("s");
+  // Begun before the close: refused, and the closed session stays closed.
+  auto r = s.Commit(Msg("s", "m2", {"b"}), before);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("session 's': closed while this publish was uploading"), std::string::npos)
+      << r.status();
+  EXPECT_EQ(s.Stats().sessions, 0u);
+  EXPECT_FALSE(s.Find("s", "m2"));
+  // Another session, and a publish begun after the close, are not affected.
+  EXPECT_TRUE(s.Commit(Msg("t", "m1", {"b"}), other).ok());
+  EXPECT_TRUE(s.Commit(Msg("s", "m3", {"b"}), after).ok());
+  s.EndPublish(before);
+  s.EndPublish(other);
+  s.EndPublish(after);
+  // With nothing in progress the close is forgotten: a new publish commits.
+  EXPECT_EQ(s.CloseSession("s"), 1u);
+  EXPECT_TRUE(Commit(s, Msg("s", "m4", {"b"})).ok());
+  EXPECT_EQ(s.Stats().committed, 4u);
+}
+
+TEST(StoreTest, SessionsWithAPublishInProgressDoNotExpire) {
+  StoreLimits lim;
+  lim.session_ttl_seconds = 0.1;
+  Store s(lim, nullptr);
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
+  const Store::PublishTicket t = s.BeginPublish("s");
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));  // several TTLs and sweeps
+  s.SweepExpired();
+  EXPECT_EQ(s.Stats().sessions, 1u);
+  EXPECT_TRUE(s.Find("s", "m1"));  // still there to be a parent
+  ASSERT_TRUE(s.Commit(Msg("s", "m2", {"b"}), t).ok());
+  s.EndPublish(t);
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (s.Stats().sessions > 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(s.Stats().sessions, 0u);  // idle again: expires
 }
 
 TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
@@ -146,9 +197,9 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
   std::atomic<int> woke{-1};
   uint64_t w = 0;
   EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake t) { woke = static_cast<int>(t); }, &w));
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"c"})).ok());  // another agent: no wake
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"c"})).ok());  // another agent: no wake
   EXPECT_EQ(woke.load(), -1);
-  ASSERT_TRUE(s.Commit(Msg("s", "m2", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m2", {"b"})).ok());
   EXPECT_EQ(woke.load(), 0);
   EXPECT_FALSE(s.CancelWaiter(w));
 
@@ -160,14 +211,14 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
 
   EXPECT_FALSE(s.FetchOrWait("s", "y", kNever, [&](Store::Wake) { FAIL() << "cancelled waiter ran"; }, &w));
   EXPECT_TRUE(s.CancelWaiter(w));
-  ASSERT_TRUE(s.Commit(Msg("s", "m3", {"y"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m3", {"y"})).ok());
 }
 
 // Review 3a: CloseSession wakes the session's waiters (also those waiting
 // on a session that holds nothing yet); others keep waiting.
 TEST(StoreTest, CloseSessionWakesItsWaiters) {
   Store s(StoreLimits{}, nullptr);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"c"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"c"})).ok());
   std::atomic<int> b{-1}, z{-1}, other{-1};
   uint64_t wb = 0, wz = 0, wo = 0;
   EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake w) { b = static_cast<int>(w); }, &wb));
@@ -187,7 +238,7 @@ TEST(StoreTest, CloseSessionWakesItsWaiters) {
 // held deliveries can still be fetched.
 TEST(StoreTest, ShutdownWakesEveryWaiterAndRefusesNewOnes) {
   Store s(StoreLimits{}, nullptr);
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"c"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"c"})).ok());
   std::atomic<int> a{-1}, b{-1};
   uint64_t w = 0;
   EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake x) { a = static_cast<int>(x); }, &w));
@@ -208,32 +259,32 @@ TEST(StoreTest, SessionAndStoreByteLimitsCountAckedMessages) {
   lim.max_session_bytes = 250;
   lim.max_store_bytes = 400;
   Store s(lim, nullptr);
-  ASSERT_TRUE(s.Commit(Msg("s1", "m1", {"b"})).ok());
-  ASSERT_TRUE(s.Commit(Msg("s1", "m2", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s1", "m1", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s1", "m2", {"b"})).ok());
   ASSERT_TRUE(TryFetch(s, "s1", "b"));
   ASSERT_TRUE(s.Ack("s1", "b", "m1").ok());
   ASSERT_TRUE(s.Ack("s1", "b", "m2").ok());
   EXPECT_EQ(s.Stats().mailbox_bytes, 0u);
   EXPECT_EQ(s.store_bytes(), 200u);
   EXPECT_EQ(s.Stats().store_bytes, 200u);
-  auto r = s.Commit(Msg("s1", "m3", {"b"}));
+  auto r = Commit(s, Msg("s1", "m3", {"b"}));
   ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(r.status().message().find("--max-session-bytes=250"), std::string::npos) << r.status();
   absl::Status early = s.CheckCanPublish("s1", {"b"}, 51);
   EXPECT_EQ(early.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(early.message().find("--max-session-bytes=250"), std::string::npos) << early;
   EXPECT_TRUE(s.CheckCanPublish("s1", {"b"}, 50).ok());
-  ASSERT_TRUE(s.Commit(Msg("s2", "m1", {"b"})).ok());
-  ASSERT_TRUE(s.Commit(Msg("s2", "m2", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s2", "m1", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s2", "m2", {"b"})).ok());
   EXPECT_EQ(s.store_bytes(), 400u);
-  r = s.Commit(Msg("s3", "m1", {"b"}, 1));
+  r = Commit(s, Msg("s3", "m1", {"b"}, 1));
   ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(r.status().message().find("--max-store-bytes=400"), std::string::npos) << r.status();
   EXPECT_EQ(s.CheckCanPublish("s3", {"b"}, 1).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(s.Stats().sessions, 2u);  // the refused commit left no session behind
   EXPECT_EQ(s.CloseSession("s1"), 2u);
   EXPECT_EQ(s.store_bytes(), 200u);
-  EXPECT_TRUE(s.Commit(Msg("s3", "m1", {"b"}, 1)).ok());
+  EXPECT_TRUE(Commit(s, Msg("s3", "m1", {"b"}, 1)).ok());
 }
 
 // Review 2b: the up-front check takes the message's size into account.
@@ -243,7 +294,7 @@ TEST(StoreTest, CheckCanPublishCountsTheComingMessageAgainstMailboxes) {
   Store s(lim, nullptr);
   EXPECT_EQ(s.CheckCanPublish("new", {"b"}, 301).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(s.CheckCanPublish("new", {"b"}, 300).ok());
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"}, 200)).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"}, 200)).ok());
   absl::Status st = s.CheckCanPublish("s", {"c", "b"}, 101);
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(st.message().find("mailbox of 'b'"), std::string::npos) << st;
@@ -285,7 +336,7 @@ TEST(StoreTest, InflightGaugeIsExactUnderConcurrency) {
   s.ReleaseInflight(12350);
   EXPECT_EQ(GaugeValue(m, "kvrelay_inflight_bytes"), 0.0);
   // The store-bytes gauge follows commits and closes.
-  ASSERT_TRUE(s.Commit(Msg("s", "m1", {"b"}, 700)).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"}, 700)).ok());
   EXPECT_EQ(GaugeValue(m, "kvrelay_store_bytes"), 700.0);
   s.CloseSession("s");
   EXPECT_EQ(GaugeValue(m, "kvrelay_store_bytes"), 0.0);
