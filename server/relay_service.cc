@@ -205,7 +205,11 @@ class UploadReactor : public Reactor {
     idle_->last = Clock::now();
     if (finished_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
-      if (ctx_->IsCancelled()) return self().Fail(absl::CancelledError(absl::StrCat(rpc_, ": cancelled by the client")));
+      if (ctx_->IsCancelled()) {
+        return self().Fail(absl::CancelledError(absl::StrCat(
+            rpc_, svc_->store()->shutting_down() ? ": cancelled (by the client, or by the relay's shutdown at the end of its grace period)"
+                                                 : ": cancelled by the client")));
+      }
       return self().Fail(absl::InvalidArgumentError(
           absl::StrCat(rpc_, upload_.started() ? ": stream ended before the commit, expected a commit trailer"
                                                : ": empty stream, expected a header first")));

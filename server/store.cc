@@ -334,6 +334,11 @@ void Store::Shutdown() {
   for (WakeFn& w : wakes) w(Wake::kShutdown);
 }
 
+bool Store::shutting_down() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return shutting_down_;
+}
+
 void Store::SweepExpired() {
   std::lock_guard<std::mutex> lock(mu_);
   const Clock::time_point cutoff = Clock::now() - Ttl();

@@ -161,6 +161,8 @@ class Store {
   // Wakes every waiter (Wake::kShutdown); later FetchOrWait calls never
   // wait. Deliveries already held can still be fetched. Idempotent.
   void Shutdown();
+  // Whether Shutdown was called.
+  bool shutting_down() const;
 
   // Drops sessions idle past the TTL (also runs on the timer thread), but
   // none with a publish in progress.
