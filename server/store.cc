@@ -25,13 +25,24 @@ Clock::duration Store::Ttl() const {
       std::chrono::duration<double>(limits_.session_ttl_seconds));
 }
 
+namespace {
+
+// What a refusal adds when the request alone is over the limit: waiting for
+// room cannot help, so a client should not retry.
+std::string AloneOver(uint64_t bytes, uint64_t limit) {
+  return bytes > limit ? "; the request alone is over the limit, so retrying cannot succeed" : "";
+}
+
+}  // namespace
+
 absl::Status Store::ReserveInflight(uint64_t bytes) {
   uint64_t cur = inflight_.load();
   do {
     if (cur + bytes > limits_.max_inflight_bytes || cur + bytes < cur) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "upload: ", bytes, " tensor bytes would put uploads in progress at ", cur + bytes,
-          " bytes, expected at most --max-inflight-bytes=", limits_.max_inflight_bytes));
+          " bytes, expected at most --max-inflight-bytes=", limits_.max_inflight_bytes,
+          AloneOver(bytes, limits_.max_inflight_bytes)));
     }
   } while (!inflight_.compare_exchange_weak(cur, cur + bytes));
   PublishInflight();
@@ -71,27 +82,29 @@ absl::Status Store::CheckBytesLocked(const std::string& session, const Session* 
       if (held + bytes > limits_.max_mailbox_bytes) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "mailbox of '", r, "' in session '", session, "': ", held, " bytes unacked + ", bytes, " bytes of ",
-            what, ", expected at most --max-mailbox-bytes=", limits_.max_mailbox_bytes));
+            what, ", expected at most --max-mailbox-bytes=", limits_.max_mailbox_bytes,
+            AloneOver(bytes, limits_.max_mailbox_bytes)));
       }
     }
   } else if (bytes > limits_.max_mailbox_bytes && !recipients.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat("mailbox of '", recipients[0], "' in session '", session,
                                                      "': 0 bytes unacked + ", bytes, " bytes of ", what,
                                                      ", expected at most --max-mailbox-bytes=",
-                                                     limits_.max_mailbox_bytes));
+                                                     limits_.max_mailbox_bytes,
+                                                     AloneOver(bytes, limits_.max_mailbox_bytes)));
   }
   const uint64_t session_bytes = s ? s->bytes : 0;
   if (session_bytes + bytes > limits_.max_session_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "session '", session, "': ", session_bytes, " bytes retained + ", bytes, " bytes of ", what,
         ", expected at most --max-session-bytes=", limits_.max_session_bytes,
-        " (acked messages count until the session closes or expires)"));
+        " (acked messages count until the session closes or expires)", AloneOver(bytes, limits_.max_session_bytes)));
   }
   if (store_bytes_ + bytes > limits_.max_store_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "store: ", store_bytes_, " bytes retained in all sessions + ", bytes, " bytes of ", what,
         ", expected at most --max-store-bytes=", limits_.max_store_bytes,
-        " (acked messages count until their session closes or expires)"));
+        " (acked messages count until their session closes or expires)", AloneOver(bytes, limits_.max_store_bytes)));
   }
   return absl::OkStatus();
 }

@@ -123,6 +123,16 @@ TEST(StoreTest, LimitsAreResourceExhausted) {
   EXPECT_EQ(s.ReserveInflight(600).code(), absl::StatusCode::kResourceExhausted);
   s.ReleaseInflight(600);
   EXPECT_EQ(s.inflight_bytes(), 0u);
+  // A refusal says when waiting for room cannot help, and only then.
+  constexpr absl::string_view kAlone = "the request alone is over the limit, so retrying cannot succeed";
+  EXPECT_TRUE(s.ReserveInflight(600).ok());
+  EXPECT_EQ(s.ReserveInflight(600).message().find(kAlone), std::string::npos);
+  EXPECT_NE(s.ReserveInflight(1001).message().find(kAlone), std::string::npos);
+  s.ReleaseInflight(600);
+  EXPECT_EQ(Commit(s, Msg("t", "m2", {"b"}, 100)).status().message().find(kAlone), std::string::npos);
+  const absl::Status big = Commit(s, Msg("u", "m1", {"b"}, 251)).status();
+  EXPECT_EQ(big.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(big.message().find("--max-mailbox-bytes=250; " + std::string(kAlone)), std::string::npos) << big;
 }
 
 TEST(StoreTest, CloseFreesEverything) {
