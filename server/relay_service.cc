@@ -671,13 +671,30 @@ class CompressReactor final
   }
 
   void OnWriteDone(bool ok) override {
-    if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "compress: stream broken while delivering"));
+    bool stalled = false;
+    {
+      std::lock_guard<std::mutex> lock(reply_idle_->mu);
+      reply_idle_->last = Clock::now();
+      stalled = reply_stalled_;
+    }
+    if (!ok) {
+      return FinishOnce(grpc::Status(
+          grpc::CANCELLED,
+          stalled ? absl::StrFormat("compress: the reply was not read for %g s (--upload-idle-timeout-seconds)",
+                                    svc_->watchdog()->timeout_seconds())
+                  : std::string("compress: stream broken while delivering")));
+    }
     if (out_->FillNext<v1::CompressResponse>(&out_wire_)) return StartWrite(&out_wire_);
     FinishOnce(grpc::Status::OK);
   }
 
   void OnDone() override {
     StopWatching();
+    if (reply_idle_) {
+      std::lock_guard<std::mutex> lock(reply_idle_->mu);
+      reply_idle_->armed = false;
+      reply_idle_->fire = nullptr;
+    }
     if (out_reserved_) svc_->store()->ReleaseInflight(out_reserved_);
     delete this;
   }
@@ -723,7 +740,19 @@ class CompressReactor final
     FillMessageHeader(*msg, h);
     FillAccounting(*msg, received, compress_s, SecondsSince(started_), h->mutable_accounting());
     out_wire_ = EncodeProto(resp);
+    // The reply holds its memory (and in-flight bytes) until the client has
+    // read it: a client that stops reading for the idle timeout is cancelled.
+    reply_idle_ = svc_->watchdog()->Watch([this] { OnReplyStalled(); });
     StartWrite(&out_wire_);
+  }
+
+  // On the watchdog thread, under reply_idle_->mu: a write has been pending
+  // for the timeout. Finish may not be called with a write pending; the
+  // cancel fails the write, and OnWriteDone finishes the call.
+  void OnReplyStalled() {
+    if (finished_) return;
+    reply_stalled_ = true;
+    ctx_->TryCancel();
   }
 
   void Fail(const absl::Status& s) {
@@ -741,6 +770,8 @@ class CompressReactor final
   grpc::ByteBuffer out_wire_;  // the response being written
   std::optional<OutgoingMessage> out_;
   uint64_t out_reserved_ = 0;  // in flight until OnDone
+  std::shared_ptr<UploadWatchdog::Entry> reply_idle_;  // set before the first write
+  bool reply_stalled_ = false;                         // guarded by reply_idle_->mu
 };
 
 }  // namespace

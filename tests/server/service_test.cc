@@ -855,6 +855,39 @@ TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
   WaitInflightZero();
 }
 
+// A Compress reply that the client stops reading holds its memory and
+// in-flight bytes: after the idle timeout the relay cancels the call.
+TEST_F(RelayTest, CompressReplyNotReadIsCancelled) {
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.upload_idle_timeout_seconds = 0.3;
+  StartServer(cfg);
+  TurnShape ts;
+  ts.layers = 4;
+  ts.kv_heads = 8;
+  ts.group = 1;
+  ts.head_dim = 128;
+  ts.n_prompt = 2048;
+  ts.n_gen = 4;
+  ts.dtype = DType::kF32;
+  Turn t = RandomTurn(ts, 28);  // `full` replies ~64 MiB: more than flow control lets through unread
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(60));
+  auto stream = stub_->Compress(&ctx);
+  ASSERT_TRUE(WriteCompressUpload(stream.get(), t, "full"));
+  v1::CompressResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  ASSERT_TRUE(resp.has_header());
+  EXPECT_GT(server_->store()->inflight_bytes(), 32u << 20);
+  const auto t0 = std::chrono::steady_clock::now();
+  WaitInflightZero();  // without reading anything more
+  EXPECT_LT(Seconds(t0), 10.0);
+  while (stream->Read(&resp)) {
+  }
+  const grpc::Status s = stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::CANCELLED) << s.error_message();
+}
+
 // 2e: an upload that goes quiet is failed with DEADLINE_EXCEEDED and frees its reservation.
 TEST_F(RelayTest, IdleUploadsAreCancelled) {
   server_->Shutdown();
