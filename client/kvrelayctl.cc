@@ -624,11 +624,12 @@ std::optional<Failure> StatsVerb(int argc, char** argv) {
       "version: %s\nmessages_committed: %" PRIu64 "\nmessages_failed: %" PRIu64
       "\nmessages_delivered: %" PRIu64 "\nmessages_acked: %" PRIu64 "\nreceived_bytes: %" PRIu64
       "\nfull_bytes: %" PRIu64 "\nsent_bytes: %" PRIu64 "\nratio: %s\nsessions: %" PRIu64
-      "\nmailbox_messages: %" PRIu64 "\nmailbox_bytes: %" PRIu64 "\ninflight_bytes: %" PRIu64 "\n",
+      "\nmailbox_messages: %" PRIu64 "\nmailbox_bytes: %" PRIu64 "\ninflight_bytes: %" PRIu64
+      "\nstore_bytes: %" PRIu64 "\n",
       s->version.c_str(), s->messages_committed, s->messages_failed, s->messages_delivered,
       s->messages_acked, s->received_bytes, s->full_bytes, s->sent_bytes,
       Ratio(s->full_bytes, s->sent_bytes).c_str(), s->sessions, s->mailbox_messages,
-      s->mailbox_bytes, s->inflight_bytes);
+      s->mailbox_bytes, s->inflight_bytes, s->store_bytes);
   return std::nullopt;
 }
 

@@ -444,6 +444,7 @@ absl::StatusOr<RelayStats> RelayClient::Stats(std::chrono::milliseconds deadline
   s.mailbox_messages = r.mailbox_messages();
   s.mailbox_bytes = r.mailbox_bytes();
   s.inflight_bytes = r.inflight_bytes();
+  s.store_bytes = r.store_bytes();
   s.version = r.version();
   return s;
 }

@@ -124,6 +124,7 @@ struct RelayStats {
            messages_acked = 0;
   uint64_t received_bytes = 0, full_bytes = 0, sent_bytes = 0;
   uint64_t sessions = 0, mailbox_messages = 0, mailbox_bytes = 0, inflight_bytes = 0;
+  uint64_t store_bytes = 0;  // every retained message, acked ones too
   std::string version;
 };
 

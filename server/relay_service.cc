@@ -915,6 +915,7 @@ grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, 
   resp->set_mailbox_messages(st.mailbox_messages);
   resp->set_mailbox_bytes(st.mailbox_bytes);
   resp->set_inflight_bytes(st.inflight_bytes);
+  resp->set_store_bytes(st.store_bytes);
   resp->set_version(KVRELAY_VERSION);
   CountRpc("Stats", grpc::Status::OK);
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();

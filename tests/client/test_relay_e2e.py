@@ -268,6 +268,7 @@ def main():
         rc, out, err = ctl.run("stats")
         st = dict(re.findall(r"^(\w+): (\S+)$", out, re.M))
         check(rc == 0 and int(st.get("messages_committed", 0)) >= 10, f"stats: {rc} {out} {err}")
+        check(int(st.get("store_bytes", -1)) >= int(st.get("mailbox_bytes", 0)), f"stats store_bytes: {out}")
     finally:
         code = server.stop()
     check(code is not None, "server stopped")

@@ -589,6 +589,7 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
   EXPECT_EQ(st.sent_bytes(), sent);
   EXPECT_EQ(st.received_bytes(), received);
   EXPECT_EQ(st.mailbox_messages(), 3u);
+  EXPECT_EQ(st.store_bytes(), sent);  // each message retains its sent bytes
   const std::string text = prometheus::TextSerializer().Serialize(server_->metrics()->registry()->Collect());
   EXPECT_NE(text.find("kvrelay_full_bytes_total{family=\"h2o-head\"} " + std::to_string(full)), std::string::npos) << text;
   EXPECT_NE(text.find("kvrelay_sent_bytes_total{family=\"h2o-head\"} " + std::to_string(sent)), std::string::npos);
@@ -596,6 +597,7 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
   EXPECT_NE(text.find("kvrelay_received_bytes_total " + std::to_string(received)), std::string::npos);
   EXPECT_NE(text.find("kvrelay_messages_total{outcome=\"committed\"} 3"), std::string::npos);
   EXPECT_NE(text.find("kvrelay_mailbox_messages 3"), std::string::npos);
+  EXPECT_NE(text.find("kvrelay_store_bytes " + std::to_string(sent)), std::string::npos);
 }
 
 // ---- review fixes ----

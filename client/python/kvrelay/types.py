@@ -78,6 +78,7 @@ class Stats:
     mailbox_bytes: int = 0
     inflight_bytes: int = 0
     version: str = ""
+    store_bytes: int = 0
 
 
 @dataclass

@@ -383,6 +383,7 @@ class RelayTest(unittest.TestCase):
         s = self.c.stats()
         self.assertTrue(s.version)
         self.assertGreaterEqual(s.full_bytes, s.sent_bytes)
+        self.assertLessEqual(s.mailbox_bytes, s.store_bytes)  # unacked messages are retained
 
 
 def main():
