@@ -752,6 +752,8 @@ class CompressReactor final
   void OnReplyStalled() {
     if (finished_) return;
     reply_stalled_ = true;
+    spdlog::info("compress: the reply was not read for {} s (--upload-idle-timeout-seconds), cancelling",
+                 svc_->watchdog()->timeout_seconds());
     ctx_->TryCancel();
   }
 
@@ -837,11 +839,13 @@ void UploadWatchdog::Loop() {
       if (fire) fire();
     }
     lock.lock();
-    // Forget entries that are disarmed (finished, committed or fired).
+    // Forget entries that are disarmed (finished, committed or fired). An
+    // entry whose mutex is held is kept for the next round: its holder may
+    // be waiting for mu_ in Watch (a reaction that registers a new entry).
     entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
                                   [](const std::shared_ptr<Entry>& e) {
-                                    std::lock_guard<std::mutex> el(e->mu);
-                                    return !e->armed;
+                                    std::unique_lock<std::mutex> el(e->mu, std::try_to_lock);
+                                    return el.owns_lock() && !e->armed;
                                   }),
                    entries_.end());
   }

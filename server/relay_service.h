@@ -36,7 +36,8 @@ absl::Status CheckId(const std::string& field, const std::string& value);
 // touches `last`; the watchdog fires an armed entry that has been idle past
 // the timeout under that mutex (skipping it while the reactor is busy), so a
 // firing never overlaps a reaction, and OnDone disarms it under the mutex
-// before the reactor goes away.
+// before the reactor goes away. The watchdog never waits for an Entry's
+// mutex, so a reaction may call Watch while holding one.
 class UploadWatchdog {
  public:
   struct Entry {

@@ -153,20 +153,17 @@ absl::Status Store::CheckCanPublish(const std::string& session, const std::vecto
 
 Store::PublishTicket Store::BeginPublish(const std::string& session) {
   std::lock_guard<std::mutex> lock(mu_);
-  open_publishes_.insert(close_seq_);
   ++publishing_[session];
   return PublishTicket{session, close_seq_};
 }
 
 void Store::EndPublish(const PublishTicket& t) {
   std::lock_guard<std::mutex> lock(mu_);
-  open_publishes_.erase(open_publishes_.find(t.close_seq));
-  if (auto it = publishing_.find(t.session); it != publishing_.end() && --it->second == 0) publishing_.erase(it);
-  // A close only matters to publishes that began before it.
-  const uint64_t oldest = open_publishes_.empty() ? close_seq_ : *open_publishes_.begin();
-  for (auto it = closed_.begin(); it != closed_.end();) {
-    it = it->second <= oldest ? closed_.erase(it) : std::next(it);
-  }
+  auto it = publishing_.find(t.session);
+  if (it == publishing_.end() || --it->second > 0) return;
+  // A close only matters to the session's publishes in progress: none left.
+  publishing_.erase(it);
+  closed_.erase(t.session);
 }
 
 absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) {
@@ -176,7 +173,7 @@ absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage>
     std::lock_guard<std::mutex> lock(mu_);
     if (auto c = closed_.find(m->session_id); c != closed_.end() && c->second > t.close_seq) {
       return absl::FailedPreconditionError(absl::StrCat("session '", m->session_id,
-                                                        "': closed while this publish was uploading; nothing "
+                                                        "': closed while this publish was in progress; nothing "
                                                         "was stored"));
     }
     Session& s = sessions_[m->session_id];

@@ -216,12 +216,10 @@ class Store {
   uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0, store_bytes_ = 0;
   uint64_t committed_ = 0, acked_ = 0, full_ = 0, sent_ = 0;
   // Publish fencing: closes so far; the sequence number of each session's
-  // last close while publishes were in progress (pruned once no publish
-  // that began before it is left); the begin tokens of the publishes in
-  // progress, and their count per session.
+  // last close while it had publishes in progress (dropped when it has none
+  // left); the count of publishes in progress per session.
   uint64_t close_seq_ = 0;
   std::map<std::string, uint64_t> closed_;
-  std::multiset<uint64_t> open_publishes_;
   std::map<std::string, int> publishing_;
   std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
   std::mutex gauge_mu_;  // orders in-flight gauge updates

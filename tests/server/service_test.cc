@@ -1,5 +1,8 @@
 // In-process integration: a RelayServer on 127.0.0.1:0 driven by the
 // generated stub.
+#include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <thread>
 
 #include "core/pipeline.h"
@@ -11,6 +14,7 @@
 #include "relay_test_util.h"
 #include "server/assembler.h"
 #include "server/pending.h"
+#include "server/relay_service.h"
 #include "server/server.h"
 #include "tests/core/test_util.h"
 
@@ -282,7 +286,7 @@ TEST_F(RelayTest, CloseSessionFencesAPublishInProgress) {
   w->WritesDone();
   const grpc::Status st = w->Finish();
   EXPECT_EQ(st.error_code(), grpc::FAILED_PRECONDITION) << st.error_message();
-  EXPECT_NE(st.error_message().find("session 'fence': closed while this publish was uploading"), std::string::npos)
+  EXPECT_NE(st.error_message().find("session 'fence': closed while this publish was in progress"), std::string::npos)
       << st.error_message();
   WaitInflightZero();
   ExpectNothingFor("fence", "refiner");
@@ -855,6 +859,31 @@ TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
   }
   ASSERT_TRUE(stream->Finish().ok());
   WaitInflightZero();
+}
+
+// A reaction holds its watchdog entry's mutex and may register another
+// entry meanwhile (Compress does when the last layer completes inline): the
+// watchdog must never wait for an entry's mutex while it holds its own.
+TEST(UploadWatchdogTest, WatchWhileHoldingAnEntry) {
+  UploadWatchdog watchdog(0.02);  // looks every 10 ms
+  std::shared_ptr<UploadWatchdog::Entry> held = watchdog.Watch(nullptr);
+  {
+    std::lock_guard<std::mutex> lock(held->mu);
+    held->armed = false;  // for the clean-up pass to look at
+  }
+  std::future<void> reaction = std::async(std::launch::async, [&] {
+    std::lock_guard<std::mutex> lock(held->mu);
+    for (int i = 0; i < 30; ++i) {  // across several rounds of the watchdog
+      std::shared_ptr<UploadWatchdog::Entry> e = watchdog.Watch(nullptr);
+      std::lock_guard<std::mutex> el(e->mu);
+      e->armed = false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  if (reaction.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+    std::fprintf(stderr, "UploadWatchdogTest.WatchWhileHoldingAnEntry: deadlocked\n");
+    std::abort();  // nothing can unwind a deadlock
+  }
 }
 
 // A Compress reply that the client stops reading holds its memory and

@@ -169,7 +169,7 @@ TEST(StoreTest, CloseFencesPublishesInProgress) {
   // Begun before the close: refused, and the closed session stays closed.
   auto r = s.Commit(Msg("s", "m2", {"b"}), before);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
-  EXPECT_NE(r.status().message().find("session 's': closed while this publish was uploading"), std::string::npos)
+  EXPECT_NE(r.status().message().find("session 's': closed while this publish was in progress"), std::string::npos)
       << r.status();
   EXPECT_EQ(s.Stats().sessions, 0u);
   EXPECT_FALSE(s.Find("s", "m2"));
