@@ -154,8 +154,8 @@ class Store {
   absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id);
 
   // Frees the session and wakes its waiters (Wake::kClosed); returns the
-  // number of messages it held. Publishes of the session still uploading
-  // fail when they complete. Idempotent.
+  // number of messages it held. Publishes of the session in progress
+  // (between BeginPublish and EndPublish) fail at Commit. Idempotent.
   uint32_t CloseSession(const std::string& session);
 
   // Wakes every waiter (Wake::kShutdown); later FetchOrWait calls never

@@ -185,6 +185,25 @@ TEST(StoreTest, CloseFencesPublishesInProgress) {
   EXPECT_EQ(s.Stats().committed, 4u);
 }
 
+TEST(StoreTest, CloseBetweenTwoPublishesOfOneSession) {
+  Store s(StoreLimits{}, nullptr);
+  const Store::PublishTicket a = s.BeginPublish("s");
+  s.CloseSession("s");  // the session holds nothing yet: still a fence for `a`
+  const Store::PublishTicket b = s.BeginPublish("s");
+  EXPECT_EQ(s.Commit(Msg("s", "a", {"x"}), a).status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(s.Commit(Msg("s", "b", {"x"}), b).ok());  // reopens the session
+  s.EndPublish(a);
+  // A second close, with `b` (committed) and `c` still in progress, fences `c`.
+  const Store::PublishTicket c = s.BeginPublish("s");
+  EXPECT_EQ(s.CloseSession("s"), 1u);
+  EXPECT_EQ(s.Commit(Msg("s", "c", {"x"}), c).status().code(), absl::StatusCode::kFailedPrecondition);
+  s.EndPublish(b);
+  s.EndPublish(c);
+  EXPECT_EQ(s.Stats().sessions, 0u);
+  EXPECT_TRUE(Commit(s, Msg("s", "d", {"x"})).ok());  // no publish left: the fences are gone
+  EXPECT_EQ(s.Stats().committed, 2u);
+}
+
 TEST(StoreTest, SessionsWithAPublishInProgressDoNotExpire) {
   StoreLimits lim;
   lim.session_ttl_seconds = 0.1;
