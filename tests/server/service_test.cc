@@ -832,7 +832,9 @@ TEST_F(RelayTest, RetainedBytesAreLimitedPerSessionAndStore) {
 }
 
 // 2d: Compress keeps the reply's size in flight until the call is done.
-TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
+// A turn whose `full` reply (~64 MiB) is more than flow control lets
+// through while the client reads nothing.
+Turn LargeTurn() {
   TurnShape ts;
   ts.layers = 4;
   ts.kv_heads = 8;
@@ -841,11 +843,14 @@ TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
   ts.n_prompt = 2048;
   ts.n_gen = 4;
   ts.dtype = DType::kF32;
-  Turn t = RandomTurn(ts, 28);  // `full` replies ~64 MiB: more than flow control lets through unread
+  return RandomTurn(ts, 28);
+}
+
+TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
   grpc::ClientContext ctx;
   ctx.set_deadline(In(60));
   auto stream = stub_->Compress(&ctx);
-  ASSERT_TRUE(WriteCompressUpload(stream.get(), t, "full"));
+  ASSERT_TRUE(WriteCompressUpload(stream.get(), LargeTurn(), "full"));
   v1::CompressResponse resp;
   ASSERT_TRUE(stream->Read(&resp));
   ASSERT_TRUE(resp.has_header());
@@ -893,19 +898,10 @@ TEST_F(RelayTest, CompressReplyNotReadIsCancelled) {
   ServerConfig cfg;
   cfg.upload_idle_timeout_seconds = 0.3;
   StartServer(cfg);
-  TurnShape ts;
-  ts.layers = 4;
-  ts.kv_heads = 8;
-  ts.group = 1;
-  ts.head_dim = 128;
-  ts.n_prompt = 2048;
-  ts.n_gen = 4;
-  ts.dtype = DType::kF32;
-  Turn t = RandomTurn(ts, 28);  // `full` replies ~64 MiB: more than flow control lets through unread
   grpc::ClientContext ctx;
   ctx.set_deadline(In(60));
   auto stream = stub_->Compress(&ctx);
-  ASSERT_TRUE(WriteCompressUpload(stream.get(), t, "full"));
+  ASSERT_TRUE(WriteCompressUpload(stream.get(), LargeTurn(), "full"));
   v1::CompressResponse resp;
   ASSERT_TRUE(stream->Read(&resp));
   ASSERT_TRUE(resp.has_header());
