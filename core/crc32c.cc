@@ -51,7 +51,6 @@ uint32_t X8nModP(uint64_t n) {
   return p;
 }
 
-
 #if defined(__SSE4_2__)
 // Three independent CRC streams over consecutive blocks of Block bytes hide
 // the crc32 instruction's latency; the streams are joined by shifting a state

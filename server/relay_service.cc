@@ -206,9 +206,10 @@ class UploadReactor : public Reactor {
     if (finished_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
       if (ctx_->IsCancelled()) {
-        return self().Fail(absl::CancelledError(absl::StrCat(
-            rpc_, svc_->store()->shutting_down() ? ": cancelled (by the client, or by the relay's shutdown at the end of its grace period)"
-                                                 : ": cancelled by the client")));
+        const char* by = svc_->store()->shutting_down()
+                             ? ": cancelled (by the client, or by the relay's shutdown at the end of its grace period)"
+                             : ": cancelled by the client";
+        return self().Fail(absl::CancelledError(absl::StrCat(rpc_, by)));
       }
       return self().Fail(absl::InvalidArgumentError(
           absl::StrCat(rpc_, upload_.started() ? ": stream ended before the commit, expected a commit trailer"
@@ -671,19 +672,11 @@ class CompressReactor final
   }
 
   void OnWriteDone(bool ok) override {
-    bool stalled = false;
     {
       std::lock_guard<std::mutex> lock(reply_idle_->mu);
       reply_idle_->last = Clock::now();
-      stalled = reply_stalled_;
     }
-    if (!ok) {
-      return FinishOnce(grpc::Status(
-          grpc::CANCELLED,
-          stalled ? absl::StrFormat("compress: the reply was not read for %g s (--upload-idle-timeout-seconds)",
-                                    svc_->watchdog()->timeout_seconds())
-                  : std::string("compress: stream broken while delivering")));
-    }
+    if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "compress: stream broken while delivering"));
     if (out_->FillNext<v1::CompressResponse>(&out_wire_)) return StartWrite(&out_wire_);
     FinishOnce(grpc::Status::OK);
   }
@@ -748,10 +741,10 @@ class CompressReactor final
 
   // On the watchdog thread, under reply_idle_->mu: a write has been pending
   // for the timeout. Finish may not be called with a write pending; the
-  // cancel fails the write, and OnWriteDone finishes the call.
+  // cancel fails the write, and OnWriteDone finishes the call (the client
+  // sees gRPC's CANCELLED, so the reason is logged here).
   void OnReplyStalled() {
     if (finished_) return;
-    reply_stalled_ = true;
     spdlog::info("compress: the reply was not read for {} s (--upload-idle-timeout-seconds), cancelling",
                  svc_->watchdog()->timeout_seconds());
     ctx_->TryCancel();
@@ -773,7 +766,6 @@ class CompressReactor final
   std::optional<OutgoingMessage> out_;
   uint64_t out_reserved_ = 0;  // in flight until OnDone
   std::shared_ptr<UploadWatchdog::Entry> reply_idle_;  // set before the first write
-  bool reply_stalled_ = false;                         // guarded by reply_idle_->mu
 };
 
 }  // namespace

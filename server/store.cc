@@ -153,17 +153,16 @@ absl::Status Store::CheckCanPublish(const std::string& session, const std::vecto
 
 Store::PublishTicket Store::BeginPublish(const std::string& session) {
   std::lock_guard<std::mutex> lock(mu_);
-  ++publishing_[session];
+  ++publishing_[session].in_progress;
   return PublishTicket{session, close_seq_};
 }
 
 void Store::EndPublish(const PublishTicket& t) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = publishing_.find(t.session);
-  if (it == publishing_.end() || --it->second > 0) return;
-  // A close only matters to the session's publishes in progress: none left.
-  publishing_.erase(it);
-  closed_.erase(t.session);
+  // A close only matters to the session's publishes in progress: with none
+  // left the entry goes, its last close with it.
+  if (it != publishing_.end() && --it->second.in_progress == 0) publishing_.erase(it);
 }
 
 absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) {
@@ -171,7 +170,7 @@ absl::StatusOr<Store::CommitResult> Store::Commit(std::shared_ptr<StoredMessage>
   CommitResult result;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto c = closed_.find(m->session_id); c != closed_.end() && c->second > t.close_seq) {
+    if (auto p = publishing_.find(m->session_id); p != publishing_.end() && p->second.last_close > t.close_seq) {
       return absl::FailedPreconditionError(absl::StrCat("session '", m->session_id,
                                                         "': closed while this publish was in progress; nothing "
                                                         "was stored"));
@@ -326,8 +325,7 @@ uint32_t Store::CloseSession(const std::string& session) {
       n = static_cast<uint32_t>(s->second.messages.size());
       EraseSessionLocked(s, /*expired=*/false);
     }
-    ++close_seq_;
-    if (publishing_.count(session)) closed_[session] = close_seq_;
+    if (auto p = publishing_.find(session); p != publishing_.end()) p->second.last_close = ++close_seq_;
   }
   for (WakeFn& w : wakes) w(Wake::kClosed);
   return n;

@@ -215,12 +215,15 @@ class Store {
   uint64_t next_waiter_ = 1;
   uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0, store_bytes_ = 0;
   uint64_t committed_ = 0, acked_ = 0, full_ = 0, sent_ = 0;
-  // Publish fencing: closes so far; the sequence number of each session's
-  // last close while it had publishes in progress (dropped when it has none
-  // left); the count of publishes in progress per session.
+  // Publish fencing. A session with publishes in progress has an entry:
+  // their count and the sequence number of its last close meanwhile (0:
+  // none); a ticket holds close_seq_ as it was when the publish began.
+  struct Publishing {
+    int in_progress = 0;
+    uint64_t last_close = 0;
+  };
   uint64_t close_seq_ = 0;
-  std::map<std::string, uint64_t> closed_;
-  std::map<std::string, int> publishing_;
+  std::map<std::string, Publishing> publishing_;
   std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
   std::mutex gauge_mu_;  // orders in-flight gauge updates
   bool stop_ = false, shutting_down_ = false;

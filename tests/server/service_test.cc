@@ -245,57 +245,6 @@ TEST_F(RelayTest, FanOutAndSessionClose) {
   EXPECT_EQ(st.mailbox_bytes, 0u);
 }
 
-// A publish whose session is closed during its upload stores nothing and
-// does not bring the session back; its parent's lookup was already done.
-TEST_F(RelayTest, CloseSessionFencesAPublishInProgress) {
-  Turn t1 = MakeTurn(4, /*first=*/true);
-  ASSERT_TRUE(PublishTurn(stub_.get(), Header("fence", "m1", "planner", {"critic"}, "gen", t1), t1).status.ok());
-  ASSERT_TRUE(DoFetch(stub_.get(), "fence", "critic", true).status.ok());
-  Turn t2 = MakeTurn(5, /*first=*/false);
-  auto h2 = Header("fence", "m2", "critic", {"refiner"}, "gen", t2);
-  h2.set_parent_id("m1");
-  const auto chunks = TurnChunks(t2, 4096);
-  const uint64_t received_before = server_->store()->Stats().received_bytes;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(In(30));
-  v1::PublishResponse resp;
-  auto w = stub_->Publish(&ctx, &resp);
-  v1::PublishRequest req;
-  *req.mutable_header() = h2;
-  ASSERT_TRUE(w->Write(req));
-  *req.mutable_chunk() = chunks[0];
-  ASSERT_TRUE(w->Write(req));
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (server_->store()->Stats().received_bytes == received_before && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  {
-    grpc::ClientContext cctx;
-    v1::CloseSessionRequest creq;
-    creq.set_session_id("fence");
-    v1::CloseSessionResponse cresp;
-    ASSERT_TRUE(stub_->CloseSession(&cctx, creq, &cresp).ok());
-    EXPECT_EQ(cresp.messages_freed(), 1u);
-  }
-  for (size_t i = 1; i < chunks.size(); ++i) {
-    *req.mutable_chunk() = chunks[i];
-    ASSERT_TRUE(w->Write(req));
-  }
-  *req.mutable_commit() = TrailerOf(chunks);
-  ASSERT_TRUE(w->Write(req));
-  w->WritesDone();
-  const grpc::Status st = w->Finish();
-  EXPECT_EQ(st.error_code(), grpc::FAILED_PRECONDITION) << st.error_message();
-  EXPECT_NE(st.error_message().find("session 'fence': closed while this publish was in progress"), std::string::npos)
-      << st.error_message();
-  WaitInflightZero();
-  ExpectNothingFor("fence", "refiner");
-  EXPECT_EQ(server_->store()->Stats().sessions, 0u);
-  // The id is free again: a new publish starts the session afresh.
-  ASSERT_TRUE(PublishTurn(stub_.get(), Header("fence", "m1", "planner", {"critic"}, "gen", t1), t1).status.ok());
-  EXPECT_EQ(server_->store()->Stats().sessions, 1u);
-}
-
 TEST_F(RelayTest, FetchWaitsForAPublish) {
   Turn t = MakeTurn(7);
   std::thread publisher([&] {
@@ -606,12 +555,14 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
 
 // ---- review fixes ----
 
-grpc::Status Close(v1::Relay::Stub* stub, const std::string& session) {
+grpc::Status Close(v1::Relay::Stub* stub, const std::string& session, uint32_t* messages_freed = nullptr) {
   grpc::ClientContext ctx;
   v1::CloseSessionRequest req;
   req.set_session_id(session);
   v1::CloseSessionResponse resp;
-  return stub->CloseSession(&ctx, req, &resp);
+  grpc::Status s = stub->CloseSession(&ctx, req, &resp);
+  if (messages_freed) *messages_freed = resp.messages_freed();
+  return s;
 }
 
 double Seconds(std::chrono::steady_clock::time_point t0) {
@@ -699,6 +650,45 @@ uint64_t WaitFor(const std::function<uint64_t()>& get, uint64_t want) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return get();
+}
+
+// A publish whose session is closed during its upload stores nothing and
+// does not bring the session back; its parent's lookup was already done.
+TEST_F(RelayTest, CloseSessionFencesAPublishInProgress) {
+  Turn t1 = MakeTurn(4, /*first=*/true);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("fence", "m1", "planner", {"critic"}, "gen", t1), t1).status.ok());
+  ASSERT_TRUE(DoFetch(stub_.get(), "fence", "critic", true).status.ok());
+  Turn t2 = MakeTurn(5, /*first=*/false);
+  auto h2 = Header("fence", "m2", "critic", {"refiner"}, "gen", t2);
+  h2.set_parent_id("m1");
+  const auto chunks = TurnChunks(t2, 4096);
+  const uint64_t received_before = server_->store()->Stats().received_bytes;
+  OpenPublish open(stub_.get(), h2, chunks, 1);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (server_->store()->Stats().received_bytes == received_before && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  uint32_t freed = 0;
+  ASSERT_TRUE(Close(stub_.get(), "fence", &freed).ok());
+  EXPECT_EQ(freed, 1u);
+  v1::PublishRequest req;
+  for (size_t i = 1; i < chunks.size(); ++i) {
+    *req.mutable_chunk() = chunks[i];
+    ASSERT_TRUE(open.w->Write(req));
+  }
+  *req.mutable_commit() = TrailerOf(chunks);
+  ASSERT_TRUE(open.w->Write(req));
+  open.w->WritesDone();
+  const grpc::Status st = open.w->Finish();
+  EXPECT_EQ(st.error_code(), grpc::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_NE(st.error_message().find("session 'fence': closed while this publish was in progress"), std::string::npos)
+      << st.error_message();
+  WaitInflightZero();
+  ExpectNothingFor("fence", "refiner");
+  EXPECT_EQ(server_->store()->Stats().sessions, 0u);
+  // The id is free again: a new publish starts the session afresh.
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("fence", "m1", "planner", {"critic"}, "gen", t1), t1).status.ok());
+  EXPECT_EQ(server_->store()->Stats().sessions, 1u);
 }
 
 // 2a + 2b: an upload reserves its tensor bytes, 1 KiB per layer and, with a
