@@ -886,12 +886,15 @@ TEST(UploadWatchdogTest, WatchWhileHoldingAnEntry) {
 TEST_F(RelayTest, CompressReplyNotReadIsCancelled) {
   server_->Shutdown();
   ServerConfig cfg;
-  cfg.upload_idle_timeout_seconds = 0.3;
+  // Long enough for the upload on a loaded machine; the turn is built
+  // before the call opens, so that the upload has no idle gap to begin with.
+  cfg.upload_idle_timeout_seconds = 1.0;
   StartServer(cfg);
+  const Turn turn = LargeTurn();
   grpc::ClientContext ctx;
   ctx.set_deadline(In(60));
   auto stream = stub_->Compress(&ctx);
-  ASSERT_TRUE(WriteCompressUpload(stream.get(), LargeTurn(), "full"));
+  ASSERT_TRUE(WriteCompressUpload(stream.get(), turn, "full"));
   v1::CompressResponse resp;
   ASSERT_TRUE(stream->Read(&resp));
   ASSERT_TRUE(resp.has_header());
