@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <optional>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -88,6 +90,16 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
   return w;
 }
 
+// Copies the lower triangle of the d x d matrix g (stride ld) to its upper
+// one and returns the full matrix as a view.
+template <typename Scalar>
+Strided<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>> MirrorLower(Scalar* g, int d, int ld) {
+  for (int i = 0; i < d; ++i) {
+    for (int j = 0; j < i; ++j) g[static_cast<size_t>(j) * ld + i] = g[static_cast<size_t>(i) * ld + j];
+  }
+  return StridedView<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>>(g, d, d, ld);
+}
+
 // The rows `idx` of the row-major [*, d] floats `v`, converted to Scalar
 // and multiplied by `scale`, in a per-thread row-major buffer whose stride is
 // padded with zeros for GramLower. The buffer is freed when the object dies
@@ -123,10 +135,7 @@ class PaddedRows {
     thread_local std::vector<Scalar> g;
     g.resize(static_cast<size_t>(ld_) * ld_);
     internal::GramLower(buf().data(), n_, d_, g.data());
-    for (int i = 0; i < d_; ++i) {
-      for (int j = 0; j < i; ++j) g[static_cast<size_t>(j) * ld_ + i] = g[static_cast<size_t>(i) * ld_ + j];
-    }
-    return StridedView<const ColMajor>(g.data(), d_, d_, ld_);
+    return MirrorLower(g.data(), d_, ld_);
   }
 
  private:
@@ -135,6 +144,64 @@ class PaddedRows {
     return b;
   }
   int n_, d_, ld_;
+};
+
+// The rows `idx` of the row-major [*, d] floats `v`, times `scale`, as
+// bfloat16 pairs in a per-thread buffer for GramLowerBf16, when that is
+// exact: every scaled value is a bfloat16 value (BF16 turns). Magnitudes
+// below 2^-40 become zero, as GramLowerBf16 requires; the caller keeps
+// every value at or below one.
+class PairRows {
+ public:
+  // Returns false, leaving the buffer unspecified, when some scaled value
+  // has more than bfloat16's 8 significant bits.
+  bool Pack(const float* v, int d, const std::vector<int>& idx, float scale) {
+    n_ = static_cast<int>(idx.size());
+    d_ = d;
+    ld_ = internal::GramStride(d);
+    const int pairs = (n_ + 1) / 2;
+    buf().resize(static_cast<size_t>(pairs) * ld_);
+    uint32_t low_bits = 0;
+    auto bits = [scale, &low_bits](float x) {
+      x *= scale;
+      if (std::abs(x) < 0x1p-40f) x = 0;
+      uint32_t b;
+      std::memcpy(&b, &x, sizeof(b));
+      low_bits |= b;
+      return b;
+    };
+    for (int p = 0; p < pairs; ++p) {
+      uint32_t* out = buf().data() + static_cast<size_t>(p) * ld_;
+      const float* even = v + static_cast<size_t>(idx[2 * p]) * d;
+      if (2 * p + 1 < n_) {
+        const float* odd = v + static_cast<size_t>(idx[2 * p + 1]) * d;
+        for (int j = 0; j < d; ++j) out[j] = (bits(odd[j]) & 0xffff0000u) | bits(even[j]) >> 16;
+      } else {
+        for (int j = 0; j < d; ++j) out[j] = bits(even[j]) >> 16;
+      }
+      std::fill(out + d, out + ld_, 0u);
+      if ((low_bits & 0xffffu) != 0) return false;
+    }
+    return true;
+  }
+  ~PairRows() {
+    if (buf().capacity() * sizeof(uint32_t) > (size_t{16} << 20)) std::vector<uint32_t>().swap(buf());
+  }
+
+  // As PaddedRows::Gram.
+  Strided<const Eigen::MatrixXf> Gram() {
+    thread_local std::vector<float> g;
+    g.resize(static_cast<size_t>(ld_) * ld_);
+    internal::GramLowerBf16(buf().data(), (n_ + 1) / 2, d_, g.data());
+    return MirrorLower(g.data(), d_, ld_);
+  }
+
+ private:
+  static std::vector<uint32_t>& buf() {
+    thread_local std::vector<uint32_t> b;
+    return b;
+  }
+  int n_ = 0, d_ = 0, ld_ = 0;
 };
 
 // max |p[i]| over n finite floats (0 when n = 0).
@@ -523,8 +590,12 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   const double from_unit = vmax > 0 ? std::ldexp(1.0, exponent) : 1.0;
   Eigen::MatrixXf keep_t(d, n_keep);
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose() * to_unit;
-  PaddedRows<float> del_rows(v.data(), d, split.del, to_unit);  // per-thread, see ExactObf
-  const auto del = del_rows.rows();
+  // The deleted rows for the Gram: bfloat16 pairs where exact (half the
+  // multiply instructions on CPUs with AVX512_BF16), else padded floats;
+  // per-thread buffers (see ExactObf).
+  PairRows pair_rows;
+  std::optional<PaddedRows<float>> del_rows;
+  if (!pair_rows.Pack(v.data(), d, split.del, to_unit)) del_rows.emplace(v.data(), d, split.del, to_unit);
 
   Eigen::ColPivHouseholderQR<Eigen::MatrixXf> qr(keep_t);
   qr.setThreshold(1e-5);
@@ -533,7 +604,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   const Eigen::MatrixXf q = h.Basis();
   out.q = q.cast<double>();
   if (r == d) return out;
-  const auto s = del_rows.Gram();
+  const auto s = del_rows ? del_rows->Gram() : pair_rows.Gram();
   // G = P S P in the complement basis of span(V_keep), (d - r) x (d - r),
   // and the blocks of vectors, in padded per-thread buffers for
   // SymmetricTimes.
@@ -575,7 +646,8 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   out.c = h.Expand(ritz).transpose().cast<double>();
 
   const Eigen::VectorXf w = ResidualWeights<float>(scores, split.del);
-  Eigen::VectorXf rbar = del.transpose() * w;
+  Eigen::VectorXf rbar = Eigen::VectorXf::Zero(d);
+  for (int i = 0; i < n_del; ++i) rbar.noalias() += (w[i] * to_unit) * vm.row(split.del[i]).transpose();
   rbar -= q * (q.transpose() * rbar);
   Finish(opts, scores, kept, split, rbar.cast<double>() * from_unit, &out);
   return out;

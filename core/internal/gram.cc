@@ -1,5 +1,6 @@
 #include "core/internal/gram.h"
 
+#include <cstring>
 #include <vector>
 
 #include "core/internal/cpu.h"
@@ -19,6 +20,9 @@ void GramAvx512(const float* a, const float* b, int n, int d, float* g);
 void SymmetricTimesAvx512(const double* s, int d, const double* x, int m, double* y);
 void SymmetricTimesAvx512(const float* s, int d, const float* x, int m, float* y);
 bool GramSchmidtSweepAvx512(float* x, int d, int m, int ld, float* scratch);
+void GramBf16Avx512(const uint32_t* a, int pairs, int d, float* g);
+// Defined in gram_avx512bf16.cc; called only when the CPU has AVX512_BF16.
+void GramBf16Native(const uint32_t* a, int pairs, int d, float* g);
 
 namespace {
 
@@ -41,6 +45,16 @@ template <> struct Avx2<float> {
   static V Bcast(const float* p) { return _mm256_broadcast_ss(p); }
   static V Fma(V x, V y, V acc) { return _mm256_fmadd_ps(x, y, acc); }
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
+// EmulatedPairs' integer helpers for GramLowerBf16.
+struct Avx2Words : Avx2<float> {
+  static __m256i LoadWords(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static __m256i BcastWord(const uint32_t* p) { return _mm256_set1_epi32(static_cast<int>(*p)); }
+  static __m256 SplitOdd(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  static __m256 SplitEven(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
 };
 
 struct Avx2SweepOps {
@@ -88,7 +102,7 @@ template <typename T>
 void Dispatch(const T* a, const T* b, int n, int d, T* g, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
 #if defined(KVRELAY_AVX512_KERNELS)
-  if (isa == GramIsa::kBest && Avx512Enabled()) return GramAvx512(a, b, n, d, g);
+  if (isa != GramIsa::kAvx2 && isa != GramIsa::kScalar && Avx512Enabled()) return GramAvx512(a, b, n, d, g);
 #endif
   if (isa != GramIsa::kScalar) return GramTiled<Avx2<T>, 4, 3>(a, b, n, d, g);
 #endif
@@ -99,14 +113,63 @@ template <typename T>
 void SymmetricDispatch(const T* s, int d, const T* x, int m, T* y, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
 #if defined(KVRELAY_AVX512_KERNELS)
-  if (isa == GramIsa::kBest && Avx512Enabled()) return SymmetricTimesAvx512(s, d, x, m, y);
+  if (isa != GramIsa::kAvx2 && isa != GramIsa::kScalar && Avx512Enabled()) return SymmetricTimesAvx512(s, d, x, m, y);
 #endif
   if (isa != GramIsa::kScalar) return SymmetricTimesTiled<Avx2<T>, 4, 3>(s, d, x, m, y);
 #endif
   Entries(SymmetricOperands(s, d, x, y), 0, m, 0, d);
 }
 
+#if defined(KVRELAY_GRAM_AVX2) && defined(KVRELAY_AVX512_KERNELS)
+// VDPBF16PS against the AVX-512F emulation on pair rows whose values span
+// the whole range GramLowerBf16 allows, with cancelling signs.
+bool NativeMatchesEmulation() {
+  constexpr int kPairs = 37, kD = 48;
+  const int ld = GramStride(kD);
+  std::vector<uint32_t> a(static_cast<size_t>(kPairs) * ld, 0);
+  uint64_t state = 0x2545f4914f6cdd1dull;
+  auto bf16 = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const uint32_t bits = static_cast<uint32_t>(state >> 33);
+    const uint32_t exponent = 127 - 40 + bits % 81;  // 2^-40 .. 2^40
+    return static_cast<uint16_t>(((bits >> 8) & 0x8000u) | (exponent << 7) | ((bits >> 12) & 0x7fu));
+  };
+  for (int p = 0; p < kPairs; ++p) {
+    for (int j = 0; j < kD; ++j) a[static_cast<size_t>(p) * ld + j] = bf16() | uint32_t{bf16()} << 16;
+  }
+  std::vector<float> native(static_cast<size_t>(ld) * ld, 0), emulated(native);
+  GramBf16Native(a.data(), kPairs, kD, native.data());
+  GramBf16Avx512(a.data(), kPairs, kD, emulated.data());
+  for (int i = 0; i < kD; ++i) {
+    const size_t row = static_cast<size_t>(i) * ld;
+    if (std::memcmp(&native[row], &emulated[row], sizeof(float) * (i + 1)) != 0) return false;
+  }
+  return true;
+}
+#endif
+
 }  // namespace
+
+bool NativeBf16GramEnabled() {
+#if defined(KVRELAY_GRAM_AVX2) && defined(KVRELAY_AVX512_KERNELS)
+  static const bool use = Avx512Enabled() && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512bf16") && NativeMatchesEmulation();
+  return use;
+#else
+  return false;
+#endif
+}
+
+void GramLowerBf16(const uint32_t* a, int pairs, int d, float* g, GramIsa isa) {
+#if defined(KVRELAY_GRAM_AVX2)
+#if defined(KVRELAY_AVX512_KERNELS)
+  if (isa == GramIsa::kBest && NativeBf16GramEnabled()) return GramBf16Native(a, pairs, d, g);
+  if (isa != GramIsa::kAvx2 && isa != GramIsa::kScalar && Avx512Enabled()) return GramBf16Avx512(a, pairs, d, g);
+#endif
+  if (isa != GramIsa::kScalar) return PairGramTiled<EmulatedPairs<Avx2Words>, 4, 2>(a, pairs, d, g);
+#endif
+  PairRowsByEntry(PairOperands{a, GramStride(d), pairs, g}, 0, d);
+}
 
 bool GramSchmidtSweep(float* x, int d, int m, int ld, GramIsa isa) {
   constexpr int kOnStack = 64;
@@ -119,7 +182,9 @@ bool GramSchmidtSweep(float* x, int d, int m, int ld, GramIsa isa) {
   }
 #if defined(KVRELAY_GRAM_AVX2)
 #if defined(KVRELAY_AVX512_KERNELS)
-  if (isa == GramIsa::kBest && Avx512Enabled()) return GramSchmidtSweepAvx512(x, d, m, ld, scratch);
+  if (isa != GramIsa::kAvx2 && isa != GramIsa::kScalar && Avx512Enabled()) {
+    return GramSchmidtSweepAvx512(x, d, m, ld, scratch);
+  }
 #endif
   if (isa != GramIsa::kScalar) return GramSchmidtSweepImpl<Avx2SweepOps>(x, d, m, ld, scratch);
 #endif

@@ -2,6 +2,8 @@
 #ifndef KVRELAY_CORE_INTERNAL_GRAM_H_
 #define KVRELAY_CORE_INTERNAL_GRAM_H_
 
+#include <cstdint>
+
 namespace kvrelay {
 namespace internal {
 
@@ -21,8 +23,10 @@ inline int GramStride(int d) {
 // bit-identical on every CPU; the choice exists so tests can check that.
 // kBest: AVX-512 when the CPU has it and the environment variable
 // KVRELAY_DISABLE_AVX512 is unset, empty or "0" (read once per process),
-// else AVX2. kAvx2 is scalar in builds without AVX2.
-enum class GramIsa { kBest, kAvx2, kScalar };
+// else AVX2; for GramLowerBf16, AVX512_BF16's dot-product instruction where
+// NativeBf16GramEnabled(). kAvx512: AVX-512F alone (AVX2 where the CPU or
+// build lacks it). kAvx2 is scalar in builds without AVX2.
+enum class GramIsa { kBest, kAvx512, kAvx2, kScalar };
 
 // Computes the lower triangle of g = a^T a.
 //   a: row-major [n, ld], ld = GramStride(d); columns d..ld-1 must be zero.
@@ -32,6 +36,27 @@ enum class GramIsa { kBest, kAvx2, kScalar };
 // Thread-safe. REQUIRES: n >= 0, d >= 0, a and g do not overlap.
 void GramLower(const double* a, int n, int d, double* g, GramIsa isa = GramIsa::kBest);
 void GramLower(const float* a, int n, int d, float* g, GramIsa isa = GramIsa::kBest);
+
+// Computes the lower triangle of g = a^T a for bfloat16 values stored two
+// rows to a 32-bit word, as AVX512_BF16's VDPBF16PS reads them:
+//   a: [pairs, ld] words, ld = GramStride(d); word j of pair row p holds the
+//      bfloat16 bits of a[2p][j] in its low half and of a[2p + 1][j] in its
+//      high half (zero for a missing last row); words d..ld-1 zero.
+//   g: float, GramLower's layout; g[i * ld + j] for j <= i < d holds, over
+//      the pair rows in ascending p, acc = fma(a[2p+1][i], a[2p+1][j], acc)
+//      then acc = fma(a[2p][i], a[2p][j], acc): products of bfloat16 values
+//      are exact in float, so this is VDPBF16PS's result and that of plain
+//      float FMAs alike. Other entries are unspecified.
+// Thread-safe. REQUIRES: pairs >= 0, d >= 0; every value is zero or has a
+// magnitude in [2^-40, 2^40]. (Every partial sum is then a multiple of
+// 2^-94: never subnormal, so VDPBF16PS's flushing of subnormal inputs and
+// results cannot apply, and all paths agree bit for bit.)
+void GramLowerBf16(const uint32_t* a, int pairs, int d, float* g, GramIsa isa = GramIsa::kBest);
+
+// True when GramLowerBf16 with kBest uses VDPBF16PS: Avx512Enabled(), the
+// CPU has AVX512_BF16, and a check at first use found the instruction to
+// round exactly as the fused multiply-adds above. Thread-safe.
+bool NativeBf16GramEnabled();
 
 // Computes the lower triangle of a^T b, as GramLower does that of a^T a
 // (GramLower(a) is CrossLower(a, a)): g[i * ld + j] for j <= i < d holds

@@ -33,6 +33,16 @@ template <> struct Avx512<float> {
   static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
 };
 
+// EmulatedPairs' integer helpers for GramLowerBf16.
+struct Avx512Words : Avx512<float> {
+  static __m512i LoadWords(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  static __m512i BcastWord(const uint32_t* p) { return _mm512_set1_epi32(static_cast<int>(*p)); }
+  static __m512 SplitOdd(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  static __m512 SplitEven(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+};
+
 // The AVX2 order (gram.cc): lanes 0..7 of the 16-lane sum are its first
 // accumulator, lanes 8..15 its second.
 struct Avx512SweepOps {
@@ -87,6 +97,9 @@ void GramAvx512(const double* a, const double* b, int n, int d, double* g) {
 }
 void GramAvx512(const float* a, const float* b, int n, int d, float* g) {
   GramTiled<Avx512<float>, 8, 2>(a, b, n, d, g);
+}
+void GramBf16Avx512(const uint32_t* a, int pairs, int d, float* g) {
+  PairGramTiled<EmulatedPairs<Avx512Words>, 8, 2>(a, pairs, d, g);
 }
 void SymmetricTimesAvx512(const double* s, int d, const double* x, int m, double* y) {
   SymmetricTimesTiled<Avx512<double>, 4, 3>(s, d, x, m, y);

@@ -6,6 +6,7 @@
 #define KVRELAY_CORE_INTERNAL_GRAM_KERNELS_H_
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/internal/gram.h"
 
@@ -72,8 +73,8 @@ inline void Tile(const Operands<T>& o, int i0, int j0) {
 
 // Output rows [i0, i0 + kRows), columns [0, j_end): tiles of kVecs vectors,
 // the last one narrower if that is enough.
-template <typename Isa, int kRows, int kVecs, typename T>
-inline void RowBlock(const Operands<T>& o, int i0, int j_end) {
+template <typename Isa, int kRows, int kVecs, typename Ops>
+inline void RowBlock(const Ops& o, int i0, int j_end) {
   static_assert(kVecs >= 1 && kVecs <= 3, "tiles of 1 to 3 vectors");
   constexpr int kW = Isa::kWidth;
   for (int j0 = 0; j0 < j_end; j0 += kVecs * kW) {
@@ -127,6 +128,82 @@ inline void SymmetricTimesTiled(const T* s, int d, const T* x, int m, T* y) {
   int i0 = 0;
   for (; i0 + kRows <= m; i0 += kRows) RowBlock<Isa, kRows, kVecs>(o, i0, d);
   for (; i0 < m; ++i0) RowBlock<Isa, 1, kVecs>(o, i0, d);
+}
+
+// GramLowerBf16's operands: pair rows of bfloat16 values (see gram.h).
+struct PairOperands {
+  const uint32_t* a;
+  int ld;
+  int pairs;
+  float* out;
+};
+
+// The two float values a pair word holds.
+inline float OddValue(uint32_t w) { return __builtin_bit_cast(float, w & 0xffff0000u); }
+inline float EvenValue(uint32_t w) { return __builtin_bit_cast(float, w << 16); }
+
+// Output entries one at a time, in GramLowerBf16's order.
+inline void PairRowsByEntry(const PairOperands& o, int i0, int d) {
+  for (int i = i0; i < d; ++i) {
+    for (int j = 0; j <= i; ++j) {
+      float acc = 0;
+      for (int p = 0; p < o.pairs; ++p) {
+        const uint32_t* row = o.a + static_cast<size_t>(p) * o.ld;
+        acc = Fma(OddValue(row[i]), OddValue(row[j]), acc);
+        acc = Fma(EvenValue(row[i]), EvenValue(row[j]), acc);
+      }
+      o.out[static_cast<size_t>(i) * o.ld + j] = acc;
+    }
+  }
+}
+
+// Isa's pair operations: P holds kWidth pair words (loaded or broadcast),
+// Dot adds both products to acc, the odd row's first.
+template <typename Isa, int kRows, int kVecs>
+inline void Tile(const PairOperands& o, int i0, int j0) {
+  typename Isa::V acc[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = Isa::Zero();
+  const uint32_t* row = o.a;
+  for (int p = 0; p < o.pairs; ++p, row += o.ld) {
+    typename Isa::P w[kVecs];
+    for (int c = 0; c < kVecs; ++c) w[c] = Isa::LoadPairs(row + j0 + c * Isa::kWidth);
+    for (int r = 0; r < kRows; ++r) {
+      const typename Isa::P x = Isa::BcastPair(row + i0 + r);
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = Isa::Dot(x, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c)
+      Isa::Store(o.out + static_cast<size_t>(i0 + r) * o.ld + j0 + c * Isa::kWidth, acc[r][c]);
+}
+
+// Pair operations emulated with float FMAs, for an Isa of float vectors
+// that also provides the integer helpers SplitOdd and SplitEven.
+template <typename Isa>
+struct EmulatedPairs : Isa {
+  struct P {
+    typename Isa::V odd, even;
+  };
+  static P LoadPairs(const uint32_t* p) { return Split(Isa::LoadWords(p)); }
+  static P BcastPair(const uint32_t* p) { return Split(Isa::BcastWord(p)); }
+  static typename Isa::V Dot(const P& x, const P& w, typename Isa::V acc) {
+    return Isa::Fma(x.even, w.even, Isa::Fma(x.odd, w.odd, acc));
+  }
+
+ private:
+  template <typename Words>
+  static P Split(Words w) {
+    return P{Isa::SplitOdd(w), Isa::SplitEven(w)};
+  }
+};
+
+template <typename Isa, int kRows, int kVecs>
+inline void PairGramTiled(const uint32_t* a, int pairs, int d, float* g) {
+  const PairOperands o{a, GramStride(d), pairs, g};
+  int i0 = 0;
+  for (; i0 + kRows <= d; i0 += kRows) RowBlock<Isa, kRows, kVecs>(o, i0, i0 + kRows);
+  PairRowsByEntry(o, i0, d);
 }
 
 // The dot product's fixed order (see GramSchmidtSweep) reduced from its

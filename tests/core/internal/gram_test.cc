@@ -1,6 +1,7 @@
 #include "core/internal/gram.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -226,6 +227,94 @@ TEST(GramSchmidtSweepTest, StopsOnANearlyDependentColumn) {
     std::vector<float> y(x);
     EXPECT_FALSE(GramSchmidtSweep(y.data(), d, m, ld, isa));
   }
+}
+
+
+// bfloat16 bits: zero, or a random sign and mantissa with an exponent in
+// [min_exp, max_exp].
+uint16_t RandomBf16(std::mt19937* rng, int min_exp, int max_exp) {
+  std::uniform_int_distribution<int> exp(min_exp, max_exp), bits(0, 0xff), zero(0, 15);
+  if (zero(*rng) == 0) return 0;
+  const int b = bits(*rng);
+  return static_cast<uint16_t>(((b & 0x80) << 8) | ((127 + exp(*rng)) << 7) | (b & 0x7f));
+}
+
+float Bf16Value(uint16_t h) {
+  const uint32_t u = uint32_t{h} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// GramLowerBf16 on values over its whole allowed range and on values near
+// one: bit-identical on every path (VDPBF16PS where the CPU has it, the
+// AVX-512F and AVX2 emulations, scalar), the documented order of fused
+// multiply-adds, and within float rounding of a float64 reference.
+TEST(GramBf16Test, MatchesReferenceAndIsIdenticalOnEveryPath) {
+  std::mt19937 rng(7);
+  const int shapes[][2] = {{0, 5}, {1, 1}, {3, 7}, {17, 16}, {40, 23}, {476, 128}, {33, 96}, {9, 130}, {64, 200}};
+  for (const int range : {3, 40}) {
+    for (const auto& shape : shapes) {
+      const int n = shape[0], d = shape[1], ld = GramStride(d), pairs = (n + 1) / 2;
+      SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d << " range=2^" << range);
+      std::vector<float> rows(static_cast<size_t>(n) * d);
+      for (float& x : rows) x = Bf16Value(RandomBf16(&rng, -range, range));
+      std::vector<uint32_t> a(static_cast<size_t>(pairs) * ld, 0);
+      for (int t = 0; t < n; ++t) {
+        for (int j = 0; j < d; ++j) {
+          uint32_t bits;
+          std::memcpy(&bits, &rows[static_cast<size_t>(t) * d + j], sizeof(bits));
+          a[static_cast<size_t>(t / 2) * ld + j] |= t % 2 ? bits : bits >> 16;
+        }
+      }
+      std::vector<float> best(static_cast<size_t>(ld) * ld, -1), avx512(best), avx2(best), scalar(best);
+      GramLowerBf16(a.data(), pairs, d, best.data(), GramIsa::kBest);
+      GramLowerBf16(a.data(), pairs, d, avx512.data(), GramIsa::kAvx512);
+      GramLowerBf16(a.data(), pairs, d, avx2.data(), GramIsa::kAvx2);
+      GramLowerBf16(a.data(), pairs, d, scalar.data(), GramIsa::kScalar);
+      auto value = [&](int t, int i) { return t < n ? rows[static_cast<size_t>(t) * d + i] : 0.0f; };
+      for (int i = 0; i < d; ++i) {
+        for (int j = 0; j <= i; ++j) {
+          const size_t at = static_cast<size_t>(i) * ld + j;
+          float order = 0;
+          double ref = 0, abs_sum = 0;
+          for (int p = 0; p < pairs; ++p) {
+            order = std::fma(value(2 * p + 1, i), value(2 * p + 1, j), order);
+            order = std::fma(value(2 * p, i), value(2 * p, j), order);
+          }
+          for (int t = 0; t < n; ++t) {
+            ref += double{value(t, i)} * value(t, j);
+            abs_sum += std::abs(double{value(t, i)} * value(t, j));
+          }
+          const double eps = std::numeric_limits<float>::epsilon();
+          ASSERT_LE(std::abs(best[at] - ref), (n + 1) * eps * abs_sum) << "(" << i << "," << j << ")";
+          ASSERT_EQ(0, std::memcmp(&best[at], &order, sizeof(float))) << "(" << i << "," << j << ")";
+          ASSERT_EQ(0, std::memcmp(&avx512[at], &order, sizeof(float))) << "(" << i << "," << j << ")";
+          ASSERT_EQ(0, std::memcmp(&avx2[at], &order, sizeof(float))) << "(" << i << "," << j << ")";
+          ASSERT_EQ(0, std::memcmp(&scalar[at], &order, sizeof(float))) << "(" << i << "," << j << ")";
+        }
+      }
+    }
+  }
+}
+
+// Where the CPU has AVX512_BF16 the instruction is used: its start-up check
+// against the emulation passed.
+TEST(GramBf16Test, NativeInstructionUsedWhereTheCpuHasIt) {
+#if defined(__x86_64__)
+  const char* off = std::getenv("KVRELAY_DISABLE_AVX512");
+  if (off != nullptr && *off != '\0' && std::strcmp(off, "0") != 0) {
+    EXPECT_FALSE(NativeBf16GramEnabled());
+    return;
+  }
+  if (__builtin_cpu_supports("avx512bf16")) {
+    EXPECT_TRUE(NativeBf16GramEnabled());
+  } else {
+    EXPECT_FALSE(NativeBf16GramEnabled());
+  }
+#else
+  EXPECT_FALSE(NativeBf16GramEnabled());
+#endif
 }
 
 }  // namespace
