@@ -148,9 +148,10 @@ class PaddedRows {
 
 // The rows `idx` of the row-major [*, d] floats `v`, times `scale`, as
 // bfloat16 pairs in a per-thread buffer for GramLowerBf16, when that is
-// exact: every scaled value is a bfloat16 value (BF16 turns). Magnitudes
-// below 2^-40 become zero, as GramLowerBf16 requires; the caller keeps
-// every value at or below one.
+// exact: every scaled value is a bfloat16 value (BF16 turns). Scaled
+// magnitudes below 2^-40 become zero, as GramLowerBf16 requires (the caller
+// scales the largest into [1/2, 1), so these are below 2^-40 of it and
+// count for nothing in a float Gram).
 class PairRows {
  public:
   // Returns false, leaving the buffer unspecified, when some scaled value

@@ -47,16 +47,6 @@ template <> struct Avx2<float> {
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
 };
 
-// EmulatedPairs' integer helpers for GramLowerBf16.
-struct Avx2Words : Avx2<float> {
-  static __m256i LoadWords(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static __m256i BcastWord(const uint32_t* p) { return _mm256_set1_epi32(static_cast<int>(*p)); }
-  static __m256 SplitOdd(__m256i w) {
-    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-  }
-  static __m256 SplitEven(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
-};
-
 struct Avx2SweepOps {
   static float Dot(const float* a, const float* b, int n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
@@ -120,7 +110,7 @@ void SymmetricDispatch(const T* s, int d, const T* x, int m, T* y, GramIsa isa) 
   Entries(SymmetricOperands(s, d, x, y), 0, m, 0, d);
 }
 
-#if defined(KVRELAY_GRAM_AVX2) && defined(KVRELAY_AVX512_KERNELS)
+#if defined(KVRELAY_GRAM_AVX2) && defined(KVRELAY_AVX512_KERNELS) && defined(KVRELAY_AVX512BF16_KERNEL)
 // VDPBF16PS against the AVX-512F emulation on pair rows whose values span
 // the whole range GramLowerBf16 allows, with cancelling signs.
 bool NativeMatchesEmulation() {
@@ -151,7 +141,7 @@ bool NativeMatchesEmulation() {
 }  // namespace
 
 bool NativeBf16GramEnabled() {
-#if defined(KVRELAY_GRAM_AVX2) && defined(KVRELAY_AVX512_KERNELS)
+#if defined(KVRELAY_GRAM_AVX2) && defined(KVRELAY_AVX512_KERNELS) && defined(KVRELAY_AVX512BF16_KERNEL)
   static const bool use = Avx512Enabled() && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512bf16") && NativeMatchesEmulation();
   return use;
@@ -163,10 +153,31 @@ bool NativeBf16GramEnabled() {
 void GramLowerBf16(const uint32_t* a, int pairs, int d, float* g, GramIsa isa) {
 #if defined(KVRELAY_GRAM_AVX2)
 #if defined(KVRELAY_AVX512_KERNELS)
+#if defined(KVRELAY_AVX512BF16_KERNEL)
   if (isa == GramIsa::kBest && NativeBf16GramEnabled()) return GramBf16Native(a, pairs, d, g);
+#endif
   if (isa != GramIsa::kAvx2 && isa != GramIsa::kScalar && Avx512Enabled()) return GramBf16Avx512(a, pairs, d, g);
 #endif
-  if (isa != GramIsa::kScalar) return PairGramTiled<EmulatedPairs<Avx2Words>, 4, 2>(a, pairs, d, g);
+  if (isa != GramIsa::kScalar) {
+    // Splitting each word in the kernel costs AVX2 more than it saves: the
+    // float Gram over the rows in the order odd, even (2p+1, 2p, ...) does
+    // the same fused multiply-adds in the same order.
+    thread_local std::vector<float> rows;
+    const int ld = GramStride(d);
+    rows.resize(static_cast<size_t>(2 * pairs) * ld);
+    for (int p = 0; p < pairs; ++p) {
+      const uint32_t* in = a + static_cast<size_t>(p) * ld;
+      float* odd = rows.data() + static_cast<size_t>(2 * p) * ld;
+      float* even = odd + ld;
+      for (int j = 0; j < ld; ++j) {
+        odd[j] = OddValue(in[j]);
+        even[j] = EvenValue(in[j]);
+      }
+    }
+    GramTiled<Avx2<float>, 4, 3>(rows.data(), rows.data(), 2 * pairs, d, g);
+    if (rows.capacity() * sizeof(float) > (size_t{16} << 20)) std::vector<float>().swap(rows);
+    return;
+  }
 #endif
   PairRowsByEntry(PairOperands{a, GramStride(d), pairs, g}, 0, d);
 }

@@ -50,12 +50,15 @@ void GramLower(const float* a, int n, int d, float* g, GramIsa isa = GramIsa::kB
 // Thread-safe. REQUIRES: pairs >= 0, d >= 0; every value is zero or has a
 // magnitude in [2^-40, 2^40]. (Every partial sum is then a multiple of
 // 2^-94: never subnormal, so VDPBF16PS's flushing of subnormal inputs and
-// results cannot apply, and all paths agree bit for bit.)
+// results cannot apply, and all paths agree bit for bit.) The floating-point
+// rounding mode is the default, round to nearest even: VDPBF16PS ignores
+// the mode, the other paths follow it.
 void GramLowerBf16(const uint32_t* a, int pairs, int d, float* g, GramIsa isa = GramIsa::kBest);
 
 // True when GramLowerBf16 with kBest uses VDPBF16PS: Avx512Enabled(), the
 // CPU has AVX512_BF16, and a check at first use found the instruction to
-// round exactly as the fused multiply-adds above. Thread-safe.
+// round exactly as the fused multiply-adds above (in the default rounding
+// mode, as GramLowerBf16 requires). Thread-safe.
 bool NativeBf16GramEnabled();
 
 // Computes the lower triangle of a^T b, as GramLower does that of a^T a
