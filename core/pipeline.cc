@@ -10,6 +10,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/internal/cpu.h"
+#include "core/internal/gram.h"
 #include "core/status_macros.h"
 
 namespace kvrelay {
@@ -469,6 +471,21 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
     msg.layers.push_back(std::move(w.out));
   }
   return msg;
+}
+
+std::string KernelSummary() {
+#if defined(__AVX2__) && defined(__FMA__)
+  std::string out = internal::Avx512Enabled() ? "avx512" : "avx2";
+#else
+  std::string out = "scalar";
+#endif
+  if (internal::NativeBf16GramEnabled()) out += "+bf16-dot";
+#if defined(__SSE4_2__)
+  out += internal::Avx512ClmulEnabled() ? "+crc32c-vpclmulqdq" : "+crc32c-sse4.2";
+#else
+  out += "+crc32c-table";
+#endif
+  return out;
 }
 
 }  // namespace kvrelay

@@ -132,6 +132,14 @@ class Pipeline {
 // history, prompt and generated token, plus 4 bytes per position id.
 uint64_t FullLayerBytes(const TurnGeometry& geo);
 
+// Which instruction sets the compression and checksum kernels use in this
+// process, for logs: the OBF kernels ("avx512", "avx2" or "scalar"), then
+// "bf16-dot" where the bfloat16 Gram uses AVX512_BF16, then the CRC32C
+// path ("crc32c-vpclmulqdq", "crc32c-sse4.2" or "crc32c-table"), joined by
+// "+", e.g. "avx512+bf16-dot+crc32c-vpclmulqdq". Results are bit-identical
+// whichever is used. Thread-safe.
+std::string KernelSummary();
+
 }  // namespace kvrelay
 
 #endif  // KVRELAY_CORE_PIPELINE_H_

@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "core/pipeline.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -61,9 +62,9 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   }
   s->server_->GetHealthCheckService()->SetServingStatus(true);
   s->server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", true);
-  spdlog::info("kvrelay-server serving grpc={} metrics={} workers={} default_policy={}", s->grpc_address(),
-               s->exposer_ ? absl::StrCat(s->metrics_host_, ":", s->metrics_port_) : "off",
-               config.worker_threads, config.default_policy);
+  spdlog::info("kvrelay-server serving grpc={} metrics={} workers={} default_policy={} kernels={}",
+               s->grpc_address(), s->exposer_ ? absl::StrCat(s->metrics_host_, ":", s->metrics_port_) : "off",
+               config.worker_threads, config.default_policy, KernelSummary());
   return s;
 }
 

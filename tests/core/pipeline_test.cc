@@ -1,7 +1,9 @@
 #include "core/pipeline.h"
 
+#include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -291,6 +293,27 @@ TEST(PipelineTest, RejectsInvalidTurnsAndOptions) {
   m = (*Pipeline::Create("h2o-head+int4:rotate=hadamard"))->Compress(turn);
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(m.status().message()), HasSubstr("rotate"));
+}
+
+// The kernel summary names one OBF path, then the bfloat16 dot product if
+// used, then one CRC32C path; with KVRELAY_DISABLE_AVX512 set it names no
+// AVX-512 kernel.
+TEST(PipelineTest, KernelSummaryNamesThePathsInUse) {
+  const std::string k = KernelSummary();
+  const std::vector<std::string> parts = absl::StrSplit(k, '+');
+  ASSERT_GE(parts.size(), 2u) << k;
+  EXPECT_TRUE(parts[0] == "avx512" || parts[0] == "avx2" || parts[0] == "scalar") << k;
+  EXPECT_EQ(parts.back().rfind("crc32c-", 0), 0u) << k;
+  if (parts.size() == 3) {
+    EXPECT_EQ(parts[1], "bf16-dot") << k;
+  }
+  EXPECT_LE(parts.size(), 3u) << k;
+  const char* off = std::getenv("KVRELAY_DISABLE_AVX512");
+  if (off != nullptr && *off != '\0' && std::string(off) != "0") {
+    EXPECT_EQ(k.find("avx512"), std::string::npos) << k;
+    EXPECT_EQ(k.find("bf16"), std::string::npos) << k;
+    EXPECT_EQ(k.find("vpclmulqdq"), std::string::npos) << k;
+  }
 }
 
 }  // namespace
