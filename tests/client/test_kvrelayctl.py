@@ -324,9 +324,16 @@ class CliTest(unittest.TestCase):
             has_avx512 = " avx512f" in f.read()
         if not has_avx512:
             print("note: no AVX-512 on this CPU; both runs take the AVX2 path", file=sys.stderr)
-        turn = self.path("isa_turn.safetensors")
-        self.run_ok(["make-turn", "--out", turn, "--layers", "2", "--kv-heads", "2", "--head-dim", "72",
-                     "--prompt", "150", "--gen", "5", "--seed", "21", "--dtype", "F32"])
+        # BF16 turns take the fast path's bfloat16 Gram (VDPBF16PS where the
+        # CPU has AVX512_BF16), F32 turns the float one. 151 prompt tokens:
+        # an odd number of deleted rows for h2o-head.
+        for dtype in ["F32", "BF16"]:
+            turn = self.path("isa_turn_%s.safetensors" % dtype)
+            self.run_ok(["make-turn", "--out", turn, "--layers", "2", "--kv-heads", "2", "--head-dim", "72",
+                         "--prompt", "151", "--gen", "5", "--seed", "21", "--dtype", dtype])
+            self.check_isa_paths_agree(turn)
+
+    def check_isa_paths_agree(self, turn):
         for policy in ["h2o-head:k=16+obf:p=4", "h2o-head:k=16+obf:p=4,mode=fast",
                        "h2o-layer:k=40+obf:p=6,mode=fast,iters=3"]:
             outs = []
@@ -341,7 +348,7 @@ class CliTest(unittest.TestCase):
                 self.assertEqual(p.returncode, 0, p.stderr)
                 with open(out, "rb") as f:
                     outs.append(hashlib.sha256(f.read()).hexdigest())
-            self.assertEqual(outs[0], outs[1], "%s: AVX-512 and AVX2 messages differ" % policy)
+            self.assertEqual(outs[0], outs[1], "%s, %s: AVX-512 and AVX2 messages differ" % (turn, policy))
 
     def test_compressed_message_and_inspect(self):
         out = self.path("h2o.safetensors")
