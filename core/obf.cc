@@ -592,8 +592,8 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   Eigen::MatrixXf keep_t(d, n_keep);
   for (int i = 0; i < n_keep; ++i) keep_t.col(i) = vm.row(kept[i]).transpose() * to_unit;
   // The deleted rows for the Gram: bfloat16 pairs where exact (half the
-  // multiply instructions on CPUs with AVX512_BF16), else padded floats;
-  // per-thread buffers (see ExactObf).
+  // multiply instructions on CPUs with AVX512_BF16; same speed as floats
+  // elsewhere), else padded floats; per-thread buffers (see ExactObf).
   PairRows pair_rows;
   std::optional<PaddedRows<float>> del_rows;
   if (!pair_rows.Pack(v.data(), d, split.del, to_unit)) del_rows.emplace(v.data(), d, split.del, to_unit);
