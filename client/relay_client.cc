@@ -7,17 +7,20 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/internal/chunking.h"
 #include "core/crc32c.h"
 #include "core/status_macros.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/slice.h"
 #include "grpcpp/support/sync_stream.h"
 #include "proto/raw_chunk.h"
@@ -31,6 +34,13 @@ using client_internal::TensorRef;
 using client_internal::TrailerBuilder;
 
 namespace {
+
+// `s` naming the message id a failed publish used (see Publish).
+absl::Status WithMessageId(const absl::Status& s, const std::string& id) {
+  absl::Status out(s.code(), absl::StrCat(s.message(), " (message_id ", id, ")"));
+  out.SetPayload(kMessageIdPayload, absl::Cord(id));
+  return out;
+}
 
 void SetDeadline(grpc::ClientContext* ctx, std::chrono::milliseconds d) {
   ctx->set_deadline(std::chrono::system_clock::now() + d);
@@ -269,8 +279,14 @@ RelayClient::RelayClient(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)), stub_(v1::Relay::NewStub(channel_)) {}
 
 std::unique_ptr<RelayClient> RelayClient::Connect(const std::string& addr) {
+  grpc::ChannelArguments args;
+  // gRPC's default reconnect backoff (1 s, growing x1.6 to 120 s) outlasts
+  // the publish retries' own backoff: a relay back after a restart would not
+  // be tried again in time.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   return std::make_unique<RelayClient>(
-      grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+      grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args));
 }
 
 std::string RelayClient::NewMessageId() {
@@ -332,8 +348,13 @@ absl::StatusOr<PublishResult> RelayClient::PublishImpl(const Turn& turn, std::sh
     const absl::StatusCode code = r.status().code();
     const bool retryable =
         code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kAborted;
-    if (!retryable || attempt > opts.retries) return r.status();
+    if (!retryable || attempt > opts.retries) return WithMessageId(r.status(), header.message_id());
     std::this_thread::sleep_for(backoff);
+    // A channel whose connection failed waits out its reconnect backoff
+    // before trying again, and until then fails every call at once: try now,
+    // and give the relay up to another backoff to accept the connection.
+    grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
+    channel_->WaitForConnected(std::chrono::system_clock::now() + backoff);
     backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::seconds(2));
   }
 }

@@ -128,6 +128,10 @@ struct RelayStats {
   std::string version;
 };
 
+// The absl::Status payload type URL under which a failed Publish reports
+// the message id it used.
+inline constexpr char kMessageIdPayload[] = "type.googleapis.com/kvrelay.v1.MessageId";
+
 // grpc.health.v1 serving status.
 enum class HealthStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
 const char* HealthStatusName(HealthStatus s);
@@ -145,7 +149,11 @@ class RelayClient {
   // message id and accounting. INVALID_ARGUMENT without contacting the relay
   // when the options are incomplete or the turn is inconsistent in itself
   // (turn values are not scanned for NaN/Inf here; the relay does that).
-  // The tensor bytes are copied once, into gRPC's buffers.
+  // Any other error names the message id the publish used (generated when
+  // opts.message_id is empty): its message ends "(message_id ID)" and the
+  // payload kMessageIdPayload holds ID, so that the caller can retry with
+  // that id; the relay may have committed it (e.g. DEADLINE_EXCEEDED after
+  // the upload). The tensor bytes are copied once, into gRPC's buffers.
   [[nodiscard]] absl::StatusOr<PublishResult> Publish(const Turn& turn,
                                                       const PublishOptions& opts);
   // The same, without copying the tensor bytes: gRPC sends them from `turn`

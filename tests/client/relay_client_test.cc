@@ -11,6 +11,8 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
 #include "client/internal/chunking.h"
 #include "core/crc32c.h"
 #include "core/format/synthetic.h"
@@ -358,6 +360,64 @@ TEST_F(RelayClientTest, RetriesAreBounded) {
   absl::StatusOr<PublishResult> r = client_->Publish(turn_, opts_);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(relay_.publish_calls.load(), 3);
+  // The error names the generated id, so that the caller can retry with it.
+  const auto id = r.status().GetPayload(kMessageIdPayload);
+  ASSERT_TRUE(id.has_value()) << r.status();
+  EXPECT_EQ(std::string(*id).rfind("m-", 0), 0u) << *id;
+  EXPECT_NE(r.status().message().find(absl::StrCat("(message_id ", std::string(*id), ")")), absl::string_view::npos)
+      << r.status();
+  opts_.message_id = "chosen";
+  r = client_->Publish(turn_, opts_);
+  ASSERT_TRUE(r.status().GetPayload(kMessageIdPayload).has_value());
+  EXPECT_EQ(std::string(*r.status().GetPayload(kMessageIdPayload)), "chosen");
+}
+
+// A relay that starts listening shortly after a publish began (a restart) is
+// reached by the retries: the channel tries to reconnect at each retry
+// instead of waiting out gRPC's own reconnect backoff (1 s and growing).
+TEST(RelayClientRestart, RetriesReachARelayThatComesBack) {
+  int port = 0;
+  {
+    FakeRelay idle;
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&idle);
+    std::unique_ptr<grpc::Server> probe = b.BuildAndStart();
+    ASSERT_TRUE(probe != nullptr);
+    probe->Shutdown();
+  }
+  const std::string addr = absl::StrCat("127.0.0.1:", port);
+  auto client = RelayClient::Connect(addr);
+  SyntheticTurnOptions o;
+  o.layers = 1;
+  o.kv_heads = 1;
+  o.score_heads = 1;
+  o.head_dim = 16;
+  o.n_prompt = 32;
+  o.n_gen = 2;
+  const Turn turn = *MakeSyntheticTurn(o);
+  PublishOptions opts;
+  opts.session = "s";
+  opts.sender = "a";
+  opts.recipients = {"b"};
+  opts.retries = 3;  // backoff 0.1, 0.2, 0.4 s
+  FakeRelay relay;
+  std::unique_ptr<grpc::Server> server;
+  std::thread later([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    grpc::ServerBuilder b;
+    b.AddListeningPort(addr, grpc::InsecureServerCredentials());
+    b.RegisterService(&relay);
+    server = b.BuildAndStart();
+  });
+  absl::StatusOr<PublishResult> r = client->Publish(turn, opts);
+  later.join();
+  ASSERT_TRUE(server != nullptr);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (r.ok()) {
+    EXPECT_GE(r->attempts, 2);
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
 TEST_F(RelayClientTest, NoRetryOnOtherErrors) {

@@ -18,11 +18,12 @@ from kvrelay._crc32c import crc32c, crc32c_combine  # noqa: E402
 from kvrelay.types import (Accounting, Message, MessageLayer, PublishResult,  # noqa: E402
                            QuantizedLayer, Stats, Turn, TurnLayer, bf16_to_f32,
                            dequantize_layer, f32_to_bf16, hadamard_f32)
-from kvrelay.client import MAX_CHUNK_BYTES, Client, RelayError, new_message_id  # noqa: E402
+from kvrelay.client import (MAX_CHUNK_BYTES, Client, PublishError, RelayError,  # noqa: E402
+                            new_message_id)
 from kvrelay import safetensors  # noqa: E402
 
 __all__ = [
-    "Client", "RelayError", "Turn", "TurnLayer", "Message", "MessageLayer", "QuantizedLayer",
+    "Client", "RelayError", "PublishError", "Turn", "TurnLayer", "Message", "MessageLayer", "QuantizedLayer",
     "Accounting", "PublishResult", "Stats", "MAX_CHUNK_BYTES", "new_message_id",
     "crc32c", "crc32c_combine", "f32_to_bf16", "bf16_to_f32", "dequantize_layer",
     "hadamard_f32", "safetensors",

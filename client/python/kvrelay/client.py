@@ -10,6 +10,9 @@ publish carries a message id (the idempotency key; generated when none is
 given): a retry of a publish the relay already committed is answered with
 duplicate=True, which is a success. Nothing else retries: fetch delivers at
 least once anyway, and an ack may have taken effect before its reply was lost.
+A publish that fails raises PublishError (a grpc.RpcError) naming the message
+id it used, so that the caller can retry with that id: after e.g.
+DEADLINE_EXCEEDED the relay may have committed it.
 """
 import re
 import secrets
@@ -34,7 +37,7 @@ except ImportError as e:  # pragma: no cover
         "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin kvrelay/v1/relay.proto` "
         "and add OUT to PYTHONPATH") from e
 
-__all__ = ["Client", "RelayError", "MAX_CHUNK_BYTES", "new_message_id"]
+__all__ = ["Client", "RelayError", "PublishError", "MAX_CHUNK_BYTES", "new_message_id"]
 
 MAX_CHUNK_BYTES = 1 << 20  # relay.proto: at most 1 MiB of tensor bytes per chunk
 _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")
@@ -60,6 +63,30 @@ class RelayError(grpc.RpcError):
 
     def details(self):
         return self._details
+
+
+class PublishError(grpc.RpcError):
+    """A failed publish: the relay's (or this client's) status, and the
+    message id the publish used (message_id), to retry with."""
+
+    def __init__(self, cause, message_id):
+        code = cause.code() if callable(getattr(cause, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = cause.details() if callable(getattr(cause, "details", None)) else str(cause)
+        super().__init__(f"{code.name}: {details} (message_id {message_id})")
+        self._code, self._details, self.message_id = code, details, message_id
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+# gRPC's default reconnect backoff (1 s, growing x1.6 to 120 s) outlasts the
+# publish retries' own backoff: a relay back after a restart would not be
+# tried again in time. Options given to Client come after these and win.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def new_message_id():
@@ -305,7 +332,7 @@ class Client:
 
     def __init__(self, addr, channel=None, options=None):
         self._channel = channel if channel is not None else grpc.insecure_channel(
-            addr, options=options or [])
+            addr, options=_CHANNEL_OPTIONS + list(options or []))
         self._stub = pb_grpc.RelayStub(self._channel)
 
     def close(self):
@@ -326,7 +353,9 @@ class Client:
         policy: pipeline spec ("" = the relay's default for `role`);
         parent_id: history by reference (the turn must then carry no history);
         timeout: seconds per attempt. A re-publish of a committed message_id
-        returns the original accounting with duplicate=True."""
+        returns the original accounting with duplicate=True. Raises
+        PublishError (with .message_id) when the publish fails; ValueError
+        for arguments that cannot be sent."""
         if not isinstance(turn, Turn):
             raise ValueError("turn: expected a kvrelay.Turn")
         _check_id("session", session)
@@ -366,8 +395,15 @@ class Client:
                 code = e.code() if callable(getattr(e, "code", None)) else None
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED) \
                         or attempt > retries:
-                    raise
+                    raise PublishError(e, header.message_id) from e
             time.sleep(backoff)
+            # Give a relay that is coming back up to another backoff to
+            # accept the connection, instead of failing the retry at once.
+            ready = grpc.channel_ready_future(self._channel)
+            try:
+                ready.result(timeout=backoff)
+            except grpc.FutureTimeoutError:
+                ready.cancel()
             backoff = min(backoff * 2, 2.0)
             attempt += 1
 

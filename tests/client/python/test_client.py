@@ -17,9 +17,11 @@ always stopped.
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
@@ -376,7 +378,38 @@ class RelayTest(unittest.TestCase):
                            initial_backoff=0.01)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
         self.assertEqual(len(calls), 1)
+        # A failed publish names the id it used (generated here), to retry with.
+        self.assertIsInstance(cm.exception, kvrelay.PublishError)
+        self.assertRegex(cm.exception.message_id, r"^m-[0-9a-f]{24}$")
+        self.assertIn(f"(message_id {cm.exception.message_id})", str(cm.exception))
+        with self.assertRaises(kvrelay.PublishError) as cm:
+            self.c.publish(make_turn(501), "retry", "planner", ["critic"], policy="bogus",
+                           message_id="chosen")
+        self.assertEqual((cm.exception.code(), cm.exception.message_id),
+                         (grpc.StatusCode.INVALID_ARGUMENT, "chosen"))
         self.c.close_session("retry")
+
+    def test_publish_retries_reach_a_relay_that_comes_back(self):
+        # The relay starts listening 0.3 s after the publish began (a
+        # restart): the retries (0.1, 0.2, 0.4 s) reach it, instead of
+        # failing on the channel's cached connect error until gRPC's own
+        # reconnect backoff (1 s, growing) runs out.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            addr = "127.0.0.1:%d" % s.getsockname()[1]
+        late = []
+        starter = threading.Timer(0.3, lambda: late.append(
+            Server(ARGS.server, args=["--listen", addr, "--metrics-listen", "off"])))
+        c = kvrelay.Client(addr)
+        try:
+            starter.start()
+            r = c.publish(make_turn(502), "back", "planner", ["critic"], policy="full", retries=3)
+            self.assertGreaterEqual(r.attempts, 2)
+        finally:
+            starter.join()
+            c.close()
+            for srv in late:
+                srv.stop()
 
     def test_health_and_stats(self):
         self.assertEqual(self.c.health(), "SERVING")
