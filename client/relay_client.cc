@@ -328,6 +328,9 @@ absl::StatusOr<PublishResult> RelayClient::PublishImpl(const Turn& turn, std::sh
         "geometry.n_history: ", geometry.n_history(),
         ", expected 0 with a parent (the relay supplies the history of parent_id)"));
   }
+  // With a parent the turn continues a chain: it is never the first agent's
+  // (the relay requires first_agent = false then).
+  if (!opts.parent_id.empty()) geometry.set_first_agent(false);
   v1::PublishHeader header;
   header.set_session_id(opts.session);
   header.set_message_id(opts.message_id.empty() ? NewMessageId() : opts.message_id);

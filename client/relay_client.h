@@ -73,7 +73,9 @@ struct PublishOptions {
   std::vector<std::string> recipients;  // >= 1
   std::string role;                     // optional
   std::string policy;                   // empty: the relay's default for the role
-  std::string parent_id;  // history by reference; REQUIRES a turn without history
+  // History by reference; REQUIRES a turn without history. The turn is then
+  // sent with first_agent = false, whatever turn.first_agent says.
+  std::string parent_id;
   // Deadline of each attempt, from its start.
   std::chrono::milliseconds deadline{std::chrono::minutes(2)};
   int retries = 3;  // extra attempts on UNAVAILABLE / ABORTED

@@ -365,7 +365,8 @@ class RelayClient {
   /**
    * Uploads `turn` (see planUpload) for `recipients`. `policy` is a pipeline
    * spec ('' = the relay's default for `role`); `parentId` passes history by
-   * reference (the turn then carries none). `messageId` is the idempotency
+   * reference (the turn then carries none and is sent with firstAgent =
+   * false, whatever it says). `messageId` is the idempotency
    * key (default: newMessageId()). Resolves to
    * { messageId, duplicate, accounting }. Rejects with an error that carries
    * `messageId`: retry with that id (never a fresh one) when the outcome is
@@ -392,6 +393,8 @@ class RelayClient {
     }
     recipients.forEach((r, i) => checkId(`recipients[${i}]`, r));
     const { geometry, tensors } = planUpload(turn);
+    // With a parent the turn continues a chain: never the first agent's.
+    if (parentId) geometry.firstAgent = false;
     const header = { sessionId, messageId, sender, recipients, role, policy, parentId, geometry };
     const reply = await this.#clientStream('Publish', { header }, tensors, timeoutMs);
     return { messageId: reply.messageId, duplicate: reply.duplicate, accounting: reply.accounting };

@@ -158,6 +158,14 @@ def test_chain_with_parent(ctl, turn, turn2):
         ok = rb1 == rb2 and all(b2[h * s2[1] * rb2:h * s2[1] * rb2 + n1 * rb2] == b1[h * s1[1] * rb1:(h + 1) * s1[1] * rb1]
                                 for h in range(H))
         check(ok, f"chain: layer.0.{part} starts with the parent's tokens")
+    # A turn file that says first_agent=true (make-turn's default) published
+    # with a parent is sent as a later agent's turn: no anchors of its own.
+    r3 = ctl.ok("publish", "--session", "chain", "--from", "refiner", "--to", "judger",
+                "--policy", "h2o-head:k=16", "--parent", r2.get("message_id", "x"), "--in", turn)
+    ctl.ok("fetch", "--session", "chain", "--agent", "judger", "--out", ctl.path("c3"))
+    m3, _ = read_st(ctl.path("c3"))
+    check(bool(r3.get("message_id")) and m3.get("n_anchor") == "0",
+          f"chain: first_agent file with --parent: {m3.get('n_anchor')} anchors")
     # A parent that was not delivered to the sender: FAILED_PRECONDITION.
     rc, _, err = ctl.run("publish", "--session", "chain", "--from", "judger", "--to", "x",
                          "--parent", r1.get("message_id", "x"), "--in", turn2)

@@ -150,7 +150,7 @@ type PublishOptions struct {
 	Recipients []string // 1..64 distinct agents
 	Role       string   // optional; selects the relay's default policy
 	Policy     string   // pipeline spec; empty: the role's default
-	ParentID   string   // history by reference; the turn then carries none
+	ParentID   string   // history by reference; the turn then carries none and is sent with FirstAgent false
 }
 
 // PublishResult is the relay's answer to a publish.
@@ -199,6 +199,9 @@ func (c *Client) Publish(ctx context.Context, turn *Turn, o PublishOptions) (*Pu
 	geometry, tensors, err := planUpload(turn)
 	if err != nil {
 		return fail(err)
+	}
+	if o.ParentID != "" {
+		geometry.FirstAgent = false // continues a chain: never the first agent's turn
 	}
 	r, err := c.publish(ctx, &pb.PublishHeader{
 		SessionId: o.SessionID, MessageId: o.MessageID, Sender: o.Sender, Recipients: o.Recipients,

@@ -27,7 +27,10 @@ type Turn struct {
 	NPrompt    int
 	NGen       int
 	NHistory   int
-	FirstAgent bool   // keeps the anchors (attention sinks)
+	// FirstAgent: the turn opens the chain and keeps its anchors (attention
+	// sinks). Set it for a first agent's turn: unlike the other clients'
+	// (and ReadTurnFile's) default of true, Go's zero value is false.
+	FirstAgent bool
 	PromptPos0 *int64 // position id of the first prompt token; nil: NHistory
 	Layers     []TurnLayer
 }

@@ -351,7 +351,8 @@ class Client:
         """Uploads `turn` for `recipients`; returns a PublishResult.
 
         policy: pipeline spec ("" = the relay's default for `role`);
-        parent_id: history by reference (the turn must then carry no history);
+        parent_id: history by reference (the turn must then carry no history;
+        it is sent with first_agent=False, whatever turn.first_agent says);
         timeout: seconds per attempt. A re-publish of a committed message_id
         returns the original accounting with duplicate=True. Raises
         PublishError (with .message_id) when the publish fails; ValueError
@@ -372,6 +373,8 @@ class Client:
         if retries < 0:
             raise ValueError("retries: negative, expected >= 0")
         geometry = _geometry(turn)
+        if parent_id:  # continues a chain: never the first agent's turn
+            geometry.first_agent = False
         if parent_id and geometry.n_history > 0:
             raise ValueError(f"geometry.n_history: {geometry.n_history}, expected 0 with a "
                              "parent (the relay supplies the history of parent_id)")

@@ -316,7 +316,10 @@ class RelayTest(unittest.TestCase):
         r1 = self.c.publish(t1, sess, "planner", ["critic"], policy="full")
         m1 = self.c.fetch(sess, "critic", timeout=5)
         self.c.ack(sess, "critic", m1.message_id)
-        t2 = make_turn(301, "BF16", first_agent=False, n_prompt=30, n_gen=5)
+        # first_agent=True (the default): with a parent the client sends
+        # False, so the turn keeps no anchors of its own.
+        t2 = make_turn(301, "BF16", n_prompt=30, n_gen=5)
+        self.assertTrue(t2.first_agent)
         r2 = self.c.publish(t2, sess, "critic", ["refiner"], policy="h2o-head:k=8",
                             parent_id=r1.message_id)
         m2 = self.c.fetch(sess, "refiner", timeout=5)
