@@ -537,6 +537,9 @@ absl::StatusOr<HealthStatus> RelayClient::Health(const std::string& service,
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return done; });
   }
+  // The health protocol answers Check for a service it does not know with
+  // NOT_FOUND (SERVICE_UNKNOWN is Watch's).
+  if (status.error_code() == grpc::StatusCode::NOT_FOUND) return HealthStatus::kServiceUnknown;
   KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(status));
   std::vector<grpc::Slice> slices;
   std::string bytes;

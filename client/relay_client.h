@@ -189,7 +189,9 @@ class RelayClient {
       std::chrono::milliseconds deadline = std::chrono::minutes(2),
       const ProgressCallback& progress = nullptr);
 
-  // grpc.health.v1.Health/Check for `service` ("" = the whole server).
+  // grpc.health.v1.Health/Check for `service` ("" = the whole server;
+  // "kvrelay.v1.Relay" = the relay service). kServiceUnknown for a service
+  // the server does not know (the protocol's NOT_FOUND).
   [[nodiscard]] absl::StatusOr<HealthStatus> Health(
       const std::string& service = "",
       std::chrono::milliseconds deadline = std::chrono::seconds(5));

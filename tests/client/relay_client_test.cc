@@ -467,7 +467,10 @@ TEST_F(RelayClientTest, HealthAndStats) {
   EXPECT_EQ(*h, HealthStatus::kServing);
   server_->GetHealthCheckService()->SetServingStatus(false);
   EXPECT_EQ(*client_->Health(), HealthStatus::kNotServing);
-  EXPECT_EQ(client_->Health("no.such.Service").status().code(), absl::StatusCode::kNotFound);
+  // Check answers NOT_FOUND for an unknown service: reported as such.
+  absl::StatusOr<HealthStatus> unknown = client_->Health("no.such.Service");
+  ASSERT_TRUE(unknown.ok()) << unknown.status();
+  EXPECT_EQ(*unknown, HealthStatus::kServiceUnknown);
   absl::StatusOr<RelayStats> s = client_->Stats();
   ASSERT_TRUE(s.ok());
   EXPECT_EQ(s->version, "fake");

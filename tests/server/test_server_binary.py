@@ -246,6 +246,8 @@ def test_ready_and_health(ctl, server):
     rc, out, err = ctl.run("health", "--service", "kvrelay.v1.Relay", "--timeout", "5",
                            addr=server.addr)
     check(rc == 0 and out.strip() == "SERVING", f"health kvrelay.v1.Relay: rc={rc} {out!r} {err!r}")
+    rc, out, err = ctl.run("health", "--service", "no.such.Service", "--timeout", "5", addr=server.addr)
+    check(rc == 1 and out.strip() == "SERVICE_UNKNOWN", f"health no.such.Service: rc={rc} {out!r} {err!r}")
     # The probe built into the server binary (the Dockerfile's HEALTHCHECK).
     rc, out, err = run([server.binary, "health", "--addr", server.addr, "--timeout", "5"], timeout=20)
     check(rc == 0 and out.strip() == "SERVING", f"kvrelay-server health: rc={rc} {out!r} {err!r}")

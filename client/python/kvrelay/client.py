@@ -468,7 +468,13 @@ class Client:
         check = self._channel.unary_unary("/grpc.health.v1.Health/Check",
                                           request_serializer=lambda b: b,
                                           response_deserializer=lambda b: b)
-        status = _health_status(check(req, timeout=timeout))
+        try:
+            status = _health_status(check(req, timeout=timeout))
+        except grpc.RpcError as e:
+            # Check answers NOT_FOUND for a service the server does not know.
+            if callable(getattr(e, "code", None)) and e.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            raise
         return {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(
             status, "UNKNOWN")
 

@@ -416,6 +416,8 @@ class RelayTest(unittest.TestCase):
 
     def test_health_and_stats(self):
         self.assertEqual(self.c.health(), "SERVING")
+        self.assertEqual(self.c.health("kvrelay.v1.Relay"), "SERVING")
+        self.assertEqual(self.c.health("no.such.Service"), "SERVICE_UNKNOWN")
         s = self.c.stats()
         self.assertTrue(s.version)
         self.assertGreaterEqual(s.full_bytes, s.sent_bytes)
