@@ -71,6 +71,9 @@ function checkId(field, value, { required = true } = {}) {
 }
 
 function deadlineAfter(timeoutMs) {
+  if (typeof timeoutMs !== 'number' || !Number.isFinite(timeoutMs) || timeoutMs <= 0) {
+    throw invalid(`timeoutMs: ${JSON.stringify(timeoutMs)}, expected a positive number of milliseconds`);
+  }
   return new Date(Date.now() + timeoutMs);
 }
 
@@ -115,9 +118,13 @@ const HISTORY_PARTS = [
  * nGen, nHistory (0), firstAgent (true), promptPos0 (optional),
  * layers: [{ promptK, promptV, genK, genV, promptScore[, historyK, historyV,
  * historyPos] }] } with every tensor as little-endian bytes (Uint8Array or
- * Buffer; BF16 as its 16-bit patterns, scores F32, positions I32).
+ * Buffer, or another typed array or DataView, taken as its bytes; BF16 as its
+ * 16-bit patterns, scores F32, positions I32).
  */
 function planUpload(turn) {
+  if (turn === null || typeof turn !== 'object') {
+    throw invalid(`turn: ${turn === null ? 'null' : typeof turn}, expected an object (see planUpload)`);
+  }
   const kv = { F32: 4, F16: 2, BF16: 2 }[turn.dtype];
   if (!kv) throw invalid(`turn.dtype: ${JSON.stringify(turn.dtype)}, expected F32, F16 or BF16`);
   if (!Array.isArray(turn.layers) || turn.layers.length === 0) {
@@ -130,12 +137,18 @@ function planUpload(turn) {
   const parts = g.nHistory > 0 ? UPLOAD_PARTS.concat(HISTORY_PARTS) : UPLOAD_PARTS;
   const tensors = [];
   turn.layers.forEach((layer, l) => {
+    if (layer === null || typeof layer !== 'object') {
+      throw invalid(`turn.layers[${l}]: ${layer === null ? 'null' : typeof layer}, expected an object of tensors`);
+    }
     for (const [part, field, name, bytes] of parts) {
-      const data = layer[field];
+      let data = layer[field];
+      if (ArrayBuffer.isView(data) && !(data instanceof Uint8Array)) {
+        data = new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
+      }
       const want = bytes(g, kv);
       if (!(data instanceof Uint8Array) || data.length !== want) {
-        throw invalid(`layer.${l}.${name}: ${data instanceof Uint8Array ? data.length + ' bytes' : 'missing'}, ` +
-                      `expected ${want} bytes (a Uint8Array)`);
+        const got = data instanceof Uint8Array ? `${data.length} bytes` : data === undefined ? 'missing' : typeof data;
+        throw invalid(`layer.${l}.${name}: ${got}, expected ${want} bytes (a Uint8Array or typed array)`);
       }
       tensors.push({ layer: l, part, data });
     }
@@ -388,6 +401,7 @@ class RelayClient {
     checkId('sender', sender);
     checkId('messageId', messageId);
     checkId('parentId', parentId, { required: false });
+    if (typeof recipients === 'string') recipients = [recipients];
     if (!Array.isArray(recipients) || recipients.length === 0) {
       throw invalid('recipients: empty, expected 1..64 agents');
     }

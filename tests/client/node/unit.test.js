@@ -91,6 +91,23 @@ test('planUpload: geometry, order, and the tensor a bad length names', () => {
   assert.throws(() => planUpload(tinyTurn({ dtype: 'F64' })), /turn\.dtype/);
 });
 
+test('planUpload: typed arrays are taken as their bytes; a missing turn or layer is INVALID_ARGUMENT', () => {
+  const t = tinyTurn();
+  t.layers[0].promptK = new Float32Array(t.layers[0].promptK.buffer, t.layers[0].promptK.byteOffset, 12);
+  const { tensors } = planUpload(t);
+  assert.ok(tensors[0].data instanceof Uint8Array);
+  assert.deepEqual(Buffer.from(tensors[0].data), Buffer.from(tinyTurn().layers[0].promptK));
+  const invalidArg = (re) => (e) => e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT && re.test(e.details);
+  assert.throws(() => planUpload(undefined), invalidArg(/^turn: undefined, expected an object/));
+  assert.throws(() => planUpload(tinyTurn({ layers: [undefined] })), invalidArg(/^turn\.layers\[0\]: undefined/));
+  const wide = tinyTurn();
+  wide.layers[0].genV = new Float64Array(4);  // 32 bytes where 16 are due
+  assert.throws(() => planUpload(wide), invalidArg(/layer\.0\.gen\.v: 32 bytes, expected 16/));
+  const noScore = tinyTurn();
+  delete noScore.layers[1].promptScore;
+  assert.throws(() => planUpload(noScore), invalidArg(/layer\.1\.prompt\.score: missing/));
+});
+
 test('chunkRequests: 1 MiB chunks, contiguous offsets, trailer over the stream', () => {
   const big = crypto.randomBytes(2 * MAX_CHUNK_BYTES + 5);
   const small = crypto.randomBytes(3);
@@ -281,6 +298,20 @@ test('publish: every error carries the message id the publish sent', async () =>
       () => assert.fail('resolved'), (e) => e);
     assert.ok(e3 instanceof RelayError && e3.code === grpc.status.INVALID_ARGUMENT);
     assert.equal(e3.messageId, 'm-x');
+  });
+});
+
+test('publish/fetch: one recipient as a string; a timeout that is not a positive number is INVALID_ARGUMENT', async () => {
+  await withFakeRelay(async (relay, seen) => {
+    const e = await relay.publish(tinyTurn(), { sender: 'planner', recipients: 'critic', sessionId: 'down' }).then(
+      () => assert.fail('resolved'), (err) => err);
+    assert.equal(e.code, grpc.status.UNAVAILABLE);  // reached the relay: the string was one recipient
+    assert.deepEqual(seen, [e.messageId]);
+    for (const timeoutMs of ['500', 0, -1, NaN]) {
+      const f = await relay.fetch('s', 'critic', { timeoutMs }).then(() => assert.fail('resolved'), (err) => err);
+      assert.ok(f instanceof RelayError && f.code === grpc.status.INVALID_ARGUMENT, String(f));
+      assert.match(f.details, /^timeoutMs: .*, expected a positive number of milliseconds$/);
+    }
   });
 });
 
