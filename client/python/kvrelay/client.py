@@ -205,18 +205,21 @@ class _Assembler:
         if L * per_layer > _MAX_MESSAGE_BYTES:
             raise self._bad(f"header.layers: {L}, expected a message below 2^36 bytes "
                             f"({per_layer} per layer)")
-        self.slots = []  # [layer, part, dtype, shape, bytearray]
+        # (layer, part, dtype, shape, size, bytearray): each tensor grows as
+        # its chunks arrive, so memory follows the data received, not what a
+        # header announces.
+        self.slots = []
         for layer in range(L):
             for part, t, shape in specs:
                 size = int(np.prod(shape)) * np.dtype(t).itemsize
-                self.slots.append((layer, part, np.dtype(t).newbyteorder("<"), shape,
-                                   bytearray(size)))
+                self.slots.append((layer, part, np.dtype(t).newbyteorder("<"), shape, size,
+                                   bytearray()))
         self.next = self.filled = 0
         self.chunks = self.bytes = self.crc = 0
         self._skip_complete()
 
     def _skip_complete(self):
-        while self.next < len(self.slots) and self.filled == len(self.slots[self.next][4]):
+        while self.next < len(self.slots) and self.filled == self.slots[self.next][4]:
             self.next += 1
             self.filled = 0
 
@@ -227,7 +230,7 @@ class _Assembler:
         if self.next >= len(self.slots):
             raise self._bad(f"{name}: after every tensor of the message is complete, "
                             "expected the trailer")
-        layer, part, _, _, buf = self.slots[self.next]
+        layer, part, _, _, size, buf = self.slots[self.next]
         if c.layer != layer or c.part != part:
             raise self._bad(f"{name} (offset {c.offset}): out of order, expected chunk layer "
                             f"{layer} part {_PART_NAME[part]} offset {self.filled}")
@@ -236,15 +239,15 @@ class _Assembler:
         n = len(c.data)
         if n < 1 or n > MAX_CHUNK_BYTES:
             raise self._bad(f"{name}: {n} data bytes, expected 1..{MAX_CHUNK_BYTES}")
-        if n > len(buf) - self.filled:
+        if n > size - self.filled:
             raise self._bad(f"{name}: {n} bytes at offset {self.filled}, expected at most "
-                            f"{len(buf) - self.filled} (tensor of {len(buf)} bytes)")
+                            f"{size - self.filled} (tensor of {size} bytes)")
         crc = crc32c(c.data)
         if crc != c.crc32c:
             raise RelayError(grpc.StatusCode.DATA_LOSS,
                              f"{name} offset {c.offset}: crc32c {c.crc32c}, expected {crc} "
                              "(computed over the data)")
-        buf[self.filled:self.filled + n] = c.data
+        buf += c.data
         self.filled += n
         self.chunks += 1
         self.bytes += n
@@ -255,22 +258,22 @@ class _Assembler:
         if self.header is None:
             raise self._bad("trailer: before the header, expected a header first")
         if self.next < len(self.slots):
-            layer, part, _, _, buf = self.slots[self.next]
+            layer, part, _, _, size, _ = self.slots[self.next]
             raise self._bad(f"trailer: stream ended with chunk layer {layer} part "
-                            f"{_PART_NAME[part]} at {self.filled} of {len(buf)} bytes")
+                            f"{_PART_NAME[part]} at {self.filled} of {size} bytes")
         for field, want in (("chunks", self.chunks), ("bytes", self.bytes), ("crc32c", self.crc)):
             if getattr(t, field) != want:
                 raise RelayError(grpc.StatusCode.DATA_LOSS,
                                  f"trailer.{field}: {getattr(t, field)}, expected {want} "
                                  "(computed over the chunks received)")
         h = self.header
-        sent = sum(len(s[4]) for s in self.slots)
+        sent = sum(s[4] for s in self.slots)
         if sent != h.accounting.sent_bytes:
             raise self._bad(f"header.accounting.sent_bytes: {h.accounting.sent_bytes}, "
                             f"expected {sent} (bytes of the delivered tensors)")
         arrays = {}
-        for layer, part, dt, shape, buf in self.slots:
-            arrays[(layer, part)] = np.frombuffer(bytes(buf), dtype=dt).reshape(shape)
+        for layer, part, dt, shape, _, buf in self.slots:
+            arrays[(layer, part)] = np.frombuffer(buf, dtype=dt).reshape(shape)  # no copy
         layers = []
         for layer in range(h.layers):
             pos = arrays[(layer, pb.PART_POS)]

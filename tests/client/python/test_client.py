@@ -174,6 +174,40 @@ class OfflineTest(unittest.TestCase):
                            crc32c=kvrelay.crc32c(data)))
         self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
 
+    def test_memory_follows_the_data_not_the_header(self):
+        # A header announcing 32 GiB of tensors, then one chunk: the client
+        # holds what arrived, not what was announced (it used to allocate
+        # and zero every tensor up front, and copy each again at the end).
+        import tracemalloc
+        from kvrelay.client import _Assembler
+        from kvrelay.v1 import relay_pb2 as pb
+        a = _Assembler()
+        tracemalloc.start()
+        try:
+            a.start(pb.MessageHeader(layers=64, kv_heads=64, head_dim=1024, dtype=pb.DTYPE_F32,
+                                     n_gen=1024, accounting=pb.Accounting(sent_bytes=1)))
+            data = np.zeros(1 << 18, dtype=np.float32).tobytes()  # 1 MiB
+            a.add(pb.Chunk(layer=0, part=pb.PART_K, offset=0, data=data,
+                           crc32c=kvrelay.crc32c(data)))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        self.assertLess(peak, 16 << 20)
+        # A complete message comes back as arrays over the received bytes.
+        b = _Assembler()
+        b.start(pb.MessageHeader(layers=1, kv_heads=1, head_dim=4, dtype=pb.DTYPE_F32, n_gen=1,
+                                 accounting=pb.Accounting(sent_bytes=36)))
+        k = np.arange(4, dtype=np.float32).tobytes()
+        pos = np.array([7], dtype=np.int32).tobytes()
+        for part, d in ((pb.PART_K, k), (pb.PART_V, k[::-1]), (pb.PART_POS, pos)):
+            b.add(pb.Chunk(layer=0, part=part, offset=0, data=d, crc32c=kvrelay.crc32c(d)))
+        m = b.finish(pb.Trailer(chunks=3, bytes=36, crc32c=kvrelay.crc32c_combine(
+            kvrelay.crc32c_combine(kvrelay.crc32c(k), kvrelay.crc32c(k[::-1]), 16),
+            kvrelay.crc32c(pos), 4)))
+        self.assertEqual(m.layers[0].k.tolist(), [[[0.0, 1.0, 2.0, 3.0]]])
+        self.assertEqual(m.layers[0].v.tobytes(), k[::-1])
+        self.assertEqual(m.layers[0].pos.tolist(), [[7]])
+
     def test_bad_arguments(self):
         c = kvrelay.Client("127.0.0.1:1")
         t = make_turn(1)
