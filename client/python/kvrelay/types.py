@@ -151,7 +151,10 @@ class Turn:
                 a = getattr(layer, name.replace("prompt.score", "score").replace(".", "_"))
                 if a is None or tuple(np.shape(a)) != shape:
                     found = None if a is None else list(np.shape(a))
-                    raise ValueError(f"layer.{i}.{name}: shape {found}, expected {list(shape)}")
+                    # -1: a size the first layer's tensor did not give (not 3-D / 2-D).
+                    expected = ", ".join("any" if n == -1 else str(n) for n in shape)
+                    raise ValueError(f"layer.{i}.{name}: shape {found}, expected [{expected}]"
+                                     + (f" ({len(shape)}-D)" if -1 in shape else ""))
                 want_dt = dts.get(name, DTYPES[dtype])
                 if np.asarray(a).dtype.newbyteorder("<") != np.dtype(want_dt).newbyteorder("<"):
                     raise ValueError(f"layer.{i}.{name}: dtype {np.asarray(a).dtype}, "
