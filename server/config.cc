@@ -43,10 +43,14 @@ absl::Status ParseBytes(absl::string_view flag, const std::string& v, uint64_t* 
   return absl::OkStatus();
 }
 
+// The shortest positive timeout: below it a publish or a session could not
+// outlive the watchdog's own scheduling.
+constexpr double kMinTimeoutSeconds = 0.01;
+
 absl::Status ParseSeconds(absl::string_view flag, const std::string& v, bool allow_zero, double* out) {
   double d;
-  if (!absl::SimpleAtod(v, &d) || !std::isfinite(d) || d < 0 || (!allow_zero && d == 0)) {
-    return Bad(flag, v, allow_zero ? "seconds >= 0" : "seconds > 0");
+  if (!absl::SimpleAtod(v, &d) || !std::isfinite(d) || d < 0 || (!allow_zero && d < kMinTimeoutSeconds)) {
+    return Bad(flag, v, allow_zero ? "seconds >= 0" : "seconds >= 0.01");
   }
   *out = d;
   return absl::OkStatus();
@@ -179,6 +183,7 @@ absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
     std::string s;
     if (v.is_string()) s = v.get<std::string>();
     else if (v.is_boolean()) s = v.get<bool>() ? "true" : "false";
+    else if (v.is_number_unsigned()) s = std::to_string(v.get<uint64_t>());
     else if (v.is_number_integer()) s = std::to_string(v.get<int64_t>());
     else if (v.is_number()) s = absl::StrCat(v.get<double>());
     else return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", it.key(), ": expected a string or number"));
@@ -218,8 +223,10 @@ absl::Status SplitHostPort(const std::string& addr, std::string* host, int* port
 
 std::string ServerUsage() {
   return R"(usage: kvrelay-server [flags]
-  --listen HOST:PORT             gRPC address (env KVRELAY_LISTEN; default 0.0.0.0:50051; port 0 = free port)
-  --metrics-listen HOST:PORT     Prometheus /metrics address, "off" for none (KVRELAY_METRICS_LISTEN; 0.0.0.0:9464)
+  --listen HOST:PORT             gRPC address (env KVRELAY_LISTEN; default 0.0.0.0:50051; port 0 = free port;
+                                 a port in use is an error, not shared)
+  --metrics-listen HOST:PORT     Prometheus /metrics address, "off" for none (KVRELAY_METRICS_LISTEN; 0.0.0.0:9464;
+                                 IPv4 only where the metrics HTTP server, civetweb, is built without IPv6)
   --worker-threads N             compression workers (KVRELAY_WORKER_THREADS; hardware threads)
   --max-inflight-bytes N         bytes of uploads in progress, all streams (KVRELAY_MAX_INFLIGHT_BYTES; 4GiB)
   --max-mailbox-bytes N          unacked bytes per (session, agent) (KVRELAY_MAX_MAILBOX_BYTES; 2GiB)
@@ -230,12 +237,14 @@ std::string ServerUsage() {
   --max-store-bytes N            bytes of every retained message, all sessions (KVRELAY_MAX_STORE_BYTES; 16GiB)
   --upload-idle-timeout-seconds S  a Publish or Compress upload that sends nothing for S seconds fails with
                                  DEADLINE_EXCEEDED and frees its memory; a Compress reply the client does not
-                                 read for S seconds is cancelled (KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS; 60)
-  --session-ttl-seconds S        idle time before a session expires (KVRELAY_SESSION_TTL_SECONDS; 3600)
+                                 read for S seconds is cancelled (KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS; 60;
+                                 >= 0.01)
+  --session-ttl-seconds S        idle time before a session expires (KVRELAY_SESSION_TTL_SECONDS; 3600; >= 0.01)
   --default-policy SPEC          policy when neither the publish nor its role names one
                                  (KVRELAY_DEFAULT_POLICY; h2o-head:k=32+obf:p=8,mode=fast)
   --role-policy ROLE=SPEC        per-role default policy, repeatable (KVRELAY_ROLE_POLICY: ROLE=SPEC;ROLE=SPEC)
-  --log-json                     JSON log lines (KVRELAY_LOG_JSON)
+  --log-json                     JSON log lines, the ready line too (its "msg" is the same text)
+                                 (KVRELAY_LOG_JSON; empty = unset)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
   --heap-retain-bytes N          freed heap kept for reuse instead of returned to the kernel, so the next
                                  message does not fault its pages in again; per malloc arena (one per
@@ -281,6 +290,8 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
   if (!config_path.empty()) KVRELAY_RETURN_IF_ERROR(ApplyConfigFile(config_path, &c));
   for (const auto& [name, var] : kEnv) {
     if (const char* e = env(var)) {
+      // An empty boolean variable is unset (a bare --log-json flag is true).
+      if (IsBoolFlag(name) && *e == '\0') continue;
       absl::Status s = Apply(name, e, &c);
       if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(var, ": ", s.message()));
     }

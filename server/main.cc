@@ -9,12 +9,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/numbers.h"
 #include "client/heap_retain.h"
 #include "client/relay_client.h"
 #include "server/config.h"
 #include "server/server.h"
+#include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/stdout_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -57,9 +59,77 @@ int HealthMain(int argc, char** argv) {
   return *h == kvrelay::HealthStatus::kServing ? 0 : 1;
 }
 
+// `%*` in the JSON log pattern: the message as the body of a JSON string.
+// Messages can carry text a client sent (a policy, an id); quotes,
+// backslashes and control bytes are escaped, and bytes that are not UTF-8
+// become U+FFFD, so that every line parses.
+class JsonEscapedMessage : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&, spdlog::memory_buf_t& dest) override {
+    const auto* p = reinterpret_cast<const unsigned char*>(msg.payload.data());
+    const size_t n = msg.payload.size();
+    auto put = [&dest](const char* s, size_t len) { dest.append(s, s + len); };
+    for (size_t i = 0; i < n;) {
+      const unsigned char c = p[i];
+      if (c == '"' || c == '\\') {
+        const char esc[2] = {'\\', static_cast<char>(c)};
+        put(esc, 2);
+        ++i;
+      } else if (c < 0x20 || c == 0x7f) {
+        char esc[8];
+        std::snprintf(esc, sizeof esc, "\\u%04x", c);
+        put(esc, 6);
+        ++i;
+      } else if (c < 0x80) {
+        dest.push_back(static_cast<char>(c));
+        ++i;
+      } else {
+        const size_t len = Utf8Length(p + i, n - i);
+        if (len == 0) {
+          put("\\ufffd", 6);
+          ++i;
+        } else {
+          put(reinterpret_cast<const char*>(p + i), len);
+          i += len;
+        }
+      }
+    }
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<JsonEscapedMessage>(); }
+
+ private:
+  // Length of the well-formed UTF-8 sequence at p (RFC 3629: no overlong
+  // forms, no surrogates, at most U+10FFFF), or 0.
+  static size_t Utf8Length(const unsigned char* p, size_t n) {
+    const unsigned char c = p[0];
+    size_t len;
+    uint32_t min;
+    uint32_t cp;
+    if (c >= 0xc2 && c <= 0xdf) {
+      len = 2, min = 0x80, cp = c & 0x1f;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      len = 3, min = 0x800, cp = c & 0x0f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      len = 4, min = 0x10000, cp = c & 0x07;
+    } else {
+      return 0;
+    }
+    if (n < len) return 0;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[k] & 0xc0) != 0x80) return 0;
+      cp = cp << 6 | (p[k] & 0x3f);
+    }
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+    return len;
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Logs go to stdout: a reader that goes away (a pipe to `head`, a log
+  // shipper restarting) must not kill the relay and the messages it holds.
+  signal(SIGPIPE, SIG_IGN);
   if (argc >= 2 && std::string(argv[1]) == "health") return HealthMain(argc, argv);
   absl::StatusOr<kvrelay::ServerConfig> config =
       kvrelay::ParseServerConfig(argc, argv, [](const char* name) { return std::getenv(name); });
@@ -81,9 +151,10 @@ int main(int argc, char** argv) {
   auto logger = spdlog::stdout_logger_mt("kvrelay");
   spdlog::set_default_logger(logger);
   if (config->log_json) {
-    spdlog::set_pattern(
-        R"({"ts":"%Y-%m-%dT%H:%M:%S.%fZ","level":"%l","logger":"%n","thread":%t,"msg":"%v"})",
-        spdlog::pattern_time_type::utc);
+    auto formatter = std::make_unique<spdlog::pattern_formatter>(spdlog::pattern_time_type::utc);
+    formatter->add_flag<JsonEscapedMessage>('*').set_pattern(
+        R"({"ts":"%Y-%m-%dT%H:%M:%S.%fZ","level":"%l","logger":"%n","thread":%t,"msg":"%*"})");
+    spdlog::set_formatter(std::move(formatter));
   } else {
     spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
   }
@@ -102,7 +173,13 @@ int main(int argc, char** argv) {
     std::cerr << "kvrelay-server: " << server.status().message() << "\n";
     return 1;
   }
-  std::cout << (*server)->ReadyLine() << std::endl;  // flushes: tests wait for this line
+  // Tests and scripts wait for this line. With --log-json it is a log record
+  // like every other line (its msg is the same text).
+  if (config->log_json) {
+    spdlog::info("{}", (*server)->ReadyLine());
+  } else {
+    std::cout << (*server)->ReadyLine() << std::endl;  // flushes
+  }
 
   int sig = 0;
   sigwait(&sigs, &sig);

@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "civetweb.h"
 #include "core/pipeline.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -11,6 +12,11 @@
 #include "spdlog/spdlog.h"
 
 namespace kvrelay {
+namespace {
+
+constexpr unsigned kCivetwebIpv6 = 8;  // mg_check_feature: built with IPv6
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config) {
   std::unique_ptr<RelayServer> s(new RelayServer());
@@ -38,6 +44,12 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
     int mport;
     st = SplitHostPort(config.metrics_listen, &s->metrics_host_, &mport);
     if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--metrics-listen=", st.message()));
+    if (config.metrics_listen[0] == '[' && mg_check_feature(kCivetwebIpv6) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--metrics-listen=", config.metrics_listen,
+          ": IPv6, expected an IPv4 address or host name (this build's metrics HTTP server, civetweb, "
+          "has no IPv6), e.g. 0.0.0.0:9464"));
+    }
     try {
       s->exposer_ = std::make_unique<prometheus::Exposer>(config.metrics_listen);
     } catch (const std::exception& e) {
@@ -52,13 +64,20 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second relay on the same port would
+  // then start, and the kernel would split connections between two separate
+  // stores. Binding a port in use must fail instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &s->grpc_port_);
   builder.RegisterService(s->service_.get());
   // Chunks are <= 1 MiB; leave room for the envelope, refuse anything bigger.
   builder.SetMaxReceiveMessageSize(4 << 20);
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->grpc_port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("--listen=", config.listen, ": cannot listen"));
+    return absl::UnavailableError(absl::StrCat(
+        "--listen=", config.listen,
+        ": cannot listen (the port is in use, or the address is not one of this host's; gRPC's log above has the "
+        "system error)"));
   }
   s->server_->GetHealthCheckService()->SetServingStatus(true);
   s->server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", true);
@@ -96,7 +115,7 @@ void RelayServer::Shutdown() {
   }
   // The pool drains queued layers (their reactors are gone or finished).
   pool_.reset();
-  spdlog::info("kvrelay-server stopped");
+  if (server_) spdlog::info("kvrelay-server stopped");  // not after a failed start
 }
 
 }  // namespace kvrelay

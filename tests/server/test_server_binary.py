@@ -552,6 +552,85 @@ def test_config(ctl, server_bin, work, turn):
     check(rc == 2 and "missing.json" in err, f"--config missing file: rc={rc} {err.strip()!r}")
 
 
+def test_operations(ctl, server_bin, work, turn):
+    """What an operator meets: a log reader that goes away, a port already
+    in use, JSON logs, IPv6 for the metrics listener, bad timeouts."""
+    # 1. stdout is a pipe whose reader exits after the ready line (| head):
+    # the relay keeps serving (it used to die of SIGPIPE at its next log line).
+    p = subprocess.Popen([server_bin, "--listen", "127.0.0.1:0", "--metrics-listen", "off"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=clean_env())
+    tl.STARTED.append(p)
+    try:
+        m = tl.READY_RE.search(p.stdout.readline().decode() + p.stdout.readline().decode())
+        check(m is not None, "pipe: ready line read")
+        p.stdout.close()  # the reader is gone
+        addr = m.group(1) if m else "127.0.0.1:1"
+        for i in range(2):
+            ctl.ok("publish", "--session", "pipe", "--from", "a", "--to", "b", "--retries", "0",
+                   "--in", turn, addr=addr)
+        time.sleep(0.2)
+        check(p.poll() is None, f"pipe: relay alive after its stdout reader left (exit {p.poll()})")
+
+        # 2. A second relay on the same port fails instead of sharing it (the
+        # kernel would split connections between two separate stores).
+        rc, out, err = run([server_bin, "--listen", addr, "--metrics-listen", "off"], timeout=20)
+        check(rc == 1 and "cannot listen" in err and "in use" in err,
+              f"second relay on {addr}: rc={rc} {err.strip()[-200:]!r}")
+        rc, out, _ = ctl.run("health", addr=addr)
+        check(rc == 0 and out.strip() == "SERVING", f"first relay still serving: {rc} {out!r}")
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+
+    # 3. --log-json: every stdout line is a JSON object, the ready line too,
+    # however odd the text a client sent (quotes, backslashes, control bytes).
+    s = Server(server_bin, work, ["--listen", "127.0.0.1:0", "--metrics-listen", "off", "--log-json"],
+               name="json")
+    try:
+        ctl.run("publish", "--session", "json", "--from", "a", "--to", "b", "--policy",
+                'h2o-head:k="\\\t', "--in", turn, addr=s.addr)
+    finally:
+        s.stop()
+    lines = [l for l in s.log().splitlines() if l.strip()]
+    bad = []
+    for l in lines:
+        try:
+            json.loads(l)
+        except ValueError:
+            bad.append(l)
+    check(not bad, f"--log-json: lines that are not JSON: {bad[:3]!r}")
+    check(any(json.loads(l).get("msg", "").startswith("kvrelay-server ready grpc=") for l in lines if l not in bad),
+          "--log-json: the ready line is a JSON record")
+    check(any("publish failed" in l or "INVALID_ARGUMENT" in l for l in lines),
+          f"--log-json: the refused publish is logged: {lines[-3:]!r}")
+
+    # 4. The metrics listener (civetweb) of Debian's build has no IPv6: an
+    # IPv6 --metrics-listen is refused up front, naming the reason.
+    p = subprocess.Popen([server_bin, "--listen", "127.0.0.1:0", "--metrics-listen", "[::1]:0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    tl.STARTED.append(p)
+    first = p.stdout.readline()
+    if "ready" in first:  # a civetweb with IPv6: fine too
+        p.terminate()
+        p.wait(timeout=20)
+    else:
+        err = p.communicate(timeout=20)[1]
+        check(p.returncode == 1 and "IPv6" in err and "--metrics-listen" in err,
+              f"--metrics-listen [::1]:0: rc={p.returncode} {err.strip()!r}")
+
+    # 5. Timeouts too short to mean anything, and an empty boolean variable.
+    rc, _, err = run([server_bin, "--session-ttl-seconds", "1e-300"], timeout=20)
+    check(rc == 2 and "--session-ttl-seconds" in err and ">= 0.01" in err,
+          f"--session-ttl-seconds 1e-300: rc={rc} {err.strip()!r}")
+    rc, _, err = run([server_bin, "--upload-idle-timeout-seconds", "0.001"], timeout=20)
+    check(rc == 2 and "--upload-idle-timeout-seconds" in err, f"idle timeout 0.001: rc={rc} {err.strip()!r}")
+    s = Server(server_bin, work, None, env=clean_env(KVRELAY_LOG_JSON=""), name="empty-bool")
+    try:
+        check(not s.log().lstrip().startswith("{"), f"KVRELAY_LOG_JSON='' is unset: {s.log()[:120]!r}")
+    finally:
+        s.stop()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
@@ -580,7 +659,8 @@ def main():
                                                                 "main server exit status 0")),
                  ("sigterm", lambda: test_sigterm(ctl, args.server, work, turn)),
                  ("flags", lambda: test_flags(args.server)),
-                 ("config", lambda: test_config(ctl, args.server, work, turn))]
+                 ("config", lambda: test_config(ctl, args.server, work, turn)),
+                 ("operations", lambda: test_operations(ctl, args.server, work, turn))]
         for name, fn in steps:
             before = len(FAILURES)
             try:

@@ -129,6 +129,18 @@ def port_open(hostport, timeout=2.0):
         return False
 
 
+def ready_text(line):
+    """The text of a stdout line: the line itself, or with --log-json the
+    record's msg."""
+    text = line.rstrip("\n")
+    if text.startswith("{"):
+        try:
+            return str(json.loads(text).get("msg", ""))
+        except ValueError:
+            pass
+    return text
+
+
 class Server:
     """A kvrelay-server process; the constructor returns once it printed its ready line.
 
@@ -159,9 +171,10 @@ class Server:
                 break
             if line is None:  # stdout closed: the server exited
                 break
-            m = READY_RE.match(line.rstrip("\n"))
+            text = ready_text(line)
+            m = READY_RE.match(text)
             if m:
-                self.ready_line = line.rstrip("\n")
+                self.ready_line = text
                 self.addr, self.metrics = m.group(1), m.group(2)
         if self.addr is None:
             status = self.proc.poll()
