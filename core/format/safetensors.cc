@@ -1,6 +1,8 @@
 #include "core/format/safetensors.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -422,26 +424,63 @@ absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const StTensor> tens
   return out;
 }
 
+namespace {
+
+// Writes the header and the tensors' bytes to `fd`; 0 or the errno.
+int WriteAll(int fd, const std::string& header, absl::Span<const StTensor> tensors) {
+  auto put = [fd](const uint8_t* p, size_t n) {
+    while (n > 0) {
+      const ssize_t w = ::write(fd, p, std::min<size_t>(n, size_t{1} << 30));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return w < 0 ? errno : EIO;
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+    return 0;
+  };
+  if (int e = put(reinterpret_cast<const uint8_t*>(header.data()), header.size())) return e;
+  for (const StTensor& t : tensors) {
+    if (int e = put(t.data.data(), t.data.size())) return e;
+  }
+  return 0;
+}
+
+}  // namespace
+
 absl::Status WriteSafetensorsFile(const std::string& path, absl::Span<const StTensor> tensors,
                                   const StMetadata& metadata) {
   absl::StatusOr<std::string> header = BuildHeader(tensors, metadata);
   if (!header.ok()) return header.status();
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) {
-    return absl::InternalError(
-        absl::StrCat(path, ": cannot open for writing: ", std::strerror(errno)));
+  auto fail = [&path](const char* what, int e) {
+    return absl::InternalError(absl::StrCat(path, ": ", what, ": ", std::strerror(e)));
+  };
+  struct stat st;
+  const bool exists = ::lstat(path.c_str(), &st) == 0;
+  if (exists && !S_ISREG(st.st_mode)) {
+    // A device, a FIFO or a symbolic link (/dev/stdout, ...): written in place.
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0) return fail("cannot open for writing", errno);
+    int e = WriteAll(fd, *header, tensors);
+    if (::close(fd) != 0 && e == 0) e = errno;
+    return e == 0 ? absl::OkStatus() : fail("write failed", e);
   }
-  bool ok = std::fwrite(header->data(), 1, header->size(), f) == header->size();
-  for (const StTensor& t : tensors) {
-    if (!ok) break;
-    if (t.data.empty()) continue;
-    ok = std::fwrite(t.data.data(), 1, t.data.size(), f) == t.data.size();
+  // A regular file is replaced only once the new one is complete, so that a
+  // failed write (disk full, a file size limit) leaves the old file, or none.
+  int fd = -1;
+  std::string tmp;
+  for (int attempt = 0; fd < 0 && attempt < 16; ++attempt) {
+    tmp = absl::StrCat(path, ".tmp-", ::getpid(), "-", attempt);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
   }
-  const int saved_errno = errno;
-  if (std::fclose(f) != 0) ok = false;
-  if (!ok) {
-    return absl::InternalError(
-        absl::StrCat(path, ": write failed: ", std::strerror(saved_errno ? saved_errno : errno)));
+  if (fd < 0) return fail("cannot open for writing", errno);
+  int e = WriteAll(fd, *header, tensors);
+  if (e == 0 && exists && ::fchmod(fd, st.st_mode & 07777) != 0) e = errno;
+  if (::close(fd) != 0 && e == 0) e = errno;
+  if (e == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) e = errno;
+  if (e != 0) {
+    ::unlink(tmp.c_str());
+    return fail("write failed", e);
   }
   return absl::OkStatus();
 }

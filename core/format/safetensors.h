@@ -129,8 +129,11 @@ absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const StTensor> tens
                                                  const StMetadata& metadata);
 
 // Same bytes as SerializeSafetensors, streamed to the file at `path`
-// (created or truncated) without assembling the buffer in memory. Internal
-// for I/O errors.
+// without assembling the buffer in memory. A regular file (or a new one) is
+// written under a temporary name beside it and renamed over `path` once
+// complete, keeping an existing file's mode: after a failed write the old
+// file is intact and nothing is left behind. Other paths (a device, FIFO or
+// symbolic link) are written in place. Internal for I/O errors.
 absl::Status WriteSafetensorsFile(const std::string& path, absl::Span<const StTensor> tensors,
                                   const StMetadata& metadata);
 

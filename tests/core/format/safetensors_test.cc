@@ -1,6 +1,12 @@
 #include "core/format/safetensors.h"
 
+#include <dirent.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <cstdio>
 #include <cstring>
@@ -419,6 +425,60 @@ TEST(SafetensorsWriterTest, UnwritablePathIsAnError) {
   absl::Status s = WriteSafetensorsFile(::testing::TempDir() + "/no/such/dir/x.safetensors",
                                         {Tensor("t", StDType::kU8, {4}, a)}, {});
   EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+}
+
+// A write that fails midway (here a file size limit, as a full disk would)
+// leaves the file that was there intact and no temporary file behind; a
+// successful one replaces it and keeps its mode.
+TEST(SafetensorsWriterTest, AFailedWriteKeepsTheOldFile) {
+  const std::string dir = ::testing::TempDir() + "/st_atomic_" + std::to_string(getpid());
+  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  const std::string path = dir + "/m.safetensors";
+  const std::vector<uint8_t> small = Iota(16);
+  const std::vector<StTensor> old_tensors = {Tensor("old", StDType::kU8, {16}, small)};
+  ASSERT_TRUE(WriteSafetensorsFile(path, old_tensors, {}).ok());
+  ASSERT_EQ(::chmod(path.c_str(), 0640), 0);
+  const std::string before = *ReadFileToString(path);
+
+  std::vector<uint8_t> big(1 << 20, 7);
+  const std::vector<StTensor> big_tensors = {Tensor("big", StDType::kU8, {1 << 20}, big)};
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit lim = {64 << 10, 64 << 10};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    const absl::Status s = WriteSafetensorsFile(path, big_tensors, {});
+    ::_exit(s.code() == absl::StatusCode::kInternal &&
+                    std::string(s.message()).find("write failed") != std::string::npos
+                ? 0
+                : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the write did not fail as expected";
+  EXPECT_EQ(*ReadFileToString(path), before);
+  auto entries = [&dir] {
+    std::vector<std::string> names;
+    DIR* d = ::opendir(dir.c_str());
+    while (dirent* e = ::readdir(d)) {
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) names.push_back(e->d_name);
+    }
+    ::closedir(d);
+    return names;
+  };
+  EXPECT_THAT(entries(), ::testing::ElementsAre("m.safetensors"));
+
+  ASSERT_TRUE(WriteSafetensorsFile(path, big_tensors, {}).ok());
+  absl::StatusOr<SafetensorsReader> r = SafetensorsReader::ReadFile(path);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tensors()[0].name, "big");
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  EXPECT_THAT(entries(), ::testing::ElementsAre("m.safetensors"));
+  std::remove(path.c_str());
+  ::rmdir(dir.c_str());
 }
 
 }  // namespace
