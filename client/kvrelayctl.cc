@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "client/heap_retain.h"
 #include "core/format/safetensors.h"
 #include "core/format/synthetic.h"
@@ -553,6 +554,12 @@ std::optional<Failure> Fetch(int argc, char** argv) {
   auto client = RelayClient::Connect(addr);
   absl::StatusOr<FetchedMessage> m = client->Fetch(o);
   line.Clear();
+  if (!m.ok() && m.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    return RelayError("fetch", absl::DeadlineExceededError(absl::StrCat(
+                                   "no message for agent '", o.agent, "' in session '", o.session, "' within ",
+                                   absl::FormatDuration(absl::Milliseconds(o.wait.count())), " (--wait; ",
+                                   m.status().message(), ")")));
+  }
   if (!m.ok()) return RelayError("fetch", m.status());
   // Acknowledge only once the message is safely on disk.
   absl::Status s = WriteFetchedMessage(*m, out);
@@ -647,9 +654,15 @@ std::optional<Failure> Demo(int argc, char** argv) {
   KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
   KVRELAYCTL_FLAG(const int64_t rounds, flags.Int("rounds", 1, 1, 1000));
   SyntheticTurnOptions o = Qwen3_14BTurn();
+  const int group = o.score_heads / o.kv_heads;  // Qwen3-14B: 40 query heads over 8 KV heads
   KVRELAYCTL_FLAG(o.layers, flags.Int("layers", o.layers, 1, 4096));
   KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", o.kv_heads, 1, 4096));
-  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", o.score_heads, 0, 65536));
+  // Without --score-heads the query heads follow --kv-heads in Qwen3-14B's ratio.
+  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", o.kv_heads * group, 1, 65536));
+  if (o.score_heads % o.kv_heads != 0) {
+    return Usage(absl::StrCat("flag --score-heads: ", o.score_heads, ", expected a multiple of --kv-heads (",
+                              o.kv_heads, ")"));
+  }
   KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", o.head_dim, 1, 65536));
   KVRELAYCTL_FLAG(o.n_prompt, flags.Int("prompt", o.n_prompt, 0, 1 << 24));
   KVRELAYCTL_FLAG(o.n_gen, flags.Int("gen", o.n_gen, 0, 1 << 24));
