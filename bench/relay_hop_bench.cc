@@ -141,7 +141,7 @@ class ServerProcess {
  public:
   ServerProcess(const std::string& binary, const std::vector<std::string>& extra_args) {
     std::vector<std::string> args = {binary, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                                     "--shutdown-grace-seconds", "1"};
+                                     "--shutdown-grace-seconds", "1", "--log-json=false"};  // the plain ready line
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());

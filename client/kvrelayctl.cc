@@ -556,9 +556,9 @@ std::optional<Failure> Fetch(int argc, char** argv) {
   line.Clear();
   if (!m.ok() && m.status().code() == absl::StatusCode::kDeadlineExceeded) {
     return RelayError("fetch", absl::DeadlineExceededError(absl::StrCat(
-                                   "no message for agent '", o.agent, "' in session '", o.session, "' within ",
-                                   absl::FormatDuration(absl::Milliseconds(o.wait.count())), " (--wait; ",
-                                   m.status().message(), ")")));
+                                   "no complete message for agent '", o.agent, "' in session '", o.session,
+                                   "' within ", absl::FormatDuration(absl::Milliseconds(o.wait.count())),
+                                   " (--wait bounds the transfer too; ", m.status().message(), ")")));
   }
   if (!m.ok()) return RelayError("fetch", m.status());
   // Acknowledge only once the message is safely on disk.
@@ -657,8 +657,10 @@ std::optional<Failure> Demo(int argc, char** argv) {
   const int group = o.score_heads / o.kv_heads;  // Qwen3-14B: 40 query heads over 8 KV heads
   KVRELAYCTL_FLAG(o.layers, flags.Int("layers", o.layers, 1, 4096));
   KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", o.kv_heads, 1, 4096));
-  // Without --score-heads the query heads follow --kv-heads in Qwen3-14B's ratio.
-  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", o.kv_heads * group, 1, 65536));
+  // Without --score-heads the query heads follow --kv-heads in Qwen3-14B's
+  // ratio; 0 means as many as KV heads (as make-turn).
+  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", o.kv_heads * group, 0, 65536));
+  if (o.score_heads == 0) o.score_heads = o.kv_heads;
   if (o.score_heads % o.kv_heads != 0) {
     return Usage(absl::StrCat("flag --score-heads: ", o.score_heads, ", expected a multiple of --kv-heads (",
                               o.kv_heads, ")"));

@@ -285,8 +285,9 @@ std::unique_ptr<RelayClient> RelayClient::Connect(const std::string& addr) {
   // be tried again in time.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  return std::make_unique<RelayClient>(
-      grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args));
+  auto client = std::make_unique<RelayClient>(grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args));
+  client->own_channel_ = true;
+  return client;
 }
 
 std::string RelayClient::NewMessageId() {
@@ -356,8 +357,10 @@ absl::StatusOr<PublishResult> RelayClient::PublishImpl(const Turn& turn, std::sh
     // A channel whose connection failed waits out its reconnect backoff
     // before trying again, and until then fails every call at once: try now,
     // and give the relay up to another backoff to accept the connection.
-    grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
-    channel_->WaitForConnected(std::chrono::system_clock::now() + backoff);
+    if (own_channel_) {
+      grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
+      channel_->WaitForConnected(std::chrono::system_clock::now() + backoff);
+    }
     backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::seconds(2));
   }
 }

@@ -140,8 +140,13 @@ const char* HealthStatusName(HealthStatus s);
 
 class RelayClient {
  public:
+  // Over a channel of the caller's. Publish retries then only sleep their
+  // backoff: set GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS on the channel for a
+  // relay back from a restart to be reached in time.
   explicit RelayClient(std::shared_ptr<grpc::Channel> channel);
-  // An insecure channel to "HOST:PORT".
+  // An insecure channel to "HOST:PORT" that reconnects within 100 ms (at
+  // most 2 s); publish retries ask it to reconnect at once and wait up to
+  // one backoff for the connection.
   static std::unique_ptr<RelayClient> Connect(const std::string& addr);
 
   RelayClient(const RelayClient&) = delete;
@@ -208,6 +213,11 @@ class RelayClient {
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Relay::Stub> stub_;
+  // The channel is Connect()'s own TCP client channel: publish retries may
+  // reset its reconnect backoff and wait for it to connect. Not for a
+  // caller's channel (it may be shared, or in-process, where gRPC aborts on
+  // connectivity watches).
+  bool own_channel_ = false;
 };
 
 }  // namespace kvrelay

@@ -252,6 +252,7 @@ std::string ServerUsage() {
                                  (KVRELAY_HEAP_RETAIN_BYTES; 128MiB; 0: glibc's defaults)
   --config FILE                  JSON object with the same keys (KVRELAY_CONFIG)
 Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT
+(with --log-json, a JSON record whose "msg" is that text)
 
        kvrelay-server health [--addr HOST:PORT] [--timeout SECONDS]
   asks a running relay's grpc.health.v1 (default 127.0.0.1:50051, 2 s); exit 0 when SERVING

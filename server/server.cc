@@ -3,7 +3,6 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "civetweb.h"
 #include "core/pipeline.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -11,10 +10,22 @@
 #include "grpcpp/server_builder.h"
 #include "spdlog/spdlog.h"
 
+#if defined(KVRELAY_CIVETWEB_FEATURES)
+#include "civetweb.h"
+#endif
+
 namespace kvrelay {
 namespace {
 
-constexpr unsigned kCivetwebIpv6 = 8;  // mg_check_feature: built with IPv6
+// Whether the metrics HTTP server can listen on IPv6 (unknown: assume so).
+bool MetricsServerHasIpv6() {
+#if defined(KVRELAY_CIVETWEB_FEATURES)
+  constexpr unsigned kCivetwebIpv6 = 8;  // mg_check_feature: built with IPv6
+  return mg_check_feature(kCivetwebIpv6) != 0;
+#else
+  return true;
+#endif
+}
 
 }  // namespace
 
@@ -44,7 +55,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
     int mport;
     st = SplitHostPort(config.metrics_listen, &s->metrics_host_, &mport);
     if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--metrics-listen=", st.message()));
-    if (config.metrics_listen[0] == '[' && mg_check_feature(kCivetwebIpv6) == 0) {
+    if (config.metrics_listen[0] == '[' && !MetricsServerHasIpv6()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--metrics-listen=", config.metrics_listen,
           ": IPv6, expected an IPv4 address or host name (this build's metrics HTTP server, civetweb, "

@@ -461,9 +461,10 @@ class RelayClient {
   // stream's flow control; stops writing as soon as the relay answered (an
   // early error) and resolves/rejects with that answer.
   async #clientStream(method, first, tensors, timeoutMs) {
+    const deadline = deadlineAfter(timeoutMs); // INVALID_ARGUMENT before any call
     let call;
     const reply = new Promise((resolve, reject) => {
-      call = this.#stub[method]({ deadline: deadlineAfter(timeoutMs) },
+      call = this.#stub[method]({ deadline },
                                 (err, response) => (err ? reject(err) : resolve(response)));
     });
     let answered = false;

@@ -456,26 +456,42 @@ absl::Status WriteSafetensorsFile(const std::string& path, absl::Span<const StTe
   };
   struct stat st;
   const bool exists = ::lstat(path.c_str(), &st) == 0;
-  if (exists && !S_ISREG(st.st_mode)) {
-    // A device, a FIFO or a symbolic link (/dev/stdout, ...): written in place.
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  // A regular file of ours with one name is replaced only once the new one
+  // is complete, so that a failed write (disk full, a file size limit) leaves
+  // the old file, or none. Anything else is written in place, as a plain
+  // open would: a device, FIFO or symbolic link (/dev/stdout, ...), a file
+  // with other hard links or another owner (a rename would cut the links or
+  // change the owner), or where no file can be created beside it.
+  bool in_place = exists && (!S_ISREG(st.st_mode) || st.st_nlink > 1 || st.st_uid != ::geteuid());
+  if (exists && !in_place && ::access(path.c_str(), W_OK) != 0) return fail("cannot open for writing", errno);
+  int fd = -1;
+  std::string tmp;
+  if (!in_place) {
+    // Created with the old file's mode (the new one's: 0666 less the umask),
+    // so the data is never more readable than the file it replaces.
+    const mode_t mode = exists ? (st.st_mode & 0777) : 0666;
+    for (int attempt = 0; fd < 0 && attempt < 16; ++attempt) {
+      tmp = absl::StrCat(path, ".tmp-", ::getpid(), "-", attempt);
+      fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+      if (fd < 0 && errno != EEXIST) break;
+    }
+    if (fd < 0) {
+      const int e = errno;
+      if (!(e == ENAMETOOLONG || (exists && (e == EACCES || e == EPERM || e == EROFS)))) {
+        return fail("cannot open for writing", e);
+      }
+      in_place = true;
+    }
+  }
+  if (in_place) {
+    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
     if (fd < 0) return fail("cannot open for writing", errno);
     int e = WriteAll(fd, *header, tensors);
     if (::close(fd) != 0 && e == 0) e = errno;
     return e == 0 ? absl::OkStatus() : fail("write failed", e);
   }
-  // A regular file is replaced only once the new one is complete, so that a
-  // failed write (disk full, a file size limit) leaves the old file, or none.
-  int fd = -1;
-  std::string tmp;
-  for (int attempt = 0; fd < 0 && attempt < 16; ++attempt) {
-    tmp = absl::StrCat(path, ".tmp-", ::getpid(), "-", attempt);
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0) return fail("cannot open for writing", errno);
-  int e = WriteAll(fd, *header, tensors);
-  if (e == 0 && exists && ::fchmod(fd, st.st_mode & 07777) != 0) e = errno;
+  int e = exists && ::fchmod(fd, st.st_mode & 07777) != 0 ? errno : 0;
+  if (e == 0) e = WriteAll(fd, *header, tensors);
   if (::close(fd) != 0 && e == 0) e = errno;
   if (e == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) e = errno;
   if (e != 0) {

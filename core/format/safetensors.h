@@ -129,11 +129,15 @@ absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const StTensor> tens
                                                  const StMetadata& metadata);
 
 // Same bytes as SerializeSafetensors, streamed to the file at `path`
-// without assembling the buffer in memory. A regular file (or a new one) is
-// written under a temporary name beside it and renamed over `path` once
-// complete, keeping an existing file's mode: after a failed write the old
-// file is intact and nothing is left behind. Other paths (a device, FIFO or
-// symbolic link) are written in place. Internal for I/O errors.
+// without assembling the buffer in memory. A new file, or a regular file of
+// this user's with one link, is written under a temporary name beside it
+// (with the old file's mode from the start) and renamed over `path` once
+// complete: after a failed write the old file is intact and nothing is left
+// behind (unless the process is killed meanwhile; no fsync). Other paths
+// (a device, FIFO or symbolic link, a file with other links or another
+// owner, or where the directory takes no new file) are written in place. A
+// file this user may not write is refused as open() would. Internal for I/O
+// errors.
 absl::Status WriteSafetensorsFile(const std::string& path, absl::Span<const StTensor> tensors,
                                   const StMetadata& metadata);
 

@@ -476,6 +476,35 @@ TEST_F(RelayClientTest, HealthAndStats) {
   EXPECT_EQ(s->version, "fake");
 }
 
+// Over a caller's in-process channel a retry only sleeps its backoff (gRPC
+// aborts on connectivity watches of non-client channels).
+TEST(RelayClientInProcess, RetriesOverAnInProcessChannel) {
+  FakeRelay relay;
+  grpc::ServerBuilder b;
+  b.RegisterService(&relay);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_TRUE(server != nullptr);
+  grpc::ChannelArguments args;
+  RelayClient client(server->InProcessChannel(args));
+  SyntheticTurnOptions o;
+  o.layers = 1;
+  o.kv_heads = 1;
+  o.score_heads = 1;
+  o.head_dim = 16;
+  o.n_prompt = 32;
+  o.n_gen = 2;
+  PublishOptions opts;
+  opts.session = "s";
+  opts.sender = "a";
+  opts.recipients = {"b"};
+  opts.initial_backoff = std::chrono::milliseconds(1);
+  relay.fail_publishes = 1;
+  absl::StatusOr<PublishResult> r = client.Publish(*MakeSyntheticTurn(o), opts);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->attempts, 2);
+  server->Shutdown();
+}
+
 TEST(RelayClientNoServer, UnavailableAndUniqueIds) {
   auto c = RelayClient::Connect("127.0.0.1:1");
   EXPECT_EQ(c->Health("", std::chrono::seconds(2)).status().code(), absl::StatusCode::kUnavailable);

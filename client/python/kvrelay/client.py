@@ -84,7 +84,8 @@ class PublishError(grpc.RpcError):
 
 # gRPC's default reconnect backoff (1 s, growing x1.6 to 120 s) outlasts the
 # publish retries' own backoff: a relay back after a restart would not be
-# tried again in time. Options given to Client come after these and win.
+# tried again in time. Options given to Client replace these (a channel arg
+# given twice keeps its first value in grpcio 1.51).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.max_reconnect_backoff_ms", 2000)]
 
@@ -334,8 +335,10 @@ class Client:
     existing grpc.Channel). Thread-safe; usable as a context manager."""
 
     def __init__(self, addr, channel=None, options=None):
+        options = list(options or [])
+        given = {k for k, _ in options}
         self._channel = channel if channel is not None else grpc.insecure_channel(
-            addr, options=_CHANNEL_OPTIONS + list(options or []))
+            addr, options=options + [o for o in _CHANNEL_OPTIONS if o[0] not in given])
         self._stub = pb_grpc.RelayStub(self._channel)
 
     def close(self):

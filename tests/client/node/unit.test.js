@@ -308,9 +308,17 @@ test('publish/fetch: one recipient as a string; a timeout that is not a positive
     assert.equal(e.code, grpc.status.UNAVAILABLE);  // reached the relay: the string was one recipient
     assert.deepEqual(seen, [e.messageId]);
     for (const timeoutMs of ['500', 0, -1, NaN]) {
-      const f = await relay.fetch('s', 'critic', { timeoutMs }).then(() => assert.fail('resolved'), (err) => err);
-      assert.ok(f instanceof RelayError && f.code === grpc.status.INVALID_ARGUMENT, String(f));
-      assert.match(f.details, /^timeoutMs: .*, expected a positive number of milliseconds$/);
+      const calls = [
+        relay.fetch('s', 'critic', { timeoutMs }),
+        relay.publish(tinyTurn(), { ...route, sessionId: 's', timeoutMs }),
+        relay.ack('s', 'critic', 'm-1', { timeoutMs }),
+        relay.stats({ timeoutMs }),
+      ];
+      for (const call of calls) {
+        const f = await call.then(() => assert.fail('resolved'), (err) => err);
+        assert.ok(f instanceof RelayError && f.code === grpc.status.INVALID_ARGUMENT, String(f));
+        assert.match(f.details, /^timeoutMs: .*, expected a positive number of milliseconds$/);
+      }
     }
   });
 });

@@ -477,6 +477,14 @@ TEST(SafetensorsWriterTest, AFailedWriteKeepsTheOldFile) {
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0640u);
   EXPECT_THAT(entries(), ::testing::ElementsAre("m.safetensors"));
+
+  // A file with another hard link is written in place: both names see it.
+  const std::string link = dir + "/link.safetensors";
+  ASSERT_EQ(::link(path.c_str(), link.c_str()), 0);
+  ASSERT_TRUE(WriteSafetensorsFile(path, old_tensors, {}).ok());
+  EXPECT_EQ(*ReadFileToString(link), before);
+  EXPECT_THAT(entries(), ::testing::UnorderedElementsAre("m.safetensors", "link.safetensors"));
+  std::remove(link.c_str());
   std::remove(path.c_str());
   ::rmdir(dir.c_str());
 }
