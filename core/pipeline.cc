@@ -112,6 +112,15 @@ absl::Status ApplyObf(const StageSpec& st, PipelineConfig* cfg) {
   KVRELAY_RETURN_IF_ERROR(p.Int("iters", 1, 1000, &o.iters));
   KVRELAY_RETURN_IF_ERROR(p.Int("oversample", 0, 4096, &o.oversample));
   KVRELAY_RETURN_IF_ERROR(p.Done());
+  if (o.mode == ObfMode::kExact) {
+    for (const char* fast_only : {"iters", "oversample"}) {
+      const auto& ps = st.params;
+      if (std::any_of(ps.begin(), ps.end(), [fast_only](const auto& kv) { return kv.first == fast_only; })) {
+        return BadStage(st, absl::StrCat(fast_only, ": applies to mode=fast only, expected mode=fast or no ",
+                                         fast_only));
+      }
+    }
+  }
   cfg->obf = o;
   return absl::OkStatus();
 }
@@ -168,6 +177,10 @@ std::string CanonicalSpec(const PipelineConfig& c) {
 absl::StatusOr<std::vector<StageSpec>> SplitSpec(absl::string_view spec) {
   std::vector<StageSpec> stages;
   if (spec.empty()) return absl::InvalidArgumentError("policy: empty spec, expected e.g. 'h2o-head:k=32'");
+  if (spec.size() > kMaxSpecBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy: ", spec.size(), " bytes, expected at most ", kMaxSpecBytes));
+  }
   for (size_t i = 0; i < spec.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(spec[i]);
     if (c <= ' ' || c >= 0x7f) {
@@ -395,10 +408,15 @@ void Pipeline::BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, con
   }
 }
 
-absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, LayerWork* w) const {
+absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork* w) const {
   for (const absl::Status& s : w->head_status) KVRELAY_RETURN_IF_ERROR(s);
   if (config_.quant) {
-    KVRELAY_ASSIGN_OR_RETURN(QuantizedKv q, QuantizeKv(w->out.k, w->out.v, *config_.quant));
+    absl::StatusOr<QuantizedKv> quantized = QuantizeKv(w->out.k, w->out.v, *config_.quant);
+    if (!quantized.ok()) {
+      return absl::Status(quantized.status().code(),
+                          absl::StrCat("layer ", layer, ": ", quantized.status().message()));
+    }
+    QuantizedKv q = *std::move(quantized);
     q.dtype = geo.dtype;
     w->out.quant = std::move(q);
     w->out.k = KvTensor(geo.dtype, 0, 0, geo.head_dim);
@@ -415,7 +433,7 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
   SelectAndCopy(layer, geo, ctx, &w);
   ParallelFor(pool, config_.obf ? geo.kv_heads : 0,
               [&](size_t h) { BackfillHead(layer, geo, ctx, static_cast<int>(h), &w); });
-  KVRELAY_RETURN_IF_ERROR(FinishLayer(geo, &w));
+  KVRELAY_RETURN_IF_ERROR(FinishLayer(geo, ctx.layer, &w));
   return std::move(w.out);
 }
 
@@ -455,7 +473,7 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
       BackfillHead(turn.layers[l], geo, ctx[l], static_cast<int>(i % heads), &work[l]);
     });
   }
-  ParallelFor(pool, n_layers, [&](size_t l) { status[l] = FinishLayer(geo, &work[l]); });
+  ParallelFor(pool, n_layers, [&](size_t l) { status[l] = FinishLayer(geo, static_cast<int>(l), &work[l]); });
   for (const absl::Status& s : status) KVRELAY_RETURN_IF_ERROR(s);
 
   Message msg;

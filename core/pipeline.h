@@ -35,8 +35,13 @@ struct StageSpec {
   std::vector<std::pair<std::string, std::string>> params;  // in spec order
 };
 
-// Splits a spec into stage tokens. InvalidArgument for empty stages,
-// missing '=' or empty keys, duplicate keys.
+// The longest spec accepted, in bytes (the relay quotes specs in error
+// messages and logs; offline use and the relay accept the same specs).
+inline constexpr size_t kMaxSpecBytes = 1024;
+
+// Splits a spec into stage tokens. InvalidArgument for an empty or too long
+// spec, bytes other than printable ASCII, empty stages, missing '=' or empty
+// keys, duplicate keys.
 absl::StatusOr<std::vector<StageSpec>> SplitSpec(absl::string_view spec);
 
 // What the stages of one pipeline resolve to.
@@ -122,7 +127,7 @@ class Pipeline {
                      LayerWork* w) const;
   void BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx, int h,
                     LayerWork* w) const;
-  absl::Status FinishLayer(const TurnGeometry& geo, LayerWork* w) const;
+  absl::Status FinishLayer(const TurnGeometry& geo, int layer, LayerWork* w) const;
 
   std::string spec_;
   PipelineConfig config_;

@@ -184,7 +184,7 @@ absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometr
   if (prompt_pos0 < 0) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_pos0: ", prompt_pos0, ", expected >= 0"));
   }
-  const int64_t last = prompt_pos0 + geo.n_prompt + geo.n_gen;
+  const int64_t last = prompt_pos0 + geo.n_prompt + geo.n_gen - 1;  // the last position id
   if (last > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_pos0: ", prompt_pos0,
                                                    " puts position ids past int32 (last ", last,

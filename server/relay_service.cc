@@ -27,7 +27,7 @@ namespace {
 // Longest policy spec a header may carry. Specs are tens of bytes; the
 // bound keeps error messages (which quote the spec) and log lines small, and
 // under the 8 KiB of trailing metadata gRPC clients accept by default.
-constexpr size_t kMaxPolicyBytes = 1024;
+constexpr size_t kMaxPolicyBytes = kMaxSpecBytes;
 
 absl::Status CheckPolicyLength(const std::string& policy) {
   if (policy.size() <= kMaxPolicyBytes) return absl::OkStatus();

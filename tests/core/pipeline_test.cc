@@ -58,6 +58,14 @@ TEST(PipelineSpecTest, ErrorsNameTheToken) {
   ExpectSpecError("h2o-head+obf:p=0", "p=0: expected an integer in [1,");
   ExpectSpecError("h2o-head+obf:scale=half", "scale=half: expected one of ad_over_as, ad_frac, ad, none");
   ExpectSpecError("h2o-head+int8:rotate=hadamard", "rotate=hadamard applies to int4 and int2 only");
+  // The fast path's parameters with the exact path: refused, not dropped.
+  ExpectSpecError("h2o-head+obf:iters=5", "'obf': iters: applies to mode=fast only");
+  ExpectSpecError("h2o-head+obf:mode=exact,oversample=3", "'obf': oversample: applies to mode=fast only");
+  EXPECT_TRUE(Pipeline::Create("h2o-head+obf:mode=fast,iters=5,oversample=3").ok());
+  // Offline use takes the relay's length limit.
+  const std::string padded = "h2o-head:k=" + std::string(kMaxSpecBytes, '0') + "5";
+  ExpectSpecError(padded, absl::StrCat("policy: ", padded.size(), " bytes, expected at most 1024"));
+  EXPECT_TRUE(Pipeline::Create("h2o-head:k=" + std::string(kMaxSpecBytes - 12, '0') + "5").ok());
   ExpectSpecError("h2o-head+int4:group=0", "group=0: expected an integer in [1,");
   // No spaces or control bytes anywhere.
   ExpectSpecError("h2o-head:k=32 ", "policy: byte 13 is a space (0x20), expected printable ASCII without spaces");
@@ -277,6 +285,21 @@ TEST(PipelineTest, ObfOverflowIsAnErrorNotInf) {
   EXPECT_THAT(std::string(m.status().message()), HasSubstr("layer.0.prompt.v: obf backfill overflows F16 at head 1"));
   // A bounded scale mode compresses the same turn.
   EXPECT_TRUE((*Pipeline::Create("h2o-layer:k=8+obf:scale=ad_frac"))->Compress(turn).ok());
+}
+
+// A quantization error names the layer it happened in, as OBF's does.
+TEST(PipelineTest, QuantErrorsNameTheLayer) {
+  TurnShape s;
+  s.dtype = DType::kF32;
+  s.layers = 3;
+  Turn turn = RandomTurn(s, 29);
+  const float huge = -1e6f;  // no fp16 zero point at or below it
+  std::memcpy(turn.layers[2].gen_k.row(1, 0) + 3 * sizeof(float), &huge, sizeof(huge));
+  for (const char* policy : {"gen+int4", "h2o-head:k=8+int8"}) {
+    auto m = (*Pipeline::Create(policy))->Compress(turn);
+    ASSERT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << policy << ": " << m.status();
+    EXPECT_THAT(std::string(m.status().message()), ::testing::StartsWith("layer 2: quant: k head 1")) << m.status();
+  }
 }
 
 TEST(PipelineTest, RejectsInvalidTurnsAndOptions) {

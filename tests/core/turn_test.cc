@@ -151,6 +151,14 @@ TEST(TurnTest, RejectsEachBadInput) {
   t = good;
   t.prompt_pos0 = 2147483640;
   ExpectInvalid(t, "past int32");
+
+  // The last position id may be INT32_MAX itself, not one more.
+  const int64_t ids = s.n_prompt + s.n_gen;
+  t = good;
+  t.prompt_pos0 = std::numeric_limits<int32_t>::max() - (ids - 1);
+  EXPECT_TRUE(ValidateTurn(t).ok()) << ValidateTurn(t);
+  t.prompt_pos0 = *t.prompt_pos0 + 1;
+  ExpectInvalid(t, "past int32 (last 2147483648)");
 }
 
 TEST(TurnTest, GeometryIsBounded) {
