@@ -22,7 +22,8 @@ PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline,
       pool_(pool),
       store_(store),
       reserved_(reserved),
-      out_(shape.layers) {
+      out_(shape.layers),
+      next_pos_(prompt_pos0 + shape.geo.n_prompt + shape.geo.n_gen) {
   if (parent_) geo_.n_history = parent_->msg.layers.empty() ? 0 : parent_->msg.layers[0].tokens();
 }
 

@@ -69,8 +69,9 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   // Worker seconds spent so far.
   double compress_seconds() const;
 
-  // 1 + the largest position id of the compressed layers (0 when none):
-  // where a child's prompt continues. Computed on the workers, per layer.
+  // Where a child's prompt continues: the turn's end, prompt_pos0 + n_prompt
+  // + n_gen (also when the prompt's last tokens were evicted and nothing was
+  // generated), or 1 + the largest position id held if that is larger.
   int64_t next_pos() const;
 
   // The geometry of the compressed turn (history included).
@@ -99,7 +100,7 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   std::function<void()> resume_;  // set while the reader is paused
   static std::atomic<int> peak_outstanding_;
   double seconds_ = 0;
-  int64_t next_pos_ = 0;
+  int64_t next_pos_;
   std::function<void()> done_;
 };
 

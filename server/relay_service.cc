@@ -442,7 +442,7 @@ class PublishReactor final
       }
       if (!shape.prompt_pos0) {
         pos0 = parent->next_pos;  // computed when the parent was compressed
-        if (pos0 + shape.geo.n_prompt + shape.geo.n_gen > std::numeric_limits<int32_t>::max()) {
+        if (pos0 + shape.geo.n_prompt + shape.geo.n_gen - 1 > std::numeric_limits<int32_t>::max()) {
           return absl::InvalidArgumentError(absl::StrCat("header.geometry.prompt_pos0: ", pos0,
                                                          " (after the parent) puts position ids past int32"));
         }

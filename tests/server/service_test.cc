@@ -223,6 +223,43 @@ TEST_F(RelayTest, ParentChainComposesHistoryLikeTheCoreLibrary) {
   ExpectSameMessage(f2.msg, want);
 }
 
+// A parent turn that generated nothing and whose last prompt tokens were
+// evicted still ends at prompt_pos0 + n_prompt: a child continues there, not
+// after the last position the parent kept (those ids belonged to evicted
+// tokens).
+TEST_F(RelayTest, ChildContinuesAfterTheParentsLastToken) {
+  TurnShape s;
+  s.layers = 2;
+  s.kv_heads = 2;
+  s.group = 1;
+  s.head_dim = 16;
+  s.n_prompt = 20;
+  s.n_gen = 0;
+  s.dtype = DType::kF32;
+  Turn t1 = RandomTurn(s, 41);
+  for (TurnLayer& l : t1.layers) {
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 20; ++j) l.scores.at(h, j) = j < 10 ? 1.0f : 0.0f;  // the tail is evicted
+    }
+  }
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("end", "m1", "a", {"b"}, "h2o-head:k=4", t1), t1).status.ok());
+  ASSERT_TRUE(DoFetch(stub_.get(), "end", "b", true).status.ok());
+  s.first_agent = false;
+  s.n_prompt = 3;
+  Turn t2 = RandomTurn(s, 42);
+  auto h2 = Header("end", "m2", "b", {"c"}, "full", t2);
+  h2.set_parent_id("m1");
+  ASSERT_TRUE(PublishTurn(stub_.get(), h2, t2).status.ok());
+  FetchResult f = DoFetch(stub_.get(), "end", "c", true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  const MessageLayer& l0 = f.msg.layers[0];
+  const int n_hist = static_cast<int>(f.header.n_history());
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < n_hist; ++j) EXPECT_LT(l0.pos.at(h, j), 10) << "parent kept only tokens 0..9";
+    for (int j = 0; j < 3; ++j) EXPECT_EQ(l0.pos.at(h, n_hist + j), 20 + j) << "head " << h;
+  }
+}
+
 TEST_F(RelayTest, FanOutAndSessionClose) {
   Turn t = MakeTurn(6);
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("fan", "m", "a", {"b", "c", "d"}, "gen", t), t).status.ok());
