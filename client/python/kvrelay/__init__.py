@@ -8,7 +8,9 @@
     c.ack("s1", "critic", m.message_id)
 
 The generated stubs live in the subpackage kvrelay.v1, which may sit in
-another sys.path entry (the build tree); pkgutil.extend_path finds it.
+another sys.path entry (the build tree); pkgutil.extend_path finds it. The
+client (and grpc) is imported on first use of Client and its companions, so
+offline use (Turn, safetensors, dequantize_layer, ...) needs neither.
 """
 import pkgutil
 
@@ -18,9 +20,16 @@ from kvrelay._crc32c import crc32c, crc32c_combine  # noqa: E402
 from kvrelay.types import (Accounting, Message, MessageLayer, PublishResult,  # noqa: E402
                            QuantizedLayer, Stats, Turn, TurnLayer, bf16_to_f32,
                            dequantize_layer, f32_to_bf16, hadamard_f32)
-from kvrelay.client import (MAX_CHUNK_BYTES, Client, PublishError, RelayError,  # noqa: E402
-                            new_message_id)
 from kvrelay import safetensors  # noqa: E402
+
+_CLIENT_NAMES = ("Client", "RelayError", "PublishError", "MAX_CHUNK_BYTES", "new_message_id")
+
+
+def __getattr__(name):  # PEP 562: the client on first use
+    if name in _CLIENT_NAMES:
+        from kvrelay import client
+        return getattr(client, name)
+    raise AttributeError(f"module 'kvrelay' has no attribute {name!r}")
 
 __all__ = [
     "Client", "RelayError", "PublishError", "Turn", "TurnLayer", "Message", "MessageLayer", "QuantizedLayer",
