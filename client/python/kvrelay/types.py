@@ -20,7 +20,9 @@ DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"
 
 
 def f32_to_bf16(x):
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even.
+    Other input is converted to float32 first, so float64 values are rounded
+    twice (e.g. 1.0039062500000002 gives 1.0): pass float32 for one rounding."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
@@ -229,7 +231,9 @@ def hadamard_f32(x):
     """Orthonormal Walsh-Hadamard transform of the last axis (a power of two),
     in float32 with the butterfly order and rounding of core/quant.cc."""
     x = np.array(x, dtype=np.float32)
-    n = x.shape[-1]
+    n = x.shape[-1] if x.ndim else 0
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"x: last axis of length {n}, expected a power of two")
     lead = x.shape[:-1]
     h = 1
     while h < n:
