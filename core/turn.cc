@@ -181,6 +181,14 @@ absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometr
                                                    Shape({pos.heads, pos.tokens}), ", expected ",
                                                    Shape({geo.kv_heads, geo.n_history})));
   }
+  for (size_t i = 0; i < pos.data.size(); ++i) {
+    if (pos.data[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s: %d at [%d,%d], expected a position id >= 0",
+                                                        Name(li, "history.pos"), pos.data[i],
+                                                        static_cast<int>(i / pos.tokens),
+                                                        static_cast<int>(i % pos.tokens)));
+    }
+  }
   if (prompt_pos0 < 0) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_pos0: ", prompt_pos0, ", expected >= 0"));
   }

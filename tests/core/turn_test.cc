@@ -145,6 +145,10 @@ TEST(TurnTest, RejectsEachBadInput) {
   ExpectInvalid(t, "layer.2.history.pos: shape [2,3], expected [2,4]");
 
   t = good;
+  t.layers[1].history_pos.at(1, 2) = -3;
+  ExpectInvalid(t, "layer.1.history.pos: -3 at [1,2], expected a position id >= 0");
+
+  t = good;
   t.prompt_pos0 = -1;
   ExpectInvalid(t, "prompt_pos0: -1, expected >= 0");
 
