@@ -385,10 +385,10 @@ std::optional<Failure> MakeTurn(int argc, char** argv) {
   constexpr int64_t kMax = 1 << 24;
   SyntheticTurnOptions o;
   KVRELAYCTL_FLAG(const std::string out, flags.Required("out"));
-  KVRELAYCTL_FLAG(o.layers, flags.Int("layers", o.layers, 1, 4096));
-  KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", o.kv_heads, 1, 4096));
-  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", 0, 0, 65536));
-  KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", o.head_dim, 1, 65536));
+  KVRELAYCTL_FLAG(o.layers, flags.Int("layers", o.layers, 1, kMaxLayers));
+  KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", o.kv_heads, 1, kMaxKvHeads));
+  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", 0, 0, kMaxScoreHeads));
+  KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", o.head_dim, 1, kMaxHeadDim));
   KVRELAYCTL_FLAG(o.n_prompt, flags.Int("prompt", o.n_prompt, 0, kMax));
   KVRELAYCTL_FLAG(o.n_gen, flags.Int("gen", o.n_gen, 0, kMax));
   KVRELAYCTL_FLAG(o.n_history, flags.Int("history", o.n_history, 0, kMax));
@@ -655,17 +655,17 @@ std::optional<Failure> Demo(int argc, char** argv) {
   KVRELAYCTL_FLAG(const int64_t rounds, flags.Int("rounds", 1, 1, 1000));
   SyntheticTurnOptions o = Qwen3_14BTurn();
   const int group = o.score_heads / o.kv_heads;  // Qwen3-14B: 40 query heads over 8 KV heads
-  KVRELAYCTL_FLAG(o.layers, flags.Int("layers", o.layers, 1, 4096));
-  KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", o.kv_heads, 1, 4096));
+  KVRELAYCTL_FLAG(o.layers, flags.Int("layers", o.layers, 1, kMaxLayers));
+  KVRELAYCTL_FLAG(o.kv_heads, flags.Int("kv-heads", o.kv_heads, 1, kMaxKvHeads));
   // Without --score-heads the query heads follow --kv-heads in Qwen3-14B's
   // ratio; 0 means as many as KV heads (as make-turn).
-  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", o.kv_heads * group, 0, 65536));
+  KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", o.kv_heads * group, 0, kMaxScoreHeads));
   if (o.score_heads == 0) o.score_heads = o.kv_heads;
   if (o.score_heads % o.kv_heads != 0) {
     return Usage(absl::StrCat("flag --score-heads: ", o.score_heads, ", expected a multiple of --kv-heads (",
                               o.kv_heads, ")"));
   }
-  KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", o.head_dim, 1, 65536));
+  KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", o.head_dim, 1, kMaxHeadDim));
   KVRELAYCTL_FLAG(o.n_prompt, flags.Int("prompt", o.n_prompt, 0, 1 << 24));
   KVRELAYCTL_FLAG(o.n_gen, flags.Int("gen", o.n_gen, 0, 1 << 24));
   KVRELAYCTL_FLAG(const int64_t seed, flags.Int("seed", 1, 0, INT64_MAX));
