@@ -24,15 +24,14 @@
 namespace kvrelay {
 namespace {
 
-// Longest policy spec a header may carry. Specs are tens of bytes; the
-// bound keeps error messages (which quote the spec) and log lines small, and
-// under the 8 KiB of trailing metadata gRPC clients accept by default.
-constexpr size_t kMaxPolicyBytes = kMaxSpecBytes;
-
+// The spec bound (kMaxSpecBytes), checked before parsing so that the error
+// names the header field. Specs are tens of bytes; the bound keeps error
+// messages (which quote the spec) and log lines small, and under the 8 KiB of
+// trailing metadata gRPC clients accept by default.
 absl::Status CheckPolicyLength(const std::string& policy) {
-  if (policy.size() <= kMaxPolicyBytes) return absl::OkStatus();
+  if (policy.size() <= kMaxSpecBytes) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat("header.policy: ", policy.size(), " bytes, expected at most ", kMaxPolicyBytes));
+      absl::StrCat("header.policy: ", policy.size(), " bytes, expected at most ", kMaxSpecBytes));
 }
 
 double SecondsSince(Clock::time_point t) {

@@ -372,6 +372,26 @@ TEST_F(RelayClientTest, RetriesAreBounded) {
   EXPECT_EQ(std::string(*r.status().GetPayload(kMessageIdPayload)), "chosen");
 }
 
+// A one-layer turn of a few tokens, and options routing it from a to b.
+Turn TinyTurn() {
+  SyntheticTurnOptions o;
+  o.layers = 1;
+  o.kv_heads = 1;
+  o.score_heads = 1;
+  o.head_dim = 16;
+  o.n_prompt = 32;
+  o.n_gen = 2;
+  return *MakeSyntheticTurn(o);
+}
+
+PublishOptions TinyRoute() {
+  PublishOptions opts;
+  opts.session = "s";
+  opts.sender = "a";
+  opts.recipients = {"b"};
+  return opts;
+}
+
 // A relay that starts listening shortly after a publish began (a restart) is
 // reached by the retries: the channel tries to reconnect at each retry
 // instead of waiting out gRPC's own reconnect backoff (1 s and growing).
@@ -388,18 +408,8 @@ TEST(RelayClientRestart, RetriesReachARelayThatComesBack) {
   }
   const std::string addr = absl::StrCat("127.0.0.1:", port);
   auto client = RelayClient::Connect(addr);
-  SyntheticTurnOptions o;
-  o.layers = 1;
-  o.kv_heads = 1;
-  o.score_heads = 1;
-  o.head_dim = 16;
-  o.n_prompt = 32;
-  o.n_gen = 2;
-  const Turn turn = *MakeSyntheticTurn(o);
-  PublishOptions opts;
-  opts.session = "s";
-  opts.sender = "a";
-  opts.recipients = {"b"};
+  const Turn turn = TinyTurn();
+  PublishOptions opts = TinyRoute();
   opts.retries = 3;  // backoff 0.1, 0.2, 0.4 s
   FakeRelay relay;
   std::unique_ptr<grpc::Server> server;
@@ -486,20 +496,10 @@ TEST(RelayClientInProcess, RetriesOverAnInProcessChannel) {
   ASSERT_TRUE(server != nullptr);
   grpc::ChannelArguments args;
   RelayClient client(server->InProcessChannel(args));
-  SyntheticTurnOptions o;
-  o.layers = 1;
-  o.kv_heads = 1;
-  o.score_heads = 1;
-  o.head_dim = 16;
-  o.n_prompt = 32;
-  o.n_gen = 2;
-  PublishOptions opts;
-  opts.session = "s";
-  opts.sender = "a";
-  opts.recipients = {"b"};
+  PublishOptions opts = TinyRoute();
   opts.initial_backoff = std::chrono::milliseconds(1);
   relay.fail_publishes = 1;
-  absl::StatusOr<PublishResult> r = client.Publish(*MakeSyntheticTurn(o), opts);
+  absl::StatusOr<PublishResult> r = client.Publish(TinyTurn(), opts);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->attempts, 2);
   server->Shutdown();
