@@ -51,11 +51,11 @@ _PART_NAME = {
 _MAX_MESSAGE_BYTES = 1 << 36
 
 
-class RelayError(grpc.RpcError):
-    """An error this client detected itself, shaped like a gRPC status."""
+class _StatusError(grpc.RpcError):
+    """A grpc.RpcError that carries a status code and details."""
 
-    def __init__(self, code, details):
-        super().__init__(f"{code.name}: {details}")
+    def __init__(self, code, details, text):
+        super().__init__(text)
         self._code, self._details = code, details
 
     def code(self):
@@ -65,21 +65,22 @@ class RelayError(grpc.RpcError):
         return self._details
 
 
-class PublishError(grpc.RpcError):
+class RelayError(_StatusError):
+    """An error this client detected itself, shaped like a gRPC status."""
+
+    def __init__(self, code, details):
+        super().__init__(code, details, f"{code.name}: {details}")
+
+
+class PublishError(_StatusError):
     """A failed publish: the relay's (or this client's) status, and the
     message id the publish used (message_id), to retry with."""
 
     def __init__(self, cause, message_id):
         code = cause.code() if callable(getattr(cause, "code", None)) else grpc.StatusCode.UNKNOWN
         details = cause.details() if callable(getattr(cause, "details", None)) else str(cause)
-        super().__init__(f"{code.name}: {details} (message_id {message_id})")
-        self._code, self._details, self.message_id = code, details, message_id
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
+        super().__init__(code, details, f"{code.name}: {details} (message_id {message_id})")
+        self.message_id = message_id
 
 
 # gRPC's default reconnect backoff (1 s, growing x1.6 to 120 s) outlasts the
