@@ -90,6 +90,22 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
   return w;
 }
 
+// Frees a per-thread buffer once it holds more than 16 MiB, so that one long
+// prompt does not pin memory in every worker for good.
+template <typename T>
+void ReleaseIfLarge(std::vector<T>* b) {
+  if (b->capacity() * sizeof(T) > (size_t{16} << 20)) std::vector<T>().swap(*b);
+}
+
+// A per-thread ld x ld buffer for a Gram kernel's output; the next call on
+// this thread overwrites it.
+template <typename Scalar>
+Scalar* GramBuffer(int ld) {
+  thread_local std::vector<Scalar> g;
+  g.resize(static_cast<size_t>(ld) * ld);
+  return g.data();
+}
+
 // Copies the lower triangle of the d x d matrix g (stride ld) to its upper
 // one and returns the full matrix as a view.
 template <typename Scalar>
@@ -102,9 +118,8 @@ Strided<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>> MirrorLower
 
 // The rows `idx` of the row-major [*, d] floats `v`, converted to Scalar
 // and multiplied by `scale`, in a per-thread row-major buffer whose stride is
-// padded with zeros for GramLower. The buffer is freed when the object dies
-// if it holds more than 16 MiB, so one long prompt does not pin memory in
-// every worker for good.
+// padded with zeros for GramLower (released when the object dies, see
+// ReleaseIfLarge).
 template <typename Scalar>
 class PaddedRows {
  public:
@@ -122,7 +137,7 @@ class PaddedRows {
     }
   }
   ~PaddedRows() {
-    if (buf().capacity() * sizeof(Scalar) > (size_t{16} << 20)) std::vector<Scalar>().swap(buf());
+    ReleaseIfLarge(&buf());
   }
   PaddedRows(const PaddedRows&) = delete;
   PaddedRows& operator=(const PaddedRows&) = delete;
@@ -132,10 +147,9 @@ class PaddedRows {
   // The full symmetric Gram rows^T rows, d x d, as a view of a per-thread
   // buffer that the next call on this thread overwrites.
   Strided<const ColMajor> Gram() {
-    thread_local std::vector<Scalar> g;
-    g.resize(static_cast<size_t>(ld_) * ld_);
-    internal::GramLower(buf().data(), n_, d_, g.data());
-    return MirrorLower(g.data(), d_, ld_);
+    Scalar* g = GramBuffer<Scalar>(ld_);
+    internal::GramLower(buf().data(), n_, d_, g);
+    return MirrorLower(g, d_, ld_);
   }
 
  private:
@@ -186,15 +200,14 @@ class PairRows {
     return true;
   }
   ~PairRows() {
-    if (buf().capacity() * sizeof(uint32_t) > (size_t{16} << 20)) std::vector<uint32_t>().swap(buf());
+    ReleaseIfLarge(&buf());
   }
 
   // As PaddedRows::Gram.
   Strided<const Eigen::MatrixXf> Gram() {
-    thread_local std::vector<float> g;
-    g.resize(static_cast<size_t>(ld_) * ld_);
-    internal::GramLowerBf16(buf().data(), (n_ + 1) / 2, d_, g.data());
-    return MirrorLower(g.data(), d_, ld_);
+    float* g = GramBuffer<float>(ld_);
+    internal::GramLowerBf16(buf().data(), (n_ + 1) / 2, d_, g);
+    return MirrorLower(g, d_, ld_);
   }
 
  private:
