@@ -347,8 +347,8 @@ void InspectMessage(const std::string& path, const Message& msg) {
   PrintPart("kept", msg.n_kept, per_token * msg.n_kept);
   PrintPart("gen", msg.n_gen, per_token * msg.n_gen);
   if (l0.quant) std::printf("key_stats_bytes: %" PRIu64 "\n", key_stats);
-  std::printf("full_bytes: %" PRIu64 "\nsent_bytes: %" PRIu64 "\nratio: %s\n", msg.full_bytes,
-              msg.sent_bytes, Ratio(msg.full_bytes, msg.sent_bytes).c_str());
+  std::printf("full_bytes: %" PRIu64 "\nsent_bytes: %" PRIu64 "\nratio: %s\nnext_pos: %" PRId64 "\n",
+              msg.full_bytes, msg.sent_bytes, Ratio(msg.full_bytes, msg.sent_bytes).c_str(), msg.next_pos);
 }
 
 std::optional<Failure> Inspect(int argc, char** argv) {
@@ -570,11 +570,11 @@ std::optional<Failure> Fetch(int argc, char** argv) {
   }
   const Message& msg = m->message;
   std::printf("message_id=%s from=%s parent=%s delivery_attempt=%u acked=%s layers=%zu "
-              "history=%d anchor=%d kept=%d gen=%d %s out=%s\n",
+              "history=%d anchor=%d kept=%d gen=%d next_pos=%" PRId64 " %s out=%s\n",
               m->message_id.c_str(), m->sender.c_str(),
               m->parent_id.empty() ? "-" : m->parent_id.c_str(), m->delivery_attempt,
               ack ? "true" : "false", msg.layers.size(), msg.n_history, msg.n_anchor, msg.n_kept,
-              msg.n_gen, AccountingLine(m->accounting).c_str(), out.c_str());
+              msg.n_gen, msg.next_pos, AccountingLine(m->accounting).c_str(), out.c_str());
   return std::nullopt;
 }
 
@@ -729,7 +729,6 @@ std::optional<Failure> Demo(int argc, char** argv) {
         fetched = client->Fetch(f);
         fetched_at = std::chrono::steady_clock::now();
       });
-      const int64_t pos0 = turn->PromptPos0();
       absl::StatusOr<PublishResult> r = client->Publish(std::make_shared<const Turn>(*std::move(turn)), p);
       if (!r.ok()) {
         // Unblock the recipient: closing the session ends its wait.
@@ -765,12 +764,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
       tot_hop_ms += hop_ms;
       ++hops;
       parent = fetched->message_id;
-      // Positions continue after the last token the agent received.
-      int32_t max_pos = -1;
-      for (const MessageLayer& l : m.layers) {
-        for (int32_t x : l.pos.data) max_pos = std::max(max_pos, x);
-      }
-      next_pos = std::max<int64_t>(max_pos + 1, pos0 + o.n_prompt + o.n_gen);
+      next_pos = m.next_pos;  // where the sender's turn ended
     }
     absl::StatusOr<uint32_t> freed = client->CloseSession(session);
     if (!freed.ok()) return RelayError("demo: close", freed.status());

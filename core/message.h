@@ -60,10 +60,22 @@ struct Message {
   // plus position ids), and bytes this message sends.
   uint64_t full_bytes = 0;
   uint64_t sent_bytes = 0;
+  // Position id where the receiving agent's own tokens start: the end of the
+  // relayed sequence, prompt_pos0 + n_prompt + n_gen of the turn (and at
+  // least 1 + every position id held), even when the turn's last tokens were
+  // evicted. 0 when unknown (a message built by hand); see NextPosition().
+  int64_t next_pos = 0;
   std::vector<MessageLayer> layers;
 
   double Ratio() const { return sent_bytes ? static_cast<double>(full_bytes) / sent_bytes : 0.0; }
 };
+
+// 1 + the largest position id held in any layer and head; 0 for a message
+// that holds no token.
+int64_t HeldEnd(const Message& msg);
+
+// Where the receiver continues: max(msg.next_pos, HeldEnd(msg)).
+int64_t NextPosition(const Message& msg);
 
 }  // namespace kvrelay
 

@@ -488,6 +488,8 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
     msg.sent_bytes += w.out.SentBytes();
     msg.layers.push_back(std::move(w.out));
   }
+  msg.next_pos = turn.PromptPos0() + geo.n_prompt + geo.n_gen;
+  msg.next_pos = NextPosition(msg);  // history ids may lie beyond the prompt
   return msg;
 }
 

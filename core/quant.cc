@@ -26,16 +26,6 @@
 
 namespace kvrelay {
 
-uint64_t MessageLayer::SentBytes() const {
-  uint64_t payload;
-  if (quant.has_value()) {
-    payload = quant->k.ByteSize() + quant->v.ByteSize();
-  } else {
-    payload = static_cast<uint64_t>(k.byte_size()) + v.byte_size();
-  }
-  return payload + 4 * static_cast<uint64_t>(pos.data.size());
-}
-
 namespace {
 
 constexpr uint16_t kF16MinSubnormal = 0x0001;

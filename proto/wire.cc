@@ -116,6 +116,7 @@ void FillMessageHeader(const Message& msg, v1::MessageHeader* h) {
   h->set_n_anchor(msg.n_anchor);
   h->set_n_kept(msg.n_kept);
   h->set_n_gen(msg.n_gen);
+  h->set_next_pos(NextPosition(msg));
   if (!msg.layers.empty() && msg.layers[0].quant) {
     const QuantizedKv& q = *msg.layers[0].quant;
     h->set_quant_bits(q.bits);

@@ -86,7 +86,8 @@ v1::DType ToProtoDType(DType dtype);
 std::optional<DType> DTypeFromProto(v1::DType dtype);
 
 // The message-shape fields of a delivery header: layers, kv_heads, head_dim,
-// dtype, the four part sizes and the quantization (bits, group, rotate).
+// dtype, the four part sizes, next_pos and the quantization (bits, group,
+// rotate).
 // Leaves ids, routing and accounting alone.
 void FillMessageHeader(const Message& msg, v1::MessageHeader* h);
 

@@ -141,11 +141,6 @@ int PendingCompression::max_outstanding() const {
   return max_outstanding_;
 }
 
-int64_t PendingCompression::next_pos() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return next_pos_;
-}
-
 double PendingCompression::compress_seconds() const {
   std::lock_guard<std::mutex> lock(mu_);
   return seconds_;
@@ -165,6 +160,7 @@ Message PendingCompression::TakeMessage() {
     msg.sent_bytes += l->SentBytes();
     msg.layers.push_back(std::move(*l));
   }
+  msg.next_pos = next_pos_;
   return msg;
 }
 

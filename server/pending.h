@@ -62,17 +62,15 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   static int peak_outstanding() { return peak_outstanding_.load(); }
   static void ResetPeakOutstanding() { peak_outstanding_.store(0); }
 
-  // The composed message. REQUIRES: WhenDone fired, status().ok() and every
-  // layer submitted.
+  // The composed message; its next_pos (a child's default prompt_pos0) is the
+  // turn's end, prompt_pos0 + n_prompt + n_gen (also when the prompt's last
+  // tokens were evicted and nothing was generated), or 1 + the largest
+  // position id held if that is larger. REQUIRES: WhenDone fired,
+  // status().ok() and every layer submitted.
   Message TakeMessage();
 
   // Worker seconds spent so far.
   double compress_seconds() const;
-
-  // Where a child's prompt continues: the turn's end, prompt_pos0 + n_prompt
-  // + n_gen (also when the prompt's last tokens were evicted and nothing was
-  // generated), or 1 + the largest position id held if that is larger.
-  int64_t next_pos() const;
 
   // The geometry of the compressed turn (history included).
   const TurnGeometry& geometry() const { return geo_; }

@@ -440,7 +440,7 @@ class PublishReactor final
             shape.layers, shape.geo.kv_heads, shape.geo.head_dim, std::string(DTypeName(shape.geo.dtype))));
       }
       if (!shape.prompt_pos0) {
-        pos0 = parent->next_pos;  // computed when the parent was compressed
+        pos0 = parent->msg.next_pos;  // computed when the parent was compressed
         if (pos0 + shape.geo.n_prompt + shape.geo.n_gen - 1 > std::numeric_limits<int32_t>::max()) {
           return absl::InvalidArgumentError(absl::StrCat("header.geometry.prompt_pos0: ", pos0,
                                                          " (after the parent) puts position ids past int32"));
@@ -484,7 +484,6 @@ class PublishReactor final
     m->msg = pending->TakeMessage();
     m->family = PolicyFamily(m->msg.policy);
     m->bytes = m->msg.sent_bytes;
-    m->next_pos = pending->next_pos();
     m->started = started_;
     const double compress_s = pending->compress_seconds();
     FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);

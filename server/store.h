@@ -53,7 +53,6 @@ struct StoredMessage {
   v1::Accounting accounting;  // as returned by Publish
   std::string family;         // PolicyFamily(policy), the metrics label
   uint64_t bytes = 0;         // bytes held (msg.sent_bytes)
-  int64_t next_pos = 0;       // a child's default prompt_pos0: PendingCompression::next_pos()
   Clock::time_point started;  // the publish's first request
 };
 using MessagePtr = std::shared_ptr<const StoredMessage>;

@@ -113,6 +113,10 @@ absl::Status MessageAssembler::Start(const v1::MessageHeader& h) {
   if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("header.", dtype.status().message()));
   const uint64_t n64 = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
   if (n64 >= (uint64_t{1} << 31)) return bad("n_history+n_anchor+n_kept+n_gen", n64, "< 2^31");
+  if (h.next_pos() < 0 || h.next_pos() > (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.next_pos: ", h.next_pos(), ", expected 0..2^31"));
+  }
   const uint32_t bits = h.quant_bits();
   const bool quant = bits != 0;
   if (quant) {
@@ -141,6 +145,7 @@ absl::Status MessageAssembler::Start(const v1::MessageHeader& h) {
   msg_.n_gen = static_cast<int>(h.n_gen());
   msg_.full_bytes = h.accounting().full_bytes();
   msg_.sent_bytes = h.accounting().sent_bytes();
+  msg_.next_pos = h.next_pos();
   msg_.layers.resize(L);
   slots_.clear();
   const int Hi = msg_.kv_heads, ni = static_cast<int>(n), di = msg_.head_dim;
@@ -260,6 +265,7 @@ absl::StatusOr<Message> MessageAssembler::Finish(const v1::Trailer& t) {
                                                    msg_.sent_bytes, ", expected ", sent,
                                                    " (bytes of the delivered tensors)"));
   }
+  msg_.next_pos = NextPosition(msg_);  // 0 (a relay before the field): from the ids
   started_ = false;
   return std::move(msg_);
 }

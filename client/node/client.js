@@ -30,7 +30,7 @@ const buffer = require('node:buffer');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const { crc32c, crc32cCombine } = require('./crc32c');
-const { DTYPE_SIZE } = require('./safetensors');
+const { DTYPE_SIZE, nextPos } = require('./safetensors');
 
 /** The contract, as laid out in this repository. */
 const DEFAULT_PROTO_PATH = path.resolve(__dirname, '../../proto/kvrelay/v1/relay.proto');
@@ -130,9 +130,20 @@ function planUpload(turn) {
   if (!Array.isArray(turn.layers) || turn.layers.length === 0) {
     throw invalid('turn.layers: empty, expected at least one layer');
   }
-  const g = { nHistory: 0, firstAgent: true, ...turn };
+  // `undefined` or `null` take the defaults too (a spread would keep them).
+  const g = { ...turn, nHistory: turn.nHistory ?? 0, firstAgent: turn.firstAgent ?? true };
   for (const f of ['kvHeads', 'scoreHeads', 'headDim', 'nPrompt', 'nGen', 'nHistory']) {
-    if (!Number.isSafeInteger(g[f]) || g[f] < 0) throw invalid(`turn.${f}: ${g[f]}, expected an integer >= 0`);
+    if (!Number.isSafeInteger(g[f]) || g[f] < 0 || g[f] > 0xffffffff) {
+      throw invalid(`turn.${f}: ${g[f]}, expected an integer 0..4294967295`);
+    }
+  }
+  if (typeof g.firstAgent !== 'boolean') {
+    throw invalid(`turn.firstAgent: ${JSON.stringify(g.firstAgent)}, expected true or false`);
+  }
+  const pos0 = g.promptPos0 ?? undefined;
+  if (pos0 !== undefined && !(Number.isSafeInteger(pos0) && pos0 >= 0)) {
+    throw invalid(`turn.promptPos0: ${typeof pos0 === 'string' ? JSON.stringify(pos0) : pos0}, ` +
+                  'expected an integer >= 0 (or undefined: after the history or the parent)');
   }
   const parts = g.nHistory > 0 ? UPLOAD_PARTS.concat(HISTORY_PARTS) : UPLOAD_PARTS;
   const tensors = [];
@@ -162,9 +173,9 @@ function planUpload(turn) {
     nPrompt: g.nPrompt,
     nGen: g.nGen,
     nHistory: g.nHistory,
-    firstAgent: Boolean(g.firstAgent),
+    firstAgent: g.firstAgent,
   };
-  if (g.promptPos0 !== undefined && g.promptPos0 !== null) geometry.promptPos0 = g.promptPos0;
+  if (pos0 !== undefined) geometry.promptPos0 = pos0;
   return { geometry, tensors };
 }
 
@@ -241,6 +252,10 @@ class Assembler {
     const dtype = DTYPE_NAMES[h.dtype];
     if (!dtype) throw invalid(`header.dtype: ${h.dtype}, expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16`);
     const n = h.nHistory + h.nAnchor + h.nKept + h.nGen;
+    const next = h.nextPos ?? 0; // unset: a relay before the field
+    if (!(Number.isSafeInteger(next) && next >= 0 && next <= 2 ** 31)) {
+      throw invalid(`header.nextPos: ${next}, expected 0..2^31`);
+    }
     const H = h.kvHeads;
     const d = h.headDim;
     const bits = h.quantBits;
@@ -330,14 +345,14 @@ class Assembler {
     this.done = true;
   }
 
-  /** { header, tensors: [{name, layer, part, dtype, shape, data}] } in delivery order. */
+  /** { header, tensors: [{name, layer, part, dtype, shape, data}], nextPos } in delivery order. */
   message() {
     if (!this.done) {
       throw new RelayError(grpc.status.DATA_LOSS, 'delivery stream: ended without a trailer, expected header, chunks, trailer');
     }
     const tensors = this.slots.map(({ name, layer, part, dtype, shape, data }) =>
       ({ name, layer, part, dtype, shape, data: data || Buffer.alloc(0) }));
-    return { header: this.header, tensors };
+    return { header: this.header, tensors, nextPos: nextPos({ header: this.header, tensors }) };
   }
 }
 
@@ -360,6 +375,7 @@ async function readDelivery(call) {
 
 class RelayClient {
   #stub;
+  #calls = new Set();
 
   /**
    * @param {string} address "HOST:PORT"
@@ -371,8 +387,18 @@ class RelayClient {
     this.#stub = new Relay(address, credentials || grpc.credentials.createInsecure(), channelOptions);
   }
 
+  /** Closes the channel and cancels the calls in flight (they reject with CANCELLED). */
   close() {
+    for (const call of this.#calls) call.cancel();
+    this.#calls.clear();
     this.#stub.close();
+  }
+
+  // Remembers `call` until it ends, for close().
+  #track(call) {
+    this.#calls.add(call);
+    call.on('status', () => this.#calls.delete(call));
+    return call;
   }
 
   /**
@@ -380,13 +406,16 @@ class RelayClient {
    * spec ('' = the relay's default for `role`); `parentId` passes history by
    * reference (the turn then carries none and is sent with firstAgent =
    * false, whatever it says). `messageId` is the idempotency
-   * key (default: newMessageId()). Resolves to
+   * key (empty or unset: newMessageId()). Resolves to
    * { messageId, duplicate, accounting }. Rejects with an error that carries
    * `messageId`: retry with that id (never a fresh one) when the outcome is
    * unknown, and a committed publish answers duplicate = true.
    */
-  async publish(turn, { sessionId, sender, recipients, messageId = newMessageId(), policy = '', role = '',
-                        parentId = '', timeoutMs = 120000 } = {}) {
+  async publish(turn, options) {
+    const { sessionId, sender, recipients, policy = '', role = '', parentId = '', timeoutMs = 120000 } =
+      options ?? {};
+    // Empty or unset: a fresh id, as the other clients do.
+    const messageId = options?.messageId || newMessageId();
     try {
       return await this.#publish(turn, { sessionId, sender, recipients, messageId, policy, role, parentId,
                                          timeoutMs });
@@ -401,6 +430,11 @@ class RelayClient {
     checkId('sender', sender);
     checkId('messageId', messageId);
     checkId('parentId', parentId, { required: false });
+    if (typeof role !== 'string' || Buffer.byteLength(role) > 128) {
+      throw invalid(`role: ${typeof role === 'string' ? `${Buffer.byteLength(role)} bytes` : typeof role}, ` +
+                    'expected a string of at most 128 bytes');
+    }
+    if (typeof policy !== 'string') throw invalid(`policy: ${typeof policy}, expected a pipeline spec string`);
     if (typeof recipients === 'string') recipients = [recipients];
     if (!Array.isArray(recipients) || recipients.length === 0) {
       throw invalid('recipients: empty, expected 1..64 agents');
@@ -417,22 +451,26 @@ class RelayClient {
   /**
    * The oldest unacknowledged message for (sessionId, agent), waiting up to
    * `timeoutMs` for one (DEADLINE_EXCEEDED when none arrived). Resolves to
-   * { header, tensors } with header the MessageHeader (messageId,
-   * accounting, nHistory, ...) and tensors the message's tensors as
+   * { header, tensors, nextPos } with header the MessageHeader (messageId,
+   * accounting, nHistory, ...), tensors the message's tensors as
    * little-endian bytes, named as in the message file format (quantized
-   * messages stay packed: k.codes, k.scale, ...). With autoAck the relay
+   * messages stay packed: k.codes, k.scale, ...), and nextPos the position
+   * id the receiver's own tokens start at (see nextPos()). With autoAck the relay
    * acknowledges once it sent the trailer, before this client checked it;
    * prefer ack() once the message is safely used.
    */
-  async fetch(sessionId, agent, { timeoutMs = 30000, autoAck = false } = {}) {
+  async fetch(sessionId, agent, options) {
+    const { timeoutMs = 30000, autoAck = false } = options ?? {};
     checkId('sessionId', sessionId);
     checkId('agent', agent);
-    const call = this.#stub.Fetch({ sessionId, agent, autoAck }, { deadline: deadlineAfter(timeoutMs) });
+    const call = this.#track(this.#stub.Fetch({ sessionId, agent, autoAck: Boolean(autoAck) },
+                                              { deadline: deadlineAfter(timeoutMs) }));
     return readDelivery(call);
   }
 
   /** Acknowledges a delivered message (NOT_FOUND for an unknown one). */
-  async ack(sessionId, agent, messageId, { timeoutMs = 10000 } = {}) {
+  async ack(sessionId, agent, messageId, options) {
+    const { timeoutMs = 10000 } = options ?? {};
     checkId('sessionId', sessionId);
     checkId('agent', agent);
     checkId('messageId', messageId);
@@ -440,20 +478,22 @@ class RelayClient {
   }
 
   /** Frees a session; resolves to the number of messages freed. Idempotent. */
-  async closeSession(sessionId, { timeoutMs = 10000 } = {}) {
+  async closeSession(sessionId, options) {
+    const { timeoutMs = 10000 } = options ?? {};
     checkId('sessionId', sessionId);
     return (await this.#unary('CloseSession', { sessionId }, timeoutMs)).messagesFreed;
   }
 
   /** The relay's counters (StatsResponse). */
-  async stats({ timeoutMs = 10000 } = {}) {
+  async stats(options) {
+    const { timeoutMs = 10000 } = options ?? {};
     return this.#unary('Stats', {}, timeoutMs);
   }
 
   #unary(method, request, timeoutMs) {
     return new Promise((resolve, reject) => {
-      this.#stub[method](request, { deadline: deadlineAfter(timeoutMs) },
-                         (err, reply) => (err ? reject(err) : resolve(reply)));
+      this.#track(this.#stub[method](request, { deadline: deadlineAfter(timeoutMs) },
+                                     (err, reply) => (err ? reject(err) : resolve(reply))));
     });
   }
 
@@ -464,8 +504,8 @@ class RelayClient {
     const deadline = deadlineAfter(timeoutMs); // INVALID_ARGUMENT before any call
     let call;
     const reply = new Promise((resolve, reject) => {
-      call = this.#stub[method]({ deadline },
-                                (err, response) => (err ? reject(err) : resolve(response)));
+      call = this.#track(this.#stub[method]({ deadline },
+                                            (err, response) => (err ? reject(err) : resolve(response))));
     });
     let answered = false;
     const settled = reply.then(() => { answered = true; }, () => { answered = true; });
@@ -500,4 +540,5 @@ module.exports = {
   planUpload,
   chunkRequests,
   Assembler,
+  nextPos,
 };

@@ -51,6 +51,13 @@ async function run(opts) {
                 `policy=${a.policy} full_bytes=${a.fullBytes} sent_bytes=${a.sentBytes} ratio=${a.ratio.toFixed(3)}`);
 
     const message = await step('fetch', relay.fetch(opts.session, opts.to, { timeoutMs }));
+    // Fetch delivers the oldest unacknowledged message: one left by an earlier
+    // run is not ours to write or acknowledge.
+    if (message.header.messageId !== published.messageId) {
+      throw new Error(`fetch: got message ${message.header.messageId}, expected ${published.messageId} (the one ` +
+                      `just published): session ${opts.session} holds an older unacknowledged message for ` +
+                      `${opts.to}; fetch it with kvrelayctl, or use another --session`);
+    }
     // Acknowledge only once the message is safely on disk.
     await step('write message', writeMessageFile(opts.out, message));
     const h = message.header;
@@ -82,7 +89,7 @@ async function main() {
       strict: true,
     }));
     for (const f of ['addr', 'in', 'out']) if (!opts[f]) throw new Error(`missing required flag --${f}`);
-    if (!(Number(opts.timeout) > 0)) throw new Error(`flag --timeout: "${opts.timeout}", expected seconds > 0`);
+    if (!(Number(opts.timeout) > 0 && Number.isFinite(Number(opts.timeout)))) throw new Error(`flag --timeout: "${opts.timeout}", expected seconds > 0`);
   } catch (err) {
     console.error(`kvrelay-example: ${err.message}\n${USAGE}`);
     return 2;

@@ -159,6 +159,22 @@ async function readTurnFile(path) {
 }
 
 /**
+ * Where the receiver's own tokens start: where the relayed turn ended
+ * (header.nextPos), also when its last tokens were evicted, and at least
+ * 1 + every position id held (all a relay before that header field tells).
+ * @param {{header: Object, tensors: Array}} message
+ */
+function nextPos(message) {
+  let next = (message.header && message.header.nextPos) || 0;
+  for (const t of message.tensors) {
+    if (t.part !== 'PART_POS') continue;
+    const view = new DataView(t.data.buffer, t.data.byteOffset, t.data.byteLength);
+    for (let i = 0; i + 4 <= t.data.byteLength; i += 4) next = Math.max(next, view.getInt32(i, true) + 1);
+  }
+  return next;
+}
+
+/**
  * Writes a fetched message as a message file (docs/FORMAT.md, "Message"),
  * with the delivery in its metadata like `kvrelayctl fetch --out`.
  * @param {string} path
@@ -178,6 +194,7 @@ async function writeMessageFile(path, message) {
     n_gen: String(h.nGen),
     full_bytes: String(a.fullBytes),
     sent_bytes: String(a.sentBytes),
+    next_pos: String(nextPos(message)),
   };
   if (h.quantBits) {
     meta.quant_bits = String(h.quantBits);
@@ -197,4 +214,4 @@ async function writeMessageFile(path, message) {
   await writeSafetensors(path, message.tensors, meta);
 }
 
-module.exports = { DTYPE_SIZE, readSafetensors, writeSafetensors, readTurnFile, writeMessageFile };
+module.exports = { DTYPE_SIZE, readSafetensors, writeSafetensors, readTurnFile, writeMessageFile, nextPos };

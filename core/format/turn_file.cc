@@ -557,6 +557,7 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
   meta["n_gen"] = absl::StrCat(msg.n_gen);
   meta["full_bytes"] = absl::StrCat(msg.full_bytes);
   meta["sent_bytes"] = absl::StrCat(msg.sent_bytes);
+  meta["next_pos"] = absl::StrCat(NextPosition(msg));
   if (quant) {
     meta["quant_bits"] = absl::StrCat(l0.quant->bits);
     meta["quant_group"] = absl::StrCat(l0.quant->group);
@@ -746,6 +747,17 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
     return absl::InvalidArgumentError(
         absl::StrCat("metadata sent_bytes: \"", msg.sent_bytes, "\", expected \"", sent,
                      "\" (the bytes of the message's K/V and positions)"));
+  }
+  // Optional (files before the key): 1 + the largest position id held.
+  const int64_t held_end = HeldEnd(msg);
+  msg.next_pos = held_end;
+  if (file.GetMetadata("next_pos")) {
+    const std::string expected = absl::StrCat("a decimal integer ", held_end, "..2^31 (1 + the largest position id held, or more)");
+    KVRELAY_ASSIGN_OR_RETURN(uint64_t next, ParseCount(file, "next_pos", uint64_t{1} << 31, expected));
+    if (static_cast<int64_t>(next) < held_end) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata next_pos: \"", next, "\", expected ", expected));
+    }
+    msg.next_pos = static_cast<int64_t>(next);
   }
   return msg;
 }

@@ -11,7 +11,7 @@
 // packed form layer.{l}.k.codes/.k.scale/.k.zero/.v.codes/.v.scale/.v.zero,
 // and layer.{l}.pos [H, n] I32. Metadata: format = kvrelay.message.v1,
 // policy, dtype, n_history, n_anchor, n_kept, n_gen, full_bytes, sent_bytes,
-// and quant_bits, quant_group, quant_rotate when quantized.
+// next_pos, and quant_bits, quant_group, quant_rotate when quantized.
 //
 // Readers return InvalidArgument for malformed files, naming the tensor or
 // metadata key, what was expected and what was found, e.g.
@@ -66,7 +66,9 @@ absl::Status WriteTurnFile(const Turn& turn, const std::string& path);
 // Builds a Message from parsed tensors, checking the metadata (format,
 // dtype, token counts, byte counts, quantization keys), the tensor names,
 // dtypes and shapes, that every layer holds n_history + n_anchor + n_kept +
-// n_gen tokens per head, and that sent_bytes matches the tensors.
+// n_gen tokens per head, that sent_bytes matches the tensors, and that
+// next_pos (optional: files before the key read as 1 + the largest position
+// id held) is at least 1 + every position id held.
 absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file);
 absl::StatusOr<Message> ReadMessage(absl::Span<const uint8_t> bytes);
 absl::StatusOr<Message> ReadMessageFile(const std::string& path);
@@ -75,7 +77,7 @@ absl::StatusOr<Message> ReadMessageFile(const std::string& path);
 // it has no layers, when layers disagree (shapes, dtypes, quantized or not,
 // quantization options), when a layer is inconsistent in itself, or when
 // its token counts do not add up to the layers' tokens. sent_bytes and
-// full_bytes are written as given.
+// full_bytes are written as given; next_pos as NextPosition(msg).
 absl::Status WriteMessage(const Message& msg, std::string* out);
 // Same bytes, streamed to the file at `path`.
 absl::Status WriteMessageFile(const Message& msg, const std::string& path);

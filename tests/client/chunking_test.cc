@@ -181,7 +181,25 @@ TEST(Assembler, RoundTripIsBitExact) {
       EXPECT_EQ(got->policy, m.policy);
       EXPECT_EQ(got->full_bytes, m.full_bytes);
       EXPECT_EQ(got->sent_bytes, m.sent_bytes);
+      EXPECT_EQ(got->next_pos, m.next_pos);
     }
+  }
+}
+
+// next_pos comes from the header; a relay before the field sends 0 and the
+// receiver falls back to 1 + the largest position id it holds.
+TEST(Assembler, NextPosFromTheHeaderOrTheIds) {
+  Turn turn = MakeTurn(31, 0);
+  Message m = Compress(turn, "h2o-head:k=4");
+  const int64_t held = HeldEnd(m);
+  ASSERT_GT(held, 0);
+  Stream s = Chunk(MessageDeliveryOrder(m), kMaxChunkBytes);
+  for (int64_t header_next : {int64_t{0}, held - 1, held, held + 7, int64_t{1} << 31}) {
+    v1::MessageHeader h = MessageHeaderOf(m);
+    h.set_next_pos(header_next);
+    absl::StatusOr<Message> got = Assemble(h, s);
+    ASSERT_TRUE(got.ok()) << header_next << ": " << got.status();
+    EXPECT_EQ(got->next_pos, std::max(header_next, held)) << header_next;
   }
 }
 
@@ -283,6 +301,12 @@ TEST_F(AssemblerErrors, BadHeaders) {
   EXPECT_THAT(a.Start(h).message(), HasSubstr("header.layers: 0, expected >= 1"));
   h = header_;
   h.set_dtype(v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(a.Start(h).code(), absl::StatusCode::kInvalidArgument);
+  h = header_;
+  h.set_next_pos(-1);
+  EXPECT_THAT(a.Start(h).message(), HasSubstr("header.next_pos: -1, expected 0..2^31"));
+  h = header_;
+  h.set_next_pos((int64_t{1} << 31) + 1);
   EXPECT_EQ(a.Start(h).code(), absl::StatusCode::kInvalidArgument);
   h = header_;
   h.set_quant_bits(3);

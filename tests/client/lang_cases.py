@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvrelay_testlib import Server, check_run, read_st  # noqa: E402
 
 MESSAGE_KEYS = ("format", "policy", "dtype", "n_history", "n_anchor", "n_kept", "n_gen",
-                "full_bytes", "sent_bytes", "quant_bits", "quant_group", "quant_rotate")
+                "full_bytes", "sent_bytes", "next_pos", "quant_bits", "quant_group", "quant_rotate")
 
 # (name, policy, make-turn flags); policy None: the relay's default for the role.
 CASES = [
@@ -49,6 +49,8 @@ CASES = [
      dict(dtype="F32", history=6, seed=15)),
     ("gen-int8-bf16", "gen+int8", dict(dtype="BF16", seed=16)),
     ("default-policy", None, dict(dtype="BF16", seed=17)),
+    # Nothing generated and the prompt's tail evicted: next_pos lies past every id held.
+    ("evicted-tail-no-gen", "h2o-layer:k=2", dict(dtype="BF16", gen=0, seed=18)),
 ]
 
 
@@ -177,6 +179,12 @@ class RelayCases:
                     self.assert_full_equals_turn(msg, turn)
                 if policy is None:
                     self.assertTrue(meta["policy"].startswith("h2o-"), meta["policy"])
+                held_end = max(int(np.frombuffer(t[2], "<i4").max()) + 1
+                               for k, t in msg.items() if k.endswith(".pos"))
+                if name == "evicted-tail-no-gen":
+                    self.assertGreater(int(meta["next_pos"]), held_end)
+                else:
+                    self.assertGreaterEqual(int(meta["next_pos"]), held_end)
         # Every message was acked: the relay holds nothing and counted each ack.
         after = live.stats()
         n = len(CASES)

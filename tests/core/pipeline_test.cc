@@ -155,6 +155,34 @@ TEST(PipelineTest, GenKeepsNoPromptBeyondSinks) {
   }
 }
 
+// next_pos is where the turn ended, also when nothing was generated and the
+// prompt's tail was evicted (then it lies past every id the message holds).
+TEST(PipelineTest, NextPosIsTheTurnsEnd) {
+  TurnShape s;
+  s.n_gen = 0;
+  Turn turn = RandomTurn(s, 19);
+  turn.prompt_pos0 = 300;
+  for (TurnLayer& l : turn.layers) {
+    for (int h = 0; h < l.scores.rows; ++h) {
+      for (int j = 0; j < s.n_prompt; ++j) l.scores.at(h, j) = j < 20 ? 1.0f + j : 0.0f;
+    }
+  }
+  for (const char* spec : {"full", "gen", "h2o-layer:k=6", "h2o-head:k=6+obf:p=2", "h2o-head:k=6+int4"}) {
+    SCOPED_TRACE(spec);
+    const Message m = MustCompress(spec, turn);
+    EXPECT_EQ(m.next_pos, 340);
+    EXPECT_EQ(NextPosition(m), 340);
+  }
+  EXPECT_EQ(HeldEnd(MustCompress("h2o-head:k=6", turn)), 320) << "the tail (ids 320..339) is evicted";
+  EXPECT_EQ(HeldEnd(MustCompress("full", turn)), 340);
+  // History ids beyond the prompt (not required to precede it) still count.
+  s.n_history = 3;
+  Turn with_history = RandomTurn(s, 20);
+  with_history.prompt_pos0 = 10;
+  for (TurnLayer& l : with_history.layers) l.history_pos.at(1, 2) = 500;
+  EXPECT_EQ(MustCompress("h2o-head:k=6", with_history).next_pos, 501);
+}
+
 TEST(PipelineTest, SelectionComposesInOrderWithPositions) {
   TurnShape s;
   s.n_history = 5;

@@ -243,7 +243,11 @@ TEST_F(RelayTest, ChildContinuesAfterTheParentsLastToken) {
     }
   }
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("end", "m1", "a", {"b"}, "h2o-head:k=4", t1), t1).status.ok());
-  ASSERT_TRUE(DoFetch(stub_.get(), "end", "b", true).status.ok());
+  FetchResult f1 = DoFetch(stub_.get(), "end", "b", true);
+  ASSERT_TRUE(f1.status.ok()) << f1.status.error_message();
+  // The receiver learns where the turn ended, past the last id it holds.
+  EXPECT_EQ(f1.header.next_pos(), 20);
+  EXPECT_EQ(HeldEnd(f1.msg), 8);  // anchors 0..3, then k=4 of the tied 4..9 (ties go low)
   s.first_agent = false;
   s.n_prompt = 3;
   Turn t2 = RandomTurn(s, 42);
@@ -258,6 +262,7 @@ TEST_F(RelayTest, ChildContinuesAfterTheParentsLastToken) {
     for (int j = 0; j < n_hist; ++j) EXPECT_LT(l0.pos.at(h, j), 10) << "parent kept only tokens 0..9";
     for (int j = 0; j < 3; ++j) EXPECT_EQ(l0.pos.at(h, n_hist + j), 20 + j) << "head " << h;
   }
+  EXPECT_EQ(f.header.next_pos(), 23);
 }
 
 TEST_F(RelayTest, FanOutAndSessionClose) {

@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"io"
 	"regexp"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -222,6 +223,12 @@ func checkPublish(o PublishOptions) error {
 		if err := checkID(f.name, f.v, f.required); err != nil {
 			return err
 		}
+	}
+	if !utf8.ValidString(o.Role) || len(o.Role) > 128 {
+		return status.Errorf(codes.InvalidArgument, "role: %q, expected UTF-8 of at most 128 bytes", o.Role)
+	}
+	if !utf8.ValidString(o.Policy) {
+		return status.Errorf(codes.InvalidArgument, "policy: %q, expected valid UTF-8 (a pipeline spec is printable ASCII)", o.Policy)
 	}
 	if len(o.Recipients) == 0 {
 		return status.Error(codes.InvalidArgument, "recipients: empty, expected 1..64 agents")

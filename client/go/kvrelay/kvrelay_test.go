@@ -149,6 +149,16 @@ func TestAssembler(t *testing.T) {
 	if !bytes.Equal(m.Tensors[1].Data, f32Bytes(5, 6, 7, 8)) {
 		t.Errorf("v = %v", m.Tensors[1].Data)
 	}
+	// Positions 0 and 1 held: without a header next_pos (an older relay) the
+	// receiver continues at 2; the header's turn end wins when it is later.
+	if got := m.NextPos(); got != 2 {
+		t.Errorf("NextPos() = %d without a header next_pos, want 2", got)
+	}
+	ended := delivery()
+	ended[0].GetHeader().NextPos = 9
+	if m, err := assemble(ended); err != nil || m.NextPos() != 9 {
+		t.Errorf("NextPos() with header next_pos 9: %v, %v", m, err)
+	}
 
 	corrupt := delivery()
 	corrupt[2].GetChunk().Crc32C ^= 1
@@ -158,6 +168,8 @@ func TestAssembler(t *testing.T) {
 	swapped[1], swapped[2] = swapped[2], swapped[1]
 	wrongSize := delivery()
 	wrongSize[0].GetHeader().Accounting.SentBytes = 41
+	negativeNext := delivery()
+	negativeNext[0].GetHeader().NextPos = -1
 	for _, c := range []struct {
 		name string
 		rs   []*pb.FetchResponse
@@ -170,6 +182,7 @@ func TestAssembler(t *testing.T) {
 		{"no trailer", delivery()[:4], codes.DataLoss, "without a trailer"},
 		{"missing chunk", append(delivery()[:3], delivery()[4]), codes.InvalidArgument, "layer.0.pos at 0 of 8"},
 		{"sent_bytes", wrongSize, codes.InvalidArgument, "sent_bytes: 41, expected 40"},
+		{"next_pos", negativeNext, codes.InvalidArgument, "header.next_pos: -1, expected 0..2^31"},
 	} {
 		_, err := assemble(c.rs)
 		if Code(err) != c.code || !strings.Contains(err.Error(), c.msg) {
@@ -293,6 +306,29 @@ func publishError(t *testing.T, err error) *PublishError {
 		t.Fatalf("error %v (%T): errors.As finds no *PublishError", err, err)
 	}
 	return pe
+}
+
+// A role or policy that protobuf cannot marshal (invalid UTF-8) is
+// InvalidArgument naming the field, before any call.
+func TestPublishRejectsUnsendableStrings(t *testing.T) {
+	relay := &fakeRelay{committed: map[string]bool{}}
+	c := NewClient(relay)
+	for _, c2 := range []struct {
+		field string
+		o     PublishOptions
+	}{
+		{"role", PublishOptions{SessionID: "s", Sender: "planner", Recipients: []string{"critic"}, Role: "r\xff"}},
+		{"role", PublishOptions{SessionID: "s", Sender: "planner", Recipients: []string{"critic"}, Role: strings.Repeat("r", 129)}},
+		{"policy", PublishOptions{SessionID: "s", Sender: "planner", Recipients: []string{"critic"}, Policy: "full\xff"}},
+	} {
+		_, err := c.Publish(context.Background(), tinyTurn(), c2.o)
+		if Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), c2.field+": ") {
+			t.Errorf("%s: %v, want InvalidArgument naming it", c2.field, err)
+		}
+	}
+	if len(relay.seen) != 0 {
+		t.Errorf("the relay saw %v, want no call", relay.seen)
+	}
 }
 
 func TestPublishErrorCarriesMessageID(t *testing.T) {

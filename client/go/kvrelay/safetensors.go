@@ -239,6 +239,7 @@ func WriteMessageFile(path string, m *Message) error {
 		"n_gen":            u(uint64(h.GetNGen())),
 		"full_bytes":       u(a.GetFullBytes()),
 		"sent_bytes":       u(a.GetSentBytes()),
+		"next_pos":         strconv.FormatInt(m.NextPos(), 10),
 		"message_id":       h.GetMessageId(),
 		"session":          h.GetSessionId(),
 		"from":             h.GetSender(),

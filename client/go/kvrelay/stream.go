@@ -1,6 +1,7 @@
 package kvrelay
 
 import (
+	"encoding/binary"
 	"fmt"
 	"hash/crc32"
 	"math"
@@ -31,7 +32,9 @@ type Turn struct {
 	// sinks). Set it for a first agent's turn: unlike the other clients'
 	// (and ReadTurnFile's) default of true, Go's zero value is false.
 	FirstAgent bool
-	PromptPos0 *int64 // position id of the first prompt token; nil: NHistory
+	// PromptPos0: position id of the first prompt token; nil: NHistory, or
+	// with PublishOptions.ParentID where the parent's turn ended.
+	PromptPos0 *int64
 	Layers     []TurnLayer
 }
 
@@ -58,6 +61,26 @@ type Tensor struct {
 type Message struct {
 	Header  *pb.MessageHeader
 	Tensors []Tensor
+}
+
+// NextPos is the position id where the receiver's own tokens start: where
+// the relayed turn ended (Header.NextPos), also when its last tokens were
+// evicted, and at least 1 + every position id held (all a relay before
+// that header field tells).
+func (m *Message) NextPos() int64 {
+	next := m.Header.GetNextPos()
+	for _, t := range m.Tensors {
+		if t.Part != pb.Part_PART_POS {
+			continue
+		}
+		for i := 0; i+4 <= len(t.Data); i += 4 {
+			p := int64(int32(binary.LittleEndian.Uint32(t.Data[i:])))
+			if p+1 > next {
+				next = p + 1
+			}
+		}
+	}
+	return next
 }
 
 var dtypeSize = map[string]int{"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1}
@@ -210,6 +233,9 @@ func (a *assembler) start(h *pb.MessageHeader) error {
 	n64 := uint64(h.GetNHistory()) + uint64(h.GetNAnchor()) + uint64(h.GetNKept()) + uint64(h.GetNGen())
 	if n64 >= 1<<31 {
 		return invalidf("header.n_history+n_anchor+n_kept+n_gen: %d, expected < 2^31", n64)
+	}
+	if h.GetNextPos() < 0 || h.GetNextPos() > 1<<31 {
+		return invalidf("header.next_pos: %d, expected 0..2^31", h.GetNextPos())
 	}
 	n, H, d, bits := int(n64), int(h.GetKvHeads()), int(h.GetHeadDim()), int(h.GetQuantBits())
 	type spec struct {

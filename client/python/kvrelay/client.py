@@ -182,6 +182,8 @@ class _Assembler:
         bits, H, d, L = h.quant_bits, h.kv_heads, h.head_dim, h.layers
         if n >= 1 << 31:
             raise self._bad(f"header.n_history+n_anchor+n_kept+n_gen: {n}, expected < 2^31")
+        if not 0 <= h.next_pos <= 1 << 31:
+            raise self._bad(f"header.next_pos: {h.next_pos}, expected 0..2^31")
         if bits:
             if bits not in (2, 4, 8):
                 raise self._bad(f"header.quant_bits: {bits}, expected 0, 2, 4 or 8")
@@ -300,7 +302,7 @@ class _Assembler:
             quant_bits=h.quant_bits, quant_group=h.quant_group, quant_rotate=h.quant_rotate,
             accounting=_accounting(h.accounting), message_id=h.message_id,
             session_id=h.session_id, sender=h.sender, role=h.role, parent_id=h.parent_id,
-            delivery_attempt=h.delivery_attempt)
+            delivery_attempt=h.delivery_attempt, turn_end=h.next_pos)
 
 
 def _read_delivery(call):

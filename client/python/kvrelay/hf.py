@@ -44,8 +44,9 @@ How a model consumes a relayed cache (`RelayedCache`):
   rows of different heads (and layers) hold different positions, and the
   token axis is only a storage index: attention is order-free, it only needs
   every cached row to be visible.
-- New tokens continue at `next_pos` = 1 + the largest position held (the
-  original sequence length), NOT at the number of cached tokens: pass
+- New tokens continue at `next_pos`, where the relayed turn ended (the
+  original sequence length: 1 + the largest position held, or later when
+  the turn's last tokens were evicted), NOT at the number of cached tokens: pass
   `position_ids=relayed.position_ids(q_len)` explicitly. HF models otherwise
   derive position ids from `cache_position` (= the cache length), which is
   wrong for a compressed cache.
@@ -406,8 +407,9 @@ class RelayedCache:
     positions: int64 tensor [layers, kv_heads, tokens], each cached row's
     original position id (rows of different heads may differ after
     h2o-head); tokens: rows per head; next_pos: the position id the next
-    token takes (max position + 1); message: the kvrelay.Message (ids,
-    accounting). See the module docstring for how a model consumes it."""
+    token takes (where the relayed turn ended, also when its last tokens
+    were evicted; at least max position + 1); message: the kvrelay.Message
+    (ids, accounting). See the module docstring for how a model consumes it."""
     cache: Any
     positions: Any
     tokens: int
@@ -486,6 +488,8 @@ def message_to_cache(message, dtype=None, device=None, cache_format="auto"):
     positions = torch.stack(pos)
     tokens = int(shape[1])
     next_pos = int(positions.max()) + 1 if tokens else 0
+    # Where the relayed turn ended (past its evicted tail), when the message says.
+    next_pos = max(next_pos, int(getattr(message, "turn_end", 0) or 0))
     legacy = tuple(pairs)
     return RelayedCache(cache=_wrap(legacy, cache_format), positions=positions, tokens=tokens,
                         next_pos=next_pos, message=message)

@@ -108,4 +108,5 @@ def read_message(path):
                    head_dim=l0.k.shape[2], n_history=int(meta.get("n_history", 0)),
                    n_anchor=int(meta.get("n_anchor", 0)), n_kept=int(meta.get("n_kept", 0)),
                    n_gen=int(meta.get("n_gen", 0)), quant_bits=bits, quant_group=group,
-                   quant_rotate=rotate, accounting=acc)
+                   quant_rotate=rotate, accounting=acc,
+                   turn_end=int(meta.get("next_pos", 0) or 0))

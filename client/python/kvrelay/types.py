@@ -214,15 +214,27 @@ class Message:
     role: str = ""
     parent_id: str = ""
     delivery_attempt: int = 0
+    # Where the turn ended, as the relay (MessageHeader.next_pos) or the file
+    # (metadata next_pos) says; 0: not known. Read next_pos instead.
+    turn_end: int = 0
 
     @property
     def tokens(self):
         return self.n_history + self.n_anchor + self.n_kept + self.n_gen
 
     @property
+    def held_end(self):
+        """1 + the largest position id held (0 for a message without tokens)."""
+        if not self.layers or not self.tokens:
+            return 0
+        return max(int(layer.pos.max()) for layer in self.layers) + 1
+
+    @property
     def next_pos(self):
-        """Position id the receiver continues at (1 + the largest id held)."""
-        return int(self.layers[0].pos.max()) + 1 if self.layers and self.tokens else 0
+        """Position id the receiver's own tokens start at: where the relayed
+        turn ended (prompt_pos0 + n_prompt + n_gen), also when its last tokens
+        were evicted; at least 1 + every id held."""
+        return max(self.turn_end, self.held_end)
 
 
 # ---- quantization decode (FORMAT.md; bit-identical to core/quant.cc) -------

@@ -148,6 +148,17 @@ test('Assembler: a valid delivery', () => {
   assert.deepEqual([...new Float32Array(m.tensors[1].data.buffer, m.tensors[1].data.byteOffset, 4)], [5, 6, 7, 8]);
 });
 
+test('Assembler: nextPos is the header\'s turn end, at least 1 + every position held', () => {
+  assert.equal(assemble(delivery()).nextPos, 2); // no header nextPos (an older relay): positions 0, 1 held
+  const ended = delivery();
+  ended[0].header.nextPos = 9;
+  assert.equal(assemble(ended).nextPos, 9);
+  const bad = delivery();
+  bad[0].header.nextPos = -1;
+  assert.throws(() => assemble(bad), (e) => e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT &&
+                /header.nextPos: -1, expected 0..2\^31/.test(e.details));
+});
+
 test('Assembler: corruption is DATA_LOSS, disorder INVALID_ARGUMENT', () => {
   const code = (c) => (e) => e instanceof RelayError && e.code === c;
   const badCrc = delivery();
@@ -241,6 +252,27 @@ test('Assembler: a header announcing 16 GiB costs what arrives, and the short st
 });
 
 // ---- publish: the message id travels with every error --------------------------
+test('planUpload: unset defaults, and geometry values the wire cannot carry are INVALID_ARGUMENT', () => {
+  const invalidArg = (re) => (e) => e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT && re.test(e.details);
+  // An explicit undefined/null takes the default like an absent key.
+  for (const firstAgent of [undefined, null]) {
+    const { geometry } = planUpload(tinyTurn({ firstAgent, nHistory: undefined }));
+    assert.deepEqual([geometry.firstAgent, geometry.nHistory, geometry.promptPos0], [true, 0, undefined]);
+  }
+  assert.equal(planUpload(tinyTurn({ firstAgent: false })).geometry.firstAgent, false);
+  assert.equal(planUpload(tinyTurn({ promptPos0: null })).geometry.promptPos0, undefined);
+  assert.equal(planUpload(tinyTurn({ promptPos0: 2 ** 40 })).geometry.promptPos0, 2 ** 40);
+  for (const firstAgent of ['false', 0, 1]) {
+    assert.throws(() => planUpload(tinyTurn({ firstAgent })), invalidArg(/^turn\.firstAgent: .*, expected true or false$/));
+  }
+  for (const promptPos0 of ['abc', '5', 1.5, -1, -0.5, true, NaN, 2 ** 53]) {
+    assert.throws(() => planUpload(tinyTurn({ promptPos0 })), invalidArg(/^turn\.promptPos0: .*, expected an integer >= 0/),
+                  String(promptPos0));
+  }
+  // 2^32 + 2 would wrap to 2 in the uint32 field.
+  assert.throws(() => planUpload(tinyTurn({ kvHeads: 2 ** 32 + 2, scoreHeads: 2 ** 32 + 2 })),
+                invalidArg(/^turn\.kvHeads: 4294967298, expected an integer 0\.\.4294967295$/));
+});
 
 // A stand-in relay: Publish records each header's message id; session 'down'
 // answers UNAVAILABLE, session 'slow' never answers the first upload of an id
@@ -251,6 +283,7 @@ async function withFakeRelay(fn) {
   const committed = new Set();
   const server = new grpc.Server();
   server.addService(loadRelayService().service, {
+    Fetch(call) { call.on('error', () => {}); }, // never answers: the caller's deadline or cancel ends it
     Publish(call, callback) {
       let header;
       call.on('data', (r) => { if (r.header) { header = r.header; seen.push(header.messageId); } });
@@ -320,6 +353,35 @@ test('publish/fetch: one recipient as a string; a timeout that is not a positive
         assert.match(f.details, /^timeoutMs: .*, expected a positive number of milliseconds$/);
       }
     }
+  });
+});
+
+test('publish: an empty or null messageId gets a fresh one; a role that is not a string is INVALID_ARGUMENT', async () => {
+  await withFakeRelay(async (relay, seen) => {
+    for (const messageId of ['', null, undefined]) {
+      const e = await relay.publish(tinyTurn(), { ...route, sessionId: 'down', messageId }).then(
+        () => assert.fail('resolved'), (err) => err);
+      assert.equal(e.code, grpc.status.UNAVAILABLE, String(e));
+      assert.match(e.messageId, /^m-[0-9a-f]{24}$/);
+      assert.equal(seen.at(-1), e.messageId);
+    }
+    for (const role of [{}, 5, 'r'.repeat(129)]) {
+      const e = await relay.publish(tinyTurn(), { ...route, sessionId: 's', role }).then(
+        () => assert.fail('resolved'), (err) => err);
+      assert.ok(e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT && /^role: /.test(e.details), String(e));
+    }
+  });
+});
+
+test('close: calls in flight are cancelled, not left to their deadline', async () => {
+  await withFakeRelay(async (relay) => {
+    const t0 = Date.now();
+    const pending = relay.fetch('s', 'critic', { timeoutMs: 20000 }).then(() => assert.fail('resolved'), (e) => e);
+    await new Promise((resolve) => setTimeout(resolve, 200));
+    relay.close();
+    const err = await pending;
+    assert.equal(err.code, grpc.status.CANCELLED, String(err));
+    assert.ok(Date.now() - t0 < 5000, `took ${Date.now() - t0} ms`);
   });
 });
 

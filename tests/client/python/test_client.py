@@ -279,7 +279,7 @@ class RelayTest(unittest.TestCase):
                 self.assertEqual(meta["policy"], m.accounting.policy)
                 self.assertEqual(int(meta["sent_bytes"]), m.accounting.sent_bytes)
                 self.assertEqual(int(meta["full_bytes"]), m.accounting.full_bytes)
-                for key in ("n_history", "n_anchor", "n_kept", "n_gen"):
+                for key in ("n_history", "n_anchor", "n_kept", "n_gen", "next_pos"):
                     self.assertEqual(int(meta[key]), getattr(m, key), key)
                 quant = "+int" in policy
                 self.assertEqual(m.quant_bits, int(meta.get("quant_bits", 0)))
@@ -375,6 +375,28 @@ class RelayTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as cm:
             self.c.publish(t2, sess, "judge", ["refiner"], policy="full", parent_id=r1.message_id)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.c.close_session(sess)
+
+    def test_next_pos_is_the_turns_end(self):
+        # No generated tokens and the prompt's tail evicted: the receiver
+        # continues where the turn ended, not after the last id it holds.
+        sess = "end"
+        turn = make_turn(310, "BF16", n_prompt=40, n_gen=0, prompt_pos0=100)
+        for layer in turn.layers:
+            layer.score[:, 30:] = 0.0
+        self.c.publish(turn, sess, "planner", ["critic"], policy="h2o-head:k=8")
+        m = self.c.fetch(sess, "critic", timeout=5, auto_ack=True)
+        self.assertLessEqual(m.held_end, 130)
+        self.assertEqual((m.turn_end, m.next_pos), (140, 140))
+        tin = os.path.join(TMP, "end-turn.safetensors")
+        out = os.path.join(TMP, "end-msg.safetensors")
+        st.write_turn(tin, turn)
+        subprocess.run([ARGS.kvrelayctl, "compress", "--policy", "h2o-head:k=8", "--in", tin,
+                        "--out", out], check=True, capture_output=True, timeout=30)
+        self.assertEqual(st.read_message(out).next_pos, 140)
+        # Without the field (an older relay or file) next_pos is 1 + the largest id held.
+        m.turn_end = 0
+        self.assertEqual(m.next_pos, m.held_end)
         self.c.close_session(sess)
 
     def test_deadline_on_empty_mailbox(self):

@@ -61,6 +61,7 @@ void ExpectSameMessage(const Message& a, const Message& b) {
   EXPECT_EQ(a.n_gen, b.n_gen);
   EXPECT_EQ(a.full_bytes, b.full_bytes);
   EXPECT_EQ(a.sent_bytes, b.sent_bytes);
+  EXPECT_EQ(a.next_pos, b.next_pos);
   ASSERT_EQ(a.layers.size(), b.layers.size());
   for (size_t l = 0; l < a.layers.size(); ++l) {
     SCOPED_TRACE(l);
@@ -541,7 +542,8 @@ TEST(MessageFileTest, MetadataKeys) {
   for (const auto& [k, v] : file->metadata()) keys.push_back(k);
   EXPECT_THAT(keys, ::testing::UnorderedElementsAre(
                         "format", "policy", "dtype", "n_history", "n_anchor", "n_kept", "n_gen",
-                        "full_bytes", "sent_bytes", "quant_bits", "quant_group", "quant_rotate"));
+                        "full_bytes", "sent_bytes", "next_pos", "quant_bits", "quant_group",
+                        "quant_rotate"));
   EXPECT_EQ(*file->GetMetadata("format"), "kvrelay.message.v1");
   EXPECT_EQ(*file->GetMetadata("dtype"), "BF16");
   EXPECT_EQ(*file->GetMetadata("n_kept"), "8");
@@ -549,6 +551,36 @@ TEST(MessageFileTest, MetadataKeys) {
   EXPECT_EQ(*file->GetMetadata("quant_rotate"), "false");
   EXPECT_EQ(*file->GetMetadata("policy"), msg.policy);
   EXPECT_TRUE(IsMessageFile(*file));
+}
+
+// next_pos survives a round trip when the turn's tail was evicted; a file
+// without the key (older writers) reads as 1 + the largest id held.
+TEST(MessageFileTest, NextPosRoundTrip) {
+  TurnShape s;
+  s.n_gen = 0;
+  Turn turn = RandomTurn(s, 8);
+  for (TurnLayer& l : turn.layers) {
+    for (int h = 0; h < l.scores.rows; ++h) {
+      for (int j = 30; j < s.n_prompt; ++j) l.scores.at(h, j) = 0.0f;
+    }
+  }
+  const Message msg = Compress(turn, "h2o-head:k=8,recent=0");
+  ASSERT_EQ(msg.next_pos, 40);
+  ASSERT_LT(HeldEnd(msg), 40);
+  const std::string bytes = MustWriteMessage(msg);
+  absl::StatusOr<Message> back = ReadMessage(AsBytes(bytes));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->next_pos, 40);
+  absl::StatusOr<Message> old = ReadMessage(
+      AsBytes(Edited(bytes, [](auto*, StMetadata* m, auto*) { m->erase("next_pos"); })));
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(old->next_pos, HeldEnd(msg));
+  // A hand-built message without next_pos is written with the ids' end.
+  Message bare = msg;
+  bare.next_pos = 0;
+  absl::StatusOr<Message> bare_back = ReadMessage(AsBytes(MustWriteMessage(bare)));
+  ASSERT_TRUE(bare_back.ok()) << bare_back.status();
+  EXPECT_EQ(bare_back->next_pos, HeldEnd(msg));
 }
 
 TEST(MessageFileTest, FileRoundTrip) {
@@ -638,6 +670,20 @@ TEST(MessageFileMalformedTest, BadByteCounts) {
   ExpectMessageInvalid(
       Edited(DenseMessage(), [](auto*, StMetadata* m, auto*) { (*m)["sent_bytes"] = "5"; }),
       "metadata sent_bytes: \"5\", expected \"");
+}
+
+TEST(MessageFileMalformedTest, BadNextPos) {
+  // GoodTurn: prompt_pos0 8, 40 prompt + 5 generated tokens, so next_pos
+  // must be at least 53.
+  ExpectMessageInvalid(
+      Edited(DenseMessage(), [](auto*, StMetadata* m, auto*) { (*m)["next_pos"] = "48"; }),
+      "metadata next_pos: \"48\", expected a decimal integer 53..2^31 (1 + the largest position id held");
+  ExpectMessageInvalid(
+      Edited(DenseMessage(), [](auto*, StMetadata* m, auto*) { (*m)["next_pos"] = "-1"; }),
+      "metadata next_pos: \"-1\", expected a decimal integer 53..2^31");
+  ExpectMessageInvalid(
+      Edited(DenseMessage(), [](auto*, StMetadata* m, auto*) { (*m)["next_pos"] = "2147483649"; }),
+      "metadata next_pos: \"2147483649\", expected a decimal integer 53..2^31");
 }
 
 TEST(MessageFileMalformedTest, PartialQuantMetadata) {

@@ -72,6 +72,13 @@ func run(o options) error {
 	if err != nil {
 		return &stepError{"fetch", err}
 	}
+	// Fetch delivers the oldest unacknowledged message: one left by an
+	// earlier run is not ours to write or acknowledge.
+	if got := m.Header.GetMessageId(); got != r.MessageID {
+		return &stepError{"fetch", fmt.Errorf("got message %s, expected %s (the one just published): session %s "+
+			"holds an older unacknowledged message for %s; fetch it with kvrelayctl, or use another -session",
+			got, r.MessageID, o.session, o.to)}
+	}
 	// Acknowledge only once the message is safely on disk.
 	if err := kvrelay.WriteMessageFile(o.out, m); err != nil {
 		return &stepError{"write message", err}
