@@ -175,7 +175,8 @@ class RelayClient {
   // DEADLINE_EXCEEDED when none arrived within opts.wait.
   [[nodiscard]] absl::StatusOr<FetchedMessage> Fetch(const FetchOptions& opts);
 
-  // NOT_FOUND for an unknown message.
+  // Acknowledges a delivered message: NOT_FOUND for an unknown message,
+  // FAILED_PRECONDITION for one not yet delivered to `agent`.
   [[nodiscard]] absl::Status Ack(const std::string& session, const std::string& agent,
                                  const std::string& message_id,
                                  std::chrono::milliseconds deadline = std::chrono::seconds(10));

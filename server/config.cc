@@ -236,8 +236,8 @@ std::string ServerUsage() {
                                  (KVRELAY_MAX_SESSION_BYTES; 8GiB)
   --max-store-bytes N            bytes of every retained message, all sessions (KVRELAY_MAX_STORE_BYTES; 16GiB)
   --upload-idle-timeout-seconds S  a Publish or Compress upload that sends nothing for S seconds fails with
-                                 DEADLINE_EXCEEDED and frees its memory; a Compress reply the client does not
-                                 read for S seconds is cancelled (KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS; 60;
+                                 DEADLINE_EXCEEDED and frees its memory; a Fetch or Compress reply the client
+                                 does not read for S seconds is cancelled (KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS; 60;
                                  >= 0.01)
   --session-ttl-seconds S        idle time before a session expires (KVRELAY_SESSION_TTL_SECONDS; 3600; >= 0.01)
   --default-policy SPEC          policy when neither the publish nor its role names one

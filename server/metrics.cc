@@ -65,7 +65,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                 .Register(*registry_);
   messages_ = &BuildCounter()
                    .Name("kvrelay_messages_total")
-                   .Help("Messages by outcome: committed, duplicate, failed, delivered, acked, expired.")
+                   .Help("Messages by outcome: committed, duplicate, failed, delivered, acked, expired and closed "
+                         "(unacknowledged deliveries dropped by expiry or CloseSession).")
                    .Register(*registry_);
   errors_ = &BuildCounter()
                  .Name("kvrelay_errors_total")
@@ -120,7 +121,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
       .Register(*registry_)
       .Add({{"version", KVRELAY_VERSION}})
       .Set(1);
-  for (const char* o : {"committed", "duplicate", "failed", "delivered", "acked", "expired"}) {
+  for (const char* o : {"committed", "duplicate", "failed", "delivered", "acked", "expired", "closed"}) {
     messages_->Add({{"outcome", o}});
   }
   // Series that exist from the start, so rate() sees their first increment.

@@ -4,7 +4,8 @@
 //   kvrelay_full_bytes_total{family}             what `full` would send, per committed message
 //   kvrelay_sent_bytes_total{family}             what the committed messages send
 //   kvrelay_saved_bytes_total{family}            full - sent
-//   kvrelay_messages_total{outcome}              committed, duplicate, failed, delivered, acked, expired
+//   kvrelay_messages_total{outcome}              committed, duplicate, failed, delivered, acked, expired,
+//                                                closed (unacked deliveries dropped by CloseSession)
 //   kvrelay_errors_total{code}                   failed RPCs by gRPC code name
 //   kvrelay_compress_seconds                     worker seconds per message
 //   kvrelay_publish_visible_seconds              first request to visibility

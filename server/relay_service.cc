@@ -105,8 +105,14 @@ class Upload {
   // dense history while it runs.
   absl::Status Start(const UploadShape& shape, std::shared_ptr<const Pipeline> pipeline, MessagePtr parent,
                      int64_t prompt_pos0) {
-    const uint64_t bytes = shape.ReserveBytes() + (parent ? DenseHistoryBytes(shape, *parent) : 0);
-    KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(bytes));
+    const uint64_t history = parent ? DenseHistoryBytes(shape, *parent) : 0;
+    const uint64_t bytes = shape.ReserveBytes() + history;
+    KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(
+        bytes, absl::StrCat("upload of ", shape.UploadBytes(), " tensor bytes + ",
+                            shape.ReserveBytes() - shape.UploadBytes(), " bookkeeping",
+                            parent ? absl::StrCat(" + ", history, " of parent '", parent->message_id,
+                                                  "' decoded as history")
+                                   : "")));
     assembler_.emplace(shape);
     pending_ = std::make_shared<PendingCompression>(std::move(pipeline), shape, std::move(parent), prompt_pos0,
                                                     svc_->pool(), svc_->store(), bytes);
@@ -167,8 +173,9 @@ struct ReadGate {
 };
 
 // The bytes a composed message of `shape` with `n_history` history tokens
-// sends at least: every token's position ids, and its K/V rows dense or as
-// quantized codes (scales and zeros not counted). Exact for dense policies.
+// holds at least (RetainedBytes): every token's position ids, its K/V rows
+// dense or as quantized codes (scales and zeros not counted), and the
+// bookkeeping. Exact for dense policies.
 uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, int n_history) {
   TurnGeometry g = shape.geo;
   g.n_history = n_history;
@@ -177,7 +184,8 @@ uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, int n_his
   const uint64_t tokens = static_cast<uint64_t>(counts.n_history) + counts.n_anchor + counts.n_kept + counts.n_gen;
   const uint64_t row = p.config().quant ? static_cast<uint64_t>(g.head_dim) * p.config().quant->bits / 8
                                         : static_cast<uint64_t>(g.head_dim) * DTypeSize(g.dtype);
-  return static_cast<uint64_t>(shape.layers) * g.kv_heads * tokens * (2 * row + 4);
+  return static_cast<uint64_t>(shape.layers) * g.kv_heads * tokens * (2 * row + 4) + kMessageOverheadBytes +
+         kLayerOverheadBytes * static_cast<uint64_t>(shape.layers);
 }
 
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field) {
@@ -483,7 +491,7 @@ class PublishReactor final
     m->recipients.assign(header_.recipients().begin(), header_.recipients().end());
     m->msg = pending->TakeMessage();
     m->family = PolicyFamily(m->msg.policy);
-    m->bytes = m->msg.sent_bytes;
+    m->bytes = RetainedBytes(m->msg);
     m->started = started_;
     const double compress_s = pending->compress_seconds();
     FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);
@@ -564,12 +572,23 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   void OnWriteDone(bool ok) override {
+    {
+      std::lock_guard<std::mutex> lock(reply_idle_->mu);
+      reply_idle_->last = Clock::now();
+    }
     if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: stream broken while delivering"));
     if (out_->FillNext<v1::FetchResponse>(&wire_)) return StartWrite(&wire_);
     Delivered();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (reply_idle_) {
+      std::lock_guard<std::mutex> lock(reply_idle_->mu);
+      reply_idle_->armed = false;
+      reply_idle_->fire = nullptr;
+    }
+    delete this;
+  }
 
  private:
   // Tries to take a delivery; otherwise waits (again).
@@ -589,6 +608,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       } else if (why == Store::Wake::kClosed) {
         fin = grpc::Status(grpc::NOT_FOUND, absl::StrCat("session_id: '", session_,
                                                          "': session closed while waiting (CloseSession)"));
+      } else if (why == Store::Wake::kExpired) {
+        fin = grpc::Status(grpc::NOT_FOUND,
+                           absl::StrCat("session_id: '", session_,
+                                        "': session expired while waiting (idle past --session-ttl-seconds)"));
       } else if (why == Store::Wake::kShutdown) {
         fin = shutdown;
       } else {
@@ -619,7 +642,21 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     *h->mutable_accounting() = m.accounting;
     h->set_delivery_attempt(delivery_.attempt);
     wire_ = EncodeProto(resp);
+    // A delivery holds its message (also one its session no longer retains)
+    // until the client has read it: a client that stops reading for the idle
+    // timeout is cancelled.
+    reply_idle_ = svc_->watchdog()->Watch([this] { OnReplyStalled(); });
     StartWrite(&wire_);
+  }
+
+  // On the watchdog thread, under reply_idle_->mu: a write has been pending
+  // for the timeout. The cancel fails the write and OnWriteDone finishes the
+  // call (the client sees gRPC's CANCELLED, so the reason is logged here).
+  void OnReplyStalled() {
+    if (finished_) return;
+    spdlog::info("fetch: session={} message={} to={} not read for {} s (--upload-idle-timeout-seconds), cancelling",
+                 session_, delivery_.msg->message_id, agent_, svc_->watchdog()->timeout_seconds());
+    ctx_->TryCancel();
   }
 
   void Delivered() {
@@ -657,6 +694,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   Store::Delivery delivery_;
   std::optional<OutgoingMessage> out_;
   grpc::ByteBuffer wire_;  // the response being written
+  std::shared_ptr<UploadWatchdog::Entry> reply_idle_;  // set before the first write
 };
 
 // --------------------------------------------------------------- Compress

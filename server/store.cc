@@ -3,9 +3,14 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "server/assembler.h"
 #include "server/metrics.h"
 
 namespace kvrelay {
+
+uint64_t RetainedBytes(const Message& msg) {
+  return msg.sent_bytes + kMessageOverheadBytes + kLayerOverheadBytes * static_cast<uint64_t>(msg.layers.size());
+}
 
 Store::Store(const StoreLimits& limits, Metrics* metrics) : limits_(limits), metrics_(metrics) {
   timer_ = std::thread([this] { TimerLoop(); });
@@ -35,12 +40,12 @@ std::string AloneOver(uint64_t bytes, uint64_t limit) {
 
 }  // namespace
 
-absl::Status Store::ReserveInflight(uint64_t bytes) {
+absl::Status Store::ReserveInflight(uint64_t bytes, absl::string_view what) {
   uint64_t cur = inflight_.load();
   do {
     if (cur + bytes > limits_.max_inflight_bytes || cur + bytes < cur) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "upload: ", bytes, " tensor bytes would put uploads in progress at ", cur + bytes,
+          what, ": ", bytes, " bytes would put uploads in progress at ", cur + bytes,
           " bytes, expected at most --max-inflight-bytes=", limits_.max_inflight_bytes,
           AloneOver(bytes, limits_.max_inflight_bytes)));
     }
@@ -274,6 +279,10 @@ absl::Status Store::Ack(const std::string& session, const std::string& agent, co
     return absl::NotFoundError(absl::StrCat("agent: '", agent, "': not a recipient of message '", message_id,
                                             "'"));
   }
+  if (!s->second.delivered.count({message_id, agent})) {
+    return absl::FailedPreconditionError(absl::StrCat("message_id: '", message_id, "': not delivered to '", agent,
+                                                      "' yet, expected a message it fetched (Fetch first)"));
+  }
   s->second.last_active = Clock::now();
   auto mb = s->second.mailboxes.find(agent);
   if (mb == s->second.mailboxes.end()) return absl::OkStatus();
@@ -301,7 +310,7 @@ void Store::EraseSessionLocked(std::map<std::string, Session>::iterator it, bool
     mailbox_messages_ -= mb.entries.size();
     mailbox_bytes_ -= mb.bytes;
   }
-  if (expired && metrics_ && n) metrics_->AddOutcome("expired", static_cast<double>(n));
+  if (metrics_ && n) metrics_->AddOutcome(expired ? "expired" : "closed", static_cast<double>(n));
   sessions_.erase(it);
   PublishGaugesLocked();
 }
@@ -348,13 +357,28 @@ bool Store::shutting_down() const {
 }
 
 void Store::SweepExpired() {
-  std::lock_guard<std::mutex> lock(mu_);
-  const Clock::time_point cutoff = Clock::now() - Ttl();
-  for (auto it = sessions_.begin(); it != sessions_.end();) {
-    auto next = std::next(it);
-    if (it->second.last_active < cutoff && !publishing_.count(it->first)) EraseSessionLocked(it, /*expired=*/true);
-    it = next;
+  std::vector<WakeFn> wakes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point cutoff = Clock::now() - Ttl();
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      auto next = std::next(it);
+      if (it->second.last_active < cutoff && !publishing_.count(it->first)) {
+        // A fetch waiting on it learns now that the session is gone.
+        for (auto w = waiters_.begin(); w != waiters_.end();) {
+          if (w->second.session == it->first) {
+            wakes.push_back(std::move(w->second.wake));
+            w = waiters_.erase(w);
+          } else {
+            ++w;
+          }
+        }
+        EraseSessionLocked(it, /*expired=*/true);
+      }
+      it = next;
+    }
   }
+  for (WakeFn& w : wakes) w(Wake::kExpired);
 }
 
 void Store::PublishGaugesLocked() {

@@ -52,10 +52,19 @@ struct StoredMessage {
   Message msg;                // the composed message
   v1::Accounting accounting;  // as returned by Publish
   std::string family;         // PolicyFamily(policy), the metrics label
-  uint64_t bytes = 0;         // bytes held (msg.sent_bytes)
+  uint64_t bytes = 0;         // bytes held against the limits: RetainedBytes(msg)
   Clock::time_point started;  // the publish's first request
 };
 using MessagePtr = std::shared_ptr<const StoredMessage>;
+
+// Bookkeeping a retained message holds beyond its tensors (ids, routing, the
+// layer objects' headers), counted with them against the mailbox, session
+// and store limits so that a message without tokens is not free.
+constexpr uint64_t kMessageOverheadBytes = 1024;
+
+// What a committed message holds against the limits: msg.sent_bytes plus
+// kMessageOverheadBytes plus kLayerOverheadBytes per layer.
+uint64_t RetainedBytes(const Message& msg);
 
 struct StoreLimits {
   uint64_t max_inflight_bytes = 4ull << 30;
@@ -81,8 +90,10 @@ class Store {
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
-  // Reserves upload memory. RESOURCE_EXHAUSTED past max_inflight_bytes.
-  [[nodiscard]] absl::Status ReserveInflight(uint64_t bytes);
+  // Reserves upload memory. RESOURCE_EXHAUSTED past max_inflight_bytes; its
+  // message starts with `what` (e.g. "upload of 5 tensor bytes + 1024
+  // bookkeeping") followed by the total.
+  [[nodiscard]] absl::Status ReserveInflight(uint64_t bytes, absl::string_view what = "upload");
   // Counts memory that is already held (e.g. a reply being streamed) in
   // flight, whatever the limit. Undo with ReleaseInflight.
   void AddInflight(uint64_t bytes);
@@ -134,6 +145,7 @@ class Store {
     kMessage,   // a message for (session, agent) was committed: call FetchOrWait again
     kTimeout,   // the deadline passed
     kClosed,    // CloseSession closed the session
+    kExpired,   // the session expired (idle past the TTL)
     kShutdown,  // the relay is shutting down (Shutdown)
   };
   // Called once.
@@ -149,7 +161,8 @@ class Store {
 
   // Removes `message_id` from `agent`'s mailbox. OK when already acked.
   // NOT_FOUND when the session, the message, or the agent as one of its
-  // recipients is unknown.
+  // recipients is unknown; FAILED_PRECONDITION when it was never delivered
+  // to `agent` (an ack cannot skip a message unseen).
   absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id);
 
   // Frees the session and wakes its waiters (Wake::kClosed); returns the
@@ -164,7 +177,7 @@ class Store {
   bool shutting_down() const;
 
   // Drops sessions idle past the TTL (also runs on the timer thread), but
-  // none with a publish in progress.
+  // none with a publish in progress, and wakes their waiters (Wake::kExpired).
   void SweepExpired();
 
   void AddReceived(uint64_t bytes) { received_ += bytes; }

@@ -468,7 +468,7 @@ class RelayClient {
     return readDelivery(call);
   }
 
-  /** Acknowledges a delivered message (NOT_FOUND for an unknown one). */
+  /** Acknowledges a delivered message (NOT_FOUND for an unknown one, FAILED_PRECONDITION for one not yet delivered). */
   async ack(sessionId, agent, messageId, options) {
     const { timeoutMs = 10000 } = options ?? {};
     checkId('sessionId', sessionId);

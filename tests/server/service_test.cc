@@ -584,7 +584,10 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
   EXPECT_EQ(st.sent_bytes(), sent);
   EXPECT_EQ(st.received_bytes(), received);
   EXPECT_EQ(st.mailbox_messages(), 3u);
-  EXPECT_EQ(st.store_bytes(), sent);  // each message retains its sent bytes
+  // Each message retains its sent bytes plus its bookkeeping.
+  const uint64_t retained = sent + 3 * (kMessageOverheadBytes + kLayerOverheadBytes * t.layers.size());
+  EXPECT_EQ(st.store_bytes(), retained);
+  EXPECT_EQ(st.mailbox_bytes(), retained);
   const std::string text = prometheus::TextSerializer().Serialize(server_->metrics()->registry()->Collect());
   EXPECT_NE(text.find("kvrelay_full_bytes_total{family=\"h2o-head\"} " + std::to_string(full)), std::string::npos) << text;
   EXPECT_NE(text.find("kvrelay_sent_bytes_total{family=\"h2o-head\"} " + std::to_string(sent)), std::string::npos);
@@ -592,7 +595,7 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
   EXPECT_NE(text.find("kvrelay_received_bytes_total " + std::to_string(received)), std::string::npos);
   EXPECT_NE(text.find("kvrelay_messages_total{outcome=\"committed\"} 3"), std::string::npos);
   EXPECT_NE(text.find("kvrelay_mailbox_messages 3"), std::string::npos);
-  EXPECT_NE(text.find("kvrelay_store_bytes " + std::to_string(sent)), std::string::npos);
+  EXPECT_NE(text.find("kvrelay_store_bytes " + std::to_string(retained)), std::string::npos);
 }
 
 // ---- review fixes ----
@@ -802,7 +805,9 @@ TEST_F(RelayTest, ComposedSizeIsCheckedAgainstMailboxesUpFront) {
   auto r = PublishTurn(stub_.get(), h2, t2);
   EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("mailbox of 'refiner'"), std::string::npos) << r.status.error_message();
-  EXPECT_NE(r.status.error_message().find("85536 bytes"), std::string::npos) << r.status.error_message();
+  const uint64_t composed = 85536 + kMessageOverheadBytes + kLayerOverheadBytes * t2.layers.size();
+  EXPECT_NE(r.status.error_message().find(absl::StrCat(composed, " bytes")), std::string::npos)
+      << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("--max-mailbox-bytes=60000"), std::string::npos);
   EXPECT_EQ(server_->store()->Stats().received_bytes, received);  // refused before any chunk
   EXPECT_EQ(server_->store()->Stats().committed, 1u);
@@ -839,26 +844,29 @@ double Gauge(RelayServer* s, const std::string& name) {
 TEST_F(RelayTest, RetainedBytesAreLimitedPerSessionAndStore) {
   server_->Shutdown();
   ServerConfig cfg;
-  cfg.max_session_bytes = 2 * 42768;
-  cfg.max_store_bytes = 3 * 42768;
-  StartServer(cfg);
   Turn t = MakeTurn(27);
+  const uint64_t msg = 42768 + kMessageOverheadBytes + kLayerOverheadBytes * t.layers.size();  // retained
+  cfg.max_session_bytes = 2 * msg;
+  cfg.max_store_bytes = 3 * msg;
+  StartServer(cfg);
   for (const char* id : {"m1", "m2"}) {
     ASSERT_TRUE(PublishTurn(stub_.get(), Header("sb", id, "a", {"b"}, "full", t), t).status.ok());
     ASSERT_TRUE(DoFetch(stub_.get(), "sb", "b", /*auto_ack=*/true).status.ok());
   }
   EXPECT_EQ(server_->store()->Stats().mailbox_bytes, 0u);
-  EXPECT_EQ(server_->store()->Stats().store_bytes, 2u * 42768);
-  EXPECT_EQ(Gauge(server_.get(), "kvrelay_store_bytes"), 2.0 * 42768);
+  EXPECT_EQ(server_->store()->Stats().store_bytes, 2u * msg);
+  EXPECT_EQ(Gauge(server_.get(), "kvrelay_store_bytes"), 2.0 * msg);
   auto r = PublishTurn(stub_.get(), Header("sb", "m3", "a", {"b"}, "full", t), t);
   EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
-  EXPECT_NE(r.status.error_message().find("--max-session-bytes=85536"), std::string::npos) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find(absl::StrCat("--max-session-bytes=", 2 * msg)), std::string::npos)
+      << r.status.error_message();
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("sb2", "m1", "a", {"b"}, "full", t), t).status.ok());
   r = PublishTurn(stub_.get(), Header("sb3", "m1", "a", {"b"}, "full", t), t);
   EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
-  EXPECT_NE(r.status.error_message().find("--max-store-bytes=128304"), std::string::npos) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find(absl::StrCat("--max-store-bytes=", 3 * msg)), std::string::npos)
+      << r.status.error_message();
   ASSERT_TRUE(Close(stub_.get(), "sb").ok());
-  EXPECT_EQ(Gauge(server_.get(), "kvrelay_store_bytes"), 42768.0);
+  EXPECT_EQ(Gauge(server_.get(), "kvrelay_store_bytes"), static_cast<double>(msg));
   EXPECT_TRUE(PublishTurn(stub_.get(), Header("sb3", "m1", "a", {"b"}, "full", t), t).status.ok());
   WaitInflightZero();
 }
@@ -948,6 +956,40 @@ TEST_F(RelayTest, CompressReplyNotReadIsCancelled) {
   }
   const grpc::Status s = stream->Finish();
   EXPECT_EQ(s.error_code(), grpc::CANCELLED) << s.error_message();
+}
+
+// A Fetch whose client stops reading is cancelled after the idle timeout
+// (it would otherwise hold its message, also one its session has dropped,
+// for as long as the client keeps the call open); the message stays
+// unacknowledged and is delivered again.
+TEST_F(RelayTest, FetchNotReadIsCancelledAndRedelivered) {
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.upload_idle_timeout_seconds = 1.0;
+  StartServer(cfg);
+  const Turn turn = LargeTurn();
+  auto p = PublishTurn(stub_.get(), Header("stall", "m", "a", {"b"}, "full", turn), turn);
+  ASSERT_TRUE(p.status.ok()) << p.status.error_message();
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(60));
+    v1::FetchRequest req;
+    req.set_session_id("stall");
+    req.set_agent("b");
+    auto reader = stub_->Fetch(&ctx, req);
+    v1::FetchResponse resp;
+    ASSERT_TRUE(reader->Read(&resp));
+    ASSERT_TRUE(resp.has_header());
+    EXPECT_EQ(resp.header().delivery_attempt(), 1u);
+    std::this_thread::sleep_for(std::chrono::seconds(3));  // read nothing more for 3 idle timeouts
+    while (reader->Read(&resp)) {
+    }
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::CANCELLED) << s.error_message();
+  }
+  FetchResult again = DoFetch(stub_.get(), "stall", "b", true);
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(again.header.delivery_attempt(), 2u);
 }
 
 // 2e: an upload that goes quiet is failed with DEADLINE_EXCEEDED and frees its reservation.

@@ -72,10 +72,32 @@ TEST(StoreTest, AckUnknownIsNotFound) {
   EXPECT_EQ(s.Ack("s", "c", "m1").code(), absl::StatusCode::kNotFound);
 }
 
+// An ack names a message the agent fetched: acking one still queued would
+// drop it unseen (an agent's bookkeeping off by one loses a message).
+TEST(StoreTest, AckOfAMessageNotYetDeliveredIsFailedPrecondition) {
+  Store s(StoreLimits{}, nullptr);
+  ASSERT_TRUE(Commit(s, Msg("s", "q1", {"b"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "q2", {"b"})).ok());
+  absl::Status st = s.Ack("s", "b", "q2");
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("message_id: 'q2': not delivered to 'b' yet"), std::string::npos) << st;
+  EXPECT_EQ(s.Stats().mailbox_messages, 2u);  // nothing dropped
+  auto d = TryFetch(s, "s", "b");
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->msg->message_id, "q1");
+  ASSERT_TRUE(s.Ack("s", "b", "q1").ok());
+  d = TryFetch(s, "s", "b");
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->msg->message_id, "q2");
+  EXPECT_TRUE(s.Ack("s", "b", "q2").ok());
+  EXPECT_EQ(s.Stats().mailbox_messages, 0u);
+}
+
 TEST(StoreTest, FanOutGivesEachRecipientItsOwnDelivery) {
   Store s(StoreLimits{}, nullptr);
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b", "c"})).ok());
   EXPECT_EQ(s.Stats().mailbox_messages, 2u);
+  ASSERT_TRUE(TryFetch(s, "s", "b"));
   ASSERT_TRUE(s.Ack("s", "b", "m1").ok());
   auto d = TryFetch(s, "s", "c");
   ASSERT_TRUE(d);
@@ -157,6 +179,25 @@ TEST(StoreTest, IdleSessionsExpire) {
   while (s.Stats().sessions > 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(s.Stats().sessions, 0u);
   EXPECT_EQ(s.Stats().mailbox_messages, 0u);
+}
+
+// A Fetch waiting on a session that expires learns so then, not at its own
+// deadline (an hour away here); waiters of other sessions keep waiting.
+TEST(StoreTest, ExpiryWakesTheSessionsWaiters) {
+  StoreLimits lim;
+  lim.session_ttl_seconds = 0.2;
+  Store s(lim, nullptr);
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
+  std::atomic<int> why{-1}, other{-1};
+  uint64_t w1 = 0, w2 = 0;
+  EXPECT_FALSE(s.FetchOrWait("s", "c", kNever, [&](Store::Wake w) { why = static_cast<int>(w); }, &w1));
+  EXPECT_FALSE(s.FetchOrWait("t", "c", kNever, [&](Store::Wake w) { other = static_cast<int>(w); }, &w2));
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (why < 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(why, static_cast<int>(Store::Wake::kExpired));
+  EXPECT_EQ(s.Stats().sessions, 0u);
+  EXPECT_EQ(other, -1);
+  EXPECT_TRUE(s.CancelWaiter(w2));
 }
 
 TEST(StoreTest, CloseFencesPublishesInProgress) {
@@ -292,6 +333,7 @@ TEST(StoreTest, SessionAndStoreByteLimitsCountAckedMessages) {
   ASSERT_TRUE(Commit(s, Msg("s1", "m2", {"b"})).ok());
   ASSERT_TRUE(TryFetch(s, "s1", "b"));
   ASSERT_TRUE(s.Ack("s1", "b", "m1").ok());
+  ASSERT_TRUE(TryFetch(s, "s1", "b"));
   ASSERT_TRUE(s.Ack("s1", "b", "m2").ok());
   EXPECT_EQ(s.Stats().mailbox_bytes, 0u);
   EXPECT_EQ(s.store_bytes(), 200u);
@@ -369,6 +411,35 @@ TEST(StoreTest, InflightGaugeIsExactUnderConcurrency) {
   EXPECT_EQ(GaugeValue(m, "kvrelay_store_bytes"), 700.0);
   s.CloseSession("s");
   EXPECT_EQ(GaugeValue(m, "kvrelay_store_bytes"), 0.0);
+}
+
+double Outcome(Metrics& m, const std::string& outcome) {
+  for (const auto& fam : m.registry()->Collect()) {
+    if (fam.name != "kvrelay_messages_total") continue;
+    for (const auto& metric : fam.metric) {
+      for (const auto& l : metric.label) {
+        if (l.name == "outcome" && l.value == outcome) return metric.counter.value;
+      }
+    }
+  }
+  ADD_FAILURE() << "no outcome " << outcome;
+  return -1;
+}
+
+// Unacknowledged deliveries a close drops are counted (outcome "closed"),
+// as expiry's are ("expired"): committed x recipients reconciles.
+TEST(StoreTest, CloseCountsTheUnackedDeliveriesItDrops) {
+  Metrics m;
+  Store s(StoreLimits{}, &m);
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b", "c"})).ok());
+  ASSERT_TRUE(Commit(s, Msg("s", "m2", {"b"})).ok());
+  ASSERT_TRUE(TryFetch(s, "s", "c"));
+  ASSERT_TRUE(s.Ack("s", "c", "m1").ok());
+  EXPECT_EQ(s.CloseSession("s"), 2u);
+  EXPECT_EQ(Outcome(m, "closed"), 2.0);  // m1 and m2 to b
+  EXPECT_EQ(Outcome(m, "expired"), 0.0);
+  EXPECT_EQ(s.CloseSession("s"), 0u);
+  EXPECT_EQ(Outcome(m, "closed"), 2.0);
 }
 
 }  // namespace

@@ -302,7 +302,8 @@ func (c *Client) Fetch(ctx context.Context, session, agent string, autoAck bool)
 	return m, nil
 }
 
-// Ack acknowledges a delivered message (NOT_FOUND for an unknown one).
+// Ack acknowledges a delivered message (NotFound for an unknown one,
+// FailedPrecondition for one not yet delivered to agent).
 func (c *Client) Ack(ctx context.Context, session, agent, messageID string) error {
 	for _, f := range [][2]string{{"session_id", session}, {"agent", agent}, {"message_id", messageID}} {
 		if err := checkID(f[0], f[1], true); err != nil {

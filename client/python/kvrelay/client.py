@@ -435,7 +435,8 @@ class Client:
         return _read_delivery(call)
 
     def ack(self, session, agent, message_id, timeout=10.0):
-        """Acknowledges a delivered message (NOT_FOUND for an unknown one)."""
+        """Acknowledges a delivered message (NOT_FOUND for an unknown one,
+        FAILED_PRECONDITION for one not yet delivered to `agent`)."""
         _check_id("session", session)
         _check_id("agent", agent)
         _check_id("message_id", message_id)
