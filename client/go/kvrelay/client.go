@@ -328,3 +328,13 @@ func (c *Client) CloseSession(ctx context.Context, session string) (uint32, erro
 	}
 	return r.GetMessagesFreed(), nil
 }
+
+// Stats returns the relay's counters since it started and what it holds now
+// (relay.proto, StatsResponse).
+func (c *Client) Stats(ctx context.Context) (*pb.StatsResponse, error) {
+	r, err := c.relay.Stats(ctx, &pb.StatsRequest{}, callOpts...)
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: stats: %w", err)
+	}
+	return r, nil
+}

@@ -249,6 +249,10 @@ type fakeRelay struct {
 }
 
 func (f *fakeRelay) Invoke(ctx context.Context, method string, args, reply interface{}, opts ...grpc.CallOption) error {
+	if method == "/kvrelay.v1.Relay/Stats" {
+		*reply.(*pb.StatsResponse) = pb.StatsResponse{MessagesCommitted: 3, StoreBytes: 4096, Version: "fake"}
+		return nil
+	}
 	return status.Error(codes.Unimplemented, method)
 }
 
@@ -495,5 +499,18 @@ func TestAssemblerMultiChunkTensors(t *testing.T) {
 			t.Errorf("%s: %d bytes (capacity %d), equal %t; want %d bytes", m.Tensors[i].Name, len(got), cap(got),
 				bytes.Equal(got, want), len(want))
 		}
+	}
+}
+
+func TestStats(t *testing.T) {
+	c := NewClient(&fakeRelay{committed: map[string]bool{}})
+	st, err := c.Stats(context.Background())
+	if err != nil || st.GetMessagesCommitted() != 3 || st.GetStoreBytes() != 4096 || st.GetVersion() != "fake" {
+		t.Errorf("Stats() = %v, %v", st, err)
+	}
+	// Other unary calls reach the same stand-in, which does not implement them.
+	if _, err := c.CloseSession(context.Background(), "s"); Code(err) != codes.Unimplemented ||
+		!strings.Contains(err.Error(), "kvrelay: close session s: ") {
+		t.Errorf("CloseSession: %v", err)
 	}
 }
