@@ -11,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/text_format.h"
 #include "core/crc32c.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
@@ -91,6 +93,50 @@ uint64_t DenseHistoryBytes(const UploadShape& shape, const StoredMessage& parent
   const uint64_t tokens = parent.msg.layers.empty() ? 0 : parent.msg.layers[0].tokens();
   return static_cast<uint64_t>(shape.layers) * shape.geo.kv_heads * tokens *
          (2ull * shape.geo.head_dim * DTypeSize(shape.geo.dtype) + 4);
+}
+
+// A field's value for an error message; "unset" for an optional one not set.
+std::string FieldText(const google::protobuf::Message& m, const google::protobuf::FieldDescriptor* f) {
+  if (f->has_presence() && !m.GetReflection()->HasField(m, f)) return "unset";
+  std::string out;
+  google::protobuf::TextFormat::PrintFieldValueToString(m, f, -1, &out);
+  return out;
+}
+
+// OK when `h` asks for what the committed `prior` holds (sender, recipients
+// in any order, role, policy as requested, parent, geometry): a retry of
+// the same publish. ALREADY_EXISTS naming the first field that differs
+// otherwise. The tensor data is not compared (a retry is answered before it
+// arrives).
+absl::Status CheckSamePublish(const v1::PublishHeader& h, const StoredMessage& prior) {
+  auto differs = [&](absl::string_view field, absl::string_view now, absl::string_view then) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "header.message_id: '", prior.message_id, "' is already committed in session '", prior.session_id,
+        "' with ", field, " ", then, ", this publish has ", now,
+        "; reuse a message id only to retry the same publish"));
+  };
+  auto quoted = [](absl::string_view v) { return absl::StrCat("'", absl::CHexEscape(v), "'"); };
+  if (h.sender() != prior.sender) return differs("header.sender", quoted(h.sender()), quoted(prior.sender));
+  std::vector<std::string> now(h.recipients().begin(), h.recipients().end()), then = prior.recipients;
+  std::sort(now.begin(), now.end());
+  std::sort(then.begin(), then.end());
+  if (now != then) {
+    return differs("header.recipients", absl::StrCat("[", absl::StrJoin(now, ","), "]"),
+                   absl::StrCat("[", absl::StrJoin(then, ","), "]"));
+  }
+  if (h.role() != prior.role) return differs("header.role", quoted(h.role()), quoted(prior.role));
+  if (h.policy() != prior.requested_policy) {
+    return differs("header.policy", quoted(h.policy()), quoted(prior.requested_policy));
+  }
+  if (h.parent_id() != prior.parent_id) {
+    return differs("header.parent_id", quoted(h.parent_id()), quoted(prior.parent_id));
+  }
+  const google::protobuf::Descriptor* d = v1::TurnGeometry::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const std::string a = FieldText(h.geometry(), d->field(i)), b = FieldText(prior.geometry, d->field(i));
+    if (a != b) return differs(absl::StrCat("header.geometry.", d->field(i)->name()), a, b);
+  }
+  return absl::OkStatus();
 }
 
 // The receiving half shared by Publish and Compress: geometry, in-flight
@@ -412,8 +458,10 @@ class PublishReactor final
     if (header_.message_id().empty()) header_.set_message_id(svc_->NewMessageId());
     resp_.set_message_id(header_.message_id());
 
-    // Idempotency: a committed id answers with the original accounting.
+    // Idempotency: a committed id answers with the original accounting, if
+    // this is a retry of the same publish.
     if (MessagePtr prior = svc_->store()->Find(header_.session_id(), header_.message_id())) {
+      KVRELAY_RETURN_IF_ERROR(CheckSamePublish(header_, *prior));
       ReplyDuplicate(prior);
       return absl::OkStatus();
     }
@@ -489,6 +537,8 @@ class PublishReactor final
     m->role = header_.role();
     m->parent_id = header_.parent_id();
     m->recipients.assign(header_.recipients().begin(), header_.recipients().end());
+    m->requested_policy = header_.policy();
+    m->geometry = header_.geometry();
     m->msg = pending->TakeMessage();
     m->family = PolicyFamily(m->msg.policy);
     m->bytes = RetainedBytes(m->msg);
@@ -497,7 +547,10 @@ class PublishReactor final
     FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);
     absl::StatusOr<Store::CommitResult> r = svc_->store()->Commit(m, *ticket_);
     if (!r.ok()) return Fail(r.status());
-    if (r->duplicate) return ReplyDuplicate(r->msg);
+    if (r->duplicate) {  // the same id committed while this one uploaded
+      if (absl::Status same = CheckSamePublish(header_, *r->msg); !same.ok()) return Fail(same);
+      return ReplyDuplicate(r->msg);
+    }
     const StoredMessage& c = *r->msg;
     resp_.set_message_id(c.message_id);
     *resp_.mutable_accounting() = c.accounting;

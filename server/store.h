@@ -49,6 +49,8 @@ using Clock = std::chrono::steady_clock;
 struct StoredMessage {
   std::string session_id, message_id, sender, role, parent_id;
   std::vector<std::string> recipients;
+  std::string requested_policy;  // header.policy as published ("": the role's default)
+  v1::TurnGeometry geometry;     // header.geometry as published
   Message msg;                // the composed message
   v1::Accounting accounting;  // as returned by Publish
   std::string family;         // PolicyFamily(policy), the metrics label

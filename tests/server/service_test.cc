@@ -183,6 +183,50 @@ TEST_F(RelayTest, IdempotentRepublish) {
   EXPECT_FALSE(p4.response.duplicate());
 }
 
+// A message id reused for a different publish is ALREADY_EXISTS naming the
+// first field that differs; nothing changes. Recipients in another order
+// are the same publish.
+TEST_F(RelayTest, RepublishOfAnIdWithADifferentHeaderIsAlreadyExists) {
+  Turn t = MakeTurn(3);
+  auto h = Header("s", "same", "a", {"b", "c"}, "h2o-head:k=8", t);
+  ASSERT_TRUE(PublishTurn(stub_.get(), h, t).status.ok());
+  struct Case {
+    std::string name;
+    std::function<void(v1::PublishHeader*)> edit;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"sender", [](auto* x) { x->set_sender("z"); }, "with header.sender 'a', this publish has 'z'"},
+      {"recipients", [](auto* x) { x->add_recipients("d"); }, "with header.recipients [b,c], this publish has [b,c,d]"},
+      {"role", [](auto* x) { x->set_role("judge"); }, "with header.role '', this publish has 'judge'"},
+      {"policy", [](auto* x) { x->set_policy("full"); }, "with header.policy 'h2o-head:k=8', this publish has 'full'"},
+      {"parent", [](auto* x) { x->set_parent_id("p"); }, "with header.parent_id '', this publish has 'p'"},
+      {"n_gen", [](auto* x) { x->mutable_geometry()->set_n_gen(x->geometry().n_gen() + 1); },
+       "with header.geometry.n_gen "},
+      {"prompt_pos0", [](auto* x) { x->mutable_geometry()->set_prompt_pos0(7); },
+       "with header.geometry.prompt_pos0 unset, this publish has 7"},
+  };
+  for (const Case& c : cases) {
+    v1::PublishHeader other = h;
+    c.edit(&other);
+    auto r = PublishTurn(stub_.get(), other, t);
+    EXPECT_EQ(r.status.error_code(), grpc::ALREADY_EXISTS) << c.name << ": " << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find("header.message_id: 'same' is already committed in session 's' " +
+                                            c.message),
+              std::string::npos)
+        << c.name << ": " << r.status.error_message();
+  }
+  v1::PublishHeader reordered = h;
+  reordered.clear_recipients();
+  reordered.add_recipients("c");
+  reordered.add_recipients("b");
+  auto r = PublishTurn(stub_.get(), reordered, t);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_TRUE(r.response.duplicate());
+  EXPECT_EQ(server_->store()->Stats().mailbox_messages, 2u);
+  EXPECT_EQ(server_->store()->Stats().committed, 1u);
+}
+
 TEST_F(RelayTest, ParentChainComposesHistoryLikeTheCoreLibrary) {
   const std::string policy = "h2o-head:k=8+obf:p=4,mode=fast";
   Turn t1 = MakeTurn(4, /*first=*/true);
@@ -695,6 +739,42 @@ uint64_t WaitFor(const std::function<uint64_t()>& get, uint64_t want) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return get();
+}
+
+// Two uploads of one id at once: the one that commits second is a duplicate
+// if it is the same publish, ALREADY_EXISTS if its header differs.
+TEST_F(RelayTest, RacingPublishesOfOneIdAreComparedAtCommit) {
+  Turn t = MakeTurn(31);
+  const auto chunks = TurnChunks(t, 1024);
+  for (const bool same : {true, false}) {
+    SCOPED_TRACE(same);
+    const std::string id = same ? "race-same" : "race-other";
+    auto first = Header("race", id, "a", {"b"}, "gen", t);
+    auto second = first;
+    if (!same) second.set_policy("full");
+    OpenPublish open(stub_.get(), first, chunks, 1);  // header read: past the duplicate check
+    WaitFor([&] { return server_->store()->inflight_bytes() > 0 ? 1u : 0u; }, 1);
+    ASSERT_TRUE(PublishTurn(stub_.get(), second, t).status.ok());
+    v1::PublishRequest req;
+    for (size_t i = 1; i < chunks.size(); ++i) {
+      *req.mutable_chunk() = chunks[i];
+      ASSERT_TRUE(open.w->Write(req));
+    }
+    *req.mutable_commit() = TrailerOf(chunks);
+    ASSERT_TRUE(open.w->Write(req));
+    open.w->WritesDone();
+    const grpc::Status st = open.w->Finish();
+    if (same) {
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      EXPECT_TRUE(open.resp.duplicate());
+    } else {
+      EXPECT_EQ(st.error_code(), grpc::ALREADY_EXISTS) << st.error_message();
+      EXPECT_NE(st.error_message().find("with header.policy 'full', this publish has 'gen'"), std::string::npos)
+          << st.error_message();
+    }
+  }
+  EXPECT_EQ(server_->store()->Stats().committed, 2u);
+  WaitInflightZero();
 }
 
 // A publish whose session is closed during its upload stores nothing and
