@@ -181,16 +181,19 @@ absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometr
                                                    Shape({pos.heads, pos.tokens}), ", expected ",
                                                    Shape({geo.kv_heads, geo.n_history})));
   }
-  for (size_t i = 0; i < pos.data.size(); ++i) {
-    if (pos.data[i] < 0) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s: %d at [%d,%d], expected a position id >= 0",
-                                                        Name(li, "history.pos"), pos.data[i],
-                                                        static_cast<int>(i / pos.tokens),
-                                                        static_cast<int>(i % pos.tokens)));
-    }
-  }
   if (prompt_pos0 < 0) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_pos0: ", prompt_pos0, ", expected >= 0"));
+  }
+  // The history precedes the prompt: an id at or past prompt_pos0 would give
+  // two cached tokens one position.
+  for (size_t i = 0; i < pos.data.size(); ++i) {
+    if (pos.data[i] < 0 || pos.data[i] >= prompt_pos0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %d at [%d,%d], expected a position id in [0, prompt_pos0 = %d) (the history precedes the prompt; "
+          "set prompt_pos0 past the history's last id)",
+          Name(li, "history.pos"), pos.data[i], static_cast<int>(i / pos.tokens), static_cast<int>(i % pos.tokens),
+          prompt_pos0));
+    }
   }
   const int64_t last = prompt_pos0 + geo.n_prompt + geo.n_gen - 1;  // the last position id
   if (last > std::numeric_limits<int32_t>::max()) {

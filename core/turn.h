@@ -64,7 +64,8 @@ struct Turn {
 };
 
 // Checks `geo` (ValidateGeometry), then one layer against it: shapes, dtypes, score layout, scores
-// finite and >= 0, position ranges, and (when check_kv_values) that every
+// finite and >= 0, position ranges (history ids in [0, prompt_pos0), the
+// last prompt/generated id within int32), and (when check_kv_values) that every
 // K/V element is finite. The K/V scan reads every byte of the layer; callers
 // that already checked the values (a file reader, a relay checking chunks as
 // they arrive) may skip it. Errors are InvalidArgument and name the tensor,

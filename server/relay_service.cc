@@ -495,6 +495,12 @@ class PublishReactor final
             h.parent_id(), pm.layers.size(), pm.kv_heads, pm.head_dim, std::string(DTypeName(pm.dtype)),
             shape.layers, shape.geo.kv_heads, shape.geo.head_dim, std::string(DTypeName(shape.geo.dtype))));
       }
+      if (shape.prompt_pos0 && *shape.prompt_pos0 < parent->msg.next_pos) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "header.geometry.prompt_pos0: ", *shape.prompt_pos0, ", expected >= ", parent->msg.next_pos,
+            " (where the parent '", h.parent_id(), "' ended: its history would share position ids with this "
+            "prompt), or unset to continue there"));
+      }
       if (!shape.prompt_pos0) {
         pos0 = parent->msg.next_pos;  // computed when the parent was compressed
         if (pos0 + shape.geo.n_prompt + shape.geo.n_gen - 1 > std::numeric_limits<int32_t>::max()) {

@@ -175,12 +175,12 @@ TEST(PipelineTest, NextPosIsTheTurnsEnd) {
   }
   EXPECT_EQ(HeldEnd(MustCompress("h2o-head:k=6", turn)), 320) << "the tail (ids 320..339) is evicted";
   EXPECT_EQ(HeldEnd(MustCompress("full", turn)), 340);
-  // History ids beyond the prompt (not required to precede it) still count.
+  // With history (ids below prompt_pos0) the turn still ends after its prompt.
   s.n_history = 3;
   Turn with_history = RandomTurn(s, 20);
-  with_history.prompt_pos0 = 10;
-  for (TurnLayer& l : with_history.layers) l.history_pos.at(1, 2) = 500;
-  EXPECT_EQ(MustCompress("h2o-head:k=6", with_history).next_pos, 501);
+  with_history.prompt_pos0 = 500;
+  for (TurnLayer& l : with_history.layers) l.history_pos.at(1, 2) = 499;
+  EXPECT_EQ(MustCompress("h2o-head:k=6", with_history).next_pos, 540);
 }
 
 TEST(PipelineTest, SelectionComposesInOrderWithPositions) {

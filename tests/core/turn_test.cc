@@ -146,7 +146,15 @@ TEST(TurnTest, RejectsEachBadInput) {
 
   t = good;
   t.layers[1].history_pos.at(1, 2) = -3;
-  ExpectInvalid(t, "layer.1.history.pos: -3 at [1,2], expected a position id >= 0");
+  ExpectInvalid(t, "layer.1.history.pos: -3 at [1,2], expected a position id in [0, prompt_pos0 = 8)");
+
+  // The history precedes the prompt: an id at prompt_pos0 would share it.
+  t = good;
+  t.layers[1].history_pos.at(0, 3) = 8;
+  ExpectInvalid(t, "layer.1.history.pos: 8 at [0,3], expected a position id in [0, prompt_pos0 = 8) (the history "
+                   "precedes the prompt");
+  t.prompt_pos0 = 9;
+  EXPECT_TRUE(ValidateTurn(t).ok());
 
   t = good;
   t.prompt_pos0 = -1;

@@ -297,6 +297,16 @@ TEST_F(RelayTest, ChildContinuesAfterTheParentsLastToken) {
   Turn t2 = RandomTurn(s, 42);
   auto h2 = Header("end", "m2", "b", {"c"}, "full", t2);
   h2.set_parent_id("m1");
+  // An explicit start inside the parent's turn would reuse its position ids.
+  auto early = h2;
+  early.set_message_id("m-early");
+  early.mutable_geometry()->set_prompt_pos0(19);
+  auto e = PublishTurn(stub_.get(), early, t2);
+  EXPECT_EQ(e.status.error_code(), grpc::INVALID_ARGUMENT) << e.status.error_message();
+  EXPECT_NE(e.status.error_message().find("header.geometry.prompt_pos0: 19, expected >= 20 (where the parent 'm1' "
+                                          "ended"),
+            std::string::npos)
+      << e.status.error_message();
   ASSERT_TRUE(PublishTurn(stub_.get(), h2, t2).status.ok());
   FetchResult f = DoFetch(stub_.get(), "end", "c", true);
   ASSERT_TRUE(f.status.ok()) << f.status.error_message();
