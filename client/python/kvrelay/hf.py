@@ -328,7 +328,8 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
     publish it with parent_id=history.message_id and the relay supplies it.
     include_history=True uploads it (history.k/v/pos; publish without a
     parent), with history_positions ([layers, kv_heads, n_history]) or the
-    history's own positions.
+    history's own positions; prompt_pos0 then defaults to 1 + the largest of
+    them (history.next_pos with `history`).
 
     K/V keep the cache's dtype (float32 -> F32, float16 -> F16,
     bfloat16 -> BF16); tensors are copied to host memory. ValueError names the
@@ -369,6 +370,8 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
             raise ValueError(f"history_positions: shape {list(hp.shape)}, expected "
                              f"{[len(pairs), H, n_history]}")
         hist_pos = hp.astype(np.int32)
+        if prompt_pos0 is None:  # the prompt continues after the history (its ids must precede it)
+            prompt_pos0 = int(hist_pos.max()) + 1
     if scores is None:
         scores = [np.zeros((H, n_prompt), np.float32)] * len(pairs)
     scores = list(scores)

@@ -219,6 +219,12 @@ class CacheConversionTest(unittest.TestCase):
         self.assertTrue(np.array_equal(t2.layers[1].history_pos, pos[1].numpy()))
         self.assertTrue(np.array_equal(t2.layers[0].history_k, c[0][0][0, :, :3].numpy()))
         self.assertTrue(np.array_equal(t2.layers[0].prompt_k, c[0][0][0, :, 3:9].numpy()))
+        # History positions without a RelayedCache: the prompt starts after the
+        # largest (the relay refuses history ids at or past prompt_pos0).
+        t3 = hf.turn_from_cache(c, 6, include_history=True, n_history=3, history_positions=pos)
+        self.assertEqual((t3.first_agent, t3.prompt_pos0), (False, 8))
+        t4 = hf.turn_from_cache(c, 6, include_history=True, n_history=3, history_positions=pos, prompt_pos0=30)
+        self.assertEqual(t4.prompt_pos0, 30)
 
     def test_errors(self):
         c = self.cache()
