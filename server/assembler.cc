@@ -52,9 +52,13 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
   if (std::optional<DType> dt = DTypeFromProto(g.dtype())) {
     s.geo.dtype = *dt;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", v1::DType_Name(g.dtype()), " (",
-                                                   static_cast<int>(g.dtype()),
-                                                   "), expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16"));
+    // An unknown value has no name: print the number alone.
+    const std::string& name = v1::DType_Name(g.dtype());
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype: ",
+                     name.empty() ? absl::StrCat(static_cast<int>(g.dtype()))
+                                  : absl::StrCat(name, " (", static_cast<int>(g.dtype()), ")"),
+                     ", expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16"));
   }
   for (auto [name, v] : {std::pair<const char*, uint32_t>{"n_prompt", g.n_prompt()},
                          {"n_gen", g.n_gen()},

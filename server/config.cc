@@ -239,7 +239,8 @@ std::string ServerUsage() {
                                  DEADLINE_EXCEEDED and frees its memory; a Fetch or Compress reply the client
                                  does not read for S seconds is cancelled (KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS; 60;
                                  >= 0.01)
-  --session-ttl-seconds S        idle time before a session expires (KVRELAY_SESSION_TTL_SECONDS; 3600; >= 0.01)
+  --session-ttl-seconds S        idle time before a session expires; a Publish in progress or a Fetch waiting
+                                 on it is activity (KVRELAY_SESSION_TTL_SECONDS; 3600; >= 0.01)
   --default-policy SPEC          policy when neither the publish nor its role names one
                                  (KVRELAY_DEFAULT_POLICY; h2o-head:k=32+obf:p=8,mode=fast)
   --role-policy ROLE=SPEC        per-role default policy, repeatable (KVRELAY_ROLE_POLICY: ROLE=SPEC;ROLE=SPEC)

@@ -667,10 +667,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       } else if (why == Store::Wake::kClosed) {
         fin = grpc::Status(grpc::NOT_FOUND, absl::StrCat("session_id: '", session_,
                                                          "': session closed while waiting (CloseSession)"));
-      } else if (why == Store::Wake::kExpired) {
-        fin = grpc::Status(grpc::NOT_FOUND,
-                           absl::StrCat("session_id: '", session_,
-                                        "': session expired while waiting (idle past --session-ttl-seconds)"));
+
       } else if (why == Store::Wake::kShutdown) {
         fin = shutdown;
       } else {

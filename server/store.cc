@@ -260,7 +260,11 @@ std::optional<Store::Delivery> Store::FetchOrWait(const std::string& session, co
 
 bool Store::CancelWaiter(uint64_t waiter) {
   std::lock_guard<std::mutex> lock(mu_);
-  return waiters_.erase(waiter) > 0;
+  auto it = waiters_.find(waiter);
+  if (it == waiters_.end()) return false;
+  TouchLocked(it->second.session);  // waited on until now
+  waiters_.erase(it);
+  return true;
 }
 
 absl::Status Store::Ack(const std::string& session, const std::string& agent, const std::string& message_id) {
@@ -357,28 +361,21 @@ bool Store::shutting_down() const {
 }
 
 void Store::SweepExpired() {
-  std::vector<WakeFn> wakes;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    const Clock::time_point cutoff = Clock::now() - Ttl();
-    for (auto it = sessions_.begin(); it != sessions_.end();) {
-      auto next = std::next(it);
-      if (it->second.last_active < cutoff && !publishing_.count(it->first)) {
-        // A fetch waiting on it learns now that the session is gone.
-        for (auto w = waiters_.begin(); w != waiters_.end();) {
-          if (w->second.session == it->first) {
-            wakes.push_back(std::move(w->second.wake));
-            w = waiters_.erase(w);
-          } else {
-            ++w;
-          }
-        }
-        EraseSessionLocked(it, /*expired=*/true);
-      }
-      it = next;
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point cutoff = Clock::now() - Ttl();
+  std::set<std::string> waited_on;
+  for (const auto& [id, w] : waiters_) waited_on.insert(w.session);
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    auto next = std::next(it);
+    if (it->second.last_active < cutoff && !publishing_.count(it->first) && !waited_on.count(it->first)) {
+      EraseSessionLocked(it, /*expired=*/true);
     }
+    it = next;
   }
-  for (WakeFn& w : wakes) w(Wake::kExpired);
+}
+
+void Store::TouchLocked(const std::string& session) {
+  if (auto s = sessions_.find(session); s != sessions_.end()) s->second.last_active = Clock::now();
 }
 
 void Store::PublishGaugesLocked() {
@@ -420,6 +417,7 @@ void Store::TimerLoop() {
     std::vector<WakeFn> expired;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->second.deadline <= now) {
+        TouchLocked(it->second.session);  // waited on until now
         expired.push_back(std::move(it->second.wake));
         it = waiters_.erase(it);
       } else {

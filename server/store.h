@@ -147,7 +147,6 @@ class Store {
     kMessage,   // a message for (session, agent) was committed: call FetchOrWait again
     kTimeout,   // the deadline passed
     kClosed,    // CloseSession closed the session
-    kExpired,   // the session expired (idle past the TTL)
     kShutdown,  // the relay is shutting down (Shutdown)
   };
   // Called once.
@@ -179,7 +178,8 @@ class Store {
   bool shutting_down() const;
 
   // Drops sessions idle past the TTL (also runs on the timer thread), but
-  // none with a publish in progress, and wakes their waiters (Wake::kExpired).
+  // none with a publish in progress or a Fetch waiting on it (waiting is
+  // activity: the session's idle time restarts when the waiter leaves).
   void SweepExpired();
 
   void AddReceived(uint64_t bytes) { received_ += bytes; }
@@ -212,6 +212,8 @@ class Store {
   };
 
   void TimerLoop();
+  // Restarts the idle time of `session` if it exists. REQUIRES: mu_ held.
+  void TouchLocked(const std::string& session);
   void EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired);
   void PublishGaugesLocked();
   void PublishInflight();

@@ -211,8 +211,10 @@ TEST(AssemblerTest, BadGeometry) {
       {[](auto* g) { g->set_kv_heads(0); }, "header.geometry.kv_heads: 0"},
       {[](auto* g) { g->set_score_heads(3); }, "header.geometry.score_heads: 3"},
       {[](auto* g) { g->set_head_dim(0); }, "header.geometry.head_dim: 0"},
-      {[](auto* g) { g->set_dtype(v1::DTYPE_UNSPECIFIED); }, "header.geometry.dtype"},
-      {[](auto* g) { g->set_dtype(static_cast<v1::DType>(9)); }, "header.geometry.dtype"},
+      {[](auto* g) { g->set_dtype(v1::DTYPE_UNSPECIFIED); },
+       "header.geometry.dtype: DTYPE_UNSPECIFIED (0), expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16"},
+      {[](auto* g) { g->set_dtype(static_cast<v1::DType>(9)); },
+       "header.geometry.dtype: 9, expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16"},
       {[](auto* g) { g->set_prompt_pos0(-1); }, "header.geometry.prompt_pos0"},
       // The bound holds where prompt_pos0 + n_prompt + n_gen overflows int64.
       {[](auto* g) { g->set_prompt_pos0(std::numeric_limits<int64_t>::max()); }, "header.geometry.prompt_pos0"},

@@ -762,8 +762,10 @@ TEST_F(RelayTest, RacingPublishesOfOneIdAreComparedAtCommit) {
     auto first = Header("race", id, "a", {"b"}, "gen", t);
     auto second = first;
     if (!same) second.set_policy("full");
-    OpenPublish open(stub_.get(), first, chunks, 1);  // header read: past the duplicate check
-    WaitFor([&] { return server_->store()->inflight_bytes() > 0 ? 1u : 0u; }, 1);
+    WaitInflightZero();  // the previous round's reservations are gone
+    OpenPublish open(stub_.get(), first, chunks, 1);
+    // Its reservation shows the header was read: past the header's duplicate check.
+    ASSERT_EQ(WaitFor([&] { return server_->store()->inflight_bytes() > 0 ? 1u : 0u; }, 1), 1u);
     ASSERT_TRUE(PublishTurn(stub_.get(), second, t).status.ok());
     v1::PublishRequest req;
     for (size_t i = 1; i < chunks.size(); ++i) {
