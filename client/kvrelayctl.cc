@@ -88,9 +88,9 @@ relay verbs (a running kvrelay-server; --addr HOST:PORT):
   fetch --addr A --session S --agent AGENT --out MSG.safetensors
         [--wait SECONDS] [--no-ack]
       Waits (default 30 s) for the oldest unacknowledged message, writes it
-      (metadata adds message_id, session, from, role, parent_id,
-      delivery_attempt and the accounting), then acknowledges it unless
-      --no-ack.
+      (metadata adds message_id, session, from, delivery_attempt and the
+      accounting, and role and parent_id when the message has them), then
+      acknowledges it unless --no-ack.
 
   ack --addr A --session S --agent AGENT --id MSGID
   close --addr A --session S
