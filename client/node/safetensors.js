@@ -41,11 +41,23 @@ async function readSafetensors(path) {
     const size = DTYPE_SIZE[t.dtype];
     if (size === undefined) throw bad(`${name}: dtype ${t.dtype}, expected one of ${Object.keys(DTYPE_SIZE)}`);
     const [begin, end] = t.data_offsets;
+    if (!Array.isArray(t.shape) || !t.shape.every((x) => Number.isSafeInteger(x) && x >= 0)) {
+      throw bad(`${name}: shape ${JSON.stringify(t.shape)}, expected an array of integers >= 0`);
+    }
     const want = product(t.shape) * size;
     if (!(begin >= 0 && end - begin === want && base + end <= buf.length)) {
       throw bad(`${name}: data_offsets [${begin},${end}], expected ${want} bytes within the file`);
     }
-    tensors.set(name, { dtype: t.dtype, shape: t.shape, data: buf.subarray(base + begin, base + end) });
+    tensors.set(name, { dtype: t.dtype, shape: t.shape, data: buf.subarray(base + begin, base + end), begin, end });
+  }
+  // Tensors may leave gaps but never share bytes.
+  const spans = [...tensors.entries()].filter(([, t]) => t.end > t.begin).sort((a, b) => a[1].begin - b[1].begin);
+  for (let i = 1; i < spans.length; i++) {
+    if (spans[i][1].begin < spans[i - 1][1].end) throw bad(`${spans[i - 1][0]} and ${spans[i][0]}: data_offsets overlap`);
+  }
+  for (const t of tensors.values()) {
+    delete t.begin;
+    delete t.end;
   }
   return { metadata, tensors };
 }

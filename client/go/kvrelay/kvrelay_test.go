@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"math"
+	"os"
 	"path/filepath"
 	"regexp"
 	"runtime"
@@ -232,6 +233,36 @@ func TestTurnFileRoundTrip(t *testing.T) {
 	}
 	if _, err := ReadTurnFile(path); err == nil || !strings.Contains(err.Error(), "layer.1.prompt.v: F32 [1 2 3], expected F32 [1 3 2]") {
 		t.Errorf("wrong shape: %v", err)
+	}
+}
+
+// Tensors that share bytes, or a negative dimension that multiplies to the
+// right size, are refused (as the C++ reader does); gaps are fine.
+func TestReadSafetensorsRefusesOverlapsAndNegativeShapes(t *testing.T) {
+	dir := t.TempDir()
+	write := func(header string, data int) string {
+		path := filepath.Join(dir, "f.safetensors")
+		buf := make([]byte, 8, 8+len(header)+data)
+		binary.LittleEndian.PutUint64(buf, uint64(len(header)))
+		buf = append(append(buf, header...), make([]byte, data)...)
+		if err := os.WriteFile(path, buf, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	for _, c := range []struct{ header, want string }{
+		{`{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}`,
+			"a and b: data_offsets overlap"},
+		{`{"a":{"dtype":"F32","shape":[-1,-2],"data_offsets":[0,8]}}`, "shape [-1 -2], expected dimensions 0..2^40"},
+		{`{"a":{"dtype":"U8","shape":[1099511627776,1099511627776],"data_offsets":[0,0]}}`, "expected at most 16 bytes"},
+	} {
+		if _, _, err := readSafetensors(write(c.header, 16)); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want %q", c.header, err, c.want)
+		}
+	}
+	gap := `{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}`
+	if _, ts, err := readSafetensors(write(gap, 16)); err != nil || len(ts) != 2 {
+		t.Errorf("gap: %v", err)
 	}
 }
 

@@ -53,6 +53,11 @@ func readSafetensors(path string) (map[string]string, map[string]stTensor, error
 	}
 	data := buf[8+n:]
 	tensors := make(map[string]stTensor, len(header))
+	type span struct {
+		name       string
+		begin, end int64
+	}
+	var spans []span
 	for name, raw := range header {
 		var e stEntry
 		if err := json.Unmarshal(raw, &e); err != nil {
@@ -64,13 +69,32 @@ func readSafetensors(path string) (map[string]string, map[string]stTensor, error
 		}
 		want := int64(size)
 		for _, x := range e.Shape {
+			if x < 0 || x > 1<<40 {
+				return nil, nil, fmt.Errorf("%s: %s: shape %v, expected dimensions 0..2^40", path, name, e.Shape)
+			}
 			want *= int64(x)
+			if want > int64(len(data)) {
+				return nil, nil, fmt.Errorf("%s: %s: shape %v, expected at most %d bytes (the file's data)", path, name, e.Shape, len(data))
+			}
 		}
 		b, end := e.DataOffsets[0], e.DataOffsets[1]
 		if b < 0 || end-b != want || end > int64(len(data)) {
 			return nil, nil, fmt.Errorf("%s: %s: data_offsets [%d,%d], expected %d bytes within the file", path, name, b, end, want)
 		}
 		tensors[name] = stTensor{dtype: e.DType, shape: e.Shape, data: data[b:end:end]}
+		spans = append(spans, span{name, b, end})
+	}
+	// Tensors may leave gaps but never share bytes.
+	sort.Slice(spans, func(i, j int) bool { return spans[i].begin < spans[j].begin })
+	last := -1
+	for i, s := range spans {
+		if s.end == s.begin {
+			continue
+		}
+		if last >= 0 && s.begin < spans[last].end {
+			return nil, nil, fmt.Errorf("%s: %s and %s: data_offsets overlap", path, spans[last].name, s.name)
+		}
+		last = i
 	}
 	return meta, tensors, nil
 }

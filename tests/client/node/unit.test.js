@@ -14,6 +14,9 @@ const { crc32c, crc32cCombine } = require(path.join(dir, 'crc32c.js'));
 const { RelayClient, RelayError, MAX_CHUNK_BYTES, loadRelayService, newMessageId, planUpload, chunkRequests,
         Assembler } = require(path.join(dir, 'client.js'));
 const grpc = require('@grpc/grpc-js');
+const { readSafetensors } = require(path.join(dir, 'safetensors.js'));
+const fs = require('node:fs');
+const os = require('node:os');
 
 // Bit-at-a-time reference, independent of the table code.
 function crcReference(data) {
@@ -272,6 +275,23 @@ test('planUpload: unset defaults, and geometry values the wire cannot carry are 
   // 2^32 + 2 would wrap to 2 in the uint32 field.
   assert.throws(() => planUpload(tinyTurn({ kvHeads: 2 ** 32 + 2, scoreHeads: 2 ** 32 + 2 })),
                 invalidArg(/^turn\.kvHeads: 4294967298, expected an integer 0\.\.4294967295$/));
+});
+
+test('readSafetensors: tensors sharing bytes or with a bad shape are refused; gaps are fine', async () => {
+  const file = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'kvrelay-st-')), 'f.safetensors');
+  const write = (header) => {
+    const h = Buffer.from(JSON.stringify(header));
+    const len = Buffer.alloc(8);
+    len.writeBigUInt64LE(BigInt(h.length));
+    fs.writeFileSync(file, Buffer.concat([len, h, Buffer.alloc(16)]));
+    return file;
+  };
+  const f32 = (shape, begin, end) => ({ dtype: 'F32', shape, data_offsets: [begin, end] });
+  await assert.rejects(readSafetensors(write({ a: f32([2], 0, 8), b: f32([2], 4, 12) })), /a and b: data_offsets overlap/);
+  await assert.rejects(readSafetensors(write({ a: f32([-1, -2], 0, 8) })), /shape \[-1,-2\], expected an array of integers >= 0/);
+  const { tensors } = await readSafetensors(write({ a: f32([1], 0, 4), b: f32([1], 8, 12) }));
+  assert.deepEqual([...tensors.keys()], ['a', 'b']);
+  assert.deepEqual(Object.keys(tensors.get('a')), ['dtype', 'shape', 'data']);
 });
 
 // A stand-in relay: Publish records each header's message id; session 'down'
