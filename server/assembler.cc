@@ -78,10 +78,13 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
   if (g.has_prompt_pos0()) {
     const int64_t p = g.prompt_pos0();
     constexpr int64_t kMaxPos = std::numeric_limits<int32_t>::max();
-    // p is bounded before the sum, which could otherwise overflow.
-    if (p < 0 || p > kMaxPos || p + g.n_prompt() + g.n_gen() > kMaxPos) {
+    // p is bounded before the sum, which could otherwise overflow. The last
+    // position id, prompt_pos0 + n_prompt + n_gen - 1, may be 2^31-1 (as the
+    // core allows, and as a child continuing after its parent gets).
+    if (p < 0 || p > kMaxPos || p + g.n_prompt() + g.n_gen() > kMaxPos + 1) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, ".prompt_pos0: ", p, ", expected >= 0 with prompt_pos0 + n_prompt + n_gen <= 2^31-1"));
+          field, ".prompt_pos0: ", p, ", expected >= 0 with prompt_pos0 + n_prompt + n_gen <= 2^31 (position ids "
+          "are int32)"));
     }
     s.prompt_pos0 = p;
   }

@@ -717,7 +717,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void Delivered() {
     const StoredMessage& m = *delivery_.msg;
-    svc_->store()->AddDelivered();
+    // The watchdog may have cancelled the call just before the last write
+    // completed: the client then sees CANCELLED, so nothing counts.
+    if (ctx_->IsCancelled()) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: cancelled while delivering"));
+    svc_->store()->MarkDelivered(session_, agent_, m.message_id);
     if (Metrics* mx = svc_->metrics()) {
       mx->AddOutcome("delivered");
       if (delivery_.attempt == 1) mx->ObserveDelivered(std::chrono::duration<double>(Clock::now() - m.started).count());

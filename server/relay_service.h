@@ -32,8 +32,9 @@ inline constexpr int kMaxRecipients = 64;
 absl::Status CheckId(const std::string& field, const std::string& value);
 
 // Cancels uploads (Publish, Compress) that send nothing for the idle
-// timeout. A reactor holds its Entry's mutex while it reacts to a read and
-// touches `last`; the watchdog fires an armed entry that has been idle past
+// timeout, and replies (Fetch, Compress) whose client reads nothing for as
+// long. A reactor holds its Entry's mutex while it reacts to a read or a
+// completed write and touches `last`; the watchdog fires an armed entry that has been idle past
 // the timeout under that mutex (skipping it while the reactor is busy), so a
 // firing never overlaps a reaction, and OnDone disarms it under the mutex
 // before the reactor goes away. The watchdog never waits for an Entry's

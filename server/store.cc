@@ -242,7 +242,6 @@ std::optional<Store::Delivery> Store::FetchOrWait(const std::string& session, co
     if (mb != s->second.mailboxes.end() && !mb->second.entries.empty()) {
       Entry& e = mb->second.entries.front();
       ++e.attempts;
-      s->second.delivered.insert({e.msg->message_id, agent});
       s->second.last_active = Clock::now();
       return Delivery{e.msg, e.attempts};
     }
@@ -256,6 +255,15 @@ std::optional<Store::Delivery> Store::FetchOrWait(const std::string& session, co
   *waiter = id;
   cv_.notify_all();  // the timer may need an earlier wakeup
   return std::nullopt;
+}
+
+void Store::MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++delivered_;
+  auto s = sessions_.find(session);
+  if (s == sessions_.end() || !s->second.messages.count(message_id)) return;  // closed or expired meanwhile
+  s->second.delivered.insert({message_id, agent});
+  s->second.last_active = Clock::now();
 }
 
 bool Store::CancelWaiter(uint64_t waiter) {

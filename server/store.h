@@ -153,9 +153,16 @@ class Store {
   using WakeFn = std::function<void(Wake why)>;
   // Hands out the oldest unacknowledged delivery for (session, agent). If
   // there is none, registers `wake` and sets *waiter (for CancelWaiter);
-  // after Shutdown it registers nothing and sets *waiter to 0 instead.
+  // after Shutdown it registers nothing and sets *waiter to 0 instead. The
+  // message counts as delivered (for Ack and as a parent) only once the
+  // caller reports the whole stream written (MarkDelivered).
   std::optional<Delivery> FetchOrWait(const std::string& session, const std::string& agent,
                                       Clock::time_point deadline, WakeFn wake, uint64_t* waiter);
+  // Records that `message_id` reached `agent` whole (the delivery's trailer
+  // was written): from now on `agent` may ack it and publish with it as
+  // parent. Counts a delivery. No effect on a session closed meanwhile.
+  void MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id);
+
   // Unregisters a waiter. True if it was still registered: its wake will
   // never run. False if it already ran or is running.
   bool CancelWaiter(uint64_t waiter);
@@ -184,7 +191,7 @@ class Store {
 
   void AddReceived(uint64_t bytes) { received_ += bytes; }
   void AddFailed() { ++failed_; }
-  void AddDelivered() { ++delivered_; }
+
   StoreStats Stats() const;
   uint64_t inflight_bytes() const { return inflight_.load(); }
   uint64_t store_bytes() const;

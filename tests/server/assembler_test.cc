@@ -232,6 +232,20 @@ TEST(AssemblerTest, BadGeometry) {
   }
 }
 
+// The last position id may be exactly 2^31-1, as in the core and for a
+// child continuing after its parent; one more is refused.
+TEST(AssemblerTest, LastPositionIdMayBeInt32Max) {
+  Fixture f = Make();
+  v1::TurnGeometry g = testing::ProtoGeometry(f.turn);
+  const int64_t tokens = int64_t{g.n_prompt()} + g.n_gen();
+  g.set_prompt_pos0((int64_t{1} << 31) - tokens);
+  EXPECT_TRUE(CheckGeometry(g, "header.geometry").ok());
+  g.set_prompt_pos0((int64_t{1} << 31) - tokens + 1);
+  auto s = CheckGeometry(g, "header.geometry");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("prompt_pos0 + n_prompt + n_gen <= 2^31"), std::string::npos) << s.status();
+}
+
 // Review 2a/3b: the header's geometry is held to the core's bounds, with the
 // field and the range named.
 TEST(CheckGeometryTest, UsesTheCoreBounds) {

@@ -1079,6 +1079,16 @@ TEST_F(RelayTest, FetchNotReadIsCancelledAndRedelivered) {
     const grpc::Status s = reader->Finish();
     EXPECT_EQ(s.error_code(), grpc::CANCELLED) << s.error_message();
   }
+  // Never delivered whole: not ackable (it would be lost unseen).
+  grpc::ClientContext actx;
+  v1::AckRequest ack;
+  ack.set_session_id("stall");
+  ack.set_agent("b");
+  ack.set_message_id("m");
+  v1::AckResponse ack_resp;
+  const grpc::Status acked = stub_->Ack(&actx, ack, &ack_resp);
+  EXPECT_EQ(acked.error_code(), grpc::FAILED_PRECONDITION) << acked.error_message();
+  EXPECT_EQ(server_->store()->Stats().delivered, 0u);
   FetchResult again = DoFetch(stub_.get(), "stall", "b", true);
   ASSERT_TRUE(again.status.ok()) << again.status.error_message();
   EXPECT_EQ(again.header.delivery_attempt(), 2u);

@@ -34,11 +34,15 @@ absl::StatusOr<Store::CommitResult> Commit(Store& s, std::shared_ptr<StoredMessa
   return r;
 }
 
+// Takes a delivery and, as a Fetch does once its stream is written, marks it
+// delivered.
 std::optional<Store::Delivery> TryFetch(Store& s, const std::string& session, const std::string& agent) {
   uint64_t w = 0;
   auto d = s.FetchOrWait(session, agent, kNever, [](Store::Wake) {}, &w);
   if (!d) {
     EXPECT_TRUE(s.CancelWaiter(w));
+  } else {
+    s.MarkDelivered(session, agent, d->msg->message_id);
   }
   return d;
 }
@@ -91,6 +95,25 @@ TEST(StoreTest, AckOfAMessageNotYetDeliveredIsFailedPrecondition) {
   EXPECT_EQ(d->msg->message_id, "q2");
   EXPECT_TRUE(s.Ack("s", "b", "q2").ok());
   EXPECT_EQ(s.Stats().mailbox_messages, 0u);
+}
+
+// A delivery handed out but never written whole (the stream broke, or the
+// client stopped reading) is not a delivery: no ack, no parent.
+TEST(StoreTest, OnlyACompleteDeliveryCanBeAckedOrBeAParent) {
+  Store s(StoreLimits{}, nullptr);
+  ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
+  uint64_t w = 0;
+  auto d = s.FetchOrWait("s", "b", kNever, [](Store::Wake) {}, &w);
+  ASSERT_TRUE(d);
+  EXPECT_EQ(s.Ack("s", "b", "m1").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.LookupParent("s", "m1", "b").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.Stats().delivered, 0u);
+  s.MarkDelivered("s", "b", "m1");
+  EXPECT_EQ(s.Stats().delivered, 1u);
+  EXPECT_TRUE(s.LookupParent("s", "m1", "b").ok());
+  EXPECT_TRUE(s.Ack("s", "b", "m1").ok());
+  s.MarkDelivered("gone", "b", "m1");  // a session closed meanwhile: counted, nothing else
+  EXPECT_EQ(s.Stats().delivered, 2u);
 }
 
 TEST(StoreTest, FanOutGivesEachRecipientItsOwnDelivery) {

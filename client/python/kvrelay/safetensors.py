@@ -104,9 +104,15 @@ def read_message(path):
                      sent_bytes=int(meta.get("sent_bytes", 0)), policy=meta.get("policy", ""))
     if acc.sent_bytes:
         acc.ratio = acc.full_bytes / acc.sent_bytes
-    return Message(layers=layers, dtype=meta.get("dtype", ""), kv_heads=l0.pos.shape[0],
-                   head_dim=l0.k.shape[2], n_history=int(meta.get("n_history", 0)),
-                   n_anchor=int(meta.get("n_anchor", 0)), n_kept=int(meta.get("n_kept", 0)),
-                   n_gen=int(meta.get("n_gen", 0)), quant_bits=bits, quant_group=group,
-                   quant_rotate=rotate, accounting=acc,
-                   turn_end=int(meta.get("next_pos", 0) or 0))
+    m = Message(layers=layers, dtype=meta.get("dtype", ""), kv_heads=l0.pos.shape[0],
+                head_dim=l0.k.shape[2], n_history=int(meta.get("n_history", 0)),
+                n_anchor=int(meta.get("n_anchor", 0)), n_kept=int(meta.get("n_kept", 0)),
+                n_gen=int(meta.get("n_gen", 0)), quant_bits=bits, quant_group=group,
+                quant_rotate=rotate, accounting=acc)
+    if "next_pos" in meta:  # optional: files before the key read as 1 + the largest id held
+        raw, held = meta["next_pos"], m.held_end
+        if not (raw.isascii() and raw.isdigit() and held <= int(raw) <= 1 << 31):
+            raise ValueError(f"{path}: metadata next_pos: {raw!r}, expected a decimal integer "
+                             f"{held}..2^31 (1 + the largest position id held, or more)")
+        m.turn_end = int(raw)
+    return m

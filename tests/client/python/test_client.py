@@ -394,6 +394,13 @@ class RelayTest(unittest.TestCase):
         subprocess.run([ARGS.kvrelayctl, "compress", "--policy", "h2o-head:k=8", "--in", tin,
                         "--out", out], check=True, capture_output=True, timeout=30)
         self.assertEqual(st.read_message(out).next_pos, 140)
+        # The reader checks the key as kvrelayctl does.
+        meta, tensors = st.read(out)
+        for bad in ("abc", "-5", "3", str(1 << 32)):
+            st.write(out, {k: v for k, v in tensors.items()}, dict(meta, next_pos=bad),
+                     {k: ("BF16" if k.endswith((".k", ".v")) else None) for k in tensors})
+            with self.assertRaisesRegex(ValueError, r"metadata next_pos: .*expected a decimal integer"):
+                st.read_message(out)
         # Without the field (an older relay or file) next_pos is 1 + the largest id held.
         m.turn_end = 0
         self.assertEqual(m.next_pos, m.held_end)
