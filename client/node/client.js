@@ -468,6 +468,43 @@ class RelayClient {
     return readDelivery(call);
   }
 
+  /**
+   * Stateless compression: uploads `turn` (see planUpload) and resolves to
+   * the compressed message, { header, tensors, nextPos } as fetch() gives
+   * it; the relay stores nothing. `policy` is a required pipeline spec.
+   */
+  async compress(turn, policy, options) {
+    const { timeoutMs = 120000 } = options ?? {};
+    if (typeof policy !== 'string' || policy === '') {
+      throw invalid(`policy: ${typeof policy === 'string' ? 'empty' : typeof policy}, expected a pipeline spec`);
+    }
+    const { geometry, tensors } = planUpload(turn);
+    const deadline = deadlineAfter(timeoutMs);
+    const call = this.#track(this.#stub.Compress({ deadline }));
+    const reply = readDelivery(call);
+    // The relay answers after the whole upload; an early error ends the
+    // reading side first, and the writes stop there.
+    let ended = false;
+    const done = reply.then(() => { ended = true; }, () => { ended = true; });
+    const drained = () => new Promise((resolve) => {
+      const go = () => { call.off('drain', go); resolve(); };
+      call.on('drain', go);
+      done.then(go);
+    });
+    try {
+      if (!call.write({ header: { policy, geometry } })) await drained();
+      for (const request of chunkRequests(tensors)) {
+        if (ended) break;
+        if (!call.write(request)) await drained();
+      }
+    } catch (err) {
+      call.cancel();
+      throw err;
+    }
+    if (!ended) call.end();
+    return reply;
+  }
+
   /** Acknowledges a delivered message (NOT_FOUND for an unknown one, FAILED_PRECONDITION for one not yet delivered). */
   async ack(sessionId, agent, messageId, options) {
     const { timeoutMs = 10000 } = options ?? {};

@@ -393,6 +393,16 @@ test('publish: an empty or null messageId gets a fresh one; a role that is not a
   });
 });
 
+test('compress: a bad policy, turn or timeout is INVALID_ARGUMENT before any call', async () => {
+  await withFakeRelay(async (relay) => {
+    const invalidArg = (re) => (e) => e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT && re.test(e.details);
+    await assert.rejects(relay.compress(tinyTurn(), ''), invalidArg(/^policy: empty, expected a pipeline spec/));
+    await assert.rejects(relay.compress(tinyTurn(), 5), invalidArg(/^policy: number/));
+    await assert.rejects(relay.compress(tinyTurn({ dtype: 'F64' }), 'full'), invalidArg(/^turn\.dtype/));
+    await assert.rejects(relay.compress(tinyTurn(), 'full', { timeoutMs: -1 }), invalidArg(/^timeoutMs/));
+  });
+});
+
 test('close: calls in flight are cancelled, not left to their deadline', async () => {
   await withFakeRelay(async (relay) => {
     const t0 = Date.now();
