@@ -338,3 +338,71 @@ func (c *Client) Stats(ctx context.Context) (*pb.StatsResponse, error) {
 	}
 	return r, nil
 }
+
+// Compress uploads turn for stateless compression with policy (a pipeline
+// spec, required) and returns the compressed message as Fetch does; the
+// relay stores nothing.
+func (c *Client) Compress(ctx context.Context, turn *Turn, policy string) (*Message, error) {
+	if policy == "" || !utf8.ValidString(policy) {
+		return nil, fmt.Errorf("kvrelay: compress: %w", status.Errorf(codes.InvalidArgument,
+			"policy: %q, expected a pipeline spec (printable ASCII)", policy))
+	}
+	geometry, tensors, err := planUpload(turn)
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: compress: %w", err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // also cancels the call when the reply is malformed
+	stream, err := c.relay.Compress(ctx, callOpts...)
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: compress: %w", err)
+	}
+	err = stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Header{
+		Header: &pb.CompressHeader{Policy: policy, Geometry: geometry}}})
+	if err == nil {
+		err = sendChunks(tensors,
+			func(ch *pb.Chunk) error {
+				return stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Chunk{Chunk: ch}})
+			},
+			func(t *pb.Trailer) error {
+				return stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Commit{Commit: t}})
+			})
+	}
+	// io.EOF from Send: the relay ended the call early; Recv has its status.
+	if err != nil && err != io.EOF {
+		return nil, fmt.Errorf("kvrelay: compress: %w", err)
+	}
+	if err == nil {
+		if err := stream.CloseSend(); err != nil {
+			return nil, fmt.Errorf("kvrelay: compress: %w", err)
+		}
+	}
+	var a assembler
+	for {
+		r, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("kvrelay: compress: %w", err)
+		}
+		// The reply has the delivery's shape: the same header, chunks, trailer.
+		d := &pb.FetchResponse{}
+		switch k := r.GetKind().(type) {
+		case *pb.CompressResponse_Header:
+			d.Kind = &pb.FetchResponse_Header{Header: k.Header}
+		case *pb.CompressResponse_Chunk:
+			d.Kind = &pb.FetchResponse_Chunk{Chunk: k.Chunk}
+		case *pb.CompressResponse_Trailer:
+			d.Kind = &pb.FetchResponse_Trailer{Trailer: k.Trailer}
+		}
+		if err := a.add(d); err != nil {
+			return nil, fmt.Errorf("kvrelay: compress: %w", err)
+		}
+	}
+	m, err := a.message()
+	if err != nil {
+		return nil, fmt.Errorf("kvrelay: compress: %w", err)
+	}
+	return m, nil
+}

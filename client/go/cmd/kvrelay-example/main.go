@@ -1,9 +1,10 @@
 // Command kvrelay-example publishes one turn file to a relay, fetches the
 // composed message as the recipient, writes it as a message file and
-// acknowledges it.
+// acknowledges it. With -compress it calls the stateless Compress instead
+// and writes its reply (nothing is stored; -policy required).
 //
 //	kvrelay-example -addr 127.0.0.1:50051 -in turn.safetensors -out msg.safetensors \
-//	    [-policy SPEC] [-session S] [-from planner] [-to critic] [-id MSGID] [-timeout 60s]
+//	    [-policy SPEC] [-session S] [-from planner] [-to critic] [-id MSGID] [-timeout 60s] [-compress]
 //
 // Exit status: 0 ok, 1 a failed call or bad file, 2 usage error. Errors print
 // as "kvrelay-example: STEP: CODE: details", e.g.
@@ -23,6 +24,7 @@ import (
 type options struct {
 	addr, in, out, policy, session, from, to, id string
 	timeout                                      time.Duration
+	compress                                     bool
 }
 
 // stepError names the step that failed; its message carries the gRPC code
@@ -53,6 +55,20 @@ func run(o options) error {
 		return &stepError{"dial", err}
 	}
 	defer c.Close()
+
+	if o.compress {
+		m, err := c.Compress(ctx, turn, o.policy)
+		if err != nil {
+			return &stepError{"compress", err}
+		}
+		if err := kvrelay.WriteMessageFile(o.out, m); err != nil {
+			return &stepError{"write message", err}
+		}
+		a := m.Header.GetAccounting()
+		fmt.Printf("compressed policy=%s full_bytes=%d sent_bytes=%d ratio=%.3f next_pos=%d out=%s\n",
+			a.GetPolicy(), a.GetFullBytes(), a.GetSentBytes(), a.GetRatio(), m.NextPos(), o.out)
+		return nil
+	}
 
 	id := o.id
 	if id == "" {
@@ -106,6 +122,7 @@ func main() {
 	fs.StringVar(&o.to, "to", "critic", "recipient, who then fetches and acks")
 	fs.StringVar(&o.id, "id", "", "message id (idempotency key); empty: a fresh one")
 	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "deadline for the whole exchange")
+	fs.BoolVar(&o.compress, "compress", false, "call the stateless Compress instead of publish/fetch/ack")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		os.Exit(2)
 	}
