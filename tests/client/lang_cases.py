@@ -192,6 +192,32 @@ class RelayCases:
             self.assertEqual(int(after[key]) - int(before[key]), n, key)
         self.assertEqual(after["mailbox_messages"], "0")
 
+    def compress(self, policy, turn, out):
+        """The client's stateless Compress of `turn` with `policy`, written to
+        `out`; returns the CompletedProcess, whose output carries next_pos=N
+        or the error's CODE: details."""
+        raise NotImplementedError("the driver's RelayTest sets compress")
+
+    def test_compress_matches_offline(self):
+        for policy, flags in (("h2o-head:k=8+obf:p=4", dict(dtype="BF16", seed=21)),
+                              ("h2o-layer:k=8+int4:group=16,rotate=hadamard", dict(dtype="F32", seed=22)),
+                              ("h2o-layer:k=2", dict(dtype="BF16", gen=0, seed=18))):
+            with self.subTest(policy=policy):
+                turn = self.live.make_turn(f"cmp-{flags['seed']}", **flags)
+                out, ref = self.live.path(f"cmp-{self.LANG}.safetensors"), self.live.path("cmp-ref.safetensors")
+                p = self.compress(policy, turn, out)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                check_run([self.live.kvrelayctl, "compress", "--policy", policy, "--in", turn, "--out", ref])
+                meta, msg = read_st(out)
+                rmeta, rmsg = read_st(ref)
+                for key in MESSAGE_KEYS:
+                    self.assertEqual(meta.get(key), rmeta.get(key), key)
+                self.assert_same_tensors(msg, rmsg, policy)
+                self.assertIn(f"next_pos={rmeta['next_pos']}", p.stdout)
+        p = self.compress("h2o-head:k=8+bogus", turn, out)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("INVALID_ARGUMENT: header.policy 'h2o-head:k=8+bogus'", p.stdout + p.stderr)
+
     def test_bad_policy_is_invalid_argument(self):
         live = self.live
         turn = live.make_turn("bad-policy", seed=21)

@@ -741,6 +741,18 @@ struct OpenPublish {
     ctx.TryCancel();
     return w->Finish();
   }
+  // Sends chunks[from..], the commit over all of `chunks`, and finishes.
+  grpc::Status Complete(const std::vector<v1::Chunk>& chunks, size_t from) {
+    v1::PublishRequest req;
+    for (size_t i = from; i < chunks.size(); ++i) {
+      *req.mutable_chunk() = chunks[i];
+      EXPECT_TRUE(w->Write(req)) << "chunk " << i;
+    }
+    *req.mutable_commit() = TrailerOf(chunks);
+    EXPECT_TRUE(w->Write(req)) << "commit";
+    w->WritesDone();
+    return w->Finish();
+  }
 };
 
 uint64_t WaitFor(const std::function<uint64_t()>& get, uint64_t want) {
@@ -767,15 +779,7 @@ TEST_F(RelayTest, RacingPublishesOfOneIdAreComparedAtCommit) {
     // Its reservation shows the header was read: past the header's duplicate check.
     ASSERT_EQ(WaitFor([&] { return server_->store()->inflight_bytes() > 0 ? 1u : 0u; }, 1), 1u);
     ASSERT_TRUE(PublishTurn(stub_.get(), second, t).status.ok());
-    v1::PublishRequest req;
-    for (size_t i = 1; i < chunks.size(); ++i) {
-      *req.mutable_chunk() = chunks[i];
-      ASSERT_TRUE(open.w->Write(req));
-    }
-    *req.mutable_commit() = TrailerOf(chunks);
-    ASSERT_TRUE(open.w->Write(req));
-    open.w->WritesDone();
-    const grpc::Status st = open.w->Finish();
+    const grpc::Status st = open.Complete(chunks, 1);
     if (same) {
       ASSERT_TRUE(st.ok()) << st.error_message();
       EXPECT_TRUE(open.resp.duplicate());
@@ -808,15 +812,7 @@ TEST_F(RelayTest, CloseSessionFencesAPublishInProgress) {
   uint32_t freed = 0;
   ASSERT_TRUE(Close(stub_.get(), "fence", &freed).ok());
   EXPECT_EQ(freed, 1u);
-  v1::PublishRequest req;
-  for (size_t i = 1; i < chunks.size(); ++i) {
-    *req.mutable_chunk() = chunks[i];
-    ASSERT_TRUE(open.w->Write(req));
-  }
-  *req.mutable_commit() = TrailerOf(chunks);
-  ASSERT_TRUE(open.w->Write(req));
-  open.w->WritesDone();
-  const grpc::Status st = open.w->Finish();
+  const grpc::Status st = open.Complete(chunks, 1);
   EXPECT_EQ(st.error_code(), grpc::FAILED_PRECONDITION) << st.error_message();
   EXPECT_NE(st.error_message().find("session 'fence': closed while this publish was in progress"), std::string::npos)
       << st.error_message();

@@ -248,21 +248,34 @@ func (c *Client) publish(ctx context.Context, header *pb.PublishHeader, tensors 
 	if err != nil {
 		return nil, err
 	}
-	err = stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Header{Header: header}})
-	if err == nil {
-		err = sendChunks(tensors,
-			func(ch *pb.Chunk) error {
-				return stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Chunk{Chunk: ch}})
-			},
-			func(t *pb.Trailer) error {
-				return stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Commit{Commit: t}})
-			})
-	}
-	// io.EOF from Send: the relay ended the call early; CloseAndRecv has its status.
-	if err != nil && err != io.EOF {
+	err = sendUpload(tensors,
+		func() error { return stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Header{Header: header}}) },
+		func(ch *pb.Chunk) error {
+			return stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Chunk{Chunk: ch}})
+		},
+		func(t *pb.Trailer) error {
+			return stream.Send(&pb.PublishRequest{Kind: &pb.PublishRequest_Commit{Commit: t}})
+		})
+	if err != nil {
 		return nil, err
 	}
 	return stream.CloseAndRecv()
+}
+
+// sendUpload sends an upload stream's header, every tensor's chunks and the
+// commit trailer, each through its function (a stream's Send). io.EOF from a
+// Send means the relay ended the call early: the reply has its status, so it
+// counts as success here.
+func sendUpload(tensors []uploadTensor, header func() error, chunk func(*pb.Chunk) error,
+	trailer func(*pb.Trailer) error) error {
+	err := header()
+	if err == nil {
+		err = sendChunks(tensors, chunk, trailer)
+	}
+	if err == io.EOF {
+		return nil
+	}
+	return err
 }
 
 // Fetch returns the oldest unacknowledged message for (session, agent),
@@ -282,24 +295,30 @@ func (c *Client) Fetch(ctx context.Context, session, agent string, autoAck bool)
 	if err != nil {
 		return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
 	}
-	var a assembler
-	for {
-		r, err := stream.Recv()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
-		}
-		if err := a.add(r); err != nil {
-			return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
-		}
-	}
-	m, err := a.message()
+	m, err := receive(stream.Recv)
 	if err != nil {
 		return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
 	}
 	return m, nil
+}
+
+// receive assembles a delivery (header, chunks, trailer) from recv, a
+// stream's Recv, until the stream ends.
+func receive(recv func() (*pb.FetchResponse, error)) (*Message, error) {
+	var a assembler
+	for {
+		r, err := recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+		if err := a.add(r); err != nil {
+			return nil, err
+		}
+	}
+	return a.message()
 }
 
 // Ack acknowledges a delivered message (NotFound for an unknown one,
@@ -357,50 +376,39 @@ func (c *Client) Compress(ctx context.Context, turn *Turn, policy string) (*Mess
 	if err != nil {
 		return nil, fmt.Errorf("kvrelay: compress: %w", err)
 	}
-	err = stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Header{
-		Header: &pb.CompressHeader{Policy: policy, Geometry: geometry}}})
+	header := &pb.CompressHeader{Policy: policy, Geometry: geometry}
+	err = sendUpload(tensors,
+		func() error {
+			return stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Header{Header: header}})
+		},
+		func(ch *pb.Chunk) error {
+			return stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Chunk{Chunk: ch}})
+		},
+		func(t *pb.Trailer) error {
+			return stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Commit{Commit: t}})
+		})
 	if err == nil {
-		err = sendChunks(tensors,
-			func(ch *pb.Chunk) error {
-				return stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Chunk{Chunk: ch}})
-			},
-			func(t *pb.Trailer) error {
-				return stream.Send(&pb.CompressRequest{Kind: &pb.CompressRequest_Commit{Commit: t}})
-			})
+		err = stream.CloseSend() // Recv below has the relay's answer either way
 	}
-	// io.EOF from Send: the relay ended the call early; Recv has its status.
-	if err != nil && err != io.EOF {
+	if err != nil {
 		return nil, fmt.Errorf("kvrelay: compress: %w", err)
 	}
-	if err == nil {
-		if err := stream.CloseSend(); err != nil {
-			return nil, fmt.Errorf("kvrelay: compress: %w", err)
-		}
-	}
-	var a assembler
-	for {
+	// The reply has the delivery's shape: the same header, chunks, trailer.
+	m, err := receive(func() (*pb.FetchResponse, error) {
 		r, err := stream.Recv()
-		if err == io.EOF {
-			break
-		}
 		if err != nil {
-			return nil, fmt.Errorf("kvrelay: compress: %w", err)
+			return nil, err
 		}
-		// The reply has the delivery's shape: the same header, chunks, trailer.
-		d := &pb.FetchResponse{}
 		switch k := r.GetKind().(type) {
 		case *pb.CompressResponse_Header:
-			d.Kind = &pb.FetchResponse_Header{Header: k.Header}
+			return &pb.FetchResponse{Kind: &pb.FetchResponse_Header{Header: k.Header}}, nil
 		case *pb.CompressResponse_Chunk:
-			d.Kind = &pb.FetchResponse_Chunk{Chunk: k.Chunk}
+			return &pb.FetchResponse{Kind: &pb.FetchResponse_Chunk{Chunk: k.Chunk}}, nil
 		case *pb.CompressResponse_Trailer:
-			d.Kind = &pb.FetchResponse_Trailer{Trailer: k.Trailer}
+			return &pb.FetchResponse{Kind: &pb.FetchResponse_Trailer{Trailer: k.Trailer}}, nil
 		}
-		if err := a.add(d); err != nil {
-			return nil, fmt.Errorf("kvrelay: compress: %w", err)
-		}
-	}
-	m, err := a.message()
+		return &pb.FetchResponse{}, nil // empty: the assembler names it
+	})
 	if err != nil {
 		return nil, fmt.Errorf("kvrelay: compress: %w", err)
 	}

@@ -111,7 +111,7 @@ const [addr, proto, policy, input, output] = process.argv.slice(2);
   try {
     const m = await relay.compress(await readTurnFile(input), policy, { timeoutMs: 60000 });
     await writeMessageFile(output, m);
-    console.log(`nextPos=${m.nextPos}`);
+    console.log(`next_pos=${m.nextPos}`);
   } catch (err) {
     console.log(`error ${statusName(err)}: ${err.details}`);
     process.exitCode = 1;
@@ -121,32 +121,12 @@ const [addr, proto, policy, input, output] = process.argv.slice(2);
 })();
 """
 
-    def compress(self, policy, turn, out):
+    def compress(self, policy, turn, out):  # lang_cases.RelayCases.compress
         script = self.live.path("compress.js")
         with open(script, "w") as f:
             f.write(self.COMPRESS_JS)
         proto = os.path.join(ARGS.source_dir, "proto", "kvrelay", "v1", "relay.proto")
         return completed([ARGS.node, script, LIVE.addr, proto, policy, turn, out], timeout=60, env=NODE_ENV)
-
-    def test_compress_matches_offline(self):
-        for policy, flags in (("h2o-head:k=8+obf:p=4", dict(dtype="BF16", seed=21)),
-                              ("h2o-layer:k=8+int4:group=16,rotate=hadamard", dict(dtype="F32", seed=22)),
-                              ("h2o-layer:k=2", dict(dtype="BF16", gen=0, seed=18))):
-            with self.subTest(policy=policy):
-                turn = self.live.make_turn(f"cmp-{flags['seed']}", **flags)
-                out, ref = self.live.path("cmp-node.safetensors"), self.live.path("cmp-ref.safetensors")
-                p = self.compress(policy, turn, out)
-                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-                check_run([LIVE.kvrelayctl, "compress", "--policy", policy, "--in", turn, "--out", ref])
-                meta, msg = lang_cases.read_st(out)
-                rmeta, rmsg = lang_cases.read_st(ref)
-                for key in lang_cases.MESSAGE_KEYS:
-                    self.assertEqual(meta.get(key), rmeta.get(key), key)
-                self.assert_same_tensors(msg, rmsg, policy)
-                self.assertIn(f"nextPos={rmeta['next_pos']}", p.stdout)
-        p = self.compress("h2o-head:k=8+bogus", turn, out)
-        self.assertEqual(p.returncode, 1)
-        self.assertIn("error INVALID_ARGUMENT: header.policy 'h2o-head:k=8+bogus'", p.stdout)
 
 
 def main():
