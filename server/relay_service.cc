@@ -814,7 +814,7 @@ class CompressReactor final
     const uint64_t received = upload_.received();
     // The reply is held until OnDone: count it in flight (the memory exists
     // already, so whatever the limit) before the upload's reservation goes.
-    out_reserved_ = msg->sent_bytes;
+    out_reserved_ = RetainedBytes(*msg);
     svc_->store()->AddInflight(out_reserved_);
     pending.reset();
     {

@@ -80,7 +80,17 @@ async function writeSafetensors(path, tensors, metadata) {
   json += ' '.repeat((8 - (Buffer.byteLength(json) % 8)) % 8);
   const len = Buffer.alloc(8);
   len.writeBigUInt64LE(BigInt(Buffer.byteLength(json)));
-  await fs.writeFile(path, Buffer.concat([len, Buffer.from(json), ...tensors.map((t) => t.data)]));
+  // Written piece by piece: no second copy of the tensors in memory.
+  const file = await fs.open(path, 'w');
+  try {
+    for (const piece of [len, Buffer.from(json), ...tensors.map((t) => t.data)]) {
+      for (let done = 0; done < piece.length;) {
+        done += (await file.write(piece, done, piece.length - done)).bytesWritten;
+      }
+    }
+  } finally {
+    await file.close();
+  }
 }
 
 /**
