@@ -70,8 +70,11 @@ class UploadWatchdog {
 // messages stay gRPC byte buffers, so chunk data is copied once on the way in
 // (into the turn being assembled) and not at all on the way out
 // (proto/raw_chunk.h). The wire format is relay.proto's.
-using RelayCallbackBase = v1::Relay::WithCallbackMethod_Ack<v1::Relay::WithCallbackMethod_CloseSession<
-    v1::Relay::WithCallbackMethod_Stats<v1::Relay::WithRawCallbackMethod_Publish<
+// The unary methods are raw too, so that a request that is not relay.proto's
+// gets INVALID_ARGUMENT naming the expected message (gRPC's generated
+// handlers answer an unparsable request without a message).
+using RelayCallbackBase = v1::Relay::WithRawCallbackMethod_Ack<v1::Relay::WithRawCallbackMethod_CloseSession<
+    v1::Relay::WithRawCallbackMethod_Stats<v1::Relay::WithRawCallbackMethod_Publish<
         v1::Relay::WithRawCallbackMethod_Fetch<v1::Relay::WithRawCallbackMethod_Compress<v1::Relay::Service>>>>>>;
 
 class RelayService final : public RelayCallbackBase {
@@ -85,15 +88,15 @@ class RelayService final : public RelayCallbackBase {
   // Raw FetchRequest in, FetchResponse out.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* ctx,
                                                     const grpc::ByteBuffer* request) override;
-  grpc::ServerUnaryReactor* Ack(grpc::CallbackServerContext* ctx, const v1::AckRequest* request,
-                                v1::AckResponse* response) override;
-  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
-                                         const v1::CloseSessionRequest* request,
-                                         v1::CloseSessionResponse* response) override;
+  // Raw AckRequest / CloseSessionRequest / StatsRequest in, the response out.
+  grpc::ServerUnaryReactor* Ack(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   // Raw CompressRequest in, CompressResponse out.
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Compress(grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* request,
-                                  v1::StatsResponse* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
 
   // For the reactors.
   const ServerConfig& config() const { return config_; }

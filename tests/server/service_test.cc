@@ -10,6 +10,7 @@
 #include "grpcpp/support/sync_stream.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
+#include "grpcpp/impl/codegen/client_unary_call.h"
 #include "proto/raw_chunk.h"
 #include "relay_test_util.h"
 #include "server/assembler.h"
@@ -544,6 +545,19 @@ TEST_F(RelayTest, RequestsThatAreNotProtobufAreInvalidArgument) {
     const grpc::Status s = r->Finish();
     EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << s.error_message();
     EXPECT_NE(s.error_message().find("not a kvrelay.v1.FetchRequest"), std::string::npos) << s.error_message();
+  }
+  // The unary calls name the message they expected too.
+  for (const char* method : {"Ack", "CloseSession", "Stats"}) {
+    const std::string path = std::string("/kvrelay.v1.Relay/") + method;  // RpcMethod keeps the pointer
+    const grpc::internal::RpcMethod m(path.c_str(), grpc::internal::RpcMethod::NORMAL_RPC);
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer resp;
+    const grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        channel_.get(), m, &ctx, junk, &resp);
+    EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << method << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(absl::StrCat("the request is not a kvrelay.v1.", method, "Request")),
+              std::string::npos)
+        << method << ": " << s.error_message();
   }
   WaitInflightZero();
   EXPECT_EQ(server_->store()->Stats().committed, 0u);
