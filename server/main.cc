@@ -14,6 +14,8 @@
 #include "absl/strings/numbers.h"
 #include "client/heap_retain.h"
 #include "client/relay_client.h"
+#include "google/protobuf/stubs/logging.h"
+#include "grpc/support/log.h"
 #include "server/config.h"
 #include "server/server.h"
 #include "spdlog/pattern_formatter.h"
@@ -124,6 +126,23 @@ class JsonEscapedMessage : public spdlog::custom_flag_formatter {
   }
 };
 
+// gRPC's and protobuf's own log lines (a bind error, a string field that is
+// not UTF-8) go through the relay's logger, so that --log-json output stays
+// one JSON record per line.
+void GrpcLog(gpr_log_func_args* args) {
+  const spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
+                                          : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                                                     : spdlog::level::debug;
+  spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
+}
+
+void ProtobufLog(google::protobuf::LogLevel level, const char* file, int line, const std::string& message) {
+  const spdlog::level::level_enum l = level >= google::protobuf::LOGLEVEL_ERROR     ? spdlog::level::err
+                                      : level == google::protobuf::LOGLEVEL_WARNING ? spdlog::level::warn
+                                                                                    : spdlog::level::info;
+  spdlog::log(l, "protobuf: {} ({}:{})", message, file, line);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -159,6 +178,8 @@ int main(int argc, char** argv) {
     spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
   }
   spdlog::flush_on(spdlog::level::info);
+  gpr_set_log_function(GrpcLog);
+  google::protobuf::SetLogHandler(ProtobufLog);
 
   // Block the shutdown signals in every thread; main waits for them.
   sigset_t sigs;

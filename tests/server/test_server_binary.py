@@ -589,6 +589,10 @@ def test_operations(ctl, server_bin, work, turn):
     try:
         ctl.run("publish", "--session", "json", "--from", "a", "--to", "b", "--policy",
                 'h2o-head:k="\\\t', "--in", turn, addr=s.addr)
+        # A header whose role is not UTF-8: libprotobuf logs it, through the
+        # relay's logger (it used to print its own line on stderr).
+        bad_role = b"\x0a\x03" + b"\x2a\x01\xff"  # PublishRequest{header{role: "\xff"}}
+        grpc_raw_call(s.addr, "/kvrelay.v1.Relay/Publish", [bad_role])
     finally:
         s.stop()
     lines = [l for l in s.log().splitlines() if l.strip()]
@@ -603,6 +607,8 @@ def test_operations(ctl, server_bin, work, turn):
           "--log-json: the ready line is a JSON record")
     check(any("publish failed" in l or "INVALID_ARGUMENT" in l for l in lines),
           f"--log-json: the refused publish is logged: {lines[-3:]!r}")
+    check(any(json.loads(l).get("msg", "").startswith("protobuf: ") for l in lines if l not in bad),
+          f"--log-json: libprotobuf's complaint is a JSON record: {lines[-4:]!r}")
 
     # 4. The metrics listener (civetweb) of Debian's build has no IPv6: an
     # IPv6 --metrics-listen is refused up front, naming the reason.
