@@ -207,8 +207,10 @@ int main(int argc, char** argv) {
   spdlog::info("received {}", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   (*server)->Shutdown();  // drained: nothing is left in flight
   // Skip the destructors: stopping the metrics HTTP server waits out its
-  // poll interval (~1.5 s), which only delays a pod's termination.
-  spdlog::shutdown();
+  // poll interval (~1.5 s), which only delays a pod's termination. The
+  // logger stays: gRPC's threads may still log through it (GrpcLog) until
+  // the process ends.
+  spdlog::default_logger()->flush();
   std::cout.flush();
   std::fflush(nullptr);
   std::_Exit(0);
