@@ -130,9 +130,10 @@ class JsonEscapedMessage : public spdlog::custom_flag_formatter {
 // not UTF-8) go through the relay's logger, so that --log-json output stays
 // one JSON record per line.
 void GrpcLog(gpr_log_func_args* args) {
-  const spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
-                                          : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
-                                                                                     : spdlog::level::debug;
+  // gRPC has already filtered by GRPC_VERBOSITY: what reaches here is shown
+  // (its debug lines at info, which the logger prints).
+  const spdlog::level::level_enum level =
+      args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::err : spdlog::level::info;
   spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
 }
 
@@ -192,7 +193,11 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().ToString());
     std::cerr << "kvrelay-server: " << server.status().message() << "\n";
-    return 1;
+    // As at the end: no destructors while gRPC's threads may still log.
+    spdlog::default_logger()->flush();
+    std::cerr.flush();
+    std::fflush(nullptr);
+    std::_Exit(1);
   }
   // Tests and scripts wait for this line. With --log-json it is a log record
   // like every other line (its msg is the same text).

@@ -274,7 +274,8 @@ class UploadReactor : public Reactor {
       s = OnChunk(chunk_);
     } else if (!raw_.ParseAs(&req_)) {
       return self().Fail(absl::InvalidArgumentError(absl::StrCat(
-          rpc_, ": request of ", raw_.size(), " bytes is not a kvrelay.v1.", Request::descriptor()->name())));
+          rpc_, ": request of ", raw_.size(), " bytes is not a kvrelay.v1.", Request::descriptor()->name(),
+          " (malformed, or a string field that is not UTF-8)")));
     } else {
       switch (req_.kind_case()) {
         case Request::kHeader:
@@ -604,7 +605,9 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   FetchReactor(RelayService* svc, grpc::CallbackServerContext* ctx, const v1::FetchRequest& req, bool parsed)
       : svc_(svc), ctx_(ctx), session_(req.session_id()), agent_(req.agent()), auto_ack_(req.auto_ack()) {
     absl::Status s = parsed ? CheckId("session_id", session_)
-                            : absl::InvalidArgumentError("fetch: the request is not a kvrelay.v1.FetchRequest");
+                            : absl::InvalidArgumentError(
+                                  "fetch: the request is not a kvrelay.v1.FetchRequest (malformed, or a string "
+                                  "field that is not UTF-8)");
     if (s.ok()) s = CheckId("agent", agent_);
     if (!s.ok()) {
       FinishOnce(ToGrpcStatus(s));
@@ -960,7 +963,8 @@ absl::Status ParseRequest(const grpc::ByteBuffer& wire, absl::string_view rpc, R
   RawMessage raw;
   if (raw.Reset(wire) && raw.ParseAs(req)) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat(rpc, ": the request is not a kvrelay.v1.", Request::descriptor()->name()));
+      absl::StrCat(rpc, ": the request is not a kvrelay.v1.", Request::descriptor()->name(),
+                   " (malformed, or a string field that is not UTF-8)"));
 }
 
 // Finishes a unary call with `s` (and, when OK, `resp` as the response).

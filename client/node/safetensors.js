@@ -71,11 +71,16 @@ async function readSafetensors(path) {
 async function writeSafetensors(path, tensors, metadata) {
   const header = {};
   if (metadata && Object.keys(metadata).length) header.__metadata__ = metadata;
+  // Any typed array or DataView is written as its bytes.
+  const bytes = tensors.map((t) => {
+    if (!ArrayBuffer.isView(t.data)) throw new TypeError(`${t.name}: data is not a typed array or DataView`);
+    return new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength);
+  });
   let offset = 0;
-  for (const t of tensors) {
-    header[t.name] = { dtype: t.dtype, shape: t.shape, data_offsets: [offset, offset + t.data.length] };
-    offset += t.data.length;
-  }
+  tensors.forEach((t, i) => {
+    header[t.name] = { dtype: t.dtype, shape: t.shape, data_offsets: [offset, offset + bytes[i].length] };
+    offset += bytes[i].length;
+  });
   let json = JSON.stringify(header);
   json += ' '.repeat((8 - (Buffer.byteLength(json) % 8)) % 8);
   const len = Buffer.alloc(8);
@@ -83,7 +88,7 @@ async function writeSafetensors(path, tensors, metadata) {
   // Written piece by piece: no second copy of the tensors in memory.
   const file = await fs.open(path, 'w');
   try {
-    for (const piece of [len, Buffer.from(json), ...tensors.map((t) => t.data)]) {
+    for (const piece of [len, Buffer.from(json), ...bytes]) {
       for (let done = 0; done < piece.length;) {
         done += (await file.write(piece, done, piece.length - done)).bytesWritten;
       }

@@ -364,7 +364,7 @@ func (c *Client) Stats(ctx context.Context) (*pb.StatsResponse, error) {
 func (c *Client) Compress(ctx context.Context, turn *Turn, policy string) (*Message, error) {
 	if policy == "" || !utf8.ValidString(policy) {
 		return nil, fmt.Errorf("kvrelay: compress: %w", status.Errorf(codes.InvalidArgument,
-			"policy: %q, expected a pipeline spec (printable ASCII)", policy))
+			"policy: %q, expected a pipeline spec (non-empty, valid UTF-8)", policy))
 	}
 	geometry, tensors, err := planUpload(turn)
 	if err != nil {

@@ -98,8 +98,7 @@ class RelayTest(lang_cases.RelayCases, unittest.TestCase):
     """The cases of tests/client/lang_cases.py, through client/node/example.js."""
     LANG, USAGE_ERROR, example = "node", "missing required flag --out", staticmethod(example)
 
-    # Node only (Go has no Compress): RelayClient.compress against the relay,
-    # byte for byte what kvrelayctl compress writes offline.
+    # RelayClient.compress for lang_cases' test_compress_matches_offline.
     COMPRESS_JS = """
 const path = require('node:path');
 const dir = process.env.KVRELAY_NODE_CLIENT_DIR;

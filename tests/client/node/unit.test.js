@@ -14,7 +14,7 @@ const { crc32c, crc32cCombine } = require(path.join(dir, 'crc32c.js'));
 const { RelayClient, RelayError, MAX_CHUNK_BYTES, loadRelayService, newMessageId, planUpload, chunkRequests,
         Assembler } = require(path.join(dir, 'client.js'));
 const grpc = require('@grpc/grpc-js');
-const { readSafetensors } = require(path.join(dir, 'safetensors.js'));
+const { readSafetensors, writeSafetensors } = require(path.join(dir, 'safetensors.js'));
 const fs = require('node:fs');
 const os = require('node:os');
 
@@ -275,6 +275,19 @@ test('planUpload: unset defaults, and geometry values the wire cannot carry are 
   // 2^32 + 2 would wrap to 2 in the uint32 field.
   assert.throws(() => planUpload(tinyTurn({ kvHeads: 2 ** 32 + 2, scoreHeads: 2 ** 32 + 2 })),
                 invalidArg(/^turn\.kvHeads: 4294967298, expected an integer 0\.\.4294967295$/));
+});
+
+test('writeSafetensors: typed arrays and DataViews are written as their bytes', async () => {
+  const file = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'kvrelay-st-')), 'w.safetensors');
+  const f32 = new Float32Array([1, 2, 3, 4]);
+  const i32 = new Int32Array([7, 8]);
+  await writeSafetensors(file, [{ name: 'x', dtype: 'F32', shape: [4], data: f32 },
+                                { name: 'p', dtype: 'I32', shape: [2], data: new DataView(i32.buffer) }], { a: 'b' });
+  const { metadata, tensors } = await readSafetensors(file);
+  assert.deepEqual(metadata, { a: 'b' });
+  assert.deepEqual(Buffer.from(tensors.get('x').data), Buffer.from(f32.buffer));
+  assert.deepEqual(Buffer.from(tensors.get('p').data), Buffer.from(i32.buffer));
+  await assert.rejects(writeSafetensors(file, [{ name: 'x', dtype: 'F32', shape: [1], data: [1] }]), TypeError);
 });
 
 test('readSafetensors: tensors sharing bytes or with a bad shape are refused; gaps are fine', async () => {

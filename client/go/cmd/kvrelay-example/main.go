@@ -139,6 +139,9 @@ func main() {
 	if fs.NArg() > 0 {
 		usage("unexpected argument %q", fs.Arg(0))
 	}
+	if o.compress && o.policy == "" {
+		usage("flag -compress needs -policy (Compress has no default policy)")
+	}
 	if o.timeout <= 0 {
 		usage("flag -timeout: %v, expected > 0", o.timeout)
 	}
