@@ -325,6 +325,16 @@ class RelayTest(unittest.TestCase):
         self.assertEqual((r.message_id, r.duplicate), ("msg-1", False))
         self.assertEqual((again.message_id, again.duplicate), ("msg-1", True))
         self.assertEqual(again.accounting.sent_bytes, r.accounting.sent_bytes)
+        # The id reused for another publish: ALREADY_EXISTS (not retried), naming the field.
+        with self.assertRaises(kvrelay.PublishError) as cm:
+            self.c.publish(turn, sess, "planner", ["critic"], message_id="msg-1", policy="h2o-head:k=8")
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+        self.assertEqual(cm.exception.message_id, "msg-1")
+        self.assertIn("header.recipients [critic,judge], this publish has [critic]", cm.exception.details())
+        # Not delivered yet: an ack cannot skip it.
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.c.ack(sess, "critic", "msg-1")
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
         m1 = self.c.fetch(sess, "critic", timeout=5)
         m2 = self.c.fetch(sess, "critic", timeout=5)
         self.assertEqual((m1.message_id, m1.delivery_attempt), ("msg-1", 1))
