@@ -112,7 +112,10 @@ struct FetchedMessage {
   std::string parent_id;
   uint32_t delivery_attempt = 0;  // 1 on first delivery
   Accounting accounting;
-  Message message;  // policy, full_bytes, sent_bytes taken from the accounting
+  // policy, full_bytes, sent_bytes taken from the accounting; next_pos (where
+  // this agent's own tokens start) from the header, or 1 + the largest
+  // position id held from a relay without that field.
+  Message message;
 };
 
 // Compress() result: the message and the relay's accounting.
