@@ -476,20 +476,25 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
   ParallelFor(pool, n_layers, [&](size_t l) { status[l] = FinishLayer(geo, static_cast<int>(l), &work[l]); });
   for (const absl::Status& s : status) KVRELAY_RETURN_IF_ERROR(s);
 
+  std::vector<MessageLayer> layers;
+  layers.reserve(n_layers);
+  for (LayerWork& w : work) layers.push_back(std::move(w.out));
+  return Compose(geo, turn.first_agent, turn.PromptPos0(), std::move(layers));
+}
+
+Message Pipeline::Compose(const TurnGeometry& geo, bool first_agent, int64_t prompt_pos0,
+                          std::vector<MessageLayer> layers) const {
   Message msg;
   msg.policy = spec_;
   msg.dtype = geo.dtype;
   msg.kv_heads = geo.kv_heads;
   msg.head_dim = geo.head_dim;
-  CountTokens(geo, turn.first_agent, &msg);
-  msg.full_bytes = FullLayerBytes(geo) * n_layers;
-  msg.layers.reserve(n_layers);
-  for (LayerWork& w : work) {
-    msg.sent_bytes += w.out.SentBytes();
-    msg.layers.push_back(std::move(w.out));
-  }
-  msg.next_pos = turn.PromptPos0() + geo.n_prompt + geo.n_gen;
-  msg.next_pos = NextPosition(msg);  // history ids may lie beyond the prompt
+  CountTokens(geo, first_agent, &msg);
+  msg.full_bytes = FullLayerBytes(geo) * layers.size();
+  for (const MessageLayer& l : layers) msg.sent_bytes += l.SentBytes();
+  msg.layers = std::move(layers);
+  msg.next_pos = prompt_pos0 + geo.n_prompt + geo.n_gen;
+  msg.next_pos = NextPosition(msg);  // never before an id held
   return msg;
 }
 

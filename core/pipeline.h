@@ -116,6 +116,13 @@ class Pipeline {
   // a turn of geometry `geo`.
   void CountTokens(const TurnGeometry& geo, bool first_agent, Message* msg) const;
 
+  // The message of compressed `layers` (CompressLayer's, in order) of a turn
+  // of geometry `geo` starting at `prompt_pos0`: policy, dtype, shape, token
+  // counts, byte accounting and next_pos (the turn's end, prompt_pos0 +
+  // n_prompt + n_gen, or past every id held if that is later).
+  Message Compose(const TurnGeometry& geo, bool first_agent, int64_t prompt_pos0,
+                  std::vector<MessageLayer> layers) const;
+
  private:
   struct LayerWork;
 

@@ -14,7 +14,6 @@ PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline,
                                        MessagePtr parent, int64_t prompt_pos0, ThreadPool* pool, Store* store,
                                        uint64_t reserved)
     : pipeline_(std::move(pipeline)),
-      layers_(shape.layers),
       geo_(shape.geo),
       first_agent_(shape.first_agent),
       prompt_pos0_(prompt_pos0),
@@ -22,8 +21,7 @@ PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline,
       pool_(pool),
       store_(store),
       reserved_(reserved),
-      out_(shape.layers),
-      next_pos_(prompt_pos0 + shape.geo.n_prompt + shape.geo.n_gen) {
+      out_(shape.layers) {
   if (parent_) geo_.n_history = parent_->msg.layers.empty() ? 0 : parent_->msg.layers[0].tokens();
 }
 
@@ -86,10 +84,6 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
       else st = r.status();
     }
   }
-  int64_t next = 0;
-  if (result) {
-    for (int32_t p : result->pos.data) next = std::max<int64_t>(next, int64_t{p} + 1);
-  }
   // Free the upload's tensors before reporting.
   layer = TurnLayer();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -97,7 +91,6 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     seconds_ += secs;
-    next_pos_ = std::max(next_pos_, next);
     if (!st.ok() && status_.ok()) status_ = st;
     if (result) out_[l] = std::move(result);
     --outstanding_;
@@ -148,20 +141,10 @@ double PendingCompression::compress_seconds() const {
 
 Message PendingCompression::TakeMessage() {
   std::lock_guard<std::mutex> lock(mu_);
-  Message msg;
-  msg.policy = pipeline_->spec();
-  msg.dtype = geo_.dtype;
-  msg.kv_heads = geo_.kv_heads;
-  msg.head_dim = geo_.head_dim;
-  pipeline_->CountTokens(geo_, first_agent_, &msg);
-  msg.full_bytes = FullLayerBytes(geo_) * static_cast<uint64_t>(layers_);
-  msg.layers.reserve(layers_);
-  for (auto& l : out_) {
-    msg.sent_bytes += l->SentBytes();
-    msg.layers.push_back(std::move(*l));
-  }
-  msg.next_pos = next_pos_;
-  return msg;
+  std::vector<MessageLayer> layers;
+  layers.reserve(out_.size());
+  for (auto& l : out_) layers.push_back(std::move(*l));
+  return pipeline_->Compose(geo_, first_agent_, prompt_pos0_, std::move(layers));
 }
 
 }  // namespace kvrelay

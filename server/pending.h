@@ -79,7 +79,6 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   void RunLayer(int l, TurnLayer layer);
 
   const std::shared_ptr<const Pipeline> pipeline_;
-  const int layers_;
   TurnGeometry geo_;
   const bool first_agent_;
   const int64_t prompt_pos0_;
@@ -98,7 +97,6 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   std::function<void()> resume_;  // set while the reader is paused
   static std::atomic<int> peak_outstanding_;
   double seconds_ = 0;
-  int64_t next_pos_;
   std::function<void()> done_;
 };
 
