@@ -601,13 +601,12 @@ class PublishReactor final
 
 class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  // `parsed`: whether the request was a FetchRequest at all.
-  FetchReactor(RelayService* svc, grpc::CallbackServerContext* ctx, const v1::FetchRequest& req, bool parsed)
+  // `parsed`: whether the request was a FetchRequest at all (ParseRequest).
+  FetchReactor(RelayService* svc, grpc::CallbackServerContext* ctx, const v1::FetchRequest& req,
+               const absl::Status& parsed)
       : svc_(svc), ctx_(ctx), session_(req.session_id()), agent_(req.agent()), auto_ack_(req.auto_ack()) {
-    absl::Status s = parsed ? CheckId("session_id", session_)
-                            : absl::InvalidArgumentError(
-                                  "fetch: the request is not a kvrelay.v1.FetchRequest (malformed, or a string "
-                                  "field that is not UTF-8)");
+    absl::Status s = parsed;
+    if (s.ok()) s = CheckId("session_id", session_);
     if (s.ok()) s = CheckId("agent", agent_);
     if (!s.ok()) {
       FinishOnce(ToGrpcStatus(s));
@@ -634,21 +633,14 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   void OnWriteDone(bool ok) override {
-    {
-      std::lock_guard<std::mutex> lock(reply_idle_->mu);
-      reply_idle_->last = Clock::now();
-    }
+    reply_idle_->Touch();
     if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: stream broken while delivering"));
     if (out_->FillNext<v1::FetchResponse>(&wire_)) return StartWrite(&wire_);
     Delivered();
   }
 
   void OnDone() override {
-    if (reply_idle_) {
-      std::lock_guard<std::mutex> lock(reply_idle_->mu);
-      reply_idle_->armed = false;
-      reply_idle_->fire = nullptr;
-    }
+    if (reply_idle_) reply_idle_->Disarm();
     delete this;
   }
 
@@ -670,7 +662,6 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       } else if (why == Store::Wake::kClosed) {
         fin = grpc::Status(grpc::NOT_FOUND, absl::StrCat("session_id: '", session_,
                                                          "': session closed while waiting (CloseSession)"));
-
       } else if (why == Store::Wake::kShutdown) {
         fin = shutdown;
       } else {
@@ -770,10 +761,7 @@ class CompressReactor final
   }
 
   void OnWriteDone(bool ok) override {
-    {
-      std::lock_guard<std::mutex> lock(reply_idle_->mu);
-      reply_idle_->last = Clock::now();
-    }
+    reply_idle_->Touch();
     if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "compress: stream broken while delivering"));
     if (out_->FillNext<v1::CompressResponse>(&out_wire_)) return StartWrite(&out_wire_);
     FinishOnce(grpc::Status::OK);
@@ -781,11 +769,7 @@ class CompressReactor final
 
   void OnDone() override {
     StopWatching();
-    if (reply_idle_) {
-      std::lock_guard<std::mutex> lock(reply_idle_->mu);
-      reply_idle_->armed = false;
-      reply_idle_->fire = nullptr;
-    }
+    if (reply_idle_) reply_idle_->Disarm();
     if (out_reserved_) svc_->store()->ReleaseInflight(out_reserved_);
     delete this;
   }
@@ -984,7 +968,7 @@ grpc::ServerUnaryReactor* FinishUnary(RelayService* svc, grpc::CallbackServerCon
 grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::Fetch(grpc::CallbackServerContext* ctx,
                                                                const grpc::ByteBuffer* request) {
   v1::FetchRequest req;
-  const bool parsed = ParseRequest(*request, "fetch", &req).ok();
+  const absl::Status parsed = ParseRequest(*request, "fetch", &req);
   return new FetchReactor(this, ctx, req, parsed);
 }
 

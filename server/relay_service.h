@@ -46,6 +46,18 @@ class UploadWatchdog {
     Clock::time_point last = Clock::now();  // guarded by mu
     bool armed = true;                      // guarded by mu
     std::function<void()> fire;             // runs once, under mu
+
+    // Marks activity now (e.g. a reply's write completed).
+    void Touch() {
+      std::lock_guard<std::mutex> lock(mu);
+      last = Clock::now();
+    }
+    // No firing from now on (e.g. from OnDone, before the reactor goes).
+    void Disarm() {
+      std::lock_guard<std::mutex> lock(mu);
+      armed = false;
+      fire = nullptr;
+    }
   };
   explicit UploadWatchdog(double timeout_seconds);
   ~UploadWatchdog();
