@@ -230,8 +230,8 @@ uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, int n_his
   const uint64_t tokens = static_cast<uint64_t>(counts.n_history) + counts.n_anchor + counts.n_kept + counts.n_gen;
   const uint64_t row = p.config().quant ? static_cast<uint64_t>(g.head_dim) * p.config().quant->bits / 8
                                         : static_cast<uint64_t>(g.head_dim) * DTypeSize(g.dtype);
-  return static_cast<uint64_t>(shape.layers) * g.kv_heads * tokens * (2 * row + 4) + kMessageOverheadBytes +
-         kLayerOverheadBytes * static_cast<uint64_t>(shape.layers);
+  return RetainedBytes(static_cast<uint64_t>(shape.layers) * g.kv_heads * tokens * (2 * row + 4),
+                       static_cast<uint64_t>(shape.layers));
 }
 
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field) {

@@ -8,8 +8,8 @@
 
 namespace kvrelay {
 
-uint64_t RetainedBytes(const Message& msg) {
-  return msg.sent_bytes + kMessageOverheadBytes + kLayerOverheadBytes * static_cast<uint64_t>(msg.layers.size());
+uint64_t RetainedBytes(uint64_t sent_bytes, uint64_t layers) {
+  return sent_bytes + kMessageOverheadBytes + kLayerOverheadBytes * layers;
 }
 
 Store::Store(const StoreLimits& limits, Metrics* metrics) : limits_(limits), metrics_(metrics) {

@@ -64,9 +64,10 @@ using MessagePtr = std::shared_ptr<const StoredMessage>;
 // and store limits so that a message without tokens is not free.
 constexpr uint64_t kMessageOverheadBytes = 1024;
 
-// What a committed message holds against the limits: msg.sent_bytes plus
+// What a committed message holds against the limits: its sent bytes plus
 // kMessageOverheadBytes plus kLayerOverheadBytes per layer.
-uint64_t RetainedBytes(const Message& msg);
+uint64_t RetainedBytes(uint64_t sent_bytes, uint64_t layers);
+inline uint64_t RetainedBytes(const Message& msg) { return RetainedBytes(msg.sent_bytes, msg.layers.size()); }
 
 struct StoreLimits {
   uint64_t max_inflight_bytes = 4ull << 30;
