@@ -481,28 +481,9 @@ class RelayClient {
     const { geometry, tensors } = planUpload(turn);
     const deadline = deadlineAfter(timeoutMs);
     const call = this.#track(this.#stub.Compress({ deadline }));
-    const reply = readDelivery(call);
     // The relay answers after the whole upload; an early error ends the
     // reading side first, and the writes stop there.
-    let ended = false;
-    const done = reply.then(() => { ended = true; }, () => { ended = true; });
-    const drained = () => new Promise((resolve) => {
-      const go = () => { call.off('drain', go); resolve(); };
-      call.on('drain', go);
-      done.then(go);
-    });
-    try {
-      if (!call.write({ header: { policy, geometry } })) await drained();
-      for (const request of chunkRequests(tensors)) {
-        if (ended) break;
-        if (!call.write(request)) await drained();
-      }
-    } catch (err) {
-      call.cancel();
-      throw err;
-    }
-    if (!ended) call.end();
-    return reply;
+    return writeUpload(call, readDelivery(call), { header: { policy, geometry } }, tensors);
   }
 
   /** Acknowledges a delivered message (NOT_FOUND for an unknown one, FAILED_PRECONDITION for one not yet delivered). */
@@ -544,26 +525,36 @@ class RelayClient {
       call = this.#track(this.#stub[method]({ deadline },
                                             (err, response) => (err ? reject(err) : resolve(response))));
     });
-    let answered = false;
-    const settled = reply.then(() => { answered = true; }, () => { answered = true; });
-    const drained = () => new Promise((resolve) => {
-      const done = () => { call.off('drain', done); resolve(); };
-      call.on('drain', done);
-      settled.then(done);
-    });
-    try {
-      if (!call.write(first)) await drained();
-      for (const request of chunkRequests(tensors)) {
-        if (answered) break;
-        if (!call.write(request)) await drained();
-      }
-    } catch (err) {
-      call.cancel(); // `reply` then rejects with CANCELLED; `settled` handles that
-      throw err;
-    }
-    if (!answered) call.end();
-    return reply;
+    return writeUpload(call, reply, first, tensors);
   }
+}
+
+/**
+ * Writes `first`, the chunks of `tensors` and the commit to the upload
+ * stream `call`, honouring its flow control, and stops writing as soon as
+ * `reply` (the call's answer) settles, e.g. an early error. Resolves or
+ * rejects as `reply` does; on a local error cancels the call and rethrows.
+ */
+async function writeUpload(call, reply, first, tensors) {
+  let answered = false;
+  const settled = reply.then(() => { answered = true; }, () => { answered = true; });
+  const drained = () => new Promise((resolve) => {
+    const done = () => { call.off('drain', done); resolve(); };
+    call.on('drain', done);
+    settled.then(done);
+  });
+  try {
+    if (!call.write(first)) await drained();
+    for (const request of chunkRequests(tensors)) {
+      if (answered) break;
+      if (!call.write(request)) await drained();
+    }
+  } catch (err) {
+    call.cancel(); // `reply` then rejects with CANCELLED; `settled` handles that
+    throw err;
+  }
+  if (!answered) call.end();
+  return reply;
 }
 
 module.exports = {
