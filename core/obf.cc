@@ -90,13 +90,6 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, 1> ResidualWeights(absl::Span<const double
   return w;
 }
 
-// Frees a per-thread buffer once it holds more than 16 MiB, so that one long
-// prompt does not pin memory in every worker for good.
-template <typename T>
-void ReleaseIfLarge(std::vector<T>* b) {
-  if (b->capacity() * sizeof(T) > (size_t{16} << 20)) std::vector<T>().swap(*b);
-}
-
 // A per-thread ld x ld buffer for a Gram kernel's output; the next call on
 // this thread overwrites it.
 template <typename Scalar>
@@ -119,7 +112,7 @@ Strided<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>> MirrorLower
 // The rows `idx` of the row-major [*, d] floats `v`, converted to Scalar
 // and multiplied by `scale`, in a per-thread row-major buffer whose stride is
 // padded with zeros for GramLower (released when the object dies, see
-// ReleaseIfLarge).
+// internal::ReleaseIfLarge).
 template <typename Scalar>
 class PaddedRows {
  public:
@@ -137,7 +130,7 @@ class PaddedRows {
     }
   }
   ~PaddedRows() {
-    ReleaseIfLarge(&buf());
+    internal::ReleaseIfLarge(&buf());
   }
   PaddedRows(const PaddedRows&) = delete;
   PaddedRows& operator=(const PaddedRows&) = delete;
@@ -200,7 +193,7 @@ class PairRows {
     return true;
   }
   ~PairRows() {
-    ReleaseIfLarge(&buf());
+    internal::ReleaseIfLarge(&buf());
   }
 
   // As PaddedRows::Gram.

@@ -175,7 +175,7 @@ void GramLowerBf16(const uint32_t* a, int pairs, int d, float* g, GramIsa isa) {
       }
     }
     GramTiled<Avx2<float>, 4, 3>(rows.data(), rows.data(), 2 * pairs, d, g);
-    if (rows.capacity() * sizeof(float) > (size_t{16} << 20)) std::vector<float>().swap(rows);
+    ReleaseIfLarge(&rows);
     return;
   }
 #endif

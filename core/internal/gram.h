@@ -2,10 +2,19 @@
 #ifndef KVRELAY_CORE_INTERNAL_GRAM_H_
 #define KVRELAY_CORE_INTERNAL_GRAM_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace kvrelay {
 namespace internal {
+
+// Frees a per-thread buffer once it holds more than 16 MiB, so that one long
+// prompt does not pin memory in every worker for good.
+template <typename T>
+void ReleaseIfLarge(std::vector<T>* b) {
+  if (b->capacity() * sizeof(T) > (size_t{16} << 20)) std::vector<T>().swap(*b);
+}
 
 // Padding unit of the row stride of the kernels' operands: kGramPad elements.
 inline constexpr int kGramPad = 16;
