@@ -490,9 +490,10 @@ def message_to_cache(message, dtype=None, device=None, cache_format="auto"):
         pos.append(torch.from_numpy(p.astype(np.int64)))
     positions = torch.stack(pos)
     tokens = int(shape[1])
+    # Where the relayed turn ended (past its evicted tail) when the message
+    # says (kvrelay.Message.next_pos), at least past every position held.
     next_pos = int(positions.max()) + 1 if tokens else 0
-    # Where the relayed turn ended (past its evicted tail), when the message says.
-    next_pos = max(next_pos, int(getattr(message, "turn_end", 0) or 0))
+    next_pos = max(next_pos, int(getattr(message, "next_pos", 0) or 0))
     legacy = tuple(pairs)
     return RelayedCache(cache=_wrap(legacy, cache_format), positions=positions, tokens=tokens,
                         next_pos=next_pos, message=message)
