@@ -752,7 +752,8 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
   const int64_t held_end = HeldEnd(msg);
   msg.next_pos = held_end;
   if (file.GetMetadata("next_pos")) {
-    const std::string expected = absl::StrCat("a decimal integer ", held_end, "..2^31 (1 + the largest position id held, or more)");
+    const std::string expected =
+        absl::StrCat("a decimal integer ", held_end, "..2^31 (1 + the largest position id held, or more)");
     KVRELAY_ASSIGN_OR_RETURN(uint64_t next, ParseCount(file, "next_pos", uint64_t{1} << 31, expected));
     if (static_cast<int64_t>(next) < held_end) {
       return absl::InvalidArgumentError(absl::StrCat("metadata next_pos: \"", next, "\", expected ", expected));
