@@ -361,5 +361,34 @@ TEST(ObfTest, FastPathTinyResiduals) {
   }
 }
 
+// G's top eigenvalue repeated exactly p times (the deleted rows are 2 e_i
+// for 8 axes, then e_i for 4 more, each three times; the kept row is
+// orthogonal to all of them): the top-p subspace is still unique, and both
+// modes must find all of it (a Krylov method from one start vector would
+// find one direction of each eigenspace).
+TEST(ObfTest, RepeatedEigenvalues) {
+  for (int d : {16, 64}) {
+    const int n = 1 + 3 * 12;  // one kept row, three copies of 12 deleted rows
+    Case c{n, d, std::vector<float>(static_cast<size_t>(n) * d, 0.0f), std::vector<double>(n), {0}};
+    for (int x = 0; x < d - 12; ++x) c.v[x] = 0.25f * static_cast<float>(1 + x % 3);  // the kept row
+    for (int j = 1; j < n; ++j) {
+      const int axis = (j - 1) % 12;           // rows 2 e_0..2 e_7, then e_8..e_11
+      c.v[j * d + d - 1 - axis] = axis < 8 ? 2.0f : 1.0f;
+      c.score[j] = 1.0 + 0.1 * j;
+    }
+    c.score[0] = 5.0;
+    const VectorXd ref = ReferenceDelta(ObfOptions{}, c);
+    ASSERT_GT(ref.norm(), 0);
+    for (ObfMode mode : {ObfMode::kExact, ObfMode::kFast}) {
+      ObfOptions o;
+      o.mode = mode;
+      const ObfHead h = ComputeObf(o, c.v, n, d, c.score, c.kept);
+      ASSERT_TRUE(h.applied) << "d=" << d << " mode " << static_cast<int>(mode);
+      EXPECT_EQ(h.c.rows(), 8) << "d=" << d << " mode " << static_cast<int>(mode);
+      EXPECT_LE((h.delta - ref).norm(), 1e-4 * ref.norm()) << "d=" << d << " mode " << static_cast<int>(mode);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvrelay
