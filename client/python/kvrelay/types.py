@@ -19,11 +19,28 @@ __all__ = [
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
+def _f64_to_f32_round_to_odd(x):
+    """float64 -> float32 rounded to odd: truncated toward zero, with the last
+    bit set when that dropped anything. Rounding this to nearest even with at
+    least two fewer bits (bfloat16) gives float64's own nearest even."""
+    f = x.astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        away = np.abs(f.astype(np.float64)) > np.abs(x)  # rounded away from zero
+        f = np.where(away, np.nextafter(f, np.float32(0)), f)
+        inexact = f.astype(np.float64) != x  # NaN too: it stays NaN
+    u = f.view(np.uint32)
+    return np.where(inexact, u | np.uint32(1), u)
+
+
 def f32_to_bf16(x):
     """float32 -> bfloat16 bit patterns (uint16), round to nearest even.
-    Other input is converted to float32 first, so float64 values are rounded
-    twice (e.g. 1.0039062500000002 gives 1.0): pass float32 for one rounding."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    float64 input is rounded once, from its own value (not via float32);
+    other input is converted to float32 first."""
+    a = np.asarray(x)
+    if a.dtype == np.float64:
+        u = np.ascontiguousarray(_f64_to_f32_round_to_odd(a), dtype=np.uint32)
+    else:
+        u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rounded)
@@ -31,7 +48,8 @@ def f32_to_bf16(x):
 
 def bf16_to_f32(bits):
     """bfloat16 bit patterns (uint16) -> float32 (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    # np.uint32(16): a plain 16 would make a 0-d input's shift int64.
+    return np.left_shift(np.asarray(bits, dtype=np.uint16).astype(np.uint32), np.uint32(16)).view(np.float32)
 
 
 def to_f32(a, dtype):

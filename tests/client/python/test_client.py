@@ -153,6 +153,33 @@ class OfflineTest(unittest.TestCase):
         self.assertTrue(np.array_equal(kvrelay.bf16_to_f32(b)[:2], x[:2]))
         self.assertEqual(int(kvrelay.f32_to_bf16(np.float32(1.00390625))), 0x3F80)  # tie to even
 
+    def test_bf16_from_float64_rounds_once(self):
+        # Just above the tie between 1.0 and 1.0078125: float32 would round it
+        # to the tie, which then goes to even (1.0).
+        self.assertEqual(int(kvrelay.f32_to_bf16(np.float64(1.0039062500000002))), 0x3F81)
+        self.assertEqual(int(kvrelay.f32_to_bf16(np.float64(1.00390625))), 0x3F80)  # an exact tie
+        # Against an independent reference: the nearest bfloat16 by distance
+        # (ties to the even pattern), over random float64 values of every scale.
+        rng = np.random.default_rng(7)
+        x = rng.standard_normal(20000) * np.exp2(rng.integers(-140, 128, 20000))
+        x = np.concatenate([x, [0.0, -0.0, 3.4e38, -3.4e38, 1e-45, 2.0 ** -134, 2.0 ** -133 * 1.5,
+                                np.inf, -np.inf]])
+        got = kvrelay.f32_to_bf16(x)
+        for v, g in zip(x, got):
+            lo = kvrelay.bf16_to_f32(np.uint16(g)).astype(np.float64)
+            # neighbours of the chosen pattern, toward and away from zero
+            for n in (int(g) - 1, int(g) + 1):
+                if (n & 0x7FFF) >= 0x7F80 or n < 0 or n > 0xFFFF or (n ^ int(g)) & 0x8000:
+                    continue
+                other = float(kvrelay.bf16_to_f32(np.uint16(n)))
+                if not np.isfinite(v) or not np.isfinite(lo):
+                    continue
+                d_got, d_other = abs(float(lo) - v), abs(other - v)
+                self.assertTrue(d_got < d_other or (d_got == d_other and int(g) % 2 == 0),
+                                f"{v!r}: got {int(g):#06x} ({float(lo)!r}), {n:#06x} ({other!r}) is nearer")
+        self.assertEqual(int(kvrelay.f32_to_bf16(np.float64(np.nan))) & 0x7FC0, 0x7FC0)
+        self.assertEqual(int(kvrelay.f32_to_bf16(np.float64(3.5e38))), 0x7F80)  # past bfloat16's largest
+
     def test_hadamard_orthonormal(self):
         x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
         y = kvrelay.hadamard_f32(kvrelay.hadamard_f32(x))
