@@ -537,12 +537,15 @@ class RelayClient {
  */
 async function writeUpload(call, reply, first, tensors) {
   let answered = false;
-  const settled = reply.then(() => { answered = true; }, () => { answered = true; });
-  const drained = () => new Promise((resolve) => {
-    const done = () => { call.off('drain', done); resolve(); };
+  let wake = null; // the pending drained()'s resolver
+  reply.then(() => { answered = true; }, () => { answered = true; }).then(() => { if (wake) wake(); });
+  // One listener and one resolver at a time, however many pauses a long
+  // upload takes; an answer ends the wait as a 'drain' does.
+  const drained = () => (answered ? Promise.resolve() : new Promise((resolve) => {
+    const done = () => { call.off('drain', done); wake = null; resolve(); };
+    wake = done;
     call.on('drain', done);
-    settled.then(done);
-  });
+  }));
   try {
     if (!call.write(first)) await drained();
     for (const request of chunkRequests(tensors)) {
@@ -567,6 +570,7 @@ module.exports = {
   statusName,
   planUpload,
   chunkRequests,
+  writeUpload,
   Assembler,
   nextPos,
 };

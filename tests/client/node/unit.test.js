@@ -12,7 +12,8 @@ const path = require('node:path');
 const dir = process.env.KVRELAY_NODE_CLIENT_DIR || path.resolve(__dirname, '../../../client/node');
 const { crc32c, crc32cCombine } = require(path.join(dir, 'crc32c.js'));
 const { RelayClient, RelayError, MAX_CHUNK_BYTES, loadRelayService, newMessageId, planUpload, chunkRequests,
-        Assembler } = require(path.join(dir, 'client.js'));
+        writeUpload, Assembler } = require(path.join(dir, 'client.js'));
+const { EventEmitter } = require('node:events');
 const grpc = require('@grpc/grpc-js');
 const { readSafetensors, writeSafetensors } = require(path.join(dir, 'safetensors.js'));
 const fs = require('node:fs');
@@ -123,6 +124,51 @@ test('chunkRequests: 1 MiB chunks, contiguous offsets, trailer over the stream',
     ['PART_PROMPT_K', 2 * MAX_CHUNK_BYTES, 5], ['PART_GEN_K', 0, 3]]);
   for (const c of chunks) assert.equal(c.crc32c, crc32c(c.data));
   assert.deepEqual(reqs.at(-1), { commit: { chunks: 4, bytes: big.length + 3, crc32c: crc32c(Buffer.concat([big, small])) } });
+});
+
+// A stand-in for a client-streaming call whose every write fills the
+// buffer: writeUpload then waits for 'drain' (emitted soon after) each time.
+class PausingCall extends EventEmitter {
+  constructor() { super(); this.writes = []; this.ended = false; this.cancelled = false; this.maxListeners = 0; }
+  write(r) {
+    this.writes.push(r);
+    setImmediate(() => {
+      this.maxListeners = Math.max(this.maxListeners, this.listenerCount('drain'));
+      this.emit('drain');
+    });
+    return false;
+  }
+  end() { this.ended = true; }
+  cancel() { this.cancelled = true; }
+}
+
+test('writeUpload: every request through flow control, one drain listener at a time; an answer ends a pause', async () => {
+  const data = crypto.randomBytes(40 * MAX_CHUNK_BYTES + 1);
+  const tensors = [{ layer: 0, part: 'PART_PROMPT_K', data }];
+  const call = new PausingCall();
+  let answer;
+  const reply = new Promise((resolve) => { answer = resolve; });
+  const done = writeUpload(call, reply, { header: {} }, tensors);
+  for (let i = 0; i < 1000 && !call.ended; i++) await new Promise((r) => setImmediate(r));
+  answer('ok');
+  assert.equal(await done, 'ok');
+  assert.equal(call.writes.length, 43); // header, 41 chunks, commit
+  assert.ok(call.ended);
+  assert.equal(call.maxListeners, 1);
+  assert.equal(call.listenerCount('drain'), 0);
+
+  // An early answer while paused (no 'drain' ever comes): the upload stops.
+  const stuck = new PausingCall();
+  stuck.write = function write(r) { this.writes.push(r); return false; };
+  let early;
+  const reply2 = new Promise((resolve, reject) => { early = reject; });
+  const done2 = writeUpload(stuck, reply2, { header: {} }, tensors);
+  await new Promise((r) => setImmediate(r));
+  early(new Error('INVALID_ARGUMENT'));
+  await assert.rejects(done2, /INVALID_ARGUMENT/);
+  assert.equal(stuck.writes.length, 1);
+  assert.ok(!stuck.ended);
+  assert.equal(stuck.listenerCount('drain'), 0);
 });
 
 // A valid delivery of a 1-layer dense F32 message: H=1, n=2, d=2.
