@@ -133,6 +133,8 @@ class Turn:
         if not self.layers:
             raise ValueError("turn.layers: empty, expected at least one layer")
         dt = np.asarray(self.layers[0].prompt_k).dtype
+        if dt.kind == "f":  # either byte order: the upload writes little-endian
+            dt = dt.newbyteorder("<")
         if dt == np.float32:
             return "F32"
         if dt == np.float16:

@@ -259,10 +259,11 @@ class RelayTest(unittest.TestCase):
         p0 = turn.prompt_pos0 or 0
         n_prompt, n_gen = turn.layers[0].prompt_k.shape[1], turn.layers[0].gen_k.shape[1]
         self.assertEqual((m.n_history, m.n_anchor + m.n_kept, m.n_gen), (0, n_prompt, n_gen))
-        self.assertEqual(m.dtype, turn.dtype)
+        self.assertEqual(m.dtype, turn.kv_dtype())
         for tl, ml in zip(turn.layers, m.layers, strict=True):
             for mine, parts in ((ml.k, (tl.prompt_k, tl.gen_k)), (ml.v, (tl.prompt_v, tl.gen_v))):
                 want = np.concatenate(parts, axis=1)
+                want = want.astype(want.dtype.newbyteorder("<"))  # the values, in bits() order
                 self.assertEqual(mine.dtype.itemsize, want.dtype.itemsize)
                 self.assertTrue(np.array_equal(bits(mine), bits(want)))
             want_pos = p0 + np.arange(n_prompt + n_gen, dtype=np.int32)
@@ -270,11 +271,18 @@ class RelayTest(unittest.TestCase):
 
     def test_full_bit_exact(self):
         cases = [("F32", dict(H=4, d=128, n_prompt=600, n_gen=20)),  # 1.2 MiB tensors: 2 chunks
-                 ("F16", dict(prompt_pos0=17)), ("BF16", {})]
-        for i, (dtype, kw) in enumerate(cases):
-            with self.subTest(dtype=dtype):
+                 ("F16", dict(prompt_pos0=17)), ("BF16", {}), ("F32-big-endian", {})]
+        for i, (case, kw) in enumerate(cases):
+            with self.subTest(case=case):
+                dtype = case.split("-")[0]
                 turn = make_turn(10 + i, dtype, **kw)
-                sess = f"full-{dtype}"
+                if case.endswith("big-endian"):  # the dtype is still inferred, the bytes go little-endian
+                    for layer in turn.layers:
+                        for name in ("prompt_k", "prompt_v", "gen_k", "gen_v", "score"):
+                            a = getattr(layer, name)
+                            setattr(layer, name, a.astype(a.dtype.newbyteorder(">")))
+                    turn.dtype = None
+                sess = f"full-{case}"
                 r = self.c.publish(turn, sess, "planner", ["critic"], policy="full", role="planner")
                 self.assertFalse(r.duplicate)
                 self.assertEqual(r.accounting.policy, "full")
