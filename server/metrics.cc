@@ -88,7 +88,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                   .Add({}, SecondsBuckets());
   delivered_ = &BuildHistogram()
                     .Name("kvrelay_publish_delivered_seconds")
-                    .Help("Seconds from a publish's first request to the first complete delivery.")
+                    .Help("Seconds from a publish's first request to its first complete delivery to a recipient "
+                          "(one observation per recipient).")
                     .Register(*registry_)
                     .Add({}, SecondsBuckets());
   inflight_ = &BuildGauge()
@@ -124,15 +125,30 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   for (const char* o : {"committed", "duplicate", "failed", "delivered", "acked", "expired", "closed"}) {
     messages_->Add({{"outcome", o}});
   }
-  // Series that exist from the start, so rate() sees their first increment.
+  // Series that exist from the start at 0, so that rate() and increase()
+  // see their first increments (Prometheus takes a new series' first value
+  // as its start): every method with every code the relay answers with.
+  const grpc::StatusCode codes[] = {grpc::OK,
+                                    grpc::CANCELLED,
+                                    grpc::INVALID_ARGUMENT,
+                                    grpc::DEADLINE_EXCEEDED,
+                                    grpc::NOT_FOUND,
+                                    grpc::ALREADY_EXISTS,
+                                    grpc::RESOURCE_EXHAUSTED,
+                                    grpc::FAILED_PRECONDITION,
+                                    grpc::UNAVAILABLE,
+                                    grpc::DATA_LOSS,
+                                    grpc::INTERNAL};
   for (const char* m : {"Publish", "Fetch", "Compress", "Ack", "CloseSession", "Stats"}) {
-    rpcs_->Add({{"method", m}, {"code", "OK"}});
+    for (grpc::StatusCode c : codes) rpcs_->Add({{"method", m}, {"code", GrpcCodeName(c)}});
   }
-  for (grpc::StatusCode c : {grpc::INVALID_ARGUMENT, grpc::DATA_LOSS, grpc::FAILED_PRECONDITION,
-                             grpc::RESOURCE_EXHAUSTED, grpc::NOT_FOUND, grpc::DEADLINE_EXCEEDED,
-                             grpc::UNAVAILABLE, grpc::CANCELLED}) {
-    errors_->Add({{"code", GrpcCodeName(c)}});
+  for (grpc::StatusCode c : codes) {
+    if (c != grpc::OK) errors_->Add({{"code", GrpcCodeName(c)}});
   }
+}
+
+void Metrics::DeclareFamily(const std::string& family) {
+  for (auto* f : {full_, sent_, saved_}) f->Add({{"family", family}});
 }
 
 void Metrics::AddCommitted(const std::string& family, uint64_t full, uint64_t sent) {

@@ -5,17 +5,24 @@
 //   kvrelay_sent_bytes_total{family}             what the committed messages send
 //   kvrelay_saved_bytes_total{family}            full - sent
 //   kvrelay_messages_total{outcome}              committed, duplicate, failed, delivered, acked, expired,
-//                                                closed (unacked deliveries dropped by CloseSession)
+//                                                closed
+//   kvrelay_rpcs_total{method, code}             finished RPCs by method and gRPC code name (OK too)
 //   kvrelay_errors_total{code}                   failed RPCs by gRPC code name
 //   kvrelay_compress_seconds                     worker seconds per message
 //   kvrelay_publish_visible_seconds              first request to visibility
-//   kvrelay_publish_delivered_seconds            first request to the first complete delivery
+//   kvrelay_publish_delivered_seconds            first request to the first complete delivery,
+//                                                one observation per recipient
 //   kvrelay_inflight_bytes                       reserved by uploads in progress
 //   kvrelay_mailbox_messages, kvrelay_mailbox_bytes   unacked deliveries held
 //   kvrelay_store_bytes                          every retained message (acked ones too)
+//   kvrelay_limit_bytes{limit}                   the configured byte limits
 //   kvrelay_build_info{version}                  1
 //
-// `family` is the policy's stage names ("h2o-head+obf+int4"): low cardinality.
+// Outcomes "expired" and "closed" count unacked deliveries dropped by the
+// session's TTL and by CloseSession. `family` is the policy's stage names
+// ("h2o-head+obf+int4"): low cardinality. Counters of every method and code
+// the relay answers with, and of every declared family, exist from the
+// start at 0 (so that rate() sees their first increments).
 // Thread-safe.
 #ifndef KVRELAY_SERVER_METRICS_H_
 #define KVRELAY_SERVER_METRICS_H_
@@ -48,6 +55,9 @@ class Metrics {
 
   void AddReceived(uint64_t bytes) { received_->Increment(static_cast<double>(bytes)); }
   void AddCommitted(const std::string& family, uint64_t full, uint64_t sent);
+  // Creates the byte counters of `family` at 0 (the server declares its
+  // default and per-role policies' families at start).
+  void DeclareFamily(const std::string& family);
   void AddOutcome(const std::string& outcome, double n = 1);
   // One finished RPC: kvrelay_rpcs_total{method, code}, and for a non-OK
   // code also kvrelay_errors_total{code}. `method` is the RPC's name

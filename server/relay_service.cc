@@ -40,6 +40,14 @@ double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// Whether the call's deadline has passed (none: never). gRPC's deadline
+// timer may fire a little before ctx.deadline() reads as past: within
+// kDeadlineSlack counts as passed.
+constexpr std::chrono::milliseconds kDeadlineSlack(20);
+bool DeadlinePassed(const grpc::CallbackServerContext& ctx) {
+  return ctx.deadline() <= std::chrono::system_clock::now() + kDeadlineSlack;
+}
+
 // Serializes a message as Fetch and Compress deliver it: per layer K, V,
 // POS (dense) or K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS
 // (quantized); tensors of 0 bytes send no chunk; chunks of at most 1 MiB.
@@ -259,6 +267,11 @@ class UploadReactor : public Reactor {
     if (finished_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
       if (ctx_->IsCancelled()) {
+        if (DeadlinePassed(*ctx_)) {  // as the client sees it
+          return self().Fail(absl::DeadlineExceededError(
+              absl::StrCat(rpc_, upload_.started() ? ": the call's deadline passed before the commit"
+                                                   : ": the call's deadline passed before the header")));
+        }
         const char* by = svc_->store()->shutting_down()
                              ? ": cancelled (by the client, or by the relay's shutdown at the end of its grace period)"
                              : ": cancelled by the client";
@@ -629,7 +642,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         finish = true;
       }
     }
-    if (finish) FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting"));
+    if (finish) FinishOnce(CancelledWhileWaiting());
   }
 
   void OnWriteDone(bool ok) override {
@@ -654,11 +667,9 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       std::lock_guard<std::mutex> lock(mu_);
       waiting_ = false;
       if (cancelled_) {
-        fin = grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting");
+        fin = CancelledWhileWaiting();
       } else if (why == Store::Wake::kTimeout) {
-        fin = grpc::Status(grpc::DEADLINE_EXCEEDED,
-                           absl::StrCat("fetch: no message for agent '", agent_, "' in session '", session_,
-                                        "' before the deadline"));
+        fin = NothingBeforeTheDeadline();
       } else if (why == Store::Wake::kClosed) {
         fin = grpc::Status(grpc::NOT_FOUND, absl::StrCat("session_id: '", session_,
                                                          "': session closed while waiting (CloseSession)"));
@@ -675,6 +686,19 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
     if (fin) return FinishOnce(*fin);
     if (d) Begin(std::move(*d));
+  }
+
+  grpc::Status NothingBeforeTheDeadline() const {
+    return grpc::Status(grpc::DEADLINE_EXCEEDED, absl::StrCat("fetch: no message for agent '", agent_,
+                                                              "' in session '", session_, "' before the deadline"));
+  }
+
+  // gRPC cancels a call at its deadline, which can come before the store's
+  // timer wakes the waiter: the client sees DEADLINE_EXCEEDED either way,
+  // and so does the relay's count.
+  grpc::Status CancelledWhileWaiting() const {
+    if (DeadlinePassed(*ctx_)) return NothingBeforeTheDeadline();
+    return grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting");
   }
 
   void Begin(Store::Delivery d) {
@@ -714,10 +738,12 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     // The watchdog may have cancelled the call just before the last write
     // completed: the client then sees CANCELLED, so nothing counts.
     if (ctx_->IsCancelled()) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: cancelled while delivering"));
-    svc_->store()->MarkDelivered(session_, agent_, m.message_id);
+    // The hop latency: the first complete delivery to this recipient, which
+    // may be a later attempt than the first (one cancelled mid-stream).
+    const bool first = svc_->store()->MarkDelivered(session_, agent_, m.message_id);
     if (Metrics* mx = svc_->metrics()) {
       mx->AddOutcome("delivered");
-      if (delivery_.attempt == 1) mx->ObserveDelivered(std::chrono::duration<double>(Clock::now() - m.started).count());
+      if (first) mx->ObserveDelivered(std::chrono::duration<double>(Clock::now() - m.started).count());
     }
     absl::Status s;
     if (auto_ack_) s = svc_->store()->Ack(session_, agent_, m.message_id);

@@ -1,6 +1,8 @@
 #include "server/server.h"
 
 #include <chrono>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/pipeline.h"
@@ -36,6 +38,11 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   absl::Status st = SplitHostPort(config.listen, &s->grpc_host_, &port);
   if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--listen=", st.message()));
   s->metrics_ = std::make_unique<Metrics>();
+  std::vector<std::string> policies = {config.default_policy};
+  for (const auto& [role, spec] : config.role_policies) policies.push_back(spec);
+  for (const std::string& spec : policies) {
+    if (auto p = Pipeline::Create(spec); p.ok()) s->metrics_->DeclareFamily(PolicyFamily((*p)->spec()));
+  }
   StoreLimits limits;
   limits.max_inflight_bytes = config.max_inflight_bytes;
   limits.max_mailbox_bytes = config.max_mailbox_bytes;

@@ -257,13 +257,13 @@ std::optional<Store::Delivery> Store::FetchOrWait(const std::string& session, co
   return std::nullopt;
 }
 
-void Store::MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id) {
+bool Store::MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id) {
   std::lock_guard<std::mutex> lock(mu_);
   ++delivered_;
   auto s = sessions_.find(session);
-  if (s == sessions_.end() || !s->second.messages.count(message_id)) return;  // closed or expired meanwhile
-  s->second.delivered.insert({message_id, agent});
+  if (s == sessions_.end() || !s->second.messages.count(message_id)) return false;  // closed or expired meanwhile
   s->second.last_active = Clock::now();
+  return s->second.delivered.insert({message_id, agent}).second;
 }
 
 bool Store::CancelWaiter(uint64_t waiter) {

@@ -161,8 +161,10 @@ class Store {
                                       Clock::time_point deadline, WakeFn wake, uint64_t* waiter);
   // Records that `message_id` reached `agent` whole (the delivery's trailer
   // was written): from now on `agent` may ack it and publish with it as
-  // parent. Counts a delivery. No effect on a session closed meanwhile.
-  void MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id);
+  // parent. Counts a delivery. True if it is the first complete delivery of
+  // that message to that agent. No effect (false) on a session closed
+  // meanwhile.
+  bool MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id);
 
   // Unregisters a waiter. True if it was still registered: its wake will
   // never run. False if it already ran or is running.

@@ -172,6 +172,17 @@ def main():
         check(unit(p) in ("reqps", "ops", "short", "cps") or unit(p).startswith("suffix:"), f"RPCs unit {unit(p)!r}")
         check(any("{{method}}" in t.get("legendFormat", "") and "{{code}}" in t.get("legendFormat", "")
                   for t in p["targets"]), f"RPCs panel {p['title']!r}: the legend should name method and code")
+    # A stat of failures must not count what long-polling agents produce in
+    # normal operation (a Fetch that waits in vain is DEADLINE_EXCEEDED): a
+    # healthy relay would show a failure rate that never goes to 0.
+    for p in panels:
+        if p.get("type") != "stat":
+            continue
+        for e in (squash(t.get("expr", "")) for t in p.get("targets", [])):
+            if "kvrelay_errors_total" in e or re.search(r"kvrelay_rpcs_total\{code!~", e):
+                check("kvrelay_errors_total" not in e and
+                      re.search(r'code!~"OK\|CANCELLED\|DEADLINE_EXCEEDED\|NOT_FOUND"', e),
+                      f"stat panel {p.get('title')!r} counts normal codes as failures: {e}")
     # The KvrelayHighErrorRate alert's ratio: failed calls of a method over all its calls, per relay.
     for p in find_panel(panels, "failed RPC ratio by method",
                         lambda e: re.search(r"sumby\(instance,method\)\(rate\(kvrelay_rpcs_total\{code!~\"OK\|[^\"]*\",", e)

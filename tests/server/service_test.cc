@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <future>
+#include <map>
 #include <thread>
 
 #include "core/pipeline.h"
@@ -941,6 +942,29 @@ double Gauge(RelayServer* s, const std::string& name) {
   return -1;
 }
 
+// The counter `name` with exactly `labels`; -1 (and a failure) when the
+// series does not exist.
+double CounterValue(RelayServer* s, const std::string& name, const std::map<std::string, std::string>& labels) {
+  for (const auto& fam : s->metrics()->registry()->Collect()) {
+    if (fam.name != name) continue;
+    for (const auto& m : fam.metric) {
+      std::map<std::string, std::string> got;
+      for (const auto& l : m.label) got[l.name] = l.value;
+      if (got == labels) return m.counter.value;
+    }
+  }
+  ADD_FAILURE() << "no series " << name;
+  return -1;
+}
+
+uint64_t HistogramCount(RelayServer* s, const std::string& name) {
+  for (const auto& fam : s->metrics()->registry()->Collect()) {
+    if (fam.name == name && !fam.metric.empty()) return fam.metric[0].histogram.sample_count;
+  }
+  ADD_FAILURE() << "no histogram " << name;
+  return 0;
+}
+
 // 2c: acked messages still count against --max-session-bytes and
 // --max-store-bytes; kvrelay_store_bytes shows them.
 TEST_F(RelayTest, RetainedBytesAreLimitedPerSessionAndStore) {
@@ -1101,9 +1125,63 @@ TEST_F(RelayTest, FetchNotReadIsCancelledAndRedelivered) {
   const grpc::Status acked = stub_->Ack(&actx, ack, &ack_resp);
   EXPECT_EQ(acked.error_code(), grpc::FAILED_PRECONDITION) << acked.error_message();
   EXPECT_EQ(server_->store()->Stats().delivered, 0u);
-  FetchResult again = DoFetch(stub_.get(), "stall", "b", true);
+  EXPECT_EQ(HistogramCount(server_.get(), "kvrelay_publish_delivered_seconds"), 0u);
+  FetchResult again = DoFetch(stub_.get(), "stall", "b", /*auto_ack=*/false);
   ASSERT_TRUE(again.status.ok()) << again.status.error_message();
   EXPECT_EQ(again.header.delivery_attempt(), 2u);
+  // The hop latency is observed at the first complete delivery, attempt 2
+  // here; a redelivery of a message delivered whole before adds nothing.
+  EXPECT_EQ(HistogramCount(server_.get(), "kvrelay_publish_delivered_seconds"), 1u);
+  FetchResult third = DoFetch(stub_.get(), "stall", "b", /*auto_ack=*/true);
+  ASSERT_TRUE(third.status.ok()) << third.status.error_message();
+  EXPECT_EQ(third.header.delivery_attempt(), 3u);
+  EXPECT_EQ(HistogramCount(server_.get(), "kvrelay_publish_delivered_seconds"), 1u);
+  EXPECT_EQ(CounterValue(server_.get(), "kvrelay_messages_total", {{"outcome", "delivered"}}), 2.0);
+}
+
+// A Fetch that waits in vain ends DEADLINE_EXCEEDED, and is counted so,
+// whichever comes first: gRPC's cancel at the deadline or the relay's timer.
+TEST_F(RelayTest, FetchesThatWaitInVainCountAsDeadlineExceeded) {
+  constexpr int kFetches = 12;
+  for (int i = 0; i < kFetches; ++i) {
+    FetchResult r = DoFetch(stub_.get(), "idle", "b", true, 0.05 + 0.01 * i);
+    EXPECT_EQ(r.status.error_code(), grpc::DEADLINE_EXCEEDED) << r.status.error_message();
+  }
+  // The client's own deadline timer may end its call before the relay
+  // finishes it: wait until the relay has counted every call.
+  auto fetches = [this](const char* code) {
+    return CounterValue(server_.get(), "kvrelay_rpcs_total", {{"method", "Fetch"}, {"code", code}});
+  };
+  for (int i = 0; i < 500 && fetches("DEADLINE_EXCEEDED") + fetches("CANCELLED") < kFetches; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(fetches("DEADLINE_EXCEEDED"), kFetches);
+  EXPECT_EQ(fetches("CANCELLED"), 0.0);
+}
+
+// Series that exist at 0 from the start, so that Prometheus' rate() and
+// increase() see their first increments: every method with every code the
+// relay answers with, and the families of the default and role policies.
+TEST_F(RelayTest, CountersExistFromTheStart) {
+  server_->Shutdown();
+  ServerConfig cfg;
+  cfg.default_policy = "h2o-layer:k=8+int4";
+  cfg.role_policies["judge"] = "gen";
+  StartServer(cfg);
+  for (const char* m : {"Publish", "Fetch", "Compress", "Ack", "CloseSession", "Stats"}) {
+    for (const char* c : {"OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                          "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "UNAVAILABLE", "DATA_LOSS", "INTERNAL"}) {
+      EXPECT_EQ(CounterValue(server_.get(), "kvrelay_rpcs_total", {{"method", m}, {"code", c}}), 0.0) << m << " " << c;
+      if (std::string(c) != "OK") {
+        EXPECT_EQ(CounterValue(server_.get(), "kvrelay_errors_total", {{"code", c}}), 0.0) << c;
+      }
+    }
+  }
+  for (const char* family : {"h2o-layer+int4", "gen"}) {
+    for (const char* name : {"kvrelay_full_bytes_total", "kvrelay_sent_bytes_total", "kvrelay_saved_bytes_total"}) {
+      EXPECT_EQ(CounterValue(server_.get(), name, {{"family", family}}), 0.0) << name << " " << family;
+    }
+  }
 }
 
 // 2e: an upload that goes quiet is failed with DEADLINE_EXCEEDED and frees its reservation.
