@@ -24,11 +24,13 @@ namespace kvrelay {
 
 // What kvrelay-server (--heap-retain-bytes) and kvrelayctl retain.
 inline constexpr uint64_t kDefaultHeapRetainBytes = uint64_t{128} << 20;
+// The most RetainFreedHeap honours (glibc's thresholds are ints).
+inline constexpr uint64_t kMaxHeapRetainBytes = INT_MAX;
 
 inline void RetainFreedHeap(uint64_t bytes) {
   if (bytes == 0) return;
   constexpr uint64_t kMaxMmapThreshold = uint64_t{32} << 20;  // glibc's cap on 64-bit
-  const uint64_t retain = std::min<uint64_t>(bytes, INT_MAX);
+  const uint64_t retain = std::min<uint64_t>(bytes, kMaxHeapRetainBytes);
   if (std::getenv("MALLOC_TRIM_THRESHOLD_") == nullptr) mallopt(M_TRIM_THRESHOLD, static_cast<int>(retain));
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) {
     mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min(retain, kMaxMmapThreshold)));

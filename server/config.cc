@@ -9,7 +9,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "client/heap_retain.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
 #include "core/thread_pool.h"
@@ -46,11 +48,15 @@ absl::Status ParseBytes(absl::string_view flag, const std::string& v, uint64_t* 
 // The shortest positive timeout: below it a publish or a session could not
 // outlive the watchdog's own scheduling.
 constexpr double kMinTimeoutSeconds = 0.01;
+// The longest (~31 years): durations are kept in int64 nanoseconds, which
+// end at ~292 years.
+constexpr double kMaxTimeoutSeconds = 1e9;
 
 absl::Status ParseSeconds(absl::string_view flag, const std::string& v, bool allow_zero, double* out) {
   double d;
-  if (!absl::SimpleAtod(v, &d) || !std::isfinite(d) || d < 0 || (!allow_zero && d < kMinTimeoutSeconds)) {
-    return Bad(flag, v, allow_zero ? "seconds >= 0" : "seconds >= 0.01");
+  if (!absl::SimpleAtod(v, &d) || !std::isfinite(d) || d < 0 || (!allow_zero && d < kMinTimeoutSeconds) ||
+      d > kMaxTimeoutSeconds) {
+    return Bad(flag, v, allow_zero ? "seconds in [0, 1e9]" : "seconds in [0.01, 1e9]");
   }
   *out = d;
   return absl::OkStatus();
@@ -75,10 +81,20 @@ absl::Status ParseAddr(absl::string_view flag, const std::string& v, bool allow_
   }
   std::string host;
   int port;
-  if (!SplitHostPort(v, &host, &port).ok() || host.empty()) {
+  // One address: the metrics server would take a comma as a list.
+  if (!SplitHostPort(v, &host, &port).ok() || host.empty() ||
+      host.find_first_of(", \t") != std::string::npos) {
     return Bad(flag, v, "HOST:PORT with PORT in 0..65535 (0 picks a free port)");
   }
   *out = v;
+  return absl::OkStatus();
+}
+
+// A policy spec that Pipeline::Create takes.
+absl::Status CheckPolicy(absl::string_view flag, const std::string& spec) {
+  if (auto p = Pipeline::Create(spec); !p.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", spec, ": ", p.status().message()));
+  }
   return absl::OkStatus();
 }
 
@@ -88,7 +104,11 @@ absl::Status ParseRolePolicy(absl::string_view flag, const std::string& v,
   if (eq == std::string::npos || eq == 0 || eq + 1 == v.size()) {
     return Bad(flag, v, "ROLE=SPEC, e.g. planner=h2o-head:k=64+obf");
   }
-  (*out)[v.substr(0, eq)] = v.substr(eq + 1);
+  std::string spec = v.substr(eq + 1);
+  if (auto p = Pipeline::Create(spec); !p.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", v, ": ", p.status().message()));
+  }
+  (*out)[v.substr(0, eq)] = std::move(spec);
   return absl::OkStatus();
 }
 
@@ -118,6 +138,7 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   if (name == "session-ttl-seconds") return ParseSeconds(name, value, false, &c->session_ttl_seconds);
   if (name == "shutdown-grace-seconds") return ParseSeconds(name, value, true, &c->shutdown_grace_seconds);
   if (name == "default-policy") {
+    KVRELAY_RETURN_IF_ERROR(CheckPolicy(name, value));
     c->default_policy = value;
     return absl::OkStatus();
   }
@@ -128,7 +149,11 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
       c->heap_retain_bytes = 0;
       return absl::OkStatus();
     }
-    return ParseBytes(name, value, &c->heap_retain_bytes);
+    KVRELAY_RETURN_IF_ERROR(ParseBytes(name, value, &c->heap_retain_bytes));
+    if (c->heap_retain_bytes > kMaxHeapRetainBytes) {  // glibc's thresholds are ints
+      return Bad(name, value, "0 or a byte count of at most 2147483647 (2GiB - 1)");
+    }
+    return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see --help)"));
 }
@@ -157,7 +182,7 @@ absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
   if (!in) return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": cannot open the file"));
   nlohmann::json j;
   try {
-    in >> j;
+    j = nlohmann::json::parse(in);  // one JSON value, nothing after it
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": invalid JSON: ", e.what()));
   }
@@ -172,11 +197,13 @@ absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
                                                        ": expected an object {ROLE: SPEC}"));
       }
       for (auto r = v.begin(); r != v.end(); ++r) {
-        if (!r.value().is_string()) {
+        if (!r.value().is_string() || r.key().empty() || r.key().find('=') != std::string::npos) {
           return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", it.key(), ".", r.key(),
-                                                         ": expected a string"));
+                                                         ": expected a non-empty ROLE without '=' and a SPEC string"));
         }
-        c->role_policies[r.key()] = r.value().get<std::string>();
+        absl::Status st = ParseRolePolicy("role-policy", absl::StrCat(r.key(), "=", r.value().get<std::string>()),
+                                          &c->role_policies);
+        if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", st.message()));
       }
       continue;
     }
@@ -185,7 +212,7 @@ absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
     else if (v.is_boolean()) s = v.get<bool>() ? "true" : "false";
     else if (v.is_number_unsigned()) s = std::to_string(v.get<uint64_t>());
     else if (v.is_number_integer()) s = std::to_string(v.get<int64_t>());
-    else if (v.is_number()) s = absl::StrCat(v.get<double>());
+    else if (v.is_number()) s = absl::StrFormat("%.17g", v.get<double>());  // 1e6 -> "1000000"
     else return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", it.key(), ": expected a string or number"));
     absl::Status st = Apply(key, s, c);
     if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", st.message()));
@@ -245,13 +272,16 @@ std::string ServerUsage() {
                                  (KVRELAY_DEFAULT_POLICY; h2o-head:k=32+obf:p=8,mode=fast)
   --role-policy ROLE=SPEC        per-role default policy, repeatable (KVRELAY_ROLE_POLICY: ROLE=SPEC;ROLE=SPEC)
   --log-json                     JSON log lines, the ready line too (its "msg" is the same text)
-                                 (KVRELAY_LOG_JSON; empty = unset)
+                                 (KVRELAY_LOG_JSON)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
   --heap-retain-bytes N          freed heap kept for reuse instead of returned to the kernel, so the next
                                  message does not fault its pages in again; per malloc arena (one per
                                  two workers, at least 1): count that many x N against the memory limit
-                                 (KVRELAY_HEAP_RETAIN_BYTES; 128MiB; 0: glibc's defaults)
-  --config FILE                  JSON object with the same keys (KVRELAY_CONFIG)
+                                 (KVRELAY_HEAP_RETAIN_BYTES; 128MiB; at most 2GiB - 1; 0: glibc's defaults)
+  --config FILE                  JSON object with the same keys, '-' or '_' (KVRELAY_CONFIG); "role_policy"
+                                 is an object {ROLE: SPEC}
+A flag beats its environment variable, which beats the config file; role policies merge per role. An
+empty environment variable counts as unset. Seconds are at most 1e9.
 Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT
 (with --log-json, a JSON record whose "msg" is that text)
 
@@ -292,8 +322,9 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
   if (!config_path.empty()) KVRELAY_RETURN_IF_ERROR(ApplyConfigFile(config_path, &c));
   for (const auto& [name, var] : kEnv) {
     if (const char* e = env(var)) {
-      // An empty boolean variable is unset (a bare --log-json flag is true).
-      if (IsBoolFlag(name) && *e == '\0') continue;
+      // An empty variable is unset, as in most container runtimes' templating
+      // (metrics off is KVRELAY_METRICS_LISTEN=off).
+      if (*e == '\0') continue;
       absl::Status s = Apply(name, e, &c);
       if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(var, ": ", s.message()));
     }
@@ -306,14 +337,6 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
   }
   for (const auto& [name, value] : flags) KVRELAY_RETURN_IF_ERROR(Apply(name, value, &c));
   if (c.worker_threads <= 0) c.worker_threads = ThreadPool::HardwareThreads();
-  if (auto p = Pipeline::Create(c.default_policy); !p.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--default-policy=", c.default_policy, ": ", p.status().message()));
-  }
-  for (const auto& [role, spec] : c.role_policies) {
-    if (auto p = Pipeline::Create(spec); !p.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--role-policy=", role, "=", spec, ": ", p.status().message()));
-    }
-  }
   return c;
 }
 

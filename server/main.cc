@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "absl/strings/numbers.h"
 #include "client/heap_retain.h"
@@ -31,10 +33,19 @@ int HealthMain(int argc, char** argv) {
   std::string addr = "127.0.0.1:50051";
   double timeout = 2;
   for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    if ((a == "--addr" || a == "--timeout") && i + 1 < argc) {
-      const std::string v = argv[++i];
+    std::string a = argv[i];
+    std::optional<std::string> inline_value;  // --flag=value
+    if (const size_t eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = a.substr(eq + 1);
+      a.resize(eq);
+    }
+    if ((a == "--addr" || a == "--timeout") && (inline_value || i + 1 < argc)) {
+      const std::string v = inline_value ? *inline_value : argv[++i];
       if (a == "--addr") {
+        if (absl::Status st = kvrelay::CheckRelayAddress(v); !st.ok()) {
+          std::cerr << "kvrelay-server health: --addr: " << st.message() << "\n";
+          return 2;
+        }
         addr = v;
       } else if (!absl::SimpleAtod(v, &timeout) || !(timeout > 0) || timeout > 3600) {
         std::cerr << "kvrelay-server health: --timeout=" << v << ": expected seconds in (0, 3600]\n";
@@ -45,7 +56,7 @@ int HealthMain(int argc, char** argv) {
                    "  exits 0 when grpc.health.v1 answers SERVING (default 127.0.0.1:50051, 2 s)\n";
       return 0;
     } else {
-      std::cerr << "kvrelay-server health: unknown or incomplete flag " << a
+      std::cerr << "kvrelay-server health: unknown or incomplete flag " << argv[i]
                 << " (expected --addr HOST:PORT or --timeout SECONDS)\n";
       return 2;
     }
@@ -193,11 +204,15 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().ToString());
     std::cerr << "kvrelay-server: " << server.status().message() << "\n";
+    // A configuration the relay cannot serve (e.g. an IPv6 metrics address
+    // without IPv6 support) is a usage error, as in ParseServerConfig.
+    const bool usage = server.status().code() == absl::StatusCode::kInvalidArgument;
+    if (usage) std::cerr << "run kvrelay-server --help for usage\n";
     // As at the end: no destructors while gRPC's threads may still log.
     spdlog::default_logger()->flush();
     std::cerr.flush();
     std::fflush(nullptr);
-    std::_Exit(1);
+    std::_Exit(usage ? 2 : 1);
   }
   // Tests and scripts wait for this line. With --log-json it is a log record
   // like every other line (its msg is the same text).

@@ -143,5 +143,90 @@ TEST(ConfigTest, HeapRetainBytes) {
   }
 }
 
+// Writes `text` to a fresh file under the test's temp dir and returns its path.
+std::string ConfigFile(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+// From a review of the configuration: each of these was accepted (or
+// misreported) before.
+TEST(ConfigTest, ValuesOutOfReachAreRefusedWhereTheyAreGiven) {
+  struct Case {
+    std::vector<const char*> args;
+    std::map<std::string, std::string> env;
+    const char* needle;
+  } cases[] = {
+      // int64 nanoseconds end at ~292 years: 1e10 s overflowed into ~0.
+      {{"--upload-idle-timeout-seconds", "1e10"}, {}, "--upload-idle-timeout-seconds=1e10: expected seconds in"},
+      {{"--session-ttl-seconds=1e300"}, {}, "--session-ttl-seconds=1e300"},
+      {{"--shutdown-grace-seconds", "2e9"}, {}, "--shutdown-grace-seconds=2e9"},
+      // A list of addresses for the metrics server: one address only.
+      {{"--metrics-listen", "127.0.0.1:0,127.0.0.1:0"}, {}, "--metrics-listen=127.0.0.1:0,127.0.0.1:0"},
+      // glibc's thresholds are ints.
+      {{"--heap-retain-bytes", "2GiB"}, {}, "--heap-retain-bytes=2GiB: expected 0 or a byte count of at most"},
+      // A bad policy is reported where it came from.
+      {{}, {{"KVRELAY_DEFAULT_POLICY", "bogus"}}, "KVRELAY_DEFAULT_POLICY: --default-policy=bogus: "},
+      {{}, {{"KVRELAY_ROLE_POLICY", "planner=bogus"}}, "KVRELAY_ROLE_POLICY: --role-policy=planner=bogus: "},
+  };
+  for (const auto& tc : cases) {
+    auto c = Parse(tc.args, tc.env);
+    ASSERT_FALSE(c.ok()) << tc.needle;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(tc.needle), std::string::npos) << c.status();
+  }
+  auto c = Parse({"--upload-idle-timeout-seconds=1e9", "--heap-retain-bytes=2147483647"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->upload_idle_timeout_seconds, 1e9);
+  EXPECT_EQ(c->heap_retain_bytes, 2147483647u);
+}
+
+TEST(ConfigTest, ConfigFileIsOneObjectAndChecksRolePolicies) {
+  struct Case {
+    const char* text;
+    const char* needle;
+  } cases[] = {
+      {"{\"metrics_listen\":\"127.0.0.1:0\"}\n{\"max_store_bytes\":\"1GiB\"}", "invalid JSON"},
+      {"{\"listen\":\"127.0.0.1:0\"} trailing", "invalid JSON"},
+      {"{\"role_policy\":{\"\":\"full\"}}", "role_policy.: expected a non-empty ROLE"},
+      {"{\"role_policy\":{\"planner\":\"\"}}", "--role-policy=planner=: expected ROLE=SPEC"},
+      {"{\"role_policy\":{\"planner\":\"bogus\"}}", "--role-policy=planner=bogus: "},
+      {"{\"default_policy\":\"bogus\"}", "--default-policy=bogus: "},
+  };
+  int i = 0;
+  for (const auto& tc : cases) {
+    const std::string path = ConfigFile("kvrelay_bad_config_" + std::to_string(i++) + ".json", tc.text);
+    auto c = Parse({"--config", path.c_str()});
+    ASSERT_FALSE(c.ok()) << tc.text;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find("--config=" + path + ": "), std::string::npos) << c.status();
+    EXPECT_NE(c.status().message().find(tc.needle), std::string::npos) << c.status();
+    std::remove(path.c_str());
+  }
+  // Numbers keep every digit: 1e6 is 1000000, not "1e+06".
+  const std::string path = ConfigFile("kvrelay_numbers.json",
+                                      R"({"max_session_messages": 1e6, "session_ttl_seconds": 1234567.8})");
+  auto c = Parse({"--config", path.c_str()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->max_session_messages, 1000000u);
+  EXPECT_EQ(c->session_ttl_seconds, 1234567.8);
+  std::remove(path.c_str());
+}
+
+// An empty environment variable is unset, for every variable alike.
+TEST(ConfigTest, EmptyEnvironmentVariablesAreUnset) {
+  auto c = Parse({}, {{"KVRELAY_LISTEN", ""}, {"KVRELAY_METRICS_LISTEN", ""}, {"KVRELAY_LOG_JSON", ""},
+                      {"KVRELAY_WORKER_THREADS", ""}, {"KVRELAY_DEFAULT_POLICY", ""}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, "0.0.0.0:50051");
+  EXPECT_EQ(c->metrics_listen, "0.0.0.0:9464");
+  EXPECT_FALSE(c->log_json);
+  EXPECT_EQ(c->default_policy, "h2o-head:k=32+obf:p=8,mode=fast");
+  c = Parse({}, {{"KVRELAY_METRICS_LISTEN", "off"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->metrics_listen, "");
+}
+
 }  // namespace
 }  // namespace kvrelay
