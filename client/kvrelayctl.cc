@@ -194,6 +194,16 @@ class Flags {
       return absl::InvalidArgumentError(absl::StrCat("flag --", name, ": empty value"));
     return *v;
   }
+#ifdef KVRELAYCTL_WITH_RELAY
+  // The relay address --addr (required), checked (CheckRelayAddress).
+  absl::StatusOr<std::string> Addr() const {
+    KVRELAY_ASSIGN_OR_RETURN(std::string addr, Required("addr"));
+    if (absl::Status s = CheckRelayAddress(addr); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("flag --addr: ", s.message()));
+    }
+    return addr;
+  }
+#endif
   // An integer flag in [lo, hi], or `dflt` when absent.
   absl::StatusOr<int64_t> Int(const std::string& name, int64_t dflt, int64_t lo, int64_t hi) const {
     auto v = Get(name);
@@ -250,6 +260,15 @@ std::optional<Failure> Compress(int argc, char** argv) {
   const bool decode = flags.Has("decode");
 
   const std::optional<std::string> addr = flags.Get("addr");
+  if (addr && flags.Has("threads")) {
+    return Usage("compress: --threads is for compressing here; with --addr the relay compresses");
+  }
+#ifdef KVRELAYCTL_WITH_RELAY
+  if (addr) {
+    absl::StatusOr<std::string> checked = flags.Addr();
+    if (!checked.ok()) return Usage(std::string(checked.status().message()));
+  }
+#endif
   absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = Pipeline::Create(policy);
   if (!pipeline.ok() && !addr) return Runtime(pipeline.status());
   absl::StatusOr<Turn> turn = ReadTurnFile(in);
@@ -288,12 +307,12 @@ std::optional<Failure> Compress(int argc, char** argv) {
   }
   absl::Status s = WriteMessageFile(*msg, out);
   if (!s.ok()) return Runtime(s);
+  // threads: this process's workers; a relay's are its own.
   std::printf("policy=%s layers=%zu history=%d anchor=%d kept=%d gen=%d full_bytes=%" PRIu64
-              " sent_bytes=%" PRIu64 " ratio=%s compress_ms=%.3f threads=%d%s\n",
+              " sent_bytes=%" PRIu64 " ratio=%s compress_ms=%.3f %s%s\n",
               msg->policy.c_str(), msg->layers.size(), msg->n_history, msg->n_anchor, msg->n_kept,
-              msg->n_gen, msg->full_bytes, sent_bytes,
-              Ratio(msg->full_bytes, sent_bytes).c_str(), ms, static_cast<int>(threads),
-              decode ? " decoded=true" : "");
+              msg->n_gen, msg->full_bytes, sent_bytes, Ratio(msg->full_bytes, sent_bytes).c_str(), ms,
+              addr ? "relay=true" : absl::StrCat("threads=", threads).c_str(), decode ? " decoded=true" : "");
   return std::nullopt;
 }
 
@@ -375,6 +394,21 @@ std::optional<Failure> Inspect(int argc, char** argv) {
   return std::nullopt;
 }
 
+// A synthetic turn's geometry as the flags gave it, checked before anything
+// else happens: usage errors name the flags.
+std::optional<Failure> CheckTurnFlags(const SyntheticTurnOptions& o) {
+  if (o.score_heads != 0 && o.score_heads % o.kv_heads != 0) {
+    return Usage(absl::StrCat("flag --score-heads: ", o.score_heads, ", expected a multiple of --kv-heads (",
+                              o.kv_heads, ")"));
+  }
+  absl::Status s = CheckSyntheticTurnOptions(o);
+  if (!s.ok()) {
+    return Usage(absl::StrCat("flags --layers, --kv-heads, --score-heads, --head-dim, --history, --prompt, --gen: ",
+                              s.message()));
+  }
+  return std::nullopt;
+}
+
 std::optional<Failure> MakeTurn(int argc, char** argv) {
   Flags flags("make-turn",
               {"out", "layers", "kv-heads", "score-heads", "head-dim", "prompt", "gen", "history",
@@ -406,8 +440,9 @@ std::optional<Failure> MakeTurn(int argc, char** argv) {
     }
     o.first_agent = *v == "true";
   }
+  if (auto f = CheckTurnFlags(o)) return f;
   absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
-  if (!turn.ok()) return Usage(std::string(turn.status().message()));
+  if (!turn.ok()) return Runtime(turn.status());
   absl::Status s = WriteTurnFile(*turn, out);
   if (!s.ok()) return Runtime(s);
   std::printf(
@@ -511,7 +546,7 @@ std::optional<Failure> Publish(int argc, char** argv) {
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "publish")) return f;
   PublishOptions o;
-  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(o.session, flags.Required("session"));
   KVRELAYCTL_FLAG(o.sender, flags.Required("from"));
   KVRELAYCTL_FLAG(const std::string in, flags.Required("in"));
@@ -543,7 +578,7 @@ std::optional<Failure> Fetch(int argc, char** argv) {
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "fetch")) return f;
   FetchOptions o;
-  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(o.session, flags.Required("session"));
   KVRELAYCTL_FLAG(o.agent, flags.Required("agent"));
   KVRELAYCTL_FLAG(const std::string out, flags.Required("out"));
@@ -582,7 +617,7 @@ std::optional<Failure> AckVerb(int argc, char** argv) {
   Flags flags("ack", {"addr", "session", "agent", "id"}, {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "ack")) return f;
-  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(const std::string session, flags.Required("session"));
   KVRELAYCTL_FLAG(const std::string agent, flags.Required("agent"));
   KVRELAYCTL_FLAG(const std::string id, flags.Required("id"));
@@ -596,7 +631,7 @@ std::optional<Failure> CloseVerb(int argc, char** argv) {
   Flags flags("close", {"addr", "session"}, {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "close")) return f;
-  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(const std::string session, flags.Required("session"));
   absl::StatusOr<uint32_t> n = RelayClient::Connect(addr)->CloseSession(session);
   if (!n.ok()) return RelayError("close", n.status());
@@ -608,7 +643,7 @@ std::optional<Failure> HealthVerb(int argc, char** argv) {
   Flags flags("health", {"addr", "service", "timeout"}, {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "health")) return f;
-  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(const auto timeout, Seconds(flags, "timeout", 5, 0.001, 3600));
   absl::StatusOr<HealthStatus> h =
       RelayClient::Connect(addr)->Health(flags.Get("service").value_or(""), timeout);
@@ -624,7 +659,7 @@ std::optional<Failure> StatsVerb(int argc, char** argv) {
   Flags flags("stats", {"addr"}, {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "stats")) return f;
-  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   absl::StatusOr<RelayStats> s = RelayClient::Connect(addr)->Stats();
   if (!s.ok()) return RelayError("stats", s.status());
   std::printf(
@@ -651,7 +686,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
               {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "demo")) return f;
-  KVRELAYCTL_FLAG(const std::string addr, flags.Required("addr"));
+  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(const int64_t rounds, flags.Int("rounds", 1, 1, 1000));
   SyntheticTurnOptions o = Qwen3_14BTurn();
   const int group = o.score_heads / o.kv_heads;  // Qwen3-14B: 40 query heads over 8 KV heads
@@ -661,10 +696,6 @@ std::optional<Failure> Demo(int argc, char** argv) {
   // ratio; 0 means as many as KV heads (as make-turn).
   KVRELAYCTL_FLAG(o.score_heads, flags.Int("score-heads", o.kv_heads * group, 0, kMaxScoreHeads));
   if (o.score_heads == 0) o.score_heads = o.kv_heads;
-  if (o.score_heads % o.kv_heads != 0) {
-    return Usage(absl::StrCat("flag --score-heads: ", o.score_heads, ", expected a multiple of --kv-heads (",
-                              o.kv_heads, ")"));
-  }
   KVRELAYCTL_FLAG(o.head_dim, flags.Int("head-dim", o.head_dim, 1, kMaxHeadDim));
   KVRELAYCTL_FLAG(o.n_prompt, flags.Int("prompt", o.n_prompt, 0, 1 << 24));
   KVRELAYCTL_FLAG(o.n_gen, flags.Int("gen", o.n_gen, 0, 1 << 24));
@@ -674,6 +705,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
     if (!dt) return Usage(absl::StrCat("flag --dtype: \"", *v, "\", expected F32, F16 or BF16"));
     o.dtype = *dt;
   }
+  if (auto f = CheckTurnFlags(o)) return f;
   // Empty --policy: the relay's default for each agent's role.
   const std::string policy = flags.Get("policy").value_or("h2o-head:k=32+obf:p=8,mode=fast");
   const std::string session_base =
@@ -688,7 +720,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
               addr.c_str(), o.layers, o.kv_heads, o.score_heads, o.head_dim,
               std::string(DTypeName(o.dtype)).c_str(), o.n_prompt, o.n_gen,
               policy.empty() ? "(role default)" : policy.c_str());
-  uint64_t tot_full = 0, tot_sent = 0, tot_received = 0;
+  uint64_t tot_full = 0, tot_sent = 0, tot_saved = 0, tot_received = 0;
   double tot_compress_ms = 0, tot_hop_ms = 0;
   int hops = 0;
   for (int64_t round = 0; round < rounds; ++round) {
@@ -705,7 +737,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
       to_make.seed = static_cast<uint64_t>(seed) + round * 16 + hop;
       to_make.first_agent = hop == 0;
       absl::StatusOr<Turn> turn = MakeSyntheticTurn(to_make);
-      if (!turn.ok()) return Usage(std::string(turn.status().message()));
+      if (!turn.ok()) return Runtime(turn.status());
       turn->prompt_pos0 = next_pos;  // continue after what the agent received
       PublishOptions p;
       p.session = session;
@@ -759,6 +791,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
       std::fflush(stdout);
       tot_full += a.full_bytes;
       tot_sent += a.sent_bytes;
+      tot_saved += a.full_bytes > a.sent_bytes ? a.full_bytes - a.sent_bytes : 0;  // as the relay counts it
       tot_received += a.received_bytes;
       tot_compress_ms += a.compress_seconds * 1e3;
       tot_hop_ms += hop_ms;
@@ -773,7 +806,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
               " sent_bytes=%" PRIu64 " ratio=%s saved_bytes=%" PRIu64
               " compress_ms=%.2f hop_latency_ms=%.2f\n",
               hops, tot_received, tot_full, tot_sent, Ratio(tot_full, tot_sent).c_str(),
-              tot_full - tot_sent, tot_compress_ms, tot_hop_ms);
+              tot_saved, tot_compress_ms, tot_hop_ms);
   absl::StatusOr<RelayStats> after = client->Stats();
   if (after.ok()) {
     // Equal to the totals above when nothing else used the relay meanwhile.

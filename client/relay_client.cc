@@ -8,6 +8,8 @@
 #include <utility>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/internal/chunking.h"
@@ -277,6 +279,31 @@ const char* HealthStatusName(HealthStatus s) {
 
 RelayClient::RelayClient(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)), stub_(v1::Relay::NewStub(channel_)) {}
+
+absl::Status CheckRelayAddress(const std::string& addr) {
+  auto bad = [&addr] {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "address '", addr, "': expected HOST:PORT with PORT in 1..65535 (or a gRPC target such as dns:///HOST:PORT)"));
+  };
+  if (addr.empty()) return bad();
+  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"}) {
+    if (absl::StartsWith(addr, scheme)) return absl::OkStatus();
+  }
+  if (addr.find("://") != std::string::npos) return absl::OkStatus();
+  size_t colon = addr.rfind(':');
+  if (addr[0] == '[') {
+    const size_t close = addr.find(']');
+    if (close == std::string::npos || close + 1 != colon) return bad();
+  } else if (colon == 0 || addr.find(':') != colon) {
+    return bad();  // no host, or a bare IPv6 address without brackets
+  }
+  int port;
+  if (colon == std::string::npos || !absl::SimpleAtoi(addr.substr(colon + 1), &port) || port < 1 || port > 65535 ||
+      addr.find_first_of(" \t,") != std::string::npos) {
+    return bad();
+  }
+  return absl::OkStatus();
+}
 
 std::unique_ptr<RelayClient> RelayClient::Connect(const std::string& addr) {
   grpc::ChannelArguments args;

@@ -141,6 +141,13 @@ inline constexpr char kMessageIdPayload[] = "type.googleapis.com/kvrelay.v1.Mess
 enum class HealthStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
 const char* HealthStatusName(HealthStatus s);
 
+// Checks a relay address before dialling: InvalidArgument naming it unless
+// it is HOST:PORT (or [V6]:PORT) with PORT in 1..65535, or a gRPC target
+// URI with a scheme ("dns:///relay:50051", "unix:/run/kvrelay.sock"), which
+// passes as is. (gRPC itself takes a port above 65535 modulo 65536, and a
+// missing port as 443.)
+absl::Status CheckRelayAddress(const std::string& addr);
+
 class RelayClient {
  public:
   // Over a channel of the caller's. Publish retries then only sleep their

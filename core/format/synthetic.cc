@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace kvrelay {
 namespace {
@@ -88,7 +89,7 @@ void FillRows(Rng& rng, const HeadModel& m, int h, int tokens, int rank, KvTenso
 
 }  // namespace
 
-absl::StatusOr<Turn> MakeSyntheticTurn(const SyntheticTurnOptions& opts) {
+absl::Status CheckSyntheticTurnOptions(const SyntheticTurnOptions& opts) {
   auto bad = [](const char* name, int value, const char* expected) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", value, ", expected ", expected));
   };
@@ -114,6 +115,12 @@ absl::StatusOr<Turn> MakeSyntheticTurn(const SyntheticTurnOptions& opts) {
   if (2.0 * opts.n_history + opts.n_prompt + opts.n_gen > 2147483647.0) {
     return absl::InvalidArgumentError("position ids would not fit in int32");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Turn> MakeSyntheticTurn(const SyntheticTurnOptions& opts) {
+  KVRELAY_RETURN_IF_ERROR(CheckSyntheticTurnOptions(opts));
+  const int score_heads = opts.score_heads == 0 ? opts.kv_heads : opts.score_heads;
 
   const int H = opts.kv_heads, d = opts.head_dim, P = opts.n_prompt, G = opts.n_gen,
             M = opts.n_history;

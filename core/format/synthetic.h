@@ -58,7 +58,10 @@ inline SyntheticTurnOptions Qwen3_14BTurn() {
 }
 
 // InvalidArgument naming the option when it is out of range, or when the
-// turn would exceed 16 GiB.
+// turn would exceed 16 GiB; OK when MakeSyntheticTurn would make it.
+absl::Status CheckSyntheticTurnOptions(const SyntheticTurnOptions& opts);
+
+// The turn; CheckSyntheticTurnOptions' errors otherwise.
 absl::StatusOr<Turn> MakeSyntheticTurn(const SyntheticTurnOptions& opts);
 
 }  // namespace kvrelay

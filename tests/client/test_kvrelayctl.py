@@ -181,7 +181,9 @@ class CliTest(unittest.TestCase):
         self.expect_fail(["make-turn", "--out", out, "--first-agent", "maybe"], 2,
                          "flag --first-agent")
         self.expect_fail(["make-turn", "--out", out, "--kv-heads", "3", "--score-heads", "4"], 2,
-                         "score_heads")
+                         "flag --score-heads: 4, expected a multiple of --kv-heads (3)")
+        self.expect_fail(["make-turn", "--out", out, "--layers", "1024", "--kv-heads", "1024", "--head-dim",
+                          "1024", "--prompt", "16777216"], 2, "expected at most 16 GiB")
         self.assertFalse(os.path.exists(out))
 
     def test_runtime_errors_exit_1(self):

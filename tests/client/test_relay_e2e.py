@@ -213,6 +213,26 @@ def test_bad_inputs(ctl, turn, turn_hist):
     check(rc == 2 and "--addr" in err, f"health without --addr: {rc} {err}")
     rc, out, err = ctl.run("health", "--addr", "127.0.0.1:1", "--timeout", "2", addr=False)
     check(rc == 1 and "UNAVAILABLE" in err, f"health of a closed port: {rc} {err}")
+    # Addresses gRPC would take otherwise (port modulo 65536; a missing port as 443), and
+    # geometry checked before anything is dialled (127.0.0.1:1 would be UNAVAILABLE, exit 1).
+    port = int(ctl.addr.rsplit(":", 1)[1])
+    for verb in (["health"], ["stats"], ["fetch", "--session", "s", "--agent", "b", "--out", ctl.path("o")]):
+        for addr in (f"127.0.0.1:{port + 65536}", "127.0.0.1", "127.0.0.1:0", ""):
+            rc, _, err = ctl.run(*verb, "--addr", addr, addr=False, timeout=30)
+            check(rc == 2 and "flag --addr" in err, f"{verb[0]} --addr {addr!r}: rc={rc} {err.strip()!r}")
+    rc, out, err = ctl.run("health", "--addr", f"dns:///127.0.0.1:{port}", addr=False)
+    check(rc == 0 and out.strip() == "SERVING", f"health via a gRPC target URI: {rc} {out} {err}")
+    big = ["--layers", "1024", "--kv-heads", "1024", "--head-dim", "1024", "--prompt", "16777216"]
+    rc, out, err = ctl.run("demo", *big, addr="127.0.0.1:1", timeout=30)
+    check(rc == 2 and "flags --layers" in err and "16 GiB" in err and "kvrelay demo" not in out,
+          f"demo with a 72 PB turn: a usage error before connecting: rc={rc} {err.strip()!r}")
+    rc, out, err = ctl.run("compress", "--policy", "full", "--in", turn, "--out", ctl.path("c"), "--threads", "2")
+    check(rc == 2 and "--threads" in err, f"compress --addr with --threads: rc={rc} {err.strip()!r}")
+    rc, out, err = ctl.run("compress", "--policy", "full", "--in", turn, "--out", ctl.path("c"), "--addr", "",
+                           addr=False)
+    check(rc == 2 and "flag --addr: empty value" in err, f"compress --addr '': rc={rc} {err.strip()!r}")
+    r = ctl.ok("compress", "--policy", "full", "--in", turn, "--out", ctl.path("c"))
+    check(r.get("relay") == "true" and "threads" not in r, f"compress via the relay names no threads: {r}")
 
 
 def test_demo(ctl, small):
@@ -231,6 +251,12 @@ def test_demo(ctl, small):
     check(tot.get("full_bytes") == str(sum(int(r[4]) for r in rows)), "demo: totals add up")
     check(delta.get("full_bytes") == tot.get("full_bytes") and delta.get("sent_bytes") == tot.get("sent_bytes"),
           f"demo: relay stats match the totals: {tot} vs {delta}")
+    # More sent than full (int8 scales on a tiny head): saved is 0, as the relay counts it.
+    rc, out2, err = ctl.run("demo", "--layers", "1", "--kv-heads", "1", "--head-dim", "1", "--prompt", "8",
+                            "--gen", "2", "--policy", "full+int8", "--session", "demo-neg", timeout=120)
+    tot2 = kv_line(re.search(r"^totals:.*$", out2, re.M).group(0)) if "totals:" in out2 else {}
+    check(rc == 0 and int(tot2.get("sent_bytes", 0)) > int(tot2.get("full_bytes", 0)) and
+          tot2.get("saved_bytes") == "0", f"demo with sent > full: saved_bytes 0: rc={rc} {tot2} {err}")
     # History grows along the chain: each hop holds more tokens than the last.
     toks = [int(r[3]) for r in rows[:3]]
     check(toks[0] < toks[1] < toks[2], f"demo: history composed by reference: tokens {toks}")
