@@ -226,19 +226,26 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
   const char* hb = reinterpret_cast<const char*>(bytes.data() + 8);
   const absl::Span<const uint8_t> data = bytes.subspan(8 + n);
 
-  // Duplicate top-level keys would be silently merged by the parser; catch
-  // them with the parse callback.
+  // Duplicate keys would be silently resolved by the parser (the last one
+  // wins); catch them with the parse callback, at the top level and inside
+  // each entry (a tensor's fields, __metadata__).
   // Nesting deeper than a header needs (root > tensor > shape > dimension)
   // aborts the parse at once, before the parser builds a deep tree.
   struct TooDeep {};
   constexpr int kMaxDepth = 3;
   std::string duplicate;
-  std::set<std::string> top_keys;
+  std::set<std::string> top_keys, entry_keys;
+  std::string entry;  // the top-level key whose object is being parsed
   Json::parser_callback_t cb = [&](int depth, Json::parse_event_t event, Json& parsed) {
     if (depth > kMaxDepth) throw TooDeep{};
-    if (event == Json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-      if (!top_keys.insert(parsed.get<std::string>()).second && duplicate.empty()) {
-        duplicate = parsed.get<std::string>();
+    if (event == Json::parse_event_t::key && parsed.is_string() && (depth == 1 || depth == 2)) {
+      const std::string key = parsed.get<std::string>();
+      if (depth == 1) {
+        entry = key;
+        entry_keys.clear();
+      }
+      if (!(depth == 1 ? top_keys : entry_keys).insert(key).second && duplicate.empty()) {
+        duplicate = depth == 1 ? key : absl::StrCat(entry, ".", key);
       }
     }
     return true;
@@ -335,22 +342,22 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
       if (!d.ok()) return d.status();
       dims.push_back(*d);
     }
+    // The product of the non-zero dimensions must fit too (NumElements()
+    // multiplies them all, in order, before a 0 makes it 0).
     uint64_t numel = 1;
-    bool too_big = false;
+    bool too_big = false, has_zero = false;
     for (uint64_t d : dims) {
-      if (d > max_elements) too_big = true;
-    }
-    if (!too_big && std::find(dims.begin(), dims.end(), 0) != dims.end()) {
-      numel = 0;
-    } else {
-      for (uint64_t d : dims) {
-        if (too_big || numel > max_elements / d) {
-          too_big = true;
-          break;
-        }
-        numel *= d;
+      if (d == 0) {
+        has_zero = true;
+        continue;
       }
+      if (d > max_elements || numel > max_elements / d) {
+        too_big = true;
+        break;
+      }
+      numel *= d;
     }
+    if (has_zero) numel = 0;
     if (too_big) {
       return absl::InvalidArgumentError(
           absl::StrCat(prefix, "shape ", Show(js), " has too many elements"));

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/quant.h"
 #include "core/status_macros.h"
 
 // Tensor data is copied to and from the host representation byte for byte.
@@ -19,7 +20,8 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 namespace kvrelay {
 namespace {
 
-constexpr int kMaxLayers = 1 << 16;
+// Layer names parsed at all; turns and messages check kMaxLayers after.
+constexpr int kMaxLayerIndex = 1 << 16;
 
 absl::Status Invalid(absl::string_view name, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
@@ -207,9 +209,9 @@ absl::StatusOr<std::vector<PartMap>> GroupByLayer(const SafetensorsReader& file,
     if (!split || !is_part(split->second)) {
       return Invalid(t.name, absl::StrCat("unknown tensor name, expected ", expected));
     }
-    if (split->first >= kMaxLayers) {
+    if (split->first >= kMaxLayerIndex) {
       return Invalid(t.name,
-                     absl::StrCat("layer index ", split->first, ", expected below ", kMaxLayers));
+                     absl::StrCat("layer index ", split->first, ", expected below ", kMaxLayerIndex));
     }
     if (static_cast<size_t>(split->first) >= layers.size()) layers.resize(split->first + 1);
     layers[split->first][split->second] = &t;
@@ -474,7 +476,7 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
   const int dim = quant ? l0.quant->k.dim : l0.k.dim();
   if (quant) {
     const QuantizedKv& q = *l0.quant;
-    if (!(q.bits == 2 || q.bits == 4 || q.bits == 8) || q.group < 1 || (dim * q.bits) % 8 != 0) {
+    if (!(q.bits == 2 || q.bits == 4 || q.bits == 8) || q.group < 1 || (int64_t{dim} * q.bits) % 8 != 0) {
       return Invalid("layer.0.k",
                      absl::StrCat("quantization bits=", q.bits, " group=", q.group, " dim=", dim,
                                   ", expected bits 2/4/8, group >= 1 and dim*bits "
@@ -511,7 +513,7 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
           CheckQuantTensor(q.k, LayerName(l, "k"), q0.bits, q0.group, true, heads, n, dim));
       KVRELAY_RETURN_IF_ERROR(
           CheckQuantTensor(q.v, LayerName(l, "v"), q0.bits, q0.group, false, heads, n, dim));
-      const int64_t row = dim * q0.bits / 8;
+      const int64_t row = int64_t{dim} * q0.bits / 8;
       const int64_t groups = CeilDiv(n, q0.group);
       tensors.push_back(View(LayerName(l, "k.codes"), StDType::kU8, {heads, n, row}, q.k.codes));
       tensors.push_back(
@@ -673,17 +675,31 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
   KVRELAY_RETURN_IF_ERROR(CheckDType(pos0, StDType::kI32));
   KVRELAY_RETURN_IF_ERROR(CheckRank(pos0, 2, "[kv_heads, n]"));
   const int64_t heads = pos0.shape[0];
-  if (heads < 1)
-    return Invalid(pos0.name, absl::StrCat("shape ", ShapeString(pos0.shape),
-                                           ", expected at least 1 kv head"));
+  if (heads < 1 || heads > kMaxKvHeads)
+    return Invalid(pos0.name, absl::StrCat("shape ", ShapeString(pos0.shape), ", expected 1..",
+                                           kMaxKvHeads, " kv heads"));
+  if (num_layers > kMaxLayers) {
+    return Invalid(LayerName(num_layers - 1, "pos"),
+                   absl::StrCat(num_layers, " layers, expected at most ", kMaxLayers));
+  }
   const StTensor& dim_ref = quant ? *layers[0]["k.scale"] : *layers[0]["k"];
   KVRELAY_RETURN_IF_ERROR(
       CheckRank(dim_ref, 3, quant ? "[kv_heads, groups, head_dim]" : "[kv_heads, n, head_dim]"));
   const int64_t dim = dim_ref.shape[2];
-  if (dim < 1 || (quant && (dim * bits) % 8 != 0)) {
+  if (dim < 1 || dim > kMaxHeadDim || (quant && (dim * bits) % 8 != 0)) {
     return Invalid(dim_ref.name,
-                   absl::StrCat("shape ", ShapeString(dim_ref.shape), ", expected head_dim >= 1",
+                   absl::StrCat("shape ", ShapeString(dim_ref.shape), ", expected head_dim in 1..",
+                                kMaxHeadDim,
                                 quant ? " with head_dim*quant_bits a multiple of 8" : ""));
+  }
+  if (quant) {  // e.g. rotate with 8 bits or an odd head_dim: nothing could decode it
+    QuantOptions qo;
+    qo.bits = bits;
+    qo.group = group;
+    qo.rotate = rotate;
+    if (absl::Status s = ValidateQuantOptions(qo, static_cast<int>(dim)); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata quant_*: ", s.message()));
+    }
   }
   msg.kv_heads = static_cast<int>(heads);
   msg.head_dim = static_cast<int>(dim);

@@ -244,6 +244,21 @@ TEST(SafetensorsMalformedTest, DuplicateTensorName) {
                 "key 'a' appears more than once");
 }
 
+// Inside an entry too: the parser would keep the last value, so two readers
+// (or the writer's intent) could disagree about the same file.
+TEST(SafetensorsMalformedTest, DuplicateKeyInsideAnEntry) {
+  ExpectInvalid(RawFile(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"dtype":"F64"}})", "x"),
+                "key 'a.dtype' appears more than once");
+  ExpectInvalid(RawFile(R"({"__metadata__":{"first_agent":"true","first_agent":"false"}})"),
+                "key '__metadata__.first_agent' appears more than once");
+  // The same field name in two entries is fine.
+  absl::StatusOr<SafetensorsReader> r = SafetensorsReader::ParseOwned(
+      RawFile(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+              R"("b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},"__metadata__":{"dtype":"x"}})",
+              "xy"));
+  EXPECT_TRUE(r.ok()) << r.status();
+}
+
 TEST(SafetensorsMalformedTest, EntryNotObject) {
   ExpectInvalid(RawFile(R"({"a":[1,2]})"), "tensor 'a': entry is a JSON array, expected an object");
 }
@@ -312,6 +327,15 @@ TEST(SafetensorsMalformedTest, ShapeWithTooManyElements) {
                         R"("data_offsets":[0,16]}})",
                         std::string(16, 0)),
                 "tensor 'a': shape [4294967296,4294967296] has too many elements");
+  // With a 0 the tensor is empty, but NumElements() multiplies the others
+  // first: they must not overflow either.
+  ExpectInvalid(RawFile(R"({"a":{"dtype":"F32","shape":[576460752303423488,576460752303423488,0],)"
+                        R"("data_offsets":[0,0]}})"),
+                "has too many elements");
+  absl::StatusOr<SafetensorsReader> r = SafetensorsReader::ParseOwned(
+      RawFile(R"({"a":{"dtype":"F32","shape":[4294967296,0,8],"data_offsets":[0,0]}})"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->Find("a")->NumElements(), 0);
 }
 
 TEST(SafetensorsMalformedTest, DataOffsetsWrongArity) {

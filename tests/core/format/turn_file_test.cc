@@ -704,6 +704,40 @@ TEST(MessageFileMalformedTest, BadQuantRotate) {
       "metadata quant_rotate: \"no\", expected \"true\" or \"false\"");
 }
 
+// Options no decoder takes (DequantizeKv would refuse them): refused on read.
+TEST(MessageFileMalformedTest, QuantOptionsThatCannotBeDecoded) {
+  ExpectMessageInvalid(Edited(QuantMessage(),
+                              [](auto*, StMetadata* m, auto*) {
+                                (*m)["quant_bits"] = "8";
+                                (*m)["quant_rotate"] = "true";
+                              }),
+                       "metadata quant_*: quant: rotate=hadamard needs 4 or 2 bits, got bits=8");
+}
+
+// A message with no tokens costs no bytes whatever its header claims; the
+// turn's bounds on kv heads and head_dim still apply (head_dim * bits
+// overflowed int when the message was written back).
+TEST(MessageFileMalformedTest, GeometryBeyondTheTurnBounds) {
+  auto empty = [](int64_t heads, int64_t dim) {
+    return [heads, dim](std::vector<StTensor>* ts, StMetadata* m, auto*) {
+      for (const char* key : {"n_history", "n_anchor", "n_kept", "n_gen", "sent_bytes"}) (*m)[key] = "0";
+      m->erase("next_pos");
+      for (StTensor& t : *ts) {
+        t.data = {};
+        if (t.shape.size() == 2) t.shape = {heads, 0};
+        if (t.shape.size() == 3) t.shape = {heads, 0, dim};
+      }
+    };
+  };
+  ExpectMessageInvalid(Edited(DenseMessage(), empty(1025, 16)), "expected 1..1024 kv heads");
+  ExpectMessageInvalid(Edited(DenseMessage(), empty(2, 2147483647)), "expected head_dim in 1..1024");
+  // At the bounds it reads, and writes back.
+  absl::StatusOr<Message> m = ReadMessage(AsBytes(Edited(DenseMessage(), empty(1024, 1024))));
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::string out;
+  EXPECT_TRUE(WriteMessage(*m, &out).ok());
+}
+
 TEST(MessageFileMalformedTest, DenseTensorInQuantizedMessage) {
   ExpectMessageInvalid(
       Edited(QuantMessage(), [](std::vector<StTensor>* ts, auto*,
