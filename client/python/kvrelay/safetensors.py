@@ -41,12 +41,23 @@ def write(path, tensors, metadata=None, dtypes=None):
             f.write(b)
 
 
+def _unique_keys(pairs):
+    """json object_pairs_hook: a key twice in one object is an error (json
+    would keep the last one; kvrelay's C++ reader refuses the file)."""
+    obj = {}
+    for k, v in pairs:
+        if k in obj:
+            raise ValueError(f"safetensors: key {k!r} appears more than once in a header object")
+        obj[k] = v
+    return obj
+
+
 def read(path):
     """(metadata, {name: array}) of a safetensors file."""
     with open(path, "rb") as f:
         buf = f.read()
     (n,) = struct.unpack("<Q", buf[:8])
-    header = json.loads(buf[8:8 + n])
+    header = json.loads(buf[8:8 + n], object_pairs_hook=_unique_keys)
     meta = header.pop("__metadata__", {}) or {}
     base = 8 + n
     out = {}

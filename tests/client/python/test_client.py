@@ -180,6 +180,17 @@ class OfflineTest(unittest.TestCase):
         self.assertEqual(int(kvrelay.f32_to_bf16(np.float64(np.nan))) & 0x7FC0, 0x7FC0)
         self.assertEqual(int(kvrelay.f32_to_bf16(np.float64(3.5e38))), 0x7F80)  # past bfloat16's largest
 
+    def test_safetensors_read_refuses_duplicate_keys(self):
+        import struct
+        import tempfile
+        for header in (b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"dtype":"F32"}}',
+                       b'{"__metadata__":{"k":"1","k":"2"}}'):
+            with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+                f.write(struct.pack("<Q", len(header)) + header + b"x")
+                f.flush()
+                with self.assertRaisesRegex(ValueError, "appears more than once"):
+                    st.read(f.name)
+
     def test_hadamard_orthonormal(self):
         x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
         y = kvrelay.hadamard_f32(kvrelay.hadamard_f32(x))
