@@ -286,10 +286,10 @@ absl::Status CheckRelayAddress(const std::string& addr) {
         "address '", addr, "': expected HOST:PORT with PORT in 1..65535 (or a gRPC target such as dns:///HOST:PORT)"));
   };
   if (addr.empty()) return bad();
-  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"}) {
-    if (absl::StartsWith(addr, scheme)) return absl::OkStatus();
+  // gRPC's resolvers; another scheme (http://...) would only fail later.
+  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:", "google-c2p:"}) {
+    if (absl::StartsWithIgnoreCase(addr, scheme)) return absl::OkStatus();
   }
-  if (addr.find("://") != std::string::npos) return absl::OkStatus();
   size_t colon = addr.rfind(':');
   if (addr[0] == '[') {
     const size_t close = addr.find(']');

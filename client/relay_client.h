@@ -142,9 +142,9 @@ enum class HealthStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceU
 const char* HealthStatusName(HealthStatus s);
 
 // Checks a relay address before dialling: InvalidArgument naming it unless
-// it is HOST:PORT (or [V6]:PORT) with PORT in 1..65535, or a gRPC target
-// URI with a scheme ("dns:///relay:50051", "unix:/run/kvrelay.sock"), which
-// passes as is. (gRPC itself takes a port above 65535 modulo 65536, and a
+// it is HOST:PORT (or [V6]:PORT) with PORT in 1..65535, or a target with
+// one of gRPC's resolver schemes (dns:, unix:, unix-abstract:, ipv4:, ipv6:,
+// vsock:, xds:, google-c2p:; e.g. "dns:///relay:50051"), which passes as is. (gRPC itself takes a port above 65535 modulo 65536, and a
 // missing port as 443.)
 absl::Status CheckRelayAddress(const std::string& addr);
 

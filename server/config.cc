@@ -1,5 +1,6 @@
 #include "server/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -150,9 +151,8 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
       return absl::OkStatus();
     }
     KVRELAY_RETURN_IF_ERROR(ParseBytes(name, value, &c->heap_retain_bytes));
-    if (c->heap_retain_bytes > kMaxHeapRetainBytes) {  // glibc's thresholds are ints
-      return Bad(name, value, "0 or a byte count of at most 2147483647 (2GiB - 1)");
-    }
+    // glibc's thresholds are ints: more retains as much as 2GiB - 1.
+    c->heap_retain_bytes = std::min(c->heap_retain_bytes, kMaxHeapRetainBytes);
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see --help)"));
@@ -277,11 +277,12 @@ std::string ServerUsage() {
   --heap-retain-bytes N          freed heap kept for reuse instead of returned to the kernel, so the next
                                  message does not fault its pages in again; per malloc arena (one per
                                  two workers, at least 1): count that many x N against the memory limit
-                                 (KVRELAY_HEAP_RETAIN_BYTES; 128MiB; at most 2GiB - 1; 0: glibc's defaults)
+                                 (KVRELAY_HEAP_RETAIN_BYTES; 128MiB; more than 2GiB - 1 acts as 2GiB - 1;
+                                 0: glibc's defaults)
   --config FILE                  JSON object with the same keys, '-' or '_' (KVRELAY_CONFIG); "role_policy"
                                  is an object {ROLE: SPEC}
 A flag beats its environment variable, which beats the config file; role policies merge per role. An
-empty environment variable counts as unset. Seconds are at most 1e9.
+empty environment variable counts as unset (KVRELAY_METRICS_LISTEN: off). Seconds are at most 1e9.
 Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT
 (with --log-json, a JSON record whose "msg" is that text)
 
@@ -322,9 +323,10 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
   if (!config_path.empty()) KVRELAY_RETURN_IF_ERROR(ApplyConfigFile(config_path, &c));
   for (const auto& [name, var] : kEnv) {
     if (const char* e = env(var)) {
-      // An empty variable is unset, as in most container runtimes' templating
-      // (metrics off is KVRELAY_METRICS_LISTEN=off).
-      if (*e == '\0') continue;
+      // An empty variable is unset, as in most container runtimes'
+      // templating; except the metrics address, where empty has always meant
+      // off (as --metrics-listen= does).
+      if (*e == '\0' && std::string(name) != "metrics-listen") continue;
       absl::Status s = Apply(name, e, &c);
       if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(var, ": ", s.message()));
     }

@@ -7,7 +7,7 @@
 //
 //   flag                          env                               default
 //   --listen HOST:PORT            KVRELAY_LISTEN                    0.0.0.0:50051
-//   --metrics-listen HOST:PORT    KVRELAY_METRICS_LISTEN            0.0.0.0:9464 ("off": none)
+//   --metrics-listen HOST:PORT    KVRELAY_METRICS_LISTEN            0.0.0.0:9464 ("" or "off": none)
 //   --worker-threads N            KVRELAY_WORKER_THREADS            hardware threads
 //   --max-inflight-bytes N        KVRELAY_MAX_INFLIGHT_BYTES        4GiB
 //   --max-mailbox-bytes N         KVRELAY_MAX_MAILBOX_BYTES         2GiB  (per session and agent)
@@ -20,11 +20,12 @@
 //   --role-policy ROLE=SPEC       KVRELAY_ROLE_POLICY (';'-separated ROLE=SPEC list)   repeatable
 //   --log-json                    KVRELAY_LOG_JSON (1/true)         off
 //   --shutdown-grace-seconds S    KVRELAY_SHUTDOWN_GRACE_SECONDS    10
-//   --heap-retain-bytes N         KVRELAY_HEAP_RETAIN_BYTES         128MiB (0: glibc's defaults; <= 2GiB-1)
+//   --heap-retain-bytes N         KVRELAY_HEAP_RETAIN_BYTES         128MiB (0: glibc's defaults; capped at 2GiB-1)
 //   --config FILE                 KVRELAY_CONFIG                    none
 //
 // Byte sizes accept a plain integer or a KiB/MiB/GiB/TiB suffix ("4GiB");
-// seconds are at most 1e9. An empty environment variable counts as unset.
+// seconds are at most 1e9. An empty environment variable counts as unset,
+// except KVRELAY_METRICS_LISTEN, where empty means off as for the flag.
 // Role policies merge per role across the three sources. Every policy is
 // parsed where it is given, so a bad one is a configuration error naming
 // its source (flag, variable or file).

@@ -48,6 +48,13 @@ bool DeadlinePassed(const grpc::CallbackServerContext& ctx) {
   return ctx.deadline() <= std::chrono::system_clock::now() + kDeadlineSlack;
 }
 
+// `s` as the client sees it: gRPC cancels a call at its deadline, and the
+// client gets DEADLINE_EXCEEDED, so a CANCELLED after the deadline is that.
+grpc::Status AsClientSees(const grpc::CallbackServerContext& ctx, const grpc::Status& s) {
+  if (s.error_code() != grpc::CANCELLED || !DeadlinePassed(ctx)) return s;
+  return grpc::Status(grpc::DEADLINE_EXCEEDED, absl::StrCat(s.error_message(), " (the call's deadline passed)"));
+}
+
 // Serializes a message as Fetch and Compress deliver it: per layer K, V,
 // POS (dense) or K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS
 // (quantized); tensors of 0 bytes send no chunk; chunks of at most 1 MiB.
@@ -559,6 +566,9 @@ class PublishReactor final
     m->recipients.assign(header_.recipients().begin(), header_.recipients().end());
     m->requested_policy = header_.policy();
     m->geometry = header_.geometry();
+    // A call already over (cancelled, or its deadline passed: the client
+    // has its error) must not commit a message its sender thinks failed.
+    if (ctx_->IsCancelled()) return Fail(absl::CancelledError("publish: cancelled before the commit"));
     m->msg = pending->TakeMessage();
     m->family = PolicyFamily(m->msg.policy);
     m->bytes = RetainedBytes(m->msg);
@@ -596,8 +606,9 @@ class PublishReactor final
     FinishOnce(ToGrpcStatus(s));
   }
 
-  void FinishOnce(const grpc::Status& s) {
+  void FinishOnce(const grpc::Status& status) {
     if (!TryFinish()) return;
+    const grpc::Status s = AsClientSees(*ctx_, status);
     svc_->CountRpc("Publish", s);
     DropUpload();
     if (s.ok()) *wire_resp_ = EncodeProto(resp_);
@@ -755,8 +766,9 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     FinishOnce(grpc::Status::OK);
   }
 
-  void FinishOnce(const grpc::Status& s) {
+  void FinishOnce(const grpc::Status& status) {
     if (finished_.exchange(true)) return;
+    const grpc::Status s = AsClientSees(*ctx_, status);
     svc_->CountRpc("Fetch", s);
     Finish(s);
   }
@@ -864,8 +876,9 @@ class CompressReactor final
     FinishOnce(ToGrpcStatus(s));
   }
 
-  void FinishOnce(const grpc::Status& s) {
+  void FinishOnce(const grpc::Status& status) {
     if (!TryFinish()) return;
+    const grpc::Status s = AsClientSees(*ctx_, status);
     svc_->CountRpc("Compress", s);
     Finish(s);
   }

@@ -1159,6 +1159,48 @@ TEST_F(RelayTest, FetchesThatWaitInVainCountAsDeadlineExceeded) {
   EXPECT_EQ(fetches("CANCELLED"), 0.0);
 }
 
+// A publish whose deadline passes while its last layer compresses: the
+// client has DEADLINE_EXCEEDED, so nothing may be committed (a sender that
+// retries with a fresh id would deliver the turn twice), and the relay
+// counts what the client saw.
+TEST_F(RelayTest, PublishPastItsDeadlineCommitsNothing) {
+  TurnShape ts;
+  ts.layers = 1;
+  ts.kv_heads = 4;
+  ts.group = 1;
+  ts.head_dim = 1024;  // exact OBF's d^3 work: ~0.1 s per head
+  ts.n_prompt = 1024;
+  ts.n_gen = 4;
+  ts.dtype = DType::kBF16;
+  const Turn t = RandomTurn(ts, 31);
+  const std::string policy = "h2o-head:k=64+obf:p=16,mode=exact";
+  // Timing of the whole publish, from a first one without a deadline.
+  auto timed = PublishTurn(stub_.get(), Header("dl", "timed", "a", {"b"}, policy, t), t);
+  ASSERT_TRUE(timed.status.ok()) << timed.status.error_message();
+  const double commit_s = timed.response.accounting().commit_seconds();
+  const double compress_s = timed.response.accounting().compress_seconds();
+  ASSERT_GT(compress_s, 0.05) << "too fast to land a deadline inside the compression: " << compress_s << " s of " << commit_s;
+  const auto chunks = TurnChunks(t);
+  const auto reqs = PublishStream(Header("dl", "late", "a", {"b"}, policy, t), chunks, TrailerOf(chunks));
+  // The deadline early in the compression of the only layer (a slower run
+  // moves it into the upload, which must commit nothing either).
+  PublishResult late = DoPublish(stub_.get(), reqs, commit_s - 0.8 * compress_s);
+  ASSERT_EQ(late.status.error_code(), grpc::DEADLINE_EXCEEDED) << late.status.error_message();
+  auto publishes = [this](const char* code) {
+    return CounterValue(server_.get(), "kvrelay_rpcs_total", {{"method", "Publish"}, {"code", code}});
+  };
+  for (int i = 0; i < 500 && publishes("DEADLINE_EXCEEDED") + publishes("CANCELLED") + publishes("OK") < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(publishes("OK"), 1.0);
+  EXPECT_EQ(publishes("DEADLINE_EXCEEDED"), 1.0);
+  EXPECT_EQ(server_->store()->Stats().committed, 1u);
+  FetchResult first = DoFetch(stub_.get(), "dl", "b", true);
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.header.message_id(), "timed");
+  EXPECT_EQ(DoFetch(stub_.get(), "dl", "b", true, 0.3).status.error_code(), grpc::DEADLINE_EXCEEDED);
+}
+
 // Series that exist at 0 from the start, so that Prometheus' rate() and
 // increase() see their first increments: every method with every code the
 // relay answers with, and the families of the default and role policies.
