@@ -119,7 +119,7 @@ def _geometry(turn):
     dtype, h, s, d, n_prompt, n_gen, n_hist = turn.geometry()
     g = pb.TurnGeometry(layers=len(turn.layers), kv_heads=h, score_heads=s, head_dim=d,
                         dtype=_DTYPE_TO_PB[dtype], n_prompt=n_prompt, n_gen=n_gen,
-                        n_history=n_hist, first_agent=bool(turn.first_agent))
+                        n_history=n_hist, first_agent=turn.is_first_agent())
     if turn.prompt_pos0 is not None:
         g.prompt_pos0 = int(turn.prompt_pos0)
     return g
@@ -173,9 +173,11 @@ class _Assembler:
     def start(self, h):
         if self.header is not None:
             raise self._bad("header: given twice, expected one")
-        for name in ("layers", "kv_heads", "head_dim"):
-            if getattr(h, name) < 1:
-                raise self._bad(f"header.{name}: {getattr(h, name)}, expected >= 1")
+        # The relay's own bounds (a turn's): a header cannot make the client
+        # allocate per-layer bookkeeping beyond what any real message has.
+        for name, most in (("layers", 1024), ("kv_heads", 1024), ("head_dim", 1024)):
+            if not 1 <= getattr(h, name) <= most:
+                raise self._bad(f"header.{name}: {getattr(h, name)}, expected 1..{most}")
         if h.dtype not in _PB_TO_DTYPE:
             raise self._bad(f"header.dtype: {h.dtype}, expected F32, F16 or BF16")
         n = h.n_history + h.n_anchor + h.n_kept + h.n_gen
@@ -379,8 +381,11 @@ class Client:
             raise ValueError("recipients: none, expected at least one agent")
         for i, r in enumerate(recipients):
             _check_id(f"recipients[{i}]", r)
-        if retries < 0:
-            raise ValueError("retries: negative, expected >= 0")
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ValueError(f"retries: {retries!r}, expected an integer >= 0")
+        for name, v in (("role", role), ("policy", policy)):
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{name}: {v!r}, expected a string")
         geometry = _geometry(turn)
         if parent_id:  # continues a chain: never the first agent's turn
             geometry.first_agent = False
@@ -473,6 +478,8 @@ class Client:
         """grpc.health.v1.Health/Check: "SERVING", "NOT_SERVING", "UNKNOWN"
         or "SERVICE_UNKNOWN" (wire format hand-rolled: Debian ships no
         grpc_health module)."""
+        if not isinstance(service, str):
+            raise ValueError(f"service: {service!r}, expected a string")
         data = service.encode()
         req = b"" if not data else b"\x0a" + _varint(len(data)) + data
         check = self._channel.unary_unary("/grpc.health.v1.Health/Check",

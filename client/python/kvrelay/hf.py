@@ -212,11 +212,13 @@ def _to_numpy(t, name):
     """A [1, H, n, d] slice (or any tensor) -> contiguous little-endian numpy
     in kvrelay's storage (bf16 as uint16 bit patterns)."""
     torch = _torch()
+    # A copy always: .to("cpu").contiguous() is the cache itself when it is
+    # already a contiguous CPU tensor, which the model may then overwrite.
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
+        return t.view(torch.int16).numpy().view(np.uint16).copy()
     if t.dtype in (torch.float32, torch.float16):
-        return t.numpy()
+        return t.numpy().copy()
     raise ValueError(f"{name}: dtype {t.dtype}, expected float32, float16 or bfloat16")
 
 

@@ -83,7 +83,7 @@ def write_turn(path, turn):
         tensors[p + "prompt.score"] = np.asarray(l.score, dtype=np.float32)
         if l.history_k is not None:
             tensors[p + "history.pos"] = np.asarray(l.history_pos, dtype=np.int32)
-    meta = {"first_agent": "true" if turn.first_agent else "false"}
+    meta = {"first_agent": "true" if turn.is_first_agent() else "false"}
     if turn.prompt_pos0 is not None:
         meta["prompt_pos0"] = str(int(turn.prompt_pos0))
     write(path, tensors, meta, dts)
@@ -91,7 +91,9 @@ def write_turn(path, turn):
 
 def read_message(path):
     """A message file (`kvrelayctl compress/fetch --out`) as a kvrelay.Message;
-    packed K/V are decoded to float32 as Client.fetch does."""
+    packed K/V are decoded to float32 as Client.fetch does. A fetched file's
+    message_id, session, sender, role, parent_id, delivery_attempt and
+    accounting are filled in (empty/0 for a compressed one)."""
     meta, t = read(path)
     layers, i = [], 0
     bits = int(meta.get("quant_bits", 0) or 0)
@@ -110,16 +112,26 @@ def read_message(path):
         else:
             layers.append(MessageLayer(k=t[p + "k"], v=t[p + "v"], pos=pos))
         i += 1
+    if not layers:
+        raise ValueError(f"{path}: no layer.0.pos, expected a kvrelay message file")
     l0 = layers[0]
     acc = Accounting(full_bytes=int(meta.get("full_bytes", 0)),
-                     sent_bytes=int(meta.get("sent_bytes", 0)), policy=meta.get("policy", ""))
+                     sent_bytes=int(meta.get("sent_bytes", 0)), policy=meta.get("policy", ""),
+                     received_bytes=int(meta.get("received_bytes", 0)),
+                     compress_seconds=float(meta.get("compress_seconds", 0)),
+                     commit_seconds=float(meta.get("commit_seconds", 0)))
     if acc.sent_bytes:
         acc.ratio = acc.full_bytes / acc.sent_bytes
+    # A delivery written by `kvrelayctl fetch --out` also names itself: its id
+    # is what the next publish takes as parent_id (history by reference).
     m = Message(layers=layers, dtype=meta.get("dtype", ""), kv_heads=l0.pos.shape[0],
                 head_dim=l0.k.shape[2], n_history=int(meta.get("n_history", 0)),
                 n_anchor=int(meta.get("n_anchor", 0)), n_kept=int(meta.get("n_kept", 0)),
                 n_gen=int(meta.get("n_gen", 0)), quant_bits=bits, quant_group=group,
-                quant_rotate=rotate, accounting=acc)
+                quant_rotate=rotate, accounting=acc, message_id=meta.get("message_id", ""),
+                session_id=meta.get("session", ""), sender=meta.get("from", ""),
+                role=meta.get("role", ""), parent_id=meta.get("parent_id", ""),
+                delivery_attempt=int(meta.get("delivery_attempt", 0)))
     if "next_pos" in meta:  # optional: files before the key read as 1 + the largest id held
         raw, held = meta["next_pos"], m.held_end
         if not (raw.isascii() and raw.isdigit() and held <= int(raw) <= 1 << 31):

@@ -122,7 +122,9 @@ class Turn:
     layer 0's prompt_k (float32 / float16; uint16 needs dtype="BF16")."""
     layers: List[TurnLayer]
     dtype: Optional[str] = None
-    first_agent: bool = True
+    # None: True when the turn uploads no history (the chain's first agent
+    # keeps its attention sinks), else False. Not a bool: ValueError.
+    first_agent: Optional[bool] = None
     prompt_pos0: Optional[int] = None  # None: the history length
 
     def kv_dtype(self):
@@ -142,6 +144,15 @@ class Turn:
         raise ValueError(f"layer.0.prompt.k: dtype {dt}, expected float32 or float16 "
                          "(bfloat16: uint16 bit patterns with Turn(dtype='BF16'))")
 
+    def is_first_agent(self):
+        """first_agent as sent: the field, or whether no history is uploaded."""
+        if self.first_agent is None:
+            return not self.layers or self.layers[0].history_k is None or \
+                np.shape(self.layers[0].history_k)[1:2] == (0,)
+        if not isinstance(self.first_agent, (bool, np.bool_)):
+            raise ValueError(f"turn.first_agent: {self.first_agent!r}, expected True, False or None")
+        return bool(self.first_agent)
+
     def geometry(self):
         """(dtype, kv_heads, score_heads, head_dim, n_prompt, n_gen, n_history),
         checked across layers (ValueError naming the tensor)."""
@@ -150,9 +161,9 @@ class Turn:
             raise ValueError("turn.layers: empty, expected at least one layer")
         l0 = self.layers[0]
         h, n_prompt, d = np.shape(l0.prompt_k) if np.ndim(l0.prompt_k) == 3 else (None,) * 3
-        if h is None:
+        if h is None or h < 1 or d < 1:
             raise ValueError(f"layer.0.prompt.k: shape {list(np.shape(l0.prompt_k))}, "
-                             "expected [kv_heads, n_prompt, head_dim]")
+                             "expected [kv_heads >= 1, n_prompt, head_dim >= 1]")
         n_gen = np.shape(l0.gen_k)[1] if np.ndim(l0.gen_k) == 3 else -1
         hist = l0.history_k is not None
         n_hist = np.shape(l0.history_k)[1] if hist and np.ndim(l0.history_k) == 3 else 0

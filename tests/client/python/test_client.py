@@ -231,6 +231,14 @@ class OfflineTest(unittest.TestCase):
         finally:
             tracemalloc.stop()
         self.assertLess(peak, 16 << 20)
+        # Geometry past the relay's bounds: refused before any bookkeeping
+        # (200000 empty layers took 148 MiB and 11 s).
+        for field, value in (("layers", 200000), ("kv_heads", 1025), ("head_dim", 4096)):
+            geo = dict(layers=1, kv_heads=1, head_dim=4)
+            geo[field] = value
+            with self.assertRaises(kvrelay.RelayError) as cm:
+                _Assembler().start(pb.MessageHeader(dtype=pb.DTYPE_F32, **geo))
+            self.assertIn(f"header.{field}: {value}, expected 1..1024", str(cm.exception))
         # A complete message comes back as arrays over the received bytes.
         b = _Assembler()
         b.start(pb.MessageHeader(layers=1, kv_heads=1, head_dim=4, dtype=pb.DTYPE_F32, n_gen=1,
@@ -253,6 +261,19 @@ class OfflineTest(unittest.TestCase):
             c.publish(t, "bad session!", "a", ["b"])
         with self.assertRaises(ValueError):
             c.publish(t, "s", "a", [])
+        for kw, msg in ((dict(role=5), "role: 5, expected a string"),
+                        (dict(policy=5), "policy: 5, expected a string"),
+                        (dict(retries=None), "retries: None, expected an integer >= 0")):
+            with self.assertRaisesRegex(ValueError, msg):
+                c.publish(t, "s", "a", ["b"], **kw)
+        with self.assertRaisesRegex(ValueError, "service: 5, expected a string"):
+            c.health(5)
+        empty = make_turn(1)
+        for layer in empty.layers:
+            for name in ("prompt_k", "prompt_v", "gen_k", "gen_v"):
+                setattr(layer, name, getattr(layer, name)[:0])
+        with self.assertRaisesRegex(ValueError, r"layer\.0\.prompt\.k: shape \[0, 40, 64\], expected \[kv_heads >= 1"):
+            c.publish(empty, "s", "a", ["b"])
         t.layers[1].gen_k = t.layers[1].gen_k[:, :2]
         with self.assertRaisesRegex(ValueError, r"layer\.1\.gen\.k: shape"):
             c.publish(t, "s", "a", ["b"])
@@ -432,6 +453,45 @@ class RelayTest(unittest.TestCase):
             self.c.publish(t2, sess, "judge", ["refiner"], policy="full", parent_id=r1.message_id)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
         self.c.close_session(sess)
+
+    def test_read_message_of_a_fetched_file_names_it(self):
+        # `kvrelayctl fetch --out` writes the delivery's ids into the file;
+        # read_message hands them back, so the next publish can name it as parent.
+        sess = "fetched-file"
+        t1 = make_turn(320, "BF16")
+        r1 = self.c.publish(t1, sess, "planner", ["critic"], policy="h2o-head:k=8", role="planner")
+        out = os.path.join(TMP, "fetched.safetensors")
+        subprocess.run([ARGS.kvrelayctl, "fetch", "--addr", ADDR, "--session", sess, "--agent", "critic",
+                        "--out", out, "--wait", "10"], check=True, capture_output=True, timeout=60)
+        m = st.read_message(out)
+        self.assertEqual((m.message_id, m.session_id, m.sender, m.role, m.delivery_attempt),
+                         (r1.message_id, sess, "planner", "planner", 1))
+        self.assertEqual((m.accounting.received_bytes, m.accounting.full_bytes, m.accounting.sent_bytes),
+                         (r1.accounting.received_bytes, r1.accounting.full_bytes, r1.accounting.sent_bytes))
+        t2 = make_turn(321, "BF16", first_agent=False)
+        self.c.publish(t2, sess, "critic", ["refiner"], policy="full", parent_id=m.message_id)
+        m2 = self.c.fetch(sess, "refiner", timeout=10, auto_ack=True)
+        self.assertEqual((m2.parent_id, m2.n_history), (r1.message_id, m.tokens))
+        self.c.close_session(sess)
+
+    def test_first_agent_defaults_to_no_uploaded_history(self):
+        turn = make_turn(330, "F32", prompt_pos0=20)
+        turn.first_agent = None
+        self.assertTrue(turn.is_first_agent())
+        self.assertGreater(self.c.compress(turn, "h2o-head:k=8").n_anchor, 0)
+        for layer in turn.layers:  # 6 tokens of uploaded history: a later agent
+            H, _, d = layer.prompt_k.shape
+            layer.history_k = np.zeros((H, 6, d), np.float32)
+            layer.history_v = np.zeros((H, 6, d), np.float32)
+            layer.history_pos = np.broadcast_to(np.arange(6, dtype=np.int32), (H, 6)).copy()
+        self.assertFalse(turn.is_first_agent())
+        m = self.c.compress(turn, "h2o-head:k=8")
+        self.assertEqual((m.n_history, m.n_anchor), (6, 0))
+        turn.first_agent = True  # explicit wins
+        self.assertGreater(self.c.compress(turn, "h2o-head:k=8").n_anchor, 0)
+        turn.first_agent = "false"
+        with self.assertRaisesRegex(ValueError, "turn.first_agent: 'false', expected True, False or None"):
+            self.c.compress(turn, "h2o-head:k=8")
 
     def test_next_pos_is_the_turns_end(self):
         # No generated tokens and the prompt's tail evicted: the receiver

@@ -207,6 +207,20 @@ class CacheConversionTest(unittest.TestCase):
                 self.assertTrue(np.array_equal(tl.gen_v, bits(v[0, :, 6:]).numpy().view(tl.gen_v.dtype)))
                 self.assertEqual(tl.score.dtype, np.float32)
 
+    def test_turn_owns_its_tensors(self):
+        # One KV head: each [1, 1, n, d] slice is already contiguous on the
+        # CPU, so without a copy the turn would alias the cache.
+        for dt in (torch.float32, torch.bfloat16):
+            c = tuple((torch.randn(1, 1, 9, 8).to(dt), torch.randn(1, 1, 9, 8).to(dt)) for _ in range(2))
+            t = hf.turn_from_cache(c, 9)
+            before = [tl.prompt_k.copy() for tl in t.layers]
+            for k, v in c:
+                k.zero_()
+                v.zero_()
+            for b, tl in zip(before, t.layers):
+                self.assertTrue(np.array_equal(b, tl.prompt_k))
+                self.assertTrue(np.any(tl.prompt_k != 0))
+
     def test_history_split(self):
         c = self.cache(tokens=12)
         pos = torch.tensor([[0, 1, 7], [0, 5, 7]]).expand(2, H, 3)   # [layers, H, 3]
