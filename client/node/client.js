@@ -115,7 +115,7 @@ const HISTORY_PARTS = [
  * every tensor has the byte length its geometry implies.
  *
  * A turn: { dtype: 'F32'|'F16'|'BF16', kvHeads, scoreHeads, headDim, nPrompt,
- * nGen, nHistory (0), firstAgent (true), promptPos0 (optional),
+ * nGen, nHistory (0), firstAgent (nHistory === 0), promptPos0 (optional),
  * layers: [{ promptK, promptV, genK, genV, promptScore[, historyK, historyV,
  * historyPos] }] } with every tensor as little-endian bytes (Uint8Array or
  * Buffer, or another typed array or DataView, taken as its bytes; BF16 as its
@@ -131,7 +131,10 @@ function planUpload(turn) {
     throw invalid('turn.layers: empty, expected at least one layer');
   }
   // `undefined` or `null` take the defaults too (a spread would keep them).
-  const g = { ...turn, nHistory: turn.nHistory ?? 0, firstAgent: turn.firstAgent ?? true };
+  // firstAgent unset: the chain's first agent exactly when no history is
+  // uploaded (a later agent's own first tokens are no anchors).
+  const nHistory = turn.nHistory ?? 0;
+  const g = { ...turn, nHistory, firstAgent: turn.firstAgent ?? nHistory === 0 };
   for (const f of ['kvHeads', 'scoreHeads', 'headDim', 'nPrompt', 'nGen', 'nHistory']) {
     if (!Number.isSafeInteger(g[f]) || g[f] < 0 || g[f] > 0xffffffff) {
       throw invalid(`turn.${f}: ${g[f]}, expected an integer 0..4294967295`);

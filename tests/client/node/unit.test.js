@@ -309,6 +309,16 @@ test('planUpload: unset defaults, and geometry values the wire cannot carry are 
     assert.deepEqual([geometry.firstAgent, geometry.nHistory, geometry.promptPos0], [true, 0, undefined]);
   }
   assert.equal(planUpload(tinyTurn({ firstAgent: false })).geometry.firstAgent, false);
+  // With uploaded history the turn is a later agent's unless it says otherwise.
+  const hist = () => ({ historyK: Buffer.alloc(4 * 2 * 4), historyV: Buffer.alloc(4 * 2 * 4),
+                        historyPos: Buffer.from(new Int32Array([0, 1]).buffer) });
+  const withHistory = (o) => {
+    const t = tinyTurn({ nHistory: 2, promptPos0: 2, ...o });
+    t.layers = t.layers.map((l) => ({ ...l, ...hist() }));
+    return t;
+  };
+  assert.equal(planUpload(withHistory({})).geometry.firstAgent, false);
+  assert.equal(planUpload(withHistory({ firstAgent: true })).geometry.firstAgent, true);
   assert.equal(planUpload(tinyTurn({ promptPos0: null })).geometry.promptPos0, undefined);
   assert.equal(planUpload(tinyTurn({ promptPos0: 2 ** 40 })).geometry.promptPos0, 2 ** 40);
   for (const firstAgent of ['false', 0, 1]) {
