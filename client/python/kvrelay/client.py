@@ -121,7 +121,10 @@ def _geometry(turn):
                         dtype=_DTYPE_TO_PB[dtype], n_prompt=n_prompt, n_gen=n_gen,
                         n_history=n_hist, first_agent=turn.is_first_agent())
     if turn.prompt_pos0 is not None:
-        g.prompt_pos0 = int(turn.prompt_pos0)
+        p0 = turn.prompt_pos0
+        if isinstance(p0, (bool, np.bool_)) or not isinstance(p0, (int, np.integer)) or not 0 <= p0 < 1 << 31:
+            raise ValueError(f"turn.prompt_pos0: {p0!r}, expected an integer in [0, 2^31) or None")
+        g.prompt_pos0 = int(p0)
     return g
 
 

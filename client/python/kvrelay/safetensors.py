@@ -20,13 +20,21 @@ def write(path, tensors, metadata=None, dtypes=None):
     header, blobs, off = {}, [], 0
     if metadata:
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    by_dtype = {v.str: k for k, v in _NP.items() if k != "BF16"}
     for name, a in tensors.items():
         a = np.asarray(a)
         st = (dtypes or {}).get(name)
         if st is None:
-            st = {v.str: k for k, v in _NP.items() if k != "BF16"}[a.dtype.newbyteorder("<").str
-                                                                   if a.dtype.itemsize > 1
-                                                                   else a.dtype.str]
+            st = by_dtype.get(a.dtype.newbyteorder("<").str if a.dtype.itemsize > 1 else a.dtype.str)
+            if st is None:
+                raise ValueError(f"{name}: dtype {a.dtype}, expected float32, float16, int32 or uint8 "
+                                 "(uint16 bfloat16 bits with dtypes={name: 'BF16'})")
+        elif st not in _NP:
+            raise ValueError(f"{name}: dtypes[{name!r}] = {st!r}, expected one of {sorted(_NP)}")
+        elif a.dtype.newbyteorder("<") != _NP[st].newbyteorder("<") and not (st == "BF16" and a.dtype == np.uint16):
+            # A value cast would write other numbers (float 1.5 as bf16 bits 1).
+            raise ValueError(f"{name}: dtype {a.dtype} for {st}, expected {_NP[st]}"
+                             + (" (bfloat16 bit patterns: kvrelay.f32_to_bf16)" if st == "BF16" else ""))
         data = np.ascontiguousarray(a, dtype=_NP[st]).tobytes()
         header[name] = {"dtype": st, "shape": list(a.shape),
                         "data_offsets": [off, off + len(data)]}

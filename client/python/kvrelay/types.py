@@ -177,6 +177,10 @@ class Turn:
                          "history.pos": (h, n_hist)})
         dts = {"prompt.score": np.float32, "history.pos": np.int32}
         for i, layer in enumerate(self.layers):
+            parts = [getattr(layer, n) is not None for n in ("history_k", "history_v", "history_pos")]
+            if any(parts) and not all(parts):
+                raise ValueError(f"layer.{i}.history: history_k, history_v and history_pos "
+                                 f"given {parts}, expected all three or none")
             if (layer.history_k is not None) != hist:
                 raise ValueError(f"layer.{i}.history.k: history in some layers only, "
                                  "expected all layers or none")

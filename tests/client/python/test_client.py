@@ -191,6 +191,21 @@ class OfflineTest(unittest.TestCase):
                 with self.assertRaisesRegex(ValueError, "appears more than once"):
                     st.read(f.name)
 
+    def test_safetensors_write_refuses_what_it_would_change(self):
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "x.safetensors")
+            for tensors, dtypes, msg in (
+                    ({"x": np.array([1.5, -2.0], np.float32)}, {"x": "BF16"}, "dtype float32 for BF16"),
+                    ({"x": np.array([1.5], np.float64)}, None, "dtype float64, expected float32"),
+                    ({"x": np.array([1], np.int64)}, None, "dtype int64"),
+                    ({"x": np.array([1], np.float32)}, {"x": "F8"}, "expected one of")):
+                with self.assertRaisesRegex(ValueError, msg):
+                    st.write(out, tensors, None, dtypes)
+            bits = kvrelay.f32_to_bf16(np.array([1.5, -2.0], np.float32))
+            st.write(out, {"x": bits}, None, {"x": "BF16"})
+            self.assertEqual(kvrelay.bf16_to_f32(st.read(out)[1]["x"]).tolist(), [1.5, -2.0])
+
     def test_hadamard_orthonormal(self):
         x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
         y = kvrelay.hadamard_f32(kvrelay.hadamard_f32(x))
@@ -274,6 +289,14 @@ class OfflineTest(unittest.TestCase):
                 setattr(layer, name, getattr(layer, name)[:0])
         with self.assertRaisesRegex(ValueError, r"layer\.0\.prompt\.k: shape \[0, 40, 64\], expected \[kv_heads >= 1"):
             c.publish(empty, "s", "a", ["b"])
+        for p0 in (2.7, "5", True, -1, 1 << 31):
+            bad = make_turn(1, prompt_pos0=p0)
+            with self.assertRaisesRegex(ValueError, r"turn\.prompt_pos0: .*, expected an integer in \[0, 2\^31\)"):
+                c.publish(bad, "s", "a", ["b"])
+        half = make_turn(1)
+        half.layers[0].history_v = np.zeros((2, 3, 64), np.float32)
+        with self.assertRaisesRegex(ValueError, r"layer\.0\.history: .*expected all three or none"):
+            c.publish(half, "s", "a", ["b"])
         t.layers[1].gen_k = t.layers[1].gen_k[:, :2]
         with self.assertRaisesRegex(ValueError, r"layer\.1\.gen\.k: shape"):
             c.publish(t, "s", "a", ["b"])
