@@ -288,7 +288,7 @@ absl::Status CheckRelayAddress(const std::string& addr) {
   if (addr.empty()) return bad();
   // gRPC's resolvers; another scheme (http://...) would only fail later.
   for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:", "google-c2p:"}) {
-    if (absl::StartsWithIgnoreCase(addr, scheme)) return absl::OkStatus();
+    if (absl::StartsWith(addr, scheme)) return absl::OkStatus();  // gRPC matches the scheme exactly
   }
   size_t colon = addr.rfind(':');
   if (addr[0] == '[') {

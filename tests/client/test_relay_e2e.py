@@ -217,7 +217,8 @@ def test_bad_inputs(ctl, turn, turn_hist):
     # geometry checked before anything is dialled (127.0.0.1:1 would be UNAVAILABLE, exit 1).
     port = int(ctl.addr.rsplit(":", 1)[1])
     for verb in (["health"], ["stats"], ["fetch", "--session", "s", "--agent", "b", "--out", ctl.path("o")]):
-        for addr in (f"127.0.0.1:{port + 65536}", "127.0.0.1", "127.0.0.1:0", "", f"http://127.0.0.1:{port}"):
+        for addr in (f"127.0.0.1:{port + 65536}", "127.0.0.1", "127.0.0.1:0", "", f"http://127.0.0.1:{port}",
+                     f"DNS:///127.0.0.1:{port}"):
             rc, _, err = ctl.run(*verb, "--addr", addr, addr=False, timeout=30)
             check(rc == 2 and "flag --addr" in err, f"{verb[0]} --addr {addr!r}: rc={rc} {err.strip()!r}")
     rc, out, err = ctl.run("health", "--addr", f"dns:///127.0.0.1:{port}", addr=False)

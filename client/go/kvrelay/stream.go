@@ -29,8 +29,9 @@ type Turn struct {
 	NGen       int
 	NHistory   int
 	// FirstAgent: the turn opens the chain and keeps its anchors (attention
-	// sinks). Set it for a first agent's turn: unlike the other clients'
-	// (and ReadTurnFile's) default of true, Go's zero value is false.
+	// sinks). Set it for a first agent's turn: Go's zero value is false
+	// (ReadTurnFile and C++ default to true, Python and Node to "no
+	// uploaded history").
 	FirstAgent bool
 	// PromptPos0: position id of the first prompt token; nil: NHistory, or
 	// with PublishOptions.ParentID where the parent's turn ended.

@@ -14,6 +14,7 @@ A publish that fails raises PublishError (a grpc.RpcError) naming the message
 id it used, so that the caller can retry with that id: after e.g.
 DEADLINE_EXCEEDED the relay may have committed it.
 """
+import numbers
 import re
 import secrets
 import threading
@@ -384,7 +385,7 @@ class Client:
             raise ValueError("recipients: none, expected at least one agent")
         for i, r in enumerate(recipients):
             _check_id(f"recipients[{i}]", r)
-        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        if not isinstance(retries, numbers.Integral) or isinstance(retries, (bool, np.bool_)) or retries < 0:
             raise ValueError(f"retries: {retries!r}, expected an integer >= 0")
         for name, v in (("role", role), ("policy", policy)):
             if v is not None and not isinstance(v, str):
@@ -466,8 +467,8 @@ class Client:
     def compress(self, turn, policy, timeout=120.0):
         """Stateless compression by the relay: returns the Message (nothing is
         stored; message_id and routing fields are empty)."""
-        if not policy:
-            raise ValueError("policy: empty, expected a pipeline spec")
+        if not isinstance(policy, str) or not policy:
+            raise ValueError(f"policy: {policy!r}, expected a non-empty pipeline spec string")
         if not isinstance(turn, Turn):
             raise ValueError("turn: expected a kvrelay.Turn")
         first = pb.CompressRequest(header=pb.CompressHeader(policy=policy,

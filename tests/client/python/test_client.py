@@ -281,6 +281,11 @@ class OfflineTest(unittest.TestCase):
                         (dict(retries=None), "retries: None, expected an integer >= 0")):
             with self.assertRaisesRegex(ValueError, msg):
                 c.publish(t, "s", "a", ["b"], **kw)
+        with self.assertRaises(kvrelay.PublishError):  # numpy integers are integers: sent, UNAVAILABLE
+            c.publish(t, "s", "a", ["b"], retries=np.int64(0), timeout=5)
+        for policy in (5, b"full", ""):
+            with self.assertRaisesRegex(ValueError, "policy: .*, expected a non-empty pipeline spec string"):
+                c.compress(t, policy)
         with self.assertRaisesRegex(ValueError, "service: 5, expected a string"):
             c.health(5)
         empty = make_turn(1)
