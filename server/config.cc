@@ -91,10 +91,10 @@ absl::Status ParseAddr(absl::string_view flag, const std::string& v, bool allow_
   return absl::OkStatus();
 }
 
-// A policy spec that Pipeline::Create takes.
-absl::Status CheckPolicy(absl::string_view flag, const std::string& spec) {
+// A policy spec that Pipeline::Create takes; errors read "--FLAG=VALUE: ...".
+absl::Status CheckPolicy(absl::string_view flag, absl::string_view value, const std::string& spec) {
   if (auto p = Pipeline::Create(spec); !p.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", spec, ": ", p.status().message()));
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", p.status().message()));
   }
   return absl::OkStatus();
 }
@@ -106,9 +106,7 @@ absl::Status ParseRolePolicy(absl::string_view flag, const std::string& v,
     return Bad(flag, v, "ROLE=SPEC, e.g. planner=h2o-head:k=64+obf");
   }
   std::string spec = v.substr(eq + 1);
-  if (auto p = Pipeline::Create(spec); !p.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", v, ": ", p.status().message()));
-  }
+  KVRELAY_RETURN_IF_ERROR(CheckPolicy(flag, v, spec));
   (*out)[v.substr(0, eq)] = std::move(spec);
   return absl::OkStatus();
 }
@@ -139,7 +137,7 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   if (name == "session-ttl-seconds") return ParseSeconds(name, value, false, &c->session_ttl_seconds);
   if (name == "shutdown-grace-seconds") return ParseSeconds(name, value, true, &c->shutdown_grace_seconds);
   if (name == "default-policy") {
-    KVRELAY_RETURN_IF_ERROR(CheckPolicy(name, value));
+    KVRELAY_RETURN_IF_ERROR(CheckPolicy(name, value, value));
     c->default_policy = value;
     return absl::OkStatus();
   }

@@ -48,8 +48,10 @@ bool DeadlinePassed(const grpc::CallbackServerContext& ctx) {
   return ctx.deadline() <= std::chrono::system_clock::now() + kDeadlineSlack;
 }
 
-// `s` as the client sees it: gRPC cancels a call at its deadline, and the
-// client gets DEADLINE_EXCEEDED, so a CANCELLED after the deadline is that.
+// `s` as the client sees it: gRPC cancels a call at its deadline (a waiting
+// Fetch, possibly before the store's own timer; an upload mid-stream; a
+// reply being written), and the client gets DEADLINE_EXCEEDED, so a
+// CANCELLED after the deadline is that. Every reactor's FinishOnce applies it.
 grpc::Status AsClientSees(const grpc::CallbackServerContext& ctx, const grpc::Status& s) {
   if (s.error_code() != grpc::CANCELLED || !DeadlinePassed(ctx)) return s;
   return grpc::Status(grpc::DEADLINE_EXCEEDED, absl::StrCat(s.error_message(), " (the call's deadline passed)"));
@@ -274,11 +276,6 @@ class UploadReactor : public Reactor {
     if (finished_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
       if (ctx_->IsCancelled()) {
-        if (DeadlinePassed(*ctx_)) {  // as the client sees it
-          return self().Fail(absl::DeadlineExceededError(
-              absl::StrCat(rpc_, upload_.started() ? ": the call's deadline passed before the commit"
-                                                   : ": the call's deadline passed before the header")));
-        }
         const char* by = svc_->store()->shutting_down()
                              ? ": cancelled (by the client, or by the relay's shutdown at the end of its grace period)"
                              : ": cancelled by the client";
@@ -653,7 +650,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         finish = true;
       }
     }
-    if (finish) FinishOnce(CancelledWhileWaiting());
+    if (finish) FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting"));
   }
 
   void OnWriteDone(bool ok) override {
@@ -678,9 +675,11 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       std::lock_guard<std::mutex> lock(mu_);
       waiting_ = false;
       if (cancelled_) {
-        fin = CancelledWhileWaiting();
+        fin = grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting");
       } else if (why == Store::Wake::kTimeout) {
-        fin = NothingBeforeTheDeadline();
+        fin = grpc::Status(grpc::DEADLINE_EXCEEDED,
+                           absl::StrCat("fetch: no message for agent '", agent_, "' in session '", session_,
+                                        "' before the deadline"));
       } else if (why == Store::Wake::kClosed) {
         fin = grpc::Status(grpc::NOT_FOUND, absl::StrCat("session_id: '", session_,
                                                          "': session closed while waiting (CloseSession)"));
@@ -697,19 +696,6 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
     if (fin) return FinishOnce(*fin);
     if (d) Begin(std::move(*d));
-  }
-
-  grpc::Status NothingBeforeTheDeadline() const {
-    return grpc::Status(grpc::DEADLINE_EXCEEDED, absl::StrCat("fetch: no message for agent '", agent_,
-                                                              "' in session '", session_, "' before the deadline"));
-  }
-
-  // gRPC cancels a call at its deadline, which can come before the store's
-  // timer wakes the waiter: the client sees DEADLINE_EXCEEDED either way,
-  // and so does the relay's count.
-  grpc::Status CancelledWhileWaiting() const {
-    if (DeadlinePassed(*ctx_)) return NothingBeforeTheDeadline();
-    return grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting");
   }
 
   void Begin(Store::Delivery d) {

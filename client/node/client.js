@@ -556,7 +556,7 @@ async function writeUpload(call, reply, first, tensors) {
       if (!call.write(request)) await drained();
     }
   } catch (err) {
-    call.cancel(); // `reply` then rejects with CANCELLED; `settled` handles that
+    call.cancel(); // `reply` then rejects with CANCELLED, which the handlers above absorb
     throw err;
   }
   if (!answered) call.end();

@@ -111,6 +111,11 @@ def _accounting(a):
                       policy=a.policy)
 
 
+def _is_int(v):
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _le_bytes(a, dtype):
     """Little-endian row-major bytes of array `a` stored as numpy `dtype`."""
     return np.ascontiguousarray(a, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
@@ -123,7 +128,7 @@ def _geometry(turn):
                         n_history=n_hist, first_agent=turn.is_first_agent())
     if turn.prompt_pos0 is not None:
         p0 = turn.prompt_pos0
-        if isinstance(p0, (bool, np.bool_)) or not isinstance(p0, (int, np.integer)) or not 0 <= p0 < 1 << 31:
+        if not _is_int(p0) or not 0 <= p0 < 1 << 31:
             raise ValueError(f"turn.prompt_pos0: {p0!r}, expected an integer in [0, 2^31) or None")
         g.prompt_pos0 = int(p0)
     return g
@@ -385,7 +390,7 @@ class Client:
             raise ValueError("recipients: none, expected at least one agent")
         for i, r in enumerate(recipients):
             _check_id(f"recipients[{i}]", r)
-        if not isinstance(retries, numbers.Integral) or isinstance(retries, (bool, np.bool_)) or retries < 0:
+        if not _is_int(retries) or retries < 0:
             raise ValueError(f"retries: {retries!r}, expected an integer >= 0")
         for name, v in (("role", role), ("policy", policy)):
             if v is not None and not isinstance(v, str):
