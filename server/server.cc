@@ -10,6 +10,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/memory_store.h"
 #include "spdlog/spdlog.h"
 
 #if defined(KVRELAY_CIVETWEB_FEATURES)
@@ -50,7 +51,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   limits.max_session_bytes = config.max_session_bytes;
   limits.max_store_bytes = config.max_store_bytes;
   limits.session_ttl_seconds = config.session_ttl_seconds;
-  s->store_ = std::make_unique<Store>(limits, s->metrics_.get());
+  s->store_ = std::make_unique<MemoryStore>(limits, s->metrics_.get());
   s->metrics_->SetLimit("inflight", static_cast<double>(config.max_inflight_bytes));
   s->metrics_->SetLimit("mailbox", static_cast<double>(config.max_mailbox_bytes));
   s->metrics_->SetLimit("session", static_cast<double>(config.max_session_bytes));

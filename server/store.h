@@ -1,5 +1,6 @@
-// The relay's in-memory store: sessions, committed messages, per-recipient
-// mailboxes with acknowledgement state, and Fetch waiters.
+// The relay's store: sessions, committed messages, per-recipient mailboxes
+// with acknowledgement state, and Fetch waiters. Store is the interface;
+// MemoryStore (server/memory_store.h) holds everything in memory.
 //
 // A session holds its committed messages (kept until the session closes or
 // expires, so that later publishes can name them as parents) and one
@@ -19,29 +20,21 @@
 #ifndef KVRELAY_SERVER_STORE_H_
 #define KVRELAY_SERVER_STORE_H_
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
-#include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/message.h"
 #include "kvrelay/v1/relay.pb.h"
 
 namespace kvrelay {
-
-class Metrics;
 
 using Clock = std::chrono::steady_clock;
 
@@ -85,37 +78,38 @@ struct StoreStats {
   uint64_t store_bytes = 0;  // every retained message, acked or not
 };
 
+// The store's interface. Implementations: MemoryStore (server/memory_store.h).
 class Store {
  public:
-  // `metrics` may be null; it must outlive the store.
-  Store(const StoreLimits& limits, Metrics* metrics);
-  ~Store();  // stops the timer; pending waiters are dropped without a call
+  Store() = default;
+  // Pending waiters are dropped without a call.
+  virtual ~Store() = default;
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
   // Reserves upload memory. RESOURCE_EXHAUSTED past max_inflight_bytes; its
   // message starts with `what` (e.g. "upload of 5 tensor bytes + 1024
   // bookkeeping") followed by the total.
-  [[nodiscard]] absl::Status ReserveInflight(uint64_t bytes, absl::string_view what = "upload");
+  [[nodiscard]] virtual absl::Status ReserveInflight(uint64_t bytes, absl::string_view what = "upload") = 0;
   // Counts memory that is already held (e.g. a reply being streamed) in
   // flight, whatever the limit. Undo with ReleaseInflight.
-  void AddInflight(uint64_t bytes);
-  void ReleaseInflight(uint64_t bytes);
+  virtual void AddInflight(uint64_t bytes) = 0;
+  virtual void ReleaseInflight(uint64_t bytes) = 0;
 
   // The committed message `message_id` of `session`, or null.
-  MessagePtr Find(const std::string& session, const std::string& message_id) const;
+  virtual MessagePtr Find(const std::string& session, const std::string& message_id) const = 0;
 
   // The parent named by a publish of `sender`: a message of `session` that
   // was delivered to `sender`. FAILED_PRECONDITION otherwise.
-  absl::StatusOr<MessagePtr> LookupParent(const std::string& session, const std::string& parent_id,
-                                          const std::string& sender) const;
+  virtual absl::StatusOr<MessagePtr> LookupParent(const std::string& session, const std::string& parent_id,
+                                                  const std::string& sender) const = 0;
 
   // Early limit check for a publish about to start whose message will hold
   // at least `bytes`: RESOURCE_EXHAUSTED when the session is full, or
   // `bytes` more would not fit a recipient's mailbox, the session's or the
   // store's byte limit.
-  absl::Status CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
-                               uint64_t bytes = 0) const;
+  virtual absl::Status CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
+                                       uint64_t bytes = 0) const = 0;
 
   // A publish in progress on `session`, from its header until EndPublish:
   // the session does not expire meanwhile, and a CloseSession in between
@@ -124,9 +118,9 @@ class Store {
     std::string session;
     uint64_t close_seq = 0;  // closes before the publish began
   };
-  PublishTicket BeginPublish(const std::string& session);
+  virtual PublishTicket BeginPublish(const std::string& session) = 0;
   // REQUIRES: `t` came from BeginPublish and is ended once.
-  void EndPublish(const PublishTicket& t);
+  virtual void EndPublish(const PublishTicket& t) = 0;
 
   // Makes `m` visible to its recipients, atomically. When the id is
   // already committed returns the existing message and duplicate = true.
@@ -137,7 +131,7 @@ class Store {
     MessagePtr msg;
     bool duplicate = false;
   };
-  absl::StatusOr<CommitResult> Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t);
+  virtual absl::StatusOr<CommitResult> Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) = 0;
 
   struct Delivery {
     MessagePtr msg;
@@ -157,103 +151,50 @@ class Store {
   // after Shutdown it registers nothing and sets *waiter to 0 instead. The
   // message counts as delivered (for Ack and as a parent) only once the
   // caller reports the whole stream written (MarkDelivered).
-  std::optional<Delivery> FetchOrWait(const std::string& session, const std::string& agent,
-                                      Clock::time_point deadline, WakeFn wake, uint64_t* waiter);
+  virtual std::optional<Delivery> FetchOrWait(const std::string& session, const std::string& agent,
+                                              Clock::time_point deadline, WakeFn wake, uint64_t* waiter) = 0;
   // Records that `message_id` reached `agent` whole (the delivery's trailer
   // was written): from now on `agent` may ack it and publish with it as
   // parent. Counts a delivery. True if it is the first complete delivery of
   // that message to that agent. No effect (false) on a session closed
   // meanwhile.
-  bool MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id);
+  virtual bool MarkDelivered(const std::string& session, const std::string& agent,
+                             const std::string& message_id) = 0;
 
   // Unregisters a waiter. True if it was still registered: its wake will
   // never run. False if it already ran or is running.
-  bool CancelWaiter(uint64_t waiter);
+  virtual bool CancelWaiter(uint64_t waiter) = 0;
 
   // Removes `message_id` from `agent`'s mailbox. OK when already acked.
   // NOT_FOUND when the session, the message, or the agent as one of its
   // recipients is unknown; FAILED_PRECONDITION when it was never delivered
   // to `agent` (an ack cannot skip a message unseen).
-  absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id);
+  virtual absl::Status Ack(const std::string& session, const std::string& agent,
+                           const std::string& message_id) = 0;
 
   // Frees the session and wakes its waiters (Wake::kClosed); returns the
   // number of messages it held. Publishes of the session in progress
   // (between BeginPublish and EndPublish) fail at Commit. Idempotent.
-  uint32_t CloseSession(const std::string& session);
+  virtual uint32_t CloseSession(const std::string& session) = 0;
 
   // Wakes every waiter (Wake::kShutdown); later FetchOrWait calls never
   // wait. Deliveries already held can still be fetched. Idempotent.
-  void Shutdown();
+  virtual void Shutdown() = 0;
   // Whether Shutdown was called.
-  bool shutting_down() const;
+  virtual bool shutting_down() const = 0;
 
   // Drops sessions idle past the TTL (also runs on the timer thread), but
   // none with a publish in progress or a Fetch waiting on it (waiting is
   // activity: the session's idle time restarts when the waiter leaves).
-  void SweepExpired();
+  virtual void SweepExpired() = 0;
 
-  void AddReceived(uint64_t bytes) { received_ += bytes; }
-  void AddFailed() { ++failed_; }
+  // Counted in Stats(): bytes received by uploads, and failed publishes.
+  virtual void AddReceived(uint64_t bytes) = 0;
+  virtual void AddFailed() = 0;
 
-  StoreStats Stats() const;
-  uint64_t inflight_bytes() const { return inflight_.load(); }
-  uint64_t store_bytes() const;
-
- private:
-  struct Entry {
-    MessagePtr msg;
-    uint32_t attempts = 0;
-  };
-  struct Mailbox {
-    std::deque<Entry> entries;  // unacked, oldest first
-    uint64_t bytes = 0;
-  };
-  struct Session {
-    std::map<std::string, MessagePtr> messages;
-    std::map<std::string, Mailbox> mailboxes;
-    std::set<std::pair<std::string, std::string>> delivered;  // (message_id, agent)
-    uint64_t bytes = 0;  // every retained message
-    Clock::time_point last_active;
-  };
-  struct Waiter {
-    std::string session, agent;
-    Clock::time_point deadline;
-    WakeFn wake;
-  };
-
-  void TimerLoop();
-  // Restarts the idle time of `session` if it exists. REQUIRES: mu_ held.
-  void TouchLocked(const std::string& session);
-  void EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired);
-  void PublishGaugesLocked();
-  void PublishInflight();
-  absl::Status CheckBytesLocked(const std::string& session, const Session* s,
-                                const std::vector<std::string>& recipients, uint64_t bytes,
-                                absl::string_view what) const;
-  Clock::duration Ttl() const;
-
-  const StoreLimits limits_;
-  Metrics* const metrics_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, Session> sessions_;
-  std::map<uint64_t, Waiter> waiters_;
-  uint64_t next_waiter_ = 1;
-  uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0, store_bytes_ = 0;
-  uint64_t committed_ = 0, acked_ = 0, full_ = 0, sent_ = 0;
-  // Publish fencing. A session with publishes in progress has an entry:
-  // their count and the sequence number of its last close meanwhile (0:
-  // none); a ticket holds close_seq_ as it was when the publish began.
-  struct Publishing {
-    int in_progress = 0;
-    uint64_t last_close = 0;
-  };
-  uint64_t close_seq_ = 0;
-  std::map<std::string, Publishing> publishing_;
-  std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
-  std::mutex gauge_mu_;  // orders in-flight gauge updates
-  bool stop_ = false, shutting_down_ = false;
-  std::thread timer_;
+  virtual StoreStats Stats() const = 0;
+  uint64_t inflight_bytes() const { return Stats().inflight_bytes; }
+  uint64_t store_bytes() const { return Stats().store_bytes; }
 };
 
 }  // namespace kvrelay

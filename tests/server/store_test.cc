@@ -1,6 +1,6 @@
-// The in-memory store: commit, at-least-once delivery, ack, idempotency,
-// parents, limits, TTL, close, waiters.
-#include "server/store.h"
+// MemoryStore, driven through the Store interface: commit, at-least-once
+// delivery, ack, idempotency, parents, limits, TTL, close, waiters.
+#include "server/memory_store.h"
 
 #include <atomic>
 #include <thread>
@@ -48,7 +48,8 @@ std::optional<Store::Delivery> TryFetch(Store& s, const std::string& session, co
 }
 
 TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   ASSERT_TRUE(Commit(s, Msg("s", "m2", {"b"})).ok());
   auto d = TryFetch(s, "s", "b");
@@ -69,7 +70,8 @@ TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
 }
 
 TEST(StoreTest, AckUnknownIsNotFound) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   EXPECT_EQ(s.Ack("s", "b", "m1").code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   EXPECT_EQ(s.Ack("s", "b", "nope").code(), absl::StatusCode::kNotFound);
@@ -79,7 +81,8 @@ TEST(StoreTest, AckUnknownIsNotFound) {
 // An ack names a message the agent fetched: acking one still queued would
 // drop it unseen (an agent's bookkeeping off by one loses a message).
 TEST(StoreTest, AckOfAMessageNotYetDeliveredIsFailedPrecondition) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "q1", {"b"})).ok());
   ASSERT_TRUE(Commit(s, Msg("s", "q2", {"b"})).ok());
   absl::Status st = s.Ack("s", "b", "q2");
@@ -100,7 +103,8 @@ TEST(StoreTest, AckOfAMessageNotYetDeliveredIsFailedPrecondition) {
 // A delivery handed out but never written whole (the stream broke, or the
 // client stopped reading) is not a delivery: no ack, no parent.
 TEST(StoreTest, OnlyACompleteDeliveryCanBeAckedOrBeAParent) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   uint64_t w = 0;
   auto d = s.FetchOrWait("s", "b", kNever, [](Store::Wake) {}, &w);
@@ -117,7 +121,8 @@ TEST(StoreTest, OnlyACompleteDeliveryCanBeAckedOrBeAParent) {
 }
 
 TEST(StoreTest, FanOutGivesEachRecipientItsOwnDelivery) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b", "c"})).ok());
   EXPECT_EQ(s.Stats().mailbox_messages, 2u);
   ASSERT_TRUE(TryFetch(s, "s", "b"));
@@ -129,7 +134,8 @@ TEST(StoreTest, FanOutGivesEachRecipientItsOwnDelivery) {
 }
 
 TEST(StoreTest, DuplicateCommitKeepsTheOriginal) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   auto r1 = Commit(s, Msg("s", "m1", {"b"}, 100));
   auto r2 = Commit(s, Msg("s", "m1", {"b"}, 999));
   ASSERT_TRUE(r1.ok() && r2.ok());
@@ -140,7 +146,8 @@ TEST(StoreTest, DuplicateCommitKeepsTheOriginal) {
 }
 
 TEST(StoreTest, ParentMustBeDeliveredToTheSender) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   EXPECT_EQ(s.LookupParent("s", "m1", "b").status().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   EXPECT_EQ(s.LookupParent("s", "m1", "b").status().code(), absl::StatusCode::kFailedPrecondition);
@@ -156,7 +163,8 @@ TEST(StoreTest, LimitsAreResourceExhausted) {
   lim.max_session_messages = 2;
   lim.max_mailbox_bytes = 250;
   lim.max_inflight_bytes = 1000;
-  Store s(lim, nullptr);
+  MemoryStore impl(lim, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   ASSERT_TRUE(Commit(s, Msg("s", "m2", {"c"})).ok());
   EXPECT_EQ(Commit(s, Msg("s", "m3", {"d"})).status().code(), absl::StatusCode::kResourceExhausted);
@@ -181,7 +189,8 @@ TEST(StoreTest, LimitsAreResourceExhausted) {
 }
 
 TEST(StoreTest, CloseFreesEverything) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b", "c"})).ok());
   ASSERT_TRUE(Commit(s, Msg("s", "m2", {"b"})).ok());
   EXPECT_EQ(s.CloseSession("s"), 2u);
@@ -196,7 +205,8 @@ TEST(StoreTest, CloseFreesEverything) {
 TEST(StoreTest, IdleSessionsExpire) {
   StoreLimits lim;
   lim.session_ttl_seconds = 0.2;
-  Store s(lim, nullptr);
+  MemoryStore impl(lim, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   const auto until = Clock::now() + std::chrono::seconds(5);
   while (s.Stats().sessions > 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -210,7 +220,8 @@ TEST(StoreTest, IdleSessionsExpire) {
 TEST(StoreTest, AWaitingFetchKeepsItsSessionAlive) {
   StoreLimits lim;
   lim.session_ttl_seconds = 0.2;
-  Store s(lim, nullptr);
+  MemoryStore impl(lim, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   ASSERT_TRUE(Commit(s, Msg("t", "m1", {"b"})).ok());
   std::atomic<int> woken{0};
@@ -230,7 +241,8 @@ TEST(StoreTest, AWaitingFetchKeepsItsSessionAlive) {
 }
 
 TEST(StoreTest, CloseFencesPublishesInProgress) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   const Store::PublishTicket before = s.BeginPublish("s");
   const Store::PublishTicket other = s.BeginPublish("t");
@@ -256,7 +268,8 @@ TEST(StoreTest, CloseFencesPublishesInProgress) {
 }
 
 TEST(StoreTest, CloseBetweenTwoPublishesOfOneSession) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   const Store::PublishTicket a = s.BeginPublish("s");
   s.CloseSession("s");  // the session holds nothing yet: still a fence for `a`
   const Store::PublishTicket b = s.BeginPublish("s");
@@ -277,7 +290,8 @@ TEST(StoreTest, CloseBetweenTwoPublishesOfOneSession) {
 TEST(StoreTest, SessionsWithAPublishInProgressDoNotExpire) {
   StoreLimits lim;
   lim.session_ttl_seconds = 0.1;
-  Store s(lim, nullptr);
+  MemoryStore impl(lim, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   const Store::PublishTicket t = s.BeginPublish("s");
   std::this_thread::sleep_for(std::chrono::milliseconds(400));  // several TTLs and sweeps
@@ -292,7 +306,8 @@ TEST(StoreTest, SessionsWithAPublishInProgressDoNotExpire) {
 }
 
 TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   std::atomic<int> woke{-1};
   uint64_t w = 0;
   EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake t) { woke = static_cast<int>(t); }, &w));
@@ -316,7 +331,8 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
 // Review 3a: CloseSession wakes the session's waiters (also those waiting
 // on a session that holds nothing yet); others keep waiting.
 TEST(StoreTest, CloseSessionWakesItsWaiters) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"c"})).ok());
   std::atomic<int> b{-1}, z{-1}, other{-1};
   uint64_t wb = 0, wz = 0, wo = 0;
@@ -336,7 +352,8 @@ TEST(StoreTest, CloseSessionWakesItsWaiters) {
 // Review 3a: Shutdown wakes every waiter and later fetches never wait, but
 // held deliveries can still be fetched.
 TEST(StoreTest, ShutdownWakesEveryWaiterAndRefusesNewOnes) {
-  Store s(StoreLimits{}, nullptr);
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"c"})).ok());
   std::atomic<int> a{-1}, b{-1};
   uint64_t w = 0;
@@ -357,7 +374,8 @@ TEST(StoreTest, SessionAndStoreByteLimitsCountAckedMessages) {
   StoreLimits lim;
   lim.max_session_bytes = 250;
   lim.max_store_bytes = 400;
-  Store s(lim, nullptr);
+  MemoryStore impl(lim, nullptr);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s1", "m1", {"b"})).ok());
   ASSERT_TRUE(Commit(s, Msg("s1", "m2", {"b"})).ok());
   ASSERT_TRUE(TryFetch(s, "s1", "b"));
@@ -391,7 +409,8 @@ TEST(StoreTest, SessionAndStoreByteLimitsCountAckedMessages) {
 TEST(StoreTest, CheckCanPublishCountsTheComingMessageAgainstMailboxes) {
   StoreLimits lim;
   lim.max_mailbox_bytes = 300;
-  Store s(lim, nullptr);
+  MemoryStore impl(lim, nullptr);
+  Store& s = impl;
   EXPECT_EQ(s.CheckCanPublish("new", {"b"}, 301).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(s.CheckCanPublish("new", {"b"}, 300).ok());
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"}, 200)).ok());
@@ -416,7 +435,8 @@ TEST(StoreTest, InflightGaugeIsExactUnderConcurrency) {
   Metrics m;
   StoreLimits lim;
   lim.max_inflight_bytes = 1ull << 40;
-  Store s(lim, &m);
+  MemoryStore impl(lim, &m);
+  Store& s = impl;
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t) {
     threads.emplace_back([&s, t] {
@@ -459,7 +479,8 @@ double Outcome(Metrics& m, const std::string& outcome) {
 // as expiry's are ("expired"): committed x recipients reconciles.
 TEST(StoreTest, CloseCountsTheUnackedDeliveriesItDrops) {
   Metrics m;
-  Store s(StoreLimits{}, &m);
+  MemoryStore impl(StoreLimits{}, &m);
+  Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b", "c"})).ok());
   ASSERT_TRUE(Commit(s, Msg("s", "m2", {"b"})).ok());
   ASSERT_TRUE(TryFetch(s, "s", "c"));

@@ -1,0 +1,436 @@
+#include "server/memory_store.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/metrics.h"
+
+namespace kvrelay {
+
+MemoryStore::MemoryStore(const StoreLimits& limits, Metrics* metrics) : limits_(limits), metrics_(metrics) {
+  timer_ = std::thread([this] { TimerLoop(); });
+}
+
+MemoryStore::~MemoryStore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  timer_.join();
+}
+
+Clock::duration MemoryStore::Ttl() const {
+  return std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(limits_.session_ttl_seconds));
+}
+
+namespace {
+
+// What a refusal adds when the request alone is over the limit: waiting for
+// room cannot help, so a client should not retry.
+std::string AloneOver(uint64_t bytes, uint64_t limit) {
+  return bytes > limit ? "; the request alone is over the limit, so retrying cannot succeed" : "";
+}
+
+}  // namespace
+
+absl::Status MemoryStore::ReserveInflight(uint64_t bytes, absl::string_view what) {
+  uint64_t cur = inflight_.load();
+  do {
+    if (cur + bytes > limits_.max_inflight_bytes || cur + bytes < cur) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": ", bytes, " bytes would put uploads in progress at ", cur + bytes,
+          " bytes, expected at most --max-inflight-bytes=", limits_.max_inflight_bytes,
+          AloneOver(bytes, limits_.max_inflight_bytes)));
+    }
+  } while (!inflight_.compare_exchange_weak(cur, cur + bytes));
+  PublishInflight();
+  return absl::OkStatus();
+}
+
+void MemoryStore::AddInflight(uint64_t bytes) {
+  inflight_.fetch_add(bytes);
+  PublishInflight();
+}
+
+void MemoryStore::ReleaseInflight(uint64_t bytes) {
+  inflight_.fetch_sub(bytes);
+  PublishInflight();
+}
+
+void MemoryStore::PublishInflight() {
+  // Every update is followed by a set, under one lock, from the counter's
+  // value at that time: the last set reflects every update before it.
+  if (!metrics_) return;
+  std::lock_guard<std::mutex> lock(gauge_mu_);
+  metrics_->SetInflight(static_cast<double>(inflight_.load()));
+}
+
+absl::Status MemoryStore::CheckBytesLocked(const std::string& session, const Session* s,
+                                     const std::vector<std::string>& recipients, uint64_t bytes,
+                                     absl::string_view what) const {
+  if (s) {
+    for (const std::string& r : recipients) {
+      auto mb = s->mailboxes.find(r);
+      const uint64_t held = mb == s->mailboxes.end() ? 0 : mb->second.bytes;
+      if (held + bytes > limits_.max_mailbox_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "mailbox of '", r, "' in session '", session, "': ", held, " bytes unacked + ", bytes, " bytes of ",
+            what, ", expected at most --max-mailbox-bytes=", limits_.max_mailbox_bytes,
+            AloneOver(bytes, limits_.max_mailbox_bytes)));
+      }
+    }
+  } else if (bytes > limits_.max_mailbox_bytes && !recipients.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat("mailbox of '", recipients[0], "' in session '", session,
+                                                     "': 0 bytes unacked + ", bytes, " bytes of ", what,
+                                                     ", expected at most --max-mailbox-bytes=",
+                                                     limits_.max_mailbox_bytes,
+                                                     AloneOver(bytes, limits_.max_mailbox_bytes)));
+  }
+  const uint64_t session_bytes = s ? s->bytes : 0;
+  if (session_bytes + bytes > limits_.max_session_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session '", session, "': ", session_bytes, " bytes retained + ", bytes, " bytes of ", what,
+        ", expected at most --max-session-bytes=", limits_.max_session_bytes,
+        " (acked messages count until the session closes or expires)", AloneOver(bytes, limits_.max_session_bytes)));
+  }
+  if (store_bytes_ + bytes > limits_.max_store_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "store: ", store_bytes_, " bytes retained in all sessions + ", bytes, " bytes of ", what,
+        ", expected at most --max-store-bytes=", limits_.max_store_bytes,
+        " (acked messages count until their session closes or expires)", AloneOver(bytes, limits_.max_store_bytes)));
+  }
+  return absl::OkStatus();
+}
+
+MessagePtr MemoryStore::Find(const std::string& session, const std::string& message_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return nullptr;
+  auto m = s->second.messages.find(message_id);
+  return m == s->second.messages.end() ? nullptr : m->second;
+}
+
+absl::StatusOr<MessagePtr> MemoryStore::LookupParent(const std::string& session, const std::string& parent_id,
+                                               const std::string& sender) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id, "': session '",
+                                                      session, "' holds no messages (closed or expired?)"));
+  }
+  auto m = s->second.messages.find(parent_id);
+  if (m == s->second.messages.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id,
+                                                      "': no such message in session '", session, "'"));
+  }
+  if (!s->second.delivered.count({parent_id, sender})) {
+    return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id,
+                                                      "': expected a message delivered to the sender '",
+                                                      sender, "'"));
+  }
+  return m->second;
+}
+
+absl::Status MemoryStore::CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
+                                    uint64_t bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  const Session* sp = s == sessions_.end() ? nullptr : &s->second;
+  if (sp && sp->messages.size() >= limits_.max_session_messages) {
+    return absl::ResourceExhaustedError(absl::StrCat("session '", session, "': ", sp->messages.size(),
+                                                     " messages, expected at most --max-session-messages=",
+                                                     limits_.max_session_messages));
+  }
+  return CheckBytesLocked(session, sp, recipients, bytes, "the message (at least)");
+}
+
+MemoryStore::PublishTicket MemoryStore::BeginPublish(const std::string& session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++publishing_[session].in_progress;
+  return PublishTicket{session, close_seq_};
+}
+
+void MemoryStore::EndPublish(const PublishTicket& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = publishing_.find(t.session);
+  // A close only matters to the session's publishes in progress: with none
+  // left the entry goes, its last close with it.
+  if (it != publishing_.end() && --it->second.in_progress == 0) publishing_.erase(it);
+}
+
+absl::StatusOr<MemoryStore::CommitResult> MemoryStore::Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) {
+  std::vector<WakeFn> wakes;
+  CommitResult result;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto p = publishing_.find(m->session_id); p != publishing_.end() && p->second.last_close > t.close_seq) {
+      return absl::FailedPreconditionError(absl::StrCat("session '", m->session_id,
+                                                        "': closed while this publish was in progress; nothing "
+                                                        "was stored"));
+    }
+    Session& s = sessions_[m->session_id];
+    const bool fresh = s.messages.empty() && s.mailboxes.empty();
+    auto drop_if_fresh = [&] {
+      if (fresh) sessions_.erase(m->session_id);
+    };
+    if (auto it = s.messages.find(m->message_id); it != s.messages.end()) {
+      result.msg = it->second;
+      result.duplicate = true;
+      return result;
+    }
+    if (s.messages.size() >= limits_.max_session_messages) {
+      drop_if_fresh();
+      return absl::ResourceExhaustedError(absl::StrCat("session '", m->session_id, "': ", limits_.max_session_messages,
+                                                       " messages, expected at most --max-session-messages=",
+                                                       limits_.max_session_messages));
+    }
+    if (absl::Status st = CheckBytesLocked(m->session_id, &s, m->recipients, m->bytes, "this message");
+        !st.ok()) {
+      drop_if_fresh();
+      return st;
+    }
+    MessagePtr msg = std::move(m);
+    s.messages[msg->message_id] = msg;
+    s.bytes += msg->bytes;
+    store_bytes_ += msg->bytes;
+    s.last_active = Clock::now();
+    for (const std::string& r : msg->recipients) {
+      Mailbox& mb = s.mailboxes[r];
+      mb.entries.push_back({msg, 0});
+      mb.bytes += msg->bytes;
+      ++mailbox_messages_;
+      mailbox_bytes_ += msg->bytes;
+    }
+    ++committed_;
+    full_ += msg->msg.full_bytes;
+    sent_ += msg->msg.sent_bytes;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      const Waiter& w = it->second;
+      if (w.session == msg->session_id &&
+          std::find(msg->recipients.begin(), msg->recipients.end(), w.agent) != msg->recipients.end()) {
+        wakes.push_back(std::move(it->second.wake));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    PublishGaugesLocked();
+    result.msg = std::move(msg);
+  }
+  for (WakeFn& w : wakes) w(Wake::kMessage);
+  return result;
+}
+
+std::optional<MemoryStore::Delivery> MemoryStore::FetchOrWait(const std::string& session, const std::string& agent,
+                                                  Clock::time_point deadline, WakeFn wake, uint64_t* waiter) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s != sessions_.end()) {
+    auto mb = s->second.mailboxes.find(agent);
+    if (mb != s->second.mailboxes.end() && !mb->second.entries.empty()) {
+      Entry& e = mb->second.entries.front();
+      ++e.attempts;
+      s->second.last_active = Clock::now();
+      return Delivery{e.msg, e.attempts};
+    }
+  }
+  if (shutting_down_) {
+    *waiter = 0;
+    return std::nullopt;
+  }
+  const uint64_t id = next_waiter_++;
+  waiters_[id] = Waiter{session, agent, deadline, std::move(wake)};
+  *waiter = id;
+  cv_.notify_all();  // the timer may need an earlier wakeup
+  return std::nullopt;
+}
+
+bool MemoryStore::MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++delivered_;
+  auto s = sessions_.find(session);
+  if (s == sessions_.end() || !s->second.messages.count(message_id)) return false;  // closed or expired meanwhile
+  s->second.last_active = Clock::now();
+  return s->second.delivered.insert({message_id, agent}).second;
+}
+
+bool MemoryStore::CancelWaiter(uint64_t waiter) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = waiters_.find(waiter);
+  if (it == waiters_.end()) return false;
+  TouchLocked(it->second.session);  // waited on until now
+  waiters_.erase(it);
+  return true;
+}
+
+absl::Status MemoryStore::Ack(const std::string& session, const std::string& agent, const std::string& message_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session_id: '", session, "': no such session (closed or expired?)"));
+  }
+  auto m = s->second.messages.find(message_id);
+  if (m == s->second.messages.end()) {
+    return absl::NotFoundError(absl::StrCat("message_id: '", message_id, "': no such message in session '",
+                                            session, "'"));
+  }
+  const auto& rec = m->second->recipients;
+  if (std::find(rec.begin(), rec.end(), agent) == rec.end()) {
+    return absl::NotFoundError(absl::StrCat("agent: '", agent, "': not a recipient of message '", message_id,
+                                            "'"));
+  }
+  if (!s->second.delivered.count({message_id, agent})) {
+    return absl::FailedPreconditionError(absl::StrCat("message_id: '", message_id, "': not delivered to '", agent,
+                                                      "' yet, expected a message it fetched (Fetch first)"));
+  }
+  s->second.last_active = Clock::now();
+  auto mb = s->second.mailboxes.find(agent);
+  if (mb == s->second.mailboxes.end()) return absl::OkStatus();
+  auto& entries = mb->second.entries;
+  for (auto it = entries.begin(); it != entries.end(); ++it) {
+    if (it->msg->message_id == message_id) {
+      mb->second.bytes -= it->msg->bytes;
+      mailbox_bytes_ -= it->msg->bytes;
+      --mailbox_messages_;
+      entries.erase(it);
+      ++acked_;
+      if (metrics_) metrics_->AddOutcome("acked");
+      PublishGaugesLocked();
+      break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void MemoryStore::EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired) {
+  store_bytes_ -= it->second.bytes;
+  uint64_t n = 0;
+  for (auto& [agent, mb] : it->second.mailboxes) {
+    n += mb.entries.size();
+    mailbox_messages_ -= mb.entries.size();
+    mailbox_bytes_ -= mb.bytes;
+  }
+  if (metrics_ && n) metrics_->AddOutcome(expired ? "expired" : "closed", static_cast<double>(n));
+  sessions_.erase(it);
+  PublishGaugesLocked();
+}
+
+uint32_t MemoryStore::CloseSession(const std::string& session) {
+  std::vector<WakeFn> wakes;
+  uint32_t n = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Waiters may wait on a session that holds nothing yet: wake them too.
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->second.session == session) {
+        wakes.push_back(std::move(it->second.wake));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto s = sessions_.find(session);
+    if (s != sessions_.end()) {
+      n = static_cast<uint32_t>(s->second.messages.size());
+      EraseSessionLocked(s, /*expired=*/false);
+    }
+    if (auto p = publishing_.find(session); p != publishing_.end()) p->second.last_close = ++close_seq_;
+  }
+  for (WakeFn& w : wakes) w(Wake::kClosed);
+  return n;
+}
+
+void MemoryStore::Shutdown() {
+  std::vector<WakeFn> wakes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutting_down_ = true;
+    for (auto& [id, w] : waiters_) wakes.push_back(std::move(w.wake));
+    waiters_.clear();
+  }
+  for (WakeFn& w : wakes) w(Wake::kShutdown);
+}
+
+bool MemoryStore::shutting_down() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return shutting_down_;
+}
+
+void MemoryStore::SweepExpired() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point cutoff = Clock::now() - Ttl();
+  std::set<std::string> waited_on;
+  for (const auto& [id, w] : waiters_) waited_on.insert(w.session);
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    auto next = std::next(it);
+    if (it->second.last_active < cutoff && !publishing_.count(it->first) && !waited_on.count(it->first)) {
+      EraseSessionLocked(it, /*expired=*/true);
+    }
+    it = next;
+  }
+}
+
+void MemoryStore::TouchLocked(const std::string& session) {
+  if (auto s = sessions_.find(session); s != sessions_.end()) s->second.last_active = Clock::now();
+}
+
+void MemoryStore::PublishGaugesLocked() {
+  if (!metrics_) return;
+  metrics_->SetMailbox(static_cast<double>(mailbox_messages_), static_cast<double>(mailbox_bytes_));
+  metrics_->SetStoreBytes(static_cast<double>(store_bytes_));
+}
+
+StoreStats MemoryStore::Stats() const {
+  StoreStats st;
+  std::lock_guard<std::mutex> lock(mu_);
+  st.committed = committed_;
+  st.failed = failed_;
+  st.delivered = delivered_;
+  st.acked = acked_;
+  st.received_bytes = received_;
+  st.full_bytes = full_;
+  st.sent_bytes = sent_;
+  st.sessions = sessions_.size();
+  st.mailbox_messages = mailbox_messages_;
+  st.mailbox_bytes = mailbox_bytes_;
+  st.inflight_bytes = inflight_;
+  st.store_bytes = store_bytes_;
+  return st;
+}
+
+void MemoryStore::TimerLoop() {
+  // Sweeps a few times per TTL (10 ms .. 1 s) and fires waiter deadlines.
+  const auto sweep_every = std::clamp<Clock::duration>(Ttl() / 4, std::chrono::milliseconds(10),
+                                                       std::chrono::seconds(1));
+  Clock::time_point next_sweep = Clock::now() + sweep_every;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    Clock::time_point wake_at = next_sweep;
+    for (const auto& [id, w] : waiters_) wake_at = std::min(wake_at, w.deadline);
+    cv_.wait_until(lock, wake_at);
+    if (stop_) break;
+    const Clock::time_point now = Clock::now();
+    std::vector<WakeFn> expired;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->second.deadline <= now) {
+        TouchLocked(it->second.session);  // waited on until now
+        expired.push_back(std::move(it->second.wake));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    const bool sweep = now >= next_sweep;
+    lock.unlock();
+    for (WakeFn& w : expired) w(Wake::kTimeout);
+    if (sweep) {
+      SweepExpired();
+      next_sweep = Clock::now() + sweep_every;
+    }
+    lock.lock();
+  }
+}
+
+}  // namespace kvrelay

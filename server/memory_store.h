@@ -1,0 +1,116 @@
+// The Store that holds everything in memory (server/store.h has the
+// contract): nothing survives a restart. One lock guards the sessions and
+// waiters; in-flight bytes are an atomic counter. Its timer thread sweeps
+// expired sessions a few times per TTL (10 ms .. 1 s) and fires waiter
+// deadlines.
+#ifndef KVRELAY_SERVER_MEMORY_STORE_H_
+#define KVRELAY_SERVER_MEMORY_STORE_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "server/store.h"
+
+namespace kvrelay {
+
+class Metrics;
+
+class MemoryStore final : public Store {
+ public:
+  // `metrics` may be null; it must outlive the store.
+  MemoryStore(const StoreLimits& limits, Metrics* metrics);
+  ~MemoryStore() override;  // stops the timer; pending waiters are dropped without a call
+
+  absl::Status ReserveInflight(uint64_t bytes, absl::string_view what) override;
+  void AddInflight(uint64_t bytes) override;
+  void ReleaseInflight(uint64_t bytes) override;
+  MessagePtr Find(const std::string& session, const std::string& message_id) const override;
+  absl::StatusOr<MessagePtr> LookupParent(const std::string& session, const std::string& parent_id,
+                                          const std::string& sender) const override;
+  absl::Status CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
+                               uint64_t bytes) const override;
+  PublishTicket BeginPublish(const std::string& session) override;
+  void EndPublish(const PublishTicket& t) override;
+  absl::StatusOr<CommitResult> Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) override;
+  std::optional<Delivery> FetchOrWait(const std::string& session, const std::string& agent,
+                                      Clock::time_point deadline, WakeFn wake, uint64_t* waiter) override;
+  bool MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id) override;
+  bool CancelWaiter(uint64_t waiter) override;
+  absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id) override;
+  uint32_t CloseSession(const std::string& session) override;
+  void Shutdown() override;
+  bool shutting_down() const override;
+  void SweepExpired() override;
+  void AddReceived(uint64_t bytes) override { received_ += bytes; }
+  void AddFailed() override { ++failed_; }
+  StoreStats Stats() const override;
+
+ private:
+  struct Entry {
+    MessagePtr msg;
+    uint32_t attempts = 0;
+  };
+  struct Mailbox {
+    std::deque<Entry> entries;  // unacked, oldest first
+    uint64_t bytes = 0;
+  };
+  struct Session {
+    std::map<std::string, MessagePtr> messages;
+    std::map<std::string, Mailbox> mailboxes;
+    std::set<std::pair<std::string, std::string>> delivered;  // (message_id, agent)
+    uint64_t bytes = 0;  // every retained message
+    Clock::time_point last_active;
+  };
+  struct Waiter {
+    std::string session, agent;
+    Clock::time_point deadline;
+    WakeFn wake;
+  };
+
+  void TimerLoop();
+  // Restarts the idle time of `session` if it exists. REQUIRES: mu_ held.
+  void TouchLocked(const std::string& session);
+  void EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired);
+  void PublishGaugesLocked();
+  void PublishInflight();
+  absl::Status CheckBytesLocked(const std::string& session, const Session* s,
+                                const std::vector<std::string>& recipients, uint64_t bytes,
+                                absl::string_view what) const;
+  Clock::duration Ttl() const;
+
+  const StoreLimits limits_;
+  Metrics* const metrics_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, Session> sessions_;
+  std::map<uint64_t, Waiter> waiters_;
+  uint64_t next_waiter_ = 1;
+  uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0, store_bytes_ = 0;
+  uint64_t committed_ = 0, acked_ = 0, full_ = 0, sent_ = 0;
+  // Publish fencing. A session with publishes in progress has an entry:
+  // their count and the sequence number of its last close meanwhile (0:
+  // none); a ticket holds close_seq_ as it was when the publish began.
+  struct Publishing {
+    int in_progress = 0;
+    uint64_t last_close = 0;
+  };
+  uint64_t close_seq_ = 0;
+  std::map<std::string, Publishing> publishing_;
+  std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
+  std::mutex gauge_mu_;  // orders in-flight gauge updates
+  bool stop_ = false, shutting_down_ = false;
+  std::thread timer_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_MEMORY_STORE_H_
