@@ -661,9 +661,9 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
     pod_labels = (tmpl.get("metadata") or {}).get("labels") or {}
     pod_spec = tmpl["spec"]
     sel = dep["spec"]["selector"]
-    check(not sel.get("matchExpressions"), f"{tag}: Deployment selector uses matchExpressions (not checked)")
+    check(not sel.get("matchExpressions"), f"{tag}: {dep['kind']} selector uses matchExpressions (not checked)")
     check(sel.get("matchLabels") and matches(sel["matchLabels"], pod_labels),
-          f"{tag}: Deployment selector {sel} does not match its pod labels {pod_labels}")
+          f"{tag}: {dep['kind']} selector {sel} does not match its pod labels {pod_labels}")
     relay = check_sidecar(f"{tag}: {dep['kind']}/{dep['metadata']['name']}", pod_spec, flags, envs)
     ports = container_ports(pod_spec)
     tgp = pod_spec.get("terminationGracePeriodSeconds", 30)
