@@ -42,6 +42,11 @@ namespace {
 prometheus::Histogram::BucketBoundaries SecondsBuckets() {
   return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
 }
+// A forward waits out retries with backoff for up to --forward-timeout-seconds
+// (300 by default).
+prometheus::Histogram::BucketBoundaries ForwardSecondsBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+}
 }  // namespace
 
 Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
@@ -116,6 +121,52 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                  .Name("kvrelay_limit_bytes")
                  .Help("Configured byte limits: inflight, mailbox (per session and agent), session, store.")
                  .Register(*registry_);
+  forward_bytes_ = &BuildCounter()
+                        .Name("kvrelay_forward_bytes_total")
+                        .Help("Tensor bytes sent on relay-to-relay forwards, every attempt's chunk data.")
+                        .Register(*registry_)
+                        .Add({});
+  forward_full_ = &BuildCounter()
+                       .Name("kvrelay_forward_full_bytes_total")
+                       .Help("Bytes the `full` policy (dense) would have sent for the forwarded messages, once per "
+                             "message and destination relay, when the destination commits it.")
+                       .Register(*registry_)
+                       .Add({});
+  forward_elided_ = &BuildCounter()
+                         .Name("kvrelay_forward_elided_bytes_total")
+                         .Help("Bytes of forwarded messages not sent because the destination relay holds the "
+                               "ancestor they start with (ancestor elision).")
+                         .Register(*registry_)
+                         .Add({});
+  forwards_ = &BuildCounter()
+                   .Name("kvrelay_forwards_total")
+                   .Help("Forwards to other relays by outcome: committed, duplicate (the destination held it), "
+                         "retry (an attempt failed and is retried), whole (the destination lacked the ancestor; "
+                         "resent whole) and dead_letter.")
+                   .Register(*registry_);
+  forward_seconds_ = &BuildHistogram()
+                          .Name("kvrelay_forward_seconds")
+                          .Help("Seconds from a message's commit at this relay to its commit at the destination relay.")
+                          .Register(*registry_)
+                          .Add({}, ForwardSecondsBuckets());
+  outbox_messages_ = &BuildGauge()
+                          .Name("kvrelay_outbox_messages")
+                          .Help("Messages waiting to be forwarded to other relays.")
+                          .Register(*registry_)
+                          .Add({});
+  outbox_bytes_ = &BuildGauge()
+                       .Name("kvrelay_outbox_bytes")
+                       .Help("Bytes of the messages waiting to be forwarded to other relays.")
+                       .Register(*registry_)
+                       .Add({});
+  dead_letters_ = &BuildCounter()
+                       .Name("kvrelay_dead_letters_total")
+                       .Help("Forwarded messages given up for a recipient, by the gRPC code of the reason.")
+                       .Register(*registry_);
+  forwards_received_ = &BuildCounter()
+                            .Name("kvrelay_forwards_received_total")
+                            .Help("Forwards from other relays by outcome: committed, duplicate and refused.")
+                            .Register(*registry_);
   BuildGauge()
       .Name("kvrelay_build_info")
       .Help("Build information; the value is always 1.")
@@ -144,6 +195,17 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   }
   for (grpc::StatusCode c : codes) {
     if (c != grpc::OK) errors_->Add({{"code", GrpcCodeName(c)}});
+  }
+  for (const char* o : {"committed", "duplicate", "retry", "whole", "dead_letter"}) {
+    forwards_->Add({{"outcome", o}});
+  }
+  for (grpc::StatusCode c : {grpc::INVALID_ARGUMENT, grpc::ALREADY_EXISTS, grpc::FAILED_PRECONDITION,
+                             grpc::PERMISSION_DENIED, grpc::DEADLINE_EXCEEDED, grpc::UNAVAILABLE,
+                             grpc::RESOURCE_EXHAUSTED, grpc::NOT_FOUND}) {
+    dead_letters_->Add({{"code", GrpcCodeName(c)}});
+  }
+  for (const char* o : {"committed", "duplicate", "refused"}) {
+    forwards_received_->Add({{"outcome", o}});
   }
 }
 

@@ -16,13 +16,28 @@
 //   kvrelay_mailbox_messages, kvrelay_mailbox_bytes   unacked deliveries held
 //   kvrelay_store_bytes                          every retained message (acked ones too)
 //   kvrelay_limit_bytes{limit}                   the configured byte limits
+//   kvrelay_forward_bytes_total                  tensor bytes sent relay to relay (every attempt)
+//   kvrelay_forward_full_bytes_total             what `full` would send for the forwarded messages,
+//                                                once per message and destination, at its commit
+//   kvrelay_forward_elided_bytes_total           bytes ancestor elision kept off the wire
+//   kvrelay_forwards_total{outcome}              committed, duplicate, retry, whole, dead_letter
+//   kvrelay_forward_seconds                      sender relay's commit to the destination's commit
+//   kvrelay_outbox_messages, kvrelay_outbox_bytes     messages waiting to be forwarded
+//   kvrelay_dead_letters_total{code}             forwards given up, by the reason's gRPC code name
+//   kvrelay_forwards_received_total{outcome}     forwards this relay took: committed, duplicate,
+//                                                refused
 //   kvrelay_build_info{version}                  1
 //
+// Forward outcomes: "retry" is an attempt that failed and will be retried,
+// "whole" a destination that lacked the ancestor (the message is resent
+// whole), "dead_letter" a recipient given up. No forward series carries the
+// peer: peers can be many (per-peer detail is in the logs and the status RPC).
 // Outcomes "expired" and "closed" count unacked deliveries dropped by the
 // session's TTL and by CloseSession. `family` is the policy's stage names
 // ("h2o-head+obf+int4"): low cardinality. Counters of every method and code
-// the relay answers with, and of every declared family, exist from the
-// start at 0 (so that rate() sees their first increments).
+// the relay answers with, of every declared family, every forward outcome
+// and every dead-letter code a forward can end with exist from the start at 0
+// (so that rate() sees their first increments).
 // Thread-safe.
 #ifndef KVRELAY_SERVER_METRICS_H_
 #define KVRELAY_SERVER_METRICS_H_
@@ -76,6 +91,34 @@ class Metrics {
   // can compare usage gauges with it (e.g. "inflight", "mailbox", "store").
   void SetLimit(const std::string& name, double bytes) { limits_->Add({{"limit", name}}).Set(bytes); }
 
+  // Relay-to-relay forwarding, as the sending relay sees it.
+  // Chunk bytes of one forward attempt as they are sent (retries count again).
+  void AddForwardBytes(uint64_t bytes) { forward_bytes_->Increment(static_cast<double>(bytes)); }
+  // What `full` (dense, unquantized) would have sent for a message, once per
+  // message and destination, when the destination commits it.
+  void AddForwardFull(uint64_t bytes) { forward_full_->Increment(static_cast<double>(bytes)); }
+  // Bytes that ancestor elision did not send.
+  void AddForwardElided(uint64_t bytes) { forward_elided_->Increment(static_cast<double>(bytes)); }
+  // REQUIRES: `outcome` is one of committed, duplicate, retry, whole,
+  // dead_letter.
+  void AddForwardOutcome(const std::string& outcome) { forwards_->Add({{"outcome", outcome}}).Increment(); }
+  // Seconds from the commit at this relay to the commit at the destination.
+  void ObserveForward(double s) { forward_seconds_->Observe(s); }
+  void SetOutbox(double messages, double bytes) {
+    outbox_messages_->Set(messages);
+    outbox_bytes_->Set(bytes);
+  }
+  // One recipient given up; `reason` is the code of the last answer (or
+  // DEADLINE_EXCEEDED past --forward-timeout-seconds).
+  void AddDeadLetter(grpc::StatusCode reason) {
+    dead_letters_->Add({{"code", GrpcCodeName(reason)}}).Increment();
+  }
+  // At the destination. REQUIRES: `outcome` is one of committed, duplicate,
+  // refused.
+  void AddForwardReceived(const std::string& outcome) {
+    forwards_received_->Add({{"outcome", outcome}}).Increment();
+  }
+
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* received_;
@@ -93,6 +136,15 @@ class Metrics {
   prometheus::Gauge* mailbox_bytes_;
   prometheus::Gauge* store_bytes_;
   prometheus::Family<prometheus::Gauge>* limits_;
+  prometheus::Counter* forward_bytes_;
+  prometheus::Counter* forward_full_;
+  prometheus::Counter* forward_elided_;
+  prometheus::Family<prometheus::Counter>* forwards_;
+  prometheus::Histogram* forward_seconds_;
+  prometheus::Gauge* outbox_messages_;
+  prometheus::Gauge* outbox_bytes_;
+  prometheus::Family<prometheus::Counter>* dead_letters_;
+  prometheus::Family<prometheus::Counter>* forwards_received_;
 };
 
 }  // namespace kvrelay

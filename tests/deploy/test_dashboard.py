@@ -16,7 +16,11 @@
     (kvrelay_publish_delivered_seconds), compression time p50/p99,
     mailbox depth, in-flight bytes with the in-flight limit, errors by code,
     RPCs by method and code (kvrelay_rpcs_total) and the failed-call ratio by
-    method (the KvrelayHighErrorRate alert's ratio, per relay).
+    method (the KvrelayHighErrorRate alert's ratio, per relay);
+  - a "network" row holding, below it: bytes forwarded relay to relay
+    against what full KV would have sent in one panel, elided bytes, forward
+    latency p50/p95 (kvrelay_forward_seconds), forwards by outcome, the
+    outbox bytes with the outbox limit and its messages, dead letters by code.
 """
 import json
 import os
@@ -189,7 +193,54 @@ def main():
                         and re.search(r"/sumby\(instance,method\)\(rate\(kvrelay_rpcs_total\{instance", e)):
         check(unit(p) in ("percentunit", "percent"), f"failed-ratio panel unit {unit(p)!r}")
     check("kvrelay_rpcs_total" in metric_names_in_source(), "server/metrics.cc does not register kvrelay_rpcs_total")
+    check_network_row(dash, panels, unit)
     return finish("deploy_dashboard")
+
+
+def check_network_row(dash, panels, unit):
+    """The relay-to-relay panels sit in a row whose title says network, below it."""
+    rows = [p for p in dash.get("panels", []) if p.get("type") == "row" and "network" in p.get("title", "").lower()]
+    if not check(len(rows) == 1, f"{len(rows)} rows titled network, expected one"):
+        return
+    row = rows[0]
+    top = row["gridPos"]["y"] + row["gridPos"].get("h", 1)
+    later_rows = [p["gridPos"]["y"] for p in dash["panels"] if p.get("type") == "row" and p["gridPos"]["y"] >= top]
+    bottom = min(later_rows) if later_rows else float("inf")
+    nested = row.get("panels") or []
+    check(not row.get("collapsed") and not nested or row.get("collapsed") and nested,
+          f"network row: collapsed {row.get('collapsed')} with {len(nested)} nested panels")
+
+    def in_row(p):
+        return p in nested or top <= p["gridPos"]["y"] < bottom
+
+    def need(what, pred, units):
+        hits = [p for p in find_panel(panels, what, pred)]
+        for p in hits:
+            check(in_row(p), f"panel {p['title']!r} ({what}) is not in the network row")
+            check(unit(p) in units or any(unit(p).startswith(u) for u in units if u.endswith(":")),
+                  f"panel {p['title']!r} ({what}) unit {unit(p)!r}, expected one of {units}")
+        return hits
+
+    def exprs(p):
+        return [squash(t["expr"]) for t in p.get("targets", [])]
+
+    for p in need("bytes on the network vs full KV",
+                  lambda e: "rate(kvrelay_forward_bytes_total{" in e, ("Bps", "binBps", "decBps")):
+        check(any("rate(kvrelay_forward_full_bytes_total{" in e for e in exprs(p)),
+              f"panel {p['title']!r}: forwarded bytes without what full KV would have sent beside them")
+    need("elided bytes", lambda e: "rate(kvrelay_forward_elided_bytes_total{" in e, ("Bps", "binBps", "decBps"))
+    for p in need("forward latency", lambda e: re.search(
+            r"histogram_quantile\(0\.\d+,sumby\(le\)\(rate\(kvrelay_forward_seconds_bucket\{", e), ("s",)):
+        qs = {re.search(r"histogram_quantile\((0\.\d+)", e).group(1) for e in exprs(p) if "kvrelay_forward_seconds" in e}
+        check({"0.5", "0.95"} <= qs, f"forward latency panel has quantiles {sorted(qs)}, expected 0.5 and 0.95")
+    need("forwards by outcome", lambda e: re.search(r"sumby\(outcome\)\(rate\(kvrelay_forwards_total\{", e),
+         ("reqps", "ops", "short", "cps", "suffix:"))
+    for p in need("outbox", lambda e: "kvrelay_outbox_bytes{" in e, ("bytes", "decbytes")):
+        check(any('kvrelay_limit_bytes{limit="outbox"' in e for e in exprs(p)),
+              f"outbox panel {p['title']!r} does not show kvrelay_limit_bytes{{limit=\"outbox\"}}")
+        check(any("kvrelay_outbox_messages{" in e for e in exprs(p)), f"outbox panel {p['title']!r} has no message count")
+    need("dead letters by code", lambda e: re.search(r"sumby\(code\)\((rate|increase)\(kvrelay_dead_letters_total\{", e),
+         ("reqps", "ops", "short", "cps", "suffix:"))
 
 
 if __name__ == "__main__":

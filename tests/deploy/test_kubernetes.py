@@ -30,9 +30,21 @@ For the base and every overlay under deploy/kubernetes/overlays:
      relay loses its drain), and, where PID namespaces are available
      (unshare), run as PID 1 it exits on SIGTERM; overlays run no
      `kvrelayctl demo` agent and not the relay image as the agent;
+     the mesh: the agents are a StatefulSet whose serviceName is the headless
+     Service selecting them (pod names are DNS labels); the relay listens
+     on 0.0.0.0 on its gRPC port and on a unix: socket in an emptyDir that
+     every agent container mounts and names in KVRELAY_ADDR; its
+     --route-template is dns:///{agent}.<that Service>.<namespace, literal or
+     the downward API's>.svc.cluster.local:<grpc port>, its --advertise is
+     what the template gives its own pod (expanded as the kubelet expands
+     $(VAR)), every --route names a DNS label, and the NetworkPolicy admits
+     a peer relay on the template's port; the outbox limits fit the memory
+     limit, the per-destination one below the total;
   4. kvrelay-server accepts the sidecar's rendered args and environment
-     (listen addresses moved to 127.0.0.1:0) and exports the configured
-     limits as kvrelay_limit_bytes.
+     ($(VAR)s expanded for pod kvrelay-agent-0 in namespace apps, TCP listen
+     addresses moved to 127.0.0.1:0, the Unix socket into a temporary
+     directory), creates its socket and exports the configured limits
+     (the outbox's too) as kvrelay_limit_bytes.
 """
 import argparse
 import copy
@@ -43,6 +55,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -130,20 +143,44 @@ def container_ports(pod_spec):
     return ports
 
 
-def listen_port(container, flag, env_name, default):
-    """The port a kvrelay-server flag or its environment variable sets (flags win)."""
-    value = None
-    env = {e["name"]: e.get("value") for e in container.get("env") or []}
-    if env.get(env_name):
-        value = env[env_name]
+def flag_values(container, flag):
+    """Every value of a (repeatable) kvrelay-server flag in the container's args, in order."""
+    values = []
     args = list(container.get("args") or []) + list(container.get("command") or [])
     for i, a in enumerate(args):
         if a == f"--{flag}" and i + 1 < len(args):
-            value = args[i + 1]
+            values.append(args[i + 1])
         elif a.startswith(f"--{flag}="):
-            value = a.split("=", 1)[1]
-    value = value or default
-    return int(value.rsplit(":", 1)[1])
+            values.append(a.split("=", 1)[1])
+    return values
+
+
+def listen_values(container, flag, env_name, default):
+    """The addresses a kvrelay-server flag or its environment variable sets (flags win)."""
+    values = flag_values(container, flag)
+    if not values:
+        env = {e["name"]: e.get("value") for e in container.get("env") or []}
+        values = [v for v in (env.get(env_name) or "").split(",") if v] or [default]
+    return values
+
+
+def listen_port(container, flag, env_name, default):
+    """The TCP port a kvrelay-server listen flag or its environment variable sets (flags win);
+    unix:PATH addresses have none."""
+    tcp = [v for v in listen_values(container, flag, env_name, default) if not v.startswith("unix:")]
+    check(len(tcp) == 1, f"container {container.get('name')}: --{flag} {tcp}: expected one TCP address")
+    return int(tcp[0].rsplit(":", 1)[1]) if tcp else None
+
+
+def byte_limit(container, name):
+    """A byte limit --max-NAME-bytes, or its KVRELAY_MAX_NAME_BYTES variable (flags win), or None."""
+    flag = f"max-{name.replace('_', '-')}-bytes"
+    values = flag_values(container, flag)
+    if values:
+        return parse_bytes(values[-1])
+    env = {e["name"]: e.get("value") for e in container.get("env") or []}
+    v = env.get(f"KVRELAY_MAX_{name.upper()}_BYTES")
+    return parse_bytes(v) if v else None
 
 
 def check_sidecar(tag, pod_spec, flags, envs):
@@ -159,7 +196,7 @@ def check_sidecar(tag, pod_spec, flags, envs):
         check(c.get("restartPolicy") in (None, "Always"),
               f"{tag}: init container {c['name']}: restartPolicy {c.get('restartPolicy')!r} (only 'Always' is valid)")
     check(pod_spec.get("restartPolicy") in (None, "Always"),
-          f"{tag}: pod restartPolicy {pod_spec.get('restartPolicy')!r} (a Deployment's pods restart Always)")
+          f"{tag}: pod restartPolicy {pod_spec.get('restartPolicy')!r} (a workload's pods restart Always)")
     check(relay.get("image"), f"{tag}: the sidecar has no image")
 
     # Ports and probes: grpc probes on the port --listen serves.
@@ -236,9 +273,10 @@ def check_sidecar(tag, pod_spec, flags, envs):
                   and "ALL" in ((s.get("capabilities") or {}).get("drop") or []),
                   f"{tag}: container {c['name']} is less locked down than the sidecar")
     env = {e["name"]: e.get("value") for e in relay.get("env") or []}
-    limits = {k: parse_bytes(env[f"KVRELAY_MAX_{k.upper()}_BYTES"]) for k in ("inflight", "mailbox", "session", "store")
-              if env.get(f"KVRELAY_MAX_{k.upper()}_BYTES")}
-    check(set(limits) == {"inflight", "mailbox", "session", "store"},
+    limits = {k: byte_limit(relay, k) for k in ("inflight", "mailbox", "session", "store", "outbox",
+                                                 "outbox_per_destination")}
+    limits = {k: v for k, v in limits.items() if v is not None}
+    check({"inflight", "mailbox", "session", "store"} <= set(limits),
           f"{tag}: the sidecar should set all four byte limits (KVRELAY_MAX_*_BYTES), sets {sorted(limits)}")
     mem = (relay.get("resources") or {}).get("limits", {}).get("memory")
     if mem and "inflight" in limits and "store" in limits:
@@ -249,11 +287,17 @@ def check_sidecar(tag, pod_spec, flags, envs):
         retain = parse_bytes(env.get("KVRELAY_HEAP_RETAIN_BYTES") or "128MiB")
         cpu = (relay.get("resources") or {}).get("limits", {}).get("cpu")
         arenas = max(1, math.ceil(parse_quantity(cpu)) // 2) if cpu else 4
-        check(limits["inflight"] + limits["store"] + arenas * retain <= parse_quantity(mem),
-              f"{tag}: in-flight ({limits['inflight']}) + store ({limits['store']}) + retained heap "
-              f"({arenas} x {retain}) bytes exceed the memory limit {mem}")
+        # The outbox is counted as memory of its own (it holds messages in memory).
+        outbox = limits.get("outbox", 0)
+        check(limits["inflight"] + limits["store"] + outbox + arenas * retain <= parse_quantity(mem),
+              f"{tag}: in-flight ({limits['inflight']}) + store ({limits['store']}) + outbox ({outbox}) + "
+              f"retained heap ({arenas} x {retain}) bytes exceed the memory limit {mem}")
     if "session" in limits and "store" in limits:
         check(limits["session"] <= limits["store"], f"{tag}: session limit above the store limit")
+    if "outbox_per_destination" in limits and "outbox" in limits:
+        check(limits["outbox_per_destination"] < limits["outbox"],
+              f"{tag}: --max-outbox-bytes-per-destination {limits['outbox_per_destination']} is not below "
+              f"--max-outbox-bytes {limits['outbox']}: one dead peer could fill the whole outbox")
     return relay
 
 
@@ -469,28 +513,158 @@ def check_network_policy(tag, objs, pod_labels, pod_spec, relay):
     print(f"{name}: grpc {grpc_port} from kvrelay pods, metrics {metrics_port} from namespaces {ns_sel}")
 
 
+# ------------------------------------------------------------ the mesh
+DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+TEMPLATE_RE = re.compile(r"^dns:///\{agent\}\.([a-z0-9-]+)\.(\S+)\.svc\.cluster\.local:(\d+)$")
+
+
+def field_refs(container):
+    """{env name: fieldPath} of the container's downward-API variables."""
+    return {e["name"]: e["valueFrom"]["fieldRef"].get("fieldPath") for e in container.get("env") or []
+            if "fieldRef" in (e.get("valueFrom") or {})}
+
+
+def expand(value, container, pod):
+    """VALUE with $(VAR) replaced as the kubelet does, from the container's env: literal
+    values, and the downward API's metadata.name / metadata.namespace from POD
+    ({"name", "namespace"}); an unknown variable stays as written."""
+    env = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+    for name, path in field_refs(container).items():
+        if path in ("metadata.name", "metadata.namespace"):
+            env[name] = pod[path.split(".", 1)[1]]
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), str(value))
+
+
+def check_mesh(tag, objs, workload, pod_labels, pod_spec, relay):
+    """Every agent pod is one relay of a mesh: a StatefulSet behind the headless Service
+    that gives each pod a DNS name; the relay listens on the pod IP (forwards, probes) and
+    on a Unix socket in an emptyDir that every agent container mounts and addresses; its
+    --route-template resolves an agent name to that agent's pod's name under the Service
+    and namespace, on the gRPC port; --advertise is its own pod's target, so its own
+    agent stays local; every --route names a DNS label."""
+    name = f"{tag}: {workload['kind']}/{workload['metadata']['name']}"
+    if not check(workload["kind"] == "StatefulSet",
+                 f"{name}: the agents should be a StatefulSet (stable pod DNS names for the routes)"):
+        return
+    spec = workload["spec"]
+    svc_name = spec.get("serviceName")
+    svcs = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] == svc_name]
+    if not check(len(svcs) == 1, f"{name}: serviceName {svc_name!r} is not a Service of the build"):
+        return
+    svc = svcs[0]
+    check(svc["spec"].get("clusterIP") == "None", f"{name}: Service {svc_name} is not headless (pod DNS names "
+          "exist only under a headless Service)")
+    check(matches(svc["spec"].get("selector"), pod_labels), f"{name}: Service {svc_name} does not select the pods")
+    check(not pod_spec.get("hostname") and pod_spec.get("subdomain") in (None, svc_name),
+          f"{name}: the pod template sets hostname/subdomain {pod_spec.get('hostname')!r}/"
+          f"{pod_spec.get('subdomain')!r}: the agent's name must be its pod's name under {svc_name}")
+    ordinal = f"{workload['metadata']['name']}-{max(0, spec.get('replicas', 1) - 1)}"
+    check(DNS_LABEL.match(ordinal) and len(workload["metadata"]["name"]) + 6 <= 63,
+          f"{name}: pod names like {ordinal!r} must be DNS labels (agent names go through the route template)")
+    rports = {p["name"]: p["containerPort"] for p in relay.get("ports") or []}
+
+    # The local hop: a Unix socket on a volume the agent shares.
+    listens = listen_values(relay, "listen", "KVRELAY_LISTEN", "127.0.0.1:50051")
+    tcp = [v for v in listens if not v.startswith("unix:")]
+    socks = [v[len("unix:"):] for v in listens if v.startswith("unix:")]
+    check(tcp == [f"0.0.0.0:{rports.get('grpc')}"],
+          f"{name}: the relay should listen on the pod IP for forwards and probes (--listen=0.0.0.0:"
+          f"{rports.get('grpc')}), listens on {tcp}")
+    if not check(len(socks) == 1 and socks[0].startswith("/"),
+                 f"{name}: the relay should listen on one unix:/ABSOLUTE/PATH for its agent, listens on {listens}"):
+        return
+    sock = socks[0]
+    volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+
+    def mount_of(c):
+        ms = [m for m in c.get("volumeMounts") or []
+              if sock.startswith(m["mountPath"].rstrip("/") + "/") and not m.get("subPath")]
+        return max(ms, key=lambda m: len(m["mountPath"])) if ms else None
+
+    rm = mount_of(relay)
+    if check(rm, f"{name}: the socket {sock} is on no volume of the relay (read-only root filesystem)"):
+        check("emptyDir" in (volumes.get(rm["name"]) or {}), f"{name}: the socket's volume {rm['name']} is not an emptyDir")
+        check(not rm.get("readOnly"), f"{name}: the relay mounts the socket's volume read-only")
+    agents = pod_spec.get("containers") or []
+    for c in agents:
+        am = mount_of(c)
+        check(am and rm and am["name"] == rm["name"] and am["mountPath"] == rm["mountPath"],
+              f"{name}: container {c['name']} does not mount the relay's socket volume at {rm and rm['mountPath']}")
+        env = {e["name"]: e.get("value") for e in c.get("env") or []}
+        if "KVRELAY_ADDR" in env:
+            check(env["KVRELAY_ADDR"] == f"unix:{sock}",
+                  f"{name}: container {c['name']} KVRELAY_ADDR={env['KVRELAY_ADDR']!r}, expected its relay's "
+                  f"socket unix:{sock}")
+        argv = " ".join(str(a) for a in (c.get("command") or []) + (c.get("args") or []))
+        check("127.0.0.1:50051" not in argv and "localhost:50051" not in argv,
+              f"{name}: container {c['name']} addresses its relay over TCP: {argv[:120]!r}")
+
+    # Routing: the template is each agent's pod under the headless Service, on the gRPC port.
+    templates = flag_values(relay, "route-template")
+    if not check(len(templates) == 1, f"{name}: one --route-template expected, got {templates}"):
+        return
+    template = templates[0]
+    m = TEMPLATE_RE.match(template)
+    if not check(m, f"{name}: --route-template {template!r} should be "
+                 f"dns:///{{agent}}.{svc_name}.<namespace>.svc.cluster.local:<grpc port>"):
+        return
+    t_svc, t_ns, t_port = m.group(1), m.group(2), int(m.group(3))
+    check(t_svc == svc_name, f"{name}: --route-template names Service {t_svc!r}, the pods' is {svc_name!r}")
+    check(t_port == rports.get("grpc"), f"{name}: --route-template port {t_port}, the sidecar's grpc port is "
+          f"{rports.get('grpc')}")
+    namespaces = {(o.get("metadata") or {}).get("namespace") for o in objs}
+    ns_ref = re.fullmatch(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", t_ns)
+    if ns_ref:
+        check(field_refs(relay).get(ns_ref.group(1)) == "metadata.namespace",
+              f"{name}: --route-template's namespace $({ns_ref.group(1)}) is not the downward API's metadata.namespace")
+    else:
+        check(namespaces == {t_ns}, f"{name}: --route-template's namespace {t_ns!r}, the objects' are {namespaces}")
+    advertise = flag_values(relay, "advertise")
+    if check(len(advertise) == 1, f"{name}: one --advertise expected, got {advertise}"):
+        for pod in ({"name": f"{workload['metadata']['name']}-0", "namespace": "apps"},
+                    {"name": ordinal, "namespace": "other"}):
+            own = expand(template, relay, pod).replace("{agent}", pod["name"])
+            got = expand(advertise[0], relay, pod)
+            check(got == own, f"{name}: in pod {pod['name']} (namespace {pod['namespace']}) --advertise is {got!r}, "
+                  f"the route template gives its own agent {own!r}: its agent's messages would be forwarded "
+                  "to itself")
+    for r in flag_values(relay, "route"):
+        agent, _, target = r.partition("=")
+        check(DNS_LABEL.match(agent) and target, f"{name}: --route {r!r}: expected AGENT=TARGET with a DNS-label agent")
+
+    # Relay to relay: a peer relay (another pod of the workload) reaches the template's port.
+    for pol in by_kind(objs, "NetworkPolicy"):
+        if selector_matches(pol["spec"].get("podSelector") or {}, pod_labels):
+            peer = {"ns": "apps", "labels": dict(pod_labels), "ns_labels": {"kubernetes.io/metadata.name": "apps"}}
+            check(policy_admits(pol, "apps", pod_spec, peer, t_port),
+                  f"{name}: NetworkPolicy/{pol['metadata']['name']} refuses a peer relay on the route template's "
+                  f"port {t_port}")
+    print(f"{name}: mesh: {template} (advertise {advertise}), socket {sock} shared with "
+          f"{[c['name'] for c in agents]}")
+
+
 def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
     for o in objs:
         labels = (o.get("metadata") or {}).get("labels") or {}
         check(labels.get("app.kubernetes.io/part-of") == "kvrelay",
               f"{tag}: {o['kind']}/{o['metadata'].get('name')} lacks app.kubernetes.io/part-of: kvrelay")
     kinds = sorted(o["kind"] for o in objs)
-    check({"ConfigMap", "Deployment", "NetworkPolicy", "PodMonitor", "PrometheusRule", "Service"} <= set(kinds),
-          f"{tag}: objects {kinds}, expected a Deployment, Service, NetworkPolicy, PodMonitor, PrometheusRule "
-          "and ConfigMap")
+    check({"ConfigMap", "StatefulSet", "NetworkPolicy", "PodMonitor", "PrometheusRule", "Service"} <= set(kinds),
+          f"{tag}: objects {kinds}, expected a StatefulSet (the agents of the mesh), Service, NetworkPolicy, "
+          "PodMonitor, PrometheusRule and ConfigMap")
 
-    deps = by_kind(objs, "Deployment")
-    if not check(len(deps) == 1, f"{tag}: one Deployment"):
+    deps = by_kind(objs, "StatefulSet") + by_kind(objs, "Deployment")
+    if not check(len(deps) == 1, f"{tag}: one workload (StatefulSet), got {[d['kind'] for d in deps]}"):
         return {}
     dep = deps[0]
     tmpl = dep["spec"]["template"]
     pod_labels = (tmpl.get("metadata") or {}).get("labels") or {}
     pod_spec = tmpl["spec"]
     sel = dep["spec"]["selector"]
-    check(not sel.get("matchExpressions"), f"{tag}: Deployment selector uses matchExpressions (not checked)")
+    check(not sel.get("matchExpressions"), f"{tag}: {dep['kind']} selector uses matchExpressions (not checked)")
     check(sel.get("matchLabels") and matches(sel["matchLabels"], pod_labels),
-          f"{tag}: Deployment selector {sel} does not match its pod labels {pod_labels}")
-    relay = check_sidecar(f"{tag}: Deployment/{dep['metadata']['name']}", pod_spec, flags, envs)
+          f"{tag}: {dep['kind']} selector {sel} does not match its pod labels {pod_labels}")
+    relay = check_sidecar(f"{tag}: {dep['kind']}/{dep['metadata']['name']}", pod_spec, flags, envs)
     ports = container_ports(pod_spec)
     tgp = pod_spec.get("terminationGracePeriodSeconds", 30)
     if relay:
@@ -499,8 +673,10 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
         check(tgp > grace, f"{tag}: terminationGracePeriodSeconds {tgp} leaves the relay no time for its "
               f"{grace} s drain after the agent stops")
 
-    shells = check_agent_shutdown(f"{tag}: Deployment/{dep['metadata']['name']}", pod_spec, relay, pid1)
+    shells = check_agent_shutdown(f"{tag}: {dep['kind']}/{dep['metadata']['name']}", pod_spec, relay, pid1)
     check_network_policy(tag, objs, pod_labels, pod_spec, relay)
+    if relay:
+        check_mesh(tag, objs, dep, pod_labels, pod_spec, relay)
 
     for svc in by_kind(objs, "Service"):
         spec = svc["spec"]
@@ -554,14 +730,19 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
         check(list(data) == ["kvrelay-dashboard.json"], f"{tag}: dashboard ConfigMap keys {list(data)}")
         check(data.get("kvrelay-dashboard.json") == dashboard_text,
               f"{tag}: the ConfigMap's dashboard differs from deploy/grafana/kvrelay-dashboard.json")
-    return {"relay": relay, "pod_spec": pod_spec, "deployment": dep, "shell_loops": shells}
+    return {"relay": relay, "pod_spec": pod_spec, "workload": dep, "shell_loops": shells}
 
 
 def dry_run_relay(tag, server, relay, workdir):
     """kvrelay-server with the sidecar's args and env: starts, exports the limits it was given."""
-    args = [a for a in relay.get("args") or []
+    # The kubelet's $(VAR) expansion, for the first pod of the workload.
+    pod = {"name": "kvrelay-agent-0", "namespace": "apps"}
+    sock = os.path.join(workdir, f"{tag}.sock")
+    args = [expand(a, relay, pod) for a in relay.get("args") or []
             if not re.match(r"--(listen|metrics-listen)(=|$)", a)]
     args += ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
+    if any(v.startswith("unix:") for v in flag_values(relay, "listen")):
+        args += ["--listen", f"unix:{sock}"]
     env = clean_env()
     limits = (relay.get("resources") or {}).get("limits") or {}
     for e in relay.get("env") or []:
@@ -586,6 +767,13 @@ def dry_run_relay(tag, server, relay, workdir):
             got = samples.get(("kvrelay_limit_bytes", frozenset({("limit", k)})))
             if v:
                 check(got == parse_bytes(v), f"{tag}: kvrelay_limit_bytes{{limit=\"{k}\"}} = {got}, configured {v}")
+        want = byte_limit(relay, "outbox")
+        if want is not None:
+            got = samples.get(("kvrelay_limit_bytes", frozenset({("limit", "outbox")})))
+            check(got == want, f"{tag}: kvrelay_limit_bytes{{limit=\"outbox\"}} = {got}, configured {want}")
+        if any(v.startswith("unix:") for v in flag_values(relay, "listen")):
+            check(os.path.exists(sock) and stat.S_ISSOCK(os.stat(sock).st_mode),
+                  f"{tag}: the relay did not create its Unix socket ({sock})")
     finally:
         check(r.stop() == 0, f"{tag}: relay with the sidecar's configuration did not exit 0 on SIGTERM")
 

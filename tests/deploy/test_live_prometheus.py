@@ -23,7 +23,9 @@
      saved, to 1e-9 (and the printed ratio to its 3 decimals); so must the
      stat panels (all families) and increase() over the same window;
   5. every other dashboard query returns series without error; the hop
-     latency histogram counted one delivery per hop; every alerting rule
+     latency histogram counted one delivery per hop; the network row's
+     series exist at 0 (one relay forwards nothing; its forward latency
+     quantiles are NaN); every alerting rule
      evaluates with health "ok" in the real Prometheus and none fires;
   6. renders the dashboard from this Prometheus into a PNG
      (deploy/grafana/render_png.py; --png, default in the build dir).
@@ -337,9 +339,29 @@ def main():
                 check(False, f"panel {p['title']!r} {t['refId']}: {e}")
                 continue
             check(res, f"panel {p['title']!r} {t['refId']}: no series from the live relay: {expr}")
-            if "histogram_quantile" in expr:
+            if "histogram_quantile" in expr and "kvrelay_forward_seconds" in expr:
+                # One relay without routes forwards nothing: the series is there, with no observations.
+                v = float(res[0]["value"][1]) if res else 0.0
+                check(math.isnan(v), f"panel {p['title']!r} {t['refId']}: forward latency {v} s from a relay "
+                      "that has no route to forward on")
+            elif "histogram_quantile" in expr:
                 v = float(res[0]["value"][1]) if res else float("nan")
                 check(0 < v < 30, f"panel {p['title']!r} {t['refId']}: quantile {v} s")
+        # The network row's series exist at 0 on a relay that forwards nothing.
+        for name in ("kvrelay_forward_bytes_total", "kvrelay_forward_full_bytes_total",
+                     "kvrelay_forward_elided_bytes_total", "kvrelay_forward_seconds_count",
+                     "kvrelay_outbox_messages", "kvrelay_outbox_bytes"):
+            got = after.get((name, frozenset()))
+            check(got == 0, f"{name} = {got} on a relay without routes, expected 0")
+        for name, label, values in (
+                ("kvrelay_forwards_total", "outcome", ("committed", "duplicate", "retry", "whole", "dead_letter")),
+                ("kvrelay_forwards_received_total", "outcome", ("committed", "duplicate", "refused")),
+                ("kvrelay_dead_letters_total", "code", ("INVALID_ARGUMENT", "ALREADY_EXISTS", "FAILED_PRECONDITION",
+                                                        "PERMISSION_DENIED", "DEADLINE_EXCEEDED", "UNAVAILABLE",
+                                                        "RESOURCE_EXHAUSTED", "NOT_FOUND"))):
+            for v in values:
+                got = after.get((name, frozenset({(label, v)})))
+                check(got == 0, f"{name}{{{label}=\"{v}\"}} = {got} on a relay without routes, expected 0")
         lim = vector(prom.query('kvrelay_limit_bytes{limit="inflight"}'))
         want = after.get(("kvrelay_limit_bytes", frozenset({("limit", "inflight")})))
         check(list(lim.values()) == [want] and (args.relay_arg or want == 4 * 2 ** 30),

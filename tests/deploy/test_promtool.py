@@ -14,7 +14,8 @@
      known numbers, and for which each alert fires or stays quiet; the test
      file's copies of those queries (and of the failed-RPC ratio by method)
      must be the dashboard's own ($__rate_interval -> 4m there, so the
-     expected rates are exact floats);
+     expected rates are exact floats), and so must the network row's
+     forwarded, full-KV and elided bytes and forward latency quantiles;
   5. KvrelayHighErrorRate is a per-method ratio of kvrelay_rpcs_total with a
      minimum-traffic guard, leaving out the same codes as the dashboard's
      failed-ratio panel.
@@ -68,7 +69,8 @@ def main():
                 for m in metric_names_in_expr(r["expr"]):
                     check(m in known, f"{name}: metric {m} is not registered in server/metrics.cc")
     check({"KvrelayDown", "KvrelayHighErrorRate", "KvrelayCompressionRatioCollapsed",
-           "KvrelayInflightBytesNearLimit"} <= alerts, f"alerts {sorted(alerts)}")
+           "KvrelayInflightBytesNearLimit", "KvrelayForwardDeadLetters", "KvrelayForwardRetryRateHigh",
+           "KvrelayOutboxNearLimit"} <= alerts, f"alerts {sorted(alerts)}")
 
     # The error-rate alert: a per-method ratio of kvrelay_rpcs_total (every finished call,
     # OK included), not errors of all methods over a message count; the codes it does not
@@ -131,6 +133,10 @@ def main():
                                      and "kvrelay_sent_bytes_total" in e,
         "bytes saved by family": lambda e: "sum by (family)" in e and "kvrelay_saved_bytes_total" in e,
         "failed RPC ratio by method": lambda e: "kvrelay_rpcs_total" in e and "code!~" in e,
+        "bytes on the network": lambda e: "kvrelay_forward_bytes_total" in e,
+        "what full KV would have sent": lambda e: "kvrelay_forward_full_bytes_total" in e,
+        "elided bytes": lambda e: "kvrelay_forward_elided_bytes_total" in e,
+        "forward latency": lambda e: "kvrelay_forward_seconds_bucket" in e,
     }
     for _, t in targets:
         if "kvrelay_rpcs_total" in t["expr"] and "code!~" in t["expr"]:
