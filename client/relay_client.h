@@ -13,9 +13,9 @@
 //
 // Errors are the relay's gRPC status converted to absl::Status (the
 // canonical codes map one to one), or the client's own checks of what the
-// relay sent: DATA_LOSS for a chunk or trailer CRC32C mismatch,
-// INVALID_ARGUMENT for a malformed delivery stream (see
-// client/internal/chunking.h).
+// relay sent: DATA_LOSS for any malformed delivery stream (a chunk or
+// trailer CRC32C mismatch, a chunk out of order, a header that describes no
+// message; proto/stream_codec.h).
 //
 // Retries: only Publish retries, and only because every publish carries a
 // message id (the idempotency key; generated when the caller gives none):

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "server/assembler.h"
+#include "proto/stream_codec.h"
 #include "server/metrics.h"
 
 namespace kvrelay {
