@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "client/heap_retain.h"
+#include "core/heap_retain.h"
 #include "core/format/synthetic.h"
 #include "core/internal/gram.h"
 #include "core/pipeline.h"
@@ -158,7 +158,7 @@ BENCHMARK(BM_Gram)->ArgsProduct({{0, 1}, {0, 1, 2}})->ArgNames({"bf16", "isa"})-
 
 int main(int argc, char** argv) {
   // As kvrelay-server and kvrelayctl run: freed tensors stay mapped for the
-  // next message (client/heap_retain.h). MALLOC_TRIM_THRESHOLD_=131072
+  // next message (core/heap_retain.h). MALLOC_TRIM_THRESHOLD_=131072
   // MALLOC_MMAP_THRESHOLD_=131072 measures glibc's defaults instead.
   kvrelay::RetainFreedHeap(kvrelay::kDefaultHeapRetainBytes);
   benchmark::Initialize(&argc, argv);

@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "client/heap_retain.h"
+#include "core/heap_retain.h"
 #include "client/relay_client.h"
 #include "core/format/synthetic.h"
 
@@ -562,7 +562,7 @@ int Main(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   // The sending and receiving agent keep freed tensors for reuse, as
-  // kvrelayctl and kvrelay-server do (client/heap_retain.h).
+  // kvrelayctl and kvrelay-server do (core/heap_retain.h).
   kvrelay::RetainFreedHeap(kvrelay::kDefaultHeapRetainBytes);
   return kvrelay::Main(argc, argv);
 }

@@ -23,7 +23,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "client/heap_retain.h"
+#include "core/heap_retain.h"
 #include "core/format/safetensors.h"
 #include "core/format/synthetic.h"
 #include "core/format/turn_file.h"
@@ -865,7 +865,7 @@ int Main(int argc, char** argv) {
 }  // namespace kvrelay
 
 int main(int argc, char** argv) {
-  // Turns are tens of MB: keep freed tensors for reuse (client/heap_retain.h).
+  // Turns are tens of MB: keep freed tensors for reuse (core/heap_retain.h).
   kvrelay::RetainFreedHeap(kvrelay::kDefaultHeapRetainBytes);
   try {
     return kvrelay::Main(argc, argv);

@@ -1,39 +1,28 @@
 #include "client/relay_client.h"
 
 #include <algorithm>
-#include <condition_variable>
-#include <mutex>
 #include <random>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/cord.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/internal/chunking.h"
-#include "core/crc32c.h"
 #include "core/status_macros.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "grpcpp/support/slice.h"
 #include "grpcpp/support/sync_stream.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
+#include "proto/stream_codec.h"
+#include "proto/wire.h"
 
 namespace kvrelay {
-
-using client_internal::kMaxChunkBytes;
-using client_internal::MessageAssembler;
-using client_internal::TensorRef;
-using client_internal::TrailerBuilder;
 
 namespace {
 
@@ -79,93 +68,77 @@ using WriteFn = std::function<bool(const grpc::ByteBuffer&)>;
 template <typename Request>
 absl::Status UploadTurn(const Turn& turn, const std::shared_ptr<const Turn>& hold, const WriteFn& write,
                         const ProgressCallback& progress) {
-  const std::vector<TensorRef> tensors = client_internal::TurnUploadOrder(turn);
+  std::vector<TensorRef> tensors = TurnUploadOrder(turn);
   TransferProgress p;
   p.phase = TransferProgress::Phase::kUpload;
-  p.bytes_total = client_internal::TotalBytes(tensors);
-  TrailerBuilder trailer;
+  p.bytes_total = TotalBytes(tensors);
   const absl::Status broken = absl::CancelledError("upload stream broke");
-  ChunkCursor chunks(tensors);
-  ChunkCursor::Piece c;
-  while (chunks.Next(&c)) {
-    uint32_t crc = 0;
-    grpc::ByteBuffer msg;
-    if (hold) {
-      crc = Crc32c(c.data.data(), c.data.size());
-      msg = EncodeChunkNoCopy(Request::kChunkFieldNumber, c.layer, c.part, c.offset, c.data, crc, hold);
-    } else {
-      msg = EncodeChunkCopy(Request::kChunkFieldNumber, c.layer, c.part, c.offset, c.data, &crc);
-    }
+  ChunkStreamWriter writer;
+  writer.Append(std::move(tensors), hold);
+  grpc::ByteBuffer msg;
+  uint64_t n = 0;
+  while (writer.NextChunk<Request>(&msg, &n)) {
     if (!write(msg)) return broken;
-    trailer.Add(crc, c.data.size());
-    p.bytes_done += c.data.size();
+    p.bytes_done += n;
     if (progress) progress(p);
   }
-  Request commit;
-  *commit.mutable_commit() = trailer.Build();
-  if (!write(EncodeProto(commit))) return broken;
+  if (!write(writer.EncodeTrailer<Request>())) return broken;
   return absl::OkStatus();
 }
 
 // Consumes one delivery stream response (header, chunk or trailer).
 // `done` is set once the trailer checked out and `*out` holds the message.
 template <typename Response>
-class DeliveryReader {
+class DeliveryStream {
  public:
-  explicit DeliveryReader(ProgressCallback progress) : progress_(std::move(progress)) {
+  explicit DeliveryStream(ProgressCallback progress) : progress_(std::move(progress)) {
     p_.phase = TransferProgress::Phase::kDownload;
   }
 
   // A response as it arrived: a chunk is copied straight out of gRPC's
-  // slices; anything else is parsed as a Response.
+  // slices; anything else is parsed as a Response. A bad delivery is
+  // DATA_LOSS (DeliveryStatus): the relay sent it, or it broke on the way.
   absl::Status Consume(const grpc::ByteBuffer& wire) {
     if (!raw_.Reset(wire)) return absl::DataLossError("delivery stream: unreadable response");
-    if (raw_.AsChunk(Response::kChunkFieldNumber, &chunk_)) return Consume(chunk_);
-    if (!raw_.ParseAs(&resp_)) {  // the relay sent something else: corruption on the way
+    if (raw_.AsChunk(Response::kChunkFieldNumber, &chunk_)) return DeliveryStatus(Consume(chunk_));
+    if (!raw_.ParseAs(&resp_)) {
       return absl::DataLossError(absl::StrCat("delivery stream: a response of ", raw_.size(),
                                               " bytes that is not a kvrelay.v1.", Response::descriptor()->name()));
     }
-    return Consume(resp_);
+    return DeliveryStatus(Consume(resp_));
   }
 
-  absl::Status Consume(const Response& r) {
-    if (done_) {
-      return absl::InvalidArgumentError("delivery stream: response after the trailer, expected the end");
-    }
-    switch (r.kind_case()) {
-      case Response::kHeader:
-        if (have_header_) return absl::InvalidArgumentError("header: given twice, expected one");
-        header_ = r.header();
-        have_header_ = true;
-        KVRELAY_RETURN_IF_ERROR(assembler_.Start(header_));
-        p_.bytes_total = assembler_.bytes_expected();
-        if (progress_) progress_(p_);
-        return absl::OkStatus();
-      case Response::kChunk:
-        return Consume(ChunkView::Of(r.chunk()));
-      case Response::kTrailer: {
-        KVRELAY_ASSIGN_OR_RETURN(message_, assembler_.Finish(r.trailer()));
-        done_ = true;
-        return absl::OkStatus();
-      }
-      default:
-        return absl::InvalidArgumentError("delivery stream: empty response, expected header, chunk or trailer");
-    }
-  }
-
-  bool done() const { return done_; }
+  bool done() const { return reader_.done(); }
   const v1::MessageHeader& header() const { return header_; }
   Message TakeMessage() { return std::move(message_); }
 
  private:
-  absl::Status Consume(const ChunkView& c) {
-    if (done_) {
-      return absl::InvalidArgumentError("delivery stream: chunk after the trailer, expected the end");
+  StreamError Consume(const Response& r) {
+    switch (r.kind_case()) {
+      case Response::kHeader: {
+        if (!reader_.started() && !reader_.done()) header_ = r.header();
+        StreamError e = reader_.Start(r.header());
+        if (!e.ok()) return e;
+        p_.bytes_total = reader_.bytes_expected();
+        if (progress_) progress_(p_);
+        return e;
+      }
+      case Response::kChunk:
+        return Consume(ChunkView::Of(r.chunk()));
+      case Response::kTrailer:
+        return reader_.Finish(r.trailer(), &message_);
+      default:
+        return StreamError(StreamErrorKind::kSequence,
+                           "delivery stream: empty response, expected header, chunk or trailer");
     }
-    KVRELAY_RETURN_IF_ERROR(assembler_.Add(c));
-    p_.bytes_done = assembler_.bytes_received();
+  }
+
+  StreamError Consume(const ChunkView& c) {
+    StreamError e = reader_.Add(c);
+    if (!e.ok()) return e;
+    p_.bytes_done = reader_.bytes_received();
     if (progress_) progress_(p_);
-    return absl::OkStatus();
+    return e;
   }
 
   RawMessage raw_;
@@ -173,17 +146,15 @@ class DeliveryReader {
   Response resp_;
   ProgressCallback progress_;
   TransferProgress p_;
-  MessageAssembler assembler_;
+  DeliveryReader reader_;
   v1::MessageHeader header_;
-  bool have_header_ = false;
-  bool done_ = false;
   Message message_;
 };
 
 // Feeds every response of `stream` to `delivery`. On the first one it
 // rejects, cancels the call and drains the rest; returns that error, or OK.
 template <typename Stream, typename Response>
-absl::Status ConsumeDelivery(Stream* stream, grpc::ClientContext* ctx, DeliveryReader<Response>* delivery) {
+absl::Status ConsumeDelivery(Stream* stream, grpc::ClientContext* ctx, DeliveryStream<Response>* delivery) {
   grpc::ByteBuffer resp;
   while (stream->Read(&resp)) {
     absl::Status s = delivery->Consume(resp);
@@ -214,96 +185,10 @@ absl::Status CheckId(absl::string_view field, const std::string& v, bool require
   return absl::OkStatus();
 }
 
-// grpc.health.v1 wire format, hand-rolled (Debian ships no health.proto):
-// HealthCheckRequest { string service = 1; }
-// HealthCheckResponse { ServingStatus status = 1; }
-std::string EncodeHealthRequest(const std::string& service) {
-  std::string out;
-  if (service.empty()) return out;
-  out.push_back(0x0a);  // field 1, length-delimited
-  for (uint64_t n = service.size();;) {
-    const uint8_t b = n & 0x7f;
-    n >>= 7;
-    out.push_back(static_cast<char>(n ? (b | 0x80) : b));
-    if (!n) break;
-  }
-  return out + service;
-}
-
-bool ReadVarint(const std::string& s, size_t* i, uint64_t* v) {
-  *v = 0;
-  for (int shift = 0; shift < 64 && *i < s.size(); shift += 7) {
-    const uint8_t b = static_cast<uint8_t>(s[(*i)++]);
-    *v |= static_cast<uint64_t>(b & 0x7f) << shift;
-    if (!(b & 0x80)) return true;
-  }
-  return false;
-}
-
-absl::StatusOr<int> DecodeHealthResponse(const std::string& s) {
-  int status = 0;
-  for (size_t i = 0; i < s.size();) {
-    uint64_t key, v;
-    if (!ReadVarint(s, &i, &key)) break;
-    const int field = static_cast<int>(key >> 3), wire = static_cast<int>(key & 7);
-    if (wire == 0) {
-      if (!ReadVarint(s, &i, &v)) break;
-      if (field == 1) status = static_cast<int>(v);
-    } else if (wire == 2) {
-      if (!ReadVarint(s, &i, &v) || v > s.size() - i) break;
-      i += v;
-    } else if (wire == 1 && i + 8 <= s.size()) {
-      i += 8;
-    } else if (wire == 5 && i + 4 <= s.size()) {
-      i += 4;
-    } else {
-      break;
-    }
-    if (i == s.size()) return status;
-  }
-  if (s.empty()) return status;
-  return absl::InvalidArgumentError("grpc.health.v1.HealthCheckResponse: malformed reply");
-}
-
 }  // namespace
-
-const char* HealthStatusName(HealthStatus s) {
-  switch (s) {
-    case HealthStatus::kUnknown: return "UNKNOWN";
-    case HealthStatus::kServing: return "SERVING";
-    case HealthStatus::kNotServing: return "NOT_SERVING";
-    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
-  }
-  return "UNKNOWN";
-}
 
 RelayClient::RelayClient(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)), stub_(v1::Relay::NewStub(channel_)) {}
-
-absl::Status CheckRelayAddress(const std::string& addr) {
-  auto bad = [&addr] {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "address '", addr, "': expected HOST:PORT with PORT in 1..65535 (or a gRPC target such as dns:///HOST:PORT)"));
-  };
-  if (addr.empty()) return bad();
-  // gRPC's resolvers; another scheme (http://...) would only fail later.
-  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:", "google-c2p:"}) {
-    if (absl::StartsWith(addr, scheme)) return absl::OkStatus();  // gRPC matches the scheme exactly
-  }
-  size_t colon = addr.rfind(':');
-  if (addr[0] == '[') {
-    const size_t close = addr.find(']');
-    if (close == std::string::npos || close + 1 != colon) return bad();
-  } else if (colon == 0 || addr.find(':') != colon) {
-    return bad();  // no host, or a bare IPv6 address without brackets
-  }
-  int port;
-  if (colon == std::string::npos || !absl::SimpleAtoi(addr.substr(colon + 1), &port) || port < 1 || port > 65535 ||
-      addr.find_first_of(" \t,") != std::string::npos) {
-    return bad();
-  }
-  return absl::OkStatus();
-}
 
 std::unique_ptr<RelayClient> RelayClient::Connect(const std::string& addr) {
   grpc::ChannelArguments args;
@@ -350,7 +235,7 @@ absl::StatusOr<PublishResult> RelayClient::PublishImpl(const Turn& turn, std::sh
     KVRELAY_RETURN_IF_ERROR(CheckId(absl::StrCat("recipients[", i, "]"), opts.recipients[i], true));
   }
   if (opts.retries < 0) return absl::InvalidArgumentError("retries: negative, expected >= 0");
-  KVRELAY_ASSIGN_OR_RETURN(v1::TurnGeometry geometry, client_internal::TurnGeometryOf(turn));
+  KVRELAY_ASSIGN_OR_RETURN(v1::TurnGeometry geometry, TurnGeometryOf(turn));
   if (!opts.parent_id.empty() && geometry.n_history() > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "geometry.n_history: ", geometry.n_history(),
@@ -432,7 +317,7 @@ absl::StatusOr<FetchedMessage> RelayClient::Fetch(const FetchOptions& opts) {
   const grpc::internal::RpcMethod method(kFetchMethod, grpc::internal::RpcMethod::SERVER_STREAMING);
   std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
       grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel_.get(), method, &ctx, req));
-  DeliveryReader<v1::FetchResponse> delivery(opts.progress);
+  DeliveryStream<v1::FetchResponse> delivery(opts.progress);
   const absl::Status local = ConsumeDelivery(reader.get(), &ctx, &delivery);
   const grpc::Status s = reader->Finish();
   if (!local.ok()) return local;
@@ -508,7 +393,7 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
                                                         std::chrono::milliseconds deadline,
                                                         const ProgressCallback& progress) {
   if (policy.empty()) return absl::InvalidArgumentError("policy: empty, expected a pipeline spec");
-  KVRELAY_ASSIGN_OR_RETURN(v1::TurnGeometry geometry, client_internal::TurnGeometryOf(turn));
+  KVRELAY_ASSIGN_OR_RETURN(v1::TurnGeometry geometry, TurnGeometryOf(turn));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, deadline);
   const grpc::internal::RpcMethod method(kCompressMethod, grpc::internal::RpcMethod::BIDI_STREAMING);
@@ -519,7 +404,7 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
   // The relay may stream the message back while the upload is still going
   // (layer by layer), so the reply is read on its own thread: one reader and
   // one writer at a time is what a gRPC sync stream allows.
-  DeliveryReader<v1::CompressResponse> delivery(progress);
+  DeliveryStream<v1::CompressResponse> delivery(progress);
   absl::Status local;
   std::thread reader([&] { local = ConsumeDelivery(stream.get(), &ctx, &delivery); });
   v1::CompressRequest req;
@@ -545,41 +430,7 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
 
 absl::StatusOr<HealthStatus> RelayClient::Health(const std::string& service,
                                                  std::chrono::milliseconds deadline) {
-  grpc::GenericStub stub(channel_);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, deadline);
-  const std::string body = EncodeHealthRequest(service);
-  grpc::Slice slice(body);
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::ByteBuffer response;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   std::lock_guard<std::mutex> lock(mu);
-                   status = std::move(s);
-                   done = true;
-                   cv.notify_one();
-                 });
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-  }
-  // The health protocol answers Check for a service it does not know with
-  // NOT_FOUND (SERVICE_UNKNOWN is Watch's).
-  if (status.error_code() == grpc::StatusCode::NOT_FOUND) return HealthStatus::kServiceUnknown;
-  KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(status));
-  std::vector<grpc::Slice> slices;
-  std::string bytes;
-  if (response.Valid()) {
-    KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(response.Dump(&slices)));
-    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  KVRELAY_ASSIGN_OR_RETURN(const int st, DecodeHealthResponse(bytes));
-  if (st < 0 || st > 3) return HealthStatus::kUnknown;
-  return static_cast<HealthStatus>(st);
+  return CheckHealth(channel_, service, deadline);
 }
 
 }  // namespace kvrelay

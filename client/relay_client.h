@@ -13,9 +13,9 @@
 //
 // Errors are the relay's gRPC status converted to absl::Status (the
 // canonical codes map one to one), or the client's own checks of what the
-// relay sent: DATA_LOSS for a chunk or trailer CRC32C mismatch,
-// INVALID_ARGUMENT for a malformed delivery stream (see
-// client/internal/chunking.h).
+// relay sent: DATA_LOSS for any malformed delivery stream (a chunk or
+// trailer CRC32C mismatch, a chunk out of order, a header that describes no
+// message; proto/stream_codec.h).
 //
 // Retries: only Publish retries, and only because every publish carries a
 // message id (the idempotency key; generated when the caller gives none):
@@ -41,6 +41,7 @@
 #include "core/message.h"
 #include "core/turn.h"
 #include "grpcpp/channel.h"
+#include "proto/channel.h"
 #include "kvrelay/v1/relay.grpc.pb.h"
 
 namespace kvrelay {
@@ -137,17 +138,7 @@ struct RelayStats {
 // the message id it used.
 inline constexpr char kMessageIdPayload[] = "type.googleapis.com/kvrelay.v1.MessageId";
 
-// grpc.health.v1 serving status.
-enum class HealthStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
-const char* HealthStatusName(HealthStatus s);
-
-// Checks a relay address before dialling: InvalidArgument naming it unless
-// it is HOST:PORT (or [V6]:PORT) with PORT in 1..65535, or a target with
-// one of gRPC's resolver schemes (dns:, unix:, unix-abstract:, ipv4:, ipv6:,
-// vsock:, xds:, google-c2p:; e.g. "dns:///relay:50051"), which passes as
-// is. (gRPC itself takes a port above 65535 modulo 65536, and a missing
-// port as 443.)
-absl::Status CheckRelayAddress(const std::string& addr);
+// HealthStatus, HealthStatusName and CheckRelayAddress: proto/channel.h.
 
 class RelayClient {
  public:

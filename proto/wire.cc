@@ -1,16 +1,14 @@
 #include "proto/wire.h"
 
+#include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
+#include "core/status_macros.h"
 
 namespace kvrelay {
-namespace {
 
-template <typename T>
-absl::Span<const uint8_t> BytesOf(const std::vector<T>& v) {
-  return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T));
+void ChunkCursor::Append(std::vector<TensorRef> tensors) {
+  tensors_.insert(tensors_.end(), tensors.begin(), tensors.end());
 }
-
-}  // namespace
 
 bool ChunkCursor::Next(Piece* piece) {
   while (cursor_ < tensors_.size() && offset_ >= tensors_[cursor_].data.size()) {
@@ -23,30 +21,9 @@ bool ChunkCursor::Next(Piece* piece) {
   piece->part = t.part;
   piece->offset = offset_;
   piece->data = t.data.subspan(offset_, max_chunk_);
+  piece->tensor = cursor_;
   offset_ += piece->data.size();
   return true;
-}
-
-std::vector<TensorRef> MessageDeliveryOrder(const Message& msg) {
-  std::vector<TensorRef> out;
-  for (size_t i = 0; i < msg.layers.size(); ++i) {
-    const MessageLayer& l = msg.layers[i];
-    const uint32_t li = static_cast<uint32_t>(i);
-    if (l.quant) {
-      const QuantizedKv& q = *l.quant;
-      out.push_back({li, v1::PART_K_CODES, BytesOf(q.k.codes)});
-      out.push_back({li, v1::PART_K_SCALE, BytesOf(q.k.scale)});
-      out.push_back({li, v1::PART_K_ZERO, BytesOf(q.k.zero)});
-      out.push_back({li, v1::PART_V_CODES, BytesOf(q.v.codes)});
-      out.push_back({li, v1::PART_V_SCALE, BytesOf(q.v.scale)});
-      out.push_back({li, v1::PART_V_ZERO, BytesOf(q.v.zero)});
-    } else {
-      out.push_back({li, v1::PART_K, l.k.bytes()});
-      out.push_back({li, v1::PART_V, l.v.bytes()});
-    }
-    out.push_back({li, v1::PART_POS, BytesOf(l.pos.data)});
-  }
-  return out;
 }
 
 void TrailerBuilder::Add(const v1::Chunk& chunk) { Add(chunk.crc32c(), chunk.data().size()); }
@@ -105,6 +82,38 @@ std::optional<DType> DTypeFromProto(v1::DType dtype) {
     case v1::DTYPE_BF16: return DType::kBF16;
     default: return std::nullopt;
   }
+}
+
+absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
+  if (std::optional<DType> d = DTypeFromProto(dtype)) return *d;
+  return absl::InvalidArgumentError(absl::StrCat("dtype: ", static_cast<int>(dtype), ", expected F32, F16 or BF16"));
+}
+
+absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn) {
+  KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
+  v1::TurnGeometry g;
+  g.set_layers(static_cast<uint32_t>(turn.layers.size()));
+  g.set_kv_heads(geo.kv_heads);
+  g.set_score_heads(geo.score_heads);
+  g.set_head_dim(geo.head_dim);
+  g.set_dtype(ToProtoDType(geo.dtype));
+  g.set_n_prompt(geo.n_prompt);
+  g.set_n_gen(geo.n_gen);
+  g.set_n_history(geo.n_history);
+  g.set_first_agent(turn.first_agent);
+  if (turn.prompt_pos0) g.set_prompt_pos0(*turn.prompt_pos0);
+  return g;
+}
+
+v1::MessageHeader MessageHeaderOf(const Message& msg) {
+  v1::MessageHeader h;
+  FillMessageHeader(msg, &h);
+  v1::Accounting* a = h.mutable_accounting();
+  a->set_policy(msg.policy);
+  a->set_full_bytes(msg.full_bytes);
+  a->set_sent_bytes(msg.sent_bytes);
+  a->set_ratio(msg.Ratio());
+  return h;
 }
 
 void FillMessageHeader(const Message& msg, v1::MessageHeader* h) {

@@ -9,9 +9,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
 #include "core/message.h"
+#include "core/turn.h"
 #include "kvrelay/v1/relay.pb.h"
 
 namespace kvrelay {
@@ -26,15 +28,10 @@ struct TensorRef {
   absl::Span<const uint8_t> data;
 };
 
-// Every tensor of `msg` in delivery order (relay.proto): per layer K, V, POS
-// when dense; K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS when
-// quantized. Tensors of 0 bytes are included (they send no chunk). Views
-// into `msg`, which must outlive the result.
-std::vector<TensorRef> MessageDeliveryOrder(const Message& msg);
-
 // Walks tensors in order in pieces of at most `max_chunk` bytes: the chunks
-// of a stream. Tensors of 0 bytes give none. The pieces are views into the
-// tensors, which must outlive the cursor. Not thread-safe.
+// of a stream (the orders are proto/stream_codec.h's). Tensors of 0 bytes
+// give none. The pieces are views into the tensors, which must outlive the
+// cursor. Not thread-safe.
 // REQUIRES: max_chunk >= 1.
 class ChunkCursor {
  public:
@@ -43,12 +40,16 @@ class ChunkCursor {
     v1::Part part = v1::PART_UNSPECIFIED;
     uint64_t offset = 0;              // of data within its tensor
     absl::Span<const uint8_t> data;   // 1 to max_chunk bytes
+    size_t tensor = 0;                // index of its tensor, in append order
   };
 
   explicit ChunkCursor(std::vector<TensorRef> tensors, size_t max_chunk = kMaxChunkBytes)
       : tensors_(std::move(tensors)), max_chunk_(max_chunk) {}
 
-  // Sets *piece to the next piece; false once every piece was given.
+  // Queues more tensors after the others.
+  void Append(std::vector<TensorRef> tensors);
+
+  // Sets *piece to the next piece; false once every queued piece was given.
   bool Next(Piece* piece);
 
  private:
@@ -84,6 +85,18 @@ v1::DType ToProtoDType(DType dtype);
 // std::nullopt for DTYPE_UNSPECIFIED and unknown values; callers name the
 // field in their error.
 std::optional<DType> DTypeFromProto(v1::DType dtype);
+
+// InvalidArgument for DTYPE_UNSPECIFIED or an unknown value.
+absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
+
+// The geometry of `turn` for a PublishHeader/CompressHeader.
+// InvalidArgument when the turn has no layers or layer 0 is inconsistent.
+absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn);
+
+// The MessageHeader fields that describe `msg` (FillMessageHeader, and
+// accounting.{policy, full_bytes, sent_bytes, ratio}).
+// REQUIRES: msg has at least one layer.
+v1::MessageHeader MessageHeaderOf(const Message& msg);
 
 // The message-shape fields of a delivery header: layers, kv_heads, head_dim,
 // dtype, the four part sizes, next_pos and the quantization (bits, group,

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "client/heap_retain.h"
+#include "core/heap_retain.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
 #include "core/thread_pool.h"

@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "client/heap_retain.h"
+#include "core/heap_retain.h"
 
 namespace kvrelay {
 

@@ -14,10 +14,12 @@
 #include <string>
 
 #include "absl/strings/numbers.h"
-#include "client/heap_retain.h"
-#include "client/relay_client.h"
+#include "core/heap_retain.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpc/support/log.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "proto/channel.h"
 #include "server/config.h"
 #include "server/server.h"
 #include "spdlog/pattern_formatter.h"
@@ -62,8 +64,8 @@ int HealthMain(int argc, char** argv) {
     }
   }
   absl::StatusOr<kvrelay::HealthStatus> h =
-      kvrelay::RelayClient::Connect(addr)->Health(
-          "", std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+      kvrelay::CheckHealth(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()), "",
+                           std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
   if (!h.ok()) {
     std::cerr << "kvrelay-server health: " << addr << ": " << h.status().ToString() << "\n";
     return 1;

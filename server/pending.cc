@@ -64,7 +64,7 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
         layer.history_v = p.v;
       }
     }
-    // The assembler checked every uploaded K/V element as its chunk arrived;
+    // The UploadReader checked every uploaded K/V element as its chunk arrived;
     // the history taken from a parent (dequantized, maybe) is checked here.
     if (st.ok()) st = ValidateTurnLayer(layer, l, geo_, prompt_pos0_, /*check_kv_values=*/false);
     if (parent_) {

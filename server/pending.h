@@ -22,7 +22,7 @@
 #include "core/message.h"
 #include "core/pipeline.h"
 #include "core/thread_pool.h"
-#include "server/assembler.h"
+#include "proto/stream_codec.h"
 #include "server/store.h"
 
 namespace kvrelay {

@@ -13,13 +13,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/text_format.h"
-#include "core/crc32c.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
+#include "proto/stream_codec.h"
 #include "proto/wire.h"
-#include "server/assembler.h"
 #include "server/pending.h"
 #include "spdlog/spdlog.h"
 
@@ -56,42 +55,6 @@ grpc::Status AsClientSees(const grpc::CallbackServerContext& ctx, const grpc::St
   if (s.error_code() != grpc::CANCELLED || !DeadlinePassed(ctx)) return s;
   return grpc::Status(grpc::DEADLINE_EXCEEDED, absl::StrCat(s.error_message(), " (the call's deadline passed)"));
 }
-
-// Serializes a message as Fetch and Compress deliver it: per layer K, V,
-// POS (dense) or K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS
-// (quantized); tensors of 0 bytes send no chunk; chunks of at most 1 MiB.
-class OutgoingMessage {
- public:
-  OutgoingMessage(std::shared_ptr<const void> hold, const Message* m)
-      : hold_(std::move(hold)), chunks_(MessageDeliveryOrder(*m)) {}
-
-  // Encodes the delivery's next response of type Resp (FetchResponse or
-  // CompressResponse) into `out`: each chunk, its data sent from the message
-  // itself (the slices hold the message), then the trailer; false after the
-  // trailer.
-  template <typename Resp>
-  bool FillNext(grpc::ByteBuffer* out) {
-    ChunkCursor::Piece c;
-    if (chunks_.Next(&c)) {
-      const uint32_t crc = Crc32c(c.data.data(), c.data.size());
-      *out = EncodeChunkNoCopy(Resp::kChunkFieldNumber, c.layer, c.part, c.offset, c.data, crc, hold_);
-      trailer_.Add(crc, c.data.size());
-      return true;
-    }
-    if (trailer_sent_) return false;
-    trailer_sent_ = true;
-    Resp resp;
-    *resp.mutable_trailer() = trailer_.Build();
-    *out = EncodeProto(resp);
-    return true;
-  }
-
- private:
-  std::shared_ptr<const void> hold_;  // keeps the message the views point into
-  ChunkCursor chunks_;                 // delivery order
-  TrailerBuilder trailer_;
-  bool trailer_sent_ = false;
-};
 
 void FillAccounting(const Message& m, uint64_t received, double compress_s, double commit_s,
                     v1::Accounting* a) {
@@ -186,14 +149,14 @@ class Upload {
   bool started() const { return pending_ != nullptr; }
 
   absl::Status Chunk(const ChunkView& c) {
-    KVRELAY_RETURN_IF_ERROR(assembler_->Accept(c));
+    KVRELAY_RETURN_IF_ERROR(UploadStatus(assembler_->Accept(c)));
     svc_->store()->AddReceived(c.size);
     if (svc_->metrics()) svc_->metrics()->AddReceived(c.size);
     SubmitCompleted();
     return pending_->status();  // a layer may already have failed
   }
 
-  absl::Status Commit(const v1::Trailer& t) { return assembler_->CheckCommit(t); }
+  absl::Status Commit(const v1::Trailer& t) { return UploadStatus(assembler_->CheckCommit(t)); }
 
   std::shared_ptr<PendingCompression> pending() const { return pending_; }
   uint64_t received() const { return assembler_ ? assembler_->bytes_received() : 0; }
@@ -212,7 +175,7 @@ class Upload {
   }
 
   RelayService* svc_;
-  std::optional<TurnAssembler> assembler_;
+  std::optional<UploadReader> assembler_;
   std::shared_ptr<PendingCompression> pending_;
 };
 
@@ -701,7 +664,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void Begin(Store::Delivery d) {
     delivery_ = std::move(d);
     const StoredMessage& m = *delivery_.msg;
-    out_.emplace(delivery_.msg, &m.msg);
+    out_.emplace();
+    out_->Append(MessageDeliveryOrder(m.msg), delivery_.msg);  // sent from the stored message
     v1::FetchResponse resp;
     v1::MessageHeader* h = resp.mutable_header();
     h->set_message_id(m.message_id);
@@ -769,7 +733,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   uint64_t waiter_ = 0;
   std::atomic<bool> finished_{false};
   Store::Delivery delivery_;
-  std::optional<OutgoingMessage> out_;
+  std::optional<ChunkStreamWriter> out_;
   grpc::ByteBuffer wire_;  // the response being written
   std::shared_ptr<UploadWatchdog::Entry> reply_idle_;  // set before the first write
 };
@@ -833,7 +797,8 @@ class CompressReactor final
       upload_ = Upload(svc_);  // releases the upload's reservation
     }
     if (Metrics* mx = svc_->metrics()) mx->ObserveCompress(compress_s);
-    out_.emplace(msg, msg.get());
+    out_.emplace();
+    out_->Append(MessageDeliveryOrder(*msg), msg);
     v1::CompressResponse resp;
     v1::MessageHeader* h = resp.mutable_header();
     FillMessageHeader(*msg, h);
@@ -870,7 +835,7 @@ class CompressReactor final
   }
 
   grpc::ByteBuffer out_wire_;  // the response being written
-  std::optional<OutgoingMessage> out_;
+  std::optional<ChunkStreamWriter> out_;
   uint64_t out_reserved_ = 0;  // in flight until OnDone
   std::shared_ptr<UploadWatchdog::Entry> reply_idle_;  // set before the first write
 };

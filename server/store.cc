@@ -1,6 +1,6 @@
 #include "server/store.h"
 
-#include "server/assembler.h"
+#include "proto/stream_codec.h"
 
 namespace kvrelay {
 

@@ -13,7 +13,6 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
-#include "client/internal/chunking.h"
 #include "core/crc32c.h"
 #include "core/format/synthetic.h"
 #include "core/format/turn_file.h"
@@ -23,13 +22,12 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
 #include "proto/status_util.h"
+#include "proto/stream_codec.h"
+#include "proto/wire.h"
 
 namespace kvrelay {
 namespace {
 
-using client_internal::MessageDeliveryOrder;
-using client_internal::MessageHeaderOf;
-using client_internal::TrailerBuilder;
 using ::testing::HasSubstr;
 
 // Rebuilds a turn from an upload's geometry and chunks (no validation beyond
@@ -39,7 +37,7 @@ class TurnBuilder {
   void Start(const v1::TurnGeometry& g) {
     turn_.first_agent = g.first_agent();
     if (g.has_prompt_pos0()) turn_.prompt_pos0 = g.prompt_pos0();
-    const DType dt = *client_internal::FromProtoDType(g.dtype());
+    const DType dt = *FromProtoDType(g.dtype());
     const int H = g.kv_heads(), d = g.head_dim();
     turn_.layers.resize(g.layers());
     for (TurnLayer& l : turn_.layers) {
@@ -86,8 +84,8 @@ void SendMessage(const Message& m, const v1::MessageHeader& header, Writer* w, b
   *r.mutable_header() = header;
   w->Write(r);
   TrailerBuilder tb;
-  for (const client_internal::TensorRef& t : MessageDeliveryOrder(m)) {
-    (void)client_internal::ForEachChunk(t, client_internal::kMaxChunkBytes, r.mutable_chunk(),
+  for (const TensorRef& t : MessageDeliveryOrder(m)) {
+    (void)ForEachChunk(t, kMaxChunkBytes, r.mutable_chunk(),
                                         [&](const v1::Chunk& c) {
                                           tb.Add(c);
                                           if (corrupt) r.mutable_chunk()->set_crc32c(c.crc32c() ^ 1);

@@ -14,7 +14,7 @@
 #include "grpcpp/impl/codegen/client_unary_call.h"
 #include "proto/raw_chunk.h"
 #include "relay_test_util.h"
-#include "server/assembler.h"
+#include "proto/stream_codec.h"
 #include "server/pending.h"
 #include "server/relay_service.h"
 #include "server/server.h"

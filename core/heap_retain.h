@@ -10,8 +10,8 @@
 // once from main(), before the threads start. The MALLOC_TRIM_THRESHOLD_
 // and MALLOC_MMAP_THRESHOLD_ environment variables, when set, win.
 // n == 0 changes nothing. The library never calls it on its own.
-#ifndef KVRELAY_CLIENT_HEAP_RETAIN_H_
-#define KVRELAY_CLIENT_HEAP_RETAIN_H_
+#ifndef KVRELAY_CORE_HEAP_RETAIN_H_
+#define KVRELAY_CORE_HEAP_RETAIN_H_
 
 #include <malloc.h>
 
@@ -39,4 +39,4 @@ inline void RetainFreedHeap(uint64_t bytes) {
 
 }  // namespace kvrelay
 
-#endif  // KVRELAY_CLIENT_HEAP_RETAIN_H_
+#endif  // KVRELAY_CORE_HEAP_RETAIN_H_

@@ -1,0 +1,612 @@
+#include "proto/stream_codec.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
+
+namespace kvrelay {
+namespace {
+
+template <typename T>
+absl::Span<const uint8_t> BytesOf(const std::vector<T>& v) {
+  return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T));
+}
+
+constexpr v1::Part kUploadParts[] = {v1::PART_PROMPT_K,   v1::PART_PROMPT_V,  v1::PART_GEN_K,
+                                     v1::PART_GEN_V,      v1::PART_PROMPT_SCORE, v1::PART_HISTORY_K,
+                                     v1::PART_HISTORY_V,  v1::PART_HISTORY_POS};
+constexpr v1::Part kDenseParts[] = {v1::PART_K, v1::PART_V, v1::PART_POS};
+constexpr v1::Part kQuantParts[] = {v1::PART_K_CODES, v1::PART_K_SCALE, v1::PART_K_ZERO, v1::PART_V_CODES,
+                                    v1::PART_V_SCALE, v1::PART_V_ZERO,  v1::PART_POS};
+
+absl::Span<const uint8_t> TurnPartBytes(const TurnLayer& l, v1::Part part) {
+  switch (part) {
+    case v1::PART_PROMPT_K: return l.prompt_k.bytes();
+    case v1::PART_PROMPT_V: return l.prompt_v.bytes();
+    case v1::PART_GEN_K: return l.gen_k.bytes();
+    case v1::PART_GEN_V: return l.gen_v.bytes();
+    case v1::PART_PROMPT_SCORE: return BytesOf(l.scores.data);
+    case v1::PART_HISTORY_K: return l.history_k.bytes();
+    case v1::PART_HISTORY_V: return l.history_v.bytes();
+    case v1::PART_HISTORY_POS: return BytesOf(l.history_pos.data);
+    default: return {};
+  }
+}
+
+absl::Span<const uint8_t> MessagePartBytes(const MessageLayer& l, v1::Part part) {
+  const QuantizedKv* q = l.quant ? &*l.quant : nullptr;
+  switch (part) {
+    case v1::PART_K: return l.k.bytes();
+    case v1::PART_V: return l.v.bytes();
+    case v1::PART_POS: return BytesOf(l.pos.data);
+    case v1::PART_K_CODES: return BytesOf(q->k.codes);
+    case v1::PART_K_SCALE: return BytesOf(q->k.scale);
+    case v1::PART_K_ZERO: return BytesOf(q->k.zero);
+    case v1::PART_V_CODES: return BytesOf(q->v.codes);
+    case v1::PART_V_SCALE: return BytesOf(q->v.scale);
+    case v1::PART_V_ZERO: return BytesOf(q->v.zero);
+    default: return {};
+  }
+}
+
+// An uploaded tensor's bytes, from the header's geometry.
+uint64_t UploadPartBytes(const TurnGeometry& g, v1::Part part) {
+  const uint64_t row = static_cast<uint64_t>(g.head_dim) * DTypeSize(g.dtype) * g.kv_heads;
+  switch (part) {
+    case v1::PART_PROMPT_K:
+    case v1::PART_PROMPT_V: return row * g.n_prompt;
+    case v1::PART_GEN_K:
+    case v1::PART_GEN_V: return row * g.n_gen;
+    case v1::PART_PROMPT_SCORE: return 4ull * g.score_heads * g.n_prompt;
+    case v1::PART_HISTORY_K:
+    case v1::PART_HISTORY_V: return row * g.n_history;
+    case v1::PART_HISTORY_POS: return 4ull * g.kv_heads * g.n_history;
+    default: return 0;
+  }
+}
+
+std::string Place(uint32_t layer, v1::Part part, uint64_t offset) {
+  return absl::StrCat("layer ", layer, " ", PartName(part), " offset ", offset);
+}
+
+StreamError HeaderError(std::string message) { return StreamError(StreamErrorKind::kHeader, std::move(message)); }
+
+StreamError FieldError(const std::string& field, absl::string_view name, uint64_t value, absl::string_view expected) {
+  return HeaderError(absl::StrCat(field, ".", name, ": ", value, ", expected ", expected));
+}
+
+// A message larger than this is not a plausible delivery (64 GiB).
+constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 36;
+
+}  // namespace
+
+const char* StreamErrorKindName(StreamErrorKind kind) {
+  switch (kind) {
+    case StreamErrorKind::kOk: return "OK";
+    case StreamErrorKind::kHeader: return "HEADER";
+    case StreamErrorKind::kSequence: return "SEQUENCE";
+    case StreamErrorKind::kOrder: return "ORDER";
+    case StreamErrorKind::kChunkSize: return "CHUNK_SIZE";
+    case StreamErrorKind::kExtraChunk: return "EXTRA_CHUNK";
+    case StreamErrorKind::kChunkCrc: return "CHUNK_CRC";
+    case StreamErrorKind::kValue: return "VALUE";
+    case StreamErrorKind::kIncomplete: return "INCOMPLETE";
+    case StreamErrorKind::kTrailerCount: return "TRAILER_COUNT";
+    case StreamErrorKind::kTrailerCrc: return "TRAILER_CRC";
+  }
+  return "UNKNOWN";
+}
+
+absl::Status UploadStatus(const StreamError& e) {
+  switch (e.kind()) {
+    case StreamErrorKind::kOk: return absl::OkStatus();
+    case StreamErrorKind::kChunkCrc:
+    case StreamErrorKind::kTrailerCrc: return absl::DataLossError(e.message());
+    default: return absl::InvalidArgumentError(e.message());
+  }
+}
+
+absl::Status DeliveryStatus(const StreamError& e) {
+  if (e.ok()) return absl::OkStatus();
+  return absl::DataLossError(e.message());
+}
+
+absl::Span<const v1::Part> UploadParts(bool history) {
+  return absl::MakeConstSpan(kUploadParts, history ? 8 : 5);
+}
+
+absl::Span<const v1::Part> DeliveryParts(bool quantized) {
+  if (quantized) return absl::MakeConstSpan(kQuantParts);
+  return absl::MakeConstSpan(kDenseParts);
+}
+
+std::vector<TensorRef> LayerUploadOrder(const TurnLayer& layer, uint32_t index, bool history) {
+  std::vector<TensorRef> out;
+  for (v1::Part p : UploadParts(history)) out.push_back({index, p, TurnPartBytes(layer, p)});
+  return out;
+}
+
+std::vector<TensorRef> TurnUploadOrder(const Turn& turn) {
+  std::vector<TensorRef> out;
+  const bool history = !turn.layers.empty() && turn.layers[0].history_k.tokens() > 0;
+  out.reserve(turn.layers.size() * UploadParts(history).size());
+  for (size_t i = 0; i < turn.layers.size(); ++i) {
+    for (v1::Part p : UploadParts(history)) {
+      out.push_back({static_cast<uint32_t>(i), p, TurnPartBytes(turn.layers[i], p)});
+    }
+  }
+  return out;
+}
+
+std::vector<TensorRef> LayerDeliveryOrder(const MessageLayer& layer, uint32_t index) {
+  std::vector<TensorRef> out;
+  for (v1::Part p : DeliveryParts(layer.quant.has_value())) out.push_back({index, p, MessagePartBytes(layer, p)});
+  return out;
+}
+
+std::vector<TensorRef> MessageDeliveryOrder(const Message& msg) {
+  std::vector<TensorRef> out;
+  for (size_t i = 0; i < msg.layers.size(); ++i) {
+    std::vector<TensorRef> l = LayerDeliveryOrder(msg.layers[i], static_cast<uint32_t>(i));
+    out.insert(out.end(), l.begin(), l.end());
+  }
+  return out;
+}
+
+uint64_t TotalBytes(absl::Span<const TensorRef> tensors) {
+  uint64_t n = 0;
+  for (const TensorRef& t : tensors) n += t.data.size();
+  return n;
+}
+
+// ---------------------------------------------------------- upload header
+
+std::string PartName(v1::Part part) { return v1::Part_Name(part); }
+
+uint64_t UploadShape::LayerUploadBytes() const {
+  uint64_t n = 0;
+  for (v1::Part p : UploadParts(true)) n += UploadPartBytes(geo, p);
+  return n;
+}
+
+uint64_t UploadShape::UploadBytes() const { return LayerUploadBytes() * layers; }
+
+uint64_t UploadShape::ReserveBytes() const {
+  return UploadBytes() + kLayerOverheadBytes * static_cast<uint64_t>(layers);
+}
+
+absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field) {
+  auto bad = [](const StreamError& e) { return UploadStatus(e); };
+  UploadShape s;
+  // The core's bounds (core/turn.h), checked before anything is reserved.
+  auto range = [](int hi) { return absl::StrCat("1..", hi); };
+  if (g.layers() < 1 || g.layers() > static_cast<uint32_t>(kMaxLayers)) {
+    return bad(FieldError(field, "layers", g.layers(), range(kMaxLayers)));
+  }
+  if (g.kv_heads() < 1 || g.kv_heads() > static_cast<uint32_t>(kMaxKvHeads)) {
+    return bad(FieldError(field, "kv_heads", g.kv_heads(), range(kMaxKvHeads)));
+  }
+  if (g.score_heads() < g.kv_heads() || g.score_heads() % g.kv_heads() != 0 ||
+      g.score_heads() > static_cast<uint32_t>(kMaxScoreHeads)) {
+    return bad(FieldError(field, "score_heads", g.score_heads(),
+                          absl::StrCat("a positive multiple of kv_heads (", g.kv_heads(), "), at most ",
+                                       kMaxScoreHeads)));
+  }
+  if (g.head_dim() < 1 || g.head_dim() > static_cast<uint32_t>(kMaxHeadDim)) {
+    return bad(FieldError(field, "head_dim", g.head_dim(), range(kMaxHeadDim)));
+  }
+  if (std::optional<DType> dt = DTypeFromProto(g.dtype())) {
+    s.geo.dtype = *dt;
+  } else {
+    // An unknown value has no name: print the number alone.
+    const std::string& name = v1::DType_Name(g.dtype());
+    return bad(HeaderError(
+        absl::StrCat(field, ".dtype: ",
+                     name.empty() ? absl::StrCat(static_cast<int>(g.dtype()))
+                                  : absl::StrCat(name, " (", static_cast<int>(g.dtype()), ")"),
+                     ", expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16")));
+  }
+  for (auto [name, v] : {std::pair<const char*, uint32_t>{"n_prompt", g.n_prompt()},
+                         {"n_gen", g.n_gen()},
+                         {"n_history", g.n_history()}}) {
+    if (v > static_cast<uint32_t>(kMaxTokensPerPart)) {
+      return bad(FieldError(field, name, v, absl::StrCat("0..", kMaxTokensPerPart)));
+    }
+  }
+  s.layers = static_cast<int>(g.layers());
+  s.geo.kv_heads = static_cast<int>(g.kv_heads());
+  s.geo.score_heads = static_cast<int>(g.score_heads());
+  s.geo.head_dim = static_cast<int>(g.head_dim());
+  s.geo.n_prompt = static_cast<int>(g.n_prompt());
+  s.geo.n_gen = static_cast<int>(g.n_gen());
+  s.geo.n_history = static_cast<int>(g.n_history());
+  s.first_agent = g.first_agent();
+  if (g.has_prompt_pos0()) {
+    const int64_t p = g.prompt_pos0();
+    constexpr int64_t kMaxPos = std::numeric_limits<int32_t>::max();
+    // p is bounded before the sum, which could otherwise overflow. The last
+    // position id, prompt_pos0 + n_prompt + n_gen - 1, may be 2^31-1 (as the
+    // core allows, and as a child continuing after its parent gets).
+    if (p < 0 || p > kMaxPos || p + g.n_prompt() + g.n_gen() > kMaxPos + 1) {
+      return bad(HeaderError(absl::StrCat(
+          field, ".prompt_pos0: ", p, ", expected >= 0 with prompt_pos0 + n_prompt + n_gen <= 2^31 (position ids "
+          "are int32)")));
+    }
+    s.prompt_pos0 = p;
+  }
+  // The core's own check, as a backstop (it must agree with the above).
+  if (absl::Status st = ValidateGeometry(s.geo); !st.ok()) {
+    return bad(HeaderError(absl::StrCat(field, ": ", st.message())));
+  }
+  // Per-tensor element counts must fit the int-indexed tensors of core/.
+  const uint64_t tokens = std::max({g.n_prompt(), g.n_gen(), g.n_history()});
+  if (static_cast<uint64_t>(g.kv_heads()) * tokens * g.head_dim() > (1ull << 40) ||
+      s.UploadBytes() > (1ull << 44)) {
+    return bad(HeaderError(
+        absl::StrCat(field, ": ", s.UploadBytes(), " bytes of tensors, expected at most 16 TiB")));
+  }
+  return s;
+}
+
+// ---------------------------------------------------------- ChunkSequence
+
+ChunkSequence::ChunkSequence(std::vector<Slot> slots, const char* stream, const char* whole, const char* trailer)
+    : stream_(stream), whole_(whole), trailer_(trailer) {
+  for (const Slot& s : slots) {
+    if (s.size == 0) continue;
+    slots_.push_back(s);
+    expected_ += s.size;
+  }
+}
+
+StreamError ChunkSequence::Accept(const ChunkView& c, absl::FunctionRef<uint8_t*(const Slot&)> dest,
+                                  absl::FunctionRef<StreamError(const Slot&, const uint8_t*, uint64_t)> verify) {
+  if (complete()) {
+    return StreamError(StreamErrorKind::kExtraChunk,
+                       absl::StrCat("chunk: ", Place(c.layer, c.part, c.offset), ", expected the ", trailer_,
+                                    ": every tensor of the ", whole_, " is already complete"));
+  }
+  const Slot& s = slots_[next_];
+  if (c.layer != s.layer || c.part != s.part || c.offset != offset_) {
+    return StreamError(StreamErrorKind::kOrder,
+                       absl::StrCat("chunk: ", Place(c.layer, c.part, c.offset), ", expected ",
+                                    Place(s.layer, s.part, offset_), " (tensors in ", stream_,
+                                    " order, contiguous offsets, no duplicates)"));
+  }
+  const uint64_t n = c.size;
+  if (n == 0 || n > kMaxChunkBytes) {
+    return StreamError(StreamErrorKind::kChunkSize,
+                       absl::StrCat("chunk.data: ", n, " bytes at ", Place(s.layer, s.part, offset_),
+                                    ", expected 1..", kMaxChunkBytes));
+  }
+  if (n > s.size - offset_) {
+    return StreamError(StreamErrorKind::kChunkSize,
+                       absl::StrCat("chunk.data: ", n, " bytes at ", Place(s.layer, s.part, offset_),
+                                    " runs past the tensor's ", s.size, " bytes (from the header)"));
+  }
+  // Copied before it is checked (one pass over the data).
+  uint8_t* const base = dest(s);
+  const uint32_t crc = c.CopyTo(base + offset_);
+  if (crc != c.crc32c) {
+    return StreamError(StreamErrorKind::kChunkCrc,
+                       absl::StrCat("chunk.crc32c: ", c.crc32c, " at ", Place(s.layer, s.part, offset_),
+                                    ", expected ", crc, " (CRC32C of the chunk's data)"));
+  }
+  if (StreamError e = verify(s, base, n); !e.ok()) return e;
+  crc_ = Crc32cCombine(crc_, crc, n);  // the chunk was checked: no second pass
+  ++chunks_;
+  bytes_ += n;
+  offset_ += n;
+  if (offset_ == s.size) {
+    ++next_;
+    offset_ = 0;
+  }
+  return StreamError();
+}
+
+StreamError ChunkSequence::CheckTrailer(const v1::Trailer& t) const {
+  if (!complete()) {
+    const Slot& s = slots_[next_];
+    return StreamError(StreamErrorKind::kIncomplete,
+                       absl::StrCat(trailer_, ": ", bytes_, " of ", expected_, " tensor bytes received, expected ",
+                                    Place(s.layer, s.part, offset_), " (of ", s.size, " bytes) before the ",
+                                    trailer_));
+  }
+  if (t.chunks() != chunks_) {
+    return StreamError(StreamErrorKind::kTrailerCount, absl::StrCat(trailer_, ".chunks: ", t.chunks(), ", expected ",
+                                                                    chunks_, " (chunks received)"));
+  }
+  if (t.bytes() != bytes_) {
+    return StreamError(StreamErrorKind::kTrailerCount, absl::StrCat(trailer_, ".bytes: ", t.bytes(), ", expected ",
+                                                                    bytes_, " (tensor bytes received)"));
+  }
+  if (t.crc32c() != crc_) {
+    return StreamError(StreamErrorKind::kTrailerCrc,
+                       absl::StrCat(trailer_, ".crc32c: ", t.crc32c(), ", expected ", crc_,
+                                    " (CRC32C of all chunk data in stream order)"));
+  }
+  return StreamError();
+}
+
+// ----------------------------------------------------------- UploadReader
+
+namespace {
+
+std::vector<ChunkSequence::Slot> UploadSlots(const UploadShape& shape) {
+  std::vector<ChunkSequence::Slot> out;
+  for (int l = 0; l < shape.layers; ++l) {
+    for (v1::Part p : UploadParts(true)) {
+      out.push_back({static_cast<uint32_t>(l), p, UploadPartBytes(shape.geo, p)});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+UploadReader::UploadReader(const UploadShape& shape)
+    : shape_(shape), seq_(UploadSlots(shape), "upload", "turn", "commit"), layers_(shape.layers) {
+  AdvanceCompleted();
+}
+
+StreamError UploadReader::CheckFinite(const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) const {
+  const TurnGeometry& g = shape_.geo;
+  int tokens;
+  switch (s.part) {
+    case v1::PART_PROMPT_K:
+    case v1::PART_PROMPT_V: tokens = g.n_prompt; break;
+    case v1::PART_GEN_K:
+    case v1::PART_GEN_V: tokens = g.n_gen; break;
+    case v1::PART_HISTORY_K:
+    case v1::PART_HISTORY_V: tokens = g.n_history; break;
+    default: return StreamError();  // scores and positions: checked per layer
+  }
+  // The elements this chunk completes (one may straddle the previous chunk).
+  const uint64_t es = DTypeSize(g.dtype);
+  const uint64_t offset = seq_.offset();
+  const uint64_t first = offset / es, end = (offset + n) / es;
+  absl::Status st = CheckKvFinite(g.dtype, base, first, end - first, static_cast<int>(s.layer),
+                                  FilePartName(s.part), tokens, g.head_dim);
+  if (st.ok()) return StreamError();
+  return StreamError(StreamErrorKind::kValue, std::string(st.message()));
+}
+
+uint8_t* UploadReader::Dest(const ChunkSequence::Slot& s) {
+  TurnLayer& L = layers_[s.layer];
+  const TurnGeometry& g = shape_.geo;
+  const bool first = seq_.offset() == 0;
+  // Tensors are allocated when their first chunk arrives, so an upload holds
+  // only the layers that are not yet compressed.
+  switch (s.part) {
+    case v1::PART_PROMPT_K:
+      if (first) L.prompt_k = KvTensor::Uninitialized(g.dtype, g.kv_heads, g.n_prompt, g.head_dim);
+      return L.prompt_k.mutable_bytes().data();
+    case v1::PART_PROMPT_V:
+      if (first) L.prompt_v = KvTensor::Uninitialized(g.dtype, g.kv_heads, g.n_prompt, g.head_dim);
+      return L.prompt_v.mutable_bytes().data();
+    case v1::PART_GEN_K:
+      if (first) L.gen_k = KvTensor::Uninitialized(g.dtype, g.kv_heads, g.n_gen, g.head_dim);
+      return L.gen_k.mutable_bytes().data();
+    case v1::PART_GEN_V:
+      if (first) L.gen_v = KvTensor::Uninitialized(g.dtype, g.kv_heads, g.n_gen, g.head_dim);
+      return L.gen_v.mutable_bytes().data();
+    case v1::PART_PROMPT_SCORE:
+      if (first) L.scores = ScoreMatrix(g.score_heads, g.n_prompt);
+      return reinterpret_cast<uint8_t*>(L.scores.data.data());
+    case v1::PART_HISTORY_K:
+      if (first) L.history_k = KvTensor::Uninitialized(g.dtype, g.kv_heads, g.n_history, g.head_dim);
+      return L.history_k.mutable_bytes().data();
+    case v1::PART_HISTORY_V:
+      if (first) L.history_v = KvTensor::Uninitialized(g.dtype, g.kv_heads, g.n_history, g.head_dim);
+      return L.history_v.mutable_bytes().data();
+    case v1::PART_HISTORY_POS:
+      if (first) L.history_pos = PosTensor(g.kv_heads, g.n_history);
+      return reinterpret_cast<uint8_t*>(L.history_pos.data.data());
+    default:
+      return nullptr;  // not an upload part: ChunkSequence never asks
+  }
+}
+
+StreamError UploadReader::Accept(const v1::Chunk& c) { return Accept(ChunkView::Of(c)); }
+
+StreamError UploadReader::Accept(const ChunkView& c) {
+  StreamError e = seq_.Accept(
+      c, [this](const ChunkSequence::Slot& s) { return Dest(s); },
+      [this](const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) { return CheckFinite(s, base, n); });
+  if (e.ok()) AdvanceCompleted();
+  return e;
+}
+
+void UploadReader::AdvanceCompleted() {
+  const int limit = seq_.complete() ? shape_.layers : static_cast<int>(seq_.current().layer);
+  for (; next_complete_ < limit; ++next_complete_) {
+    // Tensors of 0 bytes sent no chunk: give them their (empty) shape.
+    TurnLayer& L = layers_[next_complete_];
+    const TurnGeometry& g = shape_.geo;
+    if (g.n_prompt == 0) {
+      L.prompt_k = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
+      L.prompt_v = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
+      L.scores = ScoreMatrix(g.score_heads, 0);
+    }
+    if (g.n_gen == 0) {
+      L.gen_k = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
+      L.gen_v = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
+    }
+    if (g.n_history == 0) {
+      L.history_k = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
+      L.history_v = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
+      L.history_pos = PosTensor(g.kv_heads, 0);
+    }
+    ready_.push_back(next_complete_);
+  }
+}
+
+std::vector<std::pair<int, TurnLayer>> UploadReader::TakeCompleted() {
+  std::vector<std::pair<int, TurnLayer>> out;
+  out.reserve(ready_.size());
+  for (int l : ready_) out.emplace_back(l, std::move(layers_[l]));
+  ready_.clear();
+  return out;
+}
+
+StreamError UploadReader::CheckCommit(const v1::Trailer& t) const { return seq_.CheckTrailer(t); }
+
+// --------------------------------------------------------- DeliveryReader
+
+StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
+  if (done_ || seq_) return StreamError(StreamErrorKind::kSequence, "header: given twice, expected one");
+  auto bad = [](absl::string_view field, uint64_t v, absl::string_view expected) {
+    return HeaderError(absl::StrCat("header.", field, ": ", v, ", expected ", expected));
+  };
+  if (h.layers() < 1) return bad("layers", h.layers(), ">= 1");
+  if (h.kv_heads() < 1) return bad("kv_heads", h.kv_heads(), ">= 1");
+  if (h.head_dim() < 1) return bad("head_dim", h.head_dim(), ">= 1");
+  absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
+  if (!dtype.ok()) return HeaderError(absl::StrCat("header.", dtype.status().message()));
+  const uint64_t n64 = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
+  if (n64 >= (uint64_t{1} << 31)) return bad("n_history+n_anchor+n_kept+n_gen", n64, "< 2^31");
+  if (h.next_pos() < 0 || h.next_pos() > (int64_t{1} << 31)) {
+    return HeaderError(absl::StrCat("header.next_pos: ", h.next_pos(), ", expected 0..2^31"));
+  }
+  const uint32_t bits = h.quant_bits();
+  const bool quant = bits != 0;
+  if (quant) {
+    if (bits != 2 && bits != 4 && bits != 8) return bad("quant_bits", bits, "0, 2, 4 or 8");
+    if (h.quant_group() < 1) return bad("quant_group", h.quant_group(), ">= 1 when quantized");
+    if ((uint64_t{h.head_dim()} * bits) % 8 != 0) {
+      return bad("head_dim", h.head_dim(), "head_dim*quant_bits a multiple of 8");
+    }
+  }
+  const uint64_t L = h.layers(), H = h.kv_heads(), d = h.head_dim(), n = n64;
+  const uint64_t groups = quant ? (n + h.quant_group() - 1) / h.quant_group() : 0;
+  const uint64_t per_layer = quant ? 2 * (H * n * d * bits / 8) + 2 * 2 * H * groups * d + 2 * 2 * H * n + 4 * H * n
+                                   : 2 * H * n * d * DTypeSize(*dtype) + 4 * H * n;
+  if (L * per_layer > kMaxMessageBytes) {
+    return bad("layers", L, absl::StrCat("a message below 2^36 bytes (", per_layer, " per layer)"));
+  }
+
+  msg_ = Message();
+  msg_.policy = h.accounting().policy();
+  msg_.dtype = *dtype;
+  msg_.kv_heads = static_cast<int>(H);
+  msg_.head_dim = static_cast<int>(d);
+  msg_.n_history = static_cast<int>(h.n_history());
+  msg_.n_anchor = static_cast<int>(h.n_anchor());
+  msg_.n_kept = static_cast<int>(h.n_kept());
+  msg_.n_gen = static_cast<int>(h.n_gen());
+  msg_.full_bytes = h.accounting().full_bytes();
+  msg_.sent_bytes = h.accounting().sent_bytes();
+  msg_.next_pos = h.next_pos();
+  msg_.layers.resize(L);
+  const int Hi = msg_.kv_heads, ni = static_cast<int>(n), di = msg_.head_dim;
+  for (uint32_t l = 0; l < L; ++l) {
+    MessageLayer& layer = msg_.layers[l];
+    layer.pos = PosTensor(Hi, ni);
+    if (!quant) {
+      layer.k = KvTensor::Uninitialized(*dtype, Hi, ni, di);
+      layer.v = KvTensor::Uninitialized(*dtype, Hi, ni, di);
+    } else {
+      layer.k = KvTensor(*dtype, Hi, 0, di);
+      layer.v = KvTensor(*dtype, Hi, 0, di);
+      QuantizedKv& q = layer.quant.emplace();
+      q.bits = static_cast<int>(bits);
+      q.group = static_cast<int>(h.quant_group());
+      q.rotate = h.quant_rotate();
+      q.dtype = *dtype;
+      for (QuantizedTensor* t : {&q.k, &q.v}) {
+        t->bits = q.bits;
+        t->heads = Hi;
+        t->tokens = ni;
+        t->dim = di;
+        t->codes.resize(H * n * d * bits / 8);
+        const size_t stats = t == &q.k ? H * groups * d : H * n;
+        t->scale.resize(stats);
+        t->zero.resize(stats);
+      }
+    }
+  }
+  // The slots are the message's own buffers, in delivery order.
+  std::vector<ChunkSequence::Slot> slots;
+  slot_data_.clear();
+  for (const TensorRef& t : MessageDeliveryOrder(msg_)) {
+    if (t.data.empty()) continue;
+    slots.push_back({t.layer, t.part, t.data.size()});
+    slot_data_.push_back(const_cast<uint8_t*>(t.data.data()));
+  }
+  seq_.emplace(std::move(slots), "delivery", "message", "trailer");
+  return StreamError();
+}
+
+StreamError DeliveryReader::Add(const v1::Chunk& c) { return Add(ChunkView::Of(c)); }
+
+StreamError DeliveryReader::Add(const ChunkView& c) {
+  if (done_) return StreamError(StreamErrorKind::kSequence, "chunk: after the trailer, expected the end");
+  if (!seq_) return StreamError(StreamErrorKind::kSequence, "chunk: before the header, expected a header first");
+  StreamError e = seq_->Accept(
+      c, [this](const ChunkSequence::Slot&) { return slot_data_[seq_->index()]; },
+      [](const ChunkSequence::Slot&, const uint8_t*, uint64_t) { return StreamError(); });
+  return e;
+}
+
+StreamError DeliveryReader::Finish(const v1::Trailer& t, Message* out) {
+  if (done_) return StreamError(StreamErrorKind::kSequence, "trailer: given twice, expected one");
+  if (!seq_) return StreamError(StreamErrorKind::kSequence, "trailer: before the header, expected a header first");
+  if (StreamError e = seq_->CheckTrailer(t); !e.ok()) return e;
+  uint64_t sent = 0;
+  for (const MessageLayer& l : msg_.layers) sent += l.SentBytes();
+  if (sent != msg_.sent_bytes) {
+    return StreamError(StreamErrorKind::kValue,
+                       absl::StrCat("header.accounting.sent_bytes: ", msg_.sent_bytes, ", expected ", sent,
+                                    " (bytes of the delivered tensors)"));
+  }
+  msg_.next_pos = NextPosition(msg_);  // 0 (a relay before the field): from the ids
+  done_ = true;
+  *out = std::move(msg_);
+  return StreamError();
+}
+
+// ------------------------------------------------------- ChunkStreamWriter
+
+void ChunkStreamWriter::Append(std::vector<TensorRef> tensors, std::shared_ptr<const void> hold) {
+  holds_.emplace_back(appended_, std::move(hold));
+  appended_ += tensors.size();
+  chunks_.Append(std::move(tensors));
+}
+
+bool ChunkStreamWriter::NextChunk(int field, grpc::ByteBuffer* out, uint64_t* bytes) {
+  ChunkCursor::Piece c;
+  if (!chunks_.Next(&c)) return false;
+  while (hold_ + 1 < holds_.size() && holds_[hold_ + 1].first <= c.tensor) holds_[hold_++].second.reset();
+  const std::shared_ptr<const void>& hold = holds_[hold_].second;
+  uint32_t crc = 0;
+  if (hold) {
+    crc = Crc32c(c.data.data(), c.data.size());
+    *out = EncodeChunkNoCopy(field, c.layer, c.part, c.offset, c.data, crc, hold);
+  } else {
+    *out = EncodeChunkCopy(field, c.layer, c.part, c.offset, c.data, &crc);
+  }
+  trailer_.Add(crc, c.data.size());
+  if (bytes) *bytes = c.data.size();
+  return true;
+}
+
+absl::Status ForEachChunk(const TensorRef& tensor, size_t max_chunk, v1::Chunk* chunk,
+                          const std::function<absl::Status(const v1::Chunk&)>& sink) {
+  ChunkCursor chunks({tensor}, max_chunk);
+  ChunkCursor::Piece c;
+  while (chunks.Next(&c)) {
+    chunk->set_layer(c.layer);
+    chunk->set_part(c.part);
+    chunk->set_offset(c.offset);
+    chunk->set_data(c.data.data(), c.data.size());
+    chunk->set_crc32c(Crc32c(c.data.data(), c.data.size()));
+    absl::Status s = sink(*chunk);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvrelay
