@@ -4,17 +4,17 @@
 // compression runs on the worker pool, Fetch waits through store waiters,
 // and every reactor calls Finish exactly once with one read or write in
 // flight at a time. Errors are absl::Status until ToGrpcStatus.
+//
+// RelayService only hands each call to its reactor: publish_reactor.h
+// (planned by publish_plan.h), fetch_reactor.h, compress_reactor.h, the
+// upload half Publish and Compress share in upload.h, the unary calls in
+// unary_calls.cc, and the idle watchdog in watchdog.h.
 #ifndef KVRELAY_SERVER_RELAY_SERVICE_H_
 #define KVRELAY_SERVER_RELAY_SERVICE_H_
 
 #include <atomic>
-#include <condition_variable>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "core/thread_pool.h"
@@ -22,61 +22,9 @@
 #include "server/config.h"
 #include "server/metrics.h"
 #include "server/store.h"
+#include "server/watchdog.h"
 
 namespace kvrelay {
-
-// At most this many recipients per publish (INVALID_ARGUMENT beyond).
-inline constexpr int kMaxRecipients = 64;
-
-// Checks an id against [A-Za-z0-9._:-]{1,128}. InvalidArgument naming `field`.
-absl::Status CheckId(const std::string& field, const std::string& value);
-
-// Cancels uploads (Publish, Compress) that send nothing for the idle
-// timeout, and replies (Fetch, Compress) whose client reads nothing for as
-// long. A reactor holds its Entry's mutex while it reacts to a read or a
-// completed write and touches `last`; the watchdog fires an armed entry that has been idle past
-// the timeout under that mutex (skipping it while the reactor is busy), so a
-// firing never overlaps a reaction, and OnDone disarms it under the mutex
-// before the reactor goes away. The watchdog never waits for an Entry's
-// mutex, so a reaction may call Watch while holding one.
-class UploadWatchdog {
- public:
-  struct Entry {
-    std::mutex mu;
-    Clock::time_point last = Clock::now();  // guarded by mu
-    bool armed = true;                      // guarded by mu
-    std::function<void()> fire;             // runs once, under mu
-
-    // Marks activity now (e.g. a reply's write completed).
-    void Touch() {
-      std::lock_guard<std::mutex> lock(mu);
-      last = Clock::now();
-    }
-    // No firing from now on (e.g. from OnDone, before the reactor goes).
-    void Disarm() {
-      std::lock_guard<std::mutex> lock(mu);
-      armed = false;
-      fire = nullptr;
-    }
-  };
-  explicit UploadWatchdog(double timeout_seconds);
-  ~UploadWatchdog();
-  UploadWatchdog(const UploadWatchdog&) = delete;
-  UploadWatchdog& operator=(const UploadWatchdog&) = delete;
-
-  std::shared_ptr<Entry> Watch(std::function<void()> fire);
-  double timeout_seconds() const { return timeout_s_; }
-
- private:
-  void Loop();
-  const double timeout_s_;
-  const Clock::duration timeout_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::shared_ptr<Entry>> entries_;
-  bool stop_ = false;
-  std::thread thread_;
-};
 
 // The tensor streams (Publish, Fetch, Compress) are registered raw: their
 // messages stay gRPC byte buffers, so chunk data is copied once on the way in

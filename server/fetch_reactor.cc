@@ -1,0 +1,185 @@
+#include "server/fetch_reactor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "proto/raw_chunk.h"
+#include "proto/status_util.h"
+#include "proto/wire.h"
+#include "server/internal/call_util.h"
+#include "proto/stream_codec.h"
+#include "server/request_checks.h"
+#include "server/watchdog.h"
+#include "spdlog/spdlog.h"
+
+namespace kvrelay {
+namespace {
+
+class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  // `parsed`: whether the request was a FetchRequest at all (ParseRequest).
+  FetchReactor(RelayService* svc, grpc::CallbackServerContext* ctx, const v1::FetchRequest& req,
+               const absl::Status& parsed)
+      : svc_(svc), ctx_(ctx), session_(req.session_id()), agent_(req.agent()), auto_ack_(req.auto_ack()) {
+    absl::Status s = parsed;
+    if (s.ok()) s = CheckId("session_id", session_);
+    if (s.ok()) s = CheckId("agent", agent_);
+    if (!s.ok()) {
+      FinishOnce(ToGrpcStatus(s));
+      return;
+    }
+    // Wait no longer than a day, whatever the deadline (none: infinite).
+    const auto remaining = ctx->deadline() - std::chrono::system_clock::now();
+    const auto cap = std::chrono::hours(24);
+    deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::min<std::chrono::system_clock::duration>(remaining, cap));
+    OnWake(Store::Wake::kMessage);
+  }
+
+  void OnCancel() override {
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      if (waiting_ && svc_->store()->CancelWaiter(waiter_)) {
+        waiting_ = false;
+        finish = true;
+      }
+    }
+    if (finish) FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting"));
+  }
+
+  void OnWriteDone(bool ok) override {
+    reply_idle_->Touch();
+    if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: stream broken while delivering"));
+    if (out_->FillNext<v1::FetchResponse>(&wire_)) return StartWrite(&wire_);
+    Delivered();
+  }
+
+  void OnDone() override {
+    if (reply_idle_) reply_idle_->Disarm();
+    delete this;
+  }
+
+ private:
+  // Tries to take a delivery; otherwise waits (again).
+  void OnWake(Store::Wake why) {
+    std::optional<grpc::Status> fin;
+    std::optional<Store::Delivery> d;
+    const grpc::Status shutdown(grpc::UNAVAILABLE, "fetch: the relay is shutting down, retry elsewhere or later");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_ = false;
+      if (cancelled_) {
+        fin = grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting");
+      } else if (why == Store::Wake::kTimeout) {
+        fin = grpc::Status(grpc::DEADLINE_EXCEEDED,
+                           absl::StrCat("fetch: no message for agent '", agent_, "' in session '", session_,
+                                        "' before the deadline"));
+      } else if (why == Store::Wake::kClosed) {
+        fin = grpc::Status(grpc::NOT_FOUND, absl::StrCat("session_id: '", session_,
+                                                         "': session closed while waiting (CloseSession)"));
+      } else if (why == Store::Wake::kShutdown) {
+        fin = shutdown;
+      } else {
+        d = svc_->store()->FetchOrWait(session_, agent_, deadline_, [this](Store::Wake w) { OnWake(w); },
+                                       &waiter_);
+        if (!d) {
+          if (waiter_ == 0) fin = shutdown;  // the store no longer takes waiters
+          else waiting_ = true;
+        }
+      }
+    }
+    if (fin) return FinishOnce(*fin);
+    if (d) Begin(std::move(*d));
+  }
+
+  void Begin(Store::Delivery d) {
+    delivery_ = std::move(d);
+    const StoredMessage& m = *delivery_.msg;
+    out_.emplace();
+    out_->Append(MessageDeliveryOrder(m.msg), delivery_.msg);  // sent from the stored message
+    v1::FetchResponse resp;
+    v1::MessageHeader* h = resp.mutable_header();
+    h->set_message_id(m.message_id);
+    h->set_session_id(m.session_id);
+    h->set_sender(m.sender);
+    h->set_role(m.role);
+    h->set_parent_id(m.parent_id);
+    FillMessageHeader(m.msg, h);
+    *h->mutable_accounting() = m.accounting;
+    h->set_delivery_attempt(delivery_.attempt);
+    wire_ = EncodeProto(resp);
+    // A delivery holds its message (also one its session no longer retains)
+    // until the client has read it: a client that stops reading for the idle
+    // timeout is cancelled.
+    reply_idle_ = svc_->watchdog()->Watch([this] { OnReplyStalled(); });
+    StartWrite(&wire_);
+  }
+
+  // On the watchdog thread, under reply_idle_->mu: a write has been pending
+  // for the timeout. The cancel fails the write and OnWriteDone finishes the
+  // call (the client sees gRPC's CANCELLED, so the reason is logged here).
+  void OnReplyStalled() {
+    if (finished_) return;
+    spdlog::info("fetch: session={} message={} to={} not read for {} s (--upload-idle-timeout-seconds), cancelling",
+                 session_, delivery_.msg->message_id, agent_, svc_->watchdog()->timeout_seconds());
+    ctx_->TryCancel();
+  }
+
+  void Delivered() {
+    const StoredMessage& m = *delivery_.msg;
+    // The watchdog may have cancelled the call just before the last write
+    // completed: the client then sees CANCELLED, so nothing counts.
+    if (ctx_->IsCancelled()) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: cancelled while delivering"));
+    // The hop latency: the first complete delivery to this recipient, which
+    // may be a later attempt than the first (one cancelled mid-stream).
+    const bool first = svc_->store()->MarkDelivered(session_, agent_, m.message_id);
+    if (Metrics* mx = svc_->metrics()) {
+      mx->AddOutcome("delivered");
+      if (first) mx->ObserveDelivered(std::chrono::duration<double>(Clock::now() - m.started).count());
+    }
+    absl::Status s;
+    if (auto_ack_) s = svc_->store()->Ack(session_, agent_, m.message_id);
+    spdlog::info("fetch delivered session={} message={} to={} attempt={} auto_ack={}", session_, m.message_id,
+                 agent_, delivery_.attempt, auto_ack_);
+    // An auto-ack can only fail when the session was closed meanwhile: the
+    // message was delivered all the same.
+    (void)s;
+    FinishOnce(grpc::Status::OK);
+  }
+
+  void FinishOnce(const grpc::Status& status) {
+    if (finished_.exchange(true)) return;
+    const grpc::Status s = AsClientSees(*ctx_, status);
+    svc_->CountRpc("Fetch", s);
+    Finish(s);
+  }
+
+  RelayService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  const std::string session_, agent_;
+  const bool auto_ack_;
+  Clock::time_point deadline_;
+  std::mutex mu_;
+  bool waiting_ = false, cancelled_ = false;
+  uint64_t waiter_ = 0;
+  std::atomic<bool> finished_{false};
+  Store::Delivery delivery_;
+  std::optional<ChunkStreamWriter> out_;
+  grpc::ByteBuffer wire_;  // the response being written
+  std::shared_ptr<UploadWatchdog::Entry> reply_idle_;  // set before the first write
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewFetchReactor(RelayService* svc, grpc::CallbackServerContext* ctx,
+                                                           const v1::FetchRequest& req, const absl::Status& parsed) {
+  return new FetchReactor(svc, ctx, req, parsed);
+}
+
+}  // namespace kvrelay

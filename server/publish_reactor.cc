@@ -1,0 +1,140 @@
+#include "server/publish_reactor.h"
+
+#include <memory>
+#include <mutex>
+#include <optional>
+
+#include "core/pipeline.h"
+#include "core/status_macros.h"
+#include "proto/raw_chunk.h"
+#include "proto/status_util.h"
+#include "server/internal/call_util.h"
+#include "server/publish_plan.h"
+#include "server/request_checks.h"
+#include "server/upload.h"
+#include "spdlog/spdlog.h"
+
+namespace kvrelay {
+namespace {
+
+class PublishReactor final
+    : public UploadReactor<PublishReactor, grpc::ServerReadReactor<grpc::ByteBuffer>, v1::PublishRequest> {
+ public:
+  PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
+      : UploadReactor(svc, ctx, "publish"), wire_resp_(resp) {
+    StartUpload();
+  }
+
+  void OnDone() override {
+    StopWatching();
+    if (ticket_) svc_->store()->EndPublish(*ticket_);
+    delete this;
+  }
+
+ private:
+  friend class UploadReactor;
+
+  absl::Status OnHeader(const v1::PublishHeader& h) {
+    header_ = h;  // for the logs, also when it is rejected
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.session_id", h.session_id()));
+    // From here a CloseSession of the session fences this publish.
+    ticket_ = svc_->store()->BeginPublish(h.session_id());
+    KVRELAY_ASSIGN_OR_RETURN(
+        PublishPlan plan,
+        PlanPublish(h, PlanInputs{svc_->config(), *svc_->store(), [this] { return svc_->NewMessageId(); }}));
+    header_ = plan.header;
+    resp_.set_message_id(header_.message_id());
+    if (plan.duplicate) {
+      ReplyDuplicate(plan.duplicate);
+      return absl::OkStatus();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    return upload_.Start(plan.shape, std::move(plan.pipeline), std::move(plan.parent), plan.prompt_pos0);
+  }
+
+  void ReplyDuplicate(const MessagePtr& prior) {
+    resp_.set_message_id(prior->message_id);
+    *resp_.mutable_accounting() = prior->accounting;
+    resp_.set_duplicate(true);
+    if (svc_->metrics()) svc_->metrics()->AddOutcome("duplicate");
+    spdlog::info("publish duplicate session={} message={}", prior->session_id, prior->message_id);
+    FinishOnce(grpc::Status::OK);
+  }
+
+  // Runs once every layer is compressed, on a worker (or inline).
+  void Complete() {
+    std::shared_ptr<PendingCompression> pending = upload_.pending();
+    absl::Status s = pending->status();
+    if (!s.ok()) return Fail(s);
+    auto m = std::make_shared<StoredMessage>();
+    m->session_id = header_.session_id();
+    m->message_id = header_.message_id();
+    m->sender = header_.sender();
+    m->role = header_.role();
+    m->parent_id = header_.parent_id();
+    m->recipients.assign(header_.recipients().begin(), header_.recipients().end());
+    m->requested_policy = header_.policy();
+    m->geometry = header_.geometry();
+    // A call already over (cancelled, or its deadline passed: the client
+    // has its error) must not commit a message its sender thinks failed.
+    if (ctx_->IsCancelled()) return Fail(absl::CancelledError("publish: cancelled before the commit"));
+    m->msg = pending->TakeMessage();
+    m->family = PolicyFamily(m->msg.policy);
+    m->bytes = RetainedBytes(m->msg);
+    m->started = started_;
+    const double compress_s = pending->compress_seconds();
+    FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);
+    absl::StatusOr<Store::CommitResult> r = svc_->store()->Commit(m, *ticket_);
+    if (!r.ok()) return Fail(r.status());
+    if (r->duplicate) {  // the same id committed while this one uploaded
+      if (absl::Status same = CheckSamePublish(header_, *r->msg); !same.ok()) return Fail(same);
+      return ReplyDuplicate(r->msg);
+    }
+    const StoredMessage& c = *r->msg;
+    resp_.set_message_id(c.message_id);
+    *resp_.mutable_accounting() = c.accounting;
+    if (Metrics* mx = svc_->metrics()) {
+      mx->AddCommitted(c.family, c.msg.full_bytes, c.msg.sent_bytes);
+      mx->AddOutcome("committed");
+      mx->ObserveCompress(compress_s);
+      mx->ObserveVisible(c.accounting.commit_seconds());
+    }
+    spdlog::info("publish committed session={} message={} from={} recipients={} policy={} full={} sent={} "
+                 "ratio={:.2f} compress_s={:.4f} commit_s={:.4f}",
+                 c.session_id, c.message_id, c.sender, c.recipients.size(), c.msg.policy, c.msg.full_bytes,
+                 c.msg.sent_bytes, c.msg.Ratio(), compress_s, c.accounting.commit_seconds());
+    FinishOnce(grpc::Status::OK);
+  }
+
+  void Fail(const absl::Status& s) {
+    CancelUpload();
+    svc_->store()->AddFailed();
+    if (svc_->metrics()) svc_->metrics()->AddOutcome("failed");
+    spdlog::info("publish failed session={} message={}: {}", header_.session_id(), header_.message_id(),
+                 s.ToString());
+    FinishOnce(ToGrpcStatus(s));
+  }
+
+  void FinishOnce(const grpc::Status& status) {
+    if (!TryFinish()) return;
+    const grpc::Status s = AsClientSees(*ctx_, status);
+    svc_->CountRpc("Publish", s);
+    DropUpload();
+    if (s.ok()) *wire_resp_ = EncodeProto(resp_);
+    Finish(s);
+  }
+
+  grpc::ByteBuffer* const wire_resp_;
+  v1::PublishResponse resp_;
+  v1::PublishHeader header_;
+  std::optional<Store::PublishTicket> ticket_;  // from the header on; ended in OnDone
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewPublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx,
+                                                            grpc::ByteBuffer* response) {
+  return new PublishReactor(svc, ctx, response);
+}
+
+}  // namespace kvrelay

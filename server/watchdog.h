@@ -1,0 +1,65 @@
+// The idle watchdog of the relay's streams.
+#ifndef KVRELAY_SERVER_WATCHDOG_H_
+#define KVRELAY_SERVER_WATCHDOG_H_
+
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "server/store.h"
+
+namespace kvrelay {
+
+// Cancels uploads (Publish, Compress) that send nothing for the idle
+// timeout, and replies (Fetch, Compress) whose client reads nothing for as
+// long. A reactor holds its Entry's mutex while it reacts to a read or a
+// completed write and touches `last`; the watchdog fires an armed entry that has been idle past
+// the timeout under that mutex (skipping it while the reactor is busy), so a
+// firing never overlaps a reaction, and OnDone disarms it under the mutex
+// before the reactor goes away. The watchdog never waits for an Entry's
+// mutex, so a reaction may call Watch while holding one.
+class UploadWatchdog {
+ public:
+  struct Entry {
+    std::mutex mu;
+    Clock::time_point last = Clock::now();  // guarded by mu
+    bool armed = true;                      // guarded by mu
+    std::function<void()> fire;             // runs once, under mu
+
+    // Marks activity now (e.g. a reply's write completed).
+    void Touch() {
+      std::lock_guard<std::mutex> lock(mu);
+      last = Clock::now();
+    }
+    // No firing from now on (e.g. from OnDone, before the reactor goes).
+    void Disarm() {
+      std::lock_guard<std::mutex> lock(mu);
+      armed = false;
+      fire = nullptr;
+    }
+  };
+  explicit UploadWatchdog(double timeout_seconds);
+  ~UploadWatchdog();
+  UploadWatchdog(const UploadWatchdog&) = delete;
+  UploadWatchdog& operator=(const UploadWatchdog&) = delete;
+
+  std::shared_ptr<Entry> Watch(std::function<void()> fire);
+  double timeout_seconds() const { return timeout_s_; }
+
+ private:
+  void Loop();
+  const double timeout_s_;
+  const Clock::duration timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<Entry>> entries_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_WATCHDOG_H_
