@@ -25,6 +25,7 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/slice.h"
 #include "grpcpp/support/sync_stream.h"
+#include "proto/address.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
 
@@ -280,30 +281,7 @@ const char* HealthStatusName(HealthStatus s) {
 RelayClient::RelayClient(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)), stub_(v1::Relay::NewStub(channel_)) {}
 
-absl::Status CheckRelayAddress(const std::string& addr) {
-  auto bad = [&addr] {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "address '", addr, "': expected HOST:PORT with PORT in 1..65535 (or a gRPC target such as dns:///HOST:PORT)"));
-  };
-  if (addr.empty()) return bad();
-  // gRPC's resolvers; another scheme (http://...) would only fail later.
-  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:", "google-c2p:"}) {
-    if (absl::StartsWith(addr, scheme)) return absl::OkStatus();  // gRPC matches the scheme exactly
-  }
-  size_t colon = addr.rfind(':');
-  if (addr[0] == '[') {
-    const size_t close = addr.find(']');
-    if (close == std::string::npos || close + 1 != colon) return bad();
-  } else if (colon == 0 || addr.find(':') != colon) {
-    return bad();  // no host, or a bare IPv6 address without brackets
-  }
-  int port;
-  if (colon == std::string::npos || !absl::SimpleAtoi(addr.substr(colon + 1), &port) || port < 1 || port > 65535 ||
-      addr.find_first_of(" \t,") != std::string::npos) {
-    return bad();
-  }
-  return absl::OkStatus();
-}
+absl::Status CheckRelayAddress(const std::string& addr) { return CheckGrpcTarget(addr); }
 
 std::unique_ptr<RelayClient> RelayClient::Connect(const std::string& addr) {
   grpc::ChannelArguments args;
