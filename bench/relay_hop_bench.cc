@@ -160,7 +160,7 @@ class ServerProcess {
     }
     close(fds[1]);
     out_fd_ = fds[0];
-    // Wait for "kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT".
+    // Wait for "kvrelay-server ready grpc=ADDR[,ADDR...] metrics=HOST:PORT".
     std::string buf;
     const auto deadline = Clock::now() + std::chrono::seconds(30);
     for (;;) {
@@ -186,7 +186,7 @@ class ServerProcess {
     std::istringstream ss(ready_line_);
     std::string tok;
     while (ss >> tok) {
-      if (tok.rfind("grpc=", 0) == 0) grpc_addr_ = tok.substr(5);
+      if (tok.rfind("grpc=", 0) == 0) grpc_addr_ = tok.substr(5, tok.find(',') - 5);  // the first address
       if (tok.rfind("metrics=", 0) == 0) metrics_addr_ = tok.substr(8);
     }
     if (grpc_addr_.empty()) Die("no grpc= in the ready line: " + ready_line_);

@@ -76,7 +76,7 @@ verbs:
       head dim 64, 128 prompt, 16 generated, 0 history tokens, BF16,
       seed 1, first agent true when there is no history, else false.
 
-relay verbs (a running kvrelay-server; --addr HOST:PORT):
+relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
   publish --addr A --session S --from AGENT --to AGENT [--to AGENT ...]
           [--id MSGID] [--policy SPEC] [--role R] [--parent MSGID]
           [--timeout SECONDS] [--retries N] --in TURN.safetensors

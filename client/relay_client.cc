@@ -17,6 +17,7 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/sync_stream.h"
+#include "proto/address.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
 #include "proto/stream_codec.h"

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "proto/address.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -81,30 +82,7 @@ const char* HealthStatusName(HealthStatus s) {
   return "UNKNOWN";
 }
 
-absl::Status CheckRelayAddress(const std::string& addr) {
-  auto bad = [&addr] {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "address '", addr, "': expected HOST:PORT with PORT in 1..65535 (or a gRPC target such as dns:///HOST:PORT)"));
-  };
-  if (addr.empty()) return bad();
-  // gRPC's resolvers; another scheme (http://...) would only fail later.
-  for (const char* scheme : {"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:", "google-c2p:"}) {
-    if (absl::StartsWith(addr, scheme)) return absl::OkStatus();  // gRPC matches the scheme exactly
-  }
-  size_t colon = addr.rfind(':');
-  if (addr[0] == '[') {
-    const size_t close = addr.find(']');
-    if (close == std::string::npos || close + 1 != colon) return bad();
-  } else if (colon == 0 || addr.find(':') != colon) {
-    return bad();  // no host, or a bare IPv6 address without brackets
-  }
-  int port;
-  if (colon == std::string::npos || !absl::SimpleAtoi(addr.substr(colon + 1), &port) || port < 1 || port > 65535 ||
-      addr.find_first_of(" \t,") != std::string::npos) {
-    return bad();
-  }
-  return absl::OkStatus();
-}
+absl::Status CheckRelayAddress(const std::string& addr) { return CheckGrpcTarget(addr); }
 
 absl::StatusOr<HealthStatus> CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
                                          const std::string& service, std::chrono::milliseconds deadline) {

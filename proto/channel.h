@@ -13,12 +13,8 @@
 
 namespace kvrelay {
 
-// Checks a relay address before dialling: InvalidArgument naming it unless
-// it is HOST:PORT (or [V6]:PORT) with PORT in 1..65535, or a target with
-// one of gRPC's resolver schemes (dns:, unix:, unix-abstract:, ipv4:, ipv6:,
-// vsock:, xds:, google-c2p:; e.g. "dns:///relay:50051"), which passes as
-// is. (gRPC itself takes a port above 65535 modulo 65536, and a missing
-// port as 443.)
+// Checks a relay address before dialling: CheckGrpcTarget (proto/address.h),
+// e.g. "127.0.0.1:50051", "dns:///relay:50051" or "unix:/run/kvrelay.sock".
 absl::Status CheckRelayAddress(const std::string& addr);
 
 // grpc.health.v1 serving status.

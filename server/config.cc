@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -17,6 +19,7 @@
 #include "core/status_macros.h"
 #include "core/thread_pool.h"
 #include "nlohmann/json.hpp"
+#include "proto/address.h"
 
 namespace kvrelay {
 namespace {
@@ -111,9 +114,106 @@ absl::Status ParseRolePolicy(absl::string_view flag, const std::string& v,
   return absl::OkStatus();
 }
 
+// sockaddr_un's sun_path holds 108 bytes, the terminating NUL included.
+constexpr size_t kMaxUnixPathBytes = 107;
+
+// One --listen address: HOST:PORT (PORT 0..65535) or unix:PATH.
+absl::Status CheckListenAddr(absl::string_view flag, const std::string& v) {
+  if (absl::StartsWith(v, kUnixPrefix)) {
+    const std::string path = v.substr(strlen(kUnixPrefix));
+    // The ready line lists the addresses separated by ',' after a space.
+    if (path.empty() || path.size() > kMaxUnixPathBytes || path.find_first_of(", \t\r\n") != std::string::npos) {
+      return Bad(flag, v, "unix:PATH with a PATH of 1..107 bytes without ',' or whitespace");
+    }
+    return absl::OkStatus();
+  }
+  std::string host;
+  int port;
+  if (!SplitHostPort(v, &host, &port).ok() || host.empty() ||
+      host.find_first_of(", \t") != std::string::npos) {
+    return Bad(flag, v,
+               "HOST:PORT with PORT in 0..65535 (0 picks a free port) or unix:PATH; one address each, "
+               "repeat --listen for more");
+  }
+  return absl::OkStatus();
+}
+
+// Replaces c->listen with `addrs`, each checked; `origin` prefixes errors
+// ("" for flags, "KVRELAY_LISTEN: ", "--config=FILE: ").
+absl::Status SetListen(const std::vector<std::string>& addrs, absl::string_view origin, ServerConfig* c) {
+  if (addrs.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, "--listen: expected at least one address"));
+  }
+  std::set<std::string> seen;
+  for (const std::string& a : addrs) {
+    if (absl::Status st = CheckListenAddr("listen", a); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(origin, st.message()));
+    }
+    if (!seen.insert(a).second) {
+      return absl::InvalidArgumentError(absl::StrCat(origin, "--listen=", a, ": given twice"));
+    }
+  }
+  c->listen = addrs;
+  return absl::OkStatus();
+}
+
+std::vector<std::string> SplitList(absl::string_view v, char sep) {
+  std::vector<std::string> out;
+  for (absl::string_view part : absl::StrSplit(v, sep, absl::SkipWhitespace())) {
+    out.emplace_back(absl::StripAsciiWhitespace(part));
+  }
+  return out;
+}
+
+// An agent id as relay.proto defines it: [A-Za-z0-9._:-]{1,128}.
+bool IsAgentId(absl::string_view v) {
+  if (v.empty() || v.size() > 128) return false;
+  for (char ch : v) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '_' && ch != ':' && ch != '-') {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A target a relay dials; errors read "--FLAG=VALUE: address '...': ...".
+absl::Status CheckTarget(absl::string_view flag, absl::string_view value, absl::string_view target) {
+  if (absl::Status st = CheckGrpcTarget(target); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseRoute(absl::string_view flag, const std::string& v, std::map<std::string, std::string>* out) {
+  const size_t eq = v.find('=');
+  if (eq == std::string::npos || eq + 1 == v.size()) {
+    return Bad(flag, v, "AGENT=TARGET, e.g. critic=10.0.0.7:50051 or critic=dns:///critic.agents:50051");
+  }
+  std::string agent = v.substr(0, eq), target = v.substr(eq + 1);
+  if (!IsAgentId(agent)) return Bad(flag, v, "AGENT=TARGET with AGENT of [A-Za-z0-9._:-]{1,128}");
+  KVRELAY_RETURN_IF_ERROR(CheckTarget(flag, v, target));
+  (*out)[std::move(agent)] = std::move(target);
+  return absl::OkStatus();
+}
+
+constexpr char kAgentPlaceholder[] = "{agent}";
+
+absl::Status ParseRouteTemplate(absl::string_view flag, const std::string& v, std::string* out) {
+  const size_t at = v.find(kAgentPlaceholder);
+  if (at == std::string::npos || v.find(kAgentPlaceholder, at + 1) != std::string::npos) {
+    return Bad(flag, v, "a target with the placeholder {agent} exactly once, e.g. dns:///{agent}.agents:50051");
+  }
+  std::string sample = v;
+  sample.replace(at, strlen(kAgentPlaceholder), "x");  // any DNS label must make a target
+  if (absl::Status st = CheckGrpcTarget(sample); !st.ok()) {
+    return Bad(flag, v, absl::StrCat("a target once {agent} is substituted (with 'x': ", st.message(), ")"));
+  }
+  *out = v;
+  return absl::OkStatus();
+}
+
 // Applies one setting by flag name (without dashes).
 absl::Status Apply(const std::string& name, const std::string& value, ServerConfig* c) {
-  if (name == "listen") return ParseAddr(name, value, false, &c->listen);
   if (name == "metrics-listen") return ParseAddr(name, value, true, &c->metrics_listen);
   if (name == "worker-threads") {
     int n;
@@ -143,6 +243,24 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   }
   if (name == "role-policy") return ParseRolePolicy(name, value, &c->role_policies);
   if (name == "log-json") return ParseBool(name, value, &c->log_json);
+  if (name == "route") return ParseRoute(name, value, &c->routes);
+  if (name == "route-file") {
+    if (value.empty()) return Bad(name, value, "a file name");
+    c->route_file = value;
+    return absl::OkStatus();
+  }
+  if (name == "route-template") return ParseRouteTemplate(name, value, &c->route_template);
+  if (name == "advertise") {
+    KVRELAY_RETURN_IF_ERROR(CheckTarget(name, value, value));
+    c->advertise = value;
+    return absl::OkStatus();
+  }
+  if (name == "forward-timeout-seconds") return ParseSeconds(name, value, false, &c->forward_timeout_seconds);
+  if (name == "forward-stall-seconds") return ParseSeconds(name, value, false, &c->forward_stall_seconds);
+  if (name == "max-outbox-bytes") return ParseBytes(name, value, &c->max_outbox_bytes);
+  if (name == "max-outbox-bytes-per-destination") {
+    return ParseBytes(name, value, &c->max_outbox_bytes_per_destination);
+  }
   if (name == "heap-retain-bytes") {
     if (absl::StripAsciiWhitespace(value) == "0") {
       c->heap_retain_bytes = 0;
@@ -159,7 +277,6 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
 bool IsBoolFlag(const std::string& name) { return name == "log-json"; }
 
 const char* const kEnv[][2] = {
-    {"listen", "KVRELAY_LISTEN"},
     {"metrics-listen", "KVRELAY_METRICS_LISTEN"},
     {"worker-threads", "KVRELAY_WORKER_THREADS"},
     {"max-inflight-bytes", "KVRELAY_MAX_INFLIGHT_BYTES"},
@@ -173,6 +290,13 @@ const char* const kEnv[][2] = {
     {"default-policy", "KVRELAY_DEFAULT_POLICY"},
     {"log-json", "KVRELAY_LOG_JSON"},
     {"shutdown-grace-seconds", "KVRELAY_SHUTDOWN_GRACE_SECONDS"},
+    {"route-file", "KVRELAY_ROUTE_FILE"},
+    {"route-template", "KVRELAY_ROUTE_TEMPLATE"},
+    {"advertise", "KVRELAY_ADVERTISE"},
+    {"forward-timeout-seconds", "KVRELAY_FORWARD_TIMEOUT_SECONDS"},
+    {"forward-stall-seconds", "KVRELAY_FORWARD_STALL_SECONDS"},
+    {"max-outbox-bytes", "KVRELAY_MAX_OUTBOX_BYTES"},
+    {"max-outbox-bytes-per-destination", "KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION"},
 };
 
 absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
@@ -202,6 +326,42 @@ absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
         absl::Status st = ParseRolePolicy("role-policy", absl::StrCat(r.key(), "=", r.value().get<std::string>()),
                                           &c->role_policies);
         if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--config=", path, ": ", st.message()));
+      }
+      continue;
+    }
+    const std::string origin = absl::StrCat("--config=", path, ": ");
+    if (key == "listen") {
+      std::vector<std::string> addrs;
+      if (v.is_string()) {
+        addrs = SplitList(v.get<std::string>(), ',');
+      } else if (v.is_array() && std::all_of(v.begin(), v.end(), [](const auto& e) { return e.is_string(); })) {
+        for (const auto& e : v) addrs.push_back(e.get<std::string>());
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat(origin, it.key(), ": expected a string or a list of strings (HOST:PORT or unix:PATH)"));
+      }
+      KVRELAY_RETURN_IF_ERROR(SetListen(addrs, origin, c));
+      continue;
+    }
+    if (key == "route" || key == "routes") {
+      std::vector<std::string> routes;
+      if (v.is_object()) {
+        for (auto r = v.begin(); r != v.end(); ++r) {
+          if (!r.value().is_string()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(origin, it.key(), ".", r.key(), ": expected a TARGET string"));
+          }
+          routes.push_back(absl::StrCat(r.key(), "=", r.value().get<std::string>()));
+        }
+      } else if (v.is_array() && std::all_of(v.begin(), v.end(), [](const auto& e) { return e.is_string(); })) {
+        for (const auto& e : v) routes.push_back(e.get<std::string>());
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            origin, it.key(), ": expected an object {AGENT: TARGET} or a list of \"AGENT=TARGET\" strings"));
+      }
+      for (const std::string& r : routes) {
+        absl::Status st = ParseRoute("route", r, &c->routes);
+        if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(origin, st.message()));
       }
       continue;
     }
@@ -248,8 +408,13 @@ absl::Status SplitHostPort(const std::string& addr, std::string* host, int* port
 
 std::string ServerUsage() {
   return R"(usage: kvrelay-server [flags]
-  --listen HOST:PORT             gRPC address (env KVRELAY_LISTEN; default 0.0.0.0:50051; port 0 = free port;
-                                 a port in use is an error, not shared)
+  --listen ADDR                  gRPC address, repeatable: HOST:PORT (port 0 = free port; a port in use is an
+                                 error, not shared) or unix:PATH, a Unix domain socket (PATH of at most 107 bytes,
+                                 no ',' or whitespace). The socket is made mode 0666, so the directory it is in
+                                 decides who may connect; a stale socket left at PATH (one nobody accepts on) is
+                                 removed first, a regular file or a socket in use is refused; it is removed on
+                                 shutdown. (KVRELAY_LISTEN: ADDR,ADDR; default 127.0.0.1:50051: listen on the pod
+                                 IP, e.g. 0.0.0.0:50051, where other relays or the kubelet must reach it)
   --metrics-listen HOST:PORT     Prometheus /metrics address, "off" for none (KVRELAY_METRICS_LISTEN; 0.0.0.0:9464;
                                  IPv4 only where the metrics HTTP server, civetweb, is built without IPv6)
   --worker-threads N             compression workers (KVRELAY_WORKER_THREADS; hardware threads)
@@ -269,6 +434,22 @@ std::string ServerUsage() {
   --default-policy SPEC          policy when neither the publish nor its role names one
                                  (KVRELAY_DEFAULT_POLICY; h2o-head:k=32+obf:p=8,mode=fast)
   --role-policy ROLE=SPEC        per-role default policy, repeatable (KVRELAY_ROLE_POLICY: ROLE=SPEC;ROLE=SPEC)
+  --route AGENT=TARGET           the relay that holds AGENT's mailbox, repeatable (KVRELAY_ROUTE:
+                                 AGENT=TARGET;AGENT=TARGET). TARGET is HOST:PORT (port 1..65535) or a gRPC target
+                                 with a resolver scheme: dns:///HOST:PORT, unix:PATH, ipv4:, ipv6:
+  --route-file FILE              JSON object {AGENT: TARGET}, re-read when it changes (KVRELAY_ROUTE_FILE)
+  --route-template TEMPLATE      TARGET for an agent no route names, with {agent} once, e.g.
+                                 dns:///{agent}.kvrelay.agents.svc.cluster.local:50051 (KVRELAY_ROUTE_TEMPLATE).
+                                 --route beats --route-file beats --route-template; no route: the agent is local
+  --advertise TARGET             this relay as its peers reach it; a route to it is local (KVRELAY_ADVERTISE)
+  --forward-timeout-seconds S    a forward is retried for S seconds, then dead-lettered
+                                 (KVRELAY_FORWARD_TIMEOUT_SECONDS; 300; >= 0.01)
+  --forward-stall-seconds S      a forward without progress for S seconds is cancelled and retried
+                                 (KVRELAY_FORWARD_STALL_SECONDS; 10; >= 0.01)
+  --max-outbox-bytes N           bytes of messages waiting to be forwarded, all destinations
+                                 (KVRELAY_MAX_OUTBOX_BYTES; 4GiB)
+  --max-outbox-bytes-per-destination N  the same per destination relay, at most --max-outbox-bytes
+                                 (KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION; 1GiB)
   --log-json                     JSON log lines, the ready line too (its "msg" is the same text)
                                  (KVRELAY_LOG_JSON)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
@@ -278,10 +459,13 @@ std::string ServerUsage() {
                                  (KVRELAY_HEAP_RETAIN_BYTES; 128MiB; more than 2GiB - 1 acts as 2GiB - 1;
                                  0: glibc's defaults)
   --config FILE                  JSON object with the same keys, '-' or '_' (KVRELAY_CONFIG); "role_policy"
-                                 is an object {ROLE: SPEC}
-A flag beats its environment variable, which beats the config file; role policies merge per role. An
+                                 is an object {ROLE: SPEC}, "route" an object {AGENT: TARGET} or a list of
+                                 "AGENT=TARGET", "listen" a string or a list of addresses
+A flag beats its environment variable, which beats the config file; role policies merge per role and
+routes per agent, while the --listen flags (else KVRELAY_LISTEN, else the file's) replace the list. An
 empty environment variable counts as unset (KVRELAY_METRICS_LISTEN: off). Seconds are at most 1e9.
-Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT
+Once serving, prints one line listing every gRPC address (bound ports, unix:PATH for sockets):
+  kvrelay-server ready grpc=127.0.0.1:50051,unix:/run/kvrelay/relay.sock metrics=0.0.0.0:9464
 (with --log-json, a JSON record whose "msg" is that text)
 
        kvrelay-server health [--addr HOST:PORT] [--timeout SECONDS]
@@ -292,6 +476,7 @@ Once serving, prints one line: kvrelay-server ready grpc=HOST:PORT metrics=HOST:
 absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv, const EnvLookup& env) {
   // Collect flags first: --config must be applied before env and flags.
   std::vector<std::pair<std::string, std::string>> flags;
+  std::vector<std::string> listen_flags;  // replace the other sources' list as a whole
   std::string config_path;
   if (const char* e = env("KVRELAY_CONFIG")) config_path = e;
   for (int i = 1; i < argc; ++i) {
@@ -315,6 +500,10 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
       config_path = value;
       continue;
     }
+    if (name == "listen") {
+      listen_flags.push_back(value);
+      continue;
+    }
     flags.emplace_back(name, value);
   }
   ServerConfig c;
@@ -335,7 +524,22 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
       if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("KVRELAY_ROLE_POLICY: ", s.message()));
     }
   }
+  if (const char* e = env("KVRELAY_LISTEN"); e != nullptr && *e != '\0') {
+    KVRELAY_RETURN_IF_ERROR(SetListen(SplitList(e, ','), "KVRELAY_LISTEN: ", &c));
+  }
+  if (const char* e = env("KVRELAY_ROUTE")) {
+    for (const std::string& part : SplitList(e, ';')) {
+      absl::Status s = ParseRoute("route", part, &c.routes);
+      if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("KVRELAY_ROUTE: ", s.message()));
+    }
+  }
   for (const auto& [name, value] : flags) KVRELAY_RETURN_IF_ERROR(Apply(name, value, &c));
+  if (!listen_flags.empty()) KVRELAY_RETURN_IF_ERROR(SetListen(listen_flags, "", &c));
+  if (c.max_outbox_bytes_per_destination > c.max_outbox_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-outbox-bytes-per-destination=", c.max_outbox_bytes_per_destination,
+        ": expected at most --max-outbox-bytes=", c.max_outbox_bytes, " (bytes)"));
+  }
   if (c.worker_threads <= 0) c.worker_threads = ThreadPool::HardwareThreads();
   return c;
 }

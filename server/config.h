@@ -6,7 +6,7 @@
 // without the leading dashes, '-' or '_' alike), built-in defaults.
 //
 //   flag                          env                               default
-//   --listen HOST:PORT            KVRELAY_LISTEN                    0.0.0.0:50051
+//   --listen ADDR                 KVRELAY_LISTEN (','-separated)    127.0.0.1:50051  repeatable; HOST:PORT or unix:PATH
 //   --metrics-listen HOST:PORT    KVRELAY_METRICS_LISTEN            0.0.0.0:9464 ("" or "off": none)
 //   --worker-threads N            KVRELAY_WORKER_THREADS            hardware threads
 //   --max-inflight-bytes N        KVRELAY_MAX_INFLIGHT_BYTES        4GiB
@@ -18,6 +18,14 @@
 //   --session-ttl-seconds S       KVRELAY_SESSION_TTL_SECONDS       3600  (idle time; fractions allowed)
 //   --default-policy SPEC         KVRELAY_DEFAULT_POLICY            h2o-head:k=32+obf:p=8,mode=fast
 //   --role-policy ROLE=SPEC       KVRELAY_ROLE_POLICY (';'-separated ROLE=SPEC list)   repeatable
+//   --route AGENT=TARGET          KVRELAY_ROUTE (';'-separated AGENT=TARGET list)      repeatable
+//   --route-file FILE             KVRELAY_ROUTE_FILE                none
+//   --route-template TEMPLATE     KVRELAY_ROUTE_TEMPLATE            none  (one "{agent}")
+//   --advertise TARGET            KVRELAY_ADVERTISE                 none
+//   --forward-timeout-seconds S   KVRELAY_FORWARD_TIMEOUT_SECONDS   300
+//   --forward-stall-seconds S     KVRELAY_FORWARD_STALL_SECONDS     10
+//   --max-outbox-bytes N          KVRELAY_MAX_OUTBOX_BYTES          4GiB
+//   --max-outbox-bytes-per-destination N  KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION  1GiB (<= --max-outbox-bytes)
 //   --log-json                    KVRELAY_LOG_JSON (1/true)         off
 //   --shutdown-grace-seconds S    KVRELAY_SHUTDOWN_GRACE_SECONDS    10
 //   --heap-retain-bytes N         KVRELAY_HEAP_RETAIN_BYTES         128MiB (0: glibc's defaults; capped at 2GiB-1)
@@ -26,9 +34,17 @@
 // Byte sizes accept a plain integer or a KiB/MiB/GiB/TiB suffix ("4GiB");
 // seconds are at most 1e9. An empty environment variable counts as unset,
 // except KVRELAY_METRICS_LISTEN, where empty means off as for the flag.
-// Role policies merge per role across the three sources. Every policy is
-// parsed where it is given, so a bad one is a configuration error naming
-// its source (flag, variable or file).
+// Role policies merge per role across the three sources, and routes per
+// agent; the listen addresses do not merge: the --listen flags, else
+// KVRELAY_LISTEN, else the file's "listen" (a string or a list), replace
+// the default as a whole. Every policy, address and target is checked where
+// it is given, so a bad one is a configuration error naming its source
+// (flag, variable or file).
+//
+// A TARGET (--route, --advertise, a substituted --route-template) is what a
+// relay dials: HOST:PORT with PORT in 1..65535, or a gRPC target with a
+// resolver scheme (dns:///HOST:PORT, unix:PATH, ipv4:, ipv6:, ...); see
+// CheckGrpcTarget in proto/address.h.
 #ifndef KVRELAY_SERVER_CONFIG_H_
 #define KVRELAY_SERVER_CONFIG_H_
 
@@ -44,7 +60,10 @@
 namespace kvrelay {
 
 struct ServerConfig {
-  std::string listen = "0.0.0.0:50051";
+  // gRPC addresses in the order given, no two alike: HOST:PORT (PORT 0..65535,
+  // 0 picks a free port) or unix:PATH (a Unix domain socket; PATH of 1..107
+  // bytes without ',' or whitespace).
+  std::vector<std::string> listen = {"127.0.0.1:50051"};
   std::string metrics_listen = "0.0.0.0:9464";  // empty: no metrics endpoint
   int worker_threads = 0;                        // 0 before ParseServerConfig: hardware
   uint64_t max_inflight_bytes = 4ull << 30;
@@ -56,6 +75,17 @@ struct ServerConfig {
   double session_ttl_seconds = 3600;
   std::string default_policy = "h2o-head:k=32+obf:p=8,mode=fast";
   std::map<std::string, std::string> role_policies;
+  // Where each recipient's mailbox is when it is not local. routes beats
+  // route_file beats route_template; a recipient none of them names is
+  // local, and so is one whose target equals `advertise`.
+  std::map<std::string, std::string> routes;  // AGENT -> TARGET
+  std::string route_file;                      // JSON {AGENT: TARGET}; empty: none
+  std::string route_template;                  // one "{agent}"; empty: none
+  std::string advertise;                       // this relay's target as peers reach it; empty: none
+  double forward_timeout_seconds = 300;        // retrying a forward, then dead-lettered
+  double forward_stall_seconds = 10;           // a forward without progress that long is cancelled
+  uint64_t max_outbox_bytes = 4ull << 30;      // messages waiting to be forwarded, all destinations
+  uint64_t max_outbox_bytes_per_destination = 1ull << 30;  // <= max_outbox_bytes
   bool log_json = false;
   double shutdown_grace_seconds = 10;
   // Freed heap memory kept for reuse rather than returned to the kernel
@@ -90,6 +120,9 @@ std::string ServerUsage();
 
 // Splits "HOST:PORT" ("[v6]:PORT" too). InvalidArgument unless PORT is 0..65535.
 absl::Status SplitHostPort(const std::string& addr, std::string* host, int* port);
+
+// The prefix of a Unix domain socket address in --listen ("unix:PATH").
+inline constexpr char kUnixPrefix[] = "unix:";
 
 }  // namespace kvrelay
 

@@ -1,11 +1,21 @@
 #include "server/server.h"
 
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/pipeline.h"
+#include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -30,14 +40,61 @@ bool MetricsServerHasIpv6() {
 #endif
 }
 
+// Before binding unix:PATH (`addr`): OK when PATH does not exist, or was a
+// socket nobody accepts on, which is removed. gRPC would remove any socket,
+// and so take over the PATH of a relay still serving on it.
+absl::Status PrepareUnixSocket(const std::string& addr) {
+  const std::string path = addr.substr(strlen(kUnixPrefix));
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("--listen=", addr, ": ", std::strerror(errno)));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::UnavailableError(
+        absl::StrCat("--listen=", addr, ": exists and is not a socket (left as it is; expected a free path)"));
+  }
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(sa.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("--listen=", addr, ": path longer than 107 bytes"));
+  }
+  std::memcpy(sa.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("--listen=", addr, ": socket: ", std::strerror(errno)));
+  const int r = connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa));
+  const int err = errno;
+  close(fd);
+  if (r == 0) {
+    return absl::UnavailableError(absl::StrCat("--listen=", addr, ": another process is serving on this socket"));
+  }
+  if (err != ECONNREFUSED) {
+    return absl::UnavailableError(absl::StrCat("--listen=", addr, ": cannot tell whether the socket is in use: ",
+                                               std::strerror(err)));
+  }
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return absl::UnavailableError(
+        absl::StrCat("--listen=", addr, ": cannot remove the stale socket: ", std::strerror(errno)));
+  }
+  spdlog::info("--listen={}: removed a stale socket (nothing accepted on it)", addr);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config) {
   std::unique_ptr<RelayServer> s(new RelayServer());
   s->config_ = config;
-  int port;
-  absl::Status st = SplitHostPort(config.listen, &s->grpc_host_, &port);
-  if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--listen=", st.message()));
+  if (config.listen.empty()) return absl::InvalidArgumentError("--listen: expected at least one address");
+  std::vector<std::string> hosts(config.listen.size());  // "" for a Unix socket
+  for (size_t i = 0; i < config.listen.size(); ++i) {
+    const std::string& addr = config.listen[i];
+    if (absl::StartsWith(addr, kUnixPrefix)) continue;
+    int port;
+    absl::Status st = SplitHostPort(addr, &hosts[i], &port);
+    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--listen=", st.message()));
+  }
+  absl::Status st;
   s->metrics_ = std::make_unique<Metrics>();
   std::vector<std::string> policies = {config.default_policy};
   for (const auto& [role, spec] : config.role_policies) policies.push_back(spec);
@@ -87,21 +144,43 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   // then start, and the kernel would split connections between two separate
   // stores. Binding a port in use must fail instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &s->grpc_port_);
+  for (const std::string& addr : config.listen) {
+    if (absl::StartsWith(addr, kUnixPrefix)) KVRELAY_RETURN_IF_ERROR(PrepareUnixSocket(addr));
+  }
+  // Filled by BuildAndStart, up to the first address it cannot bind.
+  std::vector<int> ports(config.listen.size(), 0);
+  for (size_t i = 0; i < config.listen.size(); ++i) {
+    builder.AddListeningPort(config.listen[i], grpc::InsecureServerCredentials(), &ports[i]);
+  }
   builder.RegisterService(s->service_.get());
   // Chunks are <= 1 MiB; leave room for the envelope, refuse anything bigger.
   builder.SetMaxReceiveMessageSize(4 << 20);
   s->server_ = builder.BuildAndStart();
-  if (!s->server_ || s->grpc_port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "--listen=", config.listen,
-        ": cannot listen (the port is in use, or the address is not one of this host's; gRPC's log above has the "
-        "system error)"));
+  for (size_t i = 0; i < config.listen.size(); ++i) {
+    const std::string& addr = config.listen[i];
+    const bool unix_socket = hosts[i].empty();
+    if (!s->server_ || ports[i] == 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "--listen=", addr,
+          unix_socket ? ": cannot listen (the directory does not exist or is not writable; gRPC's log above has "
+                        "the system error)"
+                      : ": cannot listen (the port is in use, or the address is not one of this host's; gRPC's log "
+                        "above has the system error)"));
+    }
+    if (unix_socket) {
+      if (chmod(addr.c_str() + strlen(kUnixPrefix), 0666) != 0) {
+        spdlog::warn("--listen={}: cannot make the socket mode 0666: {}", addr, std::strerror(errno));
+      }
+      s->grpc_addresses_.push_back(addr);
+    } else {
+      if (s->grpc_port_ == 0) s->grpc_port_ = ports[i];
+      s->grpc_addresses_.push_back(absl::StrCat(hosts[i], ":", ports[i]));
+    }
   }
   s->server_->GetHealthCheckService()->SetServingStatus(true);
   s->server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", true);
   spdlog::info("kvrelay-server serving grpc={} metrics={} workers={} default_policy={} kernels={}",
-               s->grpc_address(), s->exposer_ ? absl::StrCat(s->metrics_host_, ":", s->metrics_port_) : "off",
+               absl::StrJoin(s->grpc_addresses_, ","), s->exposer_ ? absl::StrCat(s->metrics_host_, ":", s->metrics_port_) : "off",
                config.worker_threads, config.default_policy, KernelSummary());
   return s;
 }
@@ -111,10 +190,8 @@ RelayServer::~RelayServer() {
   exposer_.reset();
 }
 
-std::string RelayServer::grpc_address() const { return absl::StrCat(grpc_host_, ":", grpc_port_); }
-
 std::string RelayServer::ReadyLine() const {
-  return absl::StrCat("kvrelay-server ready grpc=", grpc_address(), " metrics=",
+  return absl::StrCat("kvrelay-server ready grpc=", absl::StrJoin(grpc_addresses_, ","), " metrics=",
                       exposer_ ? absl::StrCat(metrics_host_, ":", metrics_port_) : std::string("off"));
 }
 

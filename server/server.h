@@ -1,7 +1,7 @@
 // A running relay: gRPC server (Relay, grpc.health.v1, reflection), the
 // worker pool, the store and the Prometheus endpoint.
 //
-//   auto server = RelayServer::Start(config);   // binds; port 0 picks one
+//   auto server = RelayServer::Start(config);   // binds each address; port 0 picks one
 //   std::cout << (*server)->ReadyLine() << std::endl;
 //   ...
 //   (*server)->Shutdown();                      // NOT_SERVING, drain, stop
@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/thread_pool.h"
@@ -27,15 +28,27 @@ namespace kvrelay {
 
 class RelayServer {
  public:
-  // Binds both addresses and starts serving. Unavailable when an address
+  // Binds every --listen address and the metrics address and starts
+  // serving. A unix:PATH whose PATH is a socket nobody accepts on (left by a
+  // relay that was killed) is removed first; a PATH that is not a socket is
+  // left alone and refused, and so is a socket another process serves on.
+  // Each socket is made mode 0666: who may connect is decided by the
+  // directory it is in (as any process in the network namespace can reach
+  // 127.0.0.1); gRPC removes it on Shutdown. Unavailable when an address
   // cannot be bound.
   static absl::StatusOr<std::unique_ptr<RelayServer>> Start(const ServerConfig& config);
   ~RelayServer();  // Shutdown(), then stops the metrics endpoint
 
-  // "kvrelay-server ready grpc=HOST:PORT metrics=HOST:PORT" with the bound
-  // ports (metrics=off without a metrics endpoint).
+  // "kvrelay-server ready grpc=ADDR[,ADDR...] metrics=HOST:PORT": every
+  // address of grpc_addresses(), ',' between them, and the bound metrics
+  // port (metrics=off without a metrics endpoint).
   std::string ReadyLine() const;
-  std::string grpc_address() const;  // HOST:PORT as bound
+  // In --listen order: HOST:PORT with the bound port, unix:PATH as given.
+  const std::vector<std::string>& grpc_addresses() const { return grpc_addresses_; }
+  // The first of grpc_addresses(), whichever kind it is.
+  const std::string& grpc_address() const { return grpc_addresses_.front(); }
+  // The bound port of the first HOST:PORT address; 0 when every address is
+  // a Unix socket.
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
 
@@ -60,7 +73,8 @@ class RelayServer {
   std::unique_ptr<RelayService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
-  std::string grpc_host_, metrics_host_;
+  std::vector<std::string> grpc_addresses_;
+  std::string metrics_host_;
   int grpc_port_ = 0, metrics_port_ = 0;
   std::mutex shutdown_mu_;
   bool shut_down_ = false;

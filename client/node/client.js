@@ -381,7 +381,7 @@ class RelayClient {
   #calls = new Set();
 
   /**
-   * @param {string} address "HOST:PORT"
+   * @param {string} address "HOST:PORT" or "unix:PATH"
    * @param {{protoPath?: string, credentials?: grpc.ChannelCredentials, channelOptions?: Object}} [options]
    *   credentials default to an insecure channel.
    */

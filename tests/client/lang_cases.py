@@ -3,14 +3,16 @@
 
 Each language ships an example client that publishes a turn file, fetches
 the message, writes it as a safetensors file and acks it. A driver starts a
-Live (kvrelay-server on 127.0.0.1:0, kvrelayctl, a scratch folder) and
-defines its RelayTest as RelayCases + unittest.TestCase with:
+Live (kvrelay-server on 127.0.0.1:0 and on a Unix socket, kvrelayctl, a
+scratch folder) and defines its RelayTest as RelayCases + unittest.TestCase
+with:
 
     LANG         prefix of the message ids it chooses ("go", "node")
     USAGE_ERROR  what the example prints for a missing --out
     live         the Live (set in setUpModule)
-    example(*args, timeout=60) -> subprocess.CompletedProcess (a staticmethod)
-                 runs the example with --addr live.addr and args
+    example(*args, timeout=60, addr=None) -> subprocess.CompletedProcess (a
+                 staticmethod) runs the example with --addr ADDR (default
+                 live.addr) and args
 
 The cases: the fetched message equals `kvrelayctl compress` of the same turn
 bit for bit (every tensor's dtype, shape and bytes, and the accounting
@@ -19,7 +21,9 @@ tensors, F16/BF16, GQA and uploaded history; with `full` it equals the input
 K/V (and positions); every message was acked (the relay holds nothing, stats
 count every ack); a bad policy fails with INVALID_ARGUMENT naming
 header.policy and commits nothing; a malformed turn file fails before any
-call, naming the tensor; a missing flag is a usage error (exit 2).
+call, naming the tensor; a missing flag is a usage error (exit 2); a publish
+and a fetch over the relay's Unix socket (--addr unix:PATH) give the same
+message, counted by the same relay.
 """
 import json
 import os
@@ -61,17 +65,20 @@ def rows(t):
 
 
 class Live:
-    """A kvrelay-server on 127.0.0.1:0, kvrelayctl and a scratch folder (tmp)."""
+    """A kvrelay-server on 127.0.0.1:0 (addr) and on unix:TMP/relay.sock
+    (unix_addr), kvrelayctl and a scratch folder (tmp)."""
 
     def __init__(self, server, kvrelayctl, prefix):
         self.kvrelayctl = kvrelayctl
         self.tmp = tempfile.mkdtemp(prefix=prefix)
+        sock = os.path.join(self.tmp, "relay.sock")
         try:
-            self.server = Server(server, timeout=20)
+            self.server = Server(server, args=["--listen", "127.0.0.1:0", "--listen", f"unix:{sock}",
+                                               "--metrics-listen", "127.0.0.1:0"], timeout=20)
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
-        self.addr = self.server.addr
+        self.addr, self.unix_addr = self.server.addrs
 
     def close(self):
         self.server.stop()
@@ -136,14 +143,14 @@ class RelayCases:
                 [np.frombuffer(t[p + "history.pos"][2], "<i4").reshape(H, n_hist), own], axis=1)
             self.assertTrue(msg[p + "pos"][2] == np.ascontiguousarray(want_pos, "<i4").tobytes(), f"{p}pos")
 
-    def publish_fetch(self, name, policy, turn, msg_id=None):
+    def publish_fetch(self, name, policy, turn, msg_id=None, addr=None):
         out = self.live.path(f"msg-{name}.safetensors")
         args = ["--in", turn, "--out", out, "--session", f"s-{name}", "--from", "planner", "--to", "critic"]
         if policy is not None:
             args += ["--policy", policy]
         if msg_id:
             args += ["--id", msg_id]
-        p = self.example(*args)
+        p = self.example(*args, addr=addr)
         self.assertEqual(p.returncode, 0, f"{name}: rc={p.returncode}\n{p.stdout}\n{p.stderr}")
         pub = re.search(r"^published message_id=(\S+) duplicate=false ", p.stdout, re.M)
         got = re.search(r"^fetched message_id=(\S+) delivery_attempt=1 .* acked=true ", p.stdout, re.M)
@@ -191,6 +198,24 @@ class RelayCases:
         for key in ("messages_committed", "messages_delivered", "messages_acked"):
             self.assertEqual(int(after[key]) - int(before[key]), n, key)
         self.assertEqual(after["mailbox_messages"], "0")
+
+    def test_unix_socket(self):
+        live = self.live
+        self.assertTrue(live.unix_addr.startswith("unix:"), live.unix_addr)
+        turn = live.make_turn("unix", dtype="BF16", history=4, seed=31)
+        before = live.stats()  # over TCP: the same relay
+        out, msg_id = self.publish_fetch("unix", "h2o-head:k=8+obf:p=4", turn, addr=live.unix_addr)
+        meta, msg = read_st(out)
+        self.assertEqual((meta["message_id"], meta["session"], meta["delivery_attempt"]), (msg_id, "s-unix", "1"))
+        ref = live.path("ref-unix.safetensors")
+        check_run([live.kvrelayctl, "compress", "--policy", meta["policy"], "--in", turn, "--out", ref])
+        rmeta, rmsg = read_st(ref)
+        for key in MESSAGE_KEYS:
+            self.assertEqual(meta.get(key), rmeta.get(key), key)
+        self.assert_same_tensors(msg, rmsg, "over unix:PATH")
+        after = live.stats()
+        for key in ("messages_committed", "messages_delivered", "messages_acked"):
+            self.assertEqual(int(after[key]) - int(before[key]), 1, key)
 
     def compress(self, policy, turn, out):
         """The client's stateless Compress of `turn` with `policy`, written to

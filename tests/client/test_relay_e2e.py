@@ -218,7 +218,7 @@ def test_bad_inputs(ctl, turn, turn_hist):
     port = int(ctl.addr.rsplit(":", 1)[1])
     for verb in (["health"], ["stats"], ["fetch", "--session", "s", "--agent", "b", "--out", ctl.path("o")]):
         for addr in (f"127.0.0.1:{port + 65536}", "127.0.0.1", "127.0.0.1:0", "", f"http://127.0.0.1:{port}",
-                     f"DNS:///127.0.0.1:{port}"):
+                     f"DNS:///127.0.0.1:{port}", "unix:", "dns:"):
             rc, _, err = ctl.run(*verb, "--addr", addr, addr=False, timeout=30)
             check(rc == 2 and "flag --addr" in err, f"{verb[0]} --addr {addr!r}: rc={rc} {err.strip()!r}")
     rc, out, err = ctl.run("health", "--addr", f"dns:///127.0.0.1:{port}", addr=False)

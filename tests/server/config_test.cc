@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -21,7 +23,7 @@ absl::StatusOr<ServerConfig> Parse(std::vector<const char*> args, std::map<std::
 TEST(ConfigTest, Defaults) {
   auto c = Parse({});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->listen, "0.0.0.0:50051");
+  EXPECT_EQ(c->listen, std::vector<std::string>{"127.0.0.1:50051"});
   EXPECT_EQ(c->metrics_listen, "0.0.0.0:9464");
   EXPECT_GE(c->worker_threads, 1);
   EXPECT_EQ(c->max_inflight_bytes, 4ull << 30);
@@ -45,7 +47,7 @@ TEST(ConfigTest, FlagsBeatEnvBeatFile) {
                  {{"KVRELAY_LISTEN", "5.6.7.8:2"}, {"KVRELAY_WORKER_THREADS", "5"},
                   {"KVRELAY_ROLE_POLICY", "critic=full;refiner=h2o-head:k=16"}});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->listen, "127.0.0.1:0");
+  EXPECT_EQ(c->listen, std::vector<std::string>{"127.0.0.1:0"});
   EXPECT_EQ(c->worker_threads, 5);
   EXPECT_EQ(c->max_session_messages, 7u);
   EXPECT_TRUE(c->log_json);
@@ -218,7 +220,7 @@ TEST(ConfigTest, EmptyEnvironmentVariablesAreUnset) {
   auto c = Parse({}, {{"KVRELAY_LISTEN", ""}, {"KVRELAY_LOG_JSON", ""}, {"KVRELAY_WORKER_THREADS", ""},
                       {"KVRELAY_DEFAULT_POLICY", ""}});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->listen, "0.0.0.0:50051");
+  EXPECT_EQ(c->listen, std::vector<std::string>{"127.0.0.1:50051"});
   EXPECT_EQ(c->metrics_listen, "0.0.0.0:9464");
   EXPECT_FALSE(c->log_json);
   EXPECT_EQ(c->default_policy, "h2o-head:k=32+obf:p=8,mode=fast");
@@ -226,6 +228,210 @@ TEST(ConfigTest, EmptyEnvironmentVariablesAreUnset) {
     c = Parse({}, {{"KVRELAY_METRICS_LISTEN", off}});
     ASSERT_TRUE(c.ok()) << c.status();
     EXPECT_EQ(c->metrics_listen, "") << off;
+  }
+}
+
+// --listen: repeatable, TCP and Unix sockets; each source replaces the list.
+TEST(ConfigTest, ListenTakesSeveralAddressesAndUnixSockets) {
+  auto c = Parse({"--listen", "127.0.0.1:0", "--listen=unix:/tmp/kvrelay.sock", "--listen", "unix:rel/r.sock"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, (std::vector<std::string>{"127.0.0.1:0", "unix:/tmp/kvrelay.sock", "unix:rel/r.sock"}));
+  c = Parse({"--listen=unix:/tmp/only.sock"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, std::vector<std::string>{"unix:/tmp/only.sock"});
+  c = Parse({}, {{"KVRELAY_LISTEN", "127.0.0.1:7, unix:/tmp/a.sock,"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, (std::vector<std::string>{"127.0.0.1:7", "unix:/tmp/a.sock"}));
+  // Flags replace the variable's list; the variable replaces the file's.
+  c = Parse({"--listen", "[::1]:0"}, {{"KVRELAY_LISTEN", "127.0.0.1:7,unix:/tmp/a.sock"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, std::vector<std::string>{"[::1]:0"});
+  const std::string list = ConfigFile("kvrelay_listen_list.json", R"({"listen": ["127.0.0.1:1", "unix:/tmp/b.sock"]})");
+  c = Parse({"--config", list.c_str()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, (std::vector<std::string>{"127.0.0.1:1", "unix:/tmp/b.sock"}));
+  c = Parse({"--config", list.c_str()}, {{"KVRELAY_LISTEN", "unix:/tmp/c.sock"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, std::vector<std::string>{"unix:/tmp/c.sock"});
+  std::remove(list.c_str());
+  const std::string str = ConfigFile("kvrelay_listen_str.json", R"({"listen": "unix:/tmp/d.sock,127.0.0.1:2"})");
+  c = Parse({"--config", str.c_str()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, (std::vector<std::string>{"unix:/tmp/d.sock", "127.0.0.1:2"}));
+  std::remove(str.c_str());
+}
+
+TEST(ConfigTest, BadListenAddressesAreRefusedWhereTheyAreGiven) {
+  const std::string long_path = "unix:/" + std::string(107, 'p');  // 108 bytes: no room for the NUL
+  struct Case {
+    std::vector<const char*> args;
+    std::map<std::string, std::string> env;
+    std::string needle;
+  } cases[] = {
+      {{"--listen", "unix:"}, {}, "--listen=unix:: expected unix:PATH"},
+      {{"--listen", "unix:/tmp/a,b.sock"}, {}, "--listen=unix:/tmp/a,b.sock: expected unix:PATH"},
+      {{"--listen", "unix:/tmp/a b.sock"}, {}, "--listen=unix:/tmp/a b.sock: expected unix:PATH"},
+      {{"--listen", long_path.c_str()}, {}, "--listen=" + long_path + ": expected unix:PATH with a PATH of 1..107"},
+      {{"--listen", "127.0.0.1:0,127.0.0.1:1"}, {}, "--listen=127.0.0.1:0,127.0.0.1:1: expected HOST:PORT"},
+      {{"--listen", "127.0.0.1:65536"}, {}, "--listen=127.0.0.1:65536: expected HOST:PORT with PORT in 0..65535"},
+      {{"--listen", ":50051"}, {}, "--listen=:50051: expected HOST:PORT"},
+      {{"--listen", "/tmp/r.sock"}, {}, "--listen=/tmp/r.sock: expected HOST:PORT"},
+      {{"--listen", "unix:/tmp/r.sock", "--listen", "unix:/tmp/r.sock"}, {}, "--listen=unix:/tmp/r.sock: given twice"},
+      {{"--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0"}, {}, "--listen=127.0.0.1:0: given twice"},
+      {{}, {{"KVRELAY_LISTEN", "127.0.0.1:1,127.0.0.1:1"}}, "KVRELAY_LISTEN: --listen=127.0.0.1:1: given twice"},
+      {{}, {{"KVRELAY_LISTEN", "127.0.0.1:1,nope"}}, "KVRELAY_LISTEN: --listen=nope: expected HOST:PORT"},
+      {{}, {{"KVRELAY_LISTEN", " , "}}, "KVRELAY_LISTEN: --listen: expected at least one address"},
+  };
+  for (const auto& tc : cases) {
+    auto c = Parse(tc.args, tc.env);
+    ASSERT_FALSE(c.ok()) << tc.needle;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(tc.needle), std::string::npos) << c.status();
+  }
+  auto ok = Parse({"--listen", ("unix:/" + std::string(106, 'p')).c_str()});  // 107 bytes
+  EXPECT_TRUE(ok.ok()) << ok.status();
+  struct FileCase {
+    const char* text;
+    const char* needle;
+  } files[] = {
+      {R"({"listen": []})", "--listen: expected at least one address"},
+      {R"({"listen": 50051})", "listen: expected a string or a list of strings"},
+      {R"({"listen": ["127.0.0.1:0", 1]})", "listen: expected a string or a list of strings"},
+      {R"({"listen": ["unix:/tmp/x", "unix:/tmp/x"]})", "--listen=unix:/tmp/x: given twice"},
+      {R"({"listen": "unix:"})", "--listen=unix:: expected unix:PATH"},
+  };
+  int i = 0;
+  for (const auto& tc : files) {
+    const std::string path = ConfigFile("kvrelay_bad_listen_" + std::to_string(i++) + ".json", tc.text);
+    auto c = Parse({"--config", path.c_str()});
+    ASSERT_FALSE(c.ok()) << tc.text;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find("--config=" + path + ": "), std::string::npos) << c.status();
+    EXPECT_NE(c.status().message().find(tc.needle), std::string::npos) << c.status();
+    std::remove(path.c_str());
+  }
+}
+
+TEST(ConfigTest, MeshDefaults) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->routes.empty());
+  EXPECT_EQ(c->route_file, "");
+  EXPECT_EQ(c->route_template, "");
+  EXPECT_EQ(c->advertise, "");
+  EXPECT_EQ(c->forward_timeout_seconds, 300);
+  EXPECT_EQ(c->forward_stall_seconds, 10);
+  EXPECT_EQ(c->max_outbox_bytes, 4ull << 30);
+  EXPECT_EQ(c->max_outbox_bytes_per_destination, 1ull << 30);
+  const std::string usage(Parse({"--help"}).status().message());
+  for (const char* s : {"--route AGENT=TARGET", "KVRELAY_ROUTE:", "--route-file", "KVRELAY_ROUTE_FILE", "--route-template",
+                        "KVRELAY_ROUTE_TEMPLATE", "--advertise", "KVRELAY_ADVERTISE", "--forward-timeout-seconds",
+                        "KVRELAY_FORWARD_TIMEOUT_SECONDS", "--forward-stall-seconds", "KVRELAY_FORWARD_STALL_SECONDS",
+                        "--max-outbox-bytes", "KVRELAY_MAX_OUTBOX_BYTES", "--max-outbox-bytes-per-destination",
+                        "KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION", "unix:PATH", "127.0.0.1:50051"}) {
+    EXPECT_NE(usage.find(s), std::string::npos) << s;
+  }
+}
+
+TEST(ConfigTest, MeshFlagsEnvAndFile) {
+  const std::string path = ConfigFile("kvrelay_mesh.json", R"({"route": {"planner": "10.0.0.1:50051",
+      "critic": "10.0.0.2:50051"}, "route_template": "dns:///{agent}.file:50051", "advertise": "10.0.0.9:50051",
+      "forward_stall_seconds": 3, "max_outbox_bytes": "2GiB"})");
+  auto c = Parse({"--config", path.c_str(), "--route", "critic=dns:///critic.agents:50051", "--route=judger=unix:/r.sock",
+                  "--forward-timeout-seconds", "12.5", "--max-outbox-bytes-per-destination", "512MiB"},
+                 {{"KVRELAY_ROUTE", "planner=ipv4:10.0.0.3:50051; refiner=[::1]:50051"},
+                  {"KVRELAY_ROUTE_TEMPLATE", "{agent}.env:50051"}, {"KVRELAY_ROUTE_FILE", "/etc/kvrelay/routes.json"},
+                  {"KVRELAY_FORWARD_STALL_SECONDS", "4"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::map<std::string, std::string> want = {{"planner", "ipv4:10.0.0.3:50051"},
+                                                   {"critic", "dns:///critic.agents:50051"},
+                                                   {"refiner", "[::1]:50051"},
+                                                   {"judger", "unix:/r.sock"}};
+  EXPECT_EQ(c->routes, want);  // merged per agent: flag over env over file
+  EXPECT_EQ(c->route_template, "{agent}.env:50051");
+  EXPECT_EQ(c->route_file, "/etc/kvrelay/routes.json");
+  EXPECT_EQ(c->advertise, "10.0.0.9:50051");
+  EXPECT_EQ(c->forward_timeout_seconds, 12.5);
+  EXPECT_EQ(c->forward_stall_seconds, 4);
+  EXPECT_EQ(c->max_outbox_bytes, 2ull << 30);
+  EXPECT_EQ(c->max_outbox_bytes_per_destination, 512ull << 20);
+  std::remove(path.c_str());
+  const std::string list = ConfigFile("kvrelay_mesh_list.json", R"({"routes": ["a=h:1", "b.x=dns:///b:2"]})");
+  c = Parse({"--config", list.c_str()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->routes, (std::map<std::string, std::string>{{"a", "h:1"}, {"b.x", "dns:///b:2"}}));
+  std::remove(list.c_str());
+  // Only the path is checked at start-up: the file may appear later.
+  c = Parse({"--route-file", "/nonexistent/routes.json"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->route_file, "/nonexistent/routes.json");
+  c = Parse({"--max-outbox-bytes=1GiB", "--max-outbox-bytes-per-destination=1GiB"});
+  ASSERT_TRUE(c.ok()) << c.status();
+}
+
+TEST(ConfigTest, BadMeshFlagsNameTheFlag) {
+  const std::string long_agent = std::string(129, 'a') + "=h:1";
+  struct Case {
+    std::vector<const char*> args;
+    std::map<std::string, std::string> env;
+    std::string needle;
+  } cases[] = {
+      {{"--route", "planner"}, {}, "--route=planner: expected AGENT=TARGET"},
+      {{"--route", "planner="}, {}, "--route=planner=: expected AGENT=TARGET"},
+      {{"--route", "=h:1"}, {}, "--route==h:1: expected AGENT=TARGET with AGENT of [A-Za-z0-9._:-]{1,128}"},
+      {{"--route", "pl/anner=h:1"}, {}, "--route=pl/anner=h:1: expected AGENT=TARGET with AGENT"},
+      {{"--route", long_agent.c_str()}, {}, "--route=" + long_agent + ": expected AGENT=TARGET with AGENT"},
+      {{"--route", "planner=h:0"}, {}, "--route=planner=h:0: address 'h:0': expected HOST:PORT with PORT in 1..65535"},
+      {{"--route", "planner=h:65536"}, {}, "--route=planner=h:65536: address 'h:65536'"},
+      {{"--route", "planner=h"}, {}, "--route=planner=h: address 'h'"},
+      {{"--route", "planner=http://h:1"}, {}, "--route=planner=http://h:1: address"},
+      {{"--route", "planner=DNS:///h:1"}, {}, "--route=planner=DNS:///h:1: address"},
+      {{"--route", "planner=dns:"}, {}, "--route=planner=dns:: address 'dns:'"},
+      {{}, {{"KVRELAY_ROUTE", "a=h:1;b=h"}}, "KVRELAY_ROUTE: --route=b=h: address 'h'"},
+      {{"--route-file="}, {}, "--route-file=: expected a file name"},
+      {{"--route-template", "dns:///relay:50051"}, {}, "--route-template=dns:///relay:50051: expected a target with"},
+      {{"--route-template", "{agent}.{agent}:1"}, {}, "--route-template={agent}.{agent}:1: expected a target with"},
+      {{"--route-template", "{agent}"}, {}, "--route-template={agent}: expected a target once {agent} is substituted"},
+      {{"--route-template", "{agent}:99999"}, {}, "--route-template={agent}:99999: expected a target once"},
+      {{}, {{"KVRELAY_ROUTE_TEMPLATE", "x.svc:1"}}, "KVRELAY_ROUTE_TEMPLATE: --route-template=x.svc:1"},
+      {{"--advertise", "relay"}, {}, "--advertise=relay: address 'relay'"},
+      {{}, {{"KVRELAY_ADVERTISE", "a b:1"}}, "KVRELAY_ADVERTISE: --advertise=a b:1: address"},
+      {{"--forward-timeout-seconds", "0"}, {}, "--forward-timeout-seconds=0: expected seconds in [0.01, 1e9]"},
+      {{"--forward-timeout-seconds", "-1"}, {}, "--forward-timeout-seconds=-1"},
+      {{"--forward-stall-seconds", "0"}, {}, "--forward-stall-seconds=0: expected seconds in [0.01, 1e9]"},
+      {{}, {{"KVRELAY_FORWARD_STALL_SECONDS", "nan"}}, "KVRELAY_FORWARD_STALL_SECONDS: --forward-stall-seconds=nan"},
+      {{"--max-outbox-bytes", "0"}, {}, "--max-outbox-bytes=0: expected a positive byte count"},
+      {{"--max-outbox-bytes-per-destination", "lots"}, {}, "--max-outbox-bytes-per-destination=lots"},
+      {{"--max-outbox-bytes", "1073741823"}, {},
+       "--max-outbox-bytes-per-destination=1073741824: expected at most --max-outbox-bytes=1073741823"},
+      {{"--max-outbox-bytes-per-destination", "5GiB"}, {},
+       "--max-outbox-bytes-per-destination=5368709120: expected at most --max-outbox-bytes=4294967296"},
+  };
+  for (const auto& tc : cases) {
+    auto c = Parse(tc.args, tc.env);
+    ASSERT_FALSE(c.ok()) << tc.needle;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(tc.needle), std::string::npos) << c.status();
+  }
+  struct FileCase {
+    const char* text;
+    const char* needle;
+  } files[] = {
+      {R"({"route": "a=h:1"})", "route: expected an object {AGENT: TARGET} or a list"},
+      {R"({"route": {"a": 1}})", "route.a: expected a TARGET string"},
+      {R"({"route": {"a": "h"}})", "--route=a=h: address 'h'"},
+      {R"({"route": ["a"]})", "--route=a: expected AGENT=TARGET"},
+      {R"({"route_template": "no-placeholder:1"})", "--route-template=no-placeholder:1"},
+      {R"({"max_outbox_bytes_per_destination": "8GiB"})", "--max-outbox-bytes-per-destination=8589934592"},
+  };
+  int i = 0;
+  for (const auto& tc : files) {
+    const std::string path = ConfigFile("kvrelay_bad_mesh_" + std::to_string(i++) + ".json", tc.text);
+    auto c = Parse({"--config", path.c_str()});
+    ASSERT_FALSE(c.ok()) << tc.text;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(tc.needle), std::string::npos) << c.status();
+    std::remove(path.c_str());
   }
 }
 

@@ -1,5 +1,7 @@
 // In-process integration: a RelayServer on 127.0.0.1:0 driven by the
 // generated stub.
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <future>
@@ -28,7 +30,7 @@ using namespace kvrelay::testing;
 class RelayTest : public ::testing::Test {
  protected:
   void StartServer(ServerConfig cfg = {}) {
-    cfg.listen = "127.0.0.1:0";
+    cfg.listen = {"127.0.0.1:0"};
     cfg.metrics_listen = "";
     if (cfg.worker_threads <= 0) cfg.worker_threads = 2;
     cfg.shutdown_grace_seconds = 2;
@@ -103,6 +105,48 @@ class RelayTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Relay::Stub> stub_;
 };
+
+// Every --listen address serves the same relay; grpc_port() is the first
+// TCP one, grpc_addresses() lists them all in order as the ready line does.
+TEST_F(RelayTest, ServesEveryListenAddressTcpAndUnix) {
+  server_->Shutdown();
+  const std::string sock = ::testing::TempDir() + "kvrelay_service_test.sock";
+  std::remove(sock.c_str());
+  ServerConfig cfg;
+  cfg.listen = {"unix:" + sock, "127.0.0.1:0"};
+  cfg.metrics_listen = "";
+  cfg.worker_threads = 2;
+  cfg.shutdown_grace_seconds = 2;
+  auto s = RelayServer::Start(cfg);
+  ASSERT_TRUE(s.ok()) << s.status();
+  server_ = std::move(*s);
+  ASSERT_EQ(server_->grpc_addresses().size(), 2u);
+  EXPECT_EQ(server_->grpc_addresses()[0], "unix:" + sock);
+  EXPECT_EQ(server_->grpc_address(), "unix:" + sock);
+  EXPECT_GT(server_->grpc_port(), 0);
+  EXPECT_EQ(server_->grpc_addresses()[1], "127.0.0.1:" + std::to_string(server_->grpc_port()));
+  EXPECT_EQ(server_->ReadyLine(), "kvrelay-server ready grpc=unix:" + sock + ",127.0.0.1:" +
+                                      std::to_string(server_->grpc_port()) + " metrics=off");
+  auto unix_stub = v1::Relay::NewStub(grpc::CreateChannel("unix:" + sock, grpc::InsecureChannelCredentials()));
+  auto tcp_stub =
+      v1::Relay::NewStub(grpc::CreateChannel(server_->grpc_addresses()[1], grpc::InsecureChannelCredentials()));
+  Turn t = MakeTurn(40);
+  const std::string policy = "h2o-head:k=8+obf:p=4";
+  auto pub = PublishTurn(unix_stub.get(), Header("ux", "m1", "planner", {"critic"}, policy, t), t, 1000);
+  ASSERT_TRUE(pub.status.ok()) << pub.status.error_message();
+  FetchResult f = DoFetch(tcp_stub.get(), "ux", "critic", /*auto_ack=*/true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  EXPECT_TRUE(f.trailer_ok);
+  ExpectSameMessage(f.msg, Offline(t, policy));
+  pub = PublishTurn(tcp_stub.get(), Header("ux", "m2", "planner", {"critic"}, policy, t), t, 1000);
+  ASSERT_TRUE(pub.status.ok()) << pub.status.error_message();
+  f = DoFetch(unix_stub.get(), "ux", "critic", /*auto_ack=*/true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  EXPECT_EQ(f.header.message_id(), "m2");
+  ExpectSameMessage(f.msg, Offline(t, policy));
+  server_->Shutdown();
+  EXPECT_NE(access(sock.c_str(), F_OK), 0) << sock << " is left after Shutdown";
+}
 
 TEST_F(RelayTest, FullRoundTripIsBitExactWithRedeliveryAndAck) {
   Turn t = MakeTurn(1);

@@ -16,7 +16,12 @@ Checks:
      ends; bad flags exit 2 naming the flag; --help exits 0;
   5. configuration: KVRELAY_LISTEN / KVRELAY_METRICS_LISTEN without flags,
      --config FILE (JSON) and KVRELAY_CONFIG, precedence flag > env > file,
-     bad environment values exit 2 naming the variable.
+     bad environment values exit 2 naming the variable;
+  6. --listen twice (TCP and unix:PATH): the ready line lists both, each
+     serves (a publish on one, its fetch on the other, bit-exact with
+     `kvrelayctl compress`), the socket is mode 0666 and gone after SIGTERM;
+     a stale socket is replaced, a socket in use and a regular file are
+     refused (exit 1, the file intact), a Unix socket alone serves too.
 
 Stdlib only (run with /usr/bin/python3). promtool is required: it is
 installed by scripts/install_deps.sh, so a missing promtool is a failure.
@@ -30,6 +35,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -643,6 +649,93 @@ def test_operations(ctl, server_bin, work, turn):
         s.stop()
 
 
+def same_message(a, b, what):
+    """The tensors and the compression metadata of two message files are equal."""
+    ma, ta = tl.read_st(a)
+    mb, tb = tl.read_st(b)
+    check(ta == tb, f"{what}: tensors differ ({sorted(ta)} vs {sorted(tb)})")
+    for key in ("policy", "n_kept", "full_bytes", "sent_bytes"):
+        check(ma.get(key) == mb.get(key), f"{what}: metadata {key} {ma.get(key)} vs {mb.get(key)}")
+
+
+def test_listen(ctl, server_bin, work, turn):
+    sock = os.path.join(work, "relay.sock")
+    s = Server(server_bin, work, ["--listen", "127.0.0.1:0", "--listen", f"unix:{sock}",
+                                  "--metrics-listen", "127.0.0.1:0"], name="listen-both")
+    try:
+        check(len(s.addrs) == 2 and re.fullmatch(r"127\.0\.0\.1:[1-9]\d*", s.addrs[0])
+              and s.addrs[1] == f"unix:{sock}", f"ready line lists both addresses: {s.ready_line}")
+        check(re.fullmatch(r"kvrelay-server ready grpc=127\.0\.0\.1:\d+,unix:\S+ metrics=127\.0\.0\.1:\d+",
+                           s.ready_line or ""), f"ready line is one line, ',' between the addresses: {s.ready_line}")
+        mode = os.stat(sock).st_mode
+        check(stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o666, f"socket mode {oct(mode)}, expected 0666")
+        for addr in s.addrs:
+            check(port_open(addr), f"{addr} accepts connections")
+            rc, out, err = ctl.run("health", "--timeout", "5", addr=addr)
+            check(rc == 0 and out.strip() == "SERVING", f"health over {addr}: rc={rc} {out!r} {err!r}")
+        rc, out, err = run([server_bin, "health", "--addr", f"unix:{sock}", "--timeout", "5"], timeout=20)
+        check(rc == 0 and out.strip() == "SERVING", f"kvrelay-server health --addr unix:PATH: rc={rc} {out!r} {err!r}")
+        offline = ctl.path("unix.offline")
+        ctl.ok("compress", "--policy", "h2o-head:k=8+obf:p=4", "--in", turn, "--out", offline, addr=False)
+        # Published over one address, fetched over the other: one relay.
+        for i, (pub, fetch) in enumerate([(s.addrs[1], s.addrs[1]), (s.addrs[0], s.addrs[1]),
+                                          (s.addrs[1], s.addrs[0])]):
+            r = ctl.ok("publish", "--session", f"ux{i}", "--from", "a", "--to", "b", "--policy",
+                       "h2o-head:k=8+obf:p=4", "--in", turn, addr=pub)
+            out = ctl.path(f"ux{i}.msg")
+            f = ctl.ok("fetch", "--session", f"ux{i}", "--agent", "b", "--out", out, "--wait", "10", addr=fetch)
+            check(r.get("message_id") and f.get("message_id") == r.get("message_id"),
+                  f"publish over {pub}, fetch over {fetch}: {r.get('message_id')} vs {f.get('message_id')}")
+            if f:
+                same_message(out, offline, f"publish over {pub}, fetch over {fetch}, vs offline")
+        # A second relay on the same socket would take it over: refused.
+        rc, out, err = run([server_bin, "--listen", f"unix:{sock}", "--metrics-listen", "off"], timeout=30)
+        check(rc == 1 and f"--listen=unix:{sock}: another process is serving" in err,
+              f"a socket in use is refused: rc={rc} {err.strip()!r}")
+        check(port_open(f"unix:{sock}"), "the first relay still serves its socket")
+    finally:
+        rc = s.stop()
+    check(rc == 0, f"listen-both exit status {rc}")
+    check(not os.path.lexists(sock), f"the socket is removed on shutdown: {os.path.lexists(sock)}")
+
+    # A stale socket (nobody accepts on it) does not prevent start-up.
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(sock)
+    stale.close()
+    s = Server(server_bin, work, ["--listen", f"unix:{sock}", "--metrics-listen", "off"], name="listen-stale")
+    try:
+        check(s.addrs == [f"unix:{sock}"], f"a Unix socket alone: {s.ready_line}")
+        check("removed a stale socket" in s.log(), f"the stale socket's removal is logged: {s.log()[-500:]!r}")
+        rc, out, err = ctl.run("health", "--timeout", "5", addr=f"unix:{sock}")
+        check(rc == 0 and out.strip() == "SERVING", f"health after replacing a stale socket: {rc} {out!r} {err!r}")
+    finally:
+        check(s.stop() == 0, "listen-stale exit status 0")
+
+    # A regular file is never removed.
+    regular = os.path.join(work, "not-a-socket")
+    with open(regular, "w") as f:
+        f.write("keep me")
+    rc, out, err = run([server_bin, "--listen", f"unix:{regular}", "--metrics-listen", "off"], timeout=30)
+    check(rc == 1 and "exists and is not a socket" in err, f"a regular file is refused: rc={rc} {err.strip()!r}")
+    with open(regular) as f:
+        check(f.read() == "keep me", "the regular file is intact")
+
+    # KVRELAY_LISTEN takes the list; a bad or repeated address exits 2.
+    env = clean_env(KVRELAY_LISTEN=f"127.0.0.1:0,unix:{sock}", KVRELAY_METRICS_LISTEN="off")
+    s = Server(server_bin, work, [], env=env, name="listen-env")
+    try:
+        check(len(s.addrs) == 2 and s.addrs[1] == f"unix:{sock}", f"KVRELAY_LISTEN list: {s.ready_line}")
+    finally:
+        check(s.stop() == 0, "listen-env exit status 0")
+    for args, needle in ((["--listen", "unix:"], "--listen=unix:"),
+                         (["--listen", f"unix:{sock}", "--listen", f"unix:{sock}"], "given twice")):
+        rc, out, err = run([server_bin, *args], timeout=20)
+        check(rc == 2 and needle in err, f"{args}: rc={rc} {err.strip()!r}")
+    rc, out, err = run([server_bin, "--listen", "unix:/nonexistent-dir/r.sock", "--metrics-listen", "off"], timeout=30)
+    check(rc == 1 and "--listen=unix:/nonexistent-dir/r.sock: cannot listen" in err,
+          f"a socket in a missing directory: rc={rc} {err.strip()!r}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
@@ -672,6 +765,7 @@ def main():
                  ("sigterm", lambda: test_sigterm(ctl, args.server, work, turn)),
                  ("flags", lambda: test_flags(args.server)),
                  ("config", lambda: test_config(ctl, args.server, work, turn)),
+                 ("listen", lambda: test_listen(ctl, args.server, work, turn)),
                  ("operations", lambda: test_operations(ctl, args.server, work, turn))]
         for name, fn in steps:
             before = len(FAILURES)

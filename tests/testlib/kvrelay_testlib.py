@@ -6,9 +6,10 @@ A driver adds this folder to sys.path relative to its own file:
     import kvrelay_testlib as tl
 
 - Server: a kvrelay-server process (127.0.0.1:0 unless told otherwise) that
-  waits for the ready line `kvrelay-server ready grpc=HOST:PORT
-  metrics=HOST:PORT`, exposes addr/metrics, collects the log (in a file when
-  given a folder) and stops with SIGTERM, then SIGKILL. Every Server started
+  waits for the ready line `kvrelay-server ready grpc=ADDR[,ADDR...]
+  metrics=HOST:PORT` (ADDR: HOST:PORT or unix:PATH), exposes addrs, addr (the
+  first) and metrics, collects the log (in a file when given a folder) and
+  stops with SIGTERM, then SIGKILL. Every Server started
   is listed in STARTED, so a driver (or its watchdog) can end them all.
 - run / completed / check_run: a command with a timeout.
 - clean_env, port_open, stop_process, read_st, parse_exposition.
@@ -121,8 +122,14 @@ def stop_process(proc, timeout=20, kill_timeout=10):
 
 
 def port_open(hostport, timeout=2.0):
-    host, port = hostport.rsplit(":", 1)
+    """Whether something accepts connections at HOST:PORT or unix:PATH."""
     try:
+        if hostport.startswith("unix:"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect(hostport[len("unix:"):])
+                return True
+        host, port = hostport.rsplit(":", 1)
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             return True
     except OSError:
@@ -163,6 +170,7 @@ class Server:
         STARTED.append(self.proc)
         threading.Thread(target=self._drain, daemon=True).start()
         self.addr = self.metrics = self.ready_line = None
+        self.addrs = []  # every gRPC address of the ready line, in --listen order
         deadline = time.time() + timeout
         while time.time() < deadline and self.addr is None:
             try:
@@ -175,7 +183,8 @@ class Server:
             m = READY_RE.match(text)
             if m:
                 self.ready_line = text
-                self.addr, self.metrics = m.group(1), m.group(2)
+                self.addrs = m.group(1).split(",")
+                self.addr, self.metrics = self.addrs[0], m.group(2)
         if self.addr is None:
             status = self.proc.poll()
             self.kill()

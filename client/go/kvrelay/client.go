@@ -56,7 +56,7 @@ type Client struct {
 // callOpts go with every call (see protoCodec).
 var callOpts = []grpc.CallOption{grpc.ForceCodec(protoCodec{})}
 
-// Dial connects to the relay at addr ("HOST:PORT"). Without options the
+// Dial connects to the relay at addr ("HOST:PORT" or "unix:PATH"). Without options the
 // channel is insecure (plaintext). The connection is made lazily: an
 // unreachable relay shows up as UNAVAILABLE on the first call.
 func Dial(ctx context.Context, addr string, opts ...grpc.DialOption) (*Client, error) {

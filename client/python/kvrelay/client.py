@@ -345,8 +345,9 @@ def _read_delivery(call):
 
 
 class Client:
-    """A connection to one relay ("HOST:PORT", insecure channel, or an
-    existing grpc.Channel). Thread-safe; usable as a context manager."""
+    """A connection to one relay ("HOST:PORT" or "unix:PATH", insecure
+    channel, or an existing grpc.Channel). Thread-safe; usable as a context
+    manager."""
 
     def __init__(self, addr, channel=None, options=None):
         options = list(options or [])

@@ -12,7 +12,7 @@ DIR/gopath/src/kvrelay/v1 with protoc-gen-go and protoc-gen-go-grpc, links
 client/go in as DIR/gopath/src/kvrelay/client/go, and builds in GOPATH mode
 (GO111MODULE=off, GOPATH=DIR/gopath:/usr/share/gocode, GOPROXY=off). Checks
 gofmt, go vet and the package's unit tests (go test), then starts
-kvrelay-server on 127.0.0.1:0 and drives cmd/kvrelay-example: publish a turn
+kvrelay-server on 127.0.0.1:0 and a Unix socket and drives cmd/kvrelay-example: publish a turn
 made by `kvrelayctl make-turn`, fetch the message, write it, ack. Checks: the
 fetched message equals `kvrelayctl compress` of the same turn bit for bit
 (every tensor's dtype, shape and bytes, and the accounting metadata) for
@@ -21,7 +21,8 @@ GQA and uploaded history; with `full` it equals the input K/V (and
 positions); the message was acked (the relay holds nothing, stats count
 every ack); a bad policy fails with INVALID_ARGUMENT naming header.policy
 and commits nothing; a malformed turn file fails before any call, naming the
-tensor. A missing go, protoc or plugin fails the test. The whole run is
+tensor; a publish and a fetch over the relay's Unix socket (--addr
+unix:PATH) work. A missing go, protoc or plugin fails the test. The whole run is
 bounded by a watchdog and the server is always stopped. The live-relay cases
 are shared with the Node.js test: tests/client/lang_cases.py; the server
 helpers are tests/testlib/kvrelay_testlib.py.
@@ -49,9 +50,10 @@ WATCHDOG_S = 540
 
 # ---- the client under test -------------------------------------------------------
 
-def example(*args, timeout=60):
-    """Runs kvrelay-example with args; returns the CompletedProcess."""
-    return completed([EXAMPLE, "--addr", LIVE.addr, *args], timeout=timeout)
+def example(*args, timeout=60, addr=None):
+    """Runs kvrelay-example with args against addr (default LIVE.addr);
+    returns the CompletedProcess."""
+    return completed([EXAMPLE, "--addr", addr or LIVE.addr, *args], timeout=timeout)
 
 
 def build():

@@ -7,7 +7,7 @@
 Installs the client's npm dependencies with `npm ci` (package.json and
 package-lock.json copied into DIR/npm, so the source tree stays clean; the
 client finds them through NODE_PATH), runs the offline unit tests
-(unit.test.js, node:test), then starts kvrelay-server on 127.0.0.1:0 and
+(unit.test.js, node:test), then starts kvrelay-server on 127.0.0.1:0 and a Unix socket and
 drives client/node/example.js: publish a turn made by `kvrelayctl
 make-turn`, fetch the message, write it, ack. Checks: the fetched message
 equals `kvrelayctl compress` of the same turn bit for bit (every tensor's
@@ -16,7 +16,8 @@ and default policies, multi-chunk F32 tensors, F16/BF16, GQA and uploaded
 history; with `full` it equals the input K/V (and positions); the message
 was acked (the relay holds nothing, stats count every ack); a bad policy
 fails with INVALID_ARGUMENT naming header.policy and commits nothing; a
-malformed turn file fails before any call, naming the tensor. A missing
+malformed turn file fails before any call, naming the tensor; a publish and
+a fetch over the relay's Unix socket (--addr unix:PATH) work. A missing
 node or npm fails the test. The whole run is bounded by a watchdog and the
 server is always stopped. The live-relay cases are shared with the Go test:
 tests/client/lang_cases.py; the server helpers are
@@ -43,11 +44,12 @@ WATCHDOG_S = 540
 
 # ---- the client under test -------------------------------------------------------
 
-def example(*args, timeout=60):
-    """Runs client/node/example.js with args; returns the CompletedProcess."""
+def example(*args, timeout=60, addr=None):
+    """Runs client/node/example.js with args against addr (default
+    LIVE.addr); returns the CompletedProcess."""
     script = os.path.join(ARGS.source_dir, "client", "node", "example.js")
     proto = os.path.join(ARGS.source_dir, "proto", "kvrelay", "v1", "relay.proto")
-    return completed([ARGS.node, script, "--addr", LIVE.addr, "--proto", proto, *args], timeout=timeout,
+    return completed([ARGS.node, script, "--addr", addr or LIVE.addr, "--proto", proto, *args], timeout=timeout,
                      env=NODE_ENV)
 
 

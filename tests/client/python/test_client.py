@@ -11,7 +11,8 @@ same turn written as safetensors (dense: bit-exact; int4/int2: packed bits
 exact, and the Python decode equal to `--decode` in the turn's dtype);
 Compress equal to the delivery; ack and redelivery, auto_ack, duplicate
 re-publish; a parent chain; deadline on an empty mailbox; bad policy;
-stats, health, close. The whole run is bounded (watchdog) and the server is
+stats, health, close; a publish and a fetch over the relay's Unix socket
+(unix:PATH), also published over TCP and fetched over the socket. The whole run is bounded (watchdog) and the server is
 always stopped.
 """
 import argparse
@@ -39,15 +40,17 @@ from kvrelay_testlib import Server, unittest_main  # noqa: E402
 ARGS = None
 SERVER = None
 ADDR = None
+UNIX_ADDR = None  # the same relay on a Unix socket
 TMP = None
 WATCHDOG_S = 55
 
 
 def setUpModule():
-    global SERVER, ADDR, TMP
+    global SERVER, ADDR, UNIX_ADDR, TMP
     TMP = tempfile.mkdtemp(prefix="kvrelay-py-")
-    SERVER = Server(ARGS.server, timeout=20)
-    ADDR = SERVER.addr
+    SERVER = Server(ARGS.server, args=["--listen", "127.0.0.1:0", "--listen", f"unix:{TMP}/relay.sock",
+                                       "--metrics-listen", "127.0.0.1:0"], timeout=20)
+    ADDR, UNIX_ADDR = SERVER.addrs
 
 
 def tearDownModule():
@@ -620,6 +623,29 @@ class RelayTest(unittest.TestCase):
             c.close()
             for srv in late:
                 srv.stop()
+
+    def test_unix_socket(self):
+        self.assertTrue(UNIX_ADDR.startswith("unix:"), UNIX_ADDR)
+        policy = "h2o-head:k=8+obf:p=4"
+        turn = make_turn(300, "BF16")
+        meta, ref = kvrelayctl_compress(turn, policy, decode=False)
+        with kvrelay.Client(UNIX_ADDR) as u:
+            self.assertEqual(u.health(), "SERVING")
+            for i, (pub, fetch) in enumerate(((u, u), (self.c, u), (u, self.c))):
+                sess = f"unix-{i}"
+                before = self.c.stats().messages_acked
+                r = pub.publish(turn, sess, "planner", ["critic"], policy=policy)
+                m = fetch.fetch(sess, "critic", timeout=10, auto_ack=True)
+                self.assertEqual((m.message_id, m.sender), (r.message_id, "planner"))
+                self.assertEqual(m.accounting.policy, meta["policy"])
+                self.assertEqual(m.accounting.sent_bytes, int(meta["sent_bytes"]))
+                for li, ml in enumerate(m.layers):
+                    p = f"layer.{li}."
+                    self.assertTrue(np.array_equal(bits(ml.k), bits(ref[p + "k"])), p + "k")
+                    self.assertTrue(np.array_equal(bits(ml.v), bits(ref[p + "v"])), p + "v")
+                    self.assertTrue(np.array_equal(ml.pos, ref[p + "pos"]), p + "pos")
+                self.assertEqual(self.c.stats().messages_acked, before + 1)  # one relay behind both
+                self.assertEqual(u.close_session(sess), 1)
 
     def test_health_and_stats(self):
         self.assertEqual(self.c.health(), "SERVING")
