@@ -456,6 +456,17 @@ StreamError UploadReader::CheckCommit(const v1::Trailer& t) const { return seq_.
 
 // --------------------------------------------------------- DeliveryReader
 
+uint64_t MessageLayerBytes(const v1::MessageHeader& h) {
+  const uint64_t H = h.kv_heads(), d = h.head_dim(), bits = h.quant_bits();
+  const uint64_t n = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
+  if (bits != 0) {
+    const uint64_t groups = h.quant_group() ? (n + h.quant_group() - 1) / h.quant_group() : 0;
+    return 2 * (H * n * d * bits / 8) + 2 * 2 * H * groups * d + 2 * 2 * H * n + 4 * H * n;
+  }
+  absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
+  return 2 * H * n * d * (dtype.ok() ? DTypeSize(*dtype) : 0) + 4 * H * n;
+}
+
 StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   if (done_ || seq_) return StreamError(StreamErrorKind::kSequence, "header: given twice, expected one");
   auto bad = [](absl::string_view field, uint64_t v, absl::string_view expected) {
@@ -482,8 +493,7 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   }
   const uint64_t L = h.layers(), H = h.kv_heads(), d = h.head_dim(), n = n64;
   const uint64_t groups = quant ? (n + h.quant_group() - 1) / h.quant_group() : 0;
-  const uint64_t per_layer = quant ? 2 * (H * n * d * bits / 8) + 2 * 2 * H * groups * d + 2 * 2 * H * n + 4 * H * n
-                                   : 2 * H * n * d * DTypeSize(*dtype) + 4 * H * n;
+  const uint64_t per_layer = MessageLayerBytes(h);
   if (L * per_layer > kMaxMessageBytes) {
     return bad("layers", L, absl::StrCat("a message below 2^36 bytes (", per_layer, " per layer)"));
   }

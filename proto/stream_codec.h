@@ -269,6 +269,11 @@ class UploadReader {
 // for a chunk or trailer before Start, a second Start, or anything after
 // Finish; the chunk and trailer kinds of ChunkSequence; kValue when the
 // header's accounting.sent_bytes is not the bytes of the delivered tensors.
+// Bytes one layer of the message `h` describes sends (its tensors in
+// delivery order): what the header's accounting.sent_bytes is per layer.
+// Meaningful only for a header DeliveryReader::Start accepts.
+uint64_t MessageLayerBytes(const v1::MessageHeader& h);
+
 class DeliveryReader {
  public:
   DeliveryReader() = default;

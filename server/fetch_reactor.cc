@@ -13,6 +13,7 @@
 #include "proto/wire.h"
 #include "server/internal/call_util.h"
 #include "proto/stream_codec.h"
+#include "server/forwarder.h"
 #include "server/request_checks.h"
 #include "server/watchdog.h"
 #include "spdlog/spdlog.h"
@@ -145,6 +146,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
     absl::Status s;
     if (auto_ack_) s = svc_->store()->Ack(session_, agent_, m.message_id);
+    if (m.forwarded && svc_->forwarder()) {  // tell the relay it came from, best effort
+      if (first) svc_->forwarder()->Report(m, agent_, v1::RECIPIENT_STATE_DELIVERED);
+      if (auto_ack_ && s.ok()) svc_->forwarder()->Report(m, agent_, v1::RECIPIENT_STATE_ACKED);
+    }
     spdlog::info("fetch delivered session={} message={} to={} attempt={} auto_ack={}", session_, m.message_id,
                  agent_, delivery_.attempt, auto_ack_);
     // An auto-ack can only fail when the session was closed meanwhile: the

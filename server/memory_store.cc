@@ -7,6 +7,11 @@
 
 namespace kvrelay {
 
+namespace {
+// Closed sessions remembered at most (each a few dozen bytes).
+constexpr size_t kMaxClosedSessions = 1 << 20;
+}  // namespace
+
 MemoryStore::MemoryStore(const StoreLimits& limits, Metrics* metrics) : limits_(limits), metrics_(metrics) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
@@ -186,7 +191,11 @@ absl::StatusOr<MemoryStore::CommitResult> MemoryStore::Commit(std::shared_ptr<St
                                                        " messages, expected at most --max-session-messages=",
                                                        limits_.max_session_messages));
     }
-    if (absl::Status st = CheckBytesLocked(m->session_id, &s, m->recipients, m->bytes, "this message");
+    std::vector<std::string> local;
+    for (const std::string& r : m->recipients) {
+      if (!m->remote.count(r)) local.push_back(r);
+    }
+    if (absl::Status st = CheckBytesLocked(m->session_id, &s, local, m->bytes, "this message");
         !st.ok()) {
       drop_if_fresh();
       return st;
@@ -197,25 +206,12 @@ absl::StatusOr<MemoryStore::CommitResult> MemoryStore::Commit(std::shared_ptr<St
     store_bytes_ += msg->bytes;
     s.last_active = Clock::now();
     for (const std::string& r : msg->recipients) {
-      Mailbox& mb = s.mailboxes[r];
-      mb.entries.push_back({msg, 0});
-      mb.bytes += msg->bytes;
-      ++mailbox_messages_;
-      mailbox_bytes_ += msg->bytes;
+      if (!msg->remote.count(r)) AddToMailboxLocked(s, msg, r, &wakes);
     }
     ++committed_;
     full_ += msg->msg.full_bytes;
     sent_ += msg->msg.sent_bytes;
-    for (auto it = waiters_.begin(); it != waiters_.end();) {
-      const Waiter& w = it->second;
-      if (w.session == msg->session_id &&
-          std::find(msg->recipients.begin(), msg->recipients.end(), w.agent) != msg->recipients.end()) {
-        wakes.push_back(std::move(it->second.wake));
-        it = waiters_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    closed_.erase(msg->session_id);  // a publish here reopens a closed session
     PublishGaugesLocked();
     result.msg = std::move(msg);
   }
@@ -276,8 +272,8 @@ absl::Status MemoryStore::Ack(const std::string& session, const std::string& age
     return absl::NotFoundError(absl::StrCat("message_id: '", message_id, "': no such message in session '",
                                             session, "'"));
   }
-  const auto& rec = m->second->recipients;
-  if (std::find(rec.begin(), rec.end(), agent) == rec.end()) {
+  auto here = s->second.local.find(message_id);
+  if (here == s->second.local.end() || !here->second.count(agent)) {
     return absl::NotFoundError(absl::StrCat("agent: '", agent, "': not a recipient of message '", message_id,
                                             "'"));
   }
@@ -317,9 +313,11 @@ void MemoryStore::EraseSessionLocked(std::map<std::string, Session>::iterator it
   PublishGaugesLocked();
 }
 
-uint32_t MemoryStore::CloseSession(const std::string& session) {
+uint32_t MemoryStore::CloseSession(const std::string& session) { return CloseSessionAndPeers(session).messages_freed; }
+
+Store::CloseResult MemoryStore::CloseSessionAndPeers(const std::string& session) {
   std::vector<WakeFn> wakes;
-  uint32_t n = 0;
+  CloseResult r;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Waiters may wait on a session that holds nothing yet: wake them too.
@@ -333,13 +331,24 @@ uint32_t MemoryStore::CloseSession(const std::string& session) {
     }
     auto s = sessions_.find(session);
     if (s != sessions_.end()) {
-      n = static_cast<uint32_t>(s->second.messages.size());
+      r.messages_freed = static_cast<uint32_t>(s->second.messages.size());
+      r.peers.assign(s->second.peers.begin(), s->second.peers.end());
       EraseSessionLocked(s, /*expired=*/false);
     }
     if (auto p = publishing_.find(session); p != publishing_.end()) p->second.last_close = ++close_seq_;
+    const Clock::time_point now = Clock::now();
+    r.first = closed_.emplace(session, now).second;
+    if (r.first) {
+      closed_order_.emplace_back(now, session);
+      while (closed_order_.size() > kMaxClosedSessions) {
+        auto it = closed_.find(closed_order_.front().second);
+        if (it != closed_.end() && it->second == closed_order_.front().first) closed_.erase(it);
+        closed_order_.pop_front();
+      }
+    }
   }
   for (WakeFn& w : wakes) w(Wake::kClosed);
-  return n;
+  return r;
 }
 
 void MemoryStore::Shutdown() {
@@ -369,6 +378,11 @@ void MemoryStore::SweepExpired() {
       EraseSessionLocked(it, /*expired=*/true);
     }
     it = next;
+  }
+  while (!closed_order_.empty() && closed_order_.front().first < cutoff) {
+    auto it = closed_.find(closed_order_.front().second);
+    if (it != closed_.end() && it->second == closed_order_.front().first) closed_.erase(it);
+    closed_order_.pop_front();
   }
 }
 
@@ -431,6 +445,227 @@ void MemoryStore::TimerLoop() {
     }
     lock.lock();
   }
+}
+
+void MemoryStore::AddToMailboxLocked(Session& s, const MessagePtr& msg, const std::string& agent,
+                                     std::vector<WakeFn>* wakes) {
+  Mailbox& mb = s.mailboxes[agent];
+  mb.entries.push_back({msg, 0});
+  mb.bytes += msg->bytes;
+  ++mailbox_messages_;
+  mailbox_bytes_ += msg->bytes;
+  s.local[msg->message_id].insert(agent);
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (it->second.session == msg->session_id && it->second.agent == agent) {
+      wakes->push_back(std::move(it->second.wake));
+      it = waiters_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForward(std::shared_ptr<StoredMessage> m,
+                                                                     const std::vector<std::string>& recipients,
+                                                                     const PublishTicket& t) {
+  std::vector<WakeFn> wakes;
+  ForwardCommitResult result;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto p = publishing_.find(m->session_id); p != publishing_.end() && p->second.last_close > t.close_seq) {
+      return absl::FailedPreconditionError(absl::StrCat("session '", m->session_id,
+                                                        "': closed while this forward was in progress; nothing "
+                                                        "was stored"));
+    }
+    if (closed_.count(m->session_id)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session '", m->session_id, "': closed on this relay; a close is not undone by a forward"));
+    }
+    Session& s = sessions_[m->session_id];
+    const bool fresh = s.messages.empty() && s.mailboxes.empty();
+    MessagePtr msg;
+    if (auto it = s.messages.find(m->message_id); it != s.messages.end()) {
+      msg = it->second;
+      result.duplicate = true;
+    } else {
+      absl::Status st;
+      if (s.messages.size() >= limits_.max_session_messages) {
+        st = absl::ResourceExhaustedError(absl::StrCat("session '", m->session_id, "': ",
+                                                       limits_.max_session_messages,
+                                                       " messages, expected at most --max-session-messages=",
+                                                       limits_.max_session_messages));
+      } else {
+        st = CheckBytesLocked(m->session_id, &s, {}, m->bytes, "this forwarded message");
+      }
+      if (!st.ok()) {
+        if (fresh) sessions_.erase(m->session_id);
+        return st;
+      }
+      msg = std::move(m);
+      s.messages[msg->message_id] = msg;
+      s.bytes += msg->bytes;
+      store_bytes_ += msg->bytes;
+    }
+    s.last_active = Clock::now();
+    std::set<std::string>& here = s.local[msg->message_id];
+    for (const std::string& agent : recipients) {
+      RecipientResult r;
+      r.agent = agent;
+      if (here.count(agent)) {
+        r.duplicate = true;
+      } else {
+        auto mb = s.mailboxes.find(agent);
+        const uint64_t held = mb == s.mailboxes.end() ? 0 : mb->second.bytes;
+        if (held + msg->bytes > limits_.max_mailbox_bytes) {
+          r.status = absl::ResourceExhaustedError(absl::StrCat(
+              "mailbox of '", agent, "' in session '", msg->session_id, "': ", held, " bytes unacked + ",
+              msg->bytes, " bytes of this message, expected at most --max-mailbox-bytes=",
+              limits_.max_mailbox_bytes));
+        } else {
+          AddToMailboxLocked(s, msg, agent, &wakes);
+        }
+      }
+      result.recipients.push_back(std::move(r));
+    }
+    PublishGaugesLocked();
+    result.msg = std::move(msg);
+  }
+  for (WakeFn& w : wakes) w(Wake::kMessage);
+  return result;
+}
+
+bool MemoryStore::IsClosed(const std::string& session) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_.count(session) > 0;
+}
+
+absl::Status MemoryStore::ReserveOutbox(const std::string& target, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t& dest = outbox_bytes_[target];
+  if (dest + bytes > limits_.max_outbox_bytes_per_destination) {
+    const uint64_t held = dest;
+    if (held == 0) outbox_bytes_.erase(target);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "outbox to '", target, "': ", held, " bytes waiting + ", bytes, " bytes of this message, expected at most "
+        "--max-outbox-bytes-per-destination=", limits_.max_outbox_bytes_per_destination,
+        AloneOver(bytes, limits_.max_outbox_bytes_per_destination)));
+  }
+  if (outbox_total_ + bytes > limits_.max_outbox_bytes) {
+    if (dest == 0) outbox_bytes_.erase(target);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "outbox: ", outbox_total_, " bytes waiting for all destinations + ", bytes,
+        " bytes of this message, expected at most --max-outbox-bytes=", limits_.max_outbox_bytes,
+        AloneOver(bytes, limits_.max_outbox_bytes)));
+  }
+  dest += bytes;
+  outbox_total_ += bytes;
+  ++outbox_messages_;
+  if (metrics_) metrics_->SetOutbox(static_cast<double>(outbox_messages_), static_cast<double>(outbox_total_));
+  return absl::OkStatus();
+}
+
+void MemoryStore::ReleaseOutbox(const std::string& target, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = outbox_bytes_.find(target);
+  if (it == outbox_bytes_.end()) return;
+  it->second -= std::min(it->second, bytes);
+  if (it->second == 0) outbox_bytes_.erase(it);
+  outbox_total_ -= std::min(outbox_total_, bytes);
+  if (outbox_messages_) --outbox_messages_;
+  if (metrics_) metrics_->SetOutbox(static_cast<double>(outbox_messages_), static_cast<double>(outbox_total_));
+}
+
+void MemoryStore::TrackRecipient(const std::string& session, const std::string& message_id,
+                                 const std::string& agent, const RecipientTrack& track) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return;
+  auto& tracks = s->second.tracks[message_id];
+  auto it = tracks.find(agent);
+  if (it == tracks.end()) {
+    tracks.emplace(agent, track);
+    return;
+  }
+  RecipientTrack& cur = it->second;
+  if (cur.state == v1::RECIPIENT_STATE_DEAD_LETTERED) return;
+  if (track.state == v1::RECIPIENT_STATE_DEAD_LETTERED || track.state >= cur.state) {
+    const uint32_t attempts = std::max(cur.attempts, track.attempts);
+    const std::string relay = track.relay.empty() ? cur.relay : track.relay;
+    cur = track;
+    cur.attempts = attempts;
+    cur.relay = relay;
+  }
+}
+
+absl::StatusOr<v1::MessageStatusResponse> MemoryStore::MessageStatus(const std::string& session,
+                                                                    const std::string& message_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session_id: '", session, "': no such session (closed or expired?)"));
+  }
+  auto m = s->second.messages.find(message_id);
+  if (m == s->second.messages.end()) {
+    return absl::NotFoundError(absl::StrCat("message_id: '", message_id, "': no such message in session '",
+                                            session, "'"));
+  }
+  const StoredMessage& msg = *m->second;
+  v1::MessageStatusResponse resp;
+  resp.set_sender(msg.sender);
+  auto tracks = s->second.tracks.find(message_id);
+  auto here = s->second.local.find(message_id);
+  const std::vector<std::string>& order =
+      msg.forwarded && here != s->second.local.end()
+          ? std::vector<std::string>(here->second.begin(), here->second.end())
+          : msg.recipients;
+  for (const std::string& agent : order) {
+    v1::RecipientStatus* r = resp.add_recipients();
+    r->set_agent(agent);
+    if (tracks != s->second.tracks.end()) {
+      if (auto t = tracks->second.find(agent); t != tracks->second.end()) {
+        r->set_state(t->second.state);
+        r->set_relay(t->second.relay);
+        r->set_reason(t->second.reason);
+        r->set_attempts(t->second.attempts);
+        continue;
+      }
+    }
+    if (auto rt = msg.remote.find(agent); rt != msg.remote.end()) {
+      r->set_state(v1::RECIPIENT_STATE_QUEUED);
+      r->set_relay(rt->second);
+      continue;
+    }
+    bool in_mailbox = false;
+    if (auto mb = s->second.mailboxes.find(agent); mb != s->second.mailboxes.end()) {
+      for (const Entry& e : mb->second.entries) in_mailbox |= e.msg->message_id == message_id;
+    }
+    const bool delivered = s->second.delivered.count({message_id, agent}) > 0;
+    r->set_state(in_mailbox ? (delivered ? v1::RECIPIENT_STATE_DELIVERED : v1::RECIPIENT_STATE_COMMITTED)
+                            : (delivered ? v1::RECIPIENT_STATE_ACKED : v1::RECIPIENT_STATE_UNSPECIFIED));
+  }
+  return resp;
+}
+
+void MemoryStore::AddPeer(const std::string& session, const std::string& target) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s != sessions_.end()) s->second.peers.insert(target);
+}
+
+void MemoryStore::NotePeerHolds(const std::string& session, const std::string& message_id,
+                                const std::string& target) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return;
+  s->second.peers.insert(target);
+  s->second.peer_holds.emplace(message_id, target);
+}
+
+bool MemoryStore::PeerHolds(const std::string& session, const std::string& message_id,
+                            const std::string& target) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  return s != sessions_.end() && s->second.peer_holds.count({message_id, target}) > 0;
 }
 
 }  // namespace kvrelay

@@ -54,6 +54,21 @@ class MemoryStore final : public Store {
   void AddFailed() override { ++failed_; }
   StoreStats Stats() const override;
 
+  absl::StatusOr<ForwardCommitResult> CommitForward(std::shared_ptr<StoredMessage> m,
+                                                    const std::vector<std::string>& recipients,
+                                                    const PublishTicket& t) override;
+  bool IsClosed(const std::string& session) const override;
+  CloseResult CloseSessionAndPeers(const std::string& session) override;
+  absl::Status ReserveOutbox(const std::string& target, uint64_t bytes) override;
+  void ReleaseOutbox(const std::string& target, uint64_t bytes) override;
+  void TrackRecipient(const std::string& session, const std::string& message_id, const std::string& agent,
+                      const RecipientTrack& track) override;
+  absl::StatusOr<v1::MessageStatusResponse> MessageStatus(const std::string& session,
+                                                          const std::string& message_id) const override;
+  void AddPeer(const std::string& session, const std::string& target) override;
+  void NotePeerHolds(const std::string& session, const std::string& message_id, const std::string& target) override;
+  bool PeerHolds(const std::string& session, const std::string& message_id, const std::string& target) const override;
+
  private:
   struct Entry {
     MessagePtr msg;
@@ -69,6 +84,11 @@ class MemoryStore final : public Store {
     std::set<std::pair<std::string, std::string>> delivered;  // (message_id, agent)
     uint64_t bytes = 0;  // every retained message
     Clock::time_point last_active;
+    // Agents with a mailbox entry for a message (ever): its recipients here.
+    std::map<std::string, std::set<std::string>> local;  // message_id -> agents
+    std::map<std::string, std::map<std::string, RecipientTrack>> tracks;  // message_id -> remote agent
+    std::set<std::string> peers;                                          // relays holding a part
+    std::set<std::pair<std::string, std::string>> peer_holds;             // (message_id, relay)
   };
   struct Waiter {
     std::string session, agent;
@@ -86,6 +106,9 @@ class MemoryStore final : public Store {
                                 const std::vector<std::string>& recipients, uint64_t bytes,
                                 absl::string_view what) const;
   Clock::duration Ttl() const;
+  // Puts `msg` into `agent`'s mailbox and wakes its waiters into `wakes`.
+  void AddToMailboxLocked(Session& s, const MessagePtr& msg, const std::string& agent, std::vector<WakeFn>* wakes);
+  void SweepClosedLocked(Clock::time_point now);
 
   const StoreLimits limits_;
   Metrics* const metrics_;
@@ -107,6 +130,13 @@ class MemoryStore final : public Store {
   std::map<std::string, Publishing> publishing_;
   std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
   std::mutex gauge_mu_;  // orders in-flight gauge updates
+  // Sessions closed here, remembered for the TTL (bounded: the oldest are
+  // forgotten first past kMaxClosedSessions).
+  std::map<std::string, Clock::time_point> closed_;
+  std::deque<std::pair<Clock::time_point, std::string>> closed_order_;
+  // The outbox: bytes reserved per destination and in all.
+  std::map<std::string, uint64_t> outbox_bytes_;
+  uint64_t outbox_total_ = 0, outbox_messages_ = 0;
   bool stop_ = false, shutting_down_ = false;
   std::thread timer_;
 };

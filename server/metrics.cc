@@ -190,7 +190,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                     grpc::UNAVAILABLE,
                                     grpc::DATA_LOSS,
                                     grpc::INTERNAL};
-  for (const char* m : {"Publish", "Fetch", "Compress", "Ack", "CloseSession", "Stats"}) {
+  for (const char* m :
+       {"Publish", "Fetch", "Compress", "Ack", "CloseSession", "Stats", "MessageStatus", "Forward", "ReportRecipient"}) {
     for (grpc::StatusCode c : codes) rpcs_->Add({{"method", m}, {"code", GrpcCodeName(c)}});
   }
   for (grpc::StatusCode c : codes) {

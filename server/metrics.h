@@ -76,7 +76,8 @@ class Metrics {
   void AddOutcome(const std::string& outcome, double n = 1);
   // One finished RPC: kvrelay_rpcs_total{method, code}, and for a non-OK
   // code also kvrelay_errors_total{code}. `method` is the RPC's name
-  // ("Publish", "Fetch", "Compress", "Ack", "CloseSession", "Stats").
+  // ("Publish", "Fetch", "Compress", "Ack", "CloseSession", "Stats",
+  // "MessageStatus", "Forward", "ReportRecipient").
   void AddRpc(const char* method, grpc::StatusCode code);
   void ObserveCompress(double s) { compress_->Observe(s); }
   void ObserveVisible(double s) { visible_->Observe(s); }

@@ -92,7 +92,11 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
     std::lock_guard<std::mutex> lock(mu_);
     seconds_ += secs;
     if (!st.ok() && status_.ok()) status_ = st;
-    if (result) out_[l] = std::move(result);
+    if (result) {
+      out_[l] = std::move(result);
+      // Under mu_: TakeMessage cannot move the layer while it is observed.
+      if (observer_) observer_(l, *out_[l]);
+    }
     --outstanding_;
     if (resume_ && outstanding_ < resume_below_) {
       resume = std::move(resume_);

@@ -36,6 +36,14 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
                      int64_t prompt_pos0, ThreadPool* pool, Store* store, uint64_t reserved);
   ~PendingCompression();
 
+  // Called on the worker with each layer as soon as it is compressed, in
+  // the order they finish. The layer's buffers stay where they are until
+  // the message is destroyed (TakeMessage moves them, it does not copy).
+  // Must not block, nor call into this object. REQUIRES: set before the
+  // first Submit.
+  using LayerObserver = std::function<void(int l, const MessageLayer& layer)>;
+  void ObserveLayers(LayerObserver observer) { observer_ = std::move(observer); }
+
   // Validates (K/V values included) and compresses layer `l` on the pool.
   void Submit(int l, TurnLayer layer);
 
@@ -98,6 +106,7 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   static std::atomic<int> peak_outstanding_;
   double seconds_ = 0;
   std::function<void()> done_;
+  LayerObserver observer_;
 };
 
 }  // namespace kvrelay

@@ -1,5 +1,7 @@
 #include "server/publish_plan.h"
 
+#include <optional>
+
 #include <algorithm>
 #include <limits>
 
@@ -10,7 +12,9 @@
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "google/protobuf/text_format.h"
+#include "proto/wire.h"
 #include "server/request_checks.h"
+#include "server/routing.h"
 
 namespace kvrelay {
 namespace {
@@ -150,19 +154,63 @@ absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanIn
     }
   }
   std::vector<std::string> recipients(h.recipients().begin(), h.recipients().end());
+  // Where each recipient's mailbox is: here, or on the relay its route names.
+  for (size_t i = 0; i < recipients.size(); ++i) {
+    std::optional<std::string> target;
+    if (in.routes) {
+      KVRELAY_ASSIGN_OR_RETURN(target, in.routes->Resolve(recipients[i], absl::StrCat("header.recipients[", i, "]")));
+    }
+    if (target) {
+      plan.remote[*target].push_back(recipients[i]);
+    } else {
+      plan.local.push_back(recipients[i]);
+    }
+  }
   // The composed message ([parent; kept prompt; generated]) must fit the
-  // mailboxes and the session's and store's byte limits: refuse it before
-  // anything is uploaded or reserved.
+  // mailboxes here and the session's and store's byte limits: refuse it
+  // before anything is uploaded or reserved.
   const int n_history = parent ? (parent->msg.layers.empty() ? 0 : parent->msg.layers[0].tokens())
                                : shape.geo.n_history;
-  KVRELAY_RETURN_IF_ERROR(in.store.CheckCanPublish(h.session_id(), recipients,
-                                                   MinComposedBytes(**pipeline, shape, n_history)));
+  plan.min_bytes = MinComposedBytes(**pipeline, shape, n_history);
+  KVRELAY_RETURN_IF_ERROR(in.store.CheckCanPublish(h.session_id(), plan.local, plan.min_bytes));
   plan.shape = shape;
   plan.pipeline = std::move(*pipeline);
   plan.parent = std::move(parent);
   plan.prompt_pos0 = pos0;
   plan.recipients = std::move(recipients);
   return plan;
+}
+
+v1::ForwardHeader ForwardHeaderFor(const PublishPlan& plan) {
+  v1::ForwardHeader fh;
+  const v1::PublishHeader& h = plan.header;
+  v1::MessageHeader* m = fh.mutable_message();
+  m->set_session_id(h.session_id());
+  m->set_message_id(h.message_id());
+  m->set_sender(h.sender());
+  m->set_role(h.role());
+  m->set_parent_id(h.parent_id());
+  TurnGeometry geo = plan.shape.geo;
+  if (plan.parent) geo.n_history = plan.parent->msg.layers.empty() ? 0 : plan.parent->msg.layers[0].tokens();
+  Message counts;
+  plan.pipeline->CountTokens(geo, plan.shape.first_agent, &counts);
+  m->set_layers(static_cast<uint32_t>(plan.shape.layers));
+  m->set_kv_heads(static_cast<uint32_t>(geo.kv_heads));
+  m->set_head_dim(static_cast<uint32_t>(geo.head_dim));
+  m->set_dtype(ToProtoDType(geo.dtype));
+  m->set_n_history(static_cast<uint32_t>(counts.n_history));
+  m->set_n_anchor(static_cast<uint32_t>(counts.n_anchor));
+  m->set_n_kept(static_cast<uint32_t>(counts.n_kept));
+  m->set_n_gen(static_cast<uint32_t>(counts.n_gen));
+  if (const auto& q = plan.pipeline->config().quant) {
+    m->set_quant_bits(static_cast<uint32_t>(q->bits));
+    m->set_quant_group(static_cast<uint32_t>(q->group));
+    m->set_quant_rotate(q->rotate);
+  }
+  m->mutable_accounting()->set_policy(plan.pipeline->spec());
+  fh.set_requested_policy(h.policy());
+  *fh.mutable_geometry() = h.geometry();
+  return fh;
 }
 
 }  // namespace kvrelay

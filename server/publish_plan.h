@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,11 +26,15 @@
 
 namespace kvrelay {
 
+class RouteTable;
+
 struct PlanInputs {
   const ServerConfig& config;  // the roles' default policies
   const Store& store;          // Find, LookupParent, CheckCanPublish
   // A fresh message id; called once, for a header without message_id.
   std::function<std::string()> new_message_id;
+  // Where recipients' mailboxes are (null: all here).
+  const RouteTable* routes = nullptr;
 };
 
 struct PublishPlan {
@@ -46,6 +51,11 @@ struct PublishPlan {
   MessagePtr parent;                         // null without header.parent_id
   int64_t prompt_pos0 = 0;                   // the first prompt token's position id
   std::vector<std::string> recipients;       // header.recipients, in order
+  // The route decision: recipients whose mailbox is here, and those on other
+  // relays by destination target (each list in header order).
+  std::vector<std::string> local;
+  std::map<std::string, std::vector<std::string>> remote;
+  uint64_t min_bytes = 0;  // MinComposedBytes: what the message holds at least
 };
 
 // Checks `h` and plans its publish, in this order:
@@ -62,9 +72,18 @@ struct PublishPlan {
 //     dtype (FAILED_PRECONDITION), prompt_pos0 unset (then the parent's
 //     next_pos, whose ids must fit int32) or >= the parent's next_pos
 //     (INVALID_ARGUMENT);
+//   - the route of each recipient (RouteTable::Resolve: INVALID_ARGUMENT
+//     naming header.recipients[i] when the template cannot name it);
 //   - the composed message's least size (MinComposedBytes) against the
-//     session and mailbox limits (Store::CheckCanPublish, RESOURCE_EXHAUSTED).
+//     session's limits and the mailbox limit of the recipients here
+//     (Store::CheckCanPublish, RESOURCE_EXHAUSTED).
 [[nodiscard]] absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanInputs& in);
+
+// The header of the forwards of `plan`'s message (without recipients):
+// ids, sender, role, parent, policy as requested and geometry, and the
+// composed message's shape as the pipeline will produce it (token counts,
+// quantization, the canonical policy).
+v1::ForwardHeader ForwardHeaderFor(const PublishPlan& plan);
 
 // OK when `h` asks for what the committed `prior` holds (sender, recipients
 // in any order, role, policy as requested, parent, geometry): a retry of

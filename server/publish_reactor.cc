@@ -1,5 +1,6 @@
 #include "server/publish_reactor.h"
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -8,6 +9,8 @@
 #include "core/status_macros.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
+#include "absl/strings/str_join.h"
+#include "server/forwarder.h"
 #include "server/internal/call_util.h"
 #include "server/publish_plan.h"
 #include "server/request_checks.h"
@@ -26,6 +29,7 @@ class PublishReactor final
   }
 
   void OnDone() override {
+    if (source_) source_->Resolve(nullptr);  // no effect once committed
     StopWatching();
     if (ticket_) svc_->store()->EndPublish(*ticket_);
     delete this;
@@ -41,15 +45,63 @@ class PublishReactor final
     ticket_ = svc_->store()->BeginPublish(h.session_id());
     KVRELAY_ASSIGN_OR_RETURN(
         PublishPlan plan,
-        PlanPublish(h, PlanInputs{svc_->config(), *svc_->store(), [this] { return svc_->NewMessageId(); }}));
+        PlanPublish(h, PlanInputs{svc_->config(), *svc_->store(), [this] { return svc_->NewMessageId(); },
+                                  svc_->routes()}));
     header_ = plan.header;
     resp_.set_message_id(header_.message_id());
     if (plan.duplicate) {
       ReplyDuplicate(plan.duplicate);
       return absl::OkStatus();
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    return upload_.Start(plan.shape, std::move(plan.pipeline), std::move(plan.parent), plan.prompt_pos0);
+    if (plan.remote.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      return upload_.Start(plan.shape, std::move(plan.pipeline), std::move(plan.parent), plan.prompt_pos0);
+    }
+    return StartWithForwards(std::move(plan));
+  }
+
+  // A publish with recipients on other relays: reserves the outbox for each
+  // destination, starts the upload, and starts one forward per destination
+  // at once; each forward streams the layers as they are compressed and
+  // sends its commit once the message is committed here.
+  absl::Status StartWithForwards(PublishPlan plan) {
+    Forwarder* fwd = svc_->forwarder();
+    if (!fwd) return absl::InternalError("publish: recipients on other relays, but this relay cannot forward");
+    std::vector<std::string> reserved;
+    auto release = [&] {
+      for (const std::string& t : reserved) svc_->store()->ReleaseOutbox(t, plan.min_bytes);
+    };
+    for (const auto& [target, agents] : plan.remote) {
+      absl::Status s = svc_->store()->ReserveOutbox(target, plan.min_bytes);
+      if (!s.ok()) {
+        release();
+        return absl::ResourceExhaustedError(absl::StrCat("header.recipients (", absl::StrJoin(agents, ","),
+                                                         " on relay ", target, "): ", s.message()));
+      }
+      reserved.push_back(target);
+    }
+    const v1::ForwardHeader fh = ForwardHeaderFor(plan);
+    source_ = std::make_shared<ForwardSource>(plan.shape.layers, nullptr);
+    std::weak_ptr<ForwardSource> weak = source_;
+    absl::Status s;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      s = upload_.Start(plan.shape, std::move(plan.pipeline), std::move(plan.parent), plan.prompt_pos0,
+                        [weak](int l, const MessageLayer& layer) {
+                          if (auto src = weak.lock()) src->SetLayer(l, layer);
+                        });
+      if (s.ok()) source_->AddOwner(upload_.pending());  // the layers live there until the commit
+    }
+    if (!s.ok()) {
+      release();
+      source_->Resolve(nullptr);
+      return s;
+    }
+    for (auto& [target, agents] : plan.remote) {
+      for (const std::string& a : agents) remote_[a] = target;
+      fwd->Enqueue(target, agents, fh, source_, plan.min_bytes);
+    }
+    return absl::OkStatus();
   }
 
   void ReplyDuplicate(const MessagePtr& prior) {
@@ -75,10 +127,12 @@ class PublishReactor final
     m->recipients.assign(header_.recipients().begin(), header_.recipients().end());
     m->requested_policy = header_.policy();
     m->geometry = header_.geometry();
+    m->remote = remote_;
     // A call already over (cancelled, or its deadline passed: the client
     // has its error) must not commit a message its sender thinks failed.
     if (ctx_->IsCancelled()) return Fail(absl::CancelledError("publish: cancelled before the commit"));
     m->msg = pending->TakeMessage();
+    if (source_) source_->AddOwner(m);  // the layers' buffers moved into m
     m->family = PolicyFamily(m->msg.policy);
     m->bytes = RetainedBytes(m->msg);
     m->started = started_;
@@ -86,10 +140,12 @@ class PublishReactor final
     FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);
     absl::StatusOr<Store::CommitResult> r = svc_->store()->Commit(m, *ticket_);
     if (!r.ok()) return Fail(r.status());
-    if (r->duplicate) {  // the same id committed while this one uploaded
+    if (r->duplicate) {  // the same id committed while this one uploaded: its forwards go
+      if (source_) source_->Resolve(nullptr);
       if (absl::Status same = CheckSamePublish(header_, *r->msg); !same.ok()) return Fail(same);
       return ReplyDuplicate(r->msg);
     }
+    if (source_) source_->Resolve(r->msg);  // the forwards send their commits
     const StoredMessage& c = *r->msg;
     resp_.set_message_id(c.message_id);
     *resp_.mutable_accounting() = c.accounting;
@@ -107,6 +163,7 @@ class PublishReactor final
   }
 
   void Fail(const absl::Status& s) {
+    if (source_) source_->Resolve(nullptr);  // the forwards are cancelled: nothing reaches a destination
     CancelUpload();
     svc_->store()->AddFailed();
     if (svc_->metrics()) svc_->metrics()->AddOutcome("failed");
@@ -128,6 +185,8 @@ class PublishReactor final
   v1::PublishResponse resp_;
   v1::PublishHeader header_;
   std::optional<Store::PublishTicket> ticket_;  // from the header on; ended in OnDone
+  std::shared_ptr<ForwardSource> source_;        // with recipients on other relays
+  std::map<std::string, std::string> remote_;    // recipient -> its relay
 };
 
 }  // namespace

@@ -6,13 +6,16 @@
 #include "absl/strings/str_format.h"
 #include "server/compress_reactor.h"
 #include "server/fetch_reactor.h"
+#include "server/forward_reactor.h"
 #include "server/internal/call_util.h"
 #include "server/publish_reactor.h"
 
 namespace kvrelay {
 
-RelayService::RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics)
-    : config_(config), store_(store), pool_(pool), metrics_(metrics), id_salt_(std::random_device{}() * 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count())),
+RelayService::RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics,
+                           Forwarder* forwarder, const RouteTable* routes)
+    : config_(config), store_(store), pool_(pool), metrics_(metrics), forwarder_(forwarder), routes_(routes),
+      id_salt_(std::random_device{}() * 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count())),
       watchdog_(config.upload_idle_timeout_seconds) {}
 
 std::string RelayService::NewMessageId() {
@@ -38,6 +41,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::Fetch(grpc::CallbackSe
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RelayService::Compress(
     grpc::CallbackServerContext* ctx) {
   return NewCompressReactor(this, ctx);
+}
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* RelayService::Forward(grpc::CallbackServerContext* ctx,
+                                                                 grpc::ByteBuffer* response) {
+  return NewForwardReactor(this, ctx, response);
 }
 
 }  // namespace kvrelay

@@ -26,6 +26,9 @@
 
 namespace kvrelay {
 
+class Forwarder;
+class RouteTable;
+
 // The tensor streams (Publish, Fetch, Compress) are registered raw: their
 // messages stay gRPC byte buffers, so chunk data is copied once on the way in
 // (into the turn being assembled) and not at all on the way out
@@ -35,12 +38,17 @@ namespace kvrelay {
 // handlers answer an unparsable request without a message).
 using RelayCallbackBase = v1::Relay::WithRawCallbackMethod_Ack<v1::Relay::WithRawCallbackMethod_CloseSession<
     v1::Relay::WithRawCallbackMethod_Stats<v1::Relay::WithRawCallbackMethod_Publish<
-        v1::Relay::WithRawCallbackMethod_Fetch<v1::Relay::WithRawCallbackMethod_Compress<v1::Relay::Service>>>>>>;
+        v1::Relay::WithRawCallbackMethod_Fetch<v1::Relay::WithRawCallbackMethod_Compress<
+            v1::Relay::WithRawCallbackMethod_MessageStatus<v1::Relay::WithRawCallbackMethod_Forward<
+                v1::Relay::WithRawCallbackMethod_ReportRecipient<v1::Relay::Service>>>>>>>>>;
 
 class RelayService final : public RelayCallbackBase {
  public:
-  // All pointers must outlive the service; `metrics` may be null.
-  RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics);
+  // All pointers must outlive the service; `metrics` may be null, and so
+  // may `forwarder` and `routes` (then every recipient is local, and
+  // deliveries of forwarded messages are not reported back).
+  RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics,
+               Forwarder* forwarder = nullptr, const RouteTable* routes = nullptr);
 
   // Raw PublishRequest in, PublishResponse out.
   grpc::ServerReadReactor<grpc::ByteBuffer>* Publish(grpc::CallbackServerContext* ctx,
@@ -57,12 +65,22 @@ class RelayService final : public RelayCallbackBase {
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Compress(grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                   grpc::ByteBuffer* response) override;
+  // Relay to relay: raw ForwardRequest in, ForwardResponse out.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Forward(grpc::CallbackServerContext* ctx,
+                                                     grpc::ByteBuffer* response) override;
+  // Raw MessageStatusRequest / ReportRecipientRequest in, the response out.
+  grpc::ServerUnaryReactor* MessageStatus(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ReportRecipient(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
 
   // For the reactors.
   const ServerConfig& config() const { return config_; }
   Store* store() const { return store_; }
   ThreadPool* pool() const { return pool_; }
   Metrics* metrics() const { return metrics_; }
+  Forwarder* forwarder() const { return forwarder_; }
+  const RouteTable* routes() const { return routes_; }
   // Counts a failed RPC in kvrelay_errors_total.
   // Counts a finished RPC in the metrics (kvrelay_rpcs_total, kvrelay_errors_total).
   void CountRpc(const char* method, const grpc::Status& s) const;
@@ -74,6 +92,8 @@ class RelayService final : public RelayCallbackBase {
   Store* const store_;
   ThreadPool* const pool_;
   Metrics* const metrics_;
+  Forwarder* const forwarder_;
+  const RouteTable* const routes_;
   std::atomic<uint64_t> id_counter_{0};
   const uint64_t id_salt_;
   UploadWatchdog watchdog_;

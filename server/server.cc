@@ -21,6 +21,8 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "server/memory_store.h"
+#include "server/forwarder.h"
+#include "server/routing.h"
 #include "spdlog/spdlog.h"
 
 #if defined(KVRELAY_CIVETWEB_FEATURES)
@@ -108,13 +110,30 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   limits.max_session_bytes = config.max_session_bytes;
   limits.max_store_bytes = config.max_store_bytes;
   limits.session_ttl_seconds = config.session_ttl_seconds;
+  limits.max_outbox_bytes = config.max_outbox_bytes;
+  limits.max_outbox_bytes_per_destination = config.max_outbox_bytes_per_destination;
   s->store_ = std::make_unique<MemoryStore>(limits, s->metrics_.get());
+  s->metrics_->SetLimit("outbox", static_cast<double>(config.max_outbox_bytes));
   s->metrics_->SetLimit("inflight", static_cast<double>(config.max_inflight_bytes));
   s->metrics_->SetLimit("mailbox", static_cast<double>(config.max_mailbox_bytes));
   s->metrics_->SetLimit("session", static_cast<double>(config.max_session_bytes));
   s->metrics_->SetLimit("store", static_cast<double>(config.max_store_bytes));
   s->pool_ = std::make_unique<ThreadPool>(std::max(1, config.worker_threads));
-  s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get());
+  RouteOptions ro;
+  ro.routes = config.routes;
+  ro.route_file = config.route_file;
+  ro.route_template = config.route_template;
+  ro.advertise = config.advertise;
+  absl::StatusOr<std::unique_ptr<RouteTable>> routes = RouteTable::Create(ro);
+  if (!routes.ok()) return routes.status();
+  s->routes_ = std::move(*routes);
+  ForwarderOptions fo;
+  fo.advertise = config.advertise;
+  fo.forward_timeout_seconds = config.forward_timeout_seconds;
+  fo.stall_seconds = config.forward_stall_seconds;
+  s->forwarder_ = std::make_unique<Forwarder>(fo, s->store_.get(), s->routes_.get(), s->metrics_.get());
+  s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get(),
+                                               s->forwarder_.get(), s->routes_.get());
 
   if (!config.metrics_listen.empty()) {
     int mport;
@@ -206,9 +225,18 @@ void RelayServer::Shutdown() {
     const auto grace = std::chrono::duration_cast<std::chrono::system_clock::duration>(
         std::chrono::duration<double>(config_.shutdown_grace_seconds));
     spdlog::info("kvrelay-server shutting down, draining for up to {}s", config_.shutdown_grace_seconds);
-    server_->Shutdown(std::chrono::system_clock::now() + grace);
+    const auto deadline = std::chrono::system_clock::now() + grace;
+    server_->Shutdown(deadline);
     server_->Wait();
+    // Publishes are over: forward what the outbox holds within the rest of
+    // the grace period; what is left is logged, message by message.
+    const auto left = std::max(std::chrono::milliseconds(0), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                 deadline - std::chrono::system_clock::now()));
+    if (const int n = forwarder_->Drain(left); n > 0) {
+      spdlog::warn("kvrelay-server: {} forwards not done at shutdown (listed above)", n);
+    }
   }
+  forwarder_.reset();
   // The pool drains queued layers (their reactors are gone or finished).
   pool_.reset();
   if (server_) spdlog::info("kvrelay-server stopped");  // not after a failed start

@@ -26,6 +26,9 @@
 
 namespace kvrelay {
 
+class Forwarder;
+class RouteTable;
+
 class RelayServer {
  public:
   // Binds every --listen address and the metrics address and starts
@@ -70,6 +73,8 @@ class RelayServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<RouteTable> routes_;
+  std::unique_ptr<Forwarder> forwarder_;
   std::unique_ptr<RelayService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,6 +50,14 @@ struct StoredMessage {
   std::string family;         // PolicyFamily(policy), the metrics label
   uint64_t bytes = 0;         // bytes held against the limits: RetainedBytes(msg)
   Clock::time_point started;  // the publish's first request
+  // Recipients whose mailbox is on another relay, with that relay's target:
+  // the message is forwarded there. Every other recipient has its mailbox
+  // here.
+  std::map<std::string, std::string> remote;
+  // Forwarded here by another relay (so never forwarded again), and that
+  // relay's --advertise target ("" when it has none).
+  bool forwarded = false;
+  std::string origin;
 };
 using MessagePtr = std::shared_ptr<const StoredMessage>;
 
@@ -69,6 +78,8 @@ struct StoreLimits {
   uint64_t max_session_bytes = 8ull << 30;  // retained messages of one session
   uint64_t max_store_bytes = 16ull << 30;   // retained messages, all sessions
   double session_ttl_seconds = 3600;
+  uint64_t max_outbox_bytes = 4ull << 30;                  // messages waiting to be forwarded
+  uint64_t max_outbox_bytes_per_destination = 1ull << 30;  // of them, to one relay
 };
 
 struct StoreStats {
@@ -193,6 +204,77 @@ class Store {
   virtual void AddFailed() = 0;
 
   virtual StoreStats Stats() const = 0;
+
+  // ---- The mesh: forwarded messages, the outbox, where messages are ----
+
+  // One recipient's answer of CommitForward.
+  struct RecipientResult {
+    std::string agent;
+    absl::Status status;     // OK, or RESOURCE_EXHAUSTED for its full mailbox
+    bool duplicate = false;  // its mailbox here held the message already
+  };
+  struct ForwardCommitResult {
+    MessagePtr msg;          // the message as held (the earlier one for a duplicate)
+    bool duplicate = false;  // the id was held already
+    std::vector<RecipientResult> recipients;  // in the order given
+  };
+  // Commits a message forwarded by another relay into the mailboxes of
+  // `recipients` here, idempotently: when the id is held already, it goes
+  // into the mailboxes that do not hold it yet (the caller has checked that
+  // the headers match). Per recipient: OK, duplicate, or RESOURCE_EXHAUSTED
+  // when its mailbox is full. The session's message and byte limits and the
+  // store's fail the whole call (RESOURCE_EXHAUSTED); a close after `t`
+  // began fails it with FAILED_PRECONDITION.
+  virtual absl::StatusOr<ForwardCommitResult> CommitForward(std::shared_ptr<StoredMessage> m,
+                                                            const std::vector<std::string>& recipients,
+                                                            const PublishTicket& t) = 0;
+
+  // Whether `session` was closed here (CloseSession) within the session
+  // TTL; forwards of it are then refused. A publish here reopens it.
+  virtual bool IsClosed(const std::string& session) const = 0;
+
+  // What CloseSession did.
+  struct CloseResult {
+    uint32_t messages_freed = 0;
+    bool first = false;              // the session was not closed here already
+    std::vector<std::string> peers;  // relays that hold a part of it (AddPeer)
+  };
+  // Frees the session like CloseSession and remembers it as closed for the
+  // session TTL (IsClosed).
+  virtual CloseResult CloseSessionAndPeers(const std::string& session) = 0;
+
+  // The outbox's bounds: reserves `bytes` of messages waiting to be
+  // forwarded to `target`. RESOURCE_EXHAUSTED naming
+  // --max-outbox-bytes-per-destination or --max-outbox-bytes otherwise.
+  [[nodiscard]] virtual absl::Status ReserveOutbox(const std::string& target, uint64_t bytes) = 0;
+  // REQUIRES: `bytes` were reserved for `target`.
+  virtual void ReleaseOutbox(const std::string& target, uint64_t bytes) = 0;
+
+  // Records where a message published here is for one of its recipients on
+  // another relay. A later state never goes back to an earlier one
+  // (queued < committed < delivered < acked), and a dead letter is final.
+  struct RecipientTrack {
+    v1::RecipientState state = v1::RECIPIENT_STATE_QUEUED;
+    std::string relay;   // the recipient's relay
+    std::string reason;  // "CODE: message" of a dead letter or the last failed attempt
+    uint32_t attempts = 0;
+  };
+  virtual void TrackRecipient(const std::string& session, const std::string& message_id, const std::string& agent,
+                              const RecipientTrack& track) = 0;
+  // Where message `message_id` is for each of its recipients, in the
+  // publish's order: tracked for those on other relays, from the mailboxes
+  // for those here. NOT_FOUND for an unknown session or message.
+  virtual absl::StatusOr<v1::MessageStatusResponse> MessageStatus(const std::string& session,
+                                                                  const std::string& message_id) const = 0;
+
+  // Another relay holds a part of `session` (CloseSession is passed on to it).
+  virtual void AddPeer(const std::string& session, const std::string& target) = 0;
+  // Relay `target` holds message `message_id` of `session` (it was forwarded
+  // there, or came from there): a base for ancestor elision.
+  virtual void NotePeerHolds(const std::string& session, const std::string& message_id,
+                             const std::string& target) = 0;
+  virtual bool PeerHolds(const std::string& session, const std::string& message_id,
+                         const std::string& target) const = 0;
   uint64_t inflight_bytes() const { return Stats().inflight_bytes; }
   uint64_t store_bytes() const { return Stats().store_bytes; }
 };

@@ -1,7 +1,10 @@
-// The unary calls of RelayService: Ack, CloseSession, Stats.
+// The unary calls of RelayService: Ack, CloseSession, Stats, MessageStatus,
+// ReportRecipient.
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
+#include "server/forwarder.h"
 #include "server/internal/call_util.h"
 #include "server/relay_service.h"
 #include "server/request_checks.h"
@@ -32,6 +35,10 @@ grpc::ServerUnaryReactor* RelayService::Ack(grpc::CallbackServerContext* ctx, co
   if (s.ok()) s = CheckId("agent", req.agent());
   if (s.ok()) s = CheckId("message_id", req.message_id());
   if (s.ok()) s = store_->Ack(req.session_id(), req.agent(), req.message_id());
+  if (s.ok() && forwarder_) {
+    MessagePtr m = store_->Find(req.session_id(), req.message_id());
+    if (m && m->forwarded) forwarder_->Report(*m, req.agent(), v1::RECIPIENT_STATE_ACKED);
+  }
   return FinishUnary(this, ctx, "Ack", s, v1::AckResponse(), response);
 }
 
@@ -42,8 +49,12 @@ grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext
   absl::Status s = ParseRequest(*request, "close session", &req);
   if (s.ok()) s = CheckId("session_id", req.session_id());
   if (s.ok()) {
-    resp.set_messages_freed(store_->CloseSession(req.session_id()));
-    spdlog::info("session closed session={} messages_freed={}", req.session_id(), resp.messages_freed());
+    const Store::CloseResult r = store_->CloseSessionAndPeers(req.session_id());
+    resp.set_messages_freed(r.messages_freed);
+    spdlog::info("session closed session={} messages_freed={} propagated={} passed_on_to={}", req.session_id(),
+                 r.messages_freed, req.propagated(), r.first ? r.peers.size() : 0);
+    // Passed on only the first time this relay closes it: a close cannot loop.
+    if (r.first && forwarder_ && !r.peers.empty()) forwarder_->PropagateClose(req.session_id(), r.peers);
   }
   return FinishUnary(this, ctx, "CloseSession", s, resp, response);
 }
@@ -70,6 +81,49 @@ grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, 
     resp.set_version(KVRELAY_VERSION);
   }
   return FinishUnary(this, ctx, "Stats", s, resp, response);
+}
+
+grpc::ServerUnaryReactor* RelayService::MessageStatus(grpc::CallbackServerContext* ctx,
+                                                      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  v1::MessageStatusRequest req;
+  absl::Status s = ParseRequest(*request, "message status", &req);
+  if (s.ok()) s = CheckId("session_id", req.session_id());
+  if (s.ok()) s = CheckId("message_id", req.message_id());
+  v1::MessageStatusResponse resp;
+  if (s.ok()) {
+    absl::StatusOr<v1::MessageStatusResponse> r = store_->MessageStatus(req.session_id(), req.message_id());
+    if (r.ok()) resp = std::move(*r);
+    s = r.status();
+  }
+  return FinishUnary(this, ctx, "MessageStatus", s, resp, response);
+}
+
+grpc::ServerUnaryReactor* RelayService::ReportRecipient(grpc::CallbackServerContext* ctx,
+                                                        const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  v1::ReportRecipientRequest req;
+  absl::Status s = ParseRequest(*request, "report recipient", &req);
+  if (s.ok()) s = CheckId("session_id", req.session_id());
+  if (s.ok()) s = CheckId("message_id", req.message_id());
+  if (s.ok()) s = CheckId("agent", req.agent());
+  if (s.ok() && req.state() != v1::RECIPIENT_STATE_DELIVERED && req.state() != v1::RECIPIENT_STATE_ACKED) {
+    s = absl::InvalidArgumentError(absl::StrCat("state: ", v1::RecipientState_Name(req.state()),
+                                                ", expected RECIPIENT_STATE_DELIVERED or RECIPIENT_STATE_ACKED"));
+  }
+  if (s.ok()) {
+    MessagePtr m = store_->Find(req.session_id(), req.message_id());
+    if (!m) {
+      s = absl::NotFoundError(absl::StrCat("message_id: '", req.message_id(), "': not held in session '",
+                                           req.session_id(), "'"));
+    } else if (!m->remote.count(req.agent())) {
+      s = absl::NotFoundError(absl::StrCat("agent: '", req.agent(), "': not a recipient of message '",
+                                           req.message_id(), "' on another relay"));
+    } else {
+      Store::RecipientTrack t;
+      t.state = req.state();
+      store_->TrackRecipient(req.session_id(), req.message_id(), req.agent(), t);
+    }
+  }
+  return FinishUnary(this, ctx, "ReportRecipient", s, v1::ReportRecipientResponse(), response);
 }
 
 }  // namespace kvrelay

@@ -41,8 +41,9 @@ class Upload {
   // Reserves shape.ReserveBytes() plus, with a parent, the parent's dense
   // (decoded) size: every layer's compression holds the parent's layer as
   // dense history while it runs.
+  // `observer` (may be empty) sees each layer once compressed.
   absl::Status Start(const UploadShape& shape, std::shared_ptr<const Pipeline> pipeline, MessagePtr parent,
-                     int64_t prompt_pos0) {
+                     int64_t prompt_pos0, PendingCompression::LayerObserver observer = nullptr) {
     const uint64_t history = parent ? DenseHistoryBytes(shape, *parent) : 0;
     const uint64_t bytes = shape.ReserveBytes() + history;
     KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(
@@ -54,6 +55,7 @@ class Upload {
     assembler_.emplace(shape);
     pending_ = std::make_shared<PendingCompression>(std::move(pipeline), shape, std::move(parent), prompt_pos0,
                                                     svc_->pool(), svc_->store(), bytes);
+    if (observer) pending_->ObserveLayers(std::move(observer));
     SubmitCompleted();
     return absl::OkStatus();
   }

@@ -1,0 +1,346 @@
+#include "server/forward_reactor.h"
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "proto/raw_chunk.h"
+#include "proto/status_util.h"
+#include "proto/stream_codec.h"
+#include "server/forwarder.h"
+#include "server/metrics.h"
+#include "server/relay_service.h"
+#include "server/request_checks.h"
+#include "spdlog/spdlog.h"
+
+namespace kvrelay {
+namespace {
+
+std::string Quoted(absl::string_view v) { return absl::StrCat("'", absl::CHexEscape(v), "'"); }
+
+class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  ForwardReactor(RelayService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response)
+      : svc_(svc), ctx_(ctx), wire_resp_(response), started_(Clock::now()) {
+    idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
+    StartRead(&wire_);
+  }
+
+  void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> activity(idle_->mu);
+    idle_->last = Clock::now();
+    if (finished_) return;
+    if (!ok) {
+      if (ctx_->IsCancelled()) return Fail(absl::CancelledError("forward: cancelled by the sending relay"));
+      return Fail(absl::InvalidArgumentError(started() ? "forward: stream ended before the commit, expected a commit"
+                                                       : "forward: empty stream, expected a header first"));
+    }
+    if (!raw_.Reset(wire_)) return Fail(absl::InvalidArgumentError("forward: unreadable request"));
+    absl::Status s;
+    ChunkView chunk;
+    if (raw_.AsChunk(v1::ForwardRequest::kChunkFieldNumber, &chunk)) {
+      s = OnChunk(chunk);
+    } else if (!raw_.ParseAs(&req_)) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("forward: request of ", raw_.size(),
+                                                          " bytes is not a kvrelay.v1.ForwardRequest")));
+    } else {
+      switch (req_.kind_case()) {
+        case v1::ForwardRequest::kHeader:
+          if (header_) {
+            s = absl::InvalidArgumentError("header: a second header, expected chunks or the commit");
+          } else {
+            s = OnHeader(req_.header());
+            if (finished_) return;  // answered from the header alone
+          }
+          break;
+        case v1::ForwardRequest::kChunk:
+          s = OnChunk(ChunkView::Of(req_.chunk()));
+          break;
+        case v1::ForwardRequest::kCommit:
+          if (!started()) {
+            s = absl::InvalidArgumentError("commit: before the header, expected the header first");
+            break;
+          }
+          return OnCommit(req_.commit());
+        default:
+          s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
+      }
+    }
+    if (!s.ok()) return Fail(s);
+    raw_.Reset(grpc::ByteBuffer());
+    wire_.Clear();
+    req_.Clear();
+    StartRead(&wire_);
+  }
+
+  void OnDone() override {
+    {
+      std::lock_guard<std::mutex> lock(idle_->mu);
+      idle_->armed = false;
+      idle_->fire = nullptr;
+    }
+    if (reserved_) svc_->store()->ReleaseInflight(reserved_);
+    if (ticket_) svc_->store()->EndPublish(*ticket_);
+    delete this;
+  }
+
+ private:
+  bool started() const { return header_.has_value(); }
+
+  absl::Status OnHeader(const v1::ForwardHeader& h) {
+    header_ = h;
+    if (h.protocol_version() != kForwardProtocolVersion) {
+      return absl::FailedPreconditionError(absl::StrCat("header.protocol_version: ", h.protocol_version(),
+                                                        ", this relay speaks ", kForwardProtocolVersion));
+    }
+    const v1::MessageHeader& m = h.message();
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.session_id", m.session_id()));
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.message_id", m.message_id()));
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.sender", m.sender()));
+    if (!m.parent_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.message.parent_id", m.parent_id()));
+    if (m.role().size() > 128) {
+      return absl::InvalidArgumentError(absl::StrCat("header.message.role: ", m.role().size(), " bytes, expected at most 128"));
+    }
+    if (h.recipients_size() == 0 || h.recipients_size() > kMaxRecipients) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.recipients: ", h.recipients_size(), " agents, expected 1..", kMaxRecipients));
+    }
+    absl::flat_hash_map<std::string, int> seen;
+    for (int i = 0; i < h.recipients_size(); ++i) {
+      KVRELAY_RETURN_IF_ERROR(CheckId(absl::StrCat("header.recipients[", i, "]"), h.recipients(i)));
+      if (!seen.emplace(h.recipients(i), i).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("header.recipients[", i, "]: ", Quoted(h.recipients(i)), " repeats, expected distinct agents"));
+      }
+    }
+    const std::string& session = m.session_id();
+    if (svc_->store()->IsClosed(session)) {
+      if (svc_->metrics()) svc_->metrics()->AddForwardReceived("refused");
+      return absl::FailedPreconditionError(absl::StrCat("header.message.session_id: '", session,
+                                                        "' was closed on this relay (CloseSession); a close is "
+                                                        "not undone by a later forward"));
+    }
+    ticket_ = svc_->store()->BeginPublish(session);
+    recipients_.assign(h.recipients().begin(), h.recipients().end());
+
+    if (MessagePtr prior = svc_->store()->Find(session, m.message_id())) {
+      KVRELAY_RETURN_IF_ERROR(CheckSameForward(h, *prior));
+      return Answer(prior, /*received=*/"duplicate");
+    }
+    uint32_t elided = 0;
+    if (!h.ancestor_id().empty()) {
+      KVRELAY_RETURN_IF_ERROR(CheckId("header.ancestor_id", h.ancestor_id()));
+      MessagePtr a = svc_->store()->Find(session, h.ancestor_id());
+      const bool usable = a && !a->msg.layers.empty() && !a->msg.layers[0].quant && m.quant_bits() == 0 &&
+                          a->msg.layers.size() == m.layers() && static_cast<uint32_t>(a->msg.kv_heads) == m.kv_heads() &&
+                          static_cast<uint32_t>(a->msg.head_dim) == m.head_dim() &&
+                          ToProtoDType(a->msg.dtype) == m.dtype() &&
+                          static_cast<uint32_t>(a->msg.layers[0].tokens()) == h.ancestor_tokens() &&
+                          h.ancestor_tokens() <= m.n_history();
+      if (!usable) {
+        spdlog::info("forward session={} message={}: ancestor {} not held as described, asking for it whole",
+                     session, m.message_id(), h.ancestor_id());
+        resp_.set_ancestor_missing(true);
+        FinishOnce(grpc::Status::OK);
+        return absl::OkStatus();
+      }
+      ancestor_ = std::move(a);
+      elided = h.ancestor_tokens();
+    }
+    // The stream carries the tokens after the ancestor's: a message of that
+    // many fewer history tokens, whose sent bytes are its tensors'.
+    v1::MessageHeader wire = m;
+    wire.set_n_history(m.n_history() - elided);
+    wire.mutable_accounting()->set_sent_bytes(MessageLayerBytes(wire) * wire.layers());
+    KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Start(wire)));
+    const uint64_t bytes = RetainedBytes(reader_.bytes_expected(), m.layers()) +
+                           (ancestor_ ? RetainedBytes(ancestor_->msg) : 0);
+    KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(bytes, absl::StrCat("forward of ", bytes, " bytes")));
+    reserved_ = bytes;
+    return absl::OkStatus();
+  }
+
+  absl::Status OnChunk(const ChunkView& c) {
+    if (!started()) return absl::InvalidArgumentError("chunk: before the header, expected the header first");
+    KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Add(c)));
+    received_ += c.size;
+    return absl::OkStatus();
+  }
+
+  void OnCommit(const v1::ForwardCommit& c) {
+    const v1::ForwardHeader& h = *header_;
+    Message suffix;
+    if (StreamError e = reader_.Finish(c.trailer(), &suffix); !e.ok()) return Fail(UploadStatus(e));
+    Message msg = ancestor_ ? RebuildFromAncestor(ancestor_->msg, std::move(suffix)) : std::move(suffix);
+    msg.n_history = static_cast<int>(h.message().n_history());
+    msg.policy = c.accounting().policy();
+    msg.full_bytes = c.accounting().full_bytes();
+    msg.next_pos = c.next_pos();
+    uint64_t sent = 0;
+    for (const MessageLayer& l : msg.layers) sent += l.SentBytes();
+    msg.sent_bytes = sent;
+    if (sent != c.accounting().sent_bytes()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("commit.accounting.sent_bytes: ", c.accounting().sent_bytes(),
+                                                          ", expected ", sent, " (what the message holds)")));
+    }
+    auto m = std::make_shared<StoredMessage>();
+    const v1::MessageHeader& mh = h.message();
+    m->session_id = mh.session_id();
+    m->message_id = mh.message_id();
+    m->sender = mh.sender();
+    m->role = mh.role();
+    m->parent_id = mh.parent_id();
+    m->recipients = recipients_;
+    m->requested_policy = h.requested_policy();
+    m->geometry = h.geometry();
+    m->accounting = c.accounting();
+    m->origin = h.origin();
+    m->forwarded = true;
+    m->msg = std::move(msg);
+    m->family = PolicyFamily(m->msg.policy);
+    m->bytes = RetainedBytes(m->msg);
+    m->started = started_;
+    if (ctx_->IsCancelled()) return Fail(absl::CancelledError("forward: cancelled before the commit"));
+    absl::StatusOr<Store::ForwardCommitResult> r = svc_->store()->CommitForward(m, recipients_, *ticket_);
+    if (!r.ok()) return Fail(r.status());
+    if (r->duplicate) {  // the same id committed meanwhile
+      if (absl::Status same = CheckSameForward(h, *r->msg); !same.ok()) return Fail(same);
+    }
+    FillResults(*r);
+    if (!h.origin().empty()) {
+      svc_->store()->AddPeer(m->session_id, h.origin());
+      svc_->store()->NotePeerHolds(m->session_id, m->message_id, h.origin());
+    }
+    if (Metrics* mx = svc_->metrics()) {
+      mx->AddForwardReceived(r->duplicate ? "duplicate" : "committed");
+      if (!r->duplicate) mx->AddReceived(received_);
+    }
+    spdlog::info("forward committed here session={} message={} from={} origin={} recipients={} elided_tokens={} "
+                 "bytes={}",
+                 m->session_id, m->message_id, m->sender, h.origin(), recipients_.size(),
+                 ancestor_ ? h.ancestor_tokens() : 0, received_);
+    FinishOnce(grpc::Status::OK);
+  }
+
+  // Answers from the header: the message is held already.
+  absl::Status Answer(const MessagePtr& prior, const char* received) {
+    absl::StatusOr<Store::ForwardCommitResult> r = svc_->store()->CommitForward(
+        std::const_pointer_cast<StoredMessage>(prior), recipients_, *ticket_);
+    if (!r.ok()) return r.status();
+    FillResults(*r);
+    if (svc_->metrics()) svc_->metrics()->AddForwardReceived(received);
+    FinishOnce(grpc::Status::OK);
+    return absl::OkStatus();
+  }
+
+  void FillResults(const Store::ForwardCommitResult& r) {
+    resp_.clear_results();
+    for (const Store::RecipientResult& x : r.recipients) {
+      v1::ForwardResult* out = resp_.add_results();
+      out->set_agent(x.agent);
+      out->set_code(static_cast<int32_t>(x.status.code()));
+      out->set_message(std::string(x.status.message()));
+      out->set_duplicate(x.duplicate);
+    }
+  }
+
+  void OnIdle() {
+    if (finished_) return;
+    Fail(absl::DeadlineExceededError(absl::StrCat("forward: idle for ", svc_->watchdog()->timeout_seconds(),
+                                                  " s (--upload-idle-timeout-seconds)")));
+  }
+
+  void Fail(const absl::Status& s) {
+    if (header_) {
+      spdlog::info("forward refused session={} message={} origin={}: {}", header_->message().session_id(),
+                   header_->message().message_id(), header_->origin(), s.ToString());
+    }
+    FinishOnce(ToGrpcStatus(s));
+  }
+
+  void FinishOnce(const grpc::Status& status) {
+    if (finished_.exchange(true)) return;
+    idle_->armed = false;
+    svc_->CountRpc("Forward", status);
+    if (status.ok()) *wire_resp_ = EncodeProto(resp_);
+    Finish(status);
+  }
+
+  RelayService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  grpc::ByteBuffer* const wire_resp_;
+  const Clock::time_point started_;
+  std::shared_ptr<UploadWatchdog::Entry> idle_;
+  grpc::ByteBuffer wire_;
+  RawMessage raw_;
+  v1::ForwardRequest req_;
+  std::optional<v1::ForwardHeader> header_;
+  std::optional<Store::PublishTicket> ticket_;
+  std::vector<std::string> recipients_;
+  MessagePtr ancestor_;
+  DeliveryReader reader_;
+  uint64_t reserved_ = 0, received_ = 0;
+  v1::ForwardResponse resp_;
+  std::atomic<bool> finished_{false};
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewForwardReactor(RelayService* svc, grpc::CallbackServerContext* ctx,
+                                                            grpc::ByteBuffer* response) {
+  return new ForwardReactor(svc, ctx, response);
+}
+
+Message RebuildFromAncestor(const Message& ancestor, Message suffix) {
+  for (size_t l = 0; l < suffix.layers.size(); ++l) {
+    const MessageLayer& a = ancestor.layers[l];
+    MessageLayer& s = suffix.layers[l];
+    const int heads = a.pos.heads, na = a.tokens(), ns = s.tokens(), n = na + ns;
+    const size_t rb = a.k.row_bytes();
+    MessageLayer out;
+    out.k = KvTensor::Uninitialized(a.k.dtype(), heads, n, a.k.dim());
+    out.v = KvTensor::Uninitialized(a.k.dtype(), heads, n, a.k.dim());
+    out.pos = PosTensor(heads, n);
+    for (int h = 0; h < heads; ++h) {
+      for (auto [dst, src_a, src_s] : {std::tuple{&out.k, &a.k, &s.k}, std::tuple{&out.v, &a.v, &s.v}}) {
+        uint8_t* d = dst->mutable_bytes().data() + static_cast<size_t>(h) * n * rb;
+        std::memcpy(d, src_a->bytes().data() + static_cast<size_t>(h) * na * rb, na * rb);
+        std::memcpy(d + na * rb, src_s->bytes().data() + static_cast<size_t>(h) * ns * rb, ns * rb);
+      }
+      int32_t* p = out.pos.data.data() + static_cast<size_t>(h) * n;
+      std::memcpy(p, a.pos.data.data() + static_cast<size_t>(h) * na, na * sizeof(int32_t));
+      std::memcpy(p + na, s.pos.data.data() + static_cast<size_t>(h) * ns, ns * sizeof(int32_t));
+    }
+    s = std::move(out);
+  }
+  return suffix;
+}
+
+absl::Status CheckSameForward(const v1::ForwardHeader& h, const StoredMessage& prior) {
+  auto differs = [&](absl::string_view field, const std::string& now, const std::string& then) {
+    return absl::AlreadyExistsError(absl::StrCat("header.message.message_id: '", prior.message_id,
+                                                 "' is already held in session '", prior.session_id, "' with ",
+                                                 field, " ", Quoted(then), ", this forward has ", Quoted(now)));
+  };
+  const v1::MessageHeader& m = h.message();
+  if (m.sender() != prior.sender) return differs("sender", m.sender(), prior.sender);
+  if (m.role() != prior.role) return differs("role", m.role(), prior.role);
+  if (m.parent_id() != prior.parent_id) return differs("parent_id", m.parent_id(), prior.parent_id);
+  if (h.requested_policy() != prior.requested_policy) {
+    return differs("requested_policy", h.requested_policy(), prior.requested_policy);
+  }
+  if (h.geometry().SerializeAsString() != prior.geometry.SerializeAsString()) {
+    return differs("geometry", h.geometry().ShortDebugString(), prior.geometry.ShortDebugString());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,536 @@
+#include "server/forwarder.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/crc32c.h"
+#include "proto/raw_chunk.h"
+#include "proto/stream_codec.h"
+#include "server/metrics.h"
+#include "server/routing.h"
+#include "spdlog/spdlog.h"
+
+namespace kvrelay {
+namespace {
+
+constexpr char kForwardMethod[] = "/kvrelay.v1.Relay/Forward";
+constexpr char kReportMethod[] = "/kvrelay.v1.Relay/ReportRecipient";
+constexpr char kCloseMethod[] = "/kvrelay.v1.Relay/CloseSession";
+constexpr std::chrono::seconds kPeerCallTimeout(10);
+
+template <typename D>
+std::chrono::milliseconds Millis(D d) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(d);
+}
+
+bool Retryable(grpc::StatusCode c) {
+  switch (c) {
+    case grpc::INVALID_ARGUMENT:
+    case grpc::ALREADY_EXISTS:
+    case grpc::FAILED_PRECONDITION:
+    case grpc::PERMISSION_DENIED:
+    case grpc::UNAUTHENTICATED:
+    case grpc::UNIMPLEMENTED:
+    case grpc::NOT_FOUND:
+    case grpc::OUT_OF_RANGE:
+      return false;
+    default:
+      return true;
+  }
+}
+
+// Whether the first `a` tokens of every head of `v` are exactly `anc`'s.
+bool PrefixMatches(const ForwardSource::LayerView& v, const MessageLayer& anc, int a) {
+  if (!v.dense || anc.quant || anc.tokens() != a || v.tokens < a) return false;
+  const int heads = anc.pos.heads;
+  if (heads == 0 || static_cast<int>(v.pos.size()) != heads * v.tokens) return false;
+  const size_t rb = anc.k.row_bytes();
+  if (v.k.size() != static_cast<size_t>(heads) * v.tokens * rb || anc.k.heads() != heads) return false;
+  for (int h = 0; h < heads; ++h) {
+    const size_t off = static_cast<size_t>(h) * v.tokens * rb, aoff = static_cast<size_t>(h) * a * rb;
+    if (std::memcmp(v.k.data() + off, anc.k.bytes().data() + aoff, a * rb) != 0) return false;
+    if (std::memcmp(v.v.data() + off, anc.v.bytes().data() + aoff, a * rb) != 0) return false;
+    if (std::memcmp(v.pos.data() + static_cast<size_t>(h) * v.tokens, anc.pos.data.data() + static_cast<size_t>(h) * a,
+                    a * sizeof(int32_t)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The tokens after the first `a` of every head of `v`, as a layer of its own.
+std::shared_ptr<MessageLayer> Suffix(const ForwardSource::LayerView& v, const MessageLayer& anc, int a) {
+  auto out = std::make_shared<MessageLayer>();
+  const int heads = anc.pos.heads, n = v.tokens - a, dim = anc.k.dim();
+  const size_t rb = anc.k.row_bytes();
+  out->k = KvTensor::Uninitialized(anc.k.dtype(), heads, n, dim);
+  out->v = KvTensor::Uninitialized(anc.k.dtype(), heads, n, dim);
+  out->pos = PosTensor(heads, n);
+  for (int h = 0; h < heads; ++h) {
+    const size_t src = (static_cast<size_t>(h) * v.tokens + a) * rb, dst = static_cast<size_t>(h) * n * rb;
+    std::memcpy(out->k.mutable_bytes().data() + dst, v.k.data() + src, n * rb);
+    std::memcpy(out->v.mutable_bytes().data() + dst, v.v.data() + src, n * rb);
+    std::memcpy(out->pos.data.data() + static_cast<size_t>(h) * n, v.pos.data() + static_cast<size_t>(h) * v.tokens + a,
+                n * sizeof(int32_t));
+  }
+  return out;
+}
+
+uint64_t WireBytes(const std::vector<TensorRef>& tensors) {
+  uint64_t n = 0;
+  for (const TensorRef& t : tensors) n += t.data.size();
+  return n;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ ForwardSource
+
+ForwardSource::ForwardSource(int layers, std::shared_ptr<const void> owner) : layers_(layers) {
+  if (owner) owners_.push_back(std::move(owner));
+}
+
+std::shared_ptr<ForwardSource> ForwardSource::OfCommitted(MessagePtr m) {
+  auto s = std::make_shared<ForwardSource>(static_cast<int>(m->msg.layers.size()), m);
+  for (size_t l = 0; l < m->msg.layers.size(); ++l) s->SetLayer(static_cast<int>(l), m->msg.layers[l]);
+  s->Resolve(m);
+  return s;
+}
+
+void ForwardSource::SetLayer(int l, const MessageLayer& layer) {
+  auto v = std::make_unique<LayerView>();
+  v->wire = LayerDeliveryOrder(layer, static_cast<uint32_t>(l));
+  v->tokens = layer.tokens();
+  v->dense = !layer.quant;
+  if (v->dense) {
+    v->k = layer.k.bytes();
+    v->v = layer.v.bytes();
+  }
+  v->pos = absl::MakeConstSpan(layer.pos.data);
+  std::lock_guard<std::mutex> lock(mu_);
+  layers_[l] = std::move(v);
+  cv_.notify_all();
+}
+
+void ForwardSource::AddOwner(std::shared_ptr<const void> owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  owners_.push_back(std::move(owner));
+}
+
+void ForwardSource::Resolve(MessagePtr committed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (resolved_) return;
+  resolved_ = true;
+  outcome_ = std::move(committed);
+  if (outcome_) resolved_at_ = Clock::now();
+  cv_.notify_all();
+}
+
+bool ForwardSource::WaitLayer(int l, LayerView* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return layers_[l] != nullptr || (resolved_ && !outcome_); });
+  if (!layers_[l]) return false;
+  *out = *layers_[l];
+  return true;
+}
+
+MessagePtr ForwardSource::WaitOutcome() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return resolved_; });
+  return outcome_;
+}
+
+Clock::time_point ForwardSource::resolved_at() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return resolved_at_;
+}
+
+// --------------------------------------------------------------- Forwarder
+
+struct Forwarder::Job {
+  std::string target;
+  std::vector<std::string> recipients;  // neither committed nor dead-lettered yet
+  v1::ForwardHeader header;
+  std::shared_ptr<ForwardSource> source;
+  uint64_t outbox_bytes = 0;
+  Clock::time_point deadline;
+  int attempts = 0;
+  bool whole = false;          // elision refused or impossible: send whole
+  bool counted = false;        // latency and full bytes observed
+  std::string last_error;      // "CODE: message" of the last failed attempt
+  grpc::ClientContext* ctx = nullptr;  // the attempt in flight (guarded by mu_)
+
+  const std::string& session() const { return header.message().session_id(); }
+  const std::string& id() const { return header.message().message_id(); }
+};
+
+Forwarder::Forwarder(const ForwarderOptions& opts, Store* store, const RouteTable* routes, Metrics* metrics)
+    : opts_(opts), store_(store), routes_(routes), metrics_(metrics) {
+  for (int i = 0; i < std::max(1, opts_.threads); ++i) threads_.emplace_back([this] { Loop(); });
+}
+
+Forwarder::~Forwarder() {
+  std::vector<std::shared_ptr<Job>> running;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    for (const auto& j : running_) {
+      if (j->ctx) j->ctx->TryCancel();
+      running.push_back(j);
+    }
+  }
+  for (const auto& j : running) j->source->Resolve(nullptr);  // wakes attempts waiting for layers
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void Forwarder::Enqueue(const std::string& target, std::vector<std::string> recipients,
+                        const v1::ForwardHeader& header, std::shared_ptr<ForwardSource> source,
+                        uint64_t outbox_bytes) {
+  auto job = std::make_shared<Job>();
+  job->target = target;
+  job->recipients = std::move(recipients);
+  job->header = header;
+  job->header.set_protocol_version(kForwardProtocolVersion);
+  job->header.set_origin(opts_.advertise);
+  job->source = std::move(source);
+  job->outbox_bytes = outbox_bytes;
+  job->deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(opts_.forward_timeout_seconds));
+  for (const std::string& a : job->recipients) {
+    store_->TrackRecipient(job->session(), job->id(), a, {v1::RECIPIENT_STATE_QUEUED, target, "", 0});
+  }
+  store_->AddPeer(job->session(), target);
+  Schedule(job, Clock::now());
+}
+
+void Forwarder::Schedule(const std::shared_ptr<Job>& job, Clock::time_point at) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.emplace(at, job);
+  }
+  cv_.notify_one();
+}
+
+void Forwarder::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (queue_.empty()) {
+      cv_.wait(lock);
+      continue;
+    }
+    auto first = queue_.begin();
+    if (first->first > Clock::now()) {
+      cv_.wait_until(lock, first->first);
+      continue;
+    }
+    std::shared_ptr<Job> job = first->second;
+    queue_.erase(first);
+    running_.push_back(job);
+    lock.unlock();
+    Attempt(job);
+    lock.lock();
+    running_.erase(std::find(running_.begin(), running_.end(), job));
+    cv_.notify_all();  // Drain watches the outbox empty
+  }
+}
+
+void Forwarder::EndJob(const std::shared_ptr<Job>& job) {
+  store_->ReleaseOutbox(job->target, job->outbox_bytes);
+  job->outbox_bytes = 0;
+}
+
+void Forwarder::DeadLetter(const std::shared_ptr<Job>& job, const std::vector<std::string>& agents,
+                           grpc::StatusCode code, const std::string& reason) {
+  for (const std::string& a : agents) {
+    spdlog::warn("forward dead-lettered session={} message={} to={} destination={} attempts={}: {}", job->session(),
+                 job->id(), a, job->target, job->attempts, reason);
+    store_->TrackRecipient(job->session(), job->id(), a,
+                           {v1::RECIPIENT_STATE_DEAD_LETTERED, job->target, reason, static_cast<uint32_t>(job->attempts)});
+    if (metrics_) {
+      metrics_->AddDeadLetter(code);
+      metrics_->AddForwardOutcome("dead_letter");
+    }
+  }
+}
+
+void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
+  if (store_->IsClosed(job->session())) {
+    spdlog::info("forward dropped session={} message={} destination={}: the session was closed", job->session(),
+                 job->id(), job->target);
+    return EndJob(job);
+  }
+  ++job->attempts;
+  const std::chrono::milliseconds stall(static_cast<int64_t>(opts_.stall_seconds * 1000));
+
+  // The nearest ancestor the destination holds whose tokens lead this message.
+  MessagePtr ancestor;
+  if (!job->whole && job->header.message().quant_bits() == 0) {
+    std::string pid = job->header.message().parent_id();
+    for (int hops = 0; !pid.empty() && hops < 4096; ++hops) {
+      MessagePtr p = store_->Find(job->session(), pid);
+      if (!p) break;
+      if (store_->PeerHolds(job->session(), pid, job->target)) {
+        if (!p->msg.layers.empty() && !p->msg.layers[0].quant &&
+            static_cast<uint32_t>(p->msg.layers[0].tokens()) <= job->header.message().n_history()) {
+          ancestor = p;
+        }
+        break;
+      }
+      pid = p->parent_id;
+    }
+  }
+  const int a = ancestor ? ancestor->msg.layers[0].tokens() : 0;
+
+  v1::ForwardRequest req;
+  v1::ForwardHeader* h = req.mutable_header();
+  *h = job->header;
+  h->clear_recipients();
+  for (const std::string& r : job->recipients) h->add_recipients(r);
+  if (ancestor) {
+    h->set_ancestor_id(ancestor->message_id);
+    h->set_ancestor_tokens(static_cast<uint32_t>(a));
+  }
+
+  std::shared_ptr<grpc::Channel> channel = peers_.Get(job->target);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::duration_cast<std::chrono::system_clock::duration>(job->deadline - Clock::now()));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    job->ctx = &ctx;
+  }
+  BlockingStream stream(channel, kForwardMethod, &ctx);
+  bool ok = stream.Write(EncodeProto(req), stall);
+  TrailerBuilder trailer;
+  uint64_t sent = 0, elided = 0;
+  bool publish_failed = false, mismatch = false;
+  for (int l = 0; ok && l < job->source->layers(); ++l) {
+    ForwardSource::LayerView v;
+    if (!job->source->WaitLayer(l, &v)) {
+      publish_failed = true;
+      break;
+    }
+    std::vector<TensorRef> tensors = v.wire;
+    std::shared_ptr<const void> hold = job->source;
+    if (ancestor) {
+      const MessageLayer& al = ancestor->msg.layers[l];
+      if (!PrefixMatches(v, al, a)) {
+        mismatch = true;
+        break;
+      }
+      std::shared_ptr<MessageLayer> suffix = Suffix(v, al, a);
+      tensors = LayerDeliveryOrder(*suffix, static_cast<uint32_t>(l));
+      elided += WireBytes(v.wire) - WireBytes(tensors);
+      hold = suffix;
+    }
+    ChunkCursor cursor(std::move(tensors));
+    ChunkCursor::Piece p;
+    while (ok && cursor.Next(&p)) {
+      const uint32_t crc = Crc32c(p.data.data(), p.data.size());
+      trailer.Add(crc, p.data.size());
+      sent += p.data.size();
+      ok = stream.Write(EncodeChunkNoCopy(v1::ForwardRequest::kChunkFieldNumber, p.layer, p.part, p.offset, p.data,
+                                          crc, hold),
+                        stall);
+    }
+  }
+  MessagePtr m;
+  if (ok && !publish_failed && !mismatch) {
+    m = job->source->WaitOutcome();
+    if (!m) publish_failed = true;
+  }
+  if (publish_failed || mismatch) stream.Cancel();
+  if (ok && m) {
+    v1::ForwardRequest commit;
+    *commit.mutable_commit()->mutable_trailer() = trailer.Build();
+    *commit.mutable_commit()->mutable_accounting() = m->accounting;
+    commit.mutable_commit()->set_next_pos(m->msg.next_pos);
+    ok = stream.Write(EncodeProto(commit), stall) && stream.WritesDone(stall);
+  }
+  grpc::ByteBuffer resp_wire;
+  const bool answered = !publish_failed && !mismatch && stream.ReadResponse(&resp_wire, stall);
+  grpc::Status status = stream.Finish();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job->ctx = nullptr;
+  }
+  if (metrics_) metrics_->AddForwardBytes(sent);
+  if (stream.stalled()) peers_.Reset(job->target, channel);
+
+  if (publish_failed) {
+    spdlog::info("forward dropped session={} message={} destination={}: the publish failed", job->session(),
+                 job->id(), job->target);
+    return EndJob(job);
+  }
+  if (mismatch) {
+    spdlog::info("forward session={} message={} destination={}: its leading tokens differ from ancestor {}, "
+                 "sending it whole",
+                 job->session(), job->id(), job->target, ancestor->message_id);
+    job->whole = true;
+    return Schedule(job, Clock::now());
+  }
+  v1::ForwardResponse resp;
+  if (status.ok() && answered) {
+    RawMessage raw;
+    if (!raw.Reset(resp_wire) || !raw.ParseAs(&resp)) {
+      status = grpc::Status(grpc::INTERNAL, "forward: the destination's answer is not a kvrelay.v1.ForwardResponse");
+    }
+  } else if (status.ok()) {
+    status = grpc::Status(grpc::UNKNOWN, "forward: the destination answered nothing");
+  }
+  if (stream.stalled()) {
+    status = grpc::Status(grpc::DEADLINE_EXCEEDED,
+                          absl::StrCat("no progress for ", opts_.stall_seconds, " s (--forward-stall-seconds)"));
+  }
+
+  if (status.ok() && resp.ancestor_missing()) {
+    spdlog::info("forward session={} message={} destination={}: it no longer holds ancestor {}, sending it whole",
+                 job->session(), job->id(), job->target, ancestor ? ancestor->message_id : std::string("?"));
+    if (metrics_) metrics_->AddForwardOutcome("whole");
+    job->whole = true;
+    return Schedule(job, Clock::now());
+  }
+
+  std::vector<std::string> retry;
+  if (status.ok()) {
+    if (resp.results_size() != static_cast<int>(job->recipients.size())) {
+      status = grpc::Status(grpc::INTERNAL, absl::StrCat("forward: the destination answered for ", resp.results_size(),
+                                                         " recipients, expected ", job->recipients.size()));
+    }
+  }
+  if (status.ok()) {
+    bool committed_any = false;
+    for (int i = 0; i < resp.results_size(); ++i) {
+      const v1::ForwardResult& r = resp.results(i);
+      const std::string& agent = job->recipients[i];
+      const auto code = static_cast<grpc::StatusCode>(r.code());
+      if (code == grpc::OK) {
+        committed_any = true;
+        store_->TrackRecipient(job->session(), job->id(), agent,
+                               {v1::RECIPIENT_STATE_COMMITTED, job->target, "", static_cast<uint32_t>(job->attempts)});
+        if (metrics_) metrics_->AddForwardOutcome(r.duplicate() ? "duplicate" : "committed");
+        spdlog::info("forward committed session={} message={} to={} destination={} attempt={} duplicate={}",
+                     job->session(), job->id(), agent, job->target, job->attempts, r.duplicate());
+      } else if (Retryable(code)) {
+        retry.push_back(agent);
+        job->last_error = absl::StrCat(GrpcCodeName(code), ": ", r.message());
+        store_->TrackRecipient(job->session(), job->id(), agent,
+                               {v1::RECIPIENT_STATE_QUEUED, job->target, job->last_error, static_cast<uint32_t>(job->attempts)});
+      } else {
+        DeadLetter(job, {agent}, code, absl::StrCat(GrpcCodeName(code), ": ", r.message()));
+      }
+    }
+    if (committed_any) {
+      store_->NotePeerHolds(job->session(), job->id(), job->target);
+      if (metrics_) {
+        if (elided) metrics_->AddForwardElided(elided);
+        if (!job->counted) {
+          job->counted = true;
+          metrics_->AddForwardFull(m->msg.full_bytes);
+          metrics_->ObserveForward(std::chrono::duration<double>(Clock::now() - job->source->resolved_at()).count());
+        }
+      }
+    }
+  } else {
+    job->last_error = absl::StrCat(GrpcCodeName(status.error_code()), ": ", status.error_message());
+    if (!Retryable(status.error_code())) {
+      DeadLetter(job, job->recipients, status.error_code(), job->last_error);
+      job->recipients.clear();
+    } else {
+      retry = job->recipients;
+      for (const std::string& agent : retry) {
+        store_->TrackRecipient(job->session(), job->id(), agent,
+                               {v1::RECIPIENT_STATE_QUEUED, job->target, job->last_error, static_cast<uint32_t>(job->attempts)});
+      }
+      spdlog::info("forward attempt {} failed session={} message={} destination={}: {}", job->attempts,
+                   job->session(), job->id(), job->target, job->last_error);
+    }
+  }
+  job->recipients = std::move(retry);
+  if (job->recipients.empty()) return EndJob(job);
+
+  // Retry, unless that would pass the forward timeout.
+  if (metrics_) metrics_->AddForwardOutcome("retry");
+  const auto base = std::min<int64_t>(opts_.max_backoff.count(),
+                                      opts_.initial_backoff.count() << std::min(job->attempts - 1, 20));
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  const double jitter = std::uniform_real_distribution<double>(0.75, 1.25)(rng);
+  const Clock::time_point at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(base * jitter));
+  bool draining;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    draining = stop_;
+  }
+  if (at >= job->deadline || draining) {
+    DeadLetter(job, job->recipients, grpc::DEADLINE_EXCEEDED,
+               absl::StrCat("gave up after ", job->attempts, " attempts (--forward-timeout-seconds ",
+                            opts_.forward_timeout_seconds, "), last: ", job->last_error));
+    job->recipients.clear();
+    return EndJob(job);
+  }
+  Schedule(job, at);
+}
+
+int Forwarder::Drain(std::chrono::milliseconds grace) {
+  std::unique_lock<std::mutex> lock(mu_);
+  draining_ = true;
+  cv_.wait_for(lock, grace, [this] { return queue_.empty() && running_.empty(); });
+  int left = 0;
+  for (const auto& [at, job] : queue_) {
+    ++left;
+    spdlog::warn("shutdown: not forwarded session={} message={} destination={} recipients={} attempts={} last={}",
+                 job->session(), job->id(), job->target, absl::StrJoin(job->recipients, ","), job->attempts,
+                 job->last_error);
+  }
+  for (const auto& job : running_) {
+    ++left;
+    spdlog::warn("shutdown: forward in flight cancelled session={} message={} destination={} recipients={}",
+                 job->session(), job->id(), job->target, absl::StrJoin(job->recipients, ","));
+    if (job->ctx) job->ctx->TryCancel();
+  }
+  queue_.clear();
+  return left;
+}
+
+void Forwarder::Report(const StoredMessage& m, const std::string& agent, v1::RecipientState state) {
+  std::string target = m.origin;
+  if (target.empty() && routes_) {
+    absl::StatusOr<std::optional<std::string>> r = routes_->Resolve(m.sender);
+    if (r.ok() && *r) target = **r;
+  }
+  if (target.empty()) return;
+  v1::ReportRecipientRequest req;
+  req.set_session_id(m.session_id);
+  req.set_message_id(m.message_id);
+  req.set_agent(agent);
+  req.set_state(state);
+  peers_.CallAsync(target, kReportMethod, req, Millis(kPeerCallTimeout),
+                   [target, id = m.message_id](const grpc::Status& s) {
+                     if (!s.ok()) {
+                       spdlog::info("report to {} for message {} failed (best effort): {}", target, id,
+                                    s.error_message());
+                     }
+                   });
+}
+
+void Forwarder::PropagateClose(const std::string& session, const std::vector<std::string>& peers) {
+  v1::CloseSessionRequest req;
+  req.set_session_id(session);
+  req.set_propagated(true);
+  for (const std::string& peer : peers) {
+    peers_.CallAsync(peer, kCloseMethod, req, Millis(kPeerCallTimeout), [peer, session](const grpc::Status& s) {
+      if (!s.ok()) {
+        spdlog::warn("close of session {} not passed on to {} (its TTL will expire it): {}", session, peer,
+                     s.error_message());
+      }
+    });
+  }
+}
+
+}  // namespace kvrelay

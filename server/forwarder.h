@@ -1,0 +1,176 @@
+// Relay-to-relay forwarding: the outbox of messages published here for
+// recipients whose mailbox is on another relay, and the threads that send
+// them (the Forward RPC of relay.proto).
+//
+// One forward per (message, destination relay): recipients that share a
+// relay share it, and the destination answers per recipient. The first
+// attempt starts when the publish's header is accepted and streams each
+// compressed layer as soon as it exists (cut-through); its commit goes out
+// only once the message is committed here, so a destination never holds a
+// message whose publish failed. Later attempts send the committed message.
+//
+// Failures: UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ABORTED,
+// DATA_LOSS, a broken stream, and a forward that makes no progress for
+// the stall time (cancelled, and its connection dropped) are retried with
+// exponential backoff and jitter until the forward timeout; any other
+// answer, or the timeout, dead-letters the recipient (logged with the
+// destination and the reason, counted, and shown by MessageStatus).
+// Retries keep the message id, so the destination's idempotent commit
+// cannot duplicate.
+//
+// Ancestor elision: when the destination holds an ancestor of the message
+// (one forwarded to it, or received from it, in the same session) whose
+// tokens are exactly the message's leading tokens (dense messages and
+// ancestors, history passed through unchanged), only the tokens after it
+// are sent. A destination that no longer holds the ancestor says so and
+// the message goes whole.
+//
+// Thread-safe. Forward attempts block their own threads (never a gRPC
+// reaction); every wait is bounded by the stall time or the job's deadline.
+#ifndef KVRELAY_SERVER_FORWARDER_H_
+#define KVRELAY_SERVER_FORWARDER_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "core/message.h"
+#include "kvrelay/v1/relay.pb.h"
+#include "proto/wire.h"
+#include "server/peer_channels.h"
+#include "server/store.h"
+
+namespace kvrelay {
+
+class Metrics;
+class RouteTable;
+
+// The layers of one message as they become available to its forwards: as
+// a publish compresses them (cut-through), or all at once for a committed
+// message. Views stay valid while the source lives (it holds the owners of
+// the buffers). Thread-safe.
+class ForwardSource {
+ public:
+  // One layer's tensors in delivery order, and (dense layers) K, V and the
+  // position ids for ancestor elision.
+  struct LayerView {
+    std::vector<TensorRef> wire;
+    int tokens = 0;
+    bool dense = false;
+    absl::Span<const uint8_t> k, v;  // [kv_heads, tokens, row bytes]
+    absl::Span<const int32_t> pos;   // [kv_heads, tokens]
+  };
+
+  // A source for a publish in progress; `owner` keeps the compression (and
+  // so the layers' buffers) alive.
+  ForwardSource(int layers, std::shared_ptr<const void> owner);
+  // A committed message's source: every layer ready, the outcome known.
+  static std::shared_ptr<ForwardSource> OfCommitted(MessagePtr m);
+
+  // Called once per layer, when it is compressed. `layer`'s buffers must
+  // stay where they are while any owner lives (they may be moved between
+  // Message objects, not reallocated).
+  void SetLayer(int l, const MessageLayer& layer);
+  // Keeps `owner` alive with the source (e.g. the message the layers were
+  // moved into before its commit).
+  void AddOwner(std::shared_ptr<const void> owner);
+  // The publish's outcome: the committed message, or null when it failed.
+  void Resolve(MessagePtr committed);
+
+  // Waits for layer `l`; false when the publish failed.
+  bool WaitLayer(int l, LayerView* out);
+  // Waits for the outcome (null: the publish failed).
+  MessagePtr WaitOutcome();
+  // When the commit was resolved (the forward latency starts there).
+  Clock::time_point resolved_at();
+  int layers() const { return static_cast<int>(layers_.size()); }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<LayerView>> layers_;
+  std::vector<std::shared_ptr<const void>> owners_;
+  bool resolved_ = false;
+  MessagePtr outcome_;
+  Clock::time_point resolved_at_;
+};
+
+// The Forward protocol version this relay speaks (ForwardHeader).
+inline constexpr uint32_t kForwardProtocolVersion = 1;
+
+struct ForwarderOptions {
+  std::string advertise;               // this relay's own target, sent as the forward's origin
+  double forward_timeout_seconds = 300;
+  double stall_seconds = 10;
+  int threads = 8;
+  // Backoff before retry n (n >= 1): initial * 2^(n-1), at most max, then
+  // +-25% jitter.
+  std::chrono::milliseconds initial_backoff{200};
+  std::chrono::milliseconds max_backoff{5000};
+};
+
+class Forwarder {
+ public:
+  // Pointers must outlive the forwarder; `metrics` may be null.
+  Forwarder(const ForwarderOptions& opts, Store* store, const RouteTable* routes, Metrics* metrics);
+  ~Forwarder();  // cancels what is in flight; see Drain
+  Forwarder(const Forwarder&) = delete;
+  Forwarder& operator=(const Forwarder&) = delete;
+
+  // A message for `recipients` on relay `target`. `header` describes the
+  // message (ids, sender, role, parent, policy as requested, geometry, the
+  // message header's shape); `outbox_bytes` were reserved with
+  // Store::ReserveOutbox(target, ...) and are released when the forward
+  // ends. The first attempt starts at once.
+  void Enqueue(const std::string& target, std::vector<std::string> recipients, const v1::ForwardHeader& header,
+               std::shared_ptr<ForwardSource> source, uint64_t outbox_bytes);
+
+  // Stops taking new work, waits up to `grace` for the outbox to empty,
+  // then cancels what is left and logs every message not forwarded.
+  // Returns the number of (message, destination) forwards left.
+  int Drain(std::chrono::milliseconds grace);
+
+  // Best effort: tells the relay a forwarded message came from that `agent`
+  // received it whole or acked it.
+  void Report(const StoredMessage& m, const std::string& agent, v1::RecipientState state);
+  // Best effort: passes a close on to `peers`.
+  void PropagateClose(const std::string& session, const std::vector<std::string>& peers);
+
+  PeerChannels* peers() { return &peers_; }
+
+ private:
+  struct Job;
+  void Loop();
+  // One attempt; schedules the next or ends the job.
+  void Attempt(const std::shared_ptr<Job>& job);
+  void Schedule(const std::shared_ptr<Job>& job, Clock::time_point at);
+  void EndJob(const std::shared_ptr<Job>& job);
+  void DeadLetter(const std::shared_ptr<Job>& job, const std::vector<std::string>& agents, grpc::StatusCode code,
+                  const std::string& reason);
+
+  const ForwarderOptions opts_;
+  Store* const store_;
+  const RouteTable* const routes_;
+  Metrics* const metrics_;
+  PeerChannels peers_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::multimap<Clock::time_point, std::shared_ptr<Job>> queue_;
+  std::vector<std::shared_ptr<Job>> running_;
+  bool stop_ = false, draining_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_FORWARDER_H_

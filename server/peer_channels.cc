@@ -1,0 +1,147 @@
+#include "server/peer_channels.h"
+
+#include <utility>
+
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "proto/raw_chunk.h"
+
+namespace kvrelay {
+
+std::shared_ptr<grpc::Channel> PeerChannels::Get(const std::string& target) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = channels_.find(target);
+  if (it != channels_.end()) return it->second;
+  grpc::ChannelArguments args;
+  // A fresh channel after a stall must dial a fresh connection, not reuse
+  // the (possibly dead) one from gRPC's global subchannel pool.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetMaxReceiveMessageSize(4 << 20);
+  args.SetMaxSendMessageSize(4 << 20);
+  auto ch = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  channels_.emplace(target, ch);
+  return ch;
+}
+
+void PeerChannels::Reset(const std::string& target, const std::shared_ptr<grpc::Channel>& stale) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = channels_.find(target);
+  if (it != channels_.end() && it->second == stale) channels_.erase(it);
+}
+
+void PeerChannels::CallAsync(const std::string& target, const std::string& method,
+                             const google::protobuf::MessageLite& req, std::chrono::milliseconds timeout,
+                             std::function<void(const grpc::Status&)> done) {
+  struct Call {
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer req, resp;
+    std::shared_ptr<grpc::Channel> channel;
+    std::function<void(const grpc::Status&)> done;
+  };
+  auto* call = new Call;
+  call->channel = Get(target);
+  call->req = EncodeProto(req);
+  call->done = std::move(done);
+  call->ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  grpc::GenericStub stub(call->channel);
+  stub.UnaryCall(&call->ctx, method, grpc::StubOptions(), &call->req, &call->resp, [call](grpc::Status s) {
+    if (call->done) call->done(s);
+    delete call;
+  });
+}
+
+BlockingStream::BlockingStream(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                               grpc::ClientContext* ctx)
+    : ctx_(ctx) {
+  grpc::GenericStub stub(channel);
+  stub.PrepareBidiStreamingCall(ctx, method, grpc::StubOptions(), this);
+  StartRead(&read_buf_);
+  StartCall();
+}
+
+BlockingStream::~BlockingStream() = default;
+
+bool BlockingStream::WaitFor(const std::function<bool()>& ready, std::chrono::milliseconds stall) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (cv_.wait_for(lock, stall, ready)) return true;
+  stalled_ = true;
+  lock.unlock();
+  ctx_->TryCancel();
+  return false;
+}
+
+bool BlockingStream::Write(const grpc::ByteBuffer& msg, std::chrono::milliseconds stall) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_ || read_done_ || !write_ok_ || stalled_ || write_pending_) return false;
+    write_pending_ = true;
+    write_buf_ = msg;
+  }
+  StartWrite(&write_buf_);
+  if (!WaitFor([this] { return !write_pending_; }, stall)) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  write_buf_.Clear();
+  return write_ok_ && !read_done_;
+}
+
+bool BlockingStream::WritesDone(std::chrono::milliseconds stall) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_ || !write_ok_ || stalled_ || write_pending_) return false;
+    write_pending_ = true;
+  }
+  StartWritesDone();
+  if (!WaitFor([this] { return !write_pending_; }, stall)) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return write_ok_;
+}
+
+bool BlockingStream::ReadResponse(grpc::ByteBuffer* out, std::chrono::milliseconds stall) {
+  if (!WaitFor([this] { return read_done_ || done_; }, stall)) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!read_done_ || !read_ok_) return false;
+  *out = read_buf_;
+  return true;
+}
+
+bool BlockingStream::answered() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return read_done_ && read_ok_;
+}
+
+void BlockingStream::Cancel() { ctx_->TryCancel(); }
+
+grpc::Status BlockingStream::Finish() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return done_; });
+  return status_;
+}
+
+void BlockingStream::OnWriteDone(bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  write_pending_ = false;
+  write_ok_ = write_ok_ && ok;
+  cv_.notify_all();
+}
+
+void BlockingStream::OnWritesDoneDone(bool ok) { OnWriteDone(ok); }
+
+void BlockingStream::OnReadDone(bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  read_done_ = true;
+  read_ok_ = ok;
+  cv_.notify_all();
+}
+
+void BlockingStream::OnDone(const grpc::Status& s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  done_ = true;
+  status_ = s;
+  cv_.notify_all();
+}
+
+}  // namespace kvrelay

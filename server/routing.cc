@@ -1,0 +1,160 @@
+#include "server/routing.h"
+
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "nlohmann/json.hpp"
+#include "proto/address.h"
+#include "server/request_checks.h"
+#include "spdlog/spdlog.h"
+
+namespace kvrelay {
+namespace {
+
+constexpr char kPlaceholder[] = "{agent}";
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--route-file=", path, ": cannot open it"));
+  std::ostringstream s;
+  s << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("--route-file=", path, ": read error"));
+  return s.str();
+}
+
+// A route's target, as the client checks a relay address.
+absl::Status CheckTarget(const std::string& field, const std::string& target) {
+  absl::Status s = CheckGrpcTarget(target);
+  if (s.ok()) return s;
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
+}
+
+}  // namespace
+
+bool IsDnsLabel(const std::string& name) {
+  if (name.empty() || name.size() > 63) return false;
+  auto alnum = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); };
+  for (char c : name) {
+    if (!alnum(c) && c != '-') return false;
+  }
+  return alnum(name.front()) && alnum(name.back());
+}
+
+absl::StatusOr<std::map<std::string, std::string>> ParseRouteFile(const std::string& content,
+                                                                  const std::string& source) {
+  nlohmann::json j = nlohmann::json::parse(content, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": not a JSON object, expected {\"AGENT\": \"TARGET\", ...}"));
+  }
+  std::map<std::string, std::string> routes;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string field = absl::StrCat(source, ": key '", absl::CHexEscape(it.key()), "'");
+    if (absl::Status s = CheckId(field, it.key()); !s.ok()) return s;
+    if (!it.value().is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", it.value().type_name(),
+                                                     ", expected a target string (HOST:PORT or dns:///HOST:PORT)"));
+    }
+    const std::string target = it.value().get<std::string>();
+    if (absl::Status s = CheckTarget(field, target); !s.ok()) return s;
+    if (!routes.emplace(it.key(), target).second) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": given twice, expected each agent once"));
+    }
+  }
+  return routes;
+}
+
+RouteTable::RouteTable(const RouteOptions& opts)
+    : opts_(opts),
+      enabled_(!opts.routes.empty() || !opts.route_file.empty() || !opts.route_template.empty()),
+      file_routes_(std::make_shared<std::map<std::string, std::string>>()) {}
+
+absl::StatusOr<std::unique_ptr<RouteTable>> RouteTable::Create(const RouteOptions& opts) {
+  std::unique_ptr<RouteTable> t(new RouteTable(opts));
+  if (!opts.route_file.empty()) {
+    if (absl::Status s = t->ReloadNow(); !s.ok()) return s;
+    t->poller_ = std::thread([p = t.get()] { p->PollLoop(); });
+  }
+  return t;
+}
+
+RouteTable::~RouteTable() {
+  {
+    std::lock_guard<std::mutex> lock(poll_mu_);
+    stop_ = true;
+  }
+  poll_cv_.notify_all();
+  if (poller_.joinable()) poller_.join();
+}
+
+absl::Status RouteTable::ReloadNow() {
+  absl::StatusOr<std::string> content = ReadFile(opts_.route_file);
+  if (!content.ok()) return content.status();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (file_loads_.load() > 0 && *content == file_content_) return absl::OkStatus();
+  }
+  absl::StatusOr<std::map<std::string, std::string>> routes =
+      ParseRouteFile(*content, absl::StrCat("--route-file=", opts_.route_file));
+  std::lock_guard<std::mutex> lock(mu_);
+  // Remember a bad content too, so that it is reported once, not every poll.
+  file_content_ = std::move(*content);
+  if (!routes.ok()) return routes.status();
+  file_routes_ = std::make_shared<const std::map<std::string, std::string>>(std::move(*routes));
+  file_loads_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+void RouteTable::PollLoop() {
+  std::unique_lock<std::mutex> lock(poll_mu_);
+  absl::Status last;
+  while (!poll_cv_.wait_for(lock, opts_.poll_interval, [this] { return stop_; })) {
+    lock.unlock();
+    const uint64_t loads = file_loads_.load();
+    absl::Status s = ReloadNow();
+    if (!s.ok() && s != last) {
+      spdlog::warn("routes: {}; keeping the last good table ({} routes)", std::string(s.message()), [this] {
+        std::lock_guard<std::mutex> l(mu_);
+        return file_routes_->size();
+      }());
+    } else if (s.ok() && file_loads_.load() != loads) {
+      spdlog::info("routes: reloaded --route-file={}", opts_.route_file);
+    }
+    last = s;
+    lock.lock();
+  }
+}
+
+absl::StatusOr<std::optional<std::string>> RouteTable::Resolve(const std::string& agent,
+                                                               const std::string& field) const {
+  if (!enabled_) return std::optional<std::string>();
+  std::string target;
+  if (auto it = opts_.routes.find(agent); it != opts_.routes.end()) {
+    target = it->second;
+  } else {
+    std::shared_ptr<const std::map<std::string, std::string>> file;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      file = file_routes_;
+    }
+    if (auto f = file->find(agent); f != file->end()) {
+      target = f->second;
+    } else if (!opts_.route_template.empty()) {
+      if (!IsDnsLabel(agent)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": '", absl::CHexEscape(agent), "' is not a DNS label (1..63 letters, digits and '-', not "
+            "starting or ending with '-'), expected one for --route-template=", opts_.route_template,
+            ", or a --route / --route-file entry for it"));
+      }
+      target = absl::StrReplaceAll(opts_.route_template, {{kPlaceholder, agent}});
+    }
+  }
+  if (target.empty() || (!opts_.advertise.empty() && target == opts_.advertise)) return std::optional<std::string>();
+  return std::optional<std::string>(std::move(target));
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,97 @@
+// Where each agent's mailbox lives: on this relay, or on another relay of
+// the mesh that publishes to it are forwarded to.
+//
+// Three sources, highest precedence first:
+//   - static routes (--route AGENT=TARGET);
+//   - the route file (--route-file FILE): a JSON object {AGENT: TARGET},
+//     re-read when its content changes (a ConfigMap update takes effect
+//     without a restart; a bad file keeps the last good table and logs why);
+//   - the template (--route-template, e.g.
+//     "dns:///{agent}.kvrelay.agents.svc.cluster.local:50051"), which only
+//     names agents that form a valid DNS label.
+// An agent no source names is local, and so is one whose target equals
+// this relay's own --advertise target (compared as strings).
+//
+// Thread-safe. Resolve() never blocks on file I/O: the file is polled by a
+// background thread that swaps in a new table.
+#ifndef KVRELAY_SERVER_ROUTING_H_
+#define KVRELAY_SERVER_ROUTING_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvrelay {
+
+struct RouteOptions {
+  std::map<std::string, std::string> routes;  // agent -> target
+  std::string route_file;                     // "": none
+  std::string route_template;                 // "": none; contains "{agent}" once
+  std::string advertise;                      // this relay's own target ("": none)
+  // How often the route file is checked for changes.
+  std::chrono::milliseconds poll_interval{1000};
+};
+
+// Whether `name` is a DNS label (RFC 1123): 1..63 letters, digits and '-',
+// starting and ending with a letter or digit.
+bool IsDnsLabel(const std::string& name);
+
+// Parses a route file's content: a JSON object whose keys are agent ids
+// and whose values are targets (both checked). InvalidArgument naming
+// `source` and the offending key otherwise.
+absl::StatusOr<std::map<std::string, std::string>> ParseRouteFile(const std::string& content,
+                                                                  const std::string& source);
+
+class RouteTable {
+ public:
+  // Reads the route file once (a missing or bad file at start-up is an
+  // error naming --route-file) and starts polling it.
+  static absl::StatusOr<std::unique_ptr<RouteTable>> Create(const RouteOptions& opts);
+  ~RouteTable();  // stops the poller
+  RouteTable(const RouteTable&) = delete;
+  RouteTable& operator=(const RouteTable&) = delete;
+
+  // The target of `agent`'s relay, or nullopt when its mailbox is here.
+  // InvalidArgument naming `field` when only the template could route it
+  // and `agent` is not a DNS label.
+  absl::StatusOr<std::optional<std::string>> Resolve(const std::string& agent,
+                                                     const std::string& field = "recipient") const;
+
+  // Whether any source can route anywhere (false: every agent is local).
+  bool enabled() const { return enabled_; }
+  const std::string& advertise() const { return opts_.advertise; }
+
+  // Checks the route file now (the poller calls this). Returns the result
+  // of the last parse: OK when the file was unchanged or loaded.
+  absl::Status ReloadNow();
+  // How many times the file's content was loaded, the start-up load included.
+  uint64_t file_loads() const { return file_loads_.load(); }
+
+ private:
+  explicit RouteTable(const RouteOptions& opts);
+  void PollLoop();
+
+  const RouteOptions opts_;
+  const bool enabled_;
+  mutable std::mutex mu_;
+  std::shared_ptr<const std::map<std::string, std::string>> file_routes_;  // guarded by mu_
+  std::string file_content_;                                                // guarded by mu_
+  std::atomic<uint64_t> file_loads_{0};
+  std::mutex poll_mu_;
+  std::condition_variable poll_cv_;
+  bool stop_ = false;  // guarded by poll_mu_
+  std::thread poller_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_ROUTING_H_

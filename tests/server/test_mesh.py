@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""Several kvrelay-server processes on loopback forming a mesh.
+
+Each agent talks only to its own relay; the relays forward compressed
+messages to each other. Checked against real processes:
+  - a four-agent chain with parents, each agent on its own relay, every
+    message bit-exact with what one relay composes (and the first hop with
+    kvrelayctl compress of the same turn);
+  - fan-out to recipients on two relays and on the same relay;
+  - a retried publish (same id) is no second message anywhere;
+  - a destination down at publish time and started later: delivered once,
+    after retries (kvrelayctl status shows the attempts);
+  - a destination that refuses: dead-lettered, the reason in kvrelayctl status;
+  - CloseSession propagating to every relay, and refusing later forwards;
+  - ancestor elision in a 6-round debate: bytes per forward flat, every
+    message bit-exact with one relay's;
+  - metrics on every relay matching the accounting.
+"""
+import argparse
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
+import kvrelay_testlib as tl  # noqa: E402
+from kvrelay_testlib import FAILURES, Ctl, Server, check, read_st  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mesh:
+    """Relays named by agent group; every relay routes every agent."""
+
+    def __init__(self, server_bin, work, names, extra=None):
+        self.server_bin, self.work = server_bin, work
+        self.ports = {n: free_port() for n in names}
+        self.extra = extra or {}
+        self.route_file = os.path.join(work, "routes.json")
+        self.routes = {}
+        self.relays = {}
+
+    def target(self, name):
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def write_routes(self, routes):
+        self.routes = dict(routes)
+        tmp = self.route_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("{" + ",".join(f'"{a}": "{self.target(r)}"' for a, r in routes.items()) + "}")
+        os.replace(tmp, self.route_file)
+
+    def start(self, name, *more):
+        args = ["--listen", self.target(name), "--metrics-listen", "127.0.0.1:0",
+                "--advertise", self.target(name), "--route-file", self.route_file,
+                "--forward-stall-seconds", "2", "--forward-timeout-seconds", "60",
+                *self.extra.get(name, []), *more]
+        self.relays[name] = Server(self.server_bin, self.work, args=args, name=f"relay-{name}")
+        return self.relays[name]
+
+    def stop(self, name):
+        r = self.relays.pop(name, None)
+        if r:
+            r.stop()
+
+    def stop_all(self):
+        for n in list(self.relays):
+            self.stop(n)
+
+
+def metrics(server):
+    rc, out, err = tl.run(["curl", "-s", f"http://{server.metrics}/metrics"], timeout=10)
+    if rc != 0:
+        import urllib.request
+        out = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    return tl.parse_exposition(out)
+
+
+def metric(series, name, **labels):
+    total = 0.0
+    for (n, lab), v in series.items():
+        if n == name and all(dict(lab).get(k) == val for k, val in labels.items()):
+            total += v
+    return total
+
+
+def same_message(a, b, what):
+    """Tensors of two message files equal, byte for byte."""
+    ma, ta = read_st(a)
+    mb, tb = read_st(b)
+    ok = check(set(ta) == set(tb), f"{what}: same tensors ({sorted(ta)[:4]} vs {sorted(tb)[:4]})")
+    for name in ta:
+        if name in tb:
+            ok &= check(ta[name] == tb[name], f"{what}: {name} bit-exact")
+    for key in ("n_history", "n_anchor", "n_kept", "n_gen", "next_pos"):
+        if key in ma or key in mb:
+            ok &= check(ma.get(key) == mb.get(key), f"{what}: {key} {ma.get(key)} vs {mb.get(key)}")
+    return ok
+
+
+def fetch(ctl, relay, session, agent, out, wait=20):
+    return ctl.ok("fetch", "--session", session, "--agent", agent, "--out", out, "--wait", str(wait),
+                  addr=relay.addr)
+
+
+def status_lines(ctl, relay, session, mid):
+    rc, out, err = ctl.run("status", "--session", session, "--id", mid, addr=relay.addr)
+    check(rc == 0, f"status: rc={rc} {err}")
+    return {m["agent"]: m for m in (dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line)) for line in out.splitlines())
+            if "agent" in m}
+
+
+def single_relay_chain(ctl, server_bin, work, turns, agents, policy, session):
+    """What one relay composes for the chain agents[0] -> agents[1] -> ...:
+    the message files, in order."""
+    out = []
+    with Server(server_bin, work, name="single") as single:
+        parent = None
+        for i, turn in enumerate(turns):
+            args = ["publish", "--session", session, "--from", agents[i], "--to", agents[i + 1],
+                    "--policy", policy, "--in", turn]
+            if parent:
+                args += ["--parent", parent]
+            r = ctl.ok(*args, addr=single.addr)
+            f = ctl.path(f"single-{session}-{i}.st")
+            fetch(ctl, single, session, agents[i + 1], f)
+            out.append(f)
+            parent = r.get("message_id")
+    return out
+
+
+def test_chain(ctl, mesh, turns, server_bin, work):
+    agents = ["planner", "critic", "refiner", "judger"]
+    policy = "h2o-head:k=16"
+    expect = single_relay_chain(ctl, server_bin, work, turns[:3], agents, policy, "chain")
+    parent, sent_total = None, 0
+    for i in range(3):
+        src, dst = mesh.relays[agents[i]], mesh.relays[agents[i + 1]]
+        args = ["publish", "--session", "chain", "--from", agents[i], "--to", agents[i + 1], "--policy", policy,
+                "--in", turns[i]]
+        if parent:
+            args += ["--parent", parent]
+        r = ctl.ok(*args, addr=src.addr)
+        sent_total += int(r.get("sent_bytes", 0))
+        f = ctl.path(f"chain-{i}.st")
+        got = fetch(ctl, dst, "chain", agents[i + 1], f)
+        check(got.get("message_id") == r.get("message_id"), f"chain hop {i}: the published message arrives")
+        same_message(f, expect[i], f"chain hop {i} vs one relay")
+        parent = r.get("message_id")
+    offline = ctl.path("offline-0.st")
+    ctl.ok("compress", "--policy", policy, "--in", turns[0], "--out", offline, addr=False)
+    same_message(ctl.path("chain-0.st"), offline, "chain hop 0 vs kvrelayctl compress")
+    # Metrics: what the senders forwarded is what the publishes sent.
+    fwd = sum(metric(metrics(mesh.relays[a]), "kvrelay_forward_bytes_total") for a in agents)
+    check(fwd == sent_total, f"chain: forwarded bytes {fwd} == the publishes' sent bytes {sent_total}")
+    outcomes = sum(metric(metrics(mesh.relays[a]), "kvrelay_forwards_total", outcome="committed") for a in agents)
+    check(outcomes == 3, f"chain: 3 forwards committed, metrics say {outcomes}")
+
+
+def test_fan_out(ctl, mesh, turns):
+    a, b, c = mesh.relays["planner"], mesh.relays["critic"], mesh.relays["refiner"]
+    r = ctl.ok("publish", "--session", "fan", "--from", "planner", "--to", "critic", "--to", "critic2",
+               "--to", "refiner", "--to", "local1", "--policy", "h2o-layer:k=16", "--in", turns[0])
+    files = {}
+    for agent, relay in (("critic", b), ("critic2", b), ("refiner", c), ("local1", a)):
+        files[agent] = ctl.path(f"fan-{agent}.st")
+        got = fetch(ctl, relay, "fan", agent, files[agent])
+        check(got.get("message_id") == r.get("message_id"), f"fan-out: {agent} got it")
+    for agent in ("critic2", "refiner", "local1"):
+        same_message(files[agent], files["critic"], f"fan-out {agent} vs critic")
+    # critic and critic2 share relay B: one forward there.
+    st = status_lines(ctl, a, "fan", r.get("message_id", "x"))
+    check(st.get("critic", {}).get("relay") == mesh.target("critic"), f"fan-out status: {st}")
+    check(st.get("local1", {}).get("relay", "") in ("", '""'), f"fan-out: local1 is local: {st.get('local1')}")
+    n_b = metric(metrics(b), "kvrelay_forwards_received_total", outcome="committed")
+    check(n_b >= 1, f"fan-out: B received the forward ({n_b})")
+
+
+def test_retry_no_duplicate(ctl, mesh, turns):
+    a, b = mesh.relays["planner"], mesh.relays["critic"]
+    for attempt in range(2):
+        r = ctl.ok("publish", "--session", "dup", "--from", "planner", "--to", "critic", "--id", "m-dup-1",
+                   "--policy", "h2o-head:k=16", "--in", turns[0])
+        check(r.get("duplicate", "false") == ("true" if attempt else "false"), f"dup: attempt {attempt}: {r}")
+    fetch(ctl, b, "dup", "critic", ctl.path("dup.st"))
+    rc, _, err = ctl.run("fetch", "--session", "dup", "--agent", "critic", "--out", ctl.path("dup2.st"),
+                         "--wait", "2", addr=b.addr)
+    check(rc == 1 and "DEADLINE_EXCEEDED" in err, f"dup: no second message at the destination: {rc} {err}")
+
+
+def test_destination_down(ctl, mesh, turns):
+    a = mesh.relays["planner"]
+    mesh.stop("refiner")
+    r = ctl.ok("publish", "--session", "down", "--from", "planner", "--to", "refiner", "--policy", "h2o-head:k=16",
+               "--in", turns[0])
+    mid = r.get("message_id", "x")
+    time.sleep(1.5)
+    st = status_lines(ctl, a, "down", mid)
+    check(st.get("refiner", {}).get("state") == "queued", f"down: queued while the destination is down: {st}")
+    c = mesh.start("refiner")
+    got = fetch(ctl, c, "down", "refiner", ctl.path("down.st"), wait=30)
+    check(got.get("message_id") == mid, "down: delivered after the destination came up")
+    rc, _, err = ctl.run("fetch", "--session", "down", "--agent", "refiner", "--out", ctl.path("down2.st"),
+                         "--wait", "2", addr=c.addr)
+    check(rc == 1 and "DEADLINE_EXCEEDED" in err, f"down: delivered once: {rc} {err}")
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        st = status_lines(ctl, a, "down", mid)
+        if st.get("refiner", {}).get("state") == "acked":
+            break
+        time.sleep(0.2)
+    check(st.get("refiner", {}).get("state") == "acked", f"down: the ack was reported back: {st}")
+    check(int(st.get("refiner", {}).get("attempts", 0)) >= 2, f"down: retried: {st}")
+
+
+def test_refused(ctl, mesh, turns):
+    a, d = mesh.relays["planner"], mesh.relays["judger"]
+    # The destination already holds this id with another header.
+    ctl.ok("publish", "--session", "ref", "--from", "judger", "--to", "judger", "--id", "m-taken",
+           "--policy", "full", "--in", turns[0], addr=d.addr)
+    ctl.ok("publish", "--session", "ref", "--from", "planner", "--to", "judger", "--id", "m-taken",
+           "--policy", "h2o-head:k=16", "--in", turns[0], addr=a.addr)
+    deadline, st = time.time() + 15, {}
+    while time.time() < deadline:
+        st = status_lines(ctl, a, "ref", "m-taken")
+        if st.get("judger", {}).get("state") == "dead_lettered":
+            break
+        time.sleep(0.2)
+    j = st.get("judger", {})
+    check(j.get("state") == "dead_lettered" and "ALREADY_EXISTS" in j.get("reason", ""), f"refused: {st}")
+    check(metric(metrics(a), "kvrelay_dead_letters_total", code="ALREADY_EXISTS") >= 1, "refused: dead letter counted")
+
+
+def test_close_propagates(ctl, mesh, turns):
+    names = ["planner", "critic", "refiner", "judger"]
+    r = ctl.ok("publish", "--session", "cls", "--from", "planner", "--to", "critic", "--to", "refiner",
+               "--policy", "h2o-head:k=16", "--in", turns[0], addr=mesh.relays["planner"].addr)
+    fetch(ctl, mesh.relays["critic"], "cls", "critic", ctl.path("cls.st"))
+    r2 = ctl.ok("publish", "--session", "cls", "--from", "critic", "--to", "judger", "--parent",
+                r.get("message_id", "x"), "--policy", "h2o-head:k=16", "--in", turns[1],
+                addr=mesh.relays["critic"].addr)
+    fetch(ctl, mesh.relays["judger"], "cls", "judger", ctl.path("cls2.st"), wait=20)
+    check(bool(r2), "close: second hop published")
+    # Close at the judger's relay: it passes the close on to critic's, which
+    # passes it on to planner's (and refiner's, through planner's).
+    ctl.ok("close", "--session", "cls", addr=mesh.relays["judger"].addr)
+    deadline, open_on = time.time() + 10, names
+    while time.time() < deadline and open_on:
+        open_on = []
+        for n in names:
+            rc, out, _ = ctl.run("stats", addr=mesh.relays[n].addr)
+            if re.search(r"^sessions: [1-9]", out, re.M):
+                open_on.append(n)
+        time.sleep(0.2)
+    check(not open_on, f"close: the session is closed on every relay (still open on {open_on})")
+    # A later forward of the closed session is refused at the destination.
+    ctl.ok("publish", "--session", "cls", "--from", "planner", "--to", "critic", "--policy", "full",
+           "--id", "m-after-close", "--in", turns[0], addr=mesh.relays["planner"].addr)
+    rc, _, err = ctl.run("fetch", "--session", "cls", "--agent", "critic", "--out", ctl.path("cls3.st"), "--wait",
+                         "2", addr=mesh.relays["critic"].addr)
+    check(rc == 1, f"close: nothing delivered after the close: {rc} {err}")
+
+
+def test_debate_elision(ctl, mesh, turns, server_bin, work):
+    rounds = 6
+    agents = ["planner" if i % 2 == 0 else "critic" for i in range(rounds + 1)]
+    policy = "full"
+    expect = single_relay_chain(ctl, server_bin, work, turns[:rounds], agents, policy, "debate")
+    parent, per_forward, elided = None, [], []
+    for i in range(rounds):
+        src, dst = mesh.relays[agents[i]], mesh.relays[agents[i + 1]]
+        before = metrics(src)
+        args = ["publish", "--session", "debate", "--from", agents[i], "--to", agents[i + 1], "--policy", policy,
+                "--in", turns[i]]
+        if parent:
+            args += ["--parent", parent]
+        r = ctl.ok(*args, addr=src.addr)
+        f = ctl.path(f"debate-{i}.st")
+        fetch(ctl, dst, "debate", agents[i + 1], f)
+        same_message(f, expect[i], f"debate round {i} vs one relay")
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            after = metrics(src)
+            if metric(after, "kvrelay_forwards_total", outcome="committed") > \
+                    metric(before, "kvrelay_forwards_total", outcome="committed"):
+                break
+            time.sleep(0.1)
+        per_forward.append(metric(after, "kvrelay_forward_bytes_total") - metric(before, "kvrelay_forward_bytes_total"))
+        elided.append(metric(after, "kvrelay_forward_elided_bytes_total")
+                      - metric(before, "kvrelay_forward_elided_bytes_total"))
+        parent = r.get("message_id")
+    sizes = [int(read_st(f)[0].get("sent_bytes", 0) or 0) for f in expect]
+    print(f"debate: bytes per forward {per_forward}, elided {elided}, message sizes {sizes}", flush=True)
+    check(all(e > 0 for e in elided[1:]), f"debate: every round after the first elides ({elided})")
+    check(max(per_forward[1:]) <= 1.05 * min(per_forward[1:]), f"debate: bytes per forward flat: {per_forward}")
+    check(per_forward[-1] < 0.5 * (per_forward[-1] + elided[-1]), f"debate: the last forward sends under half "
+                                                                 f"its message ({per_forward[-1]} + {elided[-1]})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--kvrelayctl", required=True)
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="kvrelay_mesh_")
+    ctl = Ctl(args.kvrelayctl, work)
+    names = ["planner", "critic", "refiner", "judger"]
+    mesh = Mesh(args.server, work, names)
+    mesh.write_routes({"planner": "planner", "critic": "critic", "critic2": "critic", "refiner": "refiner",
+                       "judger": "judger"})
+    geo = ["--layers", "3", "--kv-heads", "2", "--score-heads", "4", "--head-dim", "64", "--prompt", "96",
+           "--gen", "8"]
+    turns = []
+    for i in range(6):
+        t = ctl.path(f"t{i}.st")
+        ctl.ok("make-turn", "--out", t, "--seed", str(i + 1), "--first-agent", "true" if i == 0 else "false", *geo,
+               addr=False)
+        turns.append(t)
+    try:
+        for n in names:
+            mesh.start(n)
+        for name, fn in [("chain", lambda: test_chain(ctl, mesh, turns, args.server, work)),
+                         ("fan-out", lambda: test_fan_out(ctl, mesh, turns)),
+                         ("retry", lambda: test_retry_no_duplicate(ctl, mesh, turns)),
+                         ("destination down", lambda: test_destination_down(ctl, mesh, turns)),
+                         ("refused", lambda: test_refused(ctl, mesh, turns)),
+                         ("debate", lambda: test_debate_elision(ctl, mesh, turns, args.server, work)),
+                         ("close", lambda: test_close_propagates(ctl, mesh, turns))]:
+            before = len(FAILURES)
+            try:
+                fn()
+            except Exception as e:  # keep going: report every failure
+                check(False, f"{name}: exception {e!r}")
+            print(f"{name}: {'ok' if len(FAILURES) == before else 'FAILED'}", flush=True)
+    finally:
+        mesh.stop_all()
+    if FAILURES:
+        print(f"{len(FAILURES)} failure(s); logs in {work}")
+        return 1
+    shutil.rmtree(work, ignore_errors=True)
+    print("all mesh checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
