@@ -54,6 +54,7 @@ class Upload {
     assembler_.emplace(shape);
     pending_ = std::make_shared<PendingCompression>(std::move(pipeline), shape, std::move(parent), prompt_pos0,
                                                     svc_->pool(), svc_->store(), bytes);
+    if (auto observe = svc_->layer_observer()) pending_->set_outstanding_observer(std::move(observe));
     SubmitCompleted();
     return absl::OkStatus();
   }
