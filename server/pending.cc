@@ -8,8 +8,6 @@
 
 namespace kvrelay {
 
-std::atomic<int> PendingCompression::peak_outstanding_{0};
-
 PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline, const UploadShape& shape,
                                        MessagePtr parent, int64_t prompt_pos0, ThreadPool* pool, Store* store,
                                        uint64_t reserved)
@@ -30,13 +28,13 @@ PendingCompression::~PendingCompression() {
 }
 
 void PendingCompression::Submit(int l, TurnLayer layer) {
+  int outstanding;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    max_outstanding_ = std::max(max_outstanding_, ++outstanding_);
-    int peak = peak_outstanding_.load();
-    while (peak < outstanding_ && !peak_outstanding_.compare_exchange_weak(peak, outstanding_)) {
-    }
+    outstanding = ++outstanding_;
+    max_outstanding_ = std::max(max_outstanding_, outstanding);
   }
+  if (observe_) observe_(outstanding);
   auto self = shared_from_this();
   // std::function needs a copyable callable: hold the layer by shared_ptr.
   auto holder = std::make_shared<TurnLayer>(std::move(layer));

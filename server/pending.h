@@ -64,11 +64,13 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   // cope with a caller that is gone (it may outlive the upload's reactor).
   bool PauseIfBusy(int bound, std::function<void()> resume);
 
-  // The most submitted-but-unfinished layers seen at once: this upload's,
-  // and (for tests) any upload's since the last reset.
+  // The most submitted-but-unfinished layers seen at once.
   int max_outstanding() const;
-  static int peak_outstanding() { return peak_outstanding_.load(); }
-  static void ResetPeakOutstanding() { peak_outstanding_.store(0); }
+
+  // Calls `observe` after each Submit with the number of submitted but
+  // unfinished layers, on the submitting thread, outside the lock.
+  // REQUIRES: set before the first Submit.
+  void set_outstanding_observer(std::function<void(int outstanding)> observe) { observe_ = std::move(observe); }
 
   // The composed message; its next_pos (a child's default prompt_pos0) is the
   // turn's end, prompt_pos0 + n_prompt + n_gen (also when the prompt's last
@@ -103,7 +105,7 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   int max_outstanding_ = 0;
   int resume_below_ = 0;
   std::function<void()> resume_;  // set while the reader is paused
-  static std::atomic<int> peak_outstanding_;
+  std::function<void(int)> observe_;
   double seconds_ = 0;
   std::function<void()> done_;
   LayerObserver observer_;

@@ -26,6 +26,16 @@ void RelayService::CountRpc(const char* method, const grpc::Status& s) const {
   if (metrics_) metrics_->AddRpc(method, s.error_code());
 }
 
+void RelayService::SetLayerObserver(std::function<void(int outstanding)> observe) {
+  std::lock_guard<std::mutex> lock(observer_mu_);
+  layer_observer_ = std::move(observe);
+}
+
+std::function<void(int outstanding)> RelayService::layer_observer() const {
+  std::lock_guard<std::mutex> lock(observer_mu_);
+  return layer_observer_;
+}
+
 grpc::ServerReadReactor<grpc::ByteBuffer>* RelayService::Publish(grpc::CallbackServerContext* ctx,
                                                                  grpc::ByteBuffer* response) {
   return NewPublishReactor(this, ctx, response);

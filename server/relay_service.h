@@ -13,7 +13,9 @@
 #define KVRELAY_SERVER_RELAY_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
@@ -87,6 +89,14 @@ class RelayService final : public RelayCallbackBase {
   std::string NewMessageId();
   UploadWatchdog* watchdog() { return &watchdog_; }
 
+  // Sees, for every upload that starts from now on, its count of queued or
+  // compressing layers each time a layer is submitted
+  // (PendingCompression::set_outstanding_observer); e.g. a test of
+  // backpressure. `observe` must not block and must outlive the uploads.
+  void SetLayerObserver(std::function<void(int outstanding)> observe);
+  // The current observer (empty: none).
+  std::function<void(int outstanding)> layer_observer() const;
+
  private:
   const ServerConfig config_;
   Store* const store_;
@@ -97,6 +107,8 @@ class RelayService final : public RelayCallbackBase {
   std::atomic<uint64_t> id_counter_{0};
   const uint64_t id_salt_;
   UploadWatchdog watchdog_;
+  mutable std::mutex observer_mu_;
+  std::function<void(int)> layer_observer_;  // guarded by observer_mu_
 };
 
 }  // namespace kvrelay

@@ -64,6 +64,7 @@ class RelayServer {
   void Shutdown();
 
   Store* store() { return store_.get(); }
+  RelayService* service() { return service_.get(); }
   Metrics* metrics() { return metrics_.get(); }
 
  private:

@@ -56,6 +56,7 @@ class Upload {
     pending_ = std::make_shared<PendingCompression>(std::move(pipeline), shape, std::move(parent), prompt_pos0,
                                                     svc_->pool(), svc_->store(), bytes);
     if (observer) pending_->ObserveLayers(std::move(observer));
+    if (auto observe = svc_->layer_observer()) pending_->set_outstanding_observer(std::move(observe));
     SubmitCompleted();
     return absl::OkStatus();
   }
