@@ -1,10 +1,11 @@
 // kvrelayctl: offline compression and inspection of kvrelay turns and
 // messages (docs/FORMAT.md), and the client verbs of the relay
-// (publish, fetch, ack, close, health, stats, demo).
+// (publish, fetch, ack, close, health, stats, status, demo).
 //
 // Exit status: 0 on success, 1 for runtime errors (bad files, bad policies,
 // I/O), 2 for usage errors (unknown verb or flag, missing or malformed flag
 // value). Errors go to stderr as "kvrelayctl: <message>".
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -21,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/heap_retain.h"
@@ -98,15 +100,32 @@ relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
       Prints the grpc.health.v1 status; exit 0 only when SERVING.
   stats --addr A
       The relay's counters and what it holds now.
+  status --addr A --session S --id MSGID [--timeout SECONDS]
+      Where a message is, as the relay it was published to knows it: a line
+      sender=NAME, then per recipient (in the publish's order)
+        agent=NAME state=STATE relay=TARGET attempts=N reason="TEXT"
+      STATE: queued, committed, delivered, acked, dead_lettered or
+      unspecified. relay= is empty for a recipient on relay A, else the
+      recipient's relay as routed; attempts counts forwards. reason (the dead
+      letter's, or the last failed attempt's) is quoted, with \ " and line
+      breaks escaped by a backslash, and may be empty.
 
   demo --addr A [--rounds N] [--policy SPEC] [--session S] [--layers L]
        [--kv-heads H] [--score-heads S] [--head-dim D] [--prompt N]
        [--gen G] [--dtype DT] [--seed X]
+  demo --addr A --addr B --addr C --addr D [flags as above]
+  demo --addrs A,B,C,D [flags as above]
       A planner -> critic -> refiner -> judger chain of simulated agents
       (default Qwen3-14B geometry: 40 layers, 8 kv heads, 40 score heads,
       head_dim 128, BF16, 512 prompt + 40 generated tokens; policy
       h2o-head:k=32+obf:p=8,mode=fast). Each hop publishes with the fetched
       message as parent; prints a table per round and the totals.
+      With 4 addresses (one relay per agent, in chain order) each agent
+      publishes to, fetches from and acks at its own relay only; the relays
+      must route each agent to its relay (kvrelay-server --route). The table
+      then adds to_next_relay: the message's sent_bytes when the next agent
+      is on another relay (its address differs), else 0 (a forward that
+      elides an ancestor carries less); one stats delta line per relay.
 
   help, --help, -h
       Prints this text.
@@ -675,18 +694,112 @@ std::optional<Failure> StatsVerb(int argc, char** argv) {
   return std::nullopt;
 }
 
+// `s` in double quotes, with backslash, double quote, newline, carriage
+// return and tab escaped by a backslash: one parseable token on one line.
+std::string Quoted(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default: out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::optional<Failure> StatusVerb(int argc, char** argv) {
+  Flags flags("status", {"addr", "session", "id", "timeout"}, {});
+  if (auto f = flags.Parse(argc, argv)) return f;
+  if (auto f = NoPositional(flags, "status")) return f;
+  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
+  KVRELAYCTL_FLAG(const std::string session, flags.Required("session"));
+  KVRELAYCTL_FLAG(const std::string id, flags.Required("id"));
+  KVRELAYCTL_FLAG(const auto timeout, Seconds(flags, "timeout", 10, 0.001, 3600));
+  absl::StatusOr<MessageStatusResult> m = RelayClient::Connect(addr)->MessageStatus(session, id, timeout);
+  if (!m.ok()) return RelayError("status", m.status());
+  std::printf("sender=%s\n", m->sender.c_str());
+  for (const RecipientStatus& r : m->recipients) {
+    std::printf("agent=%s state=%s relay=%s attempts=%u reason=%s\n", r.agent.c_str(),
+                RecipientStateName(r.state), r.relay.c_str(), r.attempts, Quoted(r.reason).c_str());
+  }
+  return std::nullopt;
+}
+
+constexpr int kDemoAgents = 4;
+constexpr const char* kDemoAgentNames[kDemoAgents] = {"planner", "critic", "refiner", "judger"};
+
+// The demo's relays, one per agent in chain order: --addr once (every agent
+// on that relay) or once per agent, or --addrs with 1 or 4 comma-separated
+// addresses; each one checked as --addr is.
+absl::StatusOr<std::vector<std::string>> DemoAddrs(const Flags& flags) {
+  std::vector<std::string> addrs = flags.GetAll("addr");
+  std::string flag = "--addr";
+  if (std::optional<std::string> list = flags.Get("addrs")) {
+    if (!addrs.empty()) {
+      return absl::InvalidArgumentError("demo: flags --addr and --addrs both given, expected one of them");
+    }
+    addrs = absl::StrSplit(*list, ',');
+    flag = "--addrs";
+  }
+  if (addrs.empty()) return absl::InvalidArgumentError("demo: missing required flag --addr (or --addrs)");
+  if (addrs.size() != 1 && addrs.size() != kDemoAgents) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flag ", flag, ": ", addrs.size(),
+        " addresses, expected 1 (one relay for every agent) or 4 (one per agent: planner, critic, refiner, judger)"));
+  }
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    const std::string which =
+        addrs.size() == 1 ? "" : absl::StrCat(" address ", i + 1, " (", kDemoAgentNames[i], ")");
+    if (addrs[i].empty()) return absl::InvalidArgumentError(absl::StrCat("flag ", flag, which, ": empty value"));
+    if (absl::Status s = CheckRelayAddress(addrs[i]); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("flag ", flag, which, ": ", s.message()));
+    }
+  }
+  if (addrs.size() == 1) addrs.assign(kDemoAgents, addrs[0]);
+  return addrs;
+}
+
+// Polls the sender's relay for `to`'s state of message `id` until `done`
+// is set; true (with the reason) once the relay dead-lettered it there.
+// Stops polling, returning false, when the relay cannot answer (e.g. one
+// without MessageStatus).
+bool WatchForDeadLetter(RelayClient* sender_relay, const std::string& session, const std::string& id,
+                        const std::string& to, const std::atomic<bool>& done, std::string* reason) {
+  while (!done) {
+    absl::StatusOr<MessageStatusResult> st = sender_relay->MessageStatus(session, id, std::chrono::seconds(5));
+    if (!st.ok()) {
+      if (st.status().code() == absl::StatusCode::kUnimplemented) return false;
+    } else {
+      for (const RecipientStatus& r : st->recipients) {
+        if (r.agent == to && r.state == RecipientState::kDeadLettered) {
+          *reason = r.reason;
+          return true;
+        }
+      }
+    }
+    for (int i = 0; i < 10 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 // The demo: planner -> critic -> refiner -> judger. Each agent "generates" a
 // synthetic turn of Qwen3-14B geometry that continues the positions of what
 // it received, and publishes it to the next agent with the message it
 // fetched as parent, so the relay composes the history. One session per
-// round, closed at the end of it.
+// round, closed at the end of it. With one relay per agent, each agent
+// publishes to, fetches from and acks at its own relay only; the relays
+// forward between them as their routes say.
 std::optional<Failure> Demo(int argc, char** argv) {
-  Flags flags("demo", {"addr", "rounds", "policy", "session", "layers", "kv-heads",
+  Flags flags("demo", {"addrs", "rounds", "policy", "session", "layers", "kv-heads",
                        "score-heads", "head-dim", "prompt", "gen", "dtype", "seed"},
-              {});
+              {}, {"addr"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "demo")) return f;
-  KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
+  KVRELAYCTL_FLAG(const std::vector<std::string> addrs, DemoAddrs(flags));
   KVRELAYCTL_FLAG(const int64_t rounds, flags.Int("rounds", 1, 1, 1000));
   SyntheticTurnOptions o = Qwen3_14BTurn();
   const int group = o.score_heads / o.kv_heads;  // Qwen3-14B: 40 query heads over 8 KV heads
@@ -711,28 +824,63 @@ std::optional<Failure> Demo(int argc, char** argv) {
   const std::string session_base =
       flags.Get("session").value_or(absl::StrCat("demo-", RelayClient::NewMessageId().substr(2, 8)));
 
-  auto client = RelayClient::Connect(addr);
-  absl::StatusOr<RelayStats> before = client->Stats();
-  if (!before.ok()) return RelayError("stats", before.status());
-  const char* agents[] = {"planner", "critic", "refiner", "judger"};
+  // One client per distinct relay, in chain order; agent i uses relay_of[i].
+  std::vector<std::string> relays;
+  std::vector<std::unique_ptr<RelayClient>> clients;
+  RelayClient* relay_of[kDemoAgents];
+  for (int i = 0; i < kDemoAgents; ++i) {
+    auto it = std::find(relays.begin(), relays.end(), addrs[i]);
+    if (it == relays.end()) {
+      relays.push_back(addrs[i]);
+      clients.push_back(RelayClient::Connect(addrs[i]));
+      it = relays.end() - 1;
+    }
+    relay_of[i] = clients[it - relays.begin()].get();
+  }
+  const bool mesh = relays.size() > 1;
+  std::vector<RelayStats> before;
+  for (size_t i = 0; i < clients.size(); ++i) {
+    absl::StatusOr<RelayStats> s = clients[i]->Stats();
+    if (!s.ok()) return RelayError(mesh ? absl::StrCat("stats of ", relays[i]) : "stats", s.status());
+    before.push_back(*std::move(s));
+  }
+  const char* const* agents = kDemoAgentNames;
+  std::string where = addrs[0];
+  if (mesh) {
+    where.clear();
+    for (int i = 0; i < kDemoAgents; ++i) absl::StrAppend(&where, i ? " " : "", agents[i], "=", addrs[i]);
+  }
   std::printf("kvrelay demo: %s, %d layers, %d kv heads, %d score heads, head_dim %d, %s, "
               "%d prompt + %d generated tokens per turn, policy %s\n",
-              addr.c_str(), o.layers, o.kv_heads, o.score_heads, o.head_dim,
+              where.c_str(), o.layers, o.kv_heads, o.score_heads, o.head_dim,
               std::string(DTypeName(o.dtype)).c_str(), o.n_prompt, o.n_gen,
               policy.empty() ? "(role default)" : policy.c_str());
-  uint64_t tot_full = 0, tot_sent = 0, tot_saved = 0, tot_received = 0;
+  uint64_t tot_full = 0, tot_sent = 0, tot_saved = 0, tot_received = 0, tot_to_next = 0;
   double tot_compress_ms = 0, tot_hop_ms = 0;
   int hops = 0;
   for (int64_t round = 0; round < rounds; ++round) {
     const std::string session =
         rounds == 1 ? session_base : absl::StrCat(session_base, "-r", round + 1);
+    // Closes the session at every relay of the chain (each relay passes a
+    // close on as well; closing is idempotent).
+    auto close_all = [&]() -> absl::Status {
+      for (size_t i = 0; i < clients.size(); ++i) {
+        absl::StatusOr<uint32_t> freed = clients[i]->CloseSession(session);
+        if (!freed.ok()) return freed.status();
+      }
+      return absl::OkStatus();
+    };
     std::printf("\nround %" PRId64 " session %s\n", round + 1, session.c_str());
-    std::printf("%-3s %-19s %7s %13s %13s %8s %11s %13s\n", "hop", "from -> to", "tokens",
-                "full_bytes", "sent_bytes", "ratio", "compress_ms", "hop_latency_ms");
+    std::printf("%-3s %-19s %7s %13s %13s %8s %11s %13s%s\n", "hop", "from -> to", "tokens",
+                "full_bytes", "sent_bytes", "ratio", "compress_ms", "hop_latency_ms",
+                mesh ? "  to_next_relay" : "");
     std::string parent;
     int64_t next_pos = 0;
     for (int hop = 0; hop < 3; ++hop) {
       const std::string from = agents[hop], to = agents[hop + 1];
+      RelayClient* const from_relay = relay_of[hop];
+      RelayClient* const to_relay = relay_of[hop + 1];
+      const bool crosses = from_relay != to_relay;
       SyntheticTurnOptions to_make = o;
       to_make.seed = static_cast<uint64_t>(seed) + round * 16 + hop;
       to_make.first_agent = hop == 0;
@@ -749,25 +897,38 @@ std::optional<Failure> Demo(int argc, char** argv) {
       ProgressLine line(absl::StrCat(from, " -> ", to));
       p.progress = line.Callback();
 
-      // The recipient waits for the message while the sender publishes.
+      // The recipient waits for the message (at its own relay) while the
+      // sender publishes.
       absl::StatusOr<FetchedMessage> fetched = absl::UnknownError("not fetched");
       std::chrono::steady_clock::time_point fetched_at;
+      std::atomic<bool> fetch_done{false};
       const auto start = std::chrono::steady_clock::now();
       std::thread recipient([&] {
         FetchOptions f;
         f.session = session;
         f.agent = to;
         f.wait = std::chrono::seconds(120);
-        fetched = client->Fetch(f);
+        fetched = to_relay->Fetch(f);
         fetched_at = std::chrono::steady_clock::now();
+        fetch_done = true;
       });
-      absl::StatusOr<PublishResult> r = client->Publish(std::make_shared<const Turn>(*std::move(turn)), p);
+      absl::StatusOr<PublishResult> r = from_relay->Publish(std::make_shared<const Turn>(*std::move(turn)), p);
       if (!r.ok()) {
         // Unblock the recipient: closing the session ends its wait.
-        (void)client->CloseSession(session);
+        (void)close_all();
         recipient.join();
         line.Clear();
         return RelayError(absl::StrCat("demo: publish ", from, " -> ", to), r.status());
+      }
+      // A forward the sender's relay gave up on never arrives: stop waiting.
+      std::string dead_reason;
+      if (crosses && WatchForDeadLetter(from_relay, session, r->message_id, to, fetch_done, &dead_reason)) {
+        (void)close_all();
+        recipient.join();
+        line.Clear();
+        return Failure{kRuntimeError,
+                       absl::StrCat("demo: forward ", from, " -> ", to, " (", addrs[hop], " to ", addrs[hop + 1],
+                                    "): message ", r->message_id, " dead-lettered: ", dead_reason)};
       }
       recipient.join();
       line.Clear();
@@ -779,15 +940,18 @@ std::optional<Failure> Demo(int argc, char** argv) {
                        absl::StrCat("demo: ", to, " fetched message ", fetched->message_id,
                                     ", expected ", r->message_id)};
       }
-      absl::Status s = client->Ack(session, to, fetched->message_id);
+      absl::Status s = to_relay->Ack(session, to, fetched->message_id);
       if (!s.ok()) return RelayError(absl::StrCat("demo: ack by ", to), s);
       const double hop_ms = std::chrono::duration<double, std::milli>(fetched_at - start).count();
       const Accounting& a = r->accounting;
       const Message& m = fetched->message;
-      std::printf("%-3d %-19s %7d %13" PRIu64 " %13" PRIu64 " %8s %11.2f %13.2f\n", hop + 1,
+      // What a whole forward carries: the composed message.
+      const uint64_t to_next = crosses ? a.sent_bytes : 0;
+      std::printf("%-3d %-19s %7d %13" PRIu64 " %13" PRIu64 " %8s %11.2f %13.2f%s\n", hop + 1,
                   absl::StrCat(from, " -> ", to).c_str(), m.layers.empty() ? 0 : m.layers[0].tokens(),
                   a.full_bytes, a.sent_bytes, Ratio(a.full_bytes, a.sent_bytes).c_str(),
-                  a.compress_seconds * 1e3, hop_ms);
+                  a.compress_seconds * 1e3, hop_ms,
+                  mesh ? absl::StrFormat(" %14d", to_next).c_str() : "");
       std::fflush(stdout);
       tot_full += a.full_bytes;
       tot_sent += a.sent_bytes;
@@ -795,26 +959,30 @@ std::optional<Failure> Demo(int argc, char** argv) {
       tot_received += a.received_bytes;
       tot_compress_ms += a.compress_seconds * 1e3;
       tot_hop_ms += hop_ms;
+      tot_to_next += to_next;
       ++hops;
       parent = fetched->message_id;
       next_pos = m.next_pos;  // where the sender's turn ended
     }
-    absl::StatusOr<uint32_t> freed = client->CloseSession(session);
-    if (!freed.ok()) return RelayError("demo: close", freed.status());
+    if (absl::Status s = close_all(); !s.ok()) return RelayError("demo: close", s);
   }
   std::printf("\ntotals: hops=%d received_bytes=%" PRIu64 " full_bytes=%" PRIu64
               " sent_bytes=%" PRIu64 " ratio=%s saved_bytes=%" PRIu64
-              " compress_ms=%.2f hop_latency_ms=%.2f\n",
+              " compress_ms=%.2f hop_latency_ms=%.2f%s\n",
               hops, tot_received, tot_full, tot_sent, Ratio(tot_full, tot_sent).c_str(),
-              tot_saved, tot_compress_ms, tot_hop_ms);
-  absl::StatusOr<RelayStats> after = client->Stats();
-  if (after.ok()) {
-    // Equal to the totals above when nothing else used the relay meanwhile.
-    std::printf("relay stats delta: committed=%" PRIu64 " received_bytes=%" PRIu64
+              tot_saved, tot_compress_ms, tot_hop_ms,
+              mesh ? absl::StrCat(" to_next_relay_bytes=", tot_to_next).c_str() : "");
+  for (size_t i = 0; i < clients.size(); ++i) {
+    absl::StatusOr<RelayStats> after = clients[i]->Stats();
+    if (!after.ok()) continue;
+    // With one relay: equal to the totals above when nothing else used the
+    // relay meanwhile. With several: what each relay counted itself.
+    std::printf("relay stats delta%s: committed=%" PRIu64 " received_bytes=%" PRIu64
                 " full_bytes=%" PRIu64 " sent_bytes=%" PRIu64 "\n",
-                after->messages_committed - before->messages_committed,
-                after->received_bytes - before->received_bytes,
-                after->full_bytes - before->full_bytes, after->sent_bytes - before->sent_bytes);
+                mesh ? absl::StrCat(" at ", relays[i]).c_str() : "",
+                after->messages_committed - before[i].messages_committed,
+                after->received_bytes - before[i].received_bytes,
+                after->full_bytes - before[i].full_bytes, after->sent_bytes - before[i].sent_bytes);
   }
   return std::nullopt;
 }
@@ -850,6 +1018,8 @@ int Main(int argc, char** argv) {
     failure = HealthVerb(argc - 2, argv + 2);
   } else if (verb == "stats") {
     failure = StatsVerb(argc - 2, argv + 2);
+  } else if (verb == "status") {
+    failure = StatusVerb(argc - 2, argv + 2);
   } else if (verb == "demo") {
     failure = Demo(argc - 2, argv + 2);
 #endif

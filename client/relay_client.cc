@@ -50,6 +50,18 @@ Accounting FromProto(const v1::Accounting& a) {
   return out;
 }
 
+// Values this client does not know (a newer relay's) are kUnspecified.
+RecipientState FromProto(v1::RecipientState s) {
+  switch (s) {
+    case v1::RECIPIENT_STATE_QUEUED: return RecipientState::kQueued;
+    case v1::RECIPIENT_STATE_COMMITTED: return RecipientState::kCommitted;
+    case v1::RECIPIENT_STATE_DELIVERED: return RecipientState::kDelivered;
+    case v1::RECIPIENT_STATE_ACKED: return RecipientState::kAcked;
+    case v1::RECIPIENT_STATE_DEAD_LETTERED: return RecipientState::kDeadLettered;
+    default: return RecipientState::kUnspecified;
+  }
+}
+
 // The tensor streams run raw (proto/raw_chunk.h): a chunk's data is copied
 // once into the outgoing message, its CRC32C computed during that copy, and
 // delivered chunks are copied once out of gRPC's slices into the message.
@@ -387,6 +399,44 @@ absl::StatusOr<RelayStats> RelayClient::Stats(std::chrono::milliseconds deadline
   s.store_bytes = r.store_bytes();
   s.version = r.version();
   return s;
+}
+
+const char* RecipientStateName(RecipientState state) {
+  switch (state) {
+    case RecipientState::kQueued: return "queued";
+    case RecipientState::kCommitted: return "committed";
+    case RecipientState::kDelivered: return "delivered";
+    case RecipientState::kAcked: return "acked";
+    case RecipientState::kDeadLettered: return "dead_lettered";
+    case RecipientState::kUnspecified: break;
+  }
+  return "unspecified";
+}
+
+absl::StatusOr<MessageStatusResult> RelayClient::MessageStatus(const std::string& session,
+                                                               const std::string& message_id,
+                                                               std::chrono::milliseconds deadline) {
+  KVRELAY_RETURN_IF_ERROR(CheckId("session", session, true));
+  KVRELAY_RETURN_IF_ERROR(CheckId("message_id", message_id, true));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  v1::MessageStatusRequest req;
+  req.set_session_id(session);
+  req.set_message_id(message_id);
+  v1::MessageStatusResponse resp;
+  KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(stub_->MessageStatus(&ctx, req, &resp)));
+  MessageStatusResult out;
+  out.sender = resp.sender();
+  out.recipients.reserve(resp.recipients_size());
+  for (const v1::RecipientStatus& r : resp.recipients()) {
+    RecipientStatus& o = out.recipients.emplace_back();
+    o.agent = r.agent();
+    o.state = FromProto(r.state());
+    o.relay = r.relay();
+    o.reason = r.reason();
+    o.attempts = r.attempts();
+  }
+  return out;
 }
 
 absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,

@@ -134,6 +134,35 @@ struct RelayStats {
   std::string version;
 };
 
+// Where a message is for one recipient (relay.proto, RecipientState).
+enum class RecipientState {
+  kUnspecified,   // a state this client does not know, or none reported
+  kQueued,        // waiting in the sender relay's outbox (see reason after a failed attempt)
+  kCommitted,     // in the recipient's mailbox, at the sender's relay or the recipient's
+  kDelivered,     // the recipient received it whole
+  kAcked,         // the recipient acknowledged it
+  kDeadLettered,  // given up: see reason
+};
+
+// The enum's name in lower case without its prefix: "unspecified", "queued",
+// "committed", "delivered", "acked", "dead_lettered".
+const char* RecipientStateName(RecipientState state);
+
+// One recipient of a message (relay.proto, RecipientStatus).
+struct RecipientStatus {
+  std::string agent;
+  RecipientState state = RecipientState::kUnspecified;
+  std::string relay;   // the recipient's relay as routed; empty: the relay that was asked
+  std::string reason;  // dead letter, or the last failed attempt: "CODE: message"; may be empty
+  uint32_t attempts = 0;  // forward attempts (0 for a recipient on the relay that was asked)
+};
+
+// MessageStatus() result (relay.proto, MessageStatusResponse).
+struct MessageStatusResult {
+  std::string sender;
+  std::vector<RecipientStatus> recipients;  // in the publish's order
+};
+
 // The absl::Status payload type URL under which a failed Publish reports
 // the message id it used.
 inline constexpr char kMessageIdPayload[] = "type.googleapis.com/kvrelay.v1.MessageId";
@@ -188,6 +217,17 @@ class RelayClient {
       const std::string& session, std::chrono::milliseconds deadline = std::chrono::seconds(10));
 
   [[nodiscard]] absl::StatusOr<RelayStats> Stats(
+      std::chrono::milliseconds deadline = std::chrono::seconds(10));
+
+  // Where message `message_id` of `session` is, per recipient, as the relay
+  // it was published to knows it (ask the sender's relay: another relay
+  // answers NOT_FOUND, or only for the recipients it holds). Deliveries and
+  // acks at other relays are reported back to it best effort, so a remote
+  // recipient may show an earlier state than it has reached. NOT_FOUND for a
+  // session or message the relay does not hold; INVALID_ARGUMENT without
+  // contacting the relay for a malformed session or message id.
+  [[nodiscard]] absl::StatusOr<MessageStatusResult> MessageStatus(
+      const std::string& session, const std::string& message_id,
       std::chrono::milliseconds deadline = std::chrono::seconds(10));
 
   // Stateless compression by the relay (nothing stored). `progress` sees

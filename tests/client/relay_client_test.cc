@@ -199,6 +199,20 @@ class FakeRelay final : public v1::Relay::Service {
     return grpc::Status::OK;
   }
 
+  // Answers `status_reply` for (status_session, status_id), NOT_FOUND otherwise.
+  std::atomic<int> status_calls{0};
+  std::string status_session, status_id;
+  v1::MessageStatusResponse status_reply;
+  grpc::Status MessageStatus(grpc::ServerContext*, const v1::MessageStatusRequest* req,
+                             v1::MessageStatusResponse* resp) override {
+    ++status_calls;
+    if (req->session_id() != status_session || req->message_id() != status_id) {
+      return {grpc::NOT_FOUND, absl::StrCat("message ", req->message_id(), " of session ", req->session_id())};
+    }
+    *resp = status_reply;
+    return grpc::Status::OK;
+  }
+
   grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse* r) override {
     std::lock_guard<std::mutex> lock(mu_);
     r->set_messages_committed(stored_.size());
@@ -484,6 +498,76 @@ TEST_F(RelayClientTest, HealthAndStats) {
   EXPECT_EQ(s->version, "fake");
 }
 
+TEST_F(RelayClientTest, MessageStatusMapsEveryRecipient) {
+  relay_.status_session = "s1";
+  relay_.status_id = "m-1";
+  v1::MessageStatusResponse& r = relay_.status_reply;
+  r.set_sender("planner");
+  const struct {
+    const char* agent;
+    int state;
+    const char* relay;
+    const char* reason;
+    uint32_t attempts;
+  } rows[] = {
+      {"critic", v1::RECIPIENT_STATE_COMMITTED, "", "", 0},
+      {"refiner", v1::RECIPIENT_STATE_QUEUED, "10.0.0.2:50051", "UNAVAILABLE: connection refused", 3},
+      {"judger", v1::RECIPIENT_STATE_DEAD_LETTERED, "dns:///judger:50051", "ALREADY_EXISTS: \"x\" differs", 1},
+      {"d", v1::RECIPIENT_STATE_DELIVERED, "", "", 0},
+      {"e", v1::RECIPIENT_STATE_ACKED, "h:1", "", 2},
+      {"f", v1::RECIPIENT_STATE_UNSPECIFIED, "", "", 0},
+      {"g", 99, "", "", 0},  // a state from a newer relay
+  };
+  for (const auto& row : rows) {
+    v1::RecipientStatus* s = r.add_recipients();
+    s->set_agent(row.agent);
+    s->set_state(static_cast<v1::RecipientState>(row.state));
+    s->set_relay(row.relay);
+    s->set_reason(row.reason);
+    s->set_attempts(row.attempts);
+  }
+  absl::StatusOr<MessageStatusResult> m = client_->MessageStatus("s1", "m-1");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->sender, "planner");
+  ASSERT_EQ(m->recipients.size(), std::size(rows));
+  const RecipientState want[] = {RecipientState::kCommitted, RecipientState::kQueued,
+                                 RecipientState::kDeadLettered, RecipientState::kDelivered,
+                                 RecipientState::kAcked, RecipientState::kUnspecified,
+                                 RecipientState::kUnspecified};
+  for (size_t i = 0; i < std::size(rows); ++i) {
+    const RecipientStatus& got = m->recipients[i];
+    EXPECT_EQ(got.agent, rows[i].agent) << i;
+    EXPECT_EQ(got.state, want[i]) << i;
+    EXPECT_EQ(got.relay, rows[i].relay) << i;
+    EXPECT_EQ(got.reason, rows[i].reason) << i;
+    EXPECT_EQ(got.attempts, rows[i].attempts) << i;
+  }
+  absl::Status missing = client_->MessageStatus("s1", "m-2").status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  EXPECT_THAT(missing.message(), HasSubstr("m-2"));
+  EXPECT_EQ(relay_.status_calls.load(), 2);
+}
+
+TEST_F(RelayClientTest, MessageStatusChecksItsArgumentsBeforeTheCall) {
+  EXPECT_THAT(client_->MessageStatus("", "m-1").status().message(), HasSubstr("session: empty"));
+  EXPECT_THAT(client_->MessageStatus("s1", "").status().message(), HasSubstr("message_id: empty"));
+  absl::Status bad = client_->MessageStatus("s 1", "m-1").status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("session: \"s 1\""));
+  EXPECT_EQ(client_->MessageStatus("s1", std::string(129, 'm')).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(relay_.status_calls.load(), 0);
+}
+
+TEST(RecipientStateNames, LowerCaseWithoutPrefix) {
+  EXPECT_STREQ(RecipientStateName(RecipientState::kUnspecified), "unspecified");
+  EXPECT_STREQ(RecipientStateName(RecipientState::kQueued), "queued");
+  EXPECT_STREQ(RecipientStateName(RecipientState::kCommitted), "committed");
+  EXPECT_STREQ(RecipientStateName(RecipientState::kDelivered), "delivered");
+  EXPECT_STREQ(RecipientStateName(RecipientState::kAcked), "acked");
+  EXPECT_STREQ(RecipientStateName(RecipientState::kDeadLettered), "dead_lettered");
+}
+
 // Over a caller's in-process channel a retry only sleeps its backoff (gRPC
 // aborts on connectivity watches of non-client channels).
 TEST(RelayClientInProcess, RetriesOverAnInProcessChannel) {
@@ -506,6 +590,7 @@ TEST(RelayClientInProcess, RetriesOverAnInProcessChannel) {
 TEST(RelayClientNoServer, UnavailableAndUniqueIds) {
   auto c = RelayClient::Connect("127.0.0.1:1");
   EXPECT_EQ(c->Health("", std::chrono::seconds(2)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(c->MessageStatus("s", "m", std::chrono::seconds(2)).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(RelayClient::NewMessageId(), RelayClient::NewMessageId());
 }
 

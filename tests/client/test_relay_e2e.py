@@ -4,8 +4,9 @@
 Checks: health, full round trip bit-exact against the input turn, compressed
 deliveries bit-exact against `kvrelayctl compress` offline (and the relay's
 Compress call), fan-out, ack and redelivery, idempotent re-publish, a chain
-with parents, session close, stats, the demo, and bad inputs with their exit
-codes and status names. Stdlib only. Exit 77 (skipped) without a server binary.
+with parents, session close, stats, the demo (one relay; and the flags and table
+of the several-relay demo), `status`, and bad inputs with their exit codes and
+status names. Stdlib only. Exit 77 (skipped) without a server binary.
 """
 import argparse
 import os
@@ -264,6 +265,97 @@ def test_demo(ctl, small):
     print(out, flush=True)
 
 
+def test_demo_addresses(ctl):
+    """--addr once per agent or --addrs: checked before anything is dialled."""
+    tiny = ["--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--prompt", "8", "--gen", "2"]
+    closed = [f"127.0.0.1:{p}" for p in (1, 2, 3, 4)]
+    usage = [
+        (["--addrs", ",".join(closed[:3])], "flag --addrs: 3 addresses, expected 1"),
+        (["--addr", closed[0], "--addr", closed[1]], "flag --addr: 2 addresses, expected 1"),
+        (["--addr", closed[0]] * 5, "flag --addr: 5 addresses"),
+        (["--addr", closed[0], "--addrs", ",".join(closed)], "flags --addr and --addrs both given"),
+        (["--addrs", f"{closed[0]},,{closed[2]},{closed[3]}"], "flag --addrs address 2 (critic): empty value"),
+        (["--addrs", ",".join(closed[:3] + ["127.0.0.1:70000"])], "flag --addrs address 4 (judger): "),
+        (["--addr", closed[0], "--addr", closed[1], "--addr", "127.0.0.1", "--addr", closed[3]],
+         "flag --addr address 3 (refiner): "),
+        ([], "demo: missing required flag --addr (or --addrs)"),
+        (["--addr", ""], "flag --addr: empty value"),
+    ]
+    for args, want in usage:
+        rc, out, err = ctl.run("demo", *args, *tiny, addr=False, timeout=30)
+        check(rc == 2 and want in err and "kvrelay demo" not in out,
+              f"demo {args}: usage error naming the flag: rc={rc} {err.strip()!r} (want {want!r})")
+    # Accepted, then a clean connection failure (exit 1) before the demo starts.
+    for args in (sum((["--addr", a] for a in closed), []), ["--addrs", ",".join(closed)]):
+        rc, out, err = ctl.run("demo", *args, *tiny, addr=False, timeout=60)
+        check(rc == 1 and "stats of 127.0.0.1:1: UNAVAILABLE" in err and "kvrelay demo" not in out,
+              f"demo {args[:2]}...: exit 1, unreachable relay named: rc={rc} {err.strip()!r}")
+    # Four times the same relay is one relay: today's output, no forward column.
+    rc, out, err = ctl.run("demo", "--addrs", ",".join([ctl.addr] * 4), *tiny, "--session", "demo-4x",
+                           addr=False, timeout=120)
+    rows = re.findall(r"^\s*(\d)\s+(\w+) -> (\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$", out, re.M)
+    check(rc == 0 and len(rows) == 3 and "to_next_relay" not in out and out.count("relay stats delta:") == 1,
+          f"demo --addrs with one relay 4 times: the one-relay demo: rc={rc} {err}\n{out}")
+    # Two spellings of one relay's address count as two relays: the several-relay output
+    # (format only; no forward happens). to_next_relay is sent_bytes where the address changes.
+    other = "ipv4:" + ctl.addr
+    rc, out, err = ctl.run("demo", "--addrs", ",".join([ctl.addr, other, ctl.addr, ctl.addr]), *tiny,
+                           "--session", "demo-2x", addr=False, timeout=120)
+    rows = re.findall(r"^\s*(\d)\s+(\w+) -> (\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\d+)$",
+                      out, re.M)
+    tot = kv_line(re.search(r"^totals:.*$", out, re.M).group(0)) if "totals:" in out else {}
+    deltas = re.findall(r"^relay stats delta at (\S+): committed=(\d+) ", out, re.M)
+    check(rc == 0 and re.search(r"^hop .* hop_latency_ms\s+to_next_relay$", out, re.M) is not None and
+          [r[9] for r in rows] == [rows[0][5], rows[1][5], "0"] and
+          tot.get("to_next_relay_bytes") == str(int(rows[0][5]) + int(rows[1][5])) and
+          deltas == [(ctl.addr, "3"), (other, "3")] and
+          f"planner={ctl.addr} critic={other} refiner={ctl.addr} judger={ctl.addr}," in out,
+          f"demo over two relay addresses: the several-relay table: rc={rc} {err}\n{out}")
+
+
+def status_lines(out):
+    """sender and the recipient lines of `kvrelayctl status`, parsed strictly."""
+    lines = out.splitlines()
+    sender = re.fullmatch(r"sender=(\S*)", lines[0]).group(1) if lines else None
+    recipients = []
+    for line in lines[1:]:
+        m = re.fullmatch(r'agent=(\S+) state=(\w+) relay=(\S*) attempts=(\d+) reason="((?:[^"\\]|\\.)*)"', line)
+        check(m is not None, f"status: malformed line {line!r}")
+        if m:
+            recipients.append(m.groups())
+    return sender, recipients
+
+
+def test_status(ctl, turn):
+    for args, want in [(["status", "--session", "s"], "missing required flag --id"),
+                       (["status", "--id", "m"], "missing required flag --session"),
+                       (["status", "--session", "s", "--id", "m", "extra"], "unexpected argument")]:
+        rc, _, err = ctl.run(*args)
+        check(rc == 2 and want in err, f"{args}: rc={rc} {err.strip()!r} (want {want!r})")
+    rc, _, err = ctl.run("status", "--session", "s", "--id", "m", addr=False)
+    check(rc == 2 and "--addr" in err, f"status without --addr: rc={rc} {err.strip()!r}")
+    rc, _, err = ctl.run("status", "--session", "s", "--id", "m", "--timeout", "2", addr="127.0.0.1:1")
+    check(rc == 1 and "status: UNAVAILABLE" in err, f"status of a closed port: rc={rc} {err.strip()!r}")
+    rc, _, err = ctl.run("status", "--session", "st", "--id", "m-none")
+    if rc == 1 and "UNIMPLEMENTED" in err:
+        print("status: SKIPPED the relay checks: this kvrelay-server has no MessageStatus", flush=True)
+        return
+    check(rc == 1 and "status: NOT_FOUND" in err, f"status of an unknown message: rc={rc} {err.strip()!r}")
+    r = ctl.ok("publish", "--session", "st", "--from", "a", "--to", "b", "--to", "c", "--policy", "full",
+               "--in", turn)
+    rc, out, err = ctl.run("status", "--session", "st", "--id", r.get("message_id", "?"))
+    check(rc == 0, f"status: rc={rc} {err}")
+    sender, rows = status_lines(out)
+    check(sender == "a" and [x[0] for x in rows] == ["b", "c"] and
+          all(x[1:] == ("committed", "", "0", "") for x in rows),
+          f"status after publish: both committed here, no attempts, no reason:\n{out}")
+    ctl.ok("fetch", "--session", "st", "--agent", "b", "--out", ctl.path("st.msg"), "--wait", "10")
+    rc, out, err = ctl.run("status", "--session", "st", "--id", r.get("message_id", "?"))
+    _, rows = status_lines(out)
+    check(rc == 0 and [x[:2] for x in rows] == [("b", "acked"), ("c", "committed")],
+          f"status after b fetched and acked: {out}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kvrelayctl", required=True)
@@ -293,7 +385,9 @@ def main():
                          ("idempotent", lambda: test_idempotent_publish(ctl, turn)),
                          ("chain", lambda: test_chain_with_parent(ctl, turn, turn2)),
                          ("bad inputs", lambda: test_bad_inputs(ctl, turn, turn_hist)),
-                         ("demo", lambda: test_demo(ctl, not args.full_demo))]:
+                         ("demo", lambda: test_demo(ctl, not args.full_demo)),
+                         ("demo addresses", lambda: test_demo_addresses(ctl)),
+                         ("status", lambda: test_status(ctl, turn))]:
             before = len(FAILURES)
             try:
                 fn()
