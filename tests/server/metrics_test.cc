@@ -128,9 +128,9 @@ TEST(MetricsTest, ForwardMethodsMoveTheirSeries) {
   EXPECT_DOUBLE_EQ(h->metric[0].histogram.sample_sum, 200.02);
   // Cumulative: 0.02 s is in the 0.025 bucket, 200 s only from the 300 one.
   for (const auto& b : h->metric[0].histogram.bucket) {
-    if (b.upper_bound == 0.025) EXPECT_EQ(b.cumulative_count, 1u);
-    if (b.upper_bound == 120) EXPECT_EQ(b.cumulative_count, 1u);
-    if (b.upper_bound == 300) EXPECT_EQ(b.cumulative_count, 2u);
+    if (b.upper_bound == 0.025) { EXPECT_EQ(b.cumulative_count, 1u); }
+    if (b.upper_bound == 120) { EXPECT_EQ(b.cumulative_count, 1u); }
+    if (b.upper_bound == 300) { EXPECT_EQ(b.cumulative_count, 2u); }
   }
 }
 
