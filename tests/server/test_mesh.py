@@ -14,7 +14,11 @@ messages to each other. Checked against real processes:
   - CloseSession propagating to every relay, and refusing later forwards;
   - ancestor elision in a 6-round debate: bytes per forward flat, every
     message bit-exact with one relay's;
-  - metrics on every relay matching the accounting.
+  - a destination that lost the ancestor (restart): the message goes whole;
+  - the route file re-read when it changes, a bad one keeping the last table;
+  - the outbox bound refusing a publish, SIGTERM logging what it left;
+  - kvrelayctl demo across four relays;
+  - metrics on the relays matching the accounting.
 """
 import argparse
 import os
@@ -45,16 +49,23 @@ class Mesh:
         self.extra = extra or {}
         self.route_file = os.path.join(work, "routes.json")
         self.routes = {}
+        self.raw_routes = {}  # agent -> a target that is no relay of the mesh
         self.relays = {}
 
     def target(self, name):
         return f"127.0.0.1:{self.ports[name]}"
 
     def write_routes(self, routes):
+        """Routes agent -> relay name (and raw_routes); the file is replaced
+        by an atomic rename, as a ConfigMap update does."""
         self.routes = dict(routes)
+        entries = {a: self.target(r) for a, r in routes.items()} | self.raw_routes
+        self.write_file("{" + ",".join(f'"{a}": "{t}"' for a, t in entries.items()) + "}")
+
+    def write_file(self, text):
         tmp = self.route_file + ".tmp"
         with open(tmp, "w") as f:
-            f.write("{" + ",".join(f'"{a}": "{self.target(r)}"' for a, r in routes.items()) + "}")
+            f.write(text)
         os.replace(tmp, self.route_file)
 
     def start(self, name, *more):
@@ -140,7 +151,7 @@ def test_chain(ctl, mesh, turns, server_bin, work):
     agents = ["planner", "critic", "refiner", "judger"]
     policy = "h2o-head:k=16"
     expect = single_relay_chain(ctl, server_bin, work, turns[:3], agents, policy, "chain")
-    parent, sent_total = None, 0
+    parent, sent_total, full_total = None, 0, 0
     for i in range(3):
         src, dst = mesh.relays[agents[i]], mesh.relays[agents[i + 1]]
         args = ["publish", "--session", "chain", "--from", agents[i], "--to", agents[i + 1], "--policy", policy,
@@ -149,6 +160,7 @@ def test_chain(ctl, mesh, turns, server_bin, work):
             args += ["--parent", parent]
         r = ctl.ok(*args, addr=src.addr)
         sent_total += int(r.get("sent_bytes", 0))
+        full_total += int(r.get("full_bytes", 0))
         f = ctl.path(f"chain-{i}.st")
         got = fetch(ctl, dst, "chain", agents[i + 1], f)
         check(got.get("message_id") == r.get("message_id"), f"chain hop {i}: the published message arrives")
@@ -162,6 +174,11 @@ def test_chain(ctl, mesh, turns, server_bin, work):
     check(fwd == sent_total, f"chain: forwarded bytes {fwd} == the publishes' sent bytes {sent_total}")
     outcomes = sum(metric(metrics(mesh.relays[a]), "kvrelay_forwards_total", outcome="committed") for a in agents)
     check(outcomes == 3, f"chain: 3 forwards committed, metrics say {outcomes}")
+    full = sum(metric(metrics(mesh.relays[a]), "kvrelay_forward_full_bytes_total") for a in agents)
+    check(full == full_total > 0, f"chain: full-KV bytes of the forwards {full} == the publishes' {full_total}")
+    for a in agents[1:]:
+        got = metric(metrics(mesh.relays[a]), "kvrelay_forwards_received_total", outcome="committed")
+        check(got == 1, f"chain: {a}'s relay received one forward ({got})")
 
 
 def test_fan_out(ctl, mesh, turns):
@@ -307,6 +324,74 @@ def test_debate_elision(ctl, mesh, turns, server_bin, work):
                                                                  f"its message ({per_forward[-1]} + {elided[-1]})")
 
 
+
+def test_ancestor_missing(ctl, mesh, turns, server_bin, work):
+    """The destination lost the ancestor (restart): the message goes whole."""
+    expect = single_relay_chain(ctl, server_bin, work, turns[:2], ["planner", "critic", "planner"], "full", "anc")
+    a, b = mesh.relays["planner"], mesh.relays["critic"]
+    r1 = ctl.ok("publish", "--session", "anc", "--from", "planner", "--to", "critic", "--policy", "full",
+                "--in", turns[0], addr=a.addr)
+    fetch(ctl, b, "anc", "critic", ctl.path("anc-1.st"))
+    mesh.stop("planner")  # planner's relay forgets m1
+    a = mesh.start("planner")
+    before = metric(metrics(b), "kvrelay_forwards_total", outcome="whole")
+    ctl.ok("publish", "--session", "anc", "--from", "critic", "--to", "planner", "--policy", "full",
+           "--parent", r1.get("message_id", "x"), "--in", turns[1], addr=b.addr)
+    got = fetch(ctl, a, "anc", "planner", ctl.path("anc-2.st"))
+    check(got.get("parent") == r1.get("message_id"), f"ancestor missing: delivered with its parent id ({got})")
+    same_message(ctl.path("anc-2.st"), expect[1], "ancestor missing: the whole message vs one relay")
+    after = metric(metrics(b), "kvrelay_forwards_total", outcome="whole")
+    check(after == before + 1, f"ancestor missing: one forward resent whole ({before} -> {after})")
+
+
+def test_route_file_reload(ctl, mesh, turns):
+    """A route file rewritten by rename takes effect; a bad one keeps the last good table."""
+    a, c = mesh.relays["planner"], mesh.relays["refiner"]
+    routes = dict(mesh.routes)
+    mesh.write_routes(routes | {"critic2": "refiner"})
+    time.sleep(2.5)  # polled every second
+    r = ctl.ok("publish", "--session", "reload", "--from", "planner", "--to", "critic2", "--policy",
+               "h2o-head:k=16", "--in", turns[0], addr=a.addr)
+    got = fetch(ctl, c, "reload", "critic2", ctl.path("reload.st"))
+    check(got.get("message_id") == r.get("message_id"), "route file: critic2 now on refiner's relay")
+    mesh.write_file('{"critic2": 42}')
+    time.sleep(2.5)
+    check("keeping the last good table" in a.log(), "route file: a bad file is logged")
+    r = ctl.ok("publish", "--session", "reload", "--from", "planner", "--to", "critic2", "--policy",
+               "h2o-head:k=16", "--in", turns[0], addr=a.addr)
+    got = fetch(ctl, c, "reload", "critic2", ctl.path("reload2.st"))
+    check(got.get("message_id") == r.get("message_id"), "route file: the last good table stays after a bad file")
+    mesh.write_routes(routes)
+    time.sleep(2.5)
+
+
+def test_outbox_and_shutdown(ctl, mesh, turns):
+    """--max-outbox-bytes-per-destination refuses a publish; SIGTERM logs what it could not forward."""
+    edge = mesh.start("edge", "--max-outbox-bytes-per-destination", "64KiB", "--shutdown-grace-seconds", "2")
+    rc, _, err = ctl.run("publish", "--session", "box", "--from", "edge-agent", "--to", "far", "--policy", "full",
+                         "--retries", "0", "--in", turns[0], addr=edge.addr)
+    check(rc == 1 and "RESOURCE_EXHAUSTED" in err and "--max-outbox-bytes-per-destination" in err,
+          f"outbox: a message over the bound is refused naming it: {rc} {err.strip()}")
+    r = ctl.ok("publish", "--session", "box", "--from", "edge-agent", "--to", "far", "--policy", "h2o-head:k=16",
+               "--in", turns[0], addr=edge.addr)
+    st = status_lines(ctl, edge, "box", r.get("message_id", "x"))
+    check(st.get("far", {}).get("state") == "queued", f"outbox: queued for a dead destination: {st}")
+    rc, took = edge.terminate(timeout=20)
+    mesh.relays.pop("edge", None)
+    check(rc == 0 and took < 10, f"shutdown: exits within the grace ({rc}, {took:.1f} s)")
+    check(f"message={r.get('message_id')}" in edge.log() and "not forwarded" in edge.log(),
+          "shutdown: the message it could not forward is logged")
+
+
+def test_demo_across_relays(ctl, mesh):
+    addrs = ",".join(mesh.relays[n].addr for n in ("planner", "critic", "refiner", "judger"))
+    rc, out, err = ctl.run("demo", "--addrs", addrs, "--rounds", "1", "--session", "demo", "--layers", "2",
+                           "--kv-heads", "2", "--score-heads", "2", "--head-dim", "64", "--prompt", "64", "--gen",
+                           "8", "--policy", "h2o-head:k=16", addr=False, timeout=180)
+    check(rc == 0 and "to_next_relay" in out, f"demo across relays: rc={rc} {err.strip()[-300:]}")
+    m = re.search(r"to_next_relay_bytes=(\d+)", out)
+    check(bool(m) and int(m.group(1)) > 0, f"demo: bytes went to the next relays ({out[-400:]})")
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
@@ -316,8 +401,12 @@ def main():
     ctl = Ctl(args.kvrelayctl, work)
     names = ["planner", "critic", "refiner", "judger"]
     mesh = Mesh(args.server, work, names)
-    mesh.write_routes({"planner": "planner", "critic": "critic", "critic2": "critic", "refiner": "refiner",
-                       "judger": "judger"})
+    mesh.ports["edge"] = free_port()
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    base_routes = {"planner": "planner", "critic": "critic", "critic2": "critic", "refiner": "refiner",
+                   "judger": "judger"}
+    mesh.raw_routes = {"far": dead}
+    mesh.write_routes(base_routes)
     geo = ["--layers", "3", "--kv-heads", "2", "--score-heads", "4", "--head-dim", "64", "--prompt", "96",
            "--gen", "8"]
     turns = []
@@ -335,7 +424,11 @@ def main():
                          ("destination down", lambda: test_destination_down(ctl, mesh, turns)),
                          ("refused", lambda: test_refused(ctl, mesh, turns)),
                          ("debate", lambda: test_debate_elision(ctl, mesh, turns, args.server, work)),
-                         ("close", lambda: test_close_propagates(ctl, mesh, turns))]:
+                         ("close", lambda: test_close_propagates(ctl, mesh, turns)),
+                         ("ancestor missing", lambda: test_ancestor_missing(ctl, mesh, turns, args.server, work)),
+                         ("route file reload", lambda: test_route_file_reload(ctl, mesh, turns)),
+                         ("outbox and shutdown", lambda: test_outbox_and_shutdown(ctl, mesh, turns)),
+                         ("demo across relays", lambda: test_demo_across_relays(ctl, mesh))]:
             before = len(FAILURES)
             try:
                 fn()
