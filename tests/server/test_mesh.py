@@ -18,6 +18,8 @@ messages to each other. Checked against real processes:
   - the route file re-read when it changes, a bad one keeping the last table;
   - the outbox bound refusing a publish, SIGTERM logging what it left;
   - kvrelayctl demo across four relays;
+  - a publish that fails after its first layers were forwarded (cut-through)
+    leaves nothing at the destination;
   - metrics on the relays matching the accounting.
 """
 import argparse
@@ -392,6 +394,50 @@ def test_demo_across_relays(ctl, mesh):
     m = re.search(r"to_next_relay_bytes=(\d+)", out)
     check(bool(m) and int(m.group(1)) > 0, f"demo: bytes went to the next relays ({out[-400:]})")
 
+def test_failed_publish_leaves_nothing(mesh):
+    """Cut-through: the first layers are forwarded while the upload runs, but a
+    publish that fails (a chunk of its last layer fails its CRC32C) never becomes
+    visible at the destination, and nothing is committed there."""
+    try:
+        import grpc
+        import numpy as np
+        from kvrelay import client as kc
+        from kvrelay.types import Turn, TurnLayer
+        from kvrelay.v1 import relay_pb2 as pb, relay_pb2_grpc as pbg
+    except ImportError as e:
+        check(False, f"failed publish: the Python client and its stubs are needed ({e}); set PYTHONPATH as ctest does")
+        return
+    a, b = mesh.relays["planner"], mesh.relays["critic"]
+    rng = np.random.default_rng(7)
+    L, H, d, n, g = 4, 2, 64, 96, 8
+    layers = [TurnLayer(*(rng.standard_normal((H, m, d)).astype(np.float32) for m in (n, n, g, g)),
+                        rng.random((H, n)).astype(np.float32)) for _ in range(L)]
+    turn = Turn(layers)
+    header = pb.PublishHeader(session_id="nan", message_id="m-broken", sender="planner", recipients=["critic"],
+                              policy="full", geometry=kc._geometry(turn))
+
+    def requests():
+        for req in kc._upload(turn, pb.PublishRequest, pb.PublishRequest(header=header)):
+            if req.HasField("chunk") and req.chunk.layer == L - 1:
+                req.chunk.crc32c ^= 1  # the last layer arrives corrupted
+                time.sleep(0.5)        # while the first layers are forwarded
+            yield req
+
+    before = metric(metrics(b), "kvrelay_forwards_received_total", outcome="committed")
+    with grpc.insecure_channel(a.addr) as ch:
+        try:
+            pbg.RelayStub(ch).Publish(requests(), timeout=30)
+            check(False, "failed publish: the corrupted upload was accepted")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.DATA_LOSS, f"failed publish: DATA_LOSS ({e.code()} {e.details()})")
+    rc, _, err = tl.run([mesh.ctl.binary, "fetch", "--session", "nan", "--agent", "critic", "--out",
+                         mesh.ctl.path("nan-out.st"), "--wait", "3", "--addr", b.addr])
+    check(rc == 1 and "DEADLINE_EXCEEDED" in err, f"failed publish: nothing at the destination ({rc} {err.strip()})")
+    after = metric(metrics(b), "kvrelay_forwards_received_total", outcome="committed")
+    check(after == before, f"failed publish: no forward committed at the destination ({before} -> {after})")
+    check("forward dropped session=nan message=m-broken" in a.log(), "failed publish: its forward was dropped")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
@@ -401,6 +447,7 @@ def main():
     ctl = Ctl(args.kvrelayctl, work)
     names = ["planner", "critic", "refiner", "judger"]
     mesh = Mesh(args.server, work, names)
+    mesh.ctl = ctl
     mesh.ports["edge"] = free_port()
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     base_routes = {"planner": "planner", "critic": "critic", "critic2": "critic", "refiner": "refiner",
@@ -428,7 +475,8 @@ def main():
                          ("ancestor missing", lambda: test_ancestor_missing(ctl, mesh, turns, args.server, work)),
                          ("route file reload", lambda: test_route_file_reload(ctl, mesh, turns)),
                          ("outbox and shutdown", lambda: test_outbox_and_shutdown(ctl, mesh, turns)),
-                         ("demo across relays", lambda: test_demo_across_relays(ctl, mesh))]:
+                         ("demo across relays", lambda: test_demo_across_relays(ctl, mesh)),
+                         ("failed publish", lambda: test_failed_publish_leaves_nothing(mesh))]:
             before = len(FAILURES)
             try:
                 fn()
