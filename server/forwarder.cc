@@ -259,9 +259,12 @@ void Forwarder::DeadLetter(const std::shared_ptr<Job>& job, const std::vector<st
 }
 
 void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
-  if (store_->IsClosed(job->session())) {
-    spdlog::info("forward dropped session={} message={} destination={}: the session was closed", job->session(),
-                 job->id(), job->target);
+  // A retry of a message this relay no longer holds (its session was closed
+  // or expired here) is dropped. The first attempt starts before the commit.
+  if (job->attempts > 0 && !store_->Find(job->session(), job->id())) {
+    spdlog::info("forward dropped session={} message={} destination={}: the session is gone here (closed or "
+                 "expired)",
+                 job->session(), job->id(), job->target);
     return EndJob(job);
   }
   ++job->attempts;
@@ -347,6 +350,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   }
   if (publish_failed || mismatch) stream.Cancel();
   if (ok && m) {
+    store_->AddPeer(job->session(), job->target);  // a close here is passed on there from now on
     v1::ForwardRequest commit;
     *commit.mutable_commit()->mutable_trailer() = trailer.Build();
     *commit.mutable_commit()->mutable_accounting() = m->accounting;
@@ -426,7 +430,8 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
         DeadLetter(job, {agent}, code, absl::StrCat(GrpcCodeName(code), ": ", r.message()));
       }
     }
-    if (committed_any) {
+    if (committed_any && !m) m = job->source->WaitOutcome();  // answered from the header (a duplicate)
+    if (committed_any && m) {
       store_->NotePeerHolds(job->session(), job->id(), job->target);
       if (metrics_) {
         if (elided) metrics_->AddForwardElided(elided);
@@ -488,10 +493,10 @@ int Forwarder::Drain(std::chrono::milliseconds grace) {
                  job->session(), job->id(), job->target, absl::StrJoin(job->recipients, ","), job->attempts,
                  job->last_error);
   }
-  for (const auto& job : running_) {
+  for (const auto& job : running_) {  // its attempt's thread owns the recipients list
     ++left;
-    spdlog::warn("shutdown: forward in flight cancelled session={} message={} destination={} recipients={}",
-                 job->session(), job->id(), job->target, absl::StrJoin(job->recipients, ","));
+    spdlog::warn("shutdown: not forwarded (in flight, cancelled) session={} message={} destination={}",
+                 job->session(), job->id(), job->target);
     if (job->ctx) job->ctx->TryCancel();
   }
   queue_.clear();

@@ -127,6 +127,10 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   absl::StatusOr<std::unique_ptr<RouteTable>> routes = RouteTable::Create(ro);
   if (!routes.ok()) return routes.status();
   s->routes_ = std::move(*routes);
+  if (s->routes_->enabled() && config.advertise.empty()) {
+    spdlog::warn("routes are set but --advertise is not: the relays this one forwards to cannot report "
+                 "deliveries back, pass a close back, or elide ancestors they got from it");
+  }
   ForwarderOptions fo;
   fo.advertise = config.advertise;
   fo.forward_timeout_seconds = config.forward_timeout_seconds;
