@@ -57,7 +57,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "client/heap_retain.h"
+#include "core/heap_retain.h"
 #include "client/relay_client.h"
 #include "core/format/synthetic.h"
 
