@@ -396,6 +396,29 @@ TEST(MeshStoreTest, TrackedStatesNeverGoBackAndADeadLetterIsFinal) {
   EXPECT_EQ(y.attempts(), 4u);
 }
 
+// A sender gives up (dead letter) only on recipients it has no answer for;
+// when the destination's commit or report came first, that state stays.
+TEST(MeshStoreTest, ADeadLetterReplacesOnlyAQueuedState) {
+  MemoryStore impl(StoreLimits{}, nullptr);
+  Store& s = impl;
+  auto m = Msg("s", "m1", {"q", "c", "d", "k"});
+  m->remote = {{"q", "r:1"}, {"c", "r:1"}, {"d", "r:1"}, {"k", "r:1"}};
+  ASSERT_TRUE(Commit(s, m).ok());
+  s.TrackRecipient("s", "m1", "q", Track(v1::RECIPIENT_STATE_QUEUED, "r:1", "UNAVAILABLE: down", 2));
+  s.TrackRecipient("s", "m1", "c", Track(v1::RECIPIENT_STATE_COMMITTED, "r:1", "", 1));
+  s.TrackRecipient("s", "m1", "d", Track(v1::RECIPIENT_STATE_DELIVERED, "", "", 0));
+  s.TrackRecipient("s", "m1", "k", Track(v1::RECIPIENT_STATE_ACKED, "", "", 0));
+  for (const char* agent : {"q", "c", "d", "k"}) {
+    s.TrackRecipient("s", "m1", agent, Track(v1::RECIPIENT_STATE_DEAD_LETTERED, "r:1", "DEADLINE_EXCEEDED: gave up", 3));
+  }
+  EXPECT_EQ(StatusNow(s, "q").state(), v1::RECIPIENT_STATE_DEAD_LETTERED);
+  EXPECT_EQ(StatusNow(s, "q").reason(), "DEADLINE_EXCEEDED: gave up");
+  EXPECT_EQ(StatusNow(s, "c").state(), v1::RECIPIENT_STATE_COMMITTED);
+  EXPECT_EQ(StatusNow(s, "c").reason(), "");
+  EXPECT_EQ(StatusNow(s, "d").state(), v1::RECIPIENT_STATE_DELIVERED);
+  EXPECT_EQ(StatusNow(s, "k").state(), v1::RECIPIENT_STATE_ACKED);
+}
+
 TEST(MeshStoreTest, ForwardedMessagesShowTheirRecipientsHere) {
   MemoryStore impl(StoreLimits{}, nullptr);
   Store& s = impl;
