@@ -14,6 +14,7 @@
 #include "relay_test_util.h"
 #include "server/forward_reactor.h"
 #include "server/forwarder.h"
+#include "server/metrics.h"
 #include "server/server.h"
 #include "tests/core/test_util.h"
 
@@ -739,6 +740,46 @@ TEST_F(ForwardTest, ReportsOfARemoteRecipientMoveItsStatusForwardOnly) {
   ASSERT_TRUE(Status("s", "m1", &resp).ok());
   EXPECT_EQ(resp.recipients(1).state(), v1::RECIPIENT_STATE_ACKED);
   EXPECT_EQ(resp.recipients(0).state(), v1::RECIPIENT_STATE_COMMITTED);
+}
+
+
+double CounterSum(Metrics* m, const std::string& name) {
+  double sum = 0;
+  for (const auto& fam : m->registry()->Collect()) {
+    if (fam.name != name) continue;
+    for (const auto& metric : fam.metric) sum += metric.counter.value;
+  }
+  return sum;
+}
+
+// A relay that never answers dead-letters its recipients after the forward
+// timeout, with the reason; one the destination reported acked meanwhile
+// (its answer to the forward was lost) stays acked.
+TEST_F(ForwardTest, ADeadLetterDoesNotUndoADestinationsReport) {
+  ServerConfig cfg;
+  cfg.routes = {{"far", "127.0.0.1:1"}, {"far2", "127.0.0.1:1"}};
+  cfg.forward_timeout_seconds = 1;
+  StartServer(cfg);
+  Turn t = MakeTurn(17);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("s", "m1", "a", {"far", "far2"}, "full", t), t).status.ok());
+  ASSERT_TRUE(Report("s", "m1", "far2", v1::RECIPIENT_STATE_ACKED).ok());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (CounterSum(server_->metrics(), "kvrelay_dead_letters_total") < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(CounterSum(server_->metrics(), "kvrelay_dead_letters_total"), 2);
+  v1::MessageStatusResponse resp;
+  ASSERT_TRUE(Status("s", "m1", &resp).ok());
+  ASSERT_EQ(resp.recipients_size(), 2);
+  EXPECT_EQ(resp.recipients(0).agent(), "far");
+  EXPECT_EQ(resp.recipients(0).state(), v1::RECIPIENT_STATE_DEAD_LETTERED);
+  EXPECT_TRUE(absl::StartsWith(resp.recipients(0).reason(), "DEADLINE_EXCEEDED: gave up after "))
+      << resp.recipients(0).reason();
+  EXPECT_TRUE(absl::StrContains(resp.recipients(0).reason(), "last: UNAVAILABLE: ")) << resp.recipients(0).reason();
+  EXPECT_GE(resp.recipients(0).attempts(), 1u);
+  EXPECT_EQ(resp.recipients(0).relay(), "127.0.0.1:1");
+  EXPECT_EQ(resp.recipients(1).agent(), "far2");
+  EXPECT_EQ(resp.recipients(1).state(), v1::RECIPIENT_STATE_ACKED) << resp.recipients(1).reason();
 }
 
 }  // namespace
