@@ -474,7 +474,8 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   }
   if (at >= job->deadline || draining) {
     DeadLetter(job, job->recipients, grpc::DEADLINE_EXCEEDED,
-               absl::StrCat("gave up after ", job->attempts, " attempts (--forward-timeout-seconds ",
+               absl::StrCat(GrpcCodeName(grpc::DEADLINE_EXCEEDED), ": gave up after ", job->attempts,
+                            " attempts (--forward-timeout-seconds ",
                             opts_.forward_timeout_seconds, "), last: ", job->last_error));
     job->recipients.clear();
     return EndJob(job);

@@ -588,6 +588,9 @@ void MemoryStore::TrackRecipient(const std::string& session, const std::string& 
   }
   RecipientTrack& cur = it->second;
   if (cur.state == v1::RECIPIENT_STATE_DEAD_LETTERED) return;
+  // The destination committed it (and may have reported it delivered or
+  // acked): a sender giving up later, its answer lost, does not undo that.
+  if (track.state == v1::RECIPIENT_STATE_DEAD_LETTERED && cur.state > v1::RECIPIENT_STATE_QUEUED) return;
   if (track.state == v1::RECIPIENT_STATE_DEAD_LETTERED || track.state >= cur.state) {
     const uint32_t attempts = std::max(cur.attempts, track.attempts);
     const std::string relay = track.relay.empty() ? cur.relay : track.relay;

@@ -253,6 +253,8 @@ class Store {
   // Records where a message published here is for one of its recipients on
   // another relay. A later state never goes back to an earlier one
   // (queued < committed < delivered < acked), and a dead letter is final.
+  // A dead letter only replaces queued: once the destination committed the
+  // message (or reported it delivered or acked), that state stays.
   struct RecipientTrack {
     v1::RecipientState state = v1::RECIPIENT_STATE_QUEUED;
     std::string relay;   // the recipient's relay
