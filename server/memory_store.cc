@@ -34,6 +34,15 @@ namespace {
 
 // What a refusal adds when the request alone is over the limit: waiting for
 // room cannot help, so a client should not retry.
+absl::Status NoSession(const std::string& session) {
+  return absl::NotFoundError(absl::StrCat("session_id: '", session, "': no such session (closed or expired?)"));
+}
+
+absl::Status NoMessage(const std::string& session, const std::string& message_id) {
+  return absl::NotFoundError(
+      absl::StrCat("message_id: '", message_id, "': no such message in session '", session, "'"));
+}
+
 std::string AloneOver(uint64_t bytes, uint64_t limit) {
   return bytes > limit ? "; the request alone is over the limit, so retrying cannot succeed" : "";
 }
@@ -265,12 +274,11 @@ absl::Status MemoryStore::Ack(const std::string& session, const std::string& age
   std::lock_guard<std::mutex> lock(mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("session_id: '", session, "': no such session (closed or expired?)"));
+    return NoSession(session);
   }
   auto m = s->second.messages.find(message_id);
   if (m == s->second.messages.end()) {
-    return absl::NotFoundError(absl::StrCat("message_id: '", message_id, "': no such message in session '",
-                                            session, "'"));
+    return NoMessage(session, message_id);
   }
   auto here = s->second.local.find(message_id);
   if (here == s->second.local.end() || !here->second.count(agent)) {
@@ -605,22 +613,25 @@ absl::StatusOr<v1::MessageStatusResponse> MemoryStore::MessageStatus(const std::
   std::lock_guard<std::mutex> lock(mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("session_id: '", session, "': no such session (closed or expired?)"));
+    return NoSession(session);
   }
   auto m = s->second.messages.find(message_id);
   if (m == s->second.messages.end()) {
-    return absl::NotFoundError(absl::StrCat("message_id: '", message_id, "': no such message in session '",
-                                            session, "'"));
+    return NoMessage(session, message_id);
   }
   const StoredMessage& msg = *m->second;
   v1::MessageStatusResponse resp;
   resp.set_sender(msg.sender);
   auto tracks = s->second.tracks.find(message_id);
   auto here = s->second.local.find(message_id);
-  const std::vector<std::string>& order =
-      msg.forwarded && here != s->second.local.end()
-          ? std::vector<std::string>(here->second.begin(), here->second.end())
-          : msg.recipients;
+  // The publish's order; at a relay a message was forwarded to, its
+  // recipients here (those a later forward added after them).
+  std::vector<std::string> order = msg.recipients;
+  if (msg.forwarded && here != s->second.local.end()) {
+    for (const std::string& a : here->second) {
+      if (std::find(order.begin(), order.end(), a) == order.end()) order.push_back(a);
+    }
+  }
   for (const std::string& agent : order) {
     v1::RecipientStatus* r = resp.add_recipients();
     r->set_agent(agent);

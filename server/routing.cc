@@ -1,6 +1,7 @@
 #include "server/routing.h"
 
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <utility>
 
@@ -46,10 +47,24 @@ bool IsDnsLabel(const std::string& name) {
 
 absl::StatusOr<std::map<std::string, std::string>> ParseRouteFile(const std::string& content,
                                                                   const std::string& source) {
-  nlohmann::json j = nlohmann::json::parse(content, nullptr, /*allow_exceptions=*/false);
+  // The parser keeps the last of keys given twice: note them as they pass.
+  std::set<std::string> seen;
+  std::string twice;
+  auto note_keys = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    if (event == nlohmann::json::parse_event_t::key && depth == 1 && parsed.is_string() &&
+        !seen.insert(parsed.get<std::string>()).second && twice.empty()) {
+      twice = parsed.get<std::string>();
+    }
+    return true;
+  };
+  nlohmann::json j = nlohmann::json::parse(content, note_keys, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": not a JSON object, expected {\"AGENT\": \"TARGET\", ...}"));
+  }
+  if (!twice.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": key '", absl::CHexEscape(twice), "': given twice, expected each agent once"));
   }
   std::map<std::string, std::string> routes;
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -61,9 +76,7 @@ absl::StatusOr<std::map<std::string, std::string>> ParseRouteFile(const std::str
     }
     const std::string target = it.value().get<std::string>();
     if (absl::Status s = CheckTarget(field, target); !s.ok()) return s;
-    if (!routes.emplace(it.key(), target).second) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": given twice, expected each agent once"));
-    }
+    routes.emplace(it.key(), target);
   }
   return routes;
 }

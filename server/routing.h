@@ -70,8 +70,10 @@ class RouteTable {
   bool enabled() const { return enabled_; }
   const std::string& advertise() const { return opts_.advertise; }
 
-  // Checks the route file now (the poller calls this). Returns the result
-  // of the last parse: OK when the file was unchanged or loaded.
+  // Checks the route file now (the poller calls this): OK when it was
+  // loaded or its content is what was read last time (a bad content is
+  // reported once, the first time it is read); the error otherwise, the
+  // table staying as it was.
   absl::Status ReloadNow();
   // How many times the file's content was loaded, the start-up load included.
   uint64_t file_loads() const { return file_loads_.load(); }

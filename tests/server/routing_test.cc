@@ -70,6 +70,9 @@ TEST(ParseRouteFileTest, AcceptsAnObjectOfTargets) {
   ASSERT_EQ(r->size(), 2u);
   EXPECT_EQ(r->at("planner"), "10.0.0.1:50051");
   EXPECT_EQ(r->at("critic"), "dns:///critic.svc:50051");
+  // A key twice in a nested value is not a route key (and not refused as one).
+  EXPECT_FALSE(ParseRouteFile(R"({"a": {"x": 1, "x": 2}})", "SRC").status().message().find("twice") !=
+               absl::string_view::npos);
   auto empty = ParseRouteFile("{}", "SRC");
   ASSERT_TRUE(empty.ok()) << empty.status();
   EXPECT_TRUE(empty->empty());
@@ -93,6 +96,7 @@ TEST(ParseRouteFileTest, RefusalsNameTheSourceAndTheKey) {
            Case{R"({"a": "nohostport"})", "key 'a': address 'nohostport': expected HOST:PORT"},
            Case{R"({"a": "h:0"})", "key 'a': address 'h:0': expected HOST:PORT with PORT in 1..65535"},
            Case{R"({"a": ""})", "key 'a': address '': expected HOST:PORT"},
+           Case{R"({"a": "h:1", "b": "h:2", "a": "h:3"})", "key 'a': given twice, expected each agent once"},
        }) {
     auto r = ParseRouteFile(c.content, "SRC");
     ASSERT_FALSE(r.ok()) << c.content;
