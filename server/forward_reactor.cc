@@ -215,10 +215,6 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       if (absl::Status same = CheckSameForward(h, *r->msg); !same.ok()) return Fail(same);
     }
     FillResults(*r);
-    if (!h.origin().empty()) {
-      svc_->store()->AddPeer(m->session_id, h.origin());
-      svc_->store()->NotePeerHolds(m->session_id, m->message_id, h.origin());
-    }
     if (Metrics* mx = svc_->metrics()) {
       mx->AddForwardReceived(r->duplicate ? "duplicate" : "committed");
       if (!r->duplicate) mx->AddReceived(received_);

@@ -122,25 +122,30 @@ void ForwardSource::AddOwner(std::shared_ptr<const void> owner) {
 }
 
 void ForwardSource::Resolve(MessagePtr committed) {
+  std::vector<std::shared_ptr<const void>> released;
   std::lock_guard<std::mutex> lock(mu_);
   if (resolved_) return;
   resolved_ = true;
   outcome_ = std::move(committed);
-  if (outcome_) resolved_at_ = Clock::now();
+  if (outcome_) {
+    resolved_at_ = Clock::now();
+    released.swap(owners_);  // freed after the lock (the compression's reservation with it)
+    owners_.push_back(outcome_);
+  }
   cv_.notify_all();
 }
 
-bool ForwardSource::WaitLayer(int l, LayerView* out) {
+bool ForwardSource::WaitLayer(int l, LayerView* out, Clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return layers_[l] != nullptr || (resolved_ && !outcome_); });
+  cv_.wait_until(lock, deadline, [&] { return layers_[l] != nullptr || (resolved_ && !outcome_); });
   if (!layers_[l]) return false;
   *out = *layers_[l];
   return true;
 }
 
-MessagePtr ForwardSource::WaitOutcome() {
+MessagePtr ForwardSource::WaitOutcome(Clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return resolved_; });
+  cv_.wait_until(lock, deadline, [&] { return resolved_; });
   return outcome_;
 }
 
@@ -211,9 +216,13 @@ void Forwarder::Enqueue(const std::string& target, std::vector<std::string> reci
 void Forwarder::Schedule(const std::shared_ptr<Job>& job, Clock::time_point at) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.emplace(at, job);
+    if (!stop_) {
+      queue_.emplace(at, job);
+      cv_.notify_one();
+      return;
+    }
   }
-  cv_.notify_one();
+  EndJob(job);  // drained or stopping: it was logged by Drain
 }
 
 void Forwarder::Loop() {
@@ -304,8 +313,11 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::duration_cast<std::chrono::system_clock::duration>(job->deadline - Clock::now()));
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_) return;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stop_) {
+      lock.unlock();
+      return EndJob(job);
+    }
     job->ctx = &ctx;
   }
   BlockingStream stream(channel, kForwardMethod, &ctx);
@@ -315,7 +327,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   bool publish_failed = false, mismatch = false;
   for (int l = 0; ok && l < job->source->layers(); ++l) {
     ForwardSource::LayerView v;
-    if (!job->source->WaitLayer(l, &v)) {
+    if (!job->source->WaitLayer(l, &v, job->deadline)) {
       publish_failed = true;
       break;
     }
@@ -345,12 +357,14 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   }
   MessagePtr m;
   if (ok && !publish_failed && !mismatch) {
-    m = job->source->WaitOutcome();
+    m = job->source->WaitOutcome(job->deadline);
     if (!m) publish_failed = true;
   }
+  // From here a close of the session here is passed on to the destination;
+  // a session already gone (closed right after the commit) sends nothing.
+  if (ok && m && !store_->AddPeer(job->session(), job->target)) publish_failed = true;
   if (publish_failed || mismatch) stream.Cancel();
-  if (ok && m) {
-    store_->AddPeer(job->session(), job->target);  // a close here is passed on there from now on
+  if (ok && m && !publish_failed) {
     v1::ForwardRequest commit;
     *commit.mutable_commit()->mutable_trailer() = trailer.Build();
     *commit.mutable_commit()->mutable_accounting() = m->accounting;
@@ -366,6 +380,12 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   }
   if (metrics_) metrics_->AddForwardBytes(sent);
   if (stream.stalled()) peers_.Reset(job->target, channel);
+  // Nothing is recorded, and no retry scheduled, before the publish's
+  // outcome: a message that is not committed here forwards nothing.
+  if (!publish_failed && !m) {
+    m = job->source->WaitOutcome(job->deadline);
+    if (!m) publish_failed = true;
+  }
 
   if (publish_failed) {
     spdlog::info("forward dropped session={} message={} destination={}: the publish failed", job->session(),
@@ -430,8 +450,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
         DeadLetter(job, {agent}, code, absl::StrCat(GrpcCodeName(code), ": ", r.message()));
       }
     }
-    if (committed_any && !m) m = job->source->WaitOutcome();  // answered from the header (a duplicate)
-    if (committed_any && m) {
+    if (committed_any) {
       store_->NotePeerHolds(job->session(), job->id(), job->target);
       if (metrics_) {
         if (elided) metrics_->AddForwardElided(elided);
@@ -467,12 +486,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   thread_local std::mt19937_64 rng(std::random_device{}());
   const double jitter = std::uniform_real_distribution<double>(0.75, 1.25)(rng);
   const Clock::time_point at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(base * jitter));
-  bool draining;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    draining = stop_;
-  }
-  if (at >= job->deadline || draining) {
+  if (at >= job->deadline) {
     DeadLetter(job, job->recipients, grpc::DEADLINE_EXCEEDED,
                absl::StrCat(GrpcCodeName(grpc::DEADLINE_EXCEEDED), ": gave up after ", job->attempts,
                             " attempts (--forward-timeout-seconds ",
@@ -485,7 +499,6 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
 
 int Forwarder::Drain(std::chrono::milliseconds grace) {
   std::unique_lock<std::mutex> lock(mu_);
-  draining_ = true;
   cv_.wait_for(lock, grace, [this] { return queue_.empty() && running_.empty(); });
   int left = 0;
   for (const auto& [at, job] : queue_) {
@@ -500,7 +513,12 @@ int Forwarder::Drain(std::chrono::milliseconds grace) {
                  job->session(), job->id(), job->target);
     if (job->ctx) job->ctx->TryCancel();
   }
+  std::vector<std::shared_ptr<Job>> cleared;
+  for (auto& [at, job] : queue_) cleared.push_back(job);
   queue_.clear();
+  stop_ = true;  // attempts in flight end without a retry
+  lock.unlock();
+  for (const auto& job : cleared) EndJob(job);
   return left;
 }
 

@@ -27,6 +27,10 @@
 //
 // Thread-safe. Forward attempts block their own threads (never a gRPC
 // reaction); every wait is bounded by the stall time or the job's deadline.
+// An attempt that starts before the commit (the first) waits for the
+// publish's outcome before it records anything or schedules a retry: a
+// publish that fails forwards nothing, and retries send the committed
+// message.
 #ifndef KVRELAY_SERVER_FORWARDER_H_
 #define KVRELAY_SERVER_FORWARDER_H_
 
@@ -84,12 +88,18 @@ class ForwardSource {
   // moved into before its commit).
   void AddOwner(std::shared_ptr<const void> owner);
   // The publish's outcome: the committed message, or null when it failed.
+  // The first call counts. Once committed, the source holds only the
+  // message (which owns every layer's buffers by then): the compression and
+  // its in-flight reservation go; after a failure it keeps its owners, which
+  // views handed out may still point into.
   void Resolve(MessagePtr committed);
 
-  // Waits for layer `l`; false when the publish failed.
-  bool WaitLayer(int l, LayerView* out);
-  // Waits for the outcome (null: the publish failed).
-  MessagePtr WaitOutcome();
+  // Waits for layer `l` until `deadline`; false when the publish failed or
+  // the deadline passed.
+  bool WaitLayer(int l, LayerView* out, Clock::time_point deadline);
+  // Waits for the outcome until `deadline` (null: the publish failed, or
+  // the deadline passed).
+  MessagePtr WaitOutcome(Clock::time_point deadline);
   // When the commit was resolved (the forward latency starts there).
   Clock::time_point resolved_at();
   int layers() const { return static_cast<int>(layers_.size()); }
@@ -167,7 +177,7 @@ class Forwarder {
   std::condition_variable cv_;
   std::multimap<Clock::time_point, std::shared_ptr<Job>> queue_;
   std::vector<std::shared_ptr<Job>> running_;
-  bool stop_ = false, draining_ = false;
+  bool stop_ = false;  // no new attempts (Drain, the destructor)
   std::vector<std::thread> threads_;
 };
 

@@ -515,6 +515,10 @@ absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForward(std::share
       store_bytes_ += msg->bytes;
     }
     s.last_active = Clock::now();
+    if (!msg->origin.empty()) {  // before anyone here can see it: a base for elision back there
+      s.peers.insert(msg->origin);
+      s.peer_holds.emplace(msg->message_id, msg->origin);
+    }
     std::set<std::string>& here = s.local[msg->message_id];
     for (const std::string& agent : recipients) {
       RecipientResult r;
@@ -660,10 +664,12 @@ absl::StatusOr<v1::MessageStatusResponse> MemoryStore::MessageStatus(const std::
   return resp;
 }
 
-void MemoryStore::AddPeer(const std::string& session, const std::string& target) {
+bool MemoryStore::AddPeer(const std::string& session, const std::string& target) {
   std::lock_guard<std::mutex> lock(mu_);
   auto s = sessions_.find(session);
-  if (s != sessions_.end()) s->second.peers.insert(target);
+  if (s == sessions_.end()) return false;
+  s->second.peers.insert(target);
+  return true;
 }
 
 void MemoryStore::NotePeerHolds(const std::string& session, const std::string& message_id,

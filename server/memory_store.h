@@ -65,7 +65,7 @@ class MemoryStore final : public Store {
                       const RecipientTrack& track) override;
   absl::StatusOr<v1::MessageStatusResponse> MessageStatus(const std::string& session,
                                                           const std::string& message_id) const override;
-  void AddPeer(const std::string& session, const std::string& target) override;
+  bool AddPeer(const std::string& session, const std::string& target) override;
   void NotePeerHolds(const std::string& session, const std::string& message_id, const std::string& target) override;
   bool PeerHolds(const std::string& session, const std::string& message_id, const std::string& target) const override;
 

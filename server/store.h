@@ -224,7 +224,9 @@ class Store {
   // the headers match). Per recipient: OK, duplicate, or RESOURCE_EXHAUSTED
   // when its mailbox is full. The session's message and byte limits and the
   // store's fail the whole call (RESOURCE_EXHAUSTED); a close after `t`
-  // began fails it with FAILED_PRECONDITION.
+  // began fails it with FAILED_PRECONDITION. The message's origin relay
+  // becomes a peer of the session holding it (AddPeer, NotePeerHolds) in
+  // the same step, before any recipient can fetch it.
   virtual absl::StatusOr<ForwardCommitResult> CommitForward(std::shared_ptr<StoredMessage> m,
                                                             const std::vector<std::string>& recipients,
                                                             const PublishTicket& t) = 0;
@@ -269,8 +271,9 @@ class Store {
   virtual absl::StatusOr<v1::MessageStatusResponse> MessageStatus(const std::string& session,
                                                                   const std::string& message_id) const = 0;
 
-  // Another relay holds a part of `session` (CloseSession is passed on to it).
-  virtual void AddPeer(const std::string& session, const std::string& target) = 0;
+  // Another relay holds a part of `session` (CloseSession is passed on to
+  // it). False, recording nothing, when this relay holds no such session.
+  virtual bool AddPeer(const std::string& session, const std::string& target) = 0;
   // Relay `target` holds message `message_id` of `session` (it was forwarded
   // there, or came from there): a base for ancestor elision.
   virtual void NotePeerHolds(const std::string& session, const std::string& message_id,

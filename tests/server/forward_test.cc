@@ -782,5 +782,60 @@ TEST_F(ForwardTest, ADeadLetterDoesNotUndoADestinationsReport) {
   EXPECT_EQ(resp.recipients(1).state(), v1::RECIPIENT_STATE_ACKED) << resp.recipients(1).reason();
 }
 
+// A forward whose first attempt fails before the publish commits (the
+// destination is down) is retried once the message is committed, not
+// dropped as if its session were gone.
+TEST_F(ForwardTest, AFailureBeforeTheCommitIsRetriedAfterIt) {
+  ServerConfig cfg;
+  cfg.routes = {{"far", "127.0.0.1:1"}};
+  cfg.forward_timeout_seconds = 60;
+  StartServer(cfg);
+  Turn t0 = MakeTurn(20);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("s", "m0", "a", {"near"}, "full", t0), t0).status.ok());
+  Turn t = MakeTurn(21);
+  auto chunks = TurnChunks(t);
+  auto reqs = PublishStream(Header("s", "m1", "a", {"near", "far"}, "full", t), chunks, TrailerOf(chunks));
+  PublishResult r;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(30));
+    auto writer = stub_->Publish(&ctx, &r.response);
+    ASSERT_TRUE(writer->Write(reqs[0]));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // the first attempt fails meanwhile
+    for (size_t i = 1; i < reqs.size(); ++i) ASSERT_TRUE(writer->Write(reqs[i]));
+    writer->WritesDone();
+    r.status = writer->Finish();
+  }
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  v1::MessageStatusResponse resp;
+  ASSERT_TRUE(Status("s", "m1", &resp).ok());
+  const uint32_t a0 = resp.recipients(1).attempts();
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  ASSERT_TRUE(Status("s", "m1", &resp).ok());
+  EXPECT_EQ(resp.recipients(1).state(), v1::RECIPIENT_STATE_QUEUED);
+  EXPECT_GT(resp.recipients(1).attempts(), a0) << "no retry after the commit: the forward was dropped";
+  EXPECT_TRUE(absl::StartsWith(resp.recipients(1).reason(), "UNAVAILABLE: ")) << resp.recipients(1).reason();
+}
+
+// A committed message waiting in the outbox holds its retained bytes, not
+// the upload's in-flight reservation: one dead peer cannot use up
+// --max-inflight-bytes for everyone.
+TEST_F(ForwardTest, AQueuedForwardHoldsNoUploadReservation) {
+  ServerConfig cfg;
+  cfg.routes = {{"far", "127.0.0.1:1"}};
+  cfg.forward_timeout_seconds = 60;
+  StartServer(cfg);
+  Turn t = MakeTurn(22);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("s", "m1", "a", {"far"}, "full", t), t).status.ok());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (server_->store()->inflight_bytes() != 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(server_->store()->inflight_bytes(), 0u);
+  v1::MessageStatusResponse resp;
+  ASSERT_TRUE(Status("s", "m1", &resp).ok());
+  EXPECT_EQ(resp.recipients(0).state(), v1::RECIPIENT_STATE_QUEUED);
+}
+
 }  // namespace
 }  // namespace kvrelay
