@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "server/metrics.h"
 
 namespace kvrelay {
@@ -179,11 +180,7 @@ absl::StatusOr<MemoryStore::CommitResult> MemoryStore::Commit(std::shared_ptr<St
   CommitResult result;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto p = publishing_.find(m->session_id); p != publishing_.end() && p->second.last_close > t.close_seq) {
-      return absl::FailedPreconditionError(absl::StrCat("session '", m->session_id,
-                                                        "': closed while this publish was in progress; nothing "
-                                                        "was stored"));
-    }
+    KVRELAY_RETURN_IF_ERROR(CheckNotClosedSinceLocked(t, "publish"));
     Session& s = sessions_[m->session_id];
     const bool fresh = s.messages.empty() && s.mailboxes.empty();
     auto drop_if_fresh = [&] {
@@ -455,6 +452,13 @@ void MemoryStore::TimerLoop() {
   }
 }
 
+absl::Status MemoryStore::CheckNotClosedSinceLocked(const PublishTicket& t, absl::string_view what) const {
+  auto p = publishing_.find(t.session);
+  if (p == publishing_.end() || p->second.last_close <= t.close_seq) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("session '", t.session, "': closed while this ", what, " was in progress; nothing was stored"));
+}
+
 void MemoryStore::AddToMailboxLocked(Session& s, const MessagePtr& msg, const std::string& agent,
                                      std::vector<WakeFn>* wakes) {
   Mailbox& mb = s.mailboxes[agent];
@@ -480,11 +484,7 @@ absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForward(std::share
   ForwardCommitResult result;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto p = publishing_.find(m->session_id); p != publishing_.end() && p->second.last_close > t.close_seq) {
-      return absl::FailedPreconditionError(absl::StrCat("session '", m->session_id,
-                                                        "': closed while this forward was in progress; nothing "
-                                                        "was stored"));
-    }
+    KVRELAY_RETURN_IF_ERROR(CheckNotClosedSinceLocked(t, "forward"));
     if (closed_.count(m->session_id)) {
       return absl::FailedPreconditionError(
           absl::StrCat("session '", m->session_id, "': closed on this relay; a close is not undone by a forward"));

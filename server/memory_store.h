@@ -106,6 +106,9 @@ class MemoryStore final : public Store {
                                 const std::vector<std::string>& recipients, uint64_t bytes,
                                 absl::string_view what) const;
   Clock::duration Ttl() const;
+  // FAILED_PRECONDITION when the ticket's session was closed after it was
+  // taken (`what`: "publish" or "forward"). REQUIRES: mu_ held.
+  absl::Status CheckNotClosedSinceLocked(const PublishTicket& t, absl::string_view what) const;
   // Puts `msg` into `agent`'s mailbox and wakes its waiters into `wakes`.
   void AddToMailboxLocked(Session& s, const MessagePtr& msg, const std::string& agent, std::vector<WakeFn>* wakes);
   void SweepClosedLocked(Clock::time_point now);
