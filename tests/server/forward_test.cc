@@ -58,28 +58,6 @@ Turn WithHistory(Turn t, const Message& parent) {
   return t;
 }
 
-void ExpectSameMessage(const Message& got, const Message& want) {
-  ASSERT_EQ(got.layers.size(), want.layers.size());
-  for (size_t l = 0; l < want.layers.size(); ++l) {
-    const MessageLayer& g = got.layers[l];
-    const MessageLayer& w = want.layers[l];
-    EXPECT_EQ(g.pos, w.pos) << "layer " << l;
-    if (w.quant) {
-      ASSERT_TRUE(g.quant) << "layer " << l;
-      EXPECT_EQ(g.quant->k.codes, w.quant->k.codes);
-      EXPECT_EQ(g.quant->k.scale, w.quant->k.scale);
-      EXPECT_EQ(g.quant->k.zero, w.quant->k.zero);
-      EXPECT_EQ(g.quant->v.codes, w.quant->v.codes);
-      EXPECT_EQ(g.quant->v.scale, w.quant->v.scale);
-      EXPECT_EQ(g.quant->v.zero, w.quant->v.zero);
-    } else {
-      ASSERT_FALSE(g.quant) << "layer " << l;
-      EXPECT_TRUE(g.k == w.k) << "layer " << l << " k";
-      EXPECT_TRUE(g.v == w.v) << "layer " << l << " v";
-    }
-  }
-}
-
 // The header another relay sends for `msg`.
 v1::ForwardHeader FwdHeader(const std::string& session, const std::string& id, const std::string& sender,
                             std::vector<std::string> to, const Message& msg, const std::string& parent = "") {

@@ -8,21 +8,12 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "server/memory_store.h"
+#include "store_test_util.h"
 
 namespace kvrelay {
 namespace {
 
-std::shared_ptr<StoredMessage> Msg(const std::string& session, const std::string& id, std::vector<std::string> to,
-                                   uint64_t bytes = 100) {
-  auto m = std::make_shared<StoredMessage>();
-  m->session_id = session;
-  m->message_id = id;
-  m->sender = "a";
-  m->recipients = std::move(to);
-  m->bytes = bytes;
-  m->msg.sent_bytes = bytes;
-  return m;
-}
+using namespace kvrelay::testing;
 
 std::shared_ptr<StoredMessage> Forwarded(const std::string& session, const std::string& id,
                                          std::vector<std::string> to, uint64_t bytes = 100) {
@@ -30,15 +21,6 @@ std::shared_ptr<StoredMessage> Forwarded(const std::string& session, const std::
   m->forwarded = true;
   m->origin = "origin:1";
   return m;
-}
-
-const Clock::time_point kNever = Clock::now() + std::chrono::hours(1);
-
-absl::StatusOr<Store::CommitResult> Commit(Store& s, std::shared_ptr<StoredMessage> m) {
-  const Store::PublishTicket t = s.BeginPublish(m->session_id);
-  absl::StatusOr<Store::CommitResult> r = s.Commit(std::move(m), t);
-  s.EndPublish(t);
-  return r;
 }
 
 absl::StatusOr<Store::ForwardCommitResult> CommitForward(Store& s, std::shared_ptr<StoredMessage> m) {
@@ -53,17 +35,11 @@ absl::StatusOr<Store::ForwardCommitResult> CommitForward(Store& s, std::shared_p
 // and acked (so the next one comes up).
 std::vector<std::string> Drain(Store& s, const std::string& session, const std::string& agent) {
   std::vector<std::string> ids;
-  for (;;) {
-    uint64_t w = 0;
-    auto d = s.FetchOrWait(session, agent, kNever, [](Store::Wake) {}, &w);
-    if (!d) {
-      EXPECT_TRUE(s.CancelWaiter(w));
-      return ids;
-    }
+  while (std::optional<Store::Delivery> d = TryFetch(s, session, agent)) {
     ids.push_back(d->msg->message_id);
-    s.MarkDelivered(session, agent, d->msg->message_id);
     EXPECT_TRUE(s.Ack(session, agent, d->msg->message_id).ok());
   }
+  return ids;
 }
 
 TEST(MeshStoreTest, CommitForwardOfANewMessageFillsEachMailbox) {

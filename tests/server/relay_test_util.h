@@ -262,6 +262,29 @@ inline FetchResult DoCompress(v1::Relay::Stub* stub, const Turn& t, const std::s
   return std::move(ra.r);
 }
 
+// Every tensor of `got` equals `want`'s, and both are dense or both quantized.
+inline void ExpectSameMessage(const Message& got, const Message& want) {
+  ASSERT_EQ(got.layers.size(), want.layers.size());
+  for (size_t l = 0; l < want.layers.size(); ++l) {
+    const MessageLayer& g = got.layers[l];
+    const MessageLayer& w = want.layers[l];
+    EXPECT_EQ(g.pos, w.pos) << "layer " << l;
+    if (w.quant) {
+      ASSERT_TRUE(g.quant) << "layer " << l;
+      EXPECT_EQ(g.quant->k.codes, w.quant->k.codes);
+      EXPECT_EQ(g.quant->k.scale, w.quant->k.scale);
+      EXPECT_EQ(g.quant->k.zero, w.quant->k.zero);
+      EXPECT_EQ(g.quant->v.codes, w.quant->v.codes);
+      EXPECT_EQ(g.quant->v.scale, w.quant->v.scale);
+      EXPECT_EQ(g.quant->v.zero, w.quant->v.zero);
+    } else {
+      ASSERT_FALSE(g.quant) << "layer " << l;
+      EXPECT_TRUE(g.k == w.k) << "layer " << l << " k";
+      EXPECT_TRUE(g.v == w.v) << "layer " << l << " v";
+    }
+  }
+}
+
 }  // namespace kvrelay::testing
 
 #endif  // KVRELAY_TESTS_SERVER_RELAY_TEST_UTIL_H_

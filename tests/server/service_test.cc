@@ -58,27 +58,6 @@ class RelayTest : public ::testing::Test {
     return RandomTurn(s, seed);
   }
 
-  static void ExpectSameMessage(const Message& got, const Message& want) {
-    ASSERT_EQ(got.layers.size(), want.layers.size());
-    for (size_t l = 0; l < want.layers.size(); ++l) {
-      const MessageLayer& g = got.layers[l];
-      const MessageLayer& w = want.layers[l];
-      EXPECT_EQ(g.pos, w.pos) << "layer " << l;
-      if (w.quant) {
-        ASSERT_TRUE(g.quant) << "layer " << l;
-        EXPECT_EQ(g.quant->k.codes, w.quant->k.codes);
-        EXPECT_EQ(g.quant->k.scale, w.quant->k.scale);
-        EXPECT_EQ(g.quant->k.zero, w.quant->k.zero);
-        EXPECT_EQ(g.quant->v.codes, w.quant->v.codes);
-        EXPECT_EQ(g.quant->v.scale, w.quant->v.scale);
-        EXPECT_EQ(g.quant->v.zero, w.quant->v.zero);
-      } else {
-        EXPECT_TRUE(g.k == w.k) << "layer " << l << " k";
-        EXPECT_TRUE(g.v == w.v) << "layer " << l << " v";
-      }
-    }
-  }
-
   static Message Offline(const Turn& t, const std::string& policy) {
     auto p = Pipeline::Create(policy);
     EXPECT_TRUE(p.ok());

@@ -7,45 +7,12 @@
 
 #include "gtest/gtest.h"
 #include "server/metrics.h"
+#include "store_test_util.h"
 
 namespace kvrelay {
 namespace {
 
-std::shared_ptr<StoredMessage> Msg(const std::string& session, const std::string& id, std::vector<std::string> to,
-                                   uint64_t bytes = 100) {
-  auto m = std::make_shared<StoredMessage>();
-  m->session_id = session;
-  m->message_id = id;
-  m->sender = "a";
-  m->recipients = std::move(to);
-  m->bytes = bytes;
-  m->msg.sent_bytes = bytes;
-  m->msg.full_bytes = 4 * bytes;
-  return m;
-}
-
-const Clock::time_point kNever = Clock::now() + std::chrono::hours(1);
-
-// A whole publish: begin, commit, end.
-absl::StatusOr<Store::CommitResult> Commit(Store& s, std::shared_ptr<StoredMessage> m) {
-  const Store::PublishTicket t = s.BeginPublish(m->session_id);
-  absl::StatusOr<Store::CommitResult> r = s.Commit(std::move(m), t);
-  s.EndPublish(t);
-  return r;
-}
-
-// Takes a delivery and, as a Fetch does once its stream is written, marks it
-// delivered.
-std::optional<Store::Delivery> TryFetch(Store& s, const std::string& session, const std::string& agent) {
-  uint64_t w = 0;
-  auto d = s.FetchOrWait(session, agent, kNever, [](Store::Wake) {}, &w);
-  if (!d) {
-    EXPECT_TRUE(s.CancelWaiter(w));
-  } else {
-    s.MarkDelivered(session, agent, d->msg->message_id);
-  }
-  return d;
-}
+using namespace kvrelay::testing;
 
 TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
   MemoryStore impl(StoreLimits{}, nullptr);
