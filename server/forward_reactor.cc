@@ -82,11 +82,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void OnDone() override {
-    {
-      std::lock_guard<std::mutex> lock(idle_->mu);
-      idle_->armed = false;
-      idle_->fire = nullptr;
-    }
+    idle_->Disarm();
     if (reserved_) svc_->store()->ReleaseInflight(reserved_);
     if (ticket_) svc_->store()->EndPublish(*ticket_);
     delete this;

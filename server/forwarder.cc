@@ -80,12 +80,6 @@ std::shared_ptr<MessageLayer> Suffix(const ForwardSource::LayerView& v, const Me
   return out;
 }
 
-uint64_t WireBytes(const std::vector<TensorRef>& tensors) {
-  uint64_t n = 0;
-  for (const TensorRef& t : tensors) n += t.data.size();
-  return n;
-}
-
 }  // namespace
 
 // ------------------------------------------------------------ ForwardSource
@@ -341,7 +335,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
       }
       std::shared_ptr<MessageLayer> suffix = Suffix(v, al, a);
       tensors = LayerDeliveryOrder(*suffix, static_cast<uint32_t>(l));
-      elided += WireBytes(v.wire) - WireBytes(tensors);
+      elided += TotalBytes(v.wire) - TotalBytes(tensors);
       hold = suffix;
     }
     ChunkCursor cursor(std::move(tensors));
