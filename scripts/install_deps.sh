@@ -21,7 +21,7 @@ if [[ "${1:-}" != "--build-only" ]]; then
     prometheus
     golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
     python3-torch python3-matplotlib
-    iproute2
+    iproute2 openssl
   )
   # Node.js/npm and kubectl may come from other repositories on the image;
   # take Debian's only when the command is missing.
