@@ -4,6 +4,7 @@
 //
 //   const { RelayClient } = require('./client');
 //   const relay = new RelayClient('127.0.0.1:50051');
+//   // or TLS with a token: new RelayClient('relay:50051', { tlsCa: 'ca.pem', token })
 //   const r = await relay.publish(turn, { sessionId: 's1', sender: 'planner',
 //                                         recipients: ['critic'], policy: 'h2o-head:k=32+obf:p=8' });
 //   const msg = await relay.fetch('s1', 'critic', { timeoutMs: 30000 });
@@ -25,6 +26,7 @@
 // Simplest: choose the id up front with newMessageId().
 
 const crypto = require('node:crypto');
+const fs = require('node:fs');
 const path = require('node:path');
 const buffer = require('node:buffer');
 const grpc = require('@grpc/grpc-js');
@@ -75,6 +77,80 @@ function deadlineAfter(timeoutMs) {
     throw invalid(`timeoutMs: ${JSON.stringify(timeoutMs)}, expected a positive number of milliseconds`);
   }
   return new Date(Date.now() + timeoutMs);
+}
+
+/** The environment variable the token comes from when the `token` option is unset. */
+const TOKEN_ENV = 'KVRELAY_TOKEN';
+
+// PEM bytes of a TLS option: a file path, or the bytes themselves.
+function pemOption(field, value) {
+  if (Buffer.isBuffer(value)) return value;
+  if (value instanceof Uint8Array) return Buffer.from(value.buffer, value.byteOffset, value.byteLength);
+  if (typeof value !== 'string') {
+    throw invalid(`${field}: ${value === null ? 'null' : typeof value}, expected a file path or a Buffer of PEM`);
+  }
+  try {
+    return fs.readFileSync(value);
+  } catch (err) {
+    throw invalid(`${field}: ${err.message}`);
+  }
+}
+
+/**
+ * The channel credentials for the TLS options: insecure without `tlsCa`,
+ * else TLS verifying the relay against `tlsCa`, presenting
+ * `tlsCert`/`tlsKey` when given (both or neither).
+ */
+function channelCredentials({ tlsCa, tlsCert, tlsKey } = {}) {
+  const given = (v) => v !== undefined && v !== null && v !== '';
+  if (given(tlsCert) !== given(tlsKey)) throw invalid('tlsCert and tlsKey: expected both or neither');
+  if (!given(tlsCa)) {
+    if (given(tlsCert)) throw invalid('tlsCert: given without tlsCa, expected tlsCa too (it turns TLS on)');
+    return grpc.credentials.createInsecure();
+  }
+  const ca = pemOption('tlsCa', tlsCa);
+  if (!ca.includes('-----BEGIN CERTIFICATE-----')) {
+    throw invalid(`tlsCa: ${typeof tlsCa === 'string' ? tlsCa : 'Buffer'}: no PEM certificate, expected one or more`);
+  }
+  return given(tlsCert) ?
+    grpc.credentials.createSsl(ca, pemOption('tlsKey', tlsKey), pemOption('tlsCert', tlsCert)) :
+    grpc.credentials.createSsl(ca);
+}
+
+/**
+ * A client interceptor that adds `authorization: Bearer TOKEN` to every
+ * call's metadata (on insecure channels too: a relay's local listener is
+ * plaintext by design). A token must be visible ASCII (0x21..0x7e); the
+ * error says where it is not, never the token.
+ */
+function bearerInterceptor(token) {
+  if (typeof token !== 'string' || token === '') {
+    throw invalid(`token: ${typeof token === 'string' ? 'empty' : typeof token}, expected a bearer token string`);
+  }
+  for (let i = 0; i < token.length; i++) {
+    const c = token.charCodeAt(i);
+    if (c < 0x21 || c > 0x7e) {
+      throw invalid(`token: character ${i} of ${token.length} is U+${c.toString(16).padStart(4, '0')}, ` +
+                    'expected visible ASCII (0x21..0x7e)');
+    }
+  }
+  const value = `Bearer ${token}`;
+  return (options, nextCall) => new grpc.InterceptingCall(nextCall(options), {
+    start(metadata, listener, next) {
+      metadata.set('authorization', value);
+      next(metadata, listener);
+    },
+  });
+}
+
+/**
+ * The first line of the file at `file`, surrounding whitespace trimmed; an
+ * empty first line is an error.
+ */
+function readTokenFile(file) {
+  const token = fs.readFileSync(file, 'utf8').split('\n', 1)[0].trim();
+  if (!token) throw new Error(`token file ${file}: first line empty, expected the token`);
+  return token;
 }
 
 /**
@@ -382,12 +458,32 @@ class RelayClient {
 
   /**
    * @param {string} address "HOST:PORT" or "unix:PATH"
-   * @param {{protoPath?: string, credentials?: grpc.ChannelCredentials, channelOptions?: Object}} [options]
-   *   credentials default to an insecure channel.
+   * @param {{protoPath?: string, tlsCa?: string|Buffer, tlsCert?: string|Buffer, tlsKey?: string|Buffer,
+   *          tlsServerName?: string, token?: string, credentials?: grpc.ChannelCredentials,
+   *          channelOptions?: Object}} [options]
+   *   tlsCa (a PEM file path or its bytes) turns TLS on, verifying the relay's
+   *   certificate against it (for the host of `address`, or tlsServerName);
+   *   tlsCert/tlsKey are the client certificate and key (both or neither).
+   *   Without tlsCa the channel is insecure, unless `credentials` are given
+   *   (then no tls* option). `token` (unset or empty: process.env.KVRELAY_TOKEN) is
+   *   sent as `authorization: Bearer TOKEN` on every call; unset and no
+   *   environment variable: no authorization. Bad options throw a RelayError
+   *   (INVALID_ARGUMENT) naming the option.
    */
-  constructor(address, { protoPath = DEFAULT_PROTO_PATH, credentials, channelOptions } = {}) {
+  constructor(address, { protoPath = DEFAULT_PROTO_PATH, tlsCa, tlsCert, tlsKey, tlsServerName, token,
+                         credentials, channelOptions } = {}) {
+    if (credentials && [tlsCa, tlsCert, tlsKey].some((v) => v !== undefined && v !== null && v !== '')) {
+      throw invalid('credentials: given with tlsCa/tlsCert/tlsKey, expected one or the other');
+    }
+    const creds = credentials || channelCredentials({ tlsCa, tlsCert, tlsKey });
+    const options = { ...channelOptions };
+    if (tlsServerName) options['grpc.ssl_target_name_override'] = tlsServerName;
+    const bearer = token || process.env[TOKEN_ENV];
+    if (bearer) {
+      options.interceptors = [...(options.interceptors ?? []), bearerInterceptor(bearer)];
+    }
     const Relay = loadRelayService(protoPath);
-    this.#stub = new Relay(address, credentials || grpc.credentials.createInsecure(), channelOptions);
+    this.#stub = new Relay(address, creds, options);
   }
 
   /** Closes the channel and cancels the calls in flight (they reject with CANCELLED). */
@@ -568,7 +664,11 @@ module.exports = {
   RelayError,
   MAX_CHUNK_BYTES,
   DEFAULT_PROTO_PATH,
+  TOKEN_ENV,
   loadRelayService,
+  channelCredentials,
+  bearerInterceptor,
+  readTokenFile,
   newMessageId,
   statusName,
   planUpload,

@@ -5,19 +5,24 @@
 //
 //   node example.js --addr 127.0.0.1:50051 --in turn.safetensors --out msg.safetensors \
 //       [--policy SPEC] [--session S] [--from planner] [--to critic] [--id MSGID] \
-//       [--timeout SECONDS] [--proto relay.proto]
+//       [--timeout SECONDS] [--proto relay.proto] \
+//       [--tls-ca FILE [--tls-cert FILE --tls-key FILE]] [--token-file FILE]
+//
+// --tls-ca turns TLS on; the token (first line of --token-file, else
+// $KVRELAY_TOKEN) goes with every call as "authorization: Bearer TOKEN".
 //
 // Exit status: 0 ok, 1 a failed call or bad file, 2 usage error. Errors print
 // as "kvrelay-example: STEP: CODE: details", e.g.
 // "kvrelay-example: publish: INVALID_ARGUMENT: header.policy '...': ...".
 
 const { parseArgs } = require('node:util');
-const { RelayClient, DEFAULT_PROTO_PATH, newMessageId, statusName } = require('./client');
+const { RelayClient, DEFAULT_PROTO_PATH, newMessageId, readTokenFile, statusName } = require('./client');
 const { readTurnFile, writeMessageFile } = require('./safetensors');
 
 const USAGE = 'usage: example.js --addr HOST:PORT --in TURN.safetensors --out MSG.safetensors ' +
               '[--policy SPEC] [--session S] [--from AGENT] [--to AGENT] [--id MSGID] ' +
-              '[--timeout SECONDS] [--proto PATH]';
+              '[--timeout SECONDS] [--proto PATH] [--tls-ca FILE [--tls-cert FILE --tls-key FILE]] ' +
+              '[--token-file FILE]';
 
 class StepError extends Error {
   constructor(step, cause) {
@@ -36,7 +41,21 @@ async function step(name, promise) {
 async function run(opts) {
   const timeoutMs = Number(opts.timeout) * 1000;
   const turn = await step('read turn', readTurnFile(opts.in));
-  const relay = new RelayClient(opts.addr, { protoPath: opts.proto });
+  let token;
+  if (opts['token-file']) {
+    try {
+      token = readTokenFile(opts['token-file']);
+    } catch (err) {
+      throw new StepError('read token', err);
+    }
+  }
+  let relay;
+  try {
+    relay = new RelayClient(opts.addr, { protoPath: opts.proto, tlsCa: opts['tls-ca'], tlsCert: opts['tls-cert'],
+                                         tlsKey: opts['tls-key'], token });
+  } catch (err) {
+    throw new StepError('dial', err);
+  }
   try {
     const published = await step('publish', relay.publish(turn, {
       sessionId: opts.session,
@@ -85,10 +104,18 @@ async function main() {
         id: { type: 'string' },
         timeout: { type: 'string', default: '60' },
         proto: { type: 'string', default: DEFAULT_PROTO_PATH },
+        'tls-ca': { type: 'string' },
+        'tls-cert': { type: 'string' },
+        'tls-key': { type: 'string' },
+        'token-file': { type: 'string' },
       },
       strict: true,
     }));
     for (const f of ['addr', 'in', 'out']) if (!opts[f]) throw new Error(`missing required flag --${f}`);
+    if (Boolean(opts['tls-cert']) !== Boolean(opts['tls-key'])) {
+      throw new Error('flags --tls-cert and --tls-key: expected both or neither');
+    }
+    if (opts['tls-cert'] && !opts['tls-ca']) throw new Error('flag --tls-cert needs --tls-ca (which turns TLS on)');
     if (!(Number(opts.timeout) > 0 && Number.isFinite(Number(opts.timeout)))) throw new Error(`flag --timeout: "${opts.timeout}", expected seconds > 0`);
   } catch (err) {
     console.error(`kvrelay-example: ${err.message}\n${USAGE}`);

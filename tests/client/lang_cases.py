@@ -24,19 +24,40 @@ header.policy and commits nothing; a malformed turn file fails before any
 call, naming the tensor; a missing flag is a usage error (exit 2); a publish
 and a fetch over the relay's Unix socket (--addr unix:PATH) give the same
 message, counted by the same relay.
+
+TLS cases (TlsCases; the driver defines TlsTest as TlsCases +
+unittest.TestCase with LANG, example and BINARIES = (server, kvrelayctl)):
+TlsLive starts a second kvrelay-server with TLS on 127.0.0.1:0 (a test CA
+from testlib/certs.py, client certificates requested and verified), a tokens
+file for planner and critic, and a plaintext local listener on a Unix socket
+with --local-auth token. The example there takes `env`, a dict of the
+KVRELAY_* variables it runs with (every other KVRELAY_* variable removed).
+Checks: publish, fetch and ack work over TLS with the agent's token (from
+--token-file or KVRELAY_TOKEN), and with a client certificate too, counted
+by the relay's metrics; the token also goes over the plaintext Unix socket;
+no token and a wrong token fail the publish with UNAUTHENTICATED; a CA that
+did not sign the relay's certificate, and a plaintext client on the TLS port,
+with UNAVAILABLE; publishing as another agent with PERMISSION_DENIED naming
+header.sender, fetching another agent's mailbox too; every refused call
+commits nothing, exits 1 and prints the code by name; no token appears in
+the example's output or the relay's log.
 """
+import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import struct
 import sys
 import tempfile
+import urllib.request
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
-from kvrelay_testlib import Server, check_run, read_st  # noqa: E402
+from certs import TestPki  # noqa: E402
+from kvrelay_testlib import Server, check_run, parse_exposition, read_st  # noqa: E402
 
 MESSAGE_KEYS = ("format", "policy", "dtype", "n_history", "n_anchor", "n_kept", "n_gen",
                 "full_bytes", "sent_bytes", "next_pos", "quant_bits", "quant_group", "quant_rotate")
@@ -279,3 +300,187 @@ class RelayCases:
         p = self.example("--in", "x.safetensors")
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
         self.assertIn(self.USAGE_ERROR, p.stderr)
+
+
+# ---- TLS and tokens ----------------------------------------------------------------
+
+class TlsLive(Live):
+    """A kvrelay-server serving TLS on 127.0.0.1:0 (addr) with the
+    certificate `server_cert` for localhost and 127.0.0.1, signed by `ca`;
+    client certificates signed by `ca` are verified (`client_cert`, for
+    planner); `other_ca` signed nothing the relay has. --tokens-file holds
+    planner's and critic's tokens (tokens[agent], in token_files[agent]); a
+    plaintext local listener at unix_addr requires them too (--local-auth
+    token)."""
+
+    AGENTS = ("planner", "critic")
+
+    def __init__(self, server, kvrelayctl, prefix):
+        self.kvrelayctl = kvrelayctl
+        self.tmp = tempfile.mkdtemp(prefix=prefix)
+        try:
+            pki = TestPki(self.path("pki"))
+            self.ca = pki.ca("kvrelay-test-ca")
+            self.server_cert = pki.issue(self.ca, "relay", dns=["localhost"], ips=["127.0.0.1"])
+            self.client_cert = pki.issue(self.ca, "planner-client", dns=["planner.test"])
+            self.other_ca = pki.ca("other-ca")
+            self.tokens, self.token_files = {}, {}
+            with open(self.path("tokens"), "w") as f:
+                f.write("# agent sha256:hex\n")
+                for agent in self.AGENTS:
+                    token = secrets.token_urlsafe(24)
+                    self.tokens[agent] = token
+                    f.write(f"{agent} sha256:{hashlib.sha256(token.encode()).hexdigest()}\n")
+                    self.token_files[agent] = self.path(f"{agent}.token")
+                    with open(self.token_files[agent], "w") as t:
+                        t.write(token + "\n")
+            sock = self.path("local.sock")
+            self.server = Server(server, args=[
+                "--listen", "127.0.0.1:0", "--tls-cert", self.server_cert.cert, "--tls-key", self.server_cert.key,
+                "--tls-client-ca", self.ca.cert, "--tokens-file", self.path("tokens"),
+                "--local-listen", f"unix:{sock}", "--local-auth", "token",
+                "--metrics-listen", "127.0.0.1:0"], timeout=20)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        self.addr = next(a for a in self.server.addrs if not a.startswith("unix:"))
+        self.unix_addr = next(a for a in self.server.addrs if a.startswith("unix:"))
+
+    def metric(self, name, **labels):
+        """The sum of the samples of `name` whose labels include `labels` (0 when none)."""
+        with urllib.request.urlopen(f"http://{self.server.metrics}/metrics", timeout=10) as r:
+            samples = parse_exposition(r.read().decode())
+        want = set(labels.items())
+        return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+    def counts(self):
+        return {o: self.metric("kvrelay_messages_total", outcome=o) for o in ("committed", "delivered", "acked")}
+
+    def auth_failures(self, reason):
+        return self.metric("kvrelay_auth_failures_total", reason=reason)
+
+
+class TlsCases:
+    """The TLS and token cases, for a unittest.TestCase subclass (see the
+    module docstring)."""
+
+    LANG = None
+    BINARIES = None  # (kvrelay-server, kvrelayctl), set by the driver
+    POLICY = "h2o-head:k=8+obf:p=4"
+    tls = None
+
+    @staticmethod
+    def example(*args, timeout=60, addr=None, env=None):
+        raise NotImplementedError("the driver's TlsTest sets example")
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tls = TlsLive(*cls.BINARIES, prefix=f"kvrelay-{cls.LANG}-tls-")
+        cls.turn = cls.tls.make_turn("tls", dtype="BF16", seed=41)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.tls:
+            cls.tls.close()
+
+    def exchange(self, name, *flags, sender="planner", to="planner", addr=None, env=None):
+        """Runs the example: publish self.turn as `sender` to `to`, fetch as
+        `to`, ack; (CompletedProcess, out path)."""
+        out = self.tls.path(f"msg-{name}.safetensors")
+        p = self.example("--in", self.turn, "--out", out, "--session", f"s-{self.LANG}-{name}", "--from", sender,
+                         "--to", to, "--policy", self.POLICY, *flags, addr=addr or self.tls.addr, env=env or {})
+        for token in self.tls.tokens.values():
+            self.assertNotIn(token, p.stdout + p.stderr, f"{name}: the example printed a token")
+        return p, out
+
+    def assert_delivered(self, name, *flags, addr=None, env=None):
+        before = self.tls.counts()
+        p, out = self.exchange(name, *flags, addr=addr, env=env)
+        self.assertEqual(p.returncode, 0, f"{name}: rc={p.returncode}\n{p.stdout}\n{p.stderr}")
+        pub = re.search(r"^published message_id=(\S+) duplicate=false ", p.stdout, re.M)
+        got = re.search(r"^fetched message_id=(\S+) delivery_attempt=1 .* acked=true ", p.stdout, re.M)
+        self.assertTrue(pub and got, p.stdout)
+        self.assertEqual(pub.group(1), got.group(1))
+        meta, msg = read_st(out)
+        self.assertEqual((meta["message_id"], meta["session"], meta["from"]),
+                         (pub.group(1), f"s-{self.LANG}-{name}", "planner"))
+        self.assertEqual(len(msg), 3 * 4, sorted(msg))  # k, v, pos of make-turn's 4 layers
+        after = self.tls.counts()
+        self.assertEqual({k: after[k] - before[k] for k in after}, {"committed": 1, "delivered": 1, "acked": 1})
+
+    def assert_refused(self, name, step, code, *flags, sender="planner", to="planner", addr=None, env=None,
+                       reason=None):
+        """The example fails `step` with `code` (exit 1), commits nothing more
+        than what steps before it did, and the relay counts `reason`; the
+        stderr line."""
+        before = self.tls.counts()
+        failures = self.tls.auth_failures(reason) if reason else None
+        p, out = self.exchange(name, *flags, sender=sender, to=to, addr=addr, env=env)
+        self.assertEqual(p.returncode, 1, f"{name}: rc={p.returncode}\n{p.stdout}\n{p.stderr}")
+        m = re.search(rf"^kvrelay-example: {step}: {code}: .*$", p.stderr, re.M)
+        self.assertTrue(m, f"{name}: want '{step}: {code}: ...' in stderr:\n{p.stderr}")
+        self.assertFalse(os.path.exists(out), f"{name}: wrote a message")
+        after = self.tls.counts()
+        published = step != "publish"
+        self.assertEqual(after["committed"] - before["committed"], 1 if published else 0, name)
+        self.assertEqual(after["acked"], before["acked"], name)
+        if reason:
+            self.assertGreaterEqual(self.tls.auth_failures(reason), failures + 1, f"{name}: {reason} not counted")
+        return m.group(0)
+
+    def test_tls_with_token_file(self):
+        self.assert_delivered("token-file", "--tls-ca", self.tls.ca.cert,
+                              "--token-file", self.tls.token_files["planner"])
+
+    def test_tls_with_token_from_environment(self):
+        self.assert_delivered("token-env", "--tls-ca", self.tls.ca.cert,
+                              env={"KVRELAY_TOKEN": self.tls.tokens["planner"]})
+
+    def test_tls_with_client_certificate_and_token(self):
+        self.assert_delivered("client-cert", "--tls-ca", self.tls.ca.cert, "--tls-cert", self.tls.client_cert.cert,
+                              "--tls-key", self.tls.client_cert.key, "--token-file", self.tls.token_files["planner"])
+
+    def test_token_over_plaintext_local_listener(self):
+        self.assert_delivered("unix-token", "--token-file", self.tls.token_files["planner"], addr=self.tls.unix_addr)
+        self.assert_refused("unix-no-token", "publish", "UNAUTHENTICATED", addr=self.tls.unix_addr,
+                            reason="missing_credentials")
+
+    def test_no_token_is_unauthenticated(self):
+        self.assert_refused("no-token", "publish", "UNAUTHENTICATED", "--tls-ca", self.tls.ca.cert,
+                            reason="missing_credentials")
+
+    def test_wrong_token_is_unauthenticated(self):
+        wrong = secrets.token_urlsafe(24)
+        path = self.tls.path("wrong.token")
+        with open(path, "w") as f:
+            f.write(wrong + "\n")
+        line = self.assert_refused("wrong-token", "publish", "UNAUTHENTICATED", "--tls-ca", self.tls.ca.cert,
+                                   "--token-file", path, reason="bad_token")
+        self.assertNotIn(wrong, line)
+        log = self.tls.server.log()
+        for token in [wrong, *self.tls.tokens.values()]:
+            self.assertNotIn(token, log, "the relay logged a token")
+
+    def test_untrusted_ca_is_unavailable(self):
+        self.assert_refused("other-ca", "publish", "UNAVAILABLE", "--tls-ca", self.tls.other_ca.cert,
+                            "--token-file", self.tls.token_files["planner"])
+
+    def test_plaintext_client_on_tls_port_is_unavailable(self):
+        self.assert_refused("plaintext", "publish", "UNAVAILABLE", "--token-file", self.tls.token_files["planner"])
+
+    def test_publishing_as_another_agent_is_permission_denied(self):
+        line = self.assert_refused("as-critic", "publish", "PERMISSION_DENIED", "--tls-ca", self.tls.ca.cert,
+                                   "--token-file", self.tls.token_files["planner"], sender="critic",
+                                   reason="forbidden")
+        self.assertIn("header.sender", line)
+        self.assertIn('"planner"', line)
+        self.assertIn('"critic"', line)
+        # critic's token, publishing as planner (the default --from).
+        line = self.assert_refused("critic-token", "publish", "PERMISSION_DENIED", "--tls-ca", self.tls.ca.cert,
+                                   "--token-file", self.tls.token_files["critic"], reason="forbidden")
+        self.assertIn("header.sender", line)
+
+    def test_fetching_another_agents_mailbox_is_permission_denied(self):
+        # planner may publish to critic, but not fetch critic's mailbox.
+        self.assert_refused("fetch-critic", "fetch", "PERMISSION_DENIED", "--tls-ca", self.tls.ca.cert,
+                            "--token-file", self.tls.token_files["planner"], to="critic", reason="forbidden")

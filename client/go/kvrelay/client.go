@@ -3,6 +3,8 @@
 // composed message, acknowledge it.
 //
 //	c, err := kvrelay.Dial(ctx, "127.0.0.1:50051")
+//	// or, TLS with a token: kvrelay.DialSecure(ctx, "relay:50051",
+//	//	kvrelay.Security{CAFile: "ca.pem", Token: token})
 //	r, err := c.Publish(ctx, turn, kvrelay.PublishOptions{
 //		SessionID: "s1", Sender: "planner", Recipients: []string{"critic"},
 //		Policy: "h2o-head:k=32+obf:p=8"})
@@ -56,12 +58,18 @@ type Client struct {
 // callOpts go with every call (see protoCodec).
 var callOpts = []grpc.CallOption{grpc.ForceCodec(protoCodec{})}
 
-// Dial connects to the relay at addr ("HOST:PORT" or "unix:PATH"). Without options the
-// channel is insecure (plaintext). The connection is made lazily: an
-// unreachable relay shows up as UNAVAILABLE on the first call.
+// Dial connects to the relay at addr ("HOST:PORT" or "unix:PATH"). Without
+// options it uses Security{}.DialOptions(): a plaintext channel that sends
+// $KVRELAY_TOKEN when set. For TLS, a client certificate or a token, use
+// DialSecure (or pass Security.DialOptions). The connection is made lazily:
+// an unreachable relay, or one whose certificate fails verification, shows
+// up as UNAVAILABLE on the first call.
 func Dial(ctx context.Context, addr string, opts ...grpc.DialOption) (*Client, error) {
 	if len(opts) == 0 {
-		opts = []grpc.DialOption{grpc.WithInsecure()}
+		var err error
+		if opts, err = (Security{}).DialOptions(); err != nil {
+			return nil, err
+		}
 	}
 	conn, err := grpc.DialContext(ctx, addr, opts...)
 	if err != nil {

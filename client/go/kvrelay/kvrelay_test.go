@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"math"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -543,5 +544,142 @@ func TestStats(t *testing.T) {
 	if _, err := c.CloseSession(context.Background(), "s"); Code(err) != codes.Unimplemented ||
 		!strings.Contains(err.Error(), "kvrelay: close session s: ") {
 		t.Errorf("CloseSession: %v", err)
+	}
+}
+
+// ---- credentials ---------------------------------------------------------------------
+
+// authRecorder is a gRPC server that records each call's authorization
+// metadata and answers UNAUTHENTICATED.
+type authRecorder struct {
+	mu   sync.Mutex
+	seen map[string][]string // method -> authorization values
+}
+
+func startAuthRecorder(t *testing.T) (string, *authRecorder) {
+	t.Helper()
+	r := &authRecorder{seen: map[string][]string{}}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpc.NewServer(grpc.UnknownServiceHandler(func(_ interface{}, stream grpc.ServerStream) error {
+		method, _ := grpc.MethodFromServerStream(stream)
+		md, _ := metadata.FromIncomingContext(stream.Context())
+		r.mu.Lock()
+		r.seen[method] = append(r.seen[method], md.Get("authorization")...)
+		r.mu.Unlock()
+		return status.Error(codes.Unauthenticated, "recorder")
+	}))
+	go s.Serve(lis)
+	t.Cleanup(s.Stop)
+	return lis.Addr().String(), r
+}
+
+func (r *authRecorder) get(method string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.seen[method]...)
+}
+
+// The token goes with unary and streaming calls over plaintext; an explicit
+// token wins over $KVRELAY_TOKEN, which Dial without options sends.
+func TestTokenSentOnEveryCallOverPlaintext(t *testing.T) {
+	addr, rec := startAuthRecorder(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	t.Setenv(TokenEnv, "from-env")
+	for _, tc := range []struct {
+		name string
+		dial func() (*Client, error)
+		want string
+	}{
+		{"explicit", func() (*Client, error) { return DialSecure(ctx, addr, Security{Token: "tok-1"}) }, "Bearer tok-1"},
+		{"env via Security", func() (*Client, error) { return DialSecure(ctx, addr, Security{}) }, "Bearer from-env"},
+		{"env via Dial", func() (*Client, error) { return Dial(ctx, addr) }, "Bearer from-env"},
+	} {
+		rec.seen = map[string][]string{}
+		c, err := tc.dial()
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		_, err = c.Stats(ctx)
+		if Code(err) != codes.Unauthenticated {
+			t.Errorf("%s: Stats: %v, want UNAUTHENTICATED from the recorder", tc.name, err)
+		}
+		_, err = c.Publish(ctx, tinyTurn(), PublishOptions{SessionID: "s", Sender: "planner", Recipients: []string{"critic"}})
+		if Code(err) != codes.Unauthenticated {
+			t.Errorf("%s: Publish: %v", tc.name, err)
+		}
+		_, err = c.Fetch(ctx, "s", "critic", false)
+		if Code(err) != codes.Unauthenticated {
+			t.Errorf("%s: Fetch: %v", tc.name, err)
+		}
+		for _, m := range []string{"/kvrelay.v1.Relay/Stats", "/kvrelay.v1.Relay/Publish", "/kvrelay.v1.Relay/Fetch"} {
+			if got := rec.get(m); fmt.Sprint(got) != fmt.Sprint([]string{tc.want}) {
+				t.Errorf("%s: %s: authorization %q, want [%q]", tc.name, m, got, tc.want)
+			}
+		}
+		c.Close()
+	}
+	t.Setenv(TokenEnv, "")
+	rec.seen = map[string][]string{}
+	c, err := Dial(ctx, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.Stats(ctx)
+	if got := rec.get("/kvrelay.v1.Relay/Stats"); len(got) != 0 {
+		t.Errorf("no token: authorization %q, want none", got)
+	}
+}
+
+func TestSecurityErrorsNameTheFieldNotTheToken(t *testing.T) {
+	dir := t.TempDir()
+	notPEM := filepath.Join(dir, "ca.pem")
+	if err := os.WriteFile(notPEM, []byte("not a certificate\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		s    Security
+		want string
+	}{
+		{Security{Token: "secret\nline"}, "token: byte 6 of 11 is 0x0a, expected visible ASCII"},
+		{Security{Token: "sec ret"}, "token: byte 3 of 7 is 0x20"},
+		{Security{CertFile: "c.pem", KeyFile: "k.pem"}, "tls cert/key: given without a CA file"},
+		{Security{CAFile: filepath.Join(dir, "missing.pem")}, "tls CA file: open "},
+		{Security{CAFile: notPEM}, "no PEM certificate, expected one or more"},
+		{Security{CAFile: notPEM, CertFile: "c.pem"}, "no PEM certificate"},
+	} {
+		_, err := tc.s.DialOptions()
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v, want it to contain %q", tc.s, err, tc.want)
+		} else if strings.Contains(err.Error(), "secret") || strings.Contains(err.Error(), "sec ret") {
+			t.Errorf("%v: shows the token", err)
+		}
+	}
+}
+
+func TestReadTokenFile(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, text string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(text), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	if tok, err := ReadTokenFile(write("a", "  tok-123 \r\nsecond line\n")); err != nil || tok != "tok-123" {
+		t.Errorf("ReadTokenFile = %q, %v; want tok-123", tok, err)
+	}
+	if tok, err := ReadTokenFile(write("b", "tok-456")); err != nil || tok != "tok-456" {
+		t.Errorf("no newline: %q, %v", tok, err)
+	}
+	if _, err := ReadTokenFile(write("c", " \nlater\n")); err == nil || !strings.Contains(err.Error(), "first line empty") {
+		t.Errorf("empty first line: %v", err)
+	}
+	if _, err := ReadTokenFile(filepath.Join(dir, "none")); err == nil {
+		t.Error("missing file: no error")
 	}
 }

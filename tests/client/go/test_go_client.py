@@ -22,7 +22,11 @@ positions); the message was acked (the relay holds nothing, stats count
 every ack); a bad policy fails with INVALID_ARGUMENT naming header.policy
 and commits nothing; a malformed turn file fails before any call, naming the
 tensor; a publish and a fetch over the relay's Unix socket (--addr
-unix:PATH) work. A missing go, protoc or plugin fails the test. The whole run is
+unix:PATH) work; and against a TLS relay with a tokens file (lang_cases.TlsCases):
+publish, fetch and ack over TLS with a token, with a client certificate,
+and with the token over a plaintext Unix socket; UNAUTHENTICATED for no or
+a wrong token, UNAVAILABLE for an untrusted CA or plaintext on the TLS port,
+PERMISSION_DENIED for another agent's sender or mailbox. A missing go, protoc or plugin fails the test. The whole run is
 bounded by a watchdog and the server is always stopped. The live-relay cases
 are shared with the Node.js test: tests/client/lang_cases.py; the server
 helpers are tests/testlib/kvrelay_testlib.py.
@@ -38,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "testlib"))
 import lang_cases  # noqa: E402
-from kvrelay_testlib import check_run, completed, unittest_main  # noqa: E402
+from kvrelay_testlib import check_run, clean_env, completed, unittest_main  # noqa: E402
 
 ARGS = None
 LIVE = None
@@ -50,10 +54,12 @@ WATCHDOG_S = 540
 
 # ---- the client under test -------------------------------------------------------
 
-def example(*args, timeout=60, addr=None):
+def example(*args, timeout=60, addr=None, env=None):
     """Runs kvrelay-example with args against addr (default LIVE.addr);
-    returns the CompletedProcess."""
-    return completed([EXAMPLE, "--addr", addr or LIVE.addr, *args], timeout=timeout)
+    returns the CompletedProcess. env: None, this environment; a dict, the
+    KVRELAY_* variables to run with (no others)."""
+    return completed([EXAMPLE, "--addr", addr or LIVE.addr, *args], timeout=timeout,
+                     env=None if env is None else clean_env(**env))
 
 
 def build():
@@ -102,6 +108,7 @@ def setUpModule():
     GO_ENV, EXAMPLE = build()
     LIVE = lang_cases.Live(ARGS.server, ARGS.kvrelayctl, prefix="kvrelay-go-")
     RelayTest.live = LIVE
+    TlsTest.BINARIES = (ARGS.server, ARGS.kvrelayctl)
 
 
 def tearDownModule():
@@ -127,6 +134,12 @@ class RelayTest(lang_cases.RelayCases, unittest.TestCase):
     @staticmethod
     def compress(policy, turn, out):
         return example("-compress", "-policy", policy, "-in", turn, "-out", out)
+
+
+class TlsTest(lang_cases.TlsCases, unittest.TestCase):
+    """The TLS and token cases of tests/client/lang_cases.py, through
+    kvrelay-example's --tls-ca, --tls-cert, --tls-key and --token-file."""
+    LANG, example = "go", staticmethod(example)
 
 
 def main():

@@ -17,7 +17,12 @@ history; with `full` it equals the input K/V (and positions); the message
 was acked (the relay holds nothing, stats count every ack); a bad policy
 fails with INVALID_ARGUMENT naming header.policy and commits nothing; a
 malformed turn file fails before any call, naming the tensor; a publish and
-a fetch over the relay's Unix socket (--addr unix:PATH) work. A missing
+a fetch over the relay's Unix socket (--addr unix:PATH) work; and against a TLS relay with a tokens file
+(lang_cases.TlsCases): publish, fetch and ack over TLS with a token, with a
+client certificate, and with the token over a plaintext Unix socket;
+UNAUTHENTICATED for no or a wrong token, UNAVAILABLE for an untrusted CA or
+plaintext on the TLS port, PERMISSION_DENIED for another agent's sender or
+mailbox. A missing
 node or npm fails the test. The whole run is bounded by a watchdog and the
 server is always stopped. The live-relay cases are shared with the Go test:
 tests/client/lang_cases.py; the server helpers are
@@ -44,13 +49,18 @@ WATCHDOG_S = 540
 
 # ---- the client under test -------------------------------------------------------
 
-def example(*args, timeout=60, addr=None):
+def example(*args, timeout=60, addr=None, env=None):
     """Runs client/node/example.js with args against addr (default
-    LIVE.addr); returns the CompletedProcess."""
+    LIVE.addr); returns the CompletedProcess. env: None, NODE_ENV; a dict,
+    NODE_ENV without its KVRELAY_* variables but these."""
     script = os.path.join(ARGS.source_dir, "client", "node", "example.js")
     proto = os.path.join(ARGS.source_dir, "proto", "kvrelay", "v1", "relay.proto")
+    run_env = NODE_ENV
+    if env is not None:
+        run_env = {k: v for k, v in NODE_ENV.items() if not k.startswith("KVRELAY_")}
+        run_env.update(env)
     return completed([ARGS.node, script, "--addr", addr or LIVE.addr, "--proto", proto, *args], timeout=timeout,
-                     env=NODE_ENV)
+                     env=run_env)
 
 
 def install_dependencies():
@@ -78,6 +88,7 @@ def setUpModule():
     NODE_ENV = install_dependencies()
     LIVE = lang_cases.Live(ARGS.server, ARGS.kvrelayctl, prefix="kvrelay-node-")
     RelayTest.live = LIVE
+    TlsTest.BINARIES = (ARGS.server, ARGS.kvrelayctl)
 
 
 def tearDownModule():
@@ -128,6 +139,12 @@ const [addr, proto, policy, input, output] = process.argv.slice(2);
             f.write(self.COMPRESS_JS)
         proto = os.path.join(ARGS.source_dir, "proto", "kvrelay", "v1", "relay.proto")
         return completed([ARGS.node, script, LIVE.addr, proto, policy, turn, out], timeout=60, env=NODE_ENV)
+
+
+class TlsTest(lang_cases.TlsCases, unittest.TestCase):
+    """The TLS and token cases of tests/client/lang_cases.py, through
+    example.js's --tls-ca, --tls-cert, --tls-key and --token-file."""
+    LANG, example = "node", staticmethod(example)
 
 
 def main():

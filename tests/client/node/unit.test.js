@@ -1,6 +1,6 @@
 'use strict';
-// Offline unit tests of client/node (node:test): CRC32C, chunking and the
-// delivery assembler. Run by test_node_client.py as
+// Offline unit tests of client/node (node:test): CRC32C, chunking, the
+// delivery assembler and the credentials options. Run by test_node_client.py as
 //   NODE_PATH=<deps>/node_modules node --test unit.test.js
 // with KVRELAY_NODE_CLIENT_DIR pointing at client/node.
 
@@ -12,7 +12,7 @@ const path = require('node:path');
 const dir = process.env.KVRELAY_NODE_CLIENT_DIR || path.resolve(__dirname, '../../../client/node');
 const { crc32c, crc32cCombine } = require(path.join(dir, 'crc32c.js'));
 const { RelayClient, RelayError, MAX_CHUNK_BYTES, loadRelayService, newMessageId, planUpload, chunkRequests,
-        writeUpload, Assembler } = require(path.join(dir, 'client.js'));
+        writeUpload, Assembler, readTokenFile } = require(path.join(dir, 'client.js'));
 const { EventEmitter } = require('node:events');
 const grpc = require('@grpc/grpc-js');
 const { readSafetensors, writeSafetensors } = require(path.join(dir, 'safetensors.js'));
@@ -507,5 +507,92 @@ test('publish: an unreachable relay (UNAVAILABLE) still tells the id', async () 
     assert.match(err.messageId, /^m-[0-9a-f]{24}$/);
   } finally {
     relay.close();
+  }
+});
+
+// A stand-in relay that records each call's authorization metadata and
+// answers UNAUTHENTICATED.
+async function withAuthRecorder(fn) {
+  const seen = {};
+  const record = (method, call) => { (seen[method] ??= []).push(...call.metadata.get('authorization')); };
+  const refuse = { code: grpc.status.UNAUTHENTICATED, details: 'recorder' };
+  const server = new grpc.Server();
+  server.addService(loadRelayService().service, {
+    Stats(call, callback) { record('Stats', call); callback(refuse); },
+    Fetch(call) { record('Fetch', call); call.emit('error', refuse); },
+    Publish(call, callback) { record('Publish', call); call.on('error', () => {}); callback(refuse); },
+  });
+  const port = await new Promise((resolve, reject) =>
+    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  try {
+    await fn(`127.0.0.1:${port}`, seen);
+  } finally {
+    server.forceShutdown();
+  }
+}
+
+test('token: sent as authorization on unary and streaming calls over an insecure channel; env is the default', async () => {
+  const saved = process.env.KVRELAY_TOKEN;
+  try {
+    await withAuthRecorder(async (addr, seen) => {
+      for (const [options, env, want] of [[{ token: 'tok-1' }, 'from-env', ['Bearer tok-1']],
+                                          [{}, 'from-env', ['Bearer from-env']],
+                                          [{ token: '' }, 'from-env', ['Bearer from-env']],
+                                          [{}, undefined, []]]) {
+        if (env === undefined) delete process.env.KVRELAY_TOKEN; else process.env.KVRELAY_TOKEN = env;
+        for (const k of Object.keys(seen)) delete seen[k];
+        const relay = new RelayClient(addr, options);
+        try {
+          const codeOf = (p) => p.then(() => assert.fail('resolved'), (e) => e.code);
+          assert.equal(await codeOf(relay.stats()), grpc.status.UNAUTHENTICATED);
+          assert.equal(await codeOf(relay.fetch('s', 'critic', { timeoutMs: 5000 })), grpc.status.UNAUTHENTICATED);
+          assert.equal(await codeOf(relay.publish(tinyTurn(), { ...route, sessionId: 's', timeoutMs: 5000 })),
+                       grpc.status.UNAUTHENTICATED);
+        } finally {
+          relay.close();
+        }
+        for (const m of ['Stats', 'Fetch', 'Publish']) {
+          assert.deepEqual(seen[m], want, `${JSON.stringify(options)} env=${env}: ${m}`);
+        }
+      }
+    });
+  } finally {
+    if (saved === undefined) delete process.env.KVRELAY_TOKEN; else process.env.KVRELAY_TOKEN = saved;
+  }
+});
+
+test('credentials options: errors name the option, never the token', () => {
+  const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'kvrelay-unit-'));
+  try {
+    const notPem = path.join(tmp, 'ca.pem');
+    fs.writeFileSync(notPem, 'not a certificate\n');
+    const cases = [
+      [{ token: 'secret\nline' }, /^token: character 6 of 11 is U\+000a, expected visible ASCII/],
+      [{ token: 'sec ret' }, /^token: character 3 of 7 is U\+0020/],
+      [{ tlsCert: 'c.pem', tlsKey: 'k.pem' }, /^tlsCert: given without tlsCa/],
+      [{ tlsCa: notPem, tlsCert: 'c.pem' }, /^tlsCert and tlsKey: expected both or neither/],
+      [{ tlsCa: path.join(tmp, 'missing.pem') }, /^tlsCa: ENOENT/],
+      [{ tlsCa: notPem }, /no PEM certificate, expected one or more$/],
+      [{ tlsCa: Buffer.from('junk') }, /^tlsCa: Buffer: no PEM certificate/],
+      [{ tlsCa: 5 }, /^tlsCa: number, expected a file path or a Buffer of PEM$/],
+      [{ credentials: grpc.credentials.createInsecure(), tlsCa: notPem }, /^credentials: given with tlsCa/],
+    ];
+    for (const [options, re] of cases) {
+      assert.throws(() => new RelayClient('127.0.0.1:1', options), (e) => {
+        assert.ok(e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT, String(e));
+        assert.match(e.details, re);
+        assert.doesNotMatch(e.message, /secret|sec ret/);
+        return true;
+      }, JSON.stringify(options));
+    }
+    const tokenFile = path.join(tmp, 'token');
+    fs.writeFileSync(tokenFile, '  tok-123 \r\nsecond line\n');
+    assert.equal(readTokenFile(tokenFile), 'tok-123');
+    fs.writeFileSync(tokenFile, 'tok-456');
+    assert.equal(readTokenFile(tokenFile), 'tok-456');
+    fs.writeFileSync(tokenFile, ' \nlater\n');
+    assert.throws(() => readTokenFile(tokenFile), /first line empty, expected the token/);
+  } finally {
+    fs.rmSync(tmp, { recursive: true, force: true });
   }
 });

@@ -4,7 +4,11 @@
 // and writes its reply (nothing is stored; -policy required).
 //
 //	kvrelay-example -addr 127.0.0.1:50051 -in turn.safetensors -out msg.safetensors \
-//	    [-policy SPEC] [-session S] [-from planner] [-to critic] [-id MSGID] [-timeout 60s] [-compress]
+//	    [-policy SPEC] [-session S] [-from planner] [-to critic] [-id MSGID] [-timeout 60s] [-compress] \
+//	    [-tls-ca FILE [-tls-cert FILE -tls-key FILE]] [-token-file FILE]
+//
+// -tls-ca turns TLS on; the token (first line of -token-file, else
+// $KVRELAY_TOKEN) goes with every call as "authorization: Bearer TOKEN".
 //
 // Exit status: 0 ok, 1 a failed call or bad file, 2 usage error. Errors print
 // as "kvrelay-example: STEP: CODE: details", e.g.
@@ -23,6 +27,7 @@ import (
 
 type options struct {
 	addr, in, out, policy, session, from, to, id string
+	tlsCA, tlsCert, tlsKey, tokenFile            string
 	timeout                                      time.Duration
 	compress                                     bool
 }
@@ -50,7 +55,13 @@ func run(o options) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), o.timeout)
 	defer cancel()
-	c, err := kvrelay.Dial(ctx, o.addr)
+	sec := kvrelay.Security{CAFile: o.tlsCA, CertFile: o.tlsCert, KeyFile: o.tlsKey}
+	if o.tokenFile != "" {
+		if sec.Token, err = kvrelay.ReadTokenFile(o.tokenFile); err != nil {
+			return &stepError{"read token", err}
+		}
+	}
+	c, err := kvrelay.DialSecure(ctx, o.addr, sec)
 	if err != nil {
 		return &stepError{"dial", err}
 	}
@@ -123,6 +134,11 @@ func main() {
 	fs.StringVar(&o.id, "id", "", "message id (idempotency key); empty: a fresh one")
 	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "deadline for the whole exchange")
 	fs.BoolVar(&o.compress, "compress", false, "call the stateless Compress instead of publish/fetch/ack")
+	fs.StringVar(&o.tlsCA, "tls-ca", "", "PEM CA file that signs the relay's certificate; turns TLS on")
+	fs.StringVar(&o.tlsCert, "tls-cert", "", "PEM client certificate (mTLS; with -tls-key and -tls-ca)")
+	fs.StringVar(&o.tlsKey, "tls-key", "", "PEM key of -tls-cert")
+	fs.StringVar(&o.tokenFile, "token-file", "", "file whose first line is the agent's token; default $"+
+		kvrelay.TokenEnv)
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		os.Exit(2)
 	}
@@ -141,6 +157,12 @@ func main() {
 	}
 	if o.compress && o.policy == "" {
 		usage("flag -compress needs -policy (Compress has no default policy)")
+	}
+	if (o.tlsCert == "") != (o.tlsKey == "") {
+		usage("flags -tls-cert and -tls-key: expected both or neither")
+	}
+	if o.tlsCert != "" && o.tlsCA == "" {
+		usage("flag -tls-cert needs -tls-ca (which turns TLS on)")
 	}
 	if o.timeout <= 0 {
 		usage("flag -timeout: %v, expected > 0", o.timeout)
