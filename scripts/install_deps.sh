@@ -9,7 +9,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates curl
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libeigen3-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
-  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libssl-dev
 )
 # What running the test suite needs on top: Python (Debian's, with numpy and
 # grpcio), promtool and Prometheus, the Go and Node clients, torch for the HF

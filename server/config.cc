@@ -19,6 +19,7 @@
 #include "core/status_macros.h"
 #include "core/thread_pool.h"
 #include "nlohmann/json.hpp"
+#include "server/auth.h"
 #include "proto/address.h"
 
 namespace kvrelay {
@@ -138,22 +139,36 @@ absl::Status CheckListenAddr(absl::string_view flag, const std::string& v) {
   return absl::OkStatus();
 }
 
-// Replaces c->listen with `addrs`, each checked; `origin` prefixes errors
-// ("" for flags, "KVRELAY_LISTEN: ", "--config=FILE: ").
-absl::Status SetListen(const std::vector<std::string>& addrs, absl::string_view origin, ServerConfig* c) {
-  if (addrs.empty()) {
+// The list flags: each source's list replaces the lower sources' as a whole.
+std::vector<std::string>* ListField(const std::string& name, ServerConfig* c) {
+  if (name == "listen") return &c->listen;
+  if (name == "local-listen") return &c->local_listen;
+  if (name == "peer-identity") return &c->peer_identities;
+  return nullptr;
+}
+
+// Replaces list flag `name` of `c` with `values`, each checked; `origin`
+// prefixes errors ("" for flags, "KVRELAY_LISTEN: ", "--config=FILE: ").
+absl::Status SetList(const std::string& name, const std::vector<std::string>& values, absl::string_view origin,
+                     ServerConfig* c) {
+  if (values.empty() && name == "listen") {
     return absl::InvalidArgumentError(absl::StrCat(origin, "--listen: expected at least one address"));
   }
   std::set<std::string> seen;
-  for (const std::string& a : addrs) {
-    if (absl::Status st = CheckListenAddr("listen", a); !st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(origin, st.message()));
+  for (const std::string& v : values) {
+    absl::Status st;
+    if (name == "peer-identity") {
+      st = CheckIdentityPattern(v);
+      if (!st.ok()) st = absl::InvalidArgumentError(absl::StrCat("--peer-identity=", st.message()));
+    } else {
+      st = CheckListenAddr(name, v);
     }
-    if (!seen.insert(a).second) {
-      return absl::InvalidArgumentError(absl::StrCat(origin, "--listen=", a, ": given twice"));
+    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(origin, st.message()));
+    if (!seen.insert(v).second) {
+      return absl::InvalidArgumentError(absl::StrCat(origin, "--", name, "=", v, ": given twice"));
     }
   }
-  c->listen = addrs;
+  *ListField(name, c) = values;
   return absl::OkStatus();
 }
 
@@ -261,6 +276,24 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   if (name == "max-outbox-bytes-per-destination") {
     return ParseBytes(name, value, &c->max_outbox_bytes_per_destination);
   }
+  if (name == "tls-cert" || name == "tls-key" || name == "tls-client-ca" || name == "tls-peer-ca" ||
+      name == "tokens-file") {
+    if (value.empty()) return Bad(name, value, "a file name");
+    std::string* field = name == "tls-cert"        ? &c->tls_cert
+                         : name == "tls-key"       ? &c->tls_key
+                         : name == "tls-client-ca" ? &c->tls_client_ca
+                         : name == "tls-peer-ca"   ? &c->tls_peer_ca
+                                                   : &c->tokens_file;
+    *field = value;
+    return absl::OkStatus();
+  }
+  if (name == "local-auth") {
+    if (value != "pod" && value != "token") return Bad(name, value, "pod or token");
+    c->local_auth = value;
+    return absl::OkStatus();
+  }
+  if (name == "insecure") return ParseBool(name, value, &c->insecure);
+  if (name == "health-listen") return ParseAddr(name, value, true, &c->health_listen);
   if (name == "heap-retain-bytes") {
     if (absl::StripAsciiWhitespace(value) == "0") {
       c->heap_retain_bytes = 0;
@@ -274,7 +307,7 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see --help)"));
 }
 
-bool IsBoolFlag(const std::string& name) { return name == "log-json"; }
+bool IsBoolFlag(const std::string& name) { return name == "log-json" || name == "insecure"; }
 
 const char* const kEnv[][2] = {
     {"metrics-listen", "KVRELAY_METRICS_LISTEN"},
@@ -297,6 +330,14 @@ const char* const kEnv[][2] = {
     {"forward-stall-seconds", "KVRELAY_FORWARD_STALL_SECONDS"},
     {"max-outbox-bytes", "KVRELAY_MAX_OUTBOX_BYTES"},
     {"max-outbox-bytes-per-destination", "KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION"},
+    {"tls-cert", "KVRELAY_TLS_CERT"},
+    {"tls-key", "KVRELAY_TLS_KEY"},
+    {"tls-client-ca", "KVRELAY_TLS_CLIENT_CA"},
+    {"tls-peer-ca", "KVRELAY_TLS_PEER_CA"},
+    {"tokens-file", "KVRELAY_TOKENS_FILE"},
+    {"local-auth", "KVRELAY_LOCAL_AUTH"},
+    {"insecure", "KVRELAY_INSECURE"},
+    {"health-listen", "KVRELAY_HEALTH_LISTEN"},
 };
 
 absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
@@ -330,7 +371,7 @@ absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
       continue;
     }
     const std::string origin = absl::StrCat("--config=", path, ": ");
-    if (key == "listen") {
+    if (key == "listen" || key == "local-listen" || key == "peer-identity") {
       std::vector<std::string> addrs;
       if (v.is_string()) {
         addrs = SplitList(v.get<std::string>(), ',');
@@ -338,9 +379,9 @@ absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
         for (const auto& e : v) addrs.push_back(e.get<std::string>());
       } else {
         return absl::InvalidArgumentError(
-            absl::StrCat(origin, it.key(), ": expected a string or a list of strings (HOST:PORT or unix:PATH)"));
+            absl::StrCat(origin, it.key(), ": expected a string or a list of strings"));
       }
-      KVRELAY_RETURN_IF_ERROR(SetListen(addrs, origin, c));
+      KVRELAY_RETURN_IF_ERROR(SetList(key, addrs, origin, c));
       continue;
     }
     if (key == "route" || key == "routes") {
@@ -378,7 +419,88 @@ absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
   return absl::OkStatus();
 }
 
+// Whether HOST (as SplitHostPort gives it) is a loopback address.
+bool IsLoopbackHost(absl::string_view host) {
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) host = host.substr(1, host.size() - 2);
+  if (host == "localhost" || host == "::1") return true;
+  if (!absl::StartsWith(host, "127.")) return false;
+  int octets = 0;
+  for (absl::string_view o : absl::StrSplit(host, '.')) {
+    int v;
+    if (!absl::SimpleAtoi(o, &v) || v < 0 || v > 255) return false;
+    ++octets;
+  }
+  return octets == 4;
+}
+
+// The rules between the security flags, checked once every source is in.
+absl::Status CheckSecurity(const ServerConfig& c) {
+  if (c.tls_cert.empty() != c.tls_key.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(c.tls_cert.empty() ? "--tls-key" : "--tls-cert",
+                                                   ": expected together with ",
+                                                   c.tls_cert.empty() ? "--tls-cert" : "--tls-key"));
+  }
+  const bool tls = !c.tls_cert.empty();
+  if (!tls) {
+    for (const auto& [flag, set] : {std::pair<const char*, bool>{"--tls-client-ca", !c.tls_client_ca.empty()},
+                                    {"--tls-peer-ca", !c.tls_peer_ca.empty()},
+                                    {"--peer-identity", !c.peer_identities.empty()}}) {
+      if (set) return absl::InvalidArgumentError(absl::StrCat(flag, ": needs --tls-cert FILE and --tls-key FILE"));
+    }
+  }
+  for (const std::string& a : c.local_listen) {
+    if (absl::StartsWith(a, kUnixPrefix)) continue;
+    std::string host;
+    int port;
+    if (!SplitHostPort(a, &host, &port).ok() || !IsLoopbackHost(host)) {
+      return Bad("local-listen", a,
+                 "a loopback HOST:PORT (127.0.0.1, ::1 or localhost) or unix:PATH: local listeners are plaintext "
+                 "for the pod's own agents; use --listen for other addresses");
+    }
+  }
+  for (const std::string& a : c.local_listen) {
+    if (std::find(c.listen.begin(), c.listen.end(), a) != c.listen.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("--local-listen=", a, ": also given as --listen"));
+    }
+  }
+  if (c.local_auth == "token" && c.tokens_file.empty()) {
+    return absl::InvalidArgumentError("--local-auth=token: needs --tokens-file FILE");
+  }
+  const bool routes = !c.routes.empty() || !c.route_file.empty() || !c.route_template.empty();
+  if (tls && routes && c.tls_peer_ca.empty() && c.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls-cert with routes: forwards to other relays use mTLS, so the relay must verify them; add "
+        "--tls-peer-ca FILE (or --tls-client-ca FILE, its default)");
+  }
+  if (!tls && !c.insecure) {
+    for (const std::string& a : c.listen) {
+      if (absl::StartsWith(a, kUnixPrefix)) continue;
+      std::string host;
+      int port;
+      if (SplitHostPort(a, &host, &port).ok() && !IsLoopbackHost(host)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--listen=", a,
+            ": plaintext on a non-loopback address; add --tls-cert FILE --tls-key FILE (and --tls-client-ca FILE "
+            "for mTLS), or --insecure to serve plaintext anyway, or --local-listen for the pod's own agents"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+bool ServesPlaintextOffLoopback(const ServerConfig& c) {
+  if (!c.tls_cert.empty()) return false;
+  for (const std::string& a : c.listen) {
+    std::string host;
+    int port;
+    if (!absl::StartsWith(a, kUnixPrefix) && SplitHostPort(a, &host, &port).ok() && !IsLoopbackHost(host)) {
+      return true;
+    }
+  }
+  return false;
+}
 
 const std::string& ServerConfig::PolicyForRole(const std::string& role) const {
   auto it = role_policies.find(role);
@@ -450,6 +572,28 @@ std::string ServerUsage() {
                                  (KVRELAY_MAX_OUTBOX_BYTES; 4GiB)
   --max-outbox-bytes-per-destination N  the same per destination relay, at most --max-outbox-bytes
                                  (KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION; 1GiB)
+  --local-listen ADDR            plaintext address for the pod's own agents, repeatable: a loopback HOST:PORT
+                                 (127.0.0.1, ::1, localhost) or unix:PATH; anything else is refused. A unix:PATH
+                                 is local under --listen too (KVRELAY_LOCAL_LISTEN: ADDR,ADDR; none)
+  --health-listen HOST:PORT      serves grpc.health.v1 alone, plaintext, for kubelet probes (KVRELAY_HEALTH_LISTEN;
+                                 none)
+  --tls-cert FILE --tls-key FILE this relay's certificate and key (PEM): every TCP --listen address serves TLS,
+                                 loopback too. Re-read when the files change (atomic renames included): new
+                                 connections get the new certificate, calls in progress go on
+                                 (KVRELAY_TLS_CERT, KVRELAY_TLS_KEY)
+  --tls-client-ca FILE           CA bundle (PEM): client certificates are requested and every one presented is
+                                 verified; agents may still come with a token and none (KVRELAY_TLS_CLIENT_CA)
+  --tls-peer-ca FILE             CA bundle that verifies the relays this one forwards to (over mTLS, presenting
+                                 --tls-cert); default --tls-client-ca (KVRELAY_TLS_PEER_CA)
+  --peer-identity PATTERN        a relay allowed to forward here: its certificate SAN, exact or "*." and a DNS
+                                 suffix, repeatable (KVRELAY_PEER_IDENTITY: P,P; none)
+  --tokens-file FILE             agents' tokens, one "AGENT sha256:HEX" per line ('#' comments; HEX = SHA-256 of
+                                 the token; `kvrelayctl token new AGENT` makes one), re-read when it changes. With
+                                 it, every call on --listen needs "authorization: Bearer TOKEN" (KVRELAY_TOKENS_FILE)
+  --local-auth pod|token         local listeners: "pod" (a local caller may act as any agent) or "token" (tokens
+                                 as on --listen) (KVRELAY_LOCAL_AUTH; pod)
+  --insecure                     allow plaintext on a non-loopback --listen (otherwise refused at start-up); logged,
+                                 and exported as kvrelay_insecure 1 (KVRELAY_INSECURE)
   --log-json                     JSON log lines, the ready line too (its "msg" is the same text)
                                  (KVRELAY_LOG_JSON)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)
@@ -464,8 +608,9 @@ std::string ServerUsage() {
 A flag beats its environment variable, which beats the config file; role policies merge per role and
 routes per agent, while the --listen flags (else KVRELAY_LISTEN, else the file's) replace the list. An
 empty environment variable counts as unset (KVRELAY_METRICS_LISTEN: off). Seconds are at most 1e9.
-Once serving, prints one line listing every gRPC address (bound ports, unix:PATH for sockets):
-  kvrelay-server ready grpc=127.0.0.1:50051,unix:/run/kvrelay/relay.sock metrics=0.0.0.0:9464
+Once serving, prints one line listing every gRPC address (--listen, then --local-listen; bound ports,
+unix:PATH for sockets), the metrics address, and the health address when there is one:
+  kvrelay-server ready grpc=127.0.0.1:50051,unix:/run/kvrelay/relay.sock metrics=0.0.0.0:9464 health=0.0.0.0:8081
 (with --log-json, a JSON record whose "msg" is that text)
 
        kvrelay-server health [--addr HOST:PORT] [--timeout SECONDS]
@@ -476,7 +621,7 @@ Once serving, prints one line listing every gRPC address (bound ports, unix:PATH
 absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv, const EnvLookup& env) {
   // Collect flags first: --config must be applied before env and flags.
   std::vector<std::pair<std::string, std::string>> flags;
-  std::vector<std::string> listen_flags;  // replace the other sources' list as a whole
+  std::map<std::string, std::vector<std::string>> list_flags;  // replace the other sources' lists as a whole
   std::string config_path;
   if (const char* e = env("KVRELAY_CONFIG")) config_path = e;
   for (int i = 1; i < argc; ++i) {
@@ -500,8 +645,8 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
       config_path = value;
       continue;
     }
-    if (name == "listen") {
-      listen_flags.push_back(value);
+    if (name == "listen" || name == "local-listen" || name == "peer-identity") {
+      list_flags[name].push_back(value);
       continue;
     }
     flags.emplace_back(name, value);
@@ -524,8 +669,12 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
       if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("KVRELAY_ROLE_POLICY: ", s.message()));
     }
   }
-  if (const char* e = env("KVRELAY_LISTEN"); e != nullptr && *e != '\0') {
-    KVRELAY_RETURN_IF_ERROR(SetListen(SplitList(e, ','), "KVRELAY_LISTEN: ", &c));
+  for (const auto& [name, var] : {std::pair<std::string, std::string>{"listen", "KVRELAY_LISTEN"},
+                                   {"local-listen", "KVRELAY_LOCAL_LISTEN"},
+                                   {"peer-identity", "KVRELAY_PEER_IDENTITY"}}) {
+    if (const char* e = env(var.c_str()); e != nullptr && *e != '\0') {
+      KVRELAY_RETURN_IF_ERROR(SetList(name, SplitList(e, ','), absl::StrCat(var, ": "), &c));
+    }
   }
   if (const char* e = env("KVRELAY_ROUTE")) {
     for (const std::string& part : SplitList(e, ';')) {
@@ -534,7 +683,8 @@ absl::StatusOr<ServerConfig> ParseServerConfig(int argc, const char* const* argv
     }
   }
   for (const auto& [name, value] : flags) KVRELAY_RETURN_IF_ERROR(Apply(name, value, &c));
-  if (!listen_flags.empty()) KVRELAY_RETURN_IF_ERROR(SetListen(listen_flags, "", &c));
+  for (const auto& [name, values] : list_flags) KVRELAY_RETURN_IF_ERROR(SetList(name, values, "", &c));
+  KVRELAY_RETURN_IF_ERROR(CheckSecurity(c));
   if (c.max_outbox_bytes_per_destination > c.max_outbox_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max-outbox-bytes-per-destination=", c.max_outbox_bytes_per_destination,

@@ -26,6 +26,16 @@
 //   --forward-stall-seconds S     KVRELAY_FORWARD_STALL_SECONDS     10
 //   --max-outbox-bytes N          KVRELAY_MAX_OUTBOX_BYTES          4GiB
 //   --max-outbox-bytes-per-destination N  KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION  1GiB (<= --max-outbox-bytes)
+//   --local-listen ADDR           KVRELAY_LOCAL_LISTEN (',')        none  repeatable; loopback HOST:PORT or unix:PATH
+//   --health-listen HOST:PORT     KVRELAY_HEALTH_LISTEN             none  (plaintext grpc.health.v1 only)
+//   --tls-cert FILE               KVRELAY_TLS_CERT                  none  (with --tls-key: TCP --listen serves TLS)
+//   --tls-key FILE                KVRELAY_TLS_KEY                   none
+//   --tls-client-ca FILE          KVRELAY_TLS_CLIENT_CA             none  (request and verify client certificates)
+//   --tls-peer-ca FILE            KVRELAY_TLS_PEER_CA               --tls-client-ca (verifies relays dialled)
+//   --peer-identity PATTERN       KVRELAY_PEER_IDENTITY (',')       none  repeatable; relays allowed to forward here
+//   --tokens-file FILE            KVRELAY_TOKENS_FILE               none  ("AGENT sha256:HEX" lines)
+//   --local-auth pod|token        KVRELAY_LOCAL_AUTH                pod
+//   --insecure                    KVRELAY_INSECURE (1/true)         off   (allow plaintext off loopback)
 //   --log-json                    KVRELAY_LOG_JSON (1/true)         off
 //   --shutdown-grace-seconds S    KVRELAY_SHUTDOWN_GRACE_SECONDS    10
 //   --heap-retain-bytes N         KVRELAY_HEAP_RETAIN_BYTES         128MiB (0: glibc's defaults; capped at 2GiB-1)
@@ -35,9 +45,16 @@
 // seconds are at most 1e9. An empty environment variable counts as unset,
 // except KVRELAY_METRICS_LISTEN, where empty means off as for the flag.
 // Role policies merge per role across the three sources, and routes per
-// agent; the listen addresses do not merge: the --listen flags, else
-// KVRELAY_LISTEN, else the file's "listen" (a string or a list), replace
-// the default as a whole. Every policy, address and target is checked where
+// agent; the lists --listen, --local-listen and --peer-identity do not
+// merge: the flags, else the variable, else the file's key (a string or a
+// list), replace the default as a whole.
+//
+// Security rules, checked once every source is in (InvalidArgument, exit
+// 2): --tls-cert and --tls-key go together, and the CA and identity flags
+// need them; a --local-listen address is loopback or unix:PATH; a
+// non-loopback TCP --listen without TLS needs --insecure; TLS with routes
+// needs a CA to verify peers (--tls-peer-ca or --tls-client-ca);
+// --local-auth=token needs --tokens-file. Every policy, address and target is checked where
 // it is given, so a bad one is a configuration error naming its source
 // (flag, variable or file).
 //
@@ -86,6 +103,19 @@ struct ServerConfig {
   double forward_stall_seconds = 10;           // a forward without progress that long is cancelled
   uint64_t max_outbox_bytes = 4ull << 30;      // messages waiting to be forwarded, all destinations
   uint64_t max_outbox_bytes_per_destination = 1ull << 30;  // <= max_outbox_bytes
+  // Plaintext listeners for the pod's own agents: loopback HOST:PORT or
+  // unix:PATH (a unix:PATH in `listen` is local too).
+  std::vector<std::string> local_listen;
+  std::string health_listen;  // HOST:PORT serving grpc.health.v1 only, plaintext; empty: none
+  // TLS on every TCP `listen` address when tls_cert and tls_key are set
+  // (PEM files, re-read when they change).
+  std::string tls_cert, tls_key;
+  std::string tls_client_ca;  // requests and verifies client certificates
+  std::string tls_peer_ca;    // verifies the relays this one forwards to ("": tls_client_ca)
+  std::vector<std::string> peer_identities;  // SAN patterns of relays allowed to forward here
+  std::string tokens_file;                   // agents' token digests; "": no tokens
+  std::string local_auth = "pod";            // "pod" or "token": local callers need a token
+  bool insecure = false;                     // a non-loopback `listen` may be plaintext
   bool log_json = false;
   double shutdown_grace_seconds = 10;
   // Freed heap memory kept for reuse rather than returned to the kernel
@@ -120,6 +150,10 @@ std::string ServerUsage();
 
 // Splits "HOST:PORT" ("[v6]:PORT" too). InvalidArgument unless PORT is 0..65535.
 absl::Status SplitHostPort(const std::string& addr, std::string* host, int* port);
+
+// Whether a non-loopback TCP --listen address serves plaintext (--insecure):
+// the kvrelay_insecure gauge.
+bool ServesPlaintextOffLoopback(const ServerConfig& c);
 
 // The prefix of a Unix domain socket address in --listen ("unix:PATH").
 inline constexpr char kUnixPrefix[] = "unix:";

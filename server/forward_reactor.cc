@@ -1,5 +1,7 @@
 #include "server/forward_reactor.h"
 
+#include "server/routing.h"
+
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -28,8 +30,8 @@ std::string Quoted(absl::string_view v) { return absl::StrCat("'", absl::CHexEsc
 
 class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  ForwardReactor(RelayService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response)
-      : svc_(svc), ctx_(ctx), wire_resp_(response), started_(Clock::now()) {
+  ForwardReactor(RelayService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response, Caller caller)
+      : svc_(svc), ctx_(ctx), wire_resp_(response), caller_(std::move(caller)), started_(Clock::now()) {
     idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
     StartRead(&wire_);
   }
@@ -91,6 +93,25 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  private:
   bool started() const { return header_.has_value(); }
 
+  // A peer relay speaks only for its own agents: with mTLS, `sender` must
+  // route, in this relay's table, to a host the peer's certificate names.
+  absl::Status CheckPeerSpeaksFor(const std::string& sender) {
+    if (caller_.identity.empty()) return absl::OkStatus();  // no TLS: nothing to check against
+    std::optional<std::string> target;
+    if (svc_->routes()) {
+      absl::StatusOr<std::optional<std::string>> r = svc_->routes()->Resolve(sender, "header.message.sender");
+      if (r.ok()) target = *r;
+    }
+    const std::string host = target ? TargetHost(*target) : "";
+    if (!host.empty() && caller_.PeerIsHost(host)) return absl::OkStatus();
+    if (svc_->metrics()) svc_->metrics()->AddForwardReceived("refused");
+    return svc_->Forbid(*ctx_, "forward",
+                        absl::StrCat("header.message.sender: ", caller_.Describe(), " does not serve agent \"", sender,
+                                     "\" (", target ? absl::StrCat("it routes here to ", *target)
+                                                     : std::string("it is local to this relay"),
+                                     ", and the peer certificate does not name that host)"));
+  }
+
   absl::Status OnHeader(const v1::ForwardHeader& h) {
     header_ = h;
     if (h.protocol_version() != kForwardProtocolVersion) {
@@ -101,6 +122,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     KVRELAY_RETURN_IF_ERROR(CheckId("header.message.session_id", m.session_id()));
     KVRELAY_RETURN_IF_ERROR(CheckId("header.message.message_id", m.message_id()));
     KVRELAY_RETURN_IF_ERROR(CheckId("header.message.sender", m.sender()));
+    KVRELAY_RETURN_IF_ERROR(CheckPeerSpeaksFor(m.sender()));
     if (!m.parent_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.message.parent_id", m.parent_id()));
     if (m.role().size() > 128) {
       return absl::InvalidArgumentError(absl::StrCat("header.message.role: ", m.role().size(), " bytes, expected at most 128"));
@@ -200,6 +222,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     m->accounting = c.accounting();
     m->origin = h.origin();
     m->forwarded = true;
+    m->forwarded_by = caller_.identity;
     m->msg = std::move(msg);
     m->family = PolicyFamily(m->msg.policy);
     m->bytes = RetainedBytes(m->msg);
@@ -269,6 +292,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   RelayService* const svc_;
   grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const wire_resp_;
+  const Caller caller_;
   const Clock::time_point started_;
   std::shared_ptr<UploadWatchdog::Entry> idle_;
   grpc::ByteBuffer wire_;
@@ -287,8 +311,8 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 }  // namespace
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* NewForwardReactor(RelayService* svc, grpc::CallbackServerContext* ctx,
-                                                            grpc::ByteBuffer* response) {
-  return new ForwardReactor(svc, ctx, response);
+                                                            grpc::ByteBuffer* response, Caller caller) {
+  return new ForwardReactor(svc, ctx, response, std::move(caller));
 }
 
 Message RebuildFromAncestor(const Message& ancestor, Message suffix) {

@@ -13,13 +13,16 @@
 #include "kvrelay/v1/relay.pb.h"
 #include "server/store.h"
 
+#include "server/auth.h"
+
 namespace kvrelay {
 
 class RelayService;
 
-// Starts a Forward call. Raw ForwardRequest in, ForwardResponse out.
+// Starts a Forward call from the peer relay `caller` (authenticated).
+// Raw ForwardRequest in, ForwardResponse out.
 grpc::ServerReadReactor<grpc::ByteBuffer>* NewForwardReactor(RelayService* svc, grpc::CallbackServerContext* ctx,
-                                                            grpc::ByteBuffer* response);
+                                                            grpc::ByteBuffer* response, Caller caller);
 
 // The message a forward elided `ancestor` from: per layer and head, the
 // ancestor's tokens followed by the suffix's. REQUIRES: both dense, of the

@@ -168,7 +168,7 @@ struct Forwarder::Job {
 };
 
 Forwarder::Forwarder(const ForwarderOptions& opts, Store* store, const RouteTable* routes, Metrics* metrics)
-    : opts_(opts), store_(store), routes_(routes), metrics_(metrics) {
+    : opts_(opts), store_(store), routes_(routes), metrics_(metrics), peers_(opts.credentials) {
   for (int i = 0; i < std::max(1, opts_.threads); ++i) threads_.emplace_back([this] { Loop(); });
 }
 

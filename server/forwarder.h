@@ -126,6 +126,9 @@ struct ForwarderOptions {
   // +-25% jitter.
   std::chrono::milliseconds initial_backoff{200};
   std::chrono::milliseconds max_backoff{5000};
+  // How the peers are dialled: mTLS (auth.h, PeerChannelCredentials) once
+  // TLS is configured; null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
 class Forwarder {

@@ -626,6 +626,7 @@ absl::StatusOr<v1::MessageStatusResponse> MemoryStore::MessageStatus(const std::
   const StoredMessage& msg = *m->second;
   v1::MessageStatusResponse resp;
   resp.set_sender(msg.sender);
+  resp.set_forwarded_by(msg.forwarded_by);
   auto tracks = s->second.tracks.find(message_id);
   auto here = s->second.local.find(message_id);
   // The publish's order; at a relay a message was forwarded to, its
@@ -686,6 +687,25 @@ bool MemoryStore::PeerHolds(const std::string& session, const std::string& messa
   std::lock_guard<std::mutex> lock(mu_);
   auto s = sessions_.find(session);
   return s != sessions_.end() && s->second.peer_holds.count({message_id, target}) > 0;
+}
+
+bool MemoryStore::IsParticipant(const std::string& session, const std::string& agent) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return false;
+  for (const auto& [id, m] : s->second.messages) {
+    if (m->sender == agent || std::find(m->recipients.begin(), m->recipients.end(), agent) != m->recipients.end()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<std::string> MemoryStore::Peers(const std::string& session) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return {};
+  return std::vector<std::string>(s->second.peers.begin(), s->second.peers.end());
 }
 
 }  // namespace kvrelay

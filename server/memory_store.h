@@ -68,6 +68,8 @@ class MemoryStore final : public Store {
   bool AddPeer(const std::string& session, const std::string& target) override;
   void NotePeerHolds(const std::string& session, const std::string& message_id, const std::string& target) override;
   bool PeerHolds(const std::string& session, const std::string& message_id, const std::string& target) const override;
+  bool IsParticipant(const std::string& session, const std::string& agent) const override;
+  std::vector<std::string> Peers(const std::string& session) const override;
 
  private:
   struct Entry {

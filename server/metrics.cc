@@ -167,6 +167,19 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                             .Name("kvrelay_forwards_received_total")
                             .Help("Forwards from other relays by outcome: committed, duplicate and refused.")
                             .Register(*registry_);
+  auth_failures_ = &BuildCounter()
+                        .Name("kvrelay_auth_failures_total")
+                        .Help("Calls refused for their credentials or their rights, by reason: missing_credentials, "
+                              "bad_token, bad_certificate, peer_not_allowed, forbidden.")
+                        .Register(*registry_);
+  for (const char* r : {"missing_credentials", "bad_token", "bad_certificate", "peer_not_allowed", "forbidden"}) {
+    auth_failures_->Add({{"reason", r}});
+  }
+  insecure_ = &BuildGauge()
+                   .Name("kvrelay_insecure")
+                   .Help("1 when a non-loopback gRPC listener serves plaintext (--insecure), else 0.")
+                   .Register(*registry_)
+                   .Add({});
   BuildGauge()
       .Name("kvrelay_build_info")
       .Help("Build information; the value is always 1.")
@@ -183,6 +196,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                     grpc::CANCELLED,
                                     grpc::INVALID_ARGUMENT,
                                     grpc::DEADLINE_EXCEEDED,
+                                    grpc::UNAUTHENTICATED,
+                                    grpc::PERMISSION_DENIED,
                                     grpc::NOT_FOUND,
                                     grpc::ALREADY_EXISTS,
                                     grpc::RESOURCE_EXHAUSTED,

@@ -26,6 +26,10 @@
 //   kvrelay_dead_letters_total{code}             forwards given up, by the reason's gRPC code name
 //   kvrelay_forwards_received_total{outcome}     forwards this relay took: committed, duplicate,
 //                                                refused
+//   kvrelay_auth_failures_total{reason}          calls refused for credentials or rights:
+//                                                missing_credentials, bad_token, bad_certificate,
+//                                                peer_not_allowed, forbidden
+//   kvrelay_insecure                             1 when a non-loopback listener is plaintext
 //   kvrelay_build_info{version}                  1
 //
 // Forward outcomes: "retry" is an attempt that failed and will be retried,
@@ -120,6 +124,10 @@ class Metrics {
     forwards_received_->Add({{"outcome", outcome}}).Increment();
   }
 
+  // REQUIRES: `reason` is one of AuthFailureName's (server/auth.h).
+  void AddAuthFailure(const char* reason) { auth_failures_->Add({{"reason", reason}}).Increment(); }
+  void SetInsecure(bool insecure) { insecure_->Set(insecure ? 1 : 0); }
+
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* received_;
@@ -146,6 +154,8 @@ class Metrics {
   prometheus::Gauge* outbox_bytes_;
   prometheus::Family<prometheus::Counter>* dead_letters_;
   prometheus::Family<prometheus::Counter>* forwards_received_;
+  prometheus::Family<prometheus::Counter>* auth_failures_;
+  prometheus::Gauge* insecure_;
 };
 
 }  // namespace kvrelay

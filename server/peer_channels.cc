@@ -9,6 +9,9 @@
 
 namespace kvrelay {
 
+PeerChannels::PeerChannels(std::shared_ptr<grpc::ChannelCredentials> credentials)
+    : credentials_(credentials ? std::move(credentials) : grpc::InsecureChannelCredentials()) {}
+
 std::shared_ptr<grpc::Channel> PeerChannels::Get(const std::string& target) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = channels_.find(target);
@@ -22,7 +25,7 @@ std::shared_ptr<grpc::Channel> PeerChannels::Get(const std::string& target) {
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetMaxReceiveMessageSize(4 << 20);
   args.SetMaxSendMessageSize(4 << 20);
-  auto ch = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  auto ch = grpc::CreateCustomChannel(target, credentials_, args);
   channels_.emplace(target, ch);
   return ch;
 }

@@ -18,6 +18,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/client_callback.h"
 #include "grpcpp/support/status.h"
@@ -26,7 +27,9 @@ namespace kvrelay {
 
 class PeerChannels {
  public:
-  PeerChannels() = default;
+  // Dials with `credentials` (null: plaintext). Channels are kept and
+  // reused, so a forward pays no TLS handshake but the first to a peer.
+  explicit PeerChannels(std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
   PeerChannels(const PeerChannels&) = delete;
   PeerChannels& operator=(const PeerChannels&) = delete;
 
@@ -45,6 +48,7 @@ class PeerChannels {
                  std::chrono::milliseconds timeout, std::function<void(const grpc::Status&)> done);
 
  private:
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
 };

@@ -14,6 +14,7 @@
 #include "server/internal/call_util.h"
 #include "server/publish_plan.h"
 #include "server/request_checks.h"
+#include "server/routing.h"
 #include "server/upload.h"
 #include "spdlog/spdlog.h"
 
@@ -23,8 +24,8 @@ namespace {
 class PublishReactor final
     : public UploadReactor<PublishReactor, grpc::ServerReadReactor<grpc::ByteBuffer>, v1::PublishRequest> {
  public:
-  PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
-      : UploadReactor(svc, ctx, "publish"), wire_resp_(resp) {
+  PublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp, Caller caller)
+      : UploadReactor(svc, ctx, "publish"), wire_resp_(resp), caller_(std::move(caller)) {
     StartUpload();
   }
 
@@ -38,8 +39,22 @@ class PublishReactor final
  private:
   friend class UploadReactor;
 
+  // On a relay with routes, a pod speaks only for the agents that live in
+  // it: the sender must have no route, or a route to this relay.
+  absl::Status CheckSenderIsLocal(const std::string& sender) {
+    if (!svc_->routes() || !svc_->routes()->enabled()) return absl::OkStatus();
+    absl::StatusOr<std::optional<std::string>> r = svc_->routes()->Resolve(sender, "header.sender");
+    if (r.ok() && !r->has_value()) return absl::OkStatus();
+    return svc_->Forbid(*ctx_, "publish",
+                        absl::StrCat("header.sender: agent \"", sender, "\" is not local to this relay (",
+                                     r.ok() ? absl::StrCat("it routes to ", **r) : std::string(r.status().message()),
+                                     "); publish at the agent's own relay"));
+  }
+
   absl::Status OnHeader(const v1::PublishHeader& h) {
     header_ = h;  // for the logs, also when it is rejected
+    KVRELAY_RETURN_IF_ERROR(svc_->CheckActsAs(*ctx_, "publish", caller_, "header.sender", h.sender()));
+    KVRELAY_RETURN_IF_ERROR(CheckSenderIsLocal(h.sender()));
     KVRELAY_RETURN_IF_ERROR(CheckId("header.session_id", h.session_id()));
     // From here a CloseSession of the session fences this publish.
     ticket_ = svc_->store()->BeginPublish(h.session_id());
@@ -182,6 +197,7 @@ class PublishReactor final
   }
 
   grpc::ByteBuffer* const wire_resp_;
+  const Caller caller_;
   v1::PublishResponse resp_;
   v1::PublishHeader header_;
   std::optional<Store::PublishTicket> ticket_;  // from the header on; ended in OnDone
@@ -192,8 +208,8 @@ class PublishReactor final
 }  // namespace
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* NewPublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx,
-                                                            grpc::ByteBuffer* response) {
-  return new PublishReactor(svc, ctx, response);
+                                                            grpc::ByteBuffer* response, Caller caller) {
+  return new PublishReactor(svc, ctx, response, std::move(caller));
 }
 
 }  // namespace kvrelay

@@ -3,14 +3,17 @@
 #define KVRELAY_SERVER_PUBLISH_REACTOR_H_
 
 #include "grpcpp/grpcpp.h"
+#include "server/auth.h"
 #include "server/relay_service.h"
 
 namespace kvrelay {
 
 // Publish: plans the publish from its header (PlanPublish), uploads and
 // compresses the turn (UploadReactor), and commits the message to the store.
+// `caller` (authenticated) may publish only as an agent it may act as, and,
+// on a relay with routes, only for a sender that is local to it.
 grpc::ServerReadReactor<grpc::ByteBuffer>* NewPublishReactor(RelayService* svc, grpc::CallbackServerContext* ctx,
-                                                            grpc::ByteBuffer* response);
+                                                            grpc::ByteBuffer* response, Caller caller);
 
 }  // namespace kvrelay
 

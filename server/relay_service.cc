@@ -4,6 +4,8 @@
 #include <random>
 
 #include "absl/strings/str_format.h"
+#include "proto/status_util.h"
+#include "server/auth.h"
 #include "server/compress_reactor.h"
 #include "server/fetch_reactor.h"
 #include "server/forward_reactor.h"
@@ -11,10 +13,29 @@
 #include "server/publish_reactor.h"
 
 namespace kvrelay {
+namespace {
+
+// A streaming call refused before it starts: finishes at once with `s`.
+template <typename Base>
+class RefusedReactor final : public Base {
+ public:
+  explicit RefusedReactor(const grpc::Status& s) { this->Finish(s); }
+  void OnDone() override { delete this; }
+};
+
+template <typename Base>
+Base* Refuse(const RelayService* svc, const char* method, const absl::Status& s) {
+  const grpc::Status g = ToGrpcStatus(s);
+  svc->CountRpc(method, g);
+  return new RefusedReactor<Base>(g);
+}
+
+}  // namespace
 
 RelayService::RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics,
-                           Forwarder* forwarder, const RouteTable* routes)
+                           Forwarder* forwarder, const RouteTable* routes, const Authenticator* auth)
     : config_(config), store_(store), pool_(pool), metrics_(metrics), forwarder_(forwarder), routes_(routes),
+      auth_(auth),
       id_salt_(std::random_device{}() * 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count())),
       watchdog_(config.upload_idle_timeout_seconds) {}
 
@@ -36,26 +57,62 @@ std::function<void(int outstanding)> RelayService::layer_observer() const {
   return layer_observer_;
 }
 
+absl::StatusOr<Caller> RelayService::AuthenticateAgent(const grpc::CallbackServerContext& ctx,
+                                                       absl::string_view rpc) const {
+  if (!auth_) return Caller{};
+  return auth_->Agent(ctx, rpc);
+}
+
+absl::StatusOr<Caller> RelayService::AuthenticatePeer(const grpc::CallbackServerContext& ctx,
+                                                      absl::string_view rpc) const {
+  if (!auth_) return Caller{Caller::Kind::kPeer};
+  return auth_->Peer(ctx, rpc);
+}
+
+absl::Status RelayService::Forbid(const grpc::CallbackServerContext& ctx, absl::string_view rpc,
+                                  const std::string& message) const {
+  if (!auth_) return absl::PermissionDeniedError(message);
+  return auth_->Forbid(ctx, rpc, message);
+}
+
+absl::Status RelayService::CheckActsAs(const grpc::CallbackServerContext& ctx, absl::string_view rpc,
+                                       const Caller& caller, absl::string_view field, absl::string_view agent) const {
+  if (caller.MayActAs(agent)) return absl::OkStatus();
+  return Forbid(ctx, rpc, absl::StrCat(field, ": caller is ", caller.Describe(), ", not \"", agent, "\""));
+}
+
 grpc::ServerReadReactor<grpc::ByteBuffer>* RelayService::Publish(grpc::CallbackServerContext* ctx,
                                                                  grpc::ByteBuffer* response) {
-  return NewPublishReactor(this, ctx, response);
+  absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "publish");
+  if (!caller.ok()) return Refuse<grpc::ServerReadReactor<grpc::ByteBuffer>>(this, "Publish", caller.status());
+  return NewPublishReactor(this, ctx, response, *std::move(caller));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::Fetch(grpc::CallbackServerContext* ctx,
                                                                const grpc::ByteBuffer* request) {
   v1::FetchRequest req;
-  const absl::Status parsed = ParseRequest(*request, "fetch", &req);
-  return NewFetchReactor(this, ctx, req, parsed);
+  absl::Status s = ParseRequest(*request, "fetch", &req);
+  if (s.ok()) {
+    absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "fetch");
+    s = caller.ok() ? CheckActsAs(*ctx, "fetch", *caller, "agent", req.agent()) : caller.status();
+  }
+  return NewFetchReactor(this, ctx, req, s);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RelayService::Compress(
     grpc::CallbackServerContext* ctx) {
+  absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "compress");
+  if (!caller.ok()) {
+    return Refuse<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>>(this, "Compress", caller.status());
+  }
   return NewCompressReactor(this, ctx);
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* RelayService::Forward(grpc::CallbackServerContext* ctx,
                                                                  grpc::ByteBuffer* response) {
-  return NewForwardReactor(this, ctx, response);
+  absl::StatusOr<Caller> caller = AuthenticatePeer(*ctx, "forward");
+  if (!caller.ok()) return Refuse<grpc::ServerReadReactor<grpc::ByteBuffer>>(this, "Forward", caller.status());
+  return NewForwardReactor(this, ctx, response, *std::move(caller));
 }
 
 }  // namespace kvrelay

@@ -19,6 +19,8 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/thread_pool.h"
 #include "kvrelay/v1/relay.grpc.pb.h"
 #include "server/config.h"
@@ -28,8 +30,10 @@
 
 namespace kvrelay {
 
+class Authenticator;
 class Forwarder;
 class RouteTable;
+struct Caller;
 
 // The tensor streams (Publish, Fetch, Compress) are registered raw: their
 // messages stay gRPC byte buffers, so chunk data is copied once on the way in
@@ -48,9 +52,11 @@ class RelayService final : public RelayCallbackBase {
  public:
   // All pointers must outlive the service; `metrics` may be null, and so
   // may `forwarder` and `routes` (then every recipient is local, and
-  // deliveries of forwarded messages are not reported back).
+  // deliveries of forwarded messages are not reported back), and `auth`
+  // (then every caller may act as any agent and as a peer relay).
   RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics,
-               Forwarder* forwarder = nullptr, const RouteTable* routes = nullptr);
+               Forwarder* forwarder = nullptr, const RouteTable* routes = nullptr,
+               const Authenticator* auth = nullptr);
 
   // Raw PublishRequest in, PublishResponse out.
   grpc::ServerReadReactor<grpc::ByteBuffer>* Publish(grpc::CallbackServerContext* ctx,
@@ -83,6 +89,16 @@ class RelayService final : public RelayCallbackBase {
   Metrics* metrics() const { return metrics_; }
   Forwarder* forwarder() const { return forwarder_; }
   const RouteTable* routes() const { return routes_; }
+  // The caller of an agent's RPC / of a relay-to-relay RPC (auth.h);
+  // without an authenticator, anyone (as any agent, or as a peer).
+  absl::StatusOr<Caller> AuthenticateAgent(const grpc::CallbackServerContext& ctx, absl::string_view rpc) const;
+  absl::StatusOr<Caller> AuthenticatePeer(const grpc::CallbackServerContext& ctx, absl::string_view rpc) const;
+  // OK when `caller` may act as `agent`; PERMISSION_DENIED naming `field`
+  // and both identities otherwise (counted as forbidden).
+  absl::Status CheckActsAs(const grpc::CallbackServerContext& ctx, absl::string_view rpc, const Caller& caller,
+                           absl::string_view field, absl::string_view agent) const;
+  // PERMISSION_DENIED with `message`, counted as forbidden.
+  absl::Status Forbid(const grpc::CallbackServerContext& ctx, absl::string_view rpc, const std::string& message) const;
   // Counts a failed RPC in kvrelay_errors_total.
   // Counts a finished RPC in the metrics (kvrelay_rpcs_total, kvrelay_errors_total).
   void CountRpc(const char* method, const grpc::Status& s) const;
@@ -98,12 +114,16 @@ class RelayService final : public RelayCallbackBase {
   std::function<void(int outstanding)> layer_observer() const;
 
  private:
+  absl::Status CheckMayClose(const grpc::CallbackServerContext& ctx, const v1::CloseSessionRequest& req) const;
+  absl::Status CheckMayReadStatus(const grpc::CallbackServerContext& ctx, const v1::MessageStatusRequest& req) const;
+
   const ServerConfig config_;
   Store* const store_;
   ThreadPool* const pool_;
   Metrics* const metrics_;
   Forwarder* const forwarder_;
   const RouteTable* const routes_;
+  const Authenticator* const auth_;
   std::atomic<uint64_t> id_counter_{0};
   const uint64_t id_salt_;
   UploadWatchdog watchdog_;

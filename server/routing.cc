@@ -10,6 +10,7 @@
 #include "absl/strings/str_replace.h"
 #include "nlohmann/json.hpp"
 #include "proto/address.h"
+#include "core/status_macros.h"
 #include "server/request_checks.h"
 #include "spdlog/spdlog.h"
 
@@ -17,15 +18,6 @@ namespace kvrelay {
 namespace {
 
 constexpr char kPlaceholder[] = "{agent}";
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("--route-file=", path, ": cannot open it"));
-  std::ostringstream s;
-  s << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat("--route-file=", path, ": read error"));
-  return s.str();
-}
 
 // A route's target, as the client checks a relay address.
 absl::Status CheckTarget(const std::string& field, const std::string& target) {
@@ -89,58 +81,30 @@ RouteTable::RouteTable(const RouteOptions& opts)
 absl::StatusOr<std::unique_ptr<RouteTable>> RouteTable::Create(const RouteOptions& opts) {
   std::unique_ptr<RouteTable> t(new RouteTable(opts));
   if (!opts.route_file.empty()) {
-    if (absl::Status s = t->ReloadNow(); !s.ok()) return s;
-    t->poller_ = std::thread([p = t.get()] { p->PollLoop(); });
+    RouteTable* p = t.get();
+    KVRELAY_ASSIGN_OR_RETURN(
+        t->file_, WatchedFile::Start(
+                      "--route-file", opts.route_file, opts.poll_interval,
+                      [p](const std::string& content) {
+                        KVRELAY_ASSIGN_OR_RETURN(auto routes, ParseRouteFile(content, absl::StrCat("--route-file=",
+                                                                                                  p->opts_.route_file)));
+                        std::lock_guard<std::mutex> lock(p->mu_);
+                        p->file_routes_ = std::make_shared<const std::map<std::string, std::string>>(std::move(routes));
+                        return absl::OkStatus();
+                      },
+                      [p] {
+                        std::lock_guard<std::mutex> l(p->mu_);
+                        return absl::StrCat("the last good route table (", p->file_routes_->size(), " routes)");
+                      }));
   }
   return t;
 }
 
-RouteTable::~RouteTable() {
-  {
-    std::lock_guard<std::mutex> lock(poll_mu_);
-    stop_ = true;
-  }
-  poll_cv_.notify_all();
-  if (poller_.joinable()) poller_.join();
-}
+RouteTable::~RouteTable() = default;
 
-absl::Status RouteTable::ReloadNow() {
-  absl::StatusOr<std::string> content = ReadFile(opts_.route_file);
-  if (!content.ok()) return content.status();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (file_loads_.load() > 0 && *content == file_content_) return absl::OkStatus();
-  }
-  absl::StatusOr<std::map<std::string, std::string>> routes =
-      ParseRouteFile(*content, absl::StrCat("--route-file=", opts_.route_file));
-  std::lock_guard<std::mutex> lock(mu_);
-  // Remember a bad content too, so that it is reported once, not every poll.
-  file_content_ = std::move(*content);
-  if (!routes.ok()) return routes.status();
-  file_routes_ = std::make_shared<const std::map<std::string, std::string>>(std::move(*routes));
-  file_loads_.fetch_add(1);
-  return absl::OkStatus();
-}
+absl::Status RouteTable::ReloadNow() { return file_ ? file_->ReloadNow() : absl::OkStatus(); }
 
-void RouteTable::PollLoop() {
-  std::unique_lock<std::mutex> lock(poll_mu_);
-  absl::Status last;
-  while (!poll_cv_.wait_for(lock, opts_.poll_interval, [this] { return stop_; })) {
-    lock.unlock();
-    const uint64_t loads = file_loads_.load();
-    absl::Status s = ReloadNow();
-    if (!s.ok() && s != last) {
-      spdlog::warn("routes: {}; keeping the last good table ({} routes)", std::string(s.message()), [this] {
-        std::lock_guard<std::mutex> l(mu_);
-        return file_routes_->size();
-      }());
-    } else if (s.ok() && file_loads_.load() != loads) {
-      spdlog::info("routes: reloaded --route-file={}", opts_.route_file);
-    }
-    last = s;
-    lock.lock();
-  }
-}
+uint64_t RouteTable::file_loads() const { return file_ ? file_->loads() : 0; }
 
 absl::StatusOr<std::optional<std::string>> RouteTable::Resolve(const std::string& agent,
                                                                const std::string& field) const {

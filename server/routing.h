@@ -17,18 +17,16 @@
 #ifndef KVRELAY_SERVER_ROUTING_H_
 #define KVRELAY_SERVER_ROUTING_H_
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/watched_file.h"
 
 namespace kvrelay {
 
@@ -76,22 +74,16 @@ class RouteTable {
   // table staying as it was.
   absl::Status ReloadNow();
   // How many times the file's content was loaded, the start-up load included.
-  uint64_t file_loads() const { return file_loads_.load(); }
+  uint64_t file_loads() const;
 
  private:
   explicit RouteTable(const RouteOptions& opts);
-  void PollLoop();
 
   const RouteOptions opts_;
   const bool enabled_;
   mutable std::mutex mu_;
   std::shared_ptr<const std::map<std::string, std::string>> file_routes_;  // guarded by mu_
-  std::string file_content_;                                                // guarded by mu_
-  std::atomic<uint64_t> file_loads_{0};
-  std::mutex poll_mu_;
-  std::condition_variable poll_cv_;
-  bool stop_ = false;  // guarded by poll_mu_
-  std::thread poller_;
+  std::unique_ptr<WatchedFile> file_;                                       // null: no route file
 };
 
 }  // namespace kvrelay

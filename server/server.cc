@@ -19,10 +19,12 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server_builder.h"
 #include "server/memory_store.h"
 #include "server/forwarder.h"
 #include "server/routing.h"
+#include "server/auth.h"
 #include "spdlog/spdlog.h"
 
 #if defined(KVRELAY_CIVETWEB_FEATURES)
@@ -45,56 +47,133 @@ bool MetricsServerHasIpv6() {
 // Before binding unix:PATH (`addr`): OK when PATH does not exist, or was a
 // socket nobody accepts on, which is removed. gRPC would remove any socket,
 // and so take over the PATH of a relay still serving on it.
-absl::Status PrepareUnixSocket(const std::string& addr) {
+absl::Status PrepareUnixSocket(const std::string& flag, const std::string& addr) {
   const std::string path = addr.substr(strlen(kUnixPrefix));
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
-    return absl::UnavailableError(absl::StrCat("--listen=", addr, ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat(flag, "=", addr, ": ", std::strerror(errno)));
   }
   if (!S_ISSOCK(st.st_mode)) {
     return absl::UnavailableError(
-        absl::StrCat("--listen=", addr, ": exists and is not a socket (left as it is; expected a free path)"));
+        absl::StrCat(flag, "=", addr, ": exists and is not a socket (left as it is; expected a free path)"));
   }
   sockaddr_un sa{};
   sa.sun_family = AF_UNIX;
   if (path.size() >= sizeof(sa.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("--listen=", addr, ": path longer than 107 bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(flag, "=", addr, ": path longer than 107 bytes"));
   }
   std::memcpy(sa.sun_path, path.data(), path.size());
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::UnavailableError(absl::StrCat("--listen=", addr, ": socket: ", std::strerror(errno)));
+  if (fd < 0) return absl::UnavailableError(absl::StrCat(flag, "=", addr, ": socket: ", std::strerror(errno)));
   const int r = connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa));
   const int err = errno;
   close(fd);
   if (r == 0) {
-    return absl::UnavailableError(absl::StrCat("--listen=", addr, ": another process is serving on this socket"));
+    return absl::UnavailableError(absl::StrCat(flag, "=", addr, ": another process is serving on this socket"));
   }
   if (err != ECONNREFUSED) {
-    return absl::UnavailableError(absl::StrCat("--listen=", addr, ": cannot tell whether the socket is in use: ",
+    return absl::UnavailableError(absl::StrCat(flag, "=", addr, ": cannot tell whether the socket is in use: ",
                                                std::strerror(err)));
   }
   if (unlink(path.c_str()) != 0 && errno != ENOENT) {
     return absl::UnavailableError(
-        absl::StrCat("--listen=", addr, ": cannot remove the stale socket: ", std::strerror(errno)));
+        absl::StrCat(flag, "=", addr, ": cannot remove the stale socket: ", std::strerror(errno)));
   }
-  spdlog::info("--listen={}: removed a stale socket (nothing accepted on it)", addr);
+  spdlog::info("{}={}: removed a stale socket (nothing accepted on it)", flag, addr);
   return absl::OkStatus();
 }
 
 }  // namespace
 
+// Keeps a ServerBuilder from adding the process-wide plugins (reflection):
+// the health port serves grpc.health.v1 alone.
+class NoPlugins final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override { plugins->clear(); }
+};
+
+// Everything but grpc.health.v1 on the health port: UNIMPLEMENTED. (It also
+// gives that server the callback queue gRPC requires of every server.)
+class UnimplementedService final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    class Refused final : public grpc::ServerGenericBidiReactor {
+     public:
+      explicit Refused(const std::string& method) {
+        Finish(grpc::Status(grpc::UNIMPLEMENTED,
+                            absl::StrCat(method, ": the health port (--health-listen) serves grpc.health.v1 only")));
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(ctx->method());
+  }
+};
+
+// The addresses a gRPC server listens on, each with its credentials.
+struct Listener {
+  std::string addr, flag;  // flag: "--listen", "--local-listen" or "--health-listen"
+  std::string host;        // "" for a Unix socket
+  std::shared_ptr<grpc::ServerCredentials> creds;
+  int port = 0;            // filled by BuildAndStart
+};
+
+// Checks that every listener is bound (BuildAndStart fills the ports up to
+// the first address it cannot bind), makes sockets mode 0666, and appends
+// the bound addresses to `out`.
+absl::Status CheckBound(const grpc::Server* server, std::vector<Listener>& ls, std::vector<std::string>* out) {
+  for (const Listener& l : ls) {
+    const bool unix_socket = l.host.empty();
+    if (!server || l.port == 0) {
+      return absl::UnavailableError(absl::StrCat(
+          l.flag, "=", l.addr,
+          unix_socket ? ": cannot listen (the directory does not exist or is not writable; gRPC's log above has "
+                        "the system error)"
+                      : ": cannot listen (the port is in use, or the address is not one of this host's; gRPC's log "
+                        "above has the system error)"));
+    }
+    if (unix_socket) {
+      if (chmod(l.addr.c_str() + strlen(kUnixPrefix), 0666) != 0) {
+        spdlog::warn("{}={}: cannot make the socket mode 0666: {}", l.flag, l.addr, std::strerror(errno));
+      }
+      out->push_back(l.addr);
+    } else {
+      out->push_back(absl::StrCat(l.host, ":", l.port));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config) {
   std::unique_ptr<RelayServer> s(new RelayServer());
   s->config_ = config;
   if (config.listen.empty()) return absl::InvalidArgumentError("--listen: expected at least one address");
-  std::vector<std::string> hosts(config.listen.size());  // "" for a Unix socket
-  for (size_t i = 0; i < config.listen.size(); ++i) {
-    const std::string& addr = config.listen[i];
-    if (absl::StartsWith(addr, kUnixPrefix)) continue;
-    int port;
-    absl::Status st = SplitHostPort(addr, &hosts[i], &port);
-    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--listen=", st.message()));
+  const bool tls = !config.tls_cert.empty();
+  TlsFiles tls_files{config.tls_cert, config.tls_key, config.tls_client_ca,
+                     config.tls_peer_ca.empty() ? config.tls_client_ca : config.tls_peer_ca};
+  if (tls) KVRELAY_RETURN_IF_ERROR(CheckTlsFiles(tls_files));
+  constexpr unsigned kCertRefreshSeconds = 1;
+  std::vector<Listener> listeners;
+  for (const auto& [flag, addrs] : {std::pair<const char*, const std::vector<std::string>*>{"--listen", &config.listen},
+                                    {"--local-listen", &config.local_listen}}) {
+    const bool local = std::string(flag) == "--local-listen";
+    for (const std::string& addr : *addrs) {
+      Listener l;
+      l.addr = addr;
+      l.flag = flag;
+      if (absl::StartsWith(addr, kUnixPrefix)) {
+        l.creds = grpc::experimental::LocalServerCredentials(UDS);
+      } else {
+        int port;
+        absl::Status hs = SplitHostPort(addr, &l.host, &port);
+        if (!hs.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, "=", hs.message()));
+        l.creds = local ? grpc::experimental::LocalServerCredentials(LOCAL_TCP)
+                  : tls ? TlsServerCredentials(tls_files, kCertRefreshSeconds)
+                        : grpc::InsecureServerCredentials();
+      }
+      listeners.push_back(std::move(l));
+    }
   }
   absl::Status st;
   s->metrics_ = std::make_unique<Metrics>();
@@ -135,9 +214,29 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   fo.advertise = config.advertise;
   fo.forward_timeout_seconds = config.forward_timeout_seconds;
   fo.stall_seconds = config.forward_stall_seconds;
+  if (tls) fo.credentials = PeerChannelCredentials(tls_files, kCertRefreshSeconds, config.peer_identities, s->metrics_.get());
   s->forwarder_ = std::make_unique<Forwarder>(fo, s->store_.get(), s->routes_.get(), s->metrics_.get());
+  AuthOptions ao;
+  ao.tls = tls;
+  ao.tokens_file = config.tokens_file;
+  ao.local_auth = config.local_auth == "token" ? LocalAuth::kToken : LocalAuth::kPod;
+  ao.peer_identities = config.peer_identities;
+  KVRELAY_ASSIGN_OR_RETURN(s->auth_, Authenticator::Create(ao, s->metrics_.get()));
   s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get(),
-                                               s->forwarder_.get(), s->routes_.get());
+                                               s->forwarder_.get(), s->routes_.get(), s->auth_.get());
+  const bool insecure = ServesPlaintextOffLoopback(config);
+  s->metrics_->SetInsecure(insecure);
+  if (insecure) {
+    spdlog::warn("--insecure: a non-loopback --listen address serves plaintext: anyone who can reach it can read "
+                 "and inject KV caches in transit (kvrelay_insecure 1)");
+  }
+  if (tls && !config.tls_client_ca.empty() && config.peer_identities.empty()) {
+    spdlog::warn("--tls-client-ca without --peer-identity: no relay may forward to this one");
+  }
+  if (!tls && !config.tokens_file.empty()) {
+    spdlog::warn("--tokens-file without --tls-cert: tokens travel in plaintext on --listen, and forwards from other "
+                 "relays are refused (they authenticate by certificate)");
+  }
 
   if (!config.metrics_listen.empty()) {
     int mport;
@@ -167,44 +266,49 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   // then start, and the kernel would split connections between two separate
   // stores. Binding a port in use must fail instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  for (const std::string& addr : config.listen) {
-    if (absl::StartsWith(addr, kUnixPrefix)) KVRELAY_RETURN_IF_ERROR(PrepareUnixSocket(addr));
+  for (const Listener& l : listeners) {
+    if (l.host.empty()) KVRELAY_RETURN_IF_ERROR(PrepareUnixSocket(l.flag, l.addr));
   }
-  // Filled by BuildAndStart, up to the first address it cannot bind.
-  std::vector<int> ports(config.listen.size(), 0);
-  for (size_t i = 0; i < config.listen.size(); ++i) {
-    builder.AddListeningPort(config.listen[i], grpc::InsecureServerCredentials(), &ports[i]);
-  }
+  for (Listener& l : listeners) builder.AddListeningPort(l.addr, l.creds, &l.port);
   builder.RegisterService(s->service_.get());
   // Chunks are <= 1 MiB; leave room for the envelope, refuse anything bigger.
   builder.SetMaxReceiveMessageSize(4 << 20);
   s->server_ = builder.BuildAndStart();
-  for (size_t i = 0; i < config.listen.size(); ++i) {
-    const std::string& addr = config.listen[i];
-    const bool unix_socket = hosts[i].empty();
-    if (!s->server_ || ports[i] == 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "--listen=", addr,
-          unix_socket ? ": cannot listen (the directory does not exist or is not writable; gRPC's log above has "
-                        "the system error)"
-                      : ": cannot listen (the port is in use, or the address is not one of this host's; gRPC's log "
-                        "above has the system error)"));
+  KVRELAY_RETURN_IF_ERROR(CheckBound(s->server_.get(), listeners, &s->grpc_addresses_));
+  for (const Listener& l : listeners) {
+    if (!l.host.empty()) {
+      s->grpc_port_ = l.port;
+      break;
     }
-    if (unix_socket) {
-      if (chmod(addr.c_str() + strlen(kUnixPrefix), 0666) != 0) {
-        spdlog::warn("--listen={}: cannot make the socket mode 0666: {}", addr, std::strerror(errno));
-      }
-      s->grpc_addresses_.push_back(addr);
-    } else {
-      if (s->grpc_port_ == 0) s->grpc_port_ = ports[i];
-      s->grpc_addresses_.push_back(absl::StrCat(hosts[i], ":", ports[i]));
-    }
+  }
+  if (!config.health_listen.empty()) {
+    grpc::ServerBuilder hb;
+    hb.SetOption(std::make_unique<NoPlugins>());
+    s->health_unimplemented_ = std::make_unique<UnimplementedService>();
+    hb.RegisterCallbackGenericService(s->health_unimplemented_.get());
+    hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    std::vector<Listener> hl(1);
+    hl[0].addr = config.health_listen;
+    hl[0].flag = "--health-listen";
+    int hport;
+    KVRELAY_RETURN_IF_ERROR(SplitHostPort(config.health_listen, &hl[0].host, &hport));
+    hb.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &hl[0].port);
+    s->health_server_ = hb.BuildAndStart();
+    std::vector<std::string> bound;
+    KVRELAY_RETURN_IF_ERROR(CheckBound(s->health_server_.get(), hl, &bound));
+    s->health_address_ = bound[0];
+    s->health_server_->GetHealthCheckService()->SetServingStatus(true);
+    s->health_server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", true);
   }
   s->server_->GetHealthCheckService()->SetServingStatus(true);
   s->server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", true);
-  spdlog::info("kvrelay-server serving grpc={} metrics={} workers={} default_policy={} kernels={}",
-               absl::StrJoin(s->grpc_addresses_, ","), s->exposer_ ? absl::StrCat(s->metrics_host_, ":", s->metrics_port_) : "off",
-               config.worker_threads, config.default_policy, KernelSummary());
+  spdlog::info("kvrelay-server serving grpc={} metrics={} health={} tls={} mtls={} tokens={} local_auth={} workers={} "
+               "default_policy={} kernels={}",
+               absl::StrJoin(s->grpc_addresses_, ","),
+               s->exposer_ ? absl::StrCat(s->metrics_host_, ":", s->metrics_port_) : "off",
+               s->health_address_.empty() ? "off" : s->health_address_, tls, !config.tls_client_ca.empty(),
+               config.tokens_file.empty() ? "off" : "on", config.local_auth, config.worker_threads,
+               config.default_policy, KernelSummary());
   return s;
 }
 
@@ -215,7 +319,8 @@ RelayServer::~RelayServer() {
 
 std::string RelayServer::ReadyLine() const {
   return absl::StrCat("kvrelay-server ready grpc=", absl::StrJoin(grpc_addresses_, ","), " metrics=",
-                      exposer_ ? absl::StrCat(metrics_host_, ":", metrics_port_) : std::string("off"));
+                      exposer_ ? absl::StrCat(metrics_host_, ":", metrics_port_) : std::string("off"),
+                      health_address_.empty() ? "" : absl::StrCat(" health=", health_address_));
 }
 
 void RelayServer::Shutdown() {
@@ -224,6 +329,7 @@ void RelayServer::Shutdown() {
   shut_down_ = true;
   if (server_) {
     server_->GetHealthCheckService()->SetServingStatus(false);
+    if (health_server_) health_server_->GetHealthCheckService()->SetServingStatus(false);
     // Waiting Fetches end now (UNAVAILABLE) instead of holding the drain.
     store_->Shutdown();
     const auto grace = std::chrono::duration_cast<std::chrono::system_clock::duration>(
@@ -239,6 +345,10 @@ void RelayServer::Shutdown() {
     if (const int n = forwarder_->Drain(left); n > 0) {
       spdlog::warn("kvrelay-server: {} forwards not done at shutdown (listed above)", n);
     }
+  }
+  if (health_server_) {
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
   }
   forwarder_.reset();
   // The pool drains queued layers (their reactors are gone or finished).

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/thread_pool.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server.h"
 #include "prometheus/exposer.h"
 #include "server/config.h"
@@ -26,6 +27,7 @@
 
 namespace kvrelay {
 
+class Authenticator;
 class Forwarder;
 class RouteTable;
 
@@ -42,11 +44,13 @@ class RelayServer {
   static absl::StatusOr<std::unique_ptr<RelayServer>> Start(const ServerConfig& config);
   ~RelayServer();  // Shutdown(), then stops the metrics endpoint
 
-  // "kvrelay-server ready grpc=ADDR[,ADDR...] metrics=HOST:PORT": every
-  // address of grpc_addresses(), ',' between them, and the bound metrics
-  // port (metrics=off without a metrics endpoint).
+  // "kvrelay-server ready grpc=ADDR[,ADDR...] metrics=HOST:PORT
+  // [health=HOST:PORT]": every address of grpc_addresses(), ',' between
+  // them, the bound metrics port (metrics=off without a metrics endpoint)
+  // and the health port when there is one.
   std::string ReadyLine() const;
-  // In --listen order: HOST:PORT with the bound port, unix:PATH as given.
+  // --listen then --local-listen, in order: HOST:PORT with the bound port,
+  // unix:PATH as given.
   const std::vector<std::string>& grpc_addresses() const { return grpc_addresses_; }
   // The first of grpc_addresses(), whichever kind it is.
   const std::string& grpc_address() const { return grpc_addresses_.front(); }
@@ -77,7 +81,11 @@ class RelayServer {
   std::unique_ptr<RouteTable> routes_;
   std::unique_ptr<Forwarder> forwarder_;
   std::unique_ptr<RelayService> service_;
+  std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::CallbackGenericService> health_unimplemented_;
+  std::unique_ptr<grpc::Server> health_server_;  // --health-listen: grpc.health.v1 alone
+  std::string health_address_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::vector<std::string> grpc_addresses_;
   std::string metrics_host_;

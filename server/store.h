@@ -58,6 +58,9 @@ struct StoredMessage {
   // relay's --advertise target ("" when it has none).
   bool forwarded = false;
   std::string origin;
+  // The certificate identity (the SAN matching --peer-identity) of the
+  // relay that forwarded it here over mTLS; "" otherwise.
+  std::string forwarded_by;
 };
 using MessagePtr = std::shared_ptr<const StoredMessage>;
 
@@ -280,6 +283,13 @@ class Store {
                              const std::string& target) = 0;
   virtual bool PeerHolds(const std::string& session, const std::string& message_id,
                          const std::string& target) const = 0;
+  // Whether `agent` sent, or is a recipient of, a message of `session` held
+  // here (who may close a session).
+  virtual bool IsParticipant(const std::string& session, const std::string& agent) const = 0;
+  // The relays of AddPeer for `session`: those holding a part of it and
+  // those that forwarded a part of it here. Empty for an unknown session.
+  virtual std::vector<std::string> Peers(const std::string& session) const = 0;
+
   uint64_t inflight_bytes() const { return Stats().inflight_bytes; }
   uint64_t store_bytes() const { return Stats().store_bytes; }
 };

@@ -4,6 +4,8 @@
 #include "absl/strings/str_cat.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
+#include "core/status_macros.h"
+#include "server/auth.h"
 #include "server/forwarder.h"
 #include "server/internal/call_util.h"
 #include "server/relay_service.h"
@@ -34,6 +36,10 @@ grpc::ServerUnaryReactor* RelayService::Ack(grpc::CallbackServerContext* ctx, co
   if (s.ok()) s = CheckId("session_id", req.session_id());
   if (s.ok()) s = CheckId("agent", req.agent());
   if (s.ok()) s = CheckId("message_id", req.message_id());
+  if (s.ok()) {
+    absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "ack");
+    s = caller.ok() ? CheckActsAs(*ctx, "ack", *caller, "agent", req.agent()) : caller.status();
+  }
   if (s.ok()) s = store_->Ack(req.session_id(), req.agent(), req.message_id());
   if (s.ok() && forwarder_) {
     MessagePtr m = store_->Find(req.session_id(), req.message_id());
@@ -42,12 +48,35 @@ grpc::ServerUnaryReactor* RelayService::Ack(grpc::CallbackServerContext* ctx, co
   return FinishUnary(this, ctx, "Ack", s, v1::AckResponse(), response);
 }
 
+// An agent may close a session it sent or received a message in; a peer
+// relay (a propagated close) one in which messages passed between the two.
+absl::Status RelayService::CheckMayClose(const grpc::CallbackServerContext& ctx,
+                                         const v1::CloseSessionRequest& req) const {
+  const std::string& session = req.session_id();
+  if (req.propagated()) {
+    KVRELAY_ASSIGN_OR_RETURN(Caller peer, AuthenticatePeer(ctx, "close session"));
+    if (peer.identity.empty()) return absl::OkStatus();
+    for (const std::string& target : store_->Peers(session)) {
+      if (peer.PeerIsHost(TargetHost(target))) return absl::OkStatus();
+    }
+    return Forbid(ctx, "close session",
+                  absl::StrCat("session_id: ", peer.Describe(), " exchanged no message of session '", session,
+                               "' with this relay"));
+  }
+  KVRELAY_ASSIGN_OR_RETURN(Caller caller, AuthenticateAgent(ctx, "close session"));
+  if (caller.kind != Caller::Kind::kAgent || store_->IsParticipant(session, caller.agent)) return absl::OkStatus();
+  return Forbid(ctx, "close session",
+                absl::StrCat("session_id: caller is ", caller.Describe(), ", which sent or received no message of "
+                             "session '", session, "' here"));
+}
+
 grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext* ctx,
                                                      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   v1::CloseSessionRequest req;
   v1::CloseSessionResponse resp;
   absl::Status s = ParseRequest(*request, "close session", &req);
   if (s.ok()) s = CheckId("session_id", req.session_id());
+  if (s.ok()) s = CheckMayClose(*ctx, req);
   if (s.ok()) {
     const Store::CloseResult r = store_->CloseSessionAndPeers(req.session_id());
     resp.set_messages_freed(r.messages_freed);
@@ -63,7 +92,8 @@ grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, 
                                               grpc::ByteBuffer* response) {
   v1::StatsRequest req;
   v1::StatsResponse resp;
-  const absl::Status s = ParseRequest(*request, "stats", &req);
+  absl::Status s = ParseRequest(*request, "stats", &req);
+  if (s.ok()) s = AuthenticateAgent(*ctx, "stats").status();
   if (s.ok()) {
     const StoreStats st = store_->Stats();
     resp.set_messages_committed(st.committed);
@@ -83,12 +113,29 @@ grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, 
   return FinishUnary(this, ctx, "Stats", s, resp, response);
 }
 
+// An agent may read the status of a message it sent or is a recipient of.
+absl::Status RelayService::CheckMayReadStatus(const grpc::CallbackServerContext& ctx,
+                                              const v1::MessageStatusRequest& req) const {
+  KVRELAY_ASSIGN_OR_RETURN(Caller caller, AuthenticateAgent(ctx, "message status"));
+  if (caller.kind != Caller::Kind::kAgent) return absl::OkStatus();
+  MessagePtr m = store_->Find(req.session_id(), req.message_id());
+  if (!m) return absl::OkStatus();  // NOT_FOUND follows, as for anyone
+  if (m->sender == caller.agent ||
+      std::find(m->recipients.begin(), m->recipients.end(), caller.agent) != m->recipients.end()) {
+    return absl::OkStatus();
+  }
+  return Forbid(ctx, "message status",
+                absl::StrCat("message_id: caller is ", caller.Describe(), ", neither the sender nor a recipient of "
+                             "message '", req.message_id(), "'"));
+}
+
 grpc::ServerUnaryReactor* RelayService::MessageStatus(grpc::CallbackServerContext* ctx,
                                                       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   v1::MessageStatusRequest req;
   absl::Status s = ParseRequest(*request, "message status", &req);
   if (s.ok()) s = CheckId("session_id", req.session_id());
   if (s.ok()) s = CheckId("message_id", req.message_id());
+  if (s.ok()) s = CheckMayReadStatus(*ctx, req);
   v1::MessageStatusResponse resp;
   if (s.ok()) {
     absl::StatusOr<v1::MessageStatusResponse> r = store_->MessageStatus(req.session_id(), req.message_id());
@@ -109,14 +156,21 @@ grpc::ServerUnaryReactor* RelayService::ReportRecipient(grpc::CallbackServerCont
     s = absl::InvalidArgumentError(absl::StrCat("state: ", v1::RecipientState_Name(req.state()),
                                                 ", expected RECIPIENT_STATE_DELIVERED or RECIPIENT_STATE_ACKED"));
   }
+  absl::StatusOr<Caller> peer = s.ok() ? AuthenticatePeer(*ctx, "report recipient") : Caller{};
+  if (s.ok()) s = peer.status();
   if (s.ok()) {
     MessagePtr m = store_->Find(req.session_id(), req.message_id());
+    auto remote = m ? m->remote.find(req.agent()) : decltype(m->remote.end()){};
     if (!m) {
       s = absl::NotFoundError(absl::StrCat("message_id: '", req.message_id(), "': not held in session '",
                                            req.session_id(), "'"));
-    } else if (!m->remote.count(req.agent())) {
+    } else if (remote == m->remote.end()) {
       s = absl::NotFoundError(absl::StrCat("agent: '", req.agent(), "': not a recipient of message '",
                                            req.message_id(), "' on another relay"));
+    } else if (!peer->identity.empty() && !peer->PeerIsHost(TargetHost(remote->second))) {
+      s = Forbid(*ctx, "report recipient",
+                 absl::StrCat("agent: ", peer->Describe(), " is not the relay of agent '", req.agent(), "' (",
+                              remote->second, ")"));
     } else {
       Store::RecipientTrack t;
       t.state = req.state();

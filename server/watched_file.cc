@@ -1,0 +1,76 @@
+#include "server/watched_file.h"
+
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace kvrelay {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(flag, "=", path, ": cannot open it"));
+  std::ostringstream s;
+  s << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat(flag, "=", path, ": read error"));
+  return s.str();
+}
+
+}  // namespace
+
+WatchedFile::WatchedFile(const std::string& flag, const std::string& path, std::chrono::milliseconds interval,
+                         Apply apply, Keeping keeping)
+    : flag_(flag), path_(path), interval_(interval), apply_(std::move(apply)), keeping_(std::move(keeping)) {}
+
+absl::StatusOr<std::unique_ptr<WatchedFile>> WatchedFile::Start(const std::string& flag, const std::string& path,
+                                                                std::chrono::milliseconds interval, Apply apply,
+                                                                Keeping keeping) {
+  std::unique_ptr<WatchedFile> w(new WatchedFile(flag, path, interval, std::move(apply), std::move(keeping)));
+  if (absl::Status s = w->ReloadNow(); !s.ok()) return s;
+  w->poller_ = std::thread([p = w.get()] { p->PollLoop(); });
+  return w;
+}
+
+WatchedFile::~WatchedFile() {
+  {
+    std::lock_guard<std::mutex> lock(poll_mu_);
+    stop_ = true;
+  }
+  poll_cv_.notify_all();
+  if (poller_.joinable()) poller_.join();
+}
+
+absl::Status WatchedFile::ReloadNow() {
+  absl::StatusOr<std::string> content = ReadFile(flag_, path_);
+  if (!content.ok()) return content.status();
+  std::lock_guard<std::mutex> lock(reload_mu_);
+  if (loads_.load() > 0 && *content == content_) return absl::OkStatus();
+  // Remember a refused content too, so that it is reported once, not every poll.
+  content_ = std::move(*content);
+  absl::Status s = apply_(content_);
+  if (s.ok()) loads_.fetch_add(1);
+  return s;
+}
+
+void WatchedFile::PollLoop() {
+  std::unique_lock<std::mutex> lock(poll_mu_);
+  absl::Status last;
+  while (!poll_cv_.wait_for(lock, interval_, [this] { return stop_; })) {
+    lock.unlock();
+    const uint64_t loads = loads_.load();
+    absl::Status s = ReloadNow();
+    if (!s.ok() && s != last) {
+      spdlog::warn("{}; keeping {}", std::string(s.message()), keeping_ ? keeping_() : std::string("the last good one"));
+    } else if (s.ok() && loads_.load() != loads) {
+      spdlog::info("reloaded {}={}", flag_, path_);
+    }
+    last = s;
+    lock.lock();
+  }
+}
+
+}  // namespace kvrelay

@@ -1,0 +1,73 @@
+// A configuration file that is re-read when its content changes, so that a
+// ConfigMap or Secret update (an atomic rename or a symlink swap) takes
+// effect without a restart.
+//
+// A background thread reads the file every `interval` and, when its bytes
+// differ from the last read, hands them to `apply`. A content `apply`
+// refuses keeps what was applied last; the refusal is logged once (not on
+// every poll) together with `keeping` (what stays in effect).
+//
+// Thread-safe. `apply` runs on the creating thread (the first load) and then
+// on the poller, never two at once.
+#ifndef KVRELAY_SERVER_WATCHED_FILE_H_
+#define KVRELAY_SERVER_WATCHED_FILE_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvrelay {
+
+class WatchedFile {
+ public:
+  // Applies a content read from the file; an error keeps the previous one.
+  using Apply = std::function<absl::Status(const std::string& content)>;
+  // What stays in effect after a refused content, for the log line.
+  using Keeping = std::function<std::string()>;
+
+  // Reads `path` once (a file that cannot be read or that `apply` refuses is
+  // the error, naming `flag`), then polls it. `flag` is e.g. "--route-file".
+  static absl::StatusOr<std::unique_ptr<WatchedFile>> Start(const std::string& flag, const std::string& path,
+                                                            std::chrono::milliseconds interval, Apply apply,
+                                                            Keeping keeping);
+  ~WatchedFile();  // stops the poller
+  WatchedFile(const WatchedFile&) = delete;
+  WatchedFile& operator=(const WatchedFile&) = delete;
+
+  // Reads the file now: OK when its content was applied or is what was read
+  // last time (a refused content is returned once, the first time it is
+  // read); the error otherwise.
+  absl::Status ReloadNow();
+  // How many contents were applied, the start-up load included.
+  uint64_t loads() const { return loads_.load(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  WatchedFile(const std::string& flag, const std::string& path, std::chrono::milliseconds interval, Apply apply,
+              Keeping keeping);
+  void PollLoop();
+
+  const std::string flag_, path_;
+  const std::chrono::milliseconds interval_;
+  const Apply apply_;
+  const Keeping keeping_;
+  std::mutex reload_mu_;   // one reload at a time
+  std::string content_;    // the last content read; guarded by reload_mu_
+  std::atomic<uint64_t> loads_{0};
+  std::mutex poll_mu_;
+  std::condition_variable poll_cv_;
+  bool stop_ = false;  // guarded by poll_mu_
+  std::thread poller_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_WATCHED_FILE_H_
