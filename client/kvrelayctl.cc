@@ -1,6 +1,7 @@
 // kvrelayctl: offline compression and inspection of kvrelay turns and
-// messages (docs/FORMAT.md), and the client verbs of the relay
-// (publish, fetch, ack, close, health, stats, status, demo).
+// messages (docs/FORMAT.md), the client verbs of the relay (publish,
+// fetch, ack, close, health, stats, status, demo), and agent tokens
+// (token new).
 //
 // Exit status: 0 on success, 1 for runtime errors (bad files, bad policies,
 // I/O), 2 for usage errors (unknown verb or flag, missing or malformed flag
@@ -19,6 +20,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -34,12 +37,16 @@
 #include "core/quant.h"
 #include "core/status_macros.h"
 #include "core/thread_pool.h"
+#include "core/token.h"
 #include "core/turn.h"
 #ifdef KVRELAYCTL_WITH_RELAY
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -126,6 +133,29 @@ relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
       then adds to_next_relay: the message's sent_bytes when the next agent
       is on another relay (its address differs), else 0 (a forward that
       elides an ancestor carries less); one stats delta line per relay.
+
+  Every relay verb (and compress with --addr) also takes
+      [--tls-ca FILE] [--tls-cert FILE --tls-key FILE] [--token-file FILE]
+  --tls-ca turns TLS on: the relay's certificate must chain to the CA(s) in
+  FILE (PEM) and name the address's host. --tls-cert/--tls-key: a client
+  certificate and key (PEM) for a relay that asks for one (mTLS); both, and
+  only with --tls-ca. --token-file: the agent's bearer token, the first
+  line of FILE with surrounding whitespace removed; without it, the
+  environment's KVRELAY_TOKEN when set. The token goes with every call as
+  "authorization: Bearer TOKEN", over TLS and plaintext alike, and is never
+  printed. A call the relay refuses prints its code by name and exits 1,
+  e.g. "kvrelayctl: fetch: UNAUTHENTICATED: ..." (no or a wrong token),
+  "PERMISSION_DENIED: ..." (acting for another agent), "UNAVAILABLE: ..."
+  (no connection, or a failed TLS handshake such as an untrusted CA).
+
+token verbs (offline):
+  token new AGENT
+      Prints a fresh random token (32 bytes from the kernel, URL-safe base64)
+      on the first line and, on the second, its line for the relay's
+      --tokens-file: "AGENT sha256:HEX", HEX the lowercase hex SHA-256 of the
+      token as printed. AGENT: [A-Za-z0-9._:-]{1,128}. The relay never sees
+      the token itself; give it to the agent (the whole output works as a
+      --token-file, whose first line is read).
 
   help, --help, -h
       Prints this text.
@@ -265,10 +295,87 @@ std::optional<Failure> NoPositional(const Flags& flags, absl::string_view verb) 
 
 #ifdef KVRELAYCTL_WITH_RELAY
 Failure RelayError(absl::string_view what, const absl::Status& s);
+
+// `valued` plus the flags of every verb that dials a relay.
+std::set<std::string> WithConnectFlags(std::set<std::string> valued) {
+  valued.insert({"tls-ca", "tls-cert", "tls-key", "token-file"});
+  return valued;
+}
+
+// The token of --token-file: its first line, whitespace trimmed.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  if (!in || (!std::getline(in, line) && in.bad())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flag --token-file: cannot read \"", path, "\": ", std::strerror(errno)));
+  }
+  const absl::string_view token = absl::StripAsciiWhitespace(line);
+  if (token.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flag --token-file: \"", path, "\": first line is empty, expected the token"));
+  }
+  return std::string(token);
+}
+
+// ConnectOptions from --tls-ca, --tls-cert, --tls-key and --token-file (no
+// --token-file: KVRELAY_TOKEN, which RelayClient::Connect reads).
+std::optional<Failure> ConnectFlags(const Flags& flags, ConnectOptions* o) {
+  for (const char* name : {"tls-ca", "tls-cert", "tls-key", "token-file"}) {
+    if (flags.Get(name) && flags.Get(name)->empty()) return Usage(absl::StrCat("flag --", name, ": empty value"));
+  }
+  o->tls_ca_file = flags.Get("tls-ca").value_or("");
+  o->tls_cert_file = flags.Get("tls-cert").value_or("");
+  o->tls_key_file = flags.Get("tls-key").value_or("");
+  if (o->tls_cert_file.empty() != o->tls_key_file.empty()) {
+    return Usage(o->tls_cert_file.empty() ? "flag --tls-key: given without --tls-cert, expected both or neither"
+                                          : "flag --tls-cert: given without --tls-key, expected both or neither");
+  }
+  if (!o->tls_cert_file.empty() && o->tls_ca_file.empty()) {
+    return Usage("flag --tls-cert: given without --tls-ca, expected --tls-ca FILE too (it turns TLS on)");
+  }
+  if (std::optional<std::string> path = flags.Get("token-file")) {
+    absl::StatusOr<std::string> token = ReadTokenFile(*path);
+    if (!token.ok()) return Runtime(token.status());
+    o->token = *std::move(token);
+  }
+  return std::nullopt;
+}
+
+// A client of `addr` as the connection flags say; on failure `*failure`
+// names the flag (RelayClient::Connect names the option).
+std::unique_ptr<RelayClient> Dial(const Flags& flags, const std::string& addr, std::optional<Failure>* failure) {
+  ConnectOptions o;
+  if ((*failure = ConnectFlags(flags, &o))) return nullptr;
+  absl::StatusOr<std::unique_ptr<RelayClient>> client = RelayClient::Connect(addr, o);
+  if (client.ok()) return *std::move(client);
+  static constexpr std::pair<absl::string_view, absl::string_view> kFlagOf[] = {
+      {"tls_ca_file:", "flag --tls-ca:"},
+      {"tls_cert_file:", "flag --tls-cert:"},
+      {"tls_key_file:", "flag --tls-key:"},
+      {"token:", "flag --token-file:"}};
+  std::string msg(client.status().message());
+  for (const auto& [option, flag] : kFlagOf) {
+    if (absl::StartsWith(msg, option)) {
+      msg = absl::StrCat(flag, msg.substr(option.size()));
+      break;
+    }
+  }
+  *failure = Failure{kRuntimeError, msg};
+  return nullptr;
+}
+
+// Declares std::unique_ptr<RelayClient> `var` dialled as Dial does, or
+// returns Dial's failure from the calling verb.
+#define KVRELAYCTL_DIAL(var, flags, addr)                     \
+  std::optional<Failure> var##_failure;                       \
+  std::unique_ptr<RelayClient> var = Dial(flags, addr, &var##_failure); \
+  if (!var) return var##_failure
 #endif
 
 std::optional<Failure> Compress(int argc, char** argv) {
-  Flags flags("compress", {"policy", "in", "out", "threads", "addr"}, {"decode"});
+  Flags flags("compress", {"policy", "in", "out", "threads", "addr", "tls-ca", "tls-cert", "tls-key", "token-file"},
+              {"decode"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "compress")) return f;
   KVRELAYCTL_FLAG(const std::string policy, flags.Required("policy"));
@@ -281,6 +388,11 @@ std::optional<Failure> Compress(int argc, char** argv) {
   const std::optional<std::string> addr = flags.Get("addr");
   if (addr && flags.Has("threads")) {
     return Usage("compress: --threads is for compressing here; with --addr the relay compresses");
+  }
+  for (const char* name : {"tls-ca", "tls-cert", "tls-key", "token-file"}) {
+    if (!addr && flags.Has(name)) {
+      return Usage(absl::StrCat("compress: --", name, " is for the relay; it needs --addr"));
+    }
   }
 #ifdef KVRELAYCTL_WITH_RELAY
   if (addr) {
@@ -299,7 +411,7 @@ std::optional<Failure> Compress(int argc, char** argv) {
   if (addr) {
 #ifdef KVRELAYCTL_WITH_RELAY
     // The relay's stateless Compress RPC; the time is the relay's.
-    auto client = RelayClient::Connect(*addr);
+    KVRELAYCTL_DIAL(client, flags, *addr);
     absl::StatusOr<CompressedMessage> r = client->Compress(*turn, policy);
     if (!r.ok()) return RelayError("compress", r.status());
     ms = r->accounting.compress_seconds * 1e3;
@@ -559,8 +671,8 @@ absl::Status WriteFetchedMessage(const FetchedMessage& m, const std::string& pat
 
 std::optional<Failure> Publish(int argc, char** argv) {
   Flags flags("publish",
-              {"addr", "session", "from", "id", "policy", "role", "parent", "in", "timeout",
-               "retries"},
+              WithConnectFlags({"addr", "session", "from", "id", "policy", "role", "parent", "in", "timeout",
+                                "retries"}),
               {}, {"to"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "publish")) return f;
@@ -578,11 +690,11 @@ std::optional<Failure> Publish(int argc, char** argv) {
   o.role = flags.Get("role").value_or("");
   o.parent_id = flags.Get("parent").value_or("");
 
+  KVRELAYCTL_DIAL(client, flags, addr);
   absl::StatusOr<Turn> turn = ReadTurnFile(in);
   if (!turn.ok()) return Runtime(turn.status());
   ProgressLine line("publish");
   o.progress = line.Callback();
-  auto client = RelayClient::Connect(addr);
   // Shared, so the upload sends the tensors without copying them.
   absl::StatusOr<PublishResult> r = client->Publish(std::make_shared<const Turn>(*std::move(turn)), o);
   line.Clear();
@@ -593,7 +705,7 @@ std::optional<Failure> Publish(int argc, char** argv) {
 }
 
 std::optional<Failure> Fetch(int argc, char** argv) {
-  Flags flags("fetch", {"addr", "session", "agent", "out", "wait"}, {"no-ack"});
+  Flags flags("fetch", WithConnectFlags({"addr", "session", "agent", "out", "wait"}), {"no-ack"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "fetch")) return f;
   FetchOptions o;
@@ -603,9 +715,9 @@ std::optional<Failure> Fetch(int argc, char** argv) {
   KVRELAYCTL_FLAG(const std::string out, flags.Required("out"));
   KVRELAYCTL_FLAG(o.wait, Seconds(flags, "wait", 30, 0.001, 86400));
   const bool ack = !flags.Has("no-ack");
+  KVRELAYCTL_DIAL(client, flags, addr);
   ProgressLine line("fetch");
   o.progress = line.Callback();
-  auto client = RelayClient::Connect(addr);
   absl::StatusOr<FetchedMessage> m = client->Fetch(o);
   line.Clear();
   if (!m.ok() && m.status().code() == absl::StatusCode::kDeadlineExceeded) {
@@ -633,39 +745,41 @@ std::optional<Failure> Fetch(int argc, char** argv) {
 }
 
 std::optional<Failure> AckVerb(int argc, char** argv) {
-  Flags flags("ack", {"addr", "session", "agent", "id"}, {});
+  Flags flags("ack", WithConnectFlags({"addr", "session", "agent", "id"}), {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "ack")) return f;
   KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(const std::string session, flags.Required("session"));
   KVRELAYCTL_FLAG(const std::string agent, flags.Required("agent"));
   KVRELAYCTL_FLAG(const std::string id, flags.Required("id"));
-  absl::Status s = RelayClient::Connect(addr)->Ack(session, agent, id);
+  KVRELAYCTL_DIAL(client, flags, addr);
+  absl::Status s = client->Ack(session, agent, id);
   if (!s.ok()) return RelayError("ack", s);
   std::printf("acked message_id=%s\n", id.c_str());
   return std::nullopt;
 }
 
 std::optional<Failure> CloseVerb(int argc, char** argv) {
-  Flags flags("close", {"addr", "session"}, {});
+  Flags flags("close", WithConnectFlags({"addr", "session"}), {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "close")) return f;
   KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(const std::string session, flags.Required("session"));
-  absl::StatusOr<uint32_t> n = RelayClient::Connect(addr)->CloseSession(session);
+  KVRELAYCTL_DIAL(client, flags, addr);
+  absl::StatusOr<uint32_t> n = client->CloseSession(session);
   if (!n.ok()) return RelayError("close", n.status());
   std::printf("closed session=%s messages_freed=%u\n", session.c_str(), *n);
   return std::nullopt;
 }
 
 std::optional<Failure> HealthVerb(int argc, char** argv) {
-  Flags flags("health", {"addr", "service", "timeout"}, {});
+  Flags flags("health", WithConnectFlags({"addr", "service", "timeout"}), {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "health")) return f;
   KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(const auto timeout, Seconds(flags, "timeout", 5, 0.001, 3600));
-  absl::StatusOr<HealthStatus> h =
-      RelayClient::Connect(addr)->Health(flags.Get("service").value_or(""), timeout);
+  KVRELAYCTL_DIAL(client, flags, addr);
+  absl::StatusOr<HealthStatus> h = client->Health(flags.Get("service").value_or(""), timeout);
   if (!h.ok()) return RelayError("health", h.status());
   std::printf("%s\n", HealthStatusName(*h));
   if (*h != HealthStatus::kServing) {
@@ -675,11 +789,12 @@ std::optional<Failure> HealthVerb(int argc, char** argv) {
 }
 
 std::optional<Failure> StatsVerb(int argc, char** argv) {
-  Flags flags("stats", {"addr"}, {});
+  Flags flags("stats", WithConnectFlags({"addr"}), {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "stats")) return f;
   KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
-  absl::StatusOr<RelayStats> s = RelayClient::Connect(addr)->Stats();
+  KVRELAYCTL_DIAL(client, flags, addr);
+  absl::StatusOr<RelayStats> s = client->Stats();
   if (!s.ok()) return RelayError("stats", s.status());
   std::printf(
       "version: %s\nmessages_committed: %" PRIu64 "\nmessages_failed: %" PRIu64
@@ -712,14 +827,15 @@ std::string Quoted(absl::string_view s) {
 }
 
 std::optional<Failure> StatusVerb(int argc, char** argv) {
-  Flags flags("status", {"addr", "session", "id", "timeout"}, {});
+  Flags flags("status", WithConnectFlags({"addr", "session", "id", "timeout"}), {});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "status")) return f;
   KVRELAYCTL_FLAG(const std::string addr, flags.Addr());
   KVRELAYCTL_FLAG(const std::string session, flags.Required("session"));
   KVRELAYCTL_FLAG(const std::string id, flags.Required("id"));
   KVRELAYCTL_FLAG(const auto timeout, Seconds(flags, "timeout", 10, 0.001, 3600));
-  absl::StatusOr<MessageStatusResult> m = RelayClient::Connect(addr)->MessageStatus(session, id, timeout);
+  KVRELAYCTL_DIAL(client, flags, addr);
+  absl::StatusOr<MessageStatusResult> m = client->MessageStatus(session, id, timeout);
   if (!m.ok()) return RelayError("status", m.status());
   std::printf("sender=%s\n", m->sender.c_str());
   for (const RecipientStatus& r : m->recipients) {
@@ -794,8 +910,9 @@ bool WatchForDeadLetter(RelayClient* sender_relay, const std::string& session, c
 // publishes to, fetches from and acks at its own relay only; the relays
 // forward between them as their routes say.
 std::optional<Failure> Demo(int argc, char** argv) {
-  Flags flags("demo", {"addrs", "rounds", "policy", "session", "layers", "kv-heads",
-                       "score-heads", "head-dim", "prompt", "gen", "dtype", "seed"},
+  Flags flags("demo",
+              WithConnectFlags({"addrs", "rounds", "policy", "session", "layers", "kv-heads", "score-heads",
+                                "head-dim", "prompt", "gen", "dtype", "seed"}),
               {}, {"addr"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "demo")) return f;
@@ -832,7 +949,8 @@ std::optional<Failure> Demo(int argc, char** argv) {
     auto it = std::find(relays.begin(), relays.end(), addrs[i]);
     if (it == relays.end()) {
       relays.push_back(addrs[i]);
-      clients.push_back(RelayClient::Connect(addrs[i]));
+      KVRELAYCTL_DIAL(client, flags, addrs[i]);
+      clients.push_back(std::move(client));
       it = relays.end() - 1;
     }
     relay_of[i] = clients[it - relays.begin()].get();
@@ -988,6 +1106,24 @@ std::optional<Failure> Demo(int argc, char** argv) {
 }
 #endif  // KVRELAYCTL_WITH_RELAY
 
+std::optional<Failure> TokenVerb(int argc, char** argv) {
+  if (argc < 1 || std::string(argv[0]) != "new") {
+    return Usage(absl::StrCat("token: ", argc < 1 ? "missing verb," : absl::StrCat("unknown verb \"", argv[0], "\","),
+                              " expected \"token new AGENT\""));
+  }
+  Flags flags("token new", {}, {});
+  if (auto f = flags.Parse(argc - 1, argv + 1)) return f;
+  if (flags.positional().size() != 1) {
+    return Usage(absl::StrCat("token new: expected one AGENT argument, got ", flags.positional().size()));
+  }
+  absl::StatusOr<std::string> token = NewToken();
+  if (!token.ok()) return Runtime(token.status());
+  absl::StatusOr<std::string> line = TokensFileLine(flags.positional()[0], *token);
+  if (!line.ok()) return Usage(absl::StrCat("token new: ", line.status().message()));
+  std::printf("%s\n%s\n", token->c_str(), line->c_str());
+  return std::nullopt;
+}
+
 int Main(int argc, char** argv) {
   if (argc < 2) {
     std::fputs(kUsage, stderr);
@@ -1005,6 +1141,8 @@ int Main(int argc, char** argv) {
     failure = Inspect(argc - 2, argv + 2);
   } else if (verb == "make-turn") {
     failure = MakeTurn(argc - 2, argv + 2);
+  } else if (verb == "token") {
+    failure = TokenVerb(argc - 2, argv + 2);
 #ifdef KVRELAYCTL_WITH_RELAY
   } else if (verb == "publish") {
     failure = Publish(argc - 2, argv + 2);

@@ -1,11 +1,18 @@
 #include "client/relay_client.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
@@ -34,8 +41,79 @@ absl::Status WithMessageId(const absl::Status& s, const std::string& id) {
   return out;
 }
 
-void SetDeadline(grpc::ClientContext* ctx, std::chrono::milliseconds d) {
-  ctx->set_deadline(std::chrono::system_clock::now() + d);
+// The PEM file `path` of option `field`, which must hold a block that
+// begins "-----BEGIN " followed by `kind` ("CERTIFICATE", "PRIVATE KEY": a
+// "-----BEGIN EC PRIVATE KEY-----" block has the key's kind in between).
+absl::StatusOr<std::string> ReadPem(absl::string_view field, const std::string& path, absl::string_view kind) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": cannot read \"", path, "\": ", std::strerror(errno)));
+  }
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  if (in.bad()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": cannot read \"", path, "\""));
+  }
+  std::string pem = buf.str();
+  bool found = false;
+  for (size_t at = pem.find("-----BEGIN "); at != std::string::npos && !found;
+       at = pem.find("-----BEGIN ", at + 1)) {
+    const size_t end = pem.find("-----", at + 11);
+    found = end != std::string::npos && absl::EndsWith(absl::string_view(pem).substr(at, end - at), kind);
+  }
+  if (!found) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": \"", path, "\" holds no PEM ", kind, " block, expected a PEM file"));
+  }
+  return pem;
+}
+
+// A token as metadata can carry it; the message never shows the token.
+absl::Status CheckToken(absl::string_view field, absl::string_view token) {
+  bool ok = !token.empty() && token.size() <= 4096;
+  for (char c : token) ok = ok && c > ' ' && c <= '~';
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", token.size(), " characters (not shown), expected 1 to 4096 visible ASCII characters"));
+  }
+  return absl::OkStatus();
+}
+
+// The token `options` give: explicit, or the environment's, or none ("").
+absl::StatusOr<std::string> TokenOf(const ConnectOptions& options) {
+  if (options.token) {
+    if (options.token->empty()) return std::string();
+    KVRELAY_RETURN_IF_ERROR(CheckToken("token", *options.token));
+    return *options.token;
+  }
+  const char* env = std::getenv(kTokenEnvVar);
+  const absl::string_view token = absl::StripAsciiWhitespace(env ? env : "");
+  if (token.empty()) return std::string();
+  KVRELAY_RETURN_IF_ERROR(CheckToken(kTokenEnvVar, token));
+  return std::string(token);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> CredentialsOf(const ConnectOptions& o) {
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return o.tls_cert_file.empty()
+               ? absl::InvalidArgumentError("tls_key_file: given without tls_cert_file, expected both or neither")
+               : absl::InvalidArgumentError("tls_cert_file: given without tls_key_file, expected both or neither");
+  }
+  if (o.tls_ca_file.empty()) {
+    if (!o.tls_cert_file.empty()) {
+      return absl::InvalidArgumentError(
+          "tls_cert_file: given without tls_ca_file, expected a CA file (it turns TLS on)");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  KVRELAY_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem("tls_ca_file", o.tls_ca_file, "CERTIFICATE"));
+  if (!o.tls_cert_file.empty()) {
+    KVRELAY_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem("tls_cert_file", o.tls_cert_file, "CERTIFICATE"));
+    KVRELAY_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem("tls_key_file", o.tls_key_file, "PRIVATE KEY"));
+  }
+  return grpc::SslCredentials(ssl);
 }
 
 Accounting FromProto(const v1::Accounting& a) {
@@ -204,15 +282,32 @@ RelayClient::RelayClient(std::shared_ptr<grpc::Channel> channel)
     : channel_(std::move(channel)), stub_(v1::Relay::NewStub(channel_)) {}
 
 std::unique_ptr<RelayClient> RelayClient::Connect(const std::string& addr) {
+  ConnectOptions plain;
+  plain.token = "";
+  return *Connect(addr, plain);
+}
+
+absl::StatusOr<std::unique_ptr<RelayClient>> RelayClient::Connect(const std::string& addr,
+                                                                  const ConnectOptions& options) {
+  KVRELAY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds, CredentialsOf(options));
+  KVRELAY_ASSIGN_OR_RETURN(const std::string token, TokenOf(options));
   grpc::ChannelArguments args;
   // gRPC's default reconnect backoff (1 s, growing x1.6 to 120 s) outlasts
   // the publish retries' own backoff: a relay back after a restart would not
   // be tried again in time.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  auto client = std::make_unique<RelayClient>(grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args));
+  auto client = std::make_unique<RelayClient>(grpc::CreateCustomChannel(addr, creds, args));
   client->own_channel_ = true;
+  // Per call rather than as CallCredentials: gRPC drops call credentials on
+  // a plaintext channel, and local listeners are plaintext.
+  if (!token.empty()) client->authorization_ = absl::StrCat("Bearer ", token);
   return client;
+}
+
+void RelayClient::Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds deadline) const {
+  ctx->set_deadline(std::chrono::system_clock::now() + deadline);
+  if (!authorization_.empty()) ctx->AddMetadata("authorization", authorization_);
 }
 
 std::string RelayClient::NewMessageId() {
@@ -294,7 +389,7 @@ absl::StatusOr<PublishResult> RelayClient::PublishOnce(const Turn& turn, const s
                                                        const v1::PublishHeader& header,
                                                        const PublishOptions& opts) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, opts.deadline);
+  Prepare(&ctx, opts.deadline);
   v1::PublishResponse resp;
   const grpc::internal::RpcMethod method(kPublishMethod, grpc::internal::RpcMethod::CLIENT_STREAMING);
   std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
@@ -322,7 +417,7 @@ absl::StatusOr<FetchedMessage> RelayClient::Fetch(const FetchOptions& opts) {
   KVRELAY_RETURN_IF_ERROR(CheckId("session", opts.session, true));
   KVRELAY_RETURN_IF_ERROR(CheckId("agent", opts.agent, true));
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, opts.wait);
+  Prepare(&ctx, opts.wait);
   v1::FetchRequest req;
   req.set_session_id(opts.session);
   req.set_agent(opts.agent);
@@ -357,7 +452,7 @@ absl::Status RelayClient::Ack(const std::string& session, const std::string& age
   KVRELAY_RETURN_IF_ERROR(CheckId("agent", agent, true));
   KVRELAY_RETURN_IF_ERROR(CheckId("message_id", message_id, true));
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, deadline);
+  Prepare(&ctx, deadline);
   v1::AckRequest req;
   req.set_session_id(session);
   req.set_agent(agent);
@@ -370,7 +465,7 @@ absl::StatusOr<uint32_t> RelayClient::CloseSession(const std::string& session,
                                                    std::chrono::milliseconds deadline) {
   KVRELAY_RETURN_IF_ERROR(CheckId("session", session, true));
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, deadline);
+  Prepare(&ctx, deadline);
   v1::CloseSessionRequest req;
   req.set_session_id(session);
   v1::CloseSessionResponse resp;
@@ -380,7 +475,7 @@ absl::StatusOr<uint32_t> RelayClient::CloseSession(const std::string& session,
 
 absl::StatusOr<RelayStats> RelayClient::Stats(std::chrono::milliseconds deadline) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, deadline);
+  Prepare(&ctx, deadline);
   v1::StatsRequest req;
   v1::StatsResponse r;
   KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(stub_->Stats(&ctx, req, &r)));
@@ -419,7 +514,7 @@ absl::StatusOr<MessageStatusResult> RelayClient::MessageStatus(const std::string
   KVRELAY_RETURN_IF_ERROR(CheckId("session", session, true));
   KVRELAY_RETURN_IF_ERROR(CheckId("message_id", message_id, true));
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, deadline);
+  Prepare(&ctx, deadline);
   v1::MessageStatusRequest req;
   req.set_session_id(session);
   req.set_message_id(message_id);
@@ -446,7 +541,7 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
   if (policy.empty()) return absl::InvalidArgumentError("policy: empty, expected a pipeline spec");
   KVRELAY_ASSIGN_OR_RETURN(v1::TurnGeometry geometry, TurnGeometryOf(turn));
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, deadline);
+  Prepare(&ctx, deadline);
   const grpc::internal::RpcMethod method(kCompressMethod, grpc::internal::RpcMethod::BIDI_STREAMING);
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
       grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel_.get(), method,
@@ -481,7 +576,9 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
 
 absl::StatusOr<HealthStatus> RelayClient::Health(const std::string& service,
                                                  std::chrono::milliseconds deadline) {
-  return CheckHealth(channel_, service, deadline);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, deadline);
+  return CheckHealth(channel_, service, deadline, &ctx);
 }
 
 }  // namespace kvrelay

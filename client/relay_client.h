@@ -11,6 +11,14 @@
 //   absl::StatusOr<kvrelay::FetchedMessage> m = client->Fetch(f);
 //   client->Ack("s1", "critic", m->message_id);
 //
+// Over TLS, as agent "critic" with its token (ConnectOptions):
+//
+//   kvrelay::ConnectOptions o;
+//   o.tls_ca_file = "/etc/kvrelay/ca.pem";
+//   o.token = "...";  // or leave unset: $KVRELAY_TOKEN
+//   absl::StatusOr<std::unique_ptr<kvrelay::RelayClient>> c =
+//       kvrelay::RelayClient::Connect("relay.example:50051", o);
+//
 // Errors are the relay's gRPC status converted to absl::Status (the
 // canonical codes map one to one), or the client's own checks of what the
 // relay sent: DATA_LOSS for any malformed delivery stream (a chunk or
@@ -33,6 +41,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +50,7 @@
 #include "core/message.h"
 #include "core/turn.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
 #include "proto/channel.h"
 #include "kvrelay/v1/relay.grpc.pb.h"
 
@@ -169,16 +179,51 @@ inline constexpr char kMessageIdPayload[] = "type.googleapis.com/kvrelay.v1.Mess
 
 // HealthStatus, HealthStatusName and CheckRelayAddress: proto/channel.h.
 
+// How Connect reaches a relay and who it says it is. Every field is
+// optional; files are PEM, read once by Connect.
+struct ConnectOptions {
+  // CA certificate(s) the relay's certificate must chain to. Non-empty turns
+  // TLS on; the relay's certificate must then also name the address's host
+  // (a DNS or IP SAN). Empty: plaintext, for a relay's --local-listen
+  // address, a Unix socket, or a relay run with --insecure.
+  std::string tls_ca_file;
+  // A client certificate chain and its private key, presented when the
+  // relay asks for one (mTLS). Both or neither, and only with tls_ca_file.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Bearer token, sent as "authorization: Bearer TOKEN" metadata on every
+  // call, over TLS and plaintext alike; never logged or put in an error.
+  // std::nullopt: the environment's KVRELAY_TOKEN (whitespace trimmed) when
+  // set and non-empty, else none. An empty string: no token.
+  std::optional<std::string> token;
+};
+
+// The environment variable ConnectOptions::token falls back to.
+inline constexpr char kTokenEnvVar[] = "KVRELAY_TOKEN";
+
 class RelayClient {
  public:
   // Over a channel of the caller's. Publish retries then only sleep their
   // backoff: set GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS on the channel for a
   // relay back from a restart to be reached in time.
   explicit RelayClient(std::shared_ptr<grpc::Channel> channel);
-  // An insecure channel to "HOST:PORT" that reconnects within 100 ms (at
-  // most 2 s); publish retries ask it to reconnect at once and wait up to
-  // one backoff for the connection.
+  // A plaintext channel to `addr` ("HOST:PORT", "dns:///HOST:PORT",
+  // "unix:PATH") without a token that reconnects within 100 ms (at most
+  // 2 s); publish retries ask it to reconnect at once and wait up to one
+  // backoff for the connection. The address is not checked here
+  // (CheckRelayAddress).
   static std::unique_ptr<RelayClient> Connect(const std::string& addr);
+  // The same channel, with TLS and a token as `options` say.
+  // INVALID_ARGUMENT, naming the option (tls_ca_file, tls_cert_file,
+  // tls_key_file, token, or KVRELAY_TOKEN for the environment's), for a
+  // file that cannot be read or holds no PEM block of the kind expected, a
+  // certificate without its key (or the reverse), a client certificate
+  // without tls_ca_file, or a token that is not 1 to 4096 visible ASCII
+  // characters. Nothing is dialled yet: a relay that refuses the handshake
+  // (an untrusted CA, a wrong host name) fails each call with UNAVAILABLE;
+  // a missing or wrong token fails it with UNAUTHENTICATED.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<RelayClient>> Connect(const std::string& addr,
+                                                                            const ConnectOptions& options);
 
   RelayClient(const RelayClient&) = delete;
   RelayClient& operator=(const RelayClient&) = delete;
@@ -254,8 +299,12 @@ class RelayClient {
   absl::StatusOr<PublishResult> PublishOnce(const Turn& turn, const std::shared_ptr<const Turn>& hold,
                                             const v1::PublishHeader& header, const PublishOptions& opts);
 
+  // A context for one call: its deadline, and the token's metadata.
+  void Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds deadline) const;
+
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Relay::Stub> stub_;
+  std::string authorization_;  // "Bearer TOKEN", or empty: no metadata
   // The channel is Connect()'s own TCP client channel: publish retries may
   // reset its reconnect backoff and wait for it to connect. Not for a
   // caller's channel (it may be shared, or in-process, where gRPC aborts on

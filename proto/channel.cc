@@ -85,9 +85,11 @@ const char* HealthStatusName(HealthStatus s) {
 absl::Status CheckRelayAddress(const std::string& addr) { return CheckGrpcTarget(addr); }
 
 absl::StatusOr<HealthStatus> CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
-                                         const std::string& service, std::chrono::milliseconds deadline) {
+                                         const std::string& service, std::chrono::milliseconds deadline,
+                                         grpc::ClientContext* caller_ctx) {
   grpc::GenericStub stub(channel);
-  grpc::ClientContext ctx;
+  grpc::ClientContext own_ctx;
+  grpc::ClientContext& ctx = caller_ctx ? *caller_ctx : own_ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + deadline);
   const std::string body = EncodeHealthRequest(service);
   grpc::Slice slice(body);

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
 
 namespace kvrelay {
 
@@ -24,9 +25,12 @@ const char* HealthStatusName(HealthStatus s);
 // grpc.health.v1.Health/Check for `service` ("" = the whole server;
 // "kvrelay.v1.Relay" = the relay service) over `channel`, waiting at most
 // `deadline`. kServiceUnknown for a service the server does not know (the
-// protocol's NOT_FOUND); the call's status for any other failure.
+// protocol's NOT_FOUND); the call's status for any other failure. `ctx`:
+// null, or a fresh context of the caller's to make the call with (e.g. one
+// carrying metadata); the deadline is set on it.
 absl::StatusOr<HealthStatus> CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
-                                         const std::string& service, std::chrono::milliseconds deadline);
+                                         const std::string& service, std::chrono::milliseconds deadline,
+                                         grpc::ClientContext* ctx = nullptr);
 
 }  // namespace kvrelay
 

@@ -1,15 +1,25 @@
 // RelayClient against an in-process fake relay (sync gRPC service built from
 // core/): publish with retries, fetch, ack, compress, stats and health over a
-// real channel, without kvrelay-server. The real server is exercised by
-// tests/client/test_relay_e2e.py.
+// real channel, without kvrelay-server; the token's metadata on every call
+// (seen by a server interceptor) and ConnectOptions' checks. The real server
+// is exercised by tests/client/test_relay_e2e.py, and over TLS with tokens by
+// tests/client/test_kvrelayctl.py.
 #include "client/relay_client.h"
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -20,6 +30,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "gtest/gtest.h"
 #include "proto/status_util.h"
 #include "proto/stream_codec.h"
@@ -228,6 +239,58 @@ class FakeRelay final : public v1::Relay::Service {
   std::map<std::string, uint32_t> attempts_;
 };
 
+// The "authorization" metadata of every call the server received, by
+// method, in arrival order (a call without it records "<none>").
+class AuthRecorder {
+ public:
+  void Add(std::string method, std::string value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    seen_.emplace_back(std::move(method), std::move(value));
+  }
+  std::vector<std::pair<std::string, std::string>> Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::move(seen_);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<std::string, std::string>> seen_;
+};
+
+class AuthInterceptor : public grpc::experimental::Interceptor {
+ public:
+  AuthInterceptor(grpc::experimental::ServerRpcInfo* info, AuthRecorder* rec) : info_(info), rec_(rec) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
+      std::string value = "<none>";
+      int n = 0;
+      for (const auto& [k, v] : *methods->GetRecvInitialMetadata()) {
+        if (k == "authorization") {
+          value = ++n == 1 ? std::string(v.data(), v.size()) : "<twice>";
+        }
+      }
+      rec_->Add(info_->method(), value);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  grpc::experimental::ServerRpcInfo* info_;
+  AuthRecorder* rec_;
+};
+
+class AuthInterceptorFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit AuthInterceptorFactory(AuthRecorder* rec) : rec_(rec) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    return new AuthInterceptor(info, rec_);
+  }
+
+ private:
+  AuthRecorder* rec_;
+};
+
 class RelayClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -236,9 +299,13 @@ class RelayClientTest : public ::testing::Test {
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     b.RegisterService(&relay_);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(std::make_unique<AuthInterceptorFactory>(&auth_));
+    b.experimental().SetInterceptorCreators(std::move(interceptors));
     server_ = b.BuildAndStart();
     ASSERT_TRUE(server_ != nullptr);
-    client_ = RelayClient::Connect(absl::StrCat("127.0.0.1:", port));
+    addr_ = absl::StrCat("127.0.0.1:", port);
+    client_ = RelayClient::Connect(addr_);
 
     SyntheticTurnOptions o;
     o.layers = 2;
@@ -262,7 +329,9 @@ class RelayClientTest : public ::testing::Test {
   Message Offline(const std::string& policy) { return *(*Pipeline::Create(policy))->Compress(turn_); }
 
   FakeRelay relay_;
+  AuthRecorder auth_;
   std::unique_ptr<grpc::Server> server_;
+  std::string addr_;
   std::unique_ptr<RelayClient> client_;
   Turn turn_;
   PublishOptions opts_;
@@ -585,6 +654,167 @@ TEST(RelayClientInProcess, RetriesOverAnInProcessChannel) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->attempts, 2);
   server->Shutdown();
+}
+
+// Every call the client makes: publish, fetch, ack, status, compress,
+// stats, health, close.
+void CallEverything(RelayClient* c, const Turn& turn, const PublishOptions& opts) {
+  absl::StatusOr<PublishResult> p = c->Publish(turn, opts);
+  ASSERT_TRUE(p.ok()) << p.status();
+  FetchOptions f;
+  f.session = opts.session;
+  f.agent = opts.recipients[0];
+  absl::StatusOr<FetchedMessage> m = c->Fetch(f);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(c->Ack(opts.session, f.agent, m->message_id).ok());
+  EXPECT_EQ(c->MessageStatus(opts.session, m->message_id).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(c->Compress(turn, "h2o-head:k=8").ok());
+  ASSERT_TRUE(c->Stats().ok());
+  ASSERT_TRUE(c->Health().ok());
+  EXPECT_EQ(c->CloseSession(opts.session).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+std::vector<std::pair<std::string, std::string>> EveryMethodWith(const std::string& value) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const char* m : {"Publish", "Fetch", "Ack", "MessageStatus", "Compress", "Stats"}) {
+    out.emplace_back(absl::StrCat("/kvrelay.v1.Relay/", m), value);
+  }
+  out.emplace_back("/grpc.health.v1.Health/Check", value);
+  out.emplace_back("/kvrelay.v1.Relay/CloseSession", value);
+  return out;
+}
+
+// Sets (or with nullptr unsets) an environment variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    value ? setenv(name, value, 1) : unsetenv(name);
+  }
+  ~ScopedEnv() { old_ ? setenv(name_, old_->c_str(), 1) : unsetenv(name_); }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST_F(RelayClientTest, TokenGoesAsBearerMetadataOnEveryCall) {
+  ConnectOptions o;
+  o.token = "tok-1.A_b~";
+  absl::StatusOr<std::unique_ptr<RelayClient>> c = RelayClient::Connect(addr_, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auth_.Take();
+  CallEverything(c->get(), turn_, opts_);
+  EXPECT_EQ(auth_.Take(), EveryMethodWith("Bearer tok-1.A_b~"));
+}
+
+TEST_F(RelayClientTest, NoTokenSendsNoAuthorization) {
+  ScopedEnv env(kTokenEnvVar, "from-env");
+  auth_.Take();
+  CallEverything(client_.get(), turn_, opts_);  // Connect(addr): never a token
+  EXPECT_EQ(auth_.Take(), EveryMethodWith("<none>"));
+  ConnectOptions o;
+  o.token = "";  // explicitly none, whatever the environment says
+  absl::StatusOr<std::unique_ptr<RelayClient>> c = RelayClient::Connect(addr_, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  opts_.session = "s2";
+  CallEverything(c->get(), turn_, opts_);
+  EXPECT_EQ(auth_.Take(), EveryMethodWith("<none>"));
+}
+
+TEST_F(RelayClientTest, TokenFromTheEnvironmentWhenNotGiven) {
+  {
+    ScopedEnv env(kTokenEnvVar, " env-token\n");
+    absl::StatusOr<std::unique_ptr<RelayClient>> c = RelayClient::Connect(addr_, ConnectOptions());
+    ASSERT_TRUE(c.ok()) << c.status();
+    auth_.Take();
+    ASSERT_TRUE((*c)->Stats().ok());
+    EXPECT_EQ(auth_.Take(), (std::vector<std::pair<std::string, std::string>>{
+                                {"/kvrelay.v1.Relay/Stats", "Bearer env-token"}}));
+    ConnectOptions explicit_token;
+    explicit_token.token = "mine";  // an explicit token wins
+    c = RelayClient::Connect(addr_, explicit_token);
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE((*c)->Stats().ok());
+    EXPECT_EQ(auth_.Take(), (std::vector<std::pair<std::string, std::string>>{
+                                {"/kvrelay.v1.Relay/Stats", "Bearer mine"}}));
+  }
+  ScopedEnv empty(kTokenEnvVar, "");
+  absl::StatusOr<std::unique_ptr<RelayClient>> c = RelayClient::Connect(addr_, ConnectOptions());
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->Stats().ok());
+  EXPECT_EQ(auth_.Take(), (std::vector<std::pair<std::string, std::string>>{{"/kvrelay.v1.Relay/Stats", "<none>"}}));
+}
+
+class TempFile {
+ public:
+  explicit TempFile(const std::string& content) {
+    char name[] = "/tmp/kvrelay-client-test-XXXXXX";
+    const int fd = mkstemp(name);
+    EXPECT_GE(fd, 0);
+    close(fd);
+    path_ = name;
+    std::ofstream(path_) << content;
+  }
+  ~TempFile() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+void ExpectBadOption(const ConnectOptions& o, const std::string& message) {
+  absl::StatusOr<std::unique_ptr<RelayClient>> c = RelayClient::Connect("127.0.0.1:1", o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_THAT(c.status().message(), HasSubstr(message));
+}
+
+TEST(RelayClientConnectOptions, BadOptionsAreInvalidArgumentNamingTheOption) {
+  const TempFile cert("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
+  const TempFile key("-----BEGIN EC PRIVATE KEY-----\nAAAA\n-----END EC PRIVATE KEY-----\n");
+  const TempFile text("not a certificate\n");
+  ConnectOptions o;
+  o.token = "";
+  o.tls_ca_file = "/nonexistent/ca.pem";
+  ExpectBadOption(o, "tls_ca_file: cannot read \"/nonexistent/ca.pem\": No such file or directory");
+  o.tls_ca_file = text.path();
+  ExpectBadOption(o, absl::StrCat("tls_ca_file: \"", text.path(), "\" holds no PEM CERTIFICATE block"));
+  o.tls_ca_file = key.path();
+  ExpectBadOption(o, "tls_ca_file: ");
+  o.tls_ca_file = cert.path();
+  o.tls_cert_file = cert.path();
+  ExpectBadOption(o, "tls_cert_file: given without tls_key_file, expected both or neither");
+  o.tls_cert_file = "";
+  o.tls_key_file = key.path();
+  ExpectBadOption(o, "tls_key_file: given without tls_cert_file, expected both or neither");
+  o.tls_cert_file = "/nonexistent/cert.pem";
+  ExpectBadOption(o, "tls_cert_file: cannot read \"/nonexistent/cert.pem\"");
+  o.tls_cert_file = cert.path();
+  o.tls_key_file = cert.path();
+  ExpectBadOption(o, absl::StrCat("tls_key_file: \"", cert.path(), "\" holds no PEM PRIVATE KEY block"));
+  o.tls_key_file = "/nonexistent/key.pem";
+  ExpectBadOption(o, "tls_key_file: cannot read \"/nonexistent/key.pem\"");
+  o.tls_ca_file = "";
+  o.tls_key_file = key.path();
+  ExpectBadOption(o, "tls_cert_file: given without tls_ca_file");
+}
+
+TEST(RelayClientConnectOptions, ABadTokenIsNeverShown) {
+  for (const std::string& bad : {std::string("has space-secret"), std::string("line\nsecret"),
+                                std::string(4097, 'x'), std::string("caf\xc3\xa9-secret")}) {
+    ConnectOptions o;
+    o.token = bad;
+    absl::StatusOr<std::unique_ptr<RelayClient>> c = RelayClient::Connect("127.0.0.1:1", o);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(c.status().message(), HasSubstr("token: "));
+    EXPECT_THAT(c.status().message(), HasSubstr("expected 1 to 4096 visible ASCII characters"));
+    EXPECT_THAT(c.status().message(), ::testing::Not(HasSubstr("secret")));
+  }
+  ScopedEnv env(kTokenEnvVar, "env secret");
+  absl::StatusOr<std::unique_ptr<RelayClient>> c = RelayClient::Connect("127.0.0.1:1", ConnectOptions());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("KVRELAY_TOKEN: 10 characters (not shown)"));
+  EXPECT_THAT(c.status().message(), ::testing::Not(HasSubstr("secret")));
 }
 
 TEST(RelayClientNoServer, UnavailableAndUniqueIds) {

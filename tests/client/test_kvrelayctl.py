@@ -1,10 +1,16 @@
 #!/usr/bin/python3
 """End-to-end tests of the kvrelayctl CLI (docs/FORMAT.md).
 
-Usage: test_kvrelayctl.py --kvrelayctl PATH [unittest args]
+Usage: test_kvrelayctl.py --kvrelayctl PATH [--server PATH] [unittest args]
 
 Stdlib only: safetensors files are read and written here with struct/json.
+Offline: make-turn, compress, inspect, and `token new`. With --server
+(kvrelay-server): the relay verbs against a relay serving TLS with client
+certificate verification and a tokens file made by `token new` (--tls-ca,
+--tls-cert/--tls-key, --token-file, KVRELAY_TOKEN; the code names printed
+for UNAUTHENTICATED, UNAVAILABLE and PERMISSION_DENIED; the flags' errors).
 """
+import base64
 import hashlib
 import json
 import os
@@ -16,18 +22,24 @@ import sys
 import tempfile
 import unittest
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
+import kvrelay_testlib as tl  # noqa: E402
+from certs import TestPki  # noqa: E402
+
 KVRELAYCTL = None
+SERVER = None  # kvrelay-server, for the relay verbs over TLS (optional)
 
 
-def _take_kvrelayctl_arg(argv):
+def _take_arg(argv, name):
+    """(argv without --NAME VALUE / --NAME=VALUE, VALUE or None)."""
     out, path = [], None
     i = 0
     while i < len(argv):
-        if argv[i] == "--kvrelayctl" and i + 1 < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
             path = argv[i + 1]
             i += 2
             continue
-        if argv[i].startswith("--kvrelayctl="):
+        if argv[i].startswith(name + "="):
             path = argv[i].split("=", 1)[1]
             i += 1
             continue
@@ -609,10 +621,238 @@ class CliTest(unittest.TestCase):
         self.expect_fail(["inspect", bad], 1, 'metadata sent_bytes: "1", expected')
 
 
+class TokenTest(unittest.TestCase):
+    """kvrelayctl token new AGENT (offline)."""
+
+    def token_new(self, agent):
+        p = subprocess.run([KVRELAYCTL, "token", "new", agent], capture_output=True, text=True,
+                           timeout=30)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stderr, "")
+        lines = p.stdout.split("\n")
+        self.assertEqual(len(lines), 3, p.stdout)  # token, tokens-file line, ""
+        self.assertEqual(lines[2], "")
+        return lines[0], lines[1]
+
+    def test_prints_a_fresh_token_and_its_tokens_file_line(self):
+        seen = set()
+        for agent in ("planner", "a", "A-z.0_9:x", "x" * 128):
+            token, line = self.token_new(agent)
+            self.assertRegex(token, r"^[A-Za-z0-9_-]{43}$")
+            self.assertEqual(len(base64.urlsafe_b64decode(token + "=")), 32)
+            self.assertEqual(line, f"{agent} sha256:{hashlib.sha256(token.encode()).hexdigest()}")
+            self.assertRegex(line, r" sha256:[0-9a-f]{64}$")
+            seen.add(token)
+        self.assertEqual(len(seen), 4)
+
+    def test_bad_usage_exits_2(self):
+        for args, msg in ((["token"], 'token: missing verb, expected "token new AGENT"'),
+                          (["token", "old", "a"], 'token: unknown verb "old", expected "token new AGENT"'),
+                          (["token", "new"], "token new: expected one AGENT argument, got 0"),
+                          (["token", "new", "a", "b"], "token new: expected one AGENT argument, got 2"),
+                          (["token", "new", "a b"], 'token new: agent: "a b", expected [A-Za-z0-9._:-]{1,128}'),
+                          (["token", "new", "a/b"], 'agent: "a/b"'),
+                          (["token", "new", "x" * 129], "expected [A-Za-z0-9._:-]{1,128}"),
+                          (["token", "new", "--bogus", "a"], "unknown flag --bogus")):
+            p = subprocess.run([KVRELAYCTL] + args, capture_output=True, text=True, timeout=30)
+            self.assertEqual(p.returncode, 2, (args, p.stderr))
+            self.assertEqual(p.stdout, "", args)  # no token printed
+            self.assertIn(msg, p.stderr)
+
+    def test_help_describes_token_and_tls_flags(self):
+        p = subprocess.run([KVRELAYCTL, "help"], capture_output=True, text=True, timeout=30)
+        for text in ("token new AGENT", "AGENT sha256:HEX", "--tls-ca FILE", "--tls-cert FILE --tls-key FILE",
+                     "--token-file FILE", "KVRELAY_TOKEN", "UNAUTHENTICATED"):
+            self.assertIn(text, p.stdout)
+
+
+class TlsRelayVerbsTest(unittest.TestCase):
+    """The relay verbs against a TLS relay with --tls-client-ca and a tokens
+    file (needs --server)."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not SERVER:
+            raise unittest.SkipTest("no --server given")
+        cls.dir = tempfile.mkdtemp(prefix="kvrelayctl_tls_")
+        pki = TestPki(os.path.join(cls.dir, "pki"))
+        cls.ca = pki.ca("ctl-ca")
+        server = pki.issue(cls.ca, "relay", dns=["localhost"], ips=["127.0.0.1"])
+        cls.cert = pki.issue(cls.ca, "ctl-client", dns=["ctl-client.test"])
+        cls.other_ca = pki.ca("ctl-other-ca")
+        # The relay's tokens file holds the lines `token new` printed.
+        cls.tokens, lines = {}, ["# made by kvrelayctl token new"]
+        for agent in ("planner", "critic"):
+            p = subprocess.run([KVRELAYCTL, "token", "new", agent], capture_output=True, text=True,
+                               timeout=30, check=True)
+            token, line = p.stdout.splitlines()
+            cls.tokens[agent] = token
+            lines.append(line)
+        with open(cls.path("tokens"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        # planner's file is all of `token new`'s output (its first line is
+        # read); critic's has the token alone with whitespace around it.
+        with open(cls.path("planner.token"), "w") as f:
+            f.write(cls.tokens["planner"] + "\n" + lines[1] + "\n")
+        with open(cls.path("critic.token"), "w") as f:
+            f.write("  " + cls.tokens["critic"] + " \t\n")
+        with open(cls.path("wrong.token"), "w") as f:
+            f.write("wrong-" + cls.tokens["planner"][6:] + "\n")
+        cls.local = f"unix:{cls.dir}/local.sock"
+        cls.server = tl.Server(SERVER, workdir=cls.dir, name="tls-relay", timeout=20, args=[
+            "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+            "--tls-cert", server.cert, "--tls-key", server.key, "--tls-client-ca", cls.ca.cert,
+            "--tokens-file", cls.path("tokens"), "--local-listen", cls.local, "--local-auth", "token"])
+        cls.addr = cls.server.addr
+        cls.turn = cls.path("turn.safetensors")
+        p = subprocess.run([KVRELAYCTL, "make-turn", "--out", cls.turn, "--layers", "2", "--kv-heads", "2",
+                            "--head-dim", "16", "--prompt", "24", "--gen", "3"], capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    @classmethod
+    def path(cls, name):
+        return os.path.join(cls.dir, name)
+
+    def ctl(self, verb, *args, agent=None, tls=True, addr=None, env=None):
+        """kvrelayctl VERB --addr A [--tls-ca CA] [--token-file AGENT's] ARGS."""
+        cmd = [KVRELAYCTL, verb, "--addr", addr or self.addr]
+        if tls:
+            cmd += ["--tls-ca", self.ca.cert]
+        if agent:
+            cmd += ["--token-file", self.path(f"{agent}.token")]
+        rc, out, err = tl.run(cmd + list(args), timeout=60, env=env)
+        return rc, out, err
+
+    def ok(self, verb, *args, **kw):
+        rc, out, err = self.ctl(verb, *args, **kw)
+        self.assertEqual(rc, 0, f"{verb} {args}: {err}")
+        return dict(re.findall(r"(\w+)=(\S+)", out)) | {"_out": out}
+
+    def error_line(self, err):
+        """kvrelayctl's one error line (gRPC may log handshake failures too)."""
+        lines = [line for line in err.splitlines() if line.startswith("kvrelayctl: ")]
+        self.assertEqual(len(lines), 1, err)
+        return lines[0]
+
+    def fails(self, verb, *args, code=None, rc=1, text=None, **kw):
+        got_rc, out, err = self.ctl(verb, *args, **kw)
+        self.assertEqual(got_rc, rc, f"{verb} {args}: stdout={out} stderr={err}")
+        line = self.error_line(err)
+        if code:
+            self.assertTrue(line.startswith(f"kvrelayctl: {verb}: {code}: "), line)
+        if text:
+            self.assertIn(text, line)
+        for token in self.tokens.values():
+            self.assertNotIn(token, err + out)
+        return line
+
+    def test_verbs_over_tls_with_a_token(self):
+        for i, cert in enumerate((None, self.cert)):
+            with self.subTest(client_cert=cert is not None):
+                extra = ["--tls-cert", cert.cert, "--tls-key", cert.key] if cert else []
+                sess = f"ctl-tls-{i}"
+                self.assertEqual(self.ok("health", *extra, agent="planner")["_out"], "SERVING\n")
+                pub = self.ok("publish", "--session", sess, "--from", "planner", "--to", "critic",
+                              "--policy", "full", "--in", self.turn, *extra, agent="planner")
+                st = self.ok("status", "--session", sess, "--id", pub["message_id"], *extra, agent="planner")
+                self.assertIn("sender=planner\nagent=critic state=committed", st["_out"])
+                out = self.path(f"fetched-{i}.safetensors")
+                got = self.ok("fetch", "--session", sess, "--agent", "critic", "--out", out, "--no-ack",
+                              *extra, agent="critic")
+                self.assertEqual((got["message_id"], got["from"]), (pub["message_id"], "planner"))
+                meta, _, _ = read_st(out)
+                self.assertEqual(meta["message_id"], pub["message_id"])
+                self.ok("ack", "--session", sess, "--agent", "critic", "--id", pub["message_id"], *extra,
+                        agent="critic")
+                self.assertIn("messages_acked: ", self.ok("stats", *extra, agent="critic")["_out"])
+                self.assertEqual(self.ok("close", "--session", sess, *extra, agent="planner")["messages_freed"],
+                                 "1")
+
+    def test_token_from_the_environment(self):
+        env = tl.clean_env(KVRELAY_TOKEN=self.tokens["planner"])
+        self.ok("stats", env=env)
+        # --token-file wins over the environment.
+        self.fails("stats", code="UNAUTHENTICATED", agent="wrong", env=env)
+        self.fails("stats", code="UNAUTHENTICATED", env=tl.clean_env(KVRELAY_TOKEN="no-such-token"))
+
+    def test_the_token_goes_over_plaintext_too(self):
+        self.fails("stats", code="UNAUTHENTICATED", tls=False, addr=self.local)
+        self.ok("stats", tls=False, addr=self.local, agent="planner")
+
+    def test_failures_print_the_code_and_exit_1(self):
+        self.fails("stats", code="UNAUTHENTICATED")  # no token
+        self.fails("fetch", "--session", "ctl-x", "--agent", "critic", "--out", self.path("x.safetensors"),
+                   code="UNAUTHENTICATED", agent="wrong")
+        self.fails("publish", "--session", "ctl-x", "--from", "planner", "--to", "critic", "--in", self.turn,
+                   "--retries", "0", code="UNAUTHENTICATED", agent="wrong")
+        self.fails("stats", code="UNAVAILABLE", agent="planner", tls=False)  # plaintext to the TLS port
+        rc, out, err = tl.run([KVRELAYCTL, "stats", "--addr", self.addr, "--tls-ca", self.other_ca.cert,
+                               "--token-file", self.path("planner.token")], timeout=60)
+        self.assertEqual(rc, 1, err)
+        self.assertTrue(self.error_line(err).startswith("kvrelayctl: stats: UNAVAILABLE: "), err)
+        # planner acting for critic.
+        self.fails("publish", "--session", "ctl-perm", "--from", "critic", "--to", "planner", "--in", self.turn,
+                   "--retries", "0", code="PERMISSION_DENIED", text='caller is agent "planner", not "critic"',
+                   agent="planner")
+        self.fails("fetch", "--session", "ctl-perm", "--agent", "critic", "--out", self.path("y.safetensors"),
+                   "--wait", "5", code="PERMISSION_DENIED", text='"planner"', agent="planner")
+        self.assertFalse(os.path.exists(self.path("y.safetensors")))
+        self.fails("ack", "--session", "ctl-perm", "--agent", "critic", "--id", "m-1", code="PERMISSION_DENIED",
+                   agent="planner")
+
+    def test_flag_errors(self):
+        cert, key = self.cert.cert, self.cert.key
+        with open(self.path("empty.token"), "w") as f:
+            f.write("\n")
+        with open(self.path("spaced.token"), "w") as f:
+            f.write("two words-secret\n")
+        cases = [
+            (["--tls-cert", cert], 2, "flag --tls-cert: given without --tls-key, expected both or neither"),
+            (["--tls-key", key], 2, "flag --tls-key: given without --tls-cert, expected both or neither"),
+            (["--tls-ca", ""], 2, "flag --tls-ca: empty value"),
+            (["--tls-ca", self.path("missing.pem")], 1,
+             f'flag --tls-ca: cannot read "{self.path("missing.pem")}": No such file or directory'),
+            (["--tls-ca", key], 1, f'flag --tls-ca: "{key}" holds no PEM CERTIFICATE block'),
+            (["--tls-ca", self.ca.cert, "--tls-cert", cert, "--tls-key", cert], 1,
+             f'flag --tls-key: "{cert}" holds no PEM PRIVATE KEY block'),
+            (["--token-file", self.path("missing.token")], 1, "flag --token-file: cannot read"),
+            (["--token-file", self.path("empty.token")], 1, "first line is empty, expected the token"),
+            (["--token-file", self.path("spaced.token")], 1, "flag --token-file: 16 characters (not shown)"),
+        ]
+        for args, rc, msg in cases:
+            with self.subTest(args=args):
+                err = self.fails("stats", *args, rc=rc, text=msg, tls=False)
+                self.assertNotIn("secret", err)
+        self.fails("stats", "--tls-cert", cert, "--tls-key", key, rc=2, tls=False,
+                   text="flag --tls-cert: given without --tls-ca")
+        rc, _, err = tl.run([KVRELAYCTL, "compress", "--policy", "full", "--in", self.turn, "--out",
+                             self.path("c.safetensors"), "--token-file", self.path("planner.token")])
+        self.assertEqual(rc, 2, err)
+        self.assertIn("compress: --token-file is for the relay; it needs --addr", err)
+        # Compress at the relay takes them.
+        rc, out, err = tl.run([KVRELAYCTL, "compress", "--policy", "h2o-head:k=8", "--in", self.turn, "--out",
+                               self.path("c.safetensors"), "--addr", self.addr, "--tls-ca", self.ca.cert,
+                               "--token-file", self.path("planner.token")])
+        self.assertEqual(rc, 0, err)
+        self.assertIn("relay=true", out)
+
+
 if __name__ == "__main__":
-    argv, KVRELAYCTL = _take_kvrelayctl_arg(sys.argv)
+    argv, KVRELAYCTL = _take_arg(sys.argv, "--kvrelayctl")
+    argv, SERVER = _take_arg(argv, "--server")
     if not KVRELAYCTL:
-        sys.stderr.write("usage: test_kvrelayctl.py --kvrelayctl PATH [unittest args]\n")
+        sys.stderr.write("usage: test_kvrelayctl.py --kvrelayctl PATH [--server PATH] [unittest args]\n")
         sys.exit(2)
     KVRELAYCTL = os.path.abspath(KVRELAYCTL)
-    unittest.main(argv=argv)
+    if SERVER:
+        SERVER = os.path.abspath(SERVER)
+    try:
+        unittest.main(argv=argv)
+    finally:
+        tl.stop_started()

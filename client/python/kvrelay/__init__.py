@@ -22,7 +22,7 @@ from kvrelay.types import (Accounting, Message, MessageLayer, PublishResult,  # 
                            dequantize_layer, f32_to_bf16, hadamard_f32)
 from kvrelay import safetensors  # noqa: E402
 
-_CLIENT_NAMES = ("Client", "RelayError", "PublishError", "MAX_CHUNK_BYTES", "new_message_id")
+_CLIENT_NAMES = ("Client", "RelayError", "PublishError", "MAX_CHUNK_BYTES", "new_message_id", "TOKEN_ENV")
 
 
 def __getattr__(name):  # PEP 562: the client on first use

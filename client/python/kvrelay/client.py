@@ -13,8 +13,17 @@ least once anyway, and an ack may have taken effect before its reply was lost.
 A publish that fails raises PublishError (a grpc.RpcError) naming the message
 id it used, so that the caller can retry with that id: after e.g.
 DEADLINE_EXCEEDED the relay may have committed it.
+
+Security: tls_ca (a PEM file of CAs) turns TLS on; tls_cert and tls_key add
+a client certificate (mTLS); token (default: the environment's
+KVRELAY_TOKEN) goes as "authorization: Bearer TOKEN" metadata on every call,
+over TLS and plaintext alike. A relay that wants a token and gets none or a
+wrong one answers UNAUTHENTICATED; acting for another agent is
+PERMISSION_DENIED; a failed TLS handshake (e.g. an untrusted CA) is
+UNAVAILABLE.
 """
 import numbers
+import os
 import re
 import secrets
 import threading
@@ -38,7 +47,10 @@ except ImportError as e:  # pragma: no cover
         "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin kvrelay/v1/relay.proto` "
         "and add OUT to PYTHONPATH") from e
 
-__all__ = ["Client", "RelayError", "PublishError", "MAX_CHUNK_BYTES", "new_message_id"]
+__all__ = ["Client", "RelayError", "PublishError", "MAX_CHUNK_BYTES", "new_message_id",
+           "TOKEN_ENV"]
+
+TOKEN_ENV = "KVRELAY_TOKEN"  # where Client takes its token from when given none
 
 MAX_CHUNK_BYTES = 1 << 20  # relay.proto: at most 1 MiB of tensor bytes per chunk
 _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")
@@ -90,6 +102,55 @@ class PublishError(_StatusError):
 # given twice keeps its first value in grpcio 1.51).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def _read_pem(field, path, kind):
+    """The bytes of PEM file `path` (option `field`), which must hold a block
+    "-----BEGIN ...KIND-----"."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{field}: {path!r}, expected a file path")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {os.fspath(path)!r}: {e.strerror}") from None
+    if not re.search(rb"-----BEGIN [A-Z0-9 ]*" + kind.encode() + rb"-----", data):
+        raise ValueError(f"{field}: {os.fspath(path)!r} holds no PEM {kind} block, expected a PEM file")
+    return data
+
+
+def _token_of(token):
+    """The token to send (None: none): `token`, or KVRELAY_TOKEN when None;
+    "" means none. Never shows the token in an error."""
+    field = "token"
+    if token is None:
+        token, field = os.environ.get(TOKEN_ENV, "").strip(), TOKEN_ENV
+    if not isinstance(token, str):
+        raise ValueError(f"token: a {type(token).__name__}, expected a string")
+    if token == "":
+        return None
+    if not (len(token) <= 4096 and all("!" <= c <= "~" for c in token)):
+        raise ValueError(f"{field}: {len(token)} characters (not shown), expected 1 to 4096 "
+                         "visible ASCII characters")
+    return token
+
+
+def _credentials(tls_ca, tls_cert, tls_key):
+    """grpc.ChannelCredentials for TLS, or None for plaintext."""
+    if (tls_cert is None) != (tls_key is None):
+        missing, given = ("tls_key", "tls_cert") if tls_key is None else ("tls_cert", "tls_key")
+        raise ValueError(f"{given}: given without {missing}, expected both or neither")
+    if tls_ca is None:
+        if tls_cert is not None:
+            raise ValueError("tls_cert: given without tls_ca, expected a CA file (it turns TLS on)")
+        return None
+    ca = _read_pem("tls_ca", tls_ca, "CERTIFICATE")
+    cert = key = None
+    if tls_cert is not None:
+        cert = _read_pem("tls_cert", tls_cert, "CERTIFICATE")
+        key = _read_pem("tls_key", tls_key, "PRIVATE KEY")
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                        certificate_chain=cert)
 
 
 def new_message_id():
@@ -345,15 +406,39 @@ def _read_delivery(call):
 
 
 class Client:
-    """A connection to one relay ("HOST:PORT" or "unix:PATH", insecure
-    channel, or an existing grpc.Channel). Thread-safe; usable as a context
-    manager."""
+    """A connection to one relay ("HOST:PORT" or "unix:PATH", or an existing
+    grpc.Channel). Thread-safe; usable as a context manager.
 
-    def __init__(self, addr, channel=None, options=None):
-        options = list(options or [])
-        given = {k for k, _ in options}
-        self._channel = channel if channel is not None else grpc.insecure_channel(
-            addr, options=options + [o for o in _CHANNEL_OPTIONS if o[0] not in given])
+    tls_ca: path of a PEM file of the CA(s) the relay's certificate must
+    chain to; it turns TLS on, and the certificate must then also name the
+    address's host (a DNS or IP SAN). None: plaintext (a relay's
+    --local-listen address, a Unix socket, or a relay run with --insecure).
+    tls_cert, tls_key: a client certificate chain and its private key (PEM
+    paths), both or neither, and only with tls_ca. token: the agent's bearer
+    token, sent with every call (also over a given channel); None: the
+    environment's KVRELAY_TOKEN (whitespace trimmed) when set, "": none.
+    Files are read here. ValueError (naming the argument, never showing the
+    token) for a file that cannot be read or holds no PEM block of the kind
+    expected, a certificate without its key or the reverse, a certificate
+    without tls_ca, TLS arguments with `channel`, or a token that is not 1 to
+    4096 visible ASCII characters."""
+
+    def __init__(self, addr, channel=None, options=None, tls_ca=None, tls_cert=None,
+                 tls_key=None, token=None):
+        token = _token_of(token)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        if channel is not None:
+            if tls_ca is not None or tls_cert is not None or tls_key is not None:
+                raise ValueError("tls_ca, tls_cert, tls_key: given with channel, expected "
+                                 "them only when Client makes the channel")
+            self._channel = channel
+        else:
+            creds = _credentials(tls_ca, tls_cert, tls_key)
+            options = list(options or [])
+            given = {k for k, _ in options}
+            options += [o for o in _CHANNEL_OPTIONS if o[0] not in given]
+            self._channel = (grpc.insecure_channel(addr, options=options) if creds is None
+                             else grpc.secure_channel(addr, creds, options=options))
         self._stub = pb_grpc.RelayStub(self._channel)
 
     def close(self):
@@ -415,7 +500,7 @@ class Client:
                 # stops pulling the request iterator: that is a success.
                 resp = self._stub.Publish(
                     _upload(turn, pb.PublishRequest, pb.PublishRequest(header=header)),
-                    timeout=timeout)
+                    timeout=timeout, metadata=self._metadata)
                 return PublishResult(message_id=resp.message_id, duplicate=resp.duplicate,
                                      accounting=_accounting(resp.accounting), attempts=attempt)
             except grpc.RpcError as e:
@@ -446,7 +531,8 @@ class Client:
         _check_id("session", session)
         _check_id("agent", agent)
         call = self._stub.Fetch(pb.FetchRequest(session_id=session, agent=agent,
-                                                auto_ack=bool(auto_ack)), timeout=timeout)
+                                                auto_ack=bool(auto_ack)),
+                                 timeout=timeout, metadata=self._metadata)
         return _read_delivery(call)
 
     def ack(self, session, agent, message_id, timeout=10.0):
@@ -456,16 +542,16 @@ class Client:
         _check_id("agent", agent)
         _check_id("message_id", message_id)
         self._stub.Ack(pb.AckRequest(session_id=session, agent=agent, message_id=message_id),
-                       timeout=timeout)
+                       timeout=timeout, metadata=self._metadata)
 
     def close_session(self, session, timeout=10.0):
         """Frees the session; returns the number of messages freed. Idempotent."""
         _check_id("session", session)
         return self._stub.CloseSession(pb.CloseSessionRequest(session_id=session),
-                                       timeout=timeout).messages_freed
+                                       timeout=timeout, metadata=self._metadata).messages_freed
 
     def stats(self, timeout=10.0):
-        r = self._stub.Stats(pb.StatsRequest(), timeout=timeout)
+        r = self._stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self._metadata)
         return Stats(**{f: getattr(r, f) for f in Stats.__dataclass_fields__})
 
     # ---- Compress --------------------------------------------------------------
@@ -479,7 +565,8 @@ class Client:
             raise ValueError("turn: expected a kvrelay.Turn")
         first = pb.CompressRequest(header=pb.CompressHeader(policy=policy,
                                                             geometry=_geometry(turn)))
-        call = self._stub.Compress(_upload(turn, pb.CompressRequest, first), timeout=timeout)
+        call = self._stub.Compress(_upload(turn, pb.CompressRequest, first), timeout=timeout,
+                                   metadata=self._metadata)
         return _read_delivery(call)
 
     # ---- Health ------------------------------------------------------------------
@@ -496,7 +583,7 @@ class Client:
                                           request_serializer=lambda b: b,
                                           response_deserializer=lambda b: b)
         try:
-            status = _health_status(check(req, timeout=timeout))
+            status = _health_status(check(req, timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as e:
             # Check answers NOT_FOUND for a service the server does not know.
             if callable(getattr(e, "code", None)) and e.code() == grpc.StatusCode.NOT_FOUND:

@@ -12,10 +12,17 @@ exact, and the Python decode equal to `--decode` in the turn's dtype);
 Compress equal to the delivery; ack and redelivery, auto_ack, duplicate
 re-publish; a parent chain; deadline on an empty mailbox; bad policy;
 stats, health, close; a publish and a fetch over the relay's Unix socket
-(unix:PATH), also published over TCP and fetched over the socket. The whole run is bounded (watchdog) and the server is
-always stopped.
+(unix:PATH), also published over TCP and fetched over the socket. Against a
+second relay serving TLS with client-certificate verification and a tokens
+file: publish/fetch/ack with a token (with and without a client
+certificate, and from KVRELAY_TOKEN; over TLS and over its plaintext
+--local-listen socket with --local-auth token), no or a wrong token
+UNAUTHENTICATED, an untrusted CA or a plaintext client UNAVAILABLE, acting
+for another agent PERMISSION_DENIED; and the arguments Client refuses. The whole run is
+bounded (watchdog) and the servers are always stopped.
 """
 import argparse
+import hashlib
 import os
 import shutil
 import socket
@@ -36,13 +43,14 @@ from kvrelay.types import from_f32, to_f32
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "testlib"))
 from kvrelay_testlib import Server, unittest_main  # noqa: E402
+from certs import TestPki  # noqa: E402
 
 ARGS = None
 SERVER = None
 ADDR = None
 UNIX_ADDR = None  # the same relay on a Unix socket
 TMP = None
-WATCHDOG_S = 55
+WATCHDOG_S = 90
 
 
 def setUpModule():
@@ -574,12 +582,12 @@ class RelayTest(unittest.TestCase):
         real = self.c._stub.Publish
         calls, failures_left = [], [1]  # fail the first call only
 
-        def flaky(requests, timeout=None):
+        def flaky(requests, timeout=None, metadata=None):
             calls.append(1)
             if failures_left[0]:
                 failures_left[0] -= 1
                 raise kvrelay.RelayError(grpc.StatusCode.UNAVAILABLE, "injected")
-            return real(requests, timeout=timeout)
+            return real(requests, timeout=timeout, metadata=metadata)
 
         self.c._stub.Publish = flaky
         r = self.c.publish(make_turn(500), "retry", "planner", ["critic"], policy="full",
@@ -655,6 +663,182 @@ class RelayTest(unittest.TestCase):
         self.assertTrue(s.version)
         self.assertGreaterEqual(s.full_bytes, s.sent_bytes)
         self.assertLessEqual(s.mailbox_bytes, s.store_bytes)  # unacked messages are retained
+
+
+def _write_tokens_file(path, tokens):
+    """tokens: {agent: token}; the file holds only their SHA-256."""
+    with open(path, "w") as f:
+        f.write("# agent tokens (sha256 of each)\n")
+        for agent, token in tokens.items():
+            f.write(f"{agent} sha256:{hashlib.sha256(token.encode()).hexdigest()}\n")
+
+
+class ClientArgumentsTest(unittest.TestCase):
+    """What Client refuses before dialling (no relay needed)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="kvrelay-py-args-")
+        pki = TestPki(cls.dir)
+        cls.ca = pki.ca("args-ca")
+        cls.cert = pki.issue(cls.ca, "agent", dns=["agent.test"])
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def test_bad_arguments(self):
+        cert, key = self.cert.cert, self.cert.key
+        cases = [
+            (dict(tls_ca=self.ca.cert, tls_cert=cert), "tls_cert: given without tls_key"),
+            (dict(tls_ca=self.ca.cert, tls_key=key), "tls_key: given without tls_cert"),
+            (dict(tls_cert=cert, tls_key=key), "tls_cert: given without tls_ca"),
+            (dict(tls_ca=os.path.join(self.dir, "missing.pem")), "tls_ca: cannot read"),
+            (dict(tls_ca=key), "tls_ca: " + repr(key) + " holds no PEM CERTIFICATE block"),
+            (dict(tls_ca=self.ca.cert, tls_cert=cert, tls_key=cert),
+             "tls_key: " + repr(cert) + " holds no PEM PRIVATE KEY block"),
+            (dict(channel=grpc.insecure_channel("127.0.0.1:1"), tls_ca=self.ca.cert),
+             "given with channel"),
+            (dict(token="two words-secret"), "token: 16 characters (not shown)"),
+            (dict(token="x" * 4097), "expected 1 to 4096 visible ASCII characters"),
+        ]
+        for kw, msg in cases:
+            with self.subTest(kw=sorted(kw)), self.assertRaises(ValueError) as cm:
+                kvrelay.Client("127.0.0.1:1", **kw)
+            self.assertIn(msg, str(cm.exception))
+            self.assertNotIn("secret", str(cm.exception))
+
+
+class TlsRelayTest(unittest.TestCase):
+    """A relay with --tls-cert/--tls-key, --tls-client-ca and --tokens-file."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="kvrelay-py-tls-")
+        pki = TestPki(os.path.join(cls.dir, "pki"))
+        cls.ca = pki.ca("test-ca")
+        server = pki.issue(cls.ca, "relay", dns=["localhost"], ips=["127.0.0.1"])
+        cls.client_cert = pki.issue(cls.ca, "planner-client", dns=["planner.test"])
+        cls.other_ca = pki.ca("other-ca")
+        cls.tokens = {"planner": "planner-" + "p" * 40, "critic": "critic-" + "c" * 40}
+        tokens_file = os.path.join(cls.dir, "tokens")
+        _write_tokens_file(tokens_file, cls.tokens)
+        cls.server = Server(ARGS.server, args=[
+            "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+            "--tls-cert", server.cert, "--tls-key", server.key, "--tls-client-ca", cls.ca.cert,
+            "--tokens-file", tokens_file,
+            "--local-listen", f"unix:{cls.dir}/local.sock", "--local-auth", "token"],
+            workdir=cls.dir, name="tls-relay", timeout=20)
+        cls.addr = cls.server.addr
+        cls.local_addr = f"unix:{cls.dir}/local.sock"  # plaintext; tokens required there too
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def client(self, agent=None, token=None, **kw):
+        kw.setdefault("tls_ca", self.ca.cert)
+        return kvrelay.Client(self.addr, token=self.tokens[agent] if agent else token, **kw)
+
+    def assert_code(self, code, fn, *args, **kw):
+        with self.assertRaises(grpc.RpcError) as cm:
+            fn(*args, **kw)
+        self.assertEqual(cm.exception.code(), code, cm.exception.details())
+        return cm.exception
+
+    def test_publish_fetch_ack_over_tls_with_a_token(self):
+        turn = make_turn(500, "BF16")
+        for i, cert in enumerate((None, self.client_cert)):
+            with self.subTest(client_cert=cert is not None):
+                tls = dict(tls_cert=cert.cert, tls_key=cert.key) if cert else {}
+                sess = f"tls-{i}"
+                with self.client("planner", **tls) as p, self.client("critic", **tls) as c:
+                    self.assertEqual(p.health(), "SERVING")
+                    r = p.publish(turn, sess, "planner", ["critic"], policy="full")
+                    self.assertFalse(r.duplicate)
+                    m = c.fetch(sess, "critic", timeout=10)
+                    self.assertEqual((m.message_id, m.sender), (r.message_id, "planner"))
+                    for tl, ml in zip(turn.layers, m.layers, strict=True):
+                        want = np.concatenate((tl.prompt_k, tl.gen_k), axis=1)
+                        self.assertTrue(np.array_equal(bits(ml.k), bits(want)))
+                    c.ack(sess, "critic", m.message_id)
+                    # Acked: nothing left for critic in this session.
+                    self.assert_code(grpc.StatusCode.DEADLINE_EXCEEDED, c.fetch, sess, "critic",
+                                     timeout=0.5)
+                    self.assertGreaterEqual(c.stats().messages_acked, i + 1)
+                    self.assertEqual(p.close_session(sess), 1)
+
+    def test_token_from_the_environment(self):
+        old = os.environ.get("KVRELAY_TOKEN")
+        os.environ["KVRELAY_TOKEN"] = self.tokens["planner"] + "\n"
+        try:
+            with self.client() as p:  # token=None: KVRELAY_TOKEN
+                r = p.publish(make_turn(501), "tls-env", "planner", ["critic"], policy="full")
+            with self.client(token="") as none:  # "": no token, whatever the environment says
+                self.assert_code(grpc.StatusCode.UNAUTHENTICATED, none.stats)
+        finally:
+            if old is None:
+                del os.environ["KVRELAY_TOKEN"]
+            else:
+                os.environ["KVRELAY_TOKEN"] = old
+        with self.client("critic") as c:
+            self.assertEqual(c.fetch("tls-env", "critic", timeout=10, auto_ack=True).message_id,
+                             r.message_id)
+
+    def test_the_token_goes_over_plaintext_too(self):
+        turn = make_turn(504)
+        with kvrelay.Client(self.local_addr, token="") as none:
+            self.assert_code(grpc.StatusCode.UNAUTHENTICATED, none.stats)
+        with kvrelay.Client(self.local_addr, token=self.tokens["planner"]) as p, \
+                kvrelay.Client(self.local_addr, token=self.tokens["critic"]) as c:
+            r = p.publish(turn, "tls-local", "planner", ["critic"], policy="full")
+            m = c.fetch("tls-local", "critic", timeout=10)
+            self.assertEqual(m.message_id, r.message_id)
+            c.ack("tls-local", "critic", m.message_id)
+            self.assertEqual(p.close_session("tls-local"), 1)
+
+    def test_no_token_or_a_wrong_token_is_unauthenticated(self):
+        turn = make_turn(502)
+        for name, token in (("none", ""), ("wrong", "not-a-token-of-anyone"),
+                            ("planner's with a typo", self.tokens["planner"] + "x")):
+            with self.subTest(token=name), self.client(token=token) as c:
+                for fn, args in ((c.stats, ()), (c.fetch, ("tls-auth", "planner")),
+                                 (c.ack, ("tls-auth", "planner", "m-1")),
+                                 (c.close_session, ("tls-auth",)),
+                                 (c.compress, (turn, "h2o-head:k=8"))):
+                    e = self.assert_code(grpc.StatusCode.UNAUTHENTICATED, fn, *args)
+                    if token:
+                        self.assertNotIn(token, e.details())
+                e = self.assert_code(grpc.StatusCode.UNAUTHENTICATED, c.publish, turn, "tls-auth",
+                                     "planner", ["critic"], retries=0)
+                self.assertIsInstance(e, kvrelay.PublishError)
+        with self.client("critic") as c:  # nothing was published
+            self.assert_code(grpc.StatusCode.DEADLINE_EXCEEDED, c.fetch, "tls-auth", "critic",
+                             timeout=0.5)
+
+    def test_an_untrusted_ca_or_plaintext_is_unavailable(self):
+        with self.client("planner", tls_ca=self.other_ca.cert) as c:
+            self.assert_code(grpc.StatusCode.UNAVAILABLE, c.stats, timeout=5)
+        with kvrelay.Client(self.addr, token=self.tokens["planner"]) as plain:
+            self.assert_code(grpc.StatusCode.UNAVAILABLE, plain.stats, timeout=5)
+
+    def test_acting_for_another_agent_is_permission_denied(self):
+        turn = make_turn(503)
+        with self.client("planner") as p, self.client("critic") as c:
+            e = self.assert_code(grpc.StatusCode.PERMISSION_DENIED, p.publish, turn, "tls-perm",
+                                 "critic", ["planner"], retries=0)
+            self.assertIn('caller is agent "planner", not "critic"', e.details())
+            r = c.publish(turn, "tls-perm", "critic", ["critic"], policy="full")
+            e = self.assert_code(grpc.StatusCode.PERMISSION_DENIED, p.fetch, "tls-perm", "critic",
+                                 timeout=5)
+            self.assertIn('"planner"', e.details())
+            m = c.fetch("tls-perm", "critic", timeout=10)
+            self.assertEqual(m.message_id, r.message_id)
+            self.assert_code(grpc.StatusCode.PERMISSION_DENIED, p.ack, "tls-perm", "critic",
+                             m.message_id)
+            c.ack("tls-perm", "critic", m.message_id)  # still critic's to ack
+            self.assertEqual(c.close_session("tls-perm"), 1)
 
 
 def main():

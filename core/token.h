@@ -1,0 +1,30 @@
+// Bearer tokens of the relay's agents: what a client sends
+// (`authorization: Bearer TOKEN`) and what a tokens file holds for it
+// (`AGENT sha256:HEX`, HEX the SHA-256 of the token, never the token
+// itself). Pure functions (OpenSSL's libcrypto), thread-safe.
+#ifndef KVRELAY_CORE_TOKEN_H_
+#define KVRELAY_CORE_TOKEN_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvrelay {
+
+// Lowercase hex SHA-256 of `data` (64 characters).
+std::string Sha256Hex(absl::string_view data);
+
+// A fresh token: 32 bytes from getrandom(2), URL-safe base64 without
+// padding (43 characters of [A-Za-z0-9_-]). INTERNAL when the kernel gives
+// no randomness.
+absl::StatusOr<std::string> NewToken();
+
+// The tokens-file line for `token` of `agent`: "AGENT sha256:HEX" (no
+// newline). INVALID_ARGUMENT naming "agent" unless it is a relay agent id
+// ([A-Za-z0-9._:-]{1,128}).
+absl::StatusOr<std::string> TokensFileLine(absl::string_view agent, absl::string_view token);
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_CORE_TOKEN_H_
