@@ -28,8 +28,6 @@ namespace {
 
 constexpr char kSha256Prefix[] = "sha256:";
 
-std::string Lower(absl::string_view s) { return absl::AsciiStrToLower(s); }
-
 // The first value of auth-context property `name`, "" when absent.
 std::string Property(const grpc::AuthContext* ac, const char* name) {
   if (!ac) return "";
@@ -154,13 +152,6 @@ std::string TargetHost(absl::string_view t) {
   }
   const size_t colon = t.rfind(':');
   return std::string(colon == absl::string_view::npos ? t : t.substr(0, colon));
-}
-
-std::string Sha256Hex(absl::string_view data) {
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  EVP_Digest(data.data(), data.size(), md, &n, EVP_sha256(), nullptr);
-  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(md), n));
 }
 
 absl::StatusOr<std::vector<TokenEntry>> ParseTokensFile(const std::string& content, const std::string& source) {

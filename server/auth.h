@@ -69,9 +69,6 @@ bool IdentityMatches(absl::string_view pattern, absl::string_view san);
 // "[::1]:7" gives "::1"; "" for unix: targets.
 std::string TargetHost(absl::string_view target);
 
-// Hex SHA-256 of `data` (lowercase), as the tokens file holds it.
-std::string Sha256Hex(absl::string_view data);
-
 // One line of a tokens file.
 struct TokenEntry {
   std::string agent;

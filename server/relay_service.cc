@@ -65,7 +65,11 @@ absl::StatusOr<Caller> RelayService::AuthenticateAgent(const grpc::CallbackServe
 
 absl::StatusOr<Caller> RelayService::AuthenticatePeer(const grpc::CallbackServerContext& ctx,
                                                       absl::string_view rpc) const {
-  if (!auth_) return Caller{Caller::Kind::kPeer};
+  if (!auth_) {
+    Caller peer;
+    peer.kind = Caller::Kind::kPeer;
+    return peer;
+  }
   return auth_->Peer(ctx, rpc);
 }
 

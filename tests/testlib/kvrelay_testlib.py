@@ -28,7 +28,7 @@ import threading
 import time
 import unittest
 
-READY_RE = re.compile(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)$")
+READY_RE = re.compile(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)(?: health=(\S+))?$")
 LOOPBACK_ARGS = ("--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0")
 STARTED = []  # the subprocess.Popen of every Server started
 
@@ -171,6 +171,7 @@ class Server:
         threading.Thread(target=self._drain, daemon=True).start()
         self.addr = self.metrics = self.ready_line = None
         self.addrs = []  # every gRPC address of the ready line, in --listen order
+        self.health = None  # the health= address of the ready line, if any
         deadline = time.time() + timeout
         while time.time() < deadline and self.addr is None:
             try:
@@ -185,6 +186,7 @@ class Server:
                 self.ready_line = text
                 self.addrs = m.group(1).split(",")
                 self.addr, self.metrics = self.addrs[0], m.group(2)
+                self.health = m.group(3)
         if self.addr is None:
             status = self.proc.poll()
             self.kill()
