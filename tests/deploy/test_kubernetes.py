@@ -99,7 +99,9 @@ def dockerfile_user():
 def server_help(server):
     rc, out, err = run([server, "--help"], timeout=30)
     check(rc == 0, f"kvrelay-server --help: rc={rc} {err.strip()}")
-    flags = set(re.findall(r"^\s+--([a-z0-9-]+)", out, re.M))
+    # Every --flag in the option column (a line may name two: "--tls-cert FILE --tls-key FILE").
+    flags = {f for col in re.findall(r"^[ \t]{1,4}(--\S.*?)(?:[ \t]{2,}|$)", out, re.M)
+             for f in re.findall(r"(?:^|\s)--([a-z0-9-]+)", col)}
     envs = set(re.findall(r"\b(KVRELAY_[A-Z0-9_]+)\b", out))
     return flags, envs
 
