@@ -18,7 +18,13 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
 COPY --from=build /build/bin/kvrelay-server /build/bin/kvrelayctl /usr/local/bin/
 USER 65532:65532
 EXPOSE 50051 9464
+# grpc.health.v1 on the plaintext health port (--health-listen; the gRPC port may serve only TLS).
+# Arguments of your own keep --health-listen on port 8081 (127.0.0.1 or 0.0.0.0) for this check.
 HEALTHCHECK --interval=10s --timeout=3s --retries=3 \
-  CMD ["/usr/local/bin/kvrelay-server", "health", "--addr", "127.0.0.1:50051", "--timeout", "2"]
+  CMD ["/usr/local/bin/kvrelay-server", "health", "--addr", "127.0.0.1:8081", "--timeout", "2"]
 ENTRYPOINT ["/usr/local/bin/kvrelay-server"]
-CMD ["--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]
+# The default command is for trying the image out: plaintext gRPC on every interface, which the
+# relay refuses without --insecure (and then reports as kvrelay_insecure 1). Anything reachable
+# from other hosts passes its own arguments with TLS instead: --tls-cert, --tls-key and
+# --tls-client-ca (deploy/kubernetes/base does; deploy/README.md).
+CMD ["--listen", "0.0.0.0:50051", "--insecure", "--metrics-listen", "0.0.0.0:9464", "--health-listen", "127.0.0.1:8081"]

@@ -6,11 +6,20 @@ checked for what `docker compose up` would trip over or silently get wrong:
   - the services are kvrelay, prometheus and grafana; depends_on names
     existing services; named volumes are declared;
   - the relay is built from the repository's Dockerfile (context ../..),
-    publishes the gRPC and metrics ports the image listens on (Dockerfile
-    EXPOSE and CMD), names the command the image's HEALTHCHECK really runs
-    where a comment describes it, runs read-only without capabilities, and every KVRELAY_*
-    variable is one kvrelay-server --help lists, with a value it accepts
-    (the relay is started with that environment);
+    publishes the gRPC and metrics ports it listens on (its command, else
+    the Dockerfile's CMD; EXPOSE), names the command the image's HEALTHCHECK
+    really runs where a comment describes it, runs read-only without
+    capabilities, and every KVRELAY_* variable is one kvrelay-server --help
+    lists;
+  - secure by default: the Dockerfile's CMD and the compose command each
+    serve TLS on a non-loopback --listen, or say --insecure, and compose.yaml
+    says in a comment why (its private network); the HEALTHCHECK asks the
+    --health-listen port of both;
+  - the image's CMD and the compose command (with the compose environment)
+    start kvrelay-server as written (the gRPC listener on 0.0.0.0, port 0;
+    health on a free loopback port): the HEALTHCHECK's command succeeds
+    against the health port, and kvrelay_insecure reads 1 where --insecure
+    is given;
   - every bind mount's host path exists in the repository; Prometheus reads
     its --config.file where deploy/prometheus/prometheus.yml is mounted, and
     the rules directory lands where that config's rule_files glob looks;
@@ -29,9 +38,11 @@ import re
 import shutil
 import sys
 import tempfile
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from deploy_common import DEPLOY, REPO, Node, Relay, check, clean_env, finish, run  # noqa: E402
+from deploy_common import (DEPLOY, REPO, Node, Relay, check, clean_env, finish, free_port,  # noqa: E402
+                           parse_exposition, run)
 
 COMPOSE = os.path.join(DEPLOY, "compose", "compose.yaml")
 
@@ -61,11 +72,77 @@ def mounts(service):
     return out
 
 
+def parse_flags(argv):
+    """{flag: [values]} of a kvrelay-server argument list: --flag=value, --flag value, or a
+    boolean --flag (followed by another flag or nothing), whose value is ""."""
+    out = {}
+    i = 0
+    while i < len(argv):
+        a = str(argv[i])
+        if a.startswith("--") and "=" in a:
+            k, v = a[2:].split("=", 1)
+        elif a.startswith("--") and i + 1 < len(argv) and not str(argv[i + 1]).startswith("--"):
+            k, v = a[2:], str(argv[i + 1])
+            i += 1
+        else:
+            k, v = a.lstrip("-"), ""
+        out.setdefault(k, []).append(v)
+        i += 1
+    return out
+
+
+def is_loopback(addr):
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    return addr.startswith("unix:") or host in ("localhost", "::1") or host.startswith("127.")
+
+
+def check_secure_default(what, flags):
+    """A non-loopback --listen without --tls-cert/--tls-key needs --insecure (kvrelay-server exits 2)."""
+    plain = [a for a in flags.get("listen", []) if not is_loopback(a)]
+    tls = flags.get("tls-cert") and flags.get("tls-key")
+    check(not plain or tls or "insecure" in flags,
+          f"{what}: --listen {plain} in plaintext without --insecure or --tls-cert/--tls-key: the relay exits 2")
+    return bool(plain and not tls)
+
+
 def env_of(service):
     env = service.get("environment") or {}
     if isinstance(env, list):
         env = dict(e.split("=", 1) for e in env)
     return {k: str(v) for k, v in env.items()}
+
+
+def start_as_written(server, work, what, argv, env, hc_argv):
+    """kvrelay-server with ARGV as the container would run it: TCP listeners on port 0 of the
+    same host (0.0.0.0 stays 0.0.0.0), the health port on a free loopback port; then the
+    HEALTHCHECK's command (its port moved there) and the insecure gauge."""
+    health_port = free_port()
+    moved = []
+    for k, values in parse_flags(argv).items():
+        for v in values:
+            if k in ("listen", "metrics-listen") and not v.startswith("unix:"):
+                v = v.rsplit(":", 1)[0] + ":0"
+            elif k == "health-listen":
+                v = f"127.0.0.1:{health_port}"
+            moved.append(f"--{k}" + (f"={v}" if v else ""))
+    try:
+        r = Relay(server, work, args=moved, env=env, name="relay-" + re.sub(r"\W+", "-", what))
+    except RuntimeError as e:
+        check(False, f"kvrelay-server refuses {what} ({moved}): {e}")
+        return
+    try:
+        if hc_argv:
+            hc = [server] + [re.sub(r":\d+$", f":{health_port}", a) if re.fullmatch(r"[\d.]+:\d+", a) else a
+                             for a in hc_argv[1:]]
+            rc, out, err = run(hc, timeout=30)
+            check(rc == 0, f"{what}: the HEALTHCHECK ({' '.join(hc[1:])}) failed: rc={rc} {(out + err).strip()}")
+        with urllib.request.urlopen(f"http://{r.metrics}/metrics", timeout=10) as resp:
+            samples = parse_exposition(resp.read().decode())
+        want = 1 if "insecure" in parse_flags(argv) else 0
+        got = samples.get(("kvrelay_insecure", frozenset()))
+        check(got == want, f"{what}: kvrelay_insecure = {got}, expected {want}")
+    finally:
+        check(r.stop() == 0, f"the relay with {what} did not exit 0 on SIGTERM")
 
 
 def main():
@@ -106,9 +183,14 @@ def main():
     exposed = {int(p) for line in re.findall(r"^EXPOSE\s+(.+)$", df, re.M) for p in line.split()}
     cmd = re.search(r"^CMD\s+(\[.*\])\s*$", df, re.M)
     cmd_args = json.loads(cmd.group(1)) if cmd else []  # the exec (JSON) form
-    listen = dict(zip(cmd_args[::2], cmd_args[1::2]))
-    grpc_port = int(listen.get("--listen", "0.0.0.0:50051").rsplit(":", 1)[1])
-    metrics_port = int(listen.get("--metrics-listen", "0.0.0.0:9464").rsplit(":", 1)[1])
+    compose_cmd = relay.get("command")
+    compose_cmd = compose_cmd.split() if isinstance(compose_cmd, str) else compose_cmd
+    relay_args = compose_cmd if compose_cmd else cmd_args
+    image_flags, flags = parse_flags(cmd_args), parse_flags(relay_args)
+    listen = [a for a in flags.get("listen", ["0.0.0.0:50051"]) if not a.startswith("unix:")]
+    check(len(listen) == 1, f"kvrelay: --listen {listen}: expected one TCP address")
+    grpc_port = int(listen[0].rsplit(":", 1)[1])
+    metrics_port = int(flags.get("metrics-listen", ["0.0.0.0:9464"])[-1].rsplit(":", 1)[1])
     check({grpc_port, metrics_port} <= exposed, f"Dockerfile EXPOSE {exposed} lacks {grpc_port}/{metrics_port}")
     ports = port_map(relay.get("ports"))
     check(grpc_port in ports and metrics_port in ports, f"kvrelay publishes {ports}, expected {grpc_port} and {metrics_port}")
@@ -116,13 +198,28 @@ def main():
     check("ALL" in (relay.get("cap_drop") or []), "kvrelay: cap_drop lacks ALL")
     check(any(str(o).startswith("no-new-privileges") for o in relay.get("security_opt") or []),
           "kvrelay: no no-new-privileges")
+    # Secure by default: plaintext on the network only with --insecure, and compose says why.
+    with open(COMPOSE) as f:
+        compose_text = f.read()
+    check_secure_default("Dockerfile CMD", image_flags)
+    if compose_cmd and check_secure_default("compose kvrelay command", flags):
+        comments = " ".join(re.findall(r"#\s*(.*)", compose_text))
+        check(re.search(r"--insecure\b.*\bprivate network", comments),
+              "compose.yaml: the kvrelay command uses --insecure without a comment saying so (its private network)")
     # A comment naming what the image's HEALTHCHECK runs must name what the Dockerfile runs.
     hc = re.search(r"^HEALTHCHECK\b.*?\bCMD\s+(\[.*\])\s*$", df.replace("\\\n", " "), re.M)
+    hc_argv = []
     if check(hc, "Dockerfile: no HEALTHCHECK ... CMD [...] (exec form)"):
         hc_argv = json.loads(hc.group(1))
+        hc_addr = parse_flags(hc_argv[2:]).get("addr", ["127.0.0.1:50051"])[-1]
+        check(hc_argv[1:2] == ["health"], f"Dockerfile HEALTHCHECK {hc_argv}: expected kvrelay-server health")
+        for what, fl in (("Dockerfile CMD", image_flags), ("compose kvrelay command", flags)):
+            health = fl.get("health-listen", [])
+            check(len(health) == 1 and health[0].rsplit(":", 1)[1] == hc_addr.rsplit(":", 1)[1]
+                  and (is_loopback(health[0]) or health[0].startswith("0.0.0.0:")),
+                  f"{what}: --health-listen {health}; the HEALTHCHECK asks {hc_addr} (the health port: the gRPC "
+                  "port may serve only TLS)")
         hc_cmd = " ".join([os.path.basename(hc_argv[0])] + hc_argv[1:])
-        with open(COMPOSE) as f:
-            compose_text = f.read()
         said = re.findall(r"HEALTHCHECK runs\s+`([^`]+)`", re.sub(r"\n\s*#\s*", " ", compose_text))
         for s_ in said:
             check(s_ == hc_cmd, f"compose.yaml says the image's HEALTHCHECK runs `{s_}`; the Dockerfile runs `{hc_cmd}`")
@@ -135,14 +232,12 @@ def main():
         check(k in known, f"kvrelay: environment {k} is not one kvrelay-server --help lists")
     check(not {"KVRELAY_LISTEN", "KVRELAY_METRICS_LISTEN"} & set(env), "kvrelay: the environment moves the listen ports")
     with tempfile.TemporaryDirectory(prefix="kvrelay-compose-") as work:
-        try:
-            r = Relay(args.server, work, args=["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
-                      env=clean_env(**env), name="compose-relay")
-            check(r.stop() == 0, "the relay with the compose environment did not exit 0 on SIGTERM")
-        except RuntimeError as e:
-            check(False, f"kvrelay-server rejects the compose environment: {e}")
+        for what, argv, run_env in (("the image's CMD", cmd_args, clean_env()),
+                                    ("the compose command and environment", relay_args, clean_env(**env))):
+            start_as_written(args.server, work, what, argv, run_env, hc_argv)
 
     # Prometheus: config and rules where the config expects them; the scrape target.
+
     prom = services.get("prometheus", {})
     pm = {t: os.path.normpath(os.path.join(base, s)) for s, t, _ in mounts(prom) if s.startswith(".")}
     cfg_flag = next((a.split("=", 1)[1] for a in prom.get("command") or [] if a.startswith("--config.file=")),

@@ -20,7 +20,10 @@
   - a "network" row holding, below it: bytes forwarded relay to relay
     against what full KV would have sent in one panel, elided bytes, forward
     latency p50/p95 (kvrelay_forward_seconds), forwards by outcome, the
-    outbox bytes with the outbox limit and its messages, dead letters by code.
+    outbox bytes with the outbox limit and its messages, dead letters by code;
+  - a "security" row holding, below it: auth failures per second by reason
+    (kvrelay_auth_failures_total, a legend naming the reason) and a stat of
+    the relays with an insecure listener (kvrelay_insecure), red from 1.
 """
 import json
 import os
@@ -194,24 +197,57 @@ def main():
         check(unit(p) in ("percentunit", "percent"), f"failed-ratio panel unit {unit(p)!r}")
     check("kvrelay_rpcs_total" in metric_names_in_source(), "server/metrics.cc does not register kvrelay_rpcs_total")
     check_network_row(dash, panels, unit)
+    check_security_row(dash, panels, unit)
     return finish("deploy_dashboard")
 
 
-def check_network_row(dash, panels, unit):
-    """The relay-to-relay panels sit in a row whose title says network, below it."""
-    rows = [p for p in dash.get("panels", []) if p.get("type") == "row" and "network" in p.get("title", "").lower()]
-    if not check(len(rows) == 1, f"{len(rows)} rows titled network, expected one"):
-        return
-    row = rows[0]
+def row_titled(dash, word):
+    """The one top-level row whose title contains WORD, or None (a failed check)."""
+    rows = [p for p in dash.get("panels", []) if p.get("type") == "row" and word in p.get("title", "").lower()]
+    check(len(rows) == 1, f"{len(rows)} rows titled {word}, expected one")
+    return rows[0] if len(rows) == 1 else None
+
+
+def in_row_test(dash, row):
+    """A predicate: whether a panel sits in ROW (nested in it, or below it and above the next row)."""
     top = row["gridPos"]["y"] + row["gridPos"].get("h", 1)
     later_rows = [p["gridPos"]["y"] for p in dash["panels"] if p.get("type") == "row" and p["gridPos"]["y"] >= top]
     bottom = min(later_rows) if later_rows else float("inf")
     nested = row.get("panels") or []
     check(not row.get("collapsed") and not nested or row.get("collapsed") and nested,
-          f"network row: collapsed {row.get('collapsed')} with {len(nested)} nested panels")
+          f"{row.get('title')} row: collapsed {row.get('collapsed')} with {len(nested)} nested panels")
+    return lambda p: p in nested or top <= p["gridPos"]["y"] < bottom
 
-    def in_row(p):
-        return p in nested or top <= p["gridPos"]["y"] < bottom
+
+def check_security_row(dash, panels, unit):
+    """Auth failures by reason and the insecure-listener stat sit in a row titled security."""
+    row = row_titled(dash, "security")
+    if not row:
+        return
+    in_row = in_row_test(dash, row)
+    rates = ("reqps", "ops", "short", "cps")
+    for p in find_panel(panels, "auth failures by reason",
+                        lambda e: re.search(r"sumby\(reason\)\(rate\(kvrelay_auth_failures_total\{", e)):
+        check(in_row(p), f"panel {p['title']!r} (auth failures) is not in the security row")
+        check(p.get("type") == "timeseries", f"panel {p['title']!r} (auth failures) is a {p.get('type')}")
+        check(unit(p) in rates or unit(p).startswith("suffix:"), f"auth failures panel unit {unit(p)!r}")
+        check(any("{{reason}}" in t.get("legendFormat", "") for t in p["targets"]),
+              f"auth failures panel {p['title']!r}: the legend should name the reason")
+    for p in find_panel(panels, "relays with an insecure listener",
+                        lambda e: re.fullmatch(r"sum\(kvrelay_insecure\{[^}]*\}\)", e)):
+        check(in_row(p), f"panel {p['title']!r} (insecure listeners) is not in the security row")
+        check(p.get("type") == "stat", f"panel {p['title']!r} (insecure listeners) is a {p.get('type')}, expected stat")
+        steps = (((p.get("fieldConfig") or {}).get("defaults") or {}).get("thresholds") or {}).get("steps") or []
+        red = [s.get("value") for s in steps if s.get("color") == "red"]
+        check(red == [1], f"insecure-listener stat: red from {red}, expected from 1 (one relay is one too many)")
+
+
+def check_network_row(dash, panels, unit):
+    """The relay-to-relay panels sit in a row whose title says network, below it."""
+    row = row_titled(dash, "network")
+    if not row:
+        return
+    in_row = in_row_test(dash, row)
 
     def need(what, pred, units):
         hits = [p for p in find_panel(panels, what, pred)]

@@ -11,7 +11,8 @@ For the base and every overlay under deploy/kubernetes/overlays:
      TypeScript interfaces (unknown fields, enum values): validate_k8s.cjs;
   3. our checks of what schemas cannot see: the relay is a native sidecar
      (an init container with restartPolicy Always), its startup, readiness
-     and liveness probes are grpc probes on the port --listen serves, ports
+     and liveness probes are grpc probes on its plaintext --health-listen
+     port (0.0.0.0, not the TLS gRPC port: the kubelet cannot do TLS), ports
      named by the PodMonitor and Service exist (and the Service does not name
      a sidecar port, which endpoints ignore before Kubernetes 1.32),
      selectors match the pod template, the security context is the image's
@@ -32,23 +33,41 @@ For the base and every overlay under deploy/kubernetes/overlays:
      `kvrelayctl demo` agent and not the relay image as the agent;
      the mesh: the agents are a StatefulSet whose serviceName is the headless
      Service selecting them (pod names are DNS labels); the relay listens
-     on 0.0.0.0 on its gRPC port and on a unix: socket in an emptyDir that
-     every agent container mounts and names in KVRELAY_ADDR; its
+     on 0.0.0.0 on its gRPC port and on a unix: socket (--local-listen) in an
+     emptyDir that every agent container mounts and names in KVRELAY_ADDR; its
      --route-template is dns:///{agent}.<that Service>.<namespace, literal or
      the downward API's>.svc.cluster.local:<grpc port>, its --advertise is
      what the template gives its own pod (expanded as the kubelet expands
      $(VAR)), every --route names a DNS label, and the NetworkPolicy admits
      a peer relay on the template's port; the outbox limits fit the memory
      limit, the per-destination one below the total;
+     transport security: no container listens on a non-loopback plaintext
+     address (TLS, and no --insecure shipped), local listeners are loopback
+     or unix:; certificate, key and CA come from one whole, read-only volume
+     with the file names its source writes: cert-manager's csi-driver
+     (driver csi.cert-manager.io, an issuer name and kind, dns-names with
+     ${POD_NAME}/${POD_NAMESPACE} giving the pod's --advertise name, server
+     and client auth, fs-group = the relay's group) in the base and
+     production, a Secret (tls.crt, tls.key, ca.crt) in
+     overlays/no-cert-manager; --peer-identity admits another pod of the
+     StatefulSet and not a name of another Service or namespace; the tokens
+     file is a Secret volume; Secret files are readable by the relay's group
+     (fsGroup) and nobody else; no other container mounts any of it;
+     examples/ca-issuer.yaml makes the issuer the csi-driver volume names;
   4. kvrelay-server accepts the sidecar's rendered args and environment
      ($(VAR)s expanded for pod kvrelay-agent-0 in namespace apps, TCP listen
-     addresses moved to 127.0.0.1:0, the Unix socket into a temporary
-     directory), creates its socket and exports the configured limits
-     (the outbox's too) as kvrelay_limit_bytes.
+     addresses moved to 127.0.0.1 (the health port to a free port), the Unix
+     socket into a temporary directory, a CA and the pod's certificate for
+     the names its volume requests, and a tokens file, made where the flags
+     read them), creates its socket, exports the configured limits (the
+     outbox's too) as kvrelay_limit_bytes and kvrelay_insecure 0, answers a
+     plaintext grpc.health.v1 check SERVING on the health port and refuses
+     one on the TLS gRPC port.
 """
 import argparse
 import copy
 import glob
+import hashlib
 import json
 import math
 import os
@@ -63,8 +82,9 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from deploy_common import (DEPLOY, REPO, RULES, Node, Relay, check, clean_env, finish,  # noqa: E402
+from deploy_common import (DEPLOY, REPO, RULES, Node, Relay, check, clean_env, finish, free_port,  # noqa: E402
                            parse_bytes, parse_exposition, parse_quantity, run)
+from certs import TestPki  # noqa: E402  (tests/testlib, put on the path by deploy_common)
 
 K8S = os.path.join(DEPLOY, "kubernetes")
 IMAGE_USER = None  # from the Dockerfile's USER line
@@ -79,7 +99,9 @@ def dockerfile_user():
 def server_help(server):
     rc, out, err = run([server, "--help"], timeout=30)
     check(rc == 0, f"kvrelay-server --help: rc={rc} {err.strip()}")
-    flags = set(re.findall(r"^\s+--([a-z0-9-]+)", out, re.M))
+    # Every --flag in the option column (a line may name two: "--tls-cert FILE --tls-key FILE").
+    flags = {f for col in re.findall(r"^[ \t]{1,4}(--\S.*?)(?:[ \t]{2,}|$)", out, re.M)
+             for f in re.findall(r"(?:^|\s)--([a-z0-9-]+)", col)}
     envs = set(re.findall(r"\b(KVRELAY_[A-Z0-9_]+)\b", out))
     return flags, envs
 
@@ -209,6 +231,20 @@ def check_sidecar(tag, pod_spec, flags, envs):
           f"{tag}: sidecar port 'metrics' should be {metrics_port} (--metrics-listen), got {ports.get('metrics')}")
     for p in relay.get("ports") or []:
         check(p.get("protocol", "TCP") == "TCP", f"{tag}: sidecar port {p.get('name')}: protocol {p.get('protocol')}")
+    # The kubelet's gRPC probes cannot do TLS: they go to the plaintext health port
+    # (--health-listen, grpc.health.v1 alone), on the pod IP, never to the TLS gRPC port.
+    health = flag_values(relay, "health-listen")
+    health_port = None
+    if check(len(health) == 1, f"{tag}: the sidecar should set one --health-listen (the kubelet's probes), "
+             f"sets {health}"):
+        host, _, port = health[0].rpartition(":")
+        check(host in ("0.0.0.0", "[::]", "::") and port.isdigit(),
+              f"{tag}: --health-listen {health[0]!r}: the kubelet dials the pod IP, expected 0.0.0.0:PORT")
+        health_port = int(port) if port.isdigit() else None
+        check(health_port not in (grpc_port, metrics_port),
+              f"{tag}: --health-listen port {health_port} is the gRPC or metrics port")
+        check("health" in ports and ports["health"]["containerPort"] == health_port,
+              f"{tag}: sidecar port 'health' should be {health_port} (--health-listen), got {ports.get('health')}")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         pr = relay.get(probe)
         if not check(isinstance(pr, dict), f"{tag}: the sidecar has no {probe}"):
@@ -216,8 +252,9 @@ def check_sidecar(tag, pod_spec, flags, envs):
         handlers = [h for h in ("grpc", "httpGet", "tcpSocket", "exec") if h in pr]
         check(handlers == ["grpc"], f"{tag}: {probe} handlers {handlers}, expected exactly ['grpc'] (grpc.health.v1)")
         g = pr.get("grpc") or {}
-        check(g.get("port") == grpc_port,
-              f"{tag}: {probe}.grpc.port {g.get('port')!r} should be the gRPC port {grpc_port} (the kubelet dials the pod IP)")
+        check(g.get("port") == health_port,
+              f"{tag}: {probe}.grpc.port {g.get('port')!r} should be the health port {health_port} (--health-listen: "
+              f"the kubelet cannot do TLS, and the gRPC port {grpc_port} serves only TLS)")
         check(g.get("service", "") in ("", "kvrelay.v1.Relay"),
               f"{tag}: {probe}.grpc.service {g.get('service')!r}: the relay reports '' and kvrelay.v1.Relay")
         for k in ("periodSeconds", "failureThreshold", "timeoutSeconds", "initialDelaySeconds"):
@@ -451,13 +488,14 @@ def policy_admits(policy, policy_ns, dst_pod_spec, src, port, protocol="TCP"):
 
 
 def check_network_policy(tag, objs, pod_labels, pod_spec, relay):
-    """The relay has no TLS or authentication: a NetworkPolicy must select its pods and
-    admit the gRPC port only from kvrelay pods of the namespace, the metrics port only
-    from the monitoring namespace, nothing else; egress stays open."""
+    """A second fence besides TLS and tokens (and the only one for the plain-HTTP metrics
+    port): a NetworkPolicy must select the relay pods and admit the gRPC port only from
+    kvrelay pods of the namespace, the metrics port only from the monitoring namespace,
+    nothing else; egress stays open."""
     pols = [p for p in by_kind(objs, "NetworkPolicy")
             if selector_matches(p["spec"].get("podSelector") or {}, pod_labels)]
     if not check(len(pols) == 1, f"{tag}: {len(pols)} NetworkPolicies select the relay pods {pod_labels}, "
-                 "expected one (the relay has no TLS or auth; only kvrelay pods may reach 50051)"):
+                 "expected one (only kvrelay pods may reach 50051; only Prometheus the metrics port)"):
         return
     pol = pols[0]
     spec = pol["spec"]
@@ -513,6 +551,182 @@ def check_network_policy(tag, objs, pod_labels, pod_spec, relay):
     print(f"{name}: grpc {grpc_port} from kvrelay pods, metrics {metrics_port} from namespaces {ns_sel}")
 
 
+# ------------------------------------------------------------ transport security
+CSI_DRIVER = "csi.cert-manager.io"
+CSI_FILES = {"tls-cert": ("csi.cert-manager.io/certificate-file", "tls.crt"),
+             "tls-key": ("csi.cert-manager.io/privatekey-file", "tls.key"),
+             "tls-client-ca": ("csi.cert-manager.io/ca-file", "ca.crt")}
+# The Secret keys each file comes from: kubernetes.io/tls's, and cert-manager's ca.crt.
+SECRET_KEYS = {"tls-cert": "tls.crt", "tls-key": "tls.key", "tls-client-ca": "ca.crt"}
+
+
+def has_flag(container, flag):
+    """Whether a flag appears at all (a boolean flag like --insecure has no value)."""
+    args = [str(a) for a in (container.get("args") or []) + (container.get("command") or [])]
+    return any(a == f"--{flag}" or a.startswith(f"--{flag}=") for a in args)
+
+
+def is_loopback(addr):
+    """Whether a HOST:PORT (or unix:PATH) address stays inside the pod."""
+    if addr.startswith("unix:"):
+        return True
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or re.fullmatch(r"127\.\d+\.\d+\.\d+", host) is not None
+
+
+def mount_of_path(container, path):
+    """(volumeMount, path inside the volume) of the container's mount holding PATH, or (None, None)."""
+    ms = [m for m in container.get("volumeMounts") or [] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    if not ms:
+        return None, None
+    m = max(ms, key=lambda m: len(m["mountPath"]))
+    return m, path[len(m["mountPath"].rstrip("/")) + 1:]
+
+
+def peer_identity_matches(pattern, name):
+    """kvrelay-server's --peer-identity: an exact name, or "*." and one DNS label in front of the rest."""
+    if pattern.startswith("*."):
+        label, _, rest = name.partition(".")
+        return bool(label) and rest == pattern[2:]
+    return pattern == name
+
+
+def csi_expand(value, pod):
+    """The csi-driver's ${POD_NAME} / ${POD_NAMESPACE} (os.Expand) in a volume attribute."""
+    return value.replace("${POD_NAME}", pod["name"]).replace("${POD_NAMESPACE}", pod["namespace"])
+
+
+def check_secret_mode(name, pod_spec, relay, secret, what):
+    """A Secret volume's files: not world-readable, readable by the relay's group (the pod's fsGroup)."""
+    modes = [secret.get("defaultMode", 0o644)] + [i["mode"] for i in secret.get("items") or [] if "mode" in i]
+    for mode in modes:
+        check(mode & 0o007 == 0, f"{name}: the {what} Secret's files have mode {mode:o}: readable by any user")
+    sec = effective_security(pod_spec, relay)
+    fs_group = (pod_spec.get("securityContext") or {}).get("fsGroup")
+    check(fs_group is not None and fs_group == sec.get("runAsGroup") and all(m & 0o040 for m in modes),
+          f"{name}: the {what} Secret's files (mode {[f'{m:o}' for m in modes]}, fsGroup {fs_group}) are not "
+          f"readable by the relay's group {sec.get('runAsGroup')}")
+
+
+def check_transport(tag, workload, pod_spec, relay):
+    """TLS on: no container listens on a non-loopback plaintext address (and none ships
+    --insecure); local listeners are loopback or unix:; the relay's certificate, key and CA
+    come whole-volume (no subPath, read-only) from cert-manager's csi-driver (a per-pod
+    certificate for the pod's stable DNS name, the name its peers dial) or from a Secret,
+    with the files those sources write; --peer-identity admits the other relays of the
+    StatefulSet and no one else; the tokens file comes from a Secret; only the relay mounts
+    any of it. Returns "csi" or "secret" (where the certificates come from), or None."""
+    name = f"{tag}: {workload['kind']}/{workload['metadata']['name']}"
+    for c in (pod_spec.get("initContainers") or []) + (pod_spec.get("containers") or []):
+        tls = bool(flag_values(c, "tls-cert")) and bool(flag_values(c, "tls-key"))
+        for addr in flag_values(c, "listen"):
+            check(is_loopback(addr) or tls or has_flag(c, "insecure"),
+                  f"{name}: container {c['name']} listens on {addr} in plaintext without --insecure "
+                  "(kvrelay-server exits 2): give it --tls-cert and --tls-key")
+        check(not has_flag(c, "insecure"), f"{name}: container {c['name']} runs with --insecure: the kit turns TLS on")
+        for addr in flag_values(c, "local-listen"):
+            check(is_loopback(addr), f"{name}: container {c['name']} --local-listen {addr}: a local listener is "
+                  "plaintext and must be loopback or unix:PATH")
+    for v in flag_values(relay, "local-auth"):
+        check(v in ("pod", "token"), f"{name}: --local-auth {v!r}: expected pod or token")
+
+    volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+    pod0 = {"name": f"{workload['metadata']['name']}-0", "namespace": "apps"}
+    sources, tls_volumes = set(), set()
+    for flag in ("tls-cert", "tls-key", "tls-client-ca"):
+        values = flag_values(relay, flag)
+        if not check(len(values) == 1 and values[0].startswith("/"),
+                     f"{name}: the relay should set one --{flag} /ABSOLUTE/PATH, sets {values}"):
+            continue
+        m, rel = mount_of_path(relay, values[0])
+        if not check(m, f"{name}: --{flag} {values[0]} is on no volume of the relay"):
+            continue
+        check(m.get("readOnly") is True and not m.get("subPath"),
+              f"{name}: the relay's mount {m['name']} at {m['mountPath']} should be the whole volume, read-only "
+              "(a subPath mount never sees a renewed certificate)")
+        vol = volumes.get(m["name"]) or {}
+        tls_volumes.add(m["name"])
+        if "csi" in vol:
+            csi = vol["csi"]
+            attrs = csi.get("volumeAttributes") or {}
+            sources.add("csi")
+            key, default = CSI_FILES[flag]
+            check(rel == attrs.get(key, default), f"{name}: --{flag} reads {rel!r} from the csi-driver volume "
+                  f"{m['name']}, which writes {attrs.get(key, default)!r} ({key})")
+        elif "secret" in vol:
+            sec = vol["secret"]
+            sources.add("secret")
+            items = {i["path"]: i["key"] for i in sec.get("items") or []}
+            key = items.get(rel) if items else rel
+            check(key == SECRET_KEYS[flag], f"{name}: --{flag} reads {rel!r} from Secret {sec.get('secretName')}, "
+                  f"key {key!r}; expected the key {SECRET_KEYS[flag]!r} (kubernetes.io/tls plus ca.crt)")
+        else:
+            check(False, f"{name}: --{flag} comes from volume {m['name']}, neither the csi-driver nor a Secret")
+    if not check(len(tls_volumes) == 1, f"{name}: certificate, key and CA should come from one volume (they rotate "
+                 f"together), come from {sorted(tls_volumes)}"):
+        return None
+    vol = volumes.get(next(iter(tls_volumes))) or {}
+    advertise = flag_values(relay, "advertise")
+    own = re.sub(r"^dns:///", "", expand(advertise[0], relay, pod0)).rsplit(":", 1)[0] if advertise else None
+    if "csi" in vol:
+        csi = vol["csi"]
+        attrs = csi.get("volumeAttributes") or {}
+        check(csi.get("driver") == CSI_DRIVER, f"{name}: CSI volume driver {csi.get('driver')!r}, expected {CSI_DRIVER}")
+        check(csi.get("readOnly") is True, f"{name}: the csi-driver volume should be readOnly: true")
+        check(attrs.get(f"{CSI_DRIVER}/issuer-name"), f"{name}: the csi-driver volume names no issuer "
+              f"({CSI_DRIVER}/issuer-name)")
+        check(attrs.get(f"{CSI_DRIVER}/issuer-kind", "Issuer") in ("Issuer", "ClusterIssuer"),
+              f"{name}: {CSI_DRIVER}/issuer-kind {attrs.get(f'{CSI_DRIVER}/issuer-kind')!r}")
+        dns = attrs.get(f"{CSI_DRIVER}/dns-names", "")
+        check("$(" not in dns, f"{name}: {CSI_DRIVER}/dns-names {dns!r} uses $(VAR), which the kubelet does not "
+              "expand in volume attributes: the csi-driver's are ${POD_NAME} and ${POD_NAMESPACE}")
+        names = [n.strip() for n in csi_expand(dns, pod0).split(",") if n.strip()]
+        check(own in names, f"{name}: in pod {pod0['name']} the certificate's DNS names are {names}; the name "
+              f"other relays dial and verify (--advertise) is {own!r}")
+        usages = attrs.get(f"{CSI_DRIVER}/key-usages")
+        if usages is not None:
+            got = {u.strip() for u in usages.split(",")}
+            check({"server auth", "client auth"} <= got, f"{name}: {CSI_DRIVER}/key-usages {usages!r}: the relay "
+                  "serves (server auth) and forwards (client auth) with one certificate")
+        group = effective_security(pod_spec, relay).get("runAsGroup")
+        check(attrs.get(f"{CSI_DRIVER}/fs-group") == str(group),
+              f"{name}: {CSI_DRIVER}/fs-group {attrs.get(f'{CSI_DRIVER}/fs-group')!r} should be the relay's "
+              f"runAsGroup {group} (else it cannot read its key)")
+    elif "secret" in vol:
+        check_secret_mode(name, pod_spec, relay, vol["secret"], "TLS")
+
+    # Who may forward: the StatefulSet's other relays (their names under the headless Service).
+    patterns = [expand(p, relay, pod0) for p in flag_values(relay, "peer-identity")]
+    svc = workload["spec"].get("serviceName")
+    peer = f"{workload['metadata']['name']}-1.{svc}.apps.svc.cluster.local"
+    if check(patterns, f"{name}: no --peer-identity: with TLS and routes, forwards need it"):
+        check(all(p != "*" and not p.startswith("*.svc") for p in patterns), f"{name}: --peer-identity {patterns} "
+              "admits far more than the mesh")
+        check(any(peer_identity_matches(p, peer) for p in patterns),
+              f"{name}: --peer-identity {patterns} refuses the peer relay {peer}")
+        for stranger in (f"{workload['metadata']['name']}-1.{svc}.other.svc.cluster.local",
+                         f"intruder.not-{svc}.apps.svc.cluster.local", f"{svc}.apps.svc.cluster.local"):
+            check(not any(peer_identity_matches(p, stranger) for p in patterns),
+                  f"{name}: --peer-identity {patterns} admits {stranger}")
+
+    tokens = flag_values(relay, "tokens-file")
+    if check(len(tokens) == 1, f"{name}: the relay should set one --tokens-file, sets {tokens}"):
+        m, _ = mount_of_path(relay, tokens[0])
+        if check(m and "secret" in (volumes.get(m["name"]) or {}),
+                 f"{name}: --tokens-file {tokens[0]} is not on a Secret volume"):
+            check(m.get("readOnly") is True and not m.get("subPath"),
+                  f"{name}: the tokens Secret should be mounted whole and read-only (a subPath never updates)")
+            tls_volumes.add(m["name"])
+            check_secret_mode(name, pod_spec, relay, volumes[m["name"]]["secret"], "tokens")
+    for c in (pod_spec.get("initContainers") or []) + (pod_spec.get("containers") or []):
+        if c is not relay:
+            held = sorted({m["name"] for m in c.get("volumeMounts") or []} & tls_volumes)
+            check(not held, f"{name}: container {c['name']} mounts the relay's key material {held}")
+    src = sources.pop() if len(sources) == 1 else None
+    print(f"{name}: TLS from {src} ({sorted(tls_volumes)}), peers {patterns}, tokens {tokens}")
+    return src
+
+
 # ------------------------------------------------------------ the mesh
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 TEMPLATE_RE = re.compile(r"^dns:///\{agent\}\.([a-z0-9-]+)\.(\S+)\.svc\.cluster\.local:(\d+)$")
@@ -564,11 +778,11 @@ def check_mesh(tag, objs, workload, pod_labels, pod_spec, relay):
     rports = {p["name"]: p["containerPort"] for p in relay.get("ports") or []}
 
     # The local hop: a Unix socket on a volume the agent shares.
-    listens = listen_values(relay, "listen", "KVRELAY_LISTEN", "127.0.0.1:50051")
-    tcp = [v for v in listens if not v.startswith("unix:")]
+    listens = listen_values(relay, "listen", "KVRELAY_LISTEN", "127.0.0.1:50051") + flag_values(relay, "local-listen")
+    tcp = [v for v in flag_values(relay, "listen") or listens if not v.startswith("unix:")]
     socks = [v[len("unix:"):] for v in listens if v.startswith("unix:")]
     check(tcp == [f"0.0.0.0:{rports.get('grpc')}"],
-          f"{name}: the relay should listen on the pod IP for forwards and probes (--listen=0.0.0.0:"
+          f"{name}: the relay should listen on the pod IP for forwards and remote agents (--listen=0.0.0.0:"
           f"{rports.get('grpc')}), listens on {tcp}")
     if not check(len(socks) == 1 and socks[0].startswith("/"),
                  f"{name}: the relay should listen on one unix:/ABSOLUTE/PATH for its agent, listens on {listens}"):
@@ -675,8 +889,10 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
 
     shells = check_agent_shutdown(f"{tag}: {dep['kind']}/{dep['metadata']['name']}", pod_spec, relay, pid1)
     check_network_policy(tag, objs, pod_labels, pod_spec, relay)
+    tls_source = None
     if relay:
         check_mesh(tag, objs, dep, pod_labels, pod_spec, relay)
+        tls_source = check_transport(tag, dep, pod_spec, relay)
 
     for svc in by_kind(objs, "Service"):
         spec = svc["spec"]
@@ -730,19 +946,56 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
         check(list(data) == ["kvrelay-dashboard.json"], f"{tag}: dashboard ConfigMap keys {list(data)}")
         check(data.get("kvrelay-dashboard.json") == dashboard_text,
               f"{tag}: the ConfigMap's dashboard differs from deploy/grafana/kvrelay-dashboard.json")
-    return {"relay": relay, "pod_spec": pod_spec, "workload": dep, "shell_loops": shells}
+    return {"relay": relay, "pod_spec": pod_spec, "workload": dep, "shell_loops": shells, "tls": tls_source}
 
 
-def dry_run_relay(tag, server, relay, workdir):
-    """kvrelay-server with the sidecar's args and env: starts, exports the limits it was given."""
+def dry_run_files(tag, relay, pod_spec, pod, workdir):
+    """The files the sidecar's flags name, made for the dry run where its volumes would put them:
+    a CA and this pod's certificate for the DNS names its csi-driver volume requests (or its
+    --advertise name, for a Secret), and a tokens file with one agent's line.
+    Returns ({flag: path}, the certificate's DNS names)."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+    m, _ = mount_of_path(relay, (flag_values(relay, "tls-cert") or ["/"])[0])
+    attrs = ((volumes.get(m["name"]) if m else None) or {}).get("csi", {}).get("volumeAttributes") or {}
+    if f"{CSI_DRIVER}/dns-names" in attrs:
+        dns = [n.strip() for n in csi_expand(attrs[f"{CSI_DRIVER}/dns-names"], pod).split(",") if n.strip()]
+    else:
+        dns = [re.sub(r"^dns:///", "", expand(a, relay, pod)).rsplit(":", 1)[0] for a in flag_values(relay, "advertise")]
+    pki = TestPki(os.path.join(workdir, f"{tag}-pki"))
+    ca = pki.ca(f"{tag}-ca")
+    leaf = pki.issue(ca, pod["name"], dns=dns)
+    files = {}
+    for flag, src in (("tls-cert", leaf.cert), ("tls-key", leaf.key), ("tls-client-ca", ca.cert)):
+        if flag_values(relay, flag):
+            files[flag] = src
+    if flag_values(relay, "tokens-file"):
+        files["tokens-file"] = os.path.join(workdir, f"{tag}-tokens")
+        with open(files["tokens-file"], "w") as f:
+            f.write(f"# made by the dry run\n{pod['name']} sha256:{hashlib.sha256(os.urandom(32)).hexdigest()}\n")
+    return files, dns
+
+
+def dry_run_relay(tag, server, relay, pod_spec, workdir):
+    """kvrelay-server with the sidecar's args and env: starts with TLS on its gRPC port (its
+    certificate, key, CA and tokens file made where its volumes would put them), answers
+    grpc.health.v1 in plaintext on its health port and not on the TLS port, reads 0 on the
+    insecure gauge, creates its socket and exports the limits it was given."""
     # The kubelet's $(VAR) expansion, for the first pod of the workload.
     pod = {"name": "kvrelay-agent-0", "namespace": "apps"}
     sock = os.path.join(workdir, f"{tag}.sock")
+    files, dns = dry_run_files(tag, relay, pod_spec, pod, workdir)
+    moved = ("listen", "local-listen", "metrics-listen", "health-listen") + tuple(files)
     args = [expand(a, relay, pod) for a in relay.get("args") or []
-            if not re.match(r"--(listen|metrics-listen)(=|$)", a)]
-    args += ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
-    if any(v.startswith("unix:") for v in flag_values(relay, "listen")):
-        args += ["--listen", f"unix:{sock}"]
+            if not re.match(r"--(%s)(=|$)" % "|".join(moved), a)]
+    health_port = free_port()
+    args = ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"] + args
+    if flag_values(relay, "health-listen"):
+        args += ["--health-listen", f"127.0.0.1:{health_port}"]
+    for flag, path in files.items():
+        args += [f"--{flag}", path]
+    unix = [v for v in flag_values(relay, "listen") + flag_values(relay, "local-listen") if v.startswith("unix:")]
+    if unix:
+        args += ["--local-listen" if flag_values(relay, "local-listen") else "--listen", f"unix:{sock}"]
     env = clean_env()
     limits = (relay.get("resources") or {}).get("limits") or {}
     for e in relay.get("env") or []:
@@ -771,11 +1024,44 @@ def dry_run_relay(tag, server, relay, workdir):
         if want is not None:
             got = samples.get(("kvrelay_limit_bytes", frozenset({("limit", "outbox")})))
             check(got == want, f"{tag}: kvrelay_limit_bytes{{limit=\"outbox\"}} = {got}, configured {want}")
-        if any(v.startswith("unix:") for v in flag_values(relay, "listen")):
+        if unix:
             check(os.path.exists(sock) and stat.S_ISSOCK(os.stat(sock).st_mode),
                   f"{tag}: the relay did not create its Unix socket ({sock})")
+        if "tls-cert" in files:
+            got = samples.get(("kvrelay_insecure", frozenset()))
+            check(got == 0, f"{tag}: kvrelay_insecure = {got} with the sidecar's TLS configuration, expected 0")
+            rc, out, err = run([server, "health", "--addr", r.addr, "--timeout", "3"], timeout=30)
+            check(rc != 0, f"{tag}: the gRPC port {r.addr} answered a plaintext health check: it should serve only "
+                  f"TLS (certificate for {dns})")
+        if flag_values(relay, "health-listen"):
+            rc, out, err = run([server, "health", "--addr", f"127.0.0.1:{health_port}", "--timeout", "5"], timeout=30)
+            check(rc == 0, f"{tag}: the health port (--health-listen, where the probes go) did not answer SERVING in "
+                  f"plaintext: rc={rc} {(out + err).strip()}")
     finally:
         check(r.stop() == 0, f"{tag}: relay with the sidecar's configuration did not exit 0 on SIGTERM")
+
+
+def check_issuer_example(node, base):
+    """deploy/kubernetes/examples/ca-issuer.yaml makes the issuer the base's csi-driver volume
+    names (kind and name), one that can sign for the csi-driver (not SelfSigned)."""
+    path = os.path.join(K8S, "examples", "ca-issuer.yaml")
+    if not check(os.path.isfile(path), "deploy/kubernetes/examples/ca-issuer.yaml is missing") or not base.get("relay"):
+        return
+    docs = node.yaml(path)
+    volumes = {v["name"]: v for v in base["pod_spec"].get("volumes") or []}
+    m, _ = mount_of_path(base["relay"], (flag_values(base["relay"], "tls-cert") or ["/"])[0])
+    attrs = ((volumes.get(m["name"]) if m else None) or {}).get("csi", {}).get("volumeAttributes") or {}
+    kind = attrs.get(f"{CSI_DRIVER}/issuer-kind", "Issuer")
+    name = attrs.get(f"{CSI_DRIVER}/issuer-name")
+    hits = [d for d in docs if d.get("apiVersion") == "cert-manager.io/v1" and d.get("kind") == kind
+            and d["metadata"].get("name") == name]
+    if check(len(hits) == 1, f"examples/ca-issuer.yaml has no {kind} {name!r} (the base's csi-driver issuer)"):
+        check("selfSigned" not in hits[0].get("spec", {}),
+              f"examples/ca-issuer.yaml: {kind} {name} is SelfSigned, which the csi-driver cannot use")
+        ca = (hits[0].get("spec") or {}).get("ca") or {}
+        certs = [d for d in docs if d.get("kind") == "Certificate" and d["spec"].get("secretName") == ca.get("secretName")]
+        check(not ca or (certs and certs[0]["spec"].get("isCA") is True),
+              f"examples/ca-issuer.yaml: the CA issuer's Secret {ca.get('secretName')} is made by no isCA Certificate")
 
 
 def main():
@@ -835,6 +1121,15 @@ def main():
             print(f"{tag}: {len(rendered[0])} objects checked")
 
         base, prod = builds.get("base") or {}, builds.get(os.path.join("overlays", "production")) or {}
+        # Where the certificates come from: the base (and production on it) from cert-manager's
+        # csi-driver, per pod; the overlay for clusters without cert-manager from a Secret.
+        nocm = builds.get(os.path.join("overlays", "no-cert-manager"))
+        check(nocm is not None, "deploy/kubernetes/overlays/no-cert-manager (certificates from a Secret) is missing")
+        check(base.get("tls") == "csi", f"base: certificates from {base.get('tls')}, expected the csi-driver")
+        check(prod.get("tls") == "csi", f"production: certificates from {prod.get('tls')}, expected the csi-driver")
+        check((nocm or {}).get("tls") == "secret",
+              f"no-cert-manager: certificates from {(nocm or {}).get('tls')}, expected a Secret")
+        check_issuer_example(node, base)
         # The base's example agent is a shell loop (kvrelayctl demo): its SIGTERM handling was checked.
         check(base.get("shell_loops", 0) >= 1, "base: the example agent's shell loop was not found to check its "
               "SIGTERM handling")
@@ -864,7 +1159,7 @@ def main():
                   f"production: image {prod['relay']['image']} should be pinned (kustomize images)")
         for tag, b in builds.items():
             if b.get("relay"):
-                dry_run_relay(tag.replace("/", "_"), args.server, b["relay"], work)
+                dry_run_relay(tag.replace("/", "_"), args.server, b["relay"], b["pod_spec"], work)
     return finish("deploy_kubernetes")
 
 

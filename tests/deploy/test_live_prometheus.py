@@ -25,7 +25,9 @@
   5. every other dashboard query returns series without error; the hop
      latency histogram counted one delivery per hop; the network row's
      series exist at 0 (one relay forwards nothing; its forward latency
-     quantiles are NaN); every alerting rule
+     quantiles are NaN), and so do the security row's (the five reasons of
+     kvrelay_auth_failures_total; kvrelay_insecure on a loopback relay);
+     every alerting rule
      evaluates with health "ok" in the real Prometheus and none fires;
   6. renders the dashboard from this Prometheus into a PNG
      (deploy/grafana/render_png.py; --png, default in the build dir).
@@ -347,10 +349,11 @@ def main():
             elif "histogram_quantile" in expr:
                 v = float(res[0]["value"][1]) if res else float("nan")
                 check(0 < v < 30, f"panel {p['title']!r} {t['refId']}: quantile {v} s")
-        # The network row's series exist at 0 on a relay that forwards nothing.
+        # The network and security rows' series exist at 0 on a loopback relay that forwards nothing
+        # and refuses no one (no tokens file).
         for name in ("kvrelay_forward_bytes_total", "kvrelay_forward_full_bytes_total",
                      "kvrelay_forward_elided_bytes_total", "kvrelay_forward_seconds_count",
-                     "kvrelay_outbox_messages", "kvrelay_outbox_bytes"):
+                     "kvrelay_outbox_messages", "kvrelay_outbox_bytes", "kvrelay_insecure"):
             got = after.get((name, frozenset()))
             check(got == 0, f"{name} = {got} on a relay without routes, expected 0")
         for name, label, values in (
@@ -358,7 +361,9 @@ def main():
                 ("kvrelay_forwards_received_total", "outcome", ("committed", "duplicate", "refused")),
                 ("kvrelay_dead_letters_total", "code", ("INVALID_ARGUMENT", "ALREADY_EXISTS", "FAILED_PRECONDITION",
                                                         "PERMISSION_DENIED", "DEADLINE_EXCEEDED", "UNAVAILABLE",
-                                                        "RESOURCE_EXHAUSTED", "NOT_FOUND"))):
+                                                        "RESOURCE_EXHAUSTED", "NOT_FOUND")),
+                ("kvrelay_auth_failures_total", "reason", ("missing_credentials", "bad_token", "bad_certificate",
+                                                           "peer_not_allowed", "forbidden"))):
             for v in values:
                 got = after.get((name, frozenset({(label, v)})))
                 check(got == 0, f"{name}{{{label}=\"{v}\"}} = {got} on a relay without routes, expected 0")

@@ -15,10 +15,13 @@
      file's copies of those queries (and of the failed-RPC ratio by method)
      must be the dashboard's own ($__rate_interval -> 4m there, so the
      expected rates are exact floats), and so must the network row's
-     forwarded, full-KV and elided bytes and forward latency quantiles;
+     forwarded, full-KV and elided bytes and forward latency quantiles and
+     the security row's auth failures by reason and insecure-listener count;
   5. KvrelayHighErrorRate is a per-method ratio of kvrelay_rpcs_total with a
      minimum-traffic guard, leaving out the same codes as the dashboard's
-     failed-ratio panel.
+     failed-ratio panel;
+  6. KvrelayAuthFailureBurst counts kvrelay_auth_failures_total per relay and
+     reason, and KvrelayInsecureListener selects kvrelay_insecure == 1.
 """
 import argparse
 import glob
@@ -70,7 +73,8 @@ def main():
                     check(m in known, f"{name}: metric {m} is not registered in server/metrics.cc")
     check({"KvrelayDown", "KvrelayHighErrorRate", "KvrelayCompressionRatioCollapsed",
            "KvrelayInflightBytesNearLimit", "KvrelayForwardDeadLetters", "KvrelayForwardRetryRateHigh",
-           "KvrelayOutboxNearLimit"} <= alerts, f"alerts {sorted(alerts)}")
+           "KvrelayOutboxNearLimit", "KvrelayAuthFailureBurst", "KvrelayInsecureListener"} <= alerts,
+          f"alerts {sorted(alerts)}")
 
     # The error-rate alert: a per-method ratio of kvrelay_rpcs_total (every finished call,
     # OK included), not errors of all methods over a message count; the codes it does not
@@ -92,6 +96,24 @@ def main():
               f"KvrelayHighErrorRate counts OK calls as failures (code!~ {alert_excluded})")
         check(re.search(r"\band\b.*\bincrease\(kvrelay_rpcs_total", e),
               "KvrelayHighErrorRate has no minimum-traffic guard (`and ... increase(kvrelay_rpcs_total...)`)")
+
+    # The security alerts: per relay and reason, and the insecure gauge at exactly 1.
+    all_rules = {r.get("alert"): r for f in rule_files for g in node.yaml(f)[0]["groups"] for r in g["rules"]}
+    burst = all_rules.get("KvrelayAuthFailureBurst")
+    if check(burst, "no KvrelayAuthFailureBurst rule"):
+        e = re.sub(r"\s+", " ", burst["expr"])
+        check(metric_names_in_expr(e) == {"kvrelay_auth_failures_total"},
+              f"KvrelayAuthFailureBurst should use kvrelay_auth_failures_total only: {e}")
+        check(re.search(r"\bincrease\(kvrelay_auth_failures_total\{", e),
+              f"KvrelayAuthFailureBurst should count failures with increase(): {e}")
+        groupings = re.findall(r"\bby \(([^)]*)\)", e)
+        check(groupings and all({"instance", "reason"} <= {x.strip() for x in g.split(",")} for g in groupings),
+              f"KvrelayAuthFailureBurst should aggregate by instance and reason, groups by {groupings}")
+    insecure = all_rules.get("KvrelayInsecureListener")
+    if check(insecure, "no KvrelayInsecureListener rule"):
+        e = re.sub(r"\s+", "", insecure["expr"])
+        check(re.fullmatch(r'kvrelay_insecure\{job="kvrelay"\}==1', e),
+              f"KvrelayInsecureListener should be kvrelay_insecure{{job=\"kvrelay\"}} == 1: {insecure['expr']}")
 
     rc, out, err = run([args.promtool, "check", "config", PROM_CONFIG])
     print(out.strip())
@@ -137,6 +159,8 @@ def main():
         "what full KV would have sent": lambda e: "kvrelay_forward_full_bytes_total" in e,
         "elided bytes": lambda e: "kvrelay_forward_elided_bytes_total" in e,
         "forward latency": lambda e: "kvrelay_forward_seconds_bucket" in e,
+        "auth failures by reason": lambda e: "kvrelay_auth_failures_total" in e,
+        "insecure listeners": lambda e: "kvrelay_insecure" in e,
     }
     for _, t in targets:
         if "kvrelay_rpcs_total" in t["expr"] and "code!~" in t["expr"]:

@@ -7,8 +7,9 @@ A driver adds this folder to sys.path relative to its own file:
 
 - Server: a kvrelay-server process (127.0.0.1:0 unless told otherwise) that
   waits for the ready line `kvrelay-server ready grpc=ADDR[,ADDR...]
-  metrics=HOST:PORT` (ADDR: HOST:PORT or unix:PATH), exposes addrs, addr (the
-  first) and metrics, collects the log (in a file when given a folder) and
+  metrics=HOST:PORT[ health=HOST:PORT]` (ADDR: HOST:PORT or unix:PATH), exposes
+  addrs, addr (the first), metrics and health (None without --health-listen),
+  collects the log (in a file when given a folder) and
   stops with SIGTERM, then SIGKILL. Every Server started
   is listed in STARTED, so a driver (or its watchdog) can end them all.
 - run / completed / check_run: a command with a timeout.
@@ -169,9 +170,8 @@ class Server:
                                      env=env if env is not None else clean_env())
         STARTED.append(self.proc)
         threading.Thread(target=self._drain, daemon=True).start()
-        self.addr = self.metrics = self.ready_line = None
+        self.addr = self.metrics = self.health = self.ready_line = None
         self.addrs = []  # every gRPC address of the ready line, in --listen order
-        self.health = None  # the health= address of the ready line, if any
         deadline = time.time() + timeout
         while time.time() < deadline and self.addr is None:
             try:
@@ -185,8 +185,7 @@ class Server:
             if m:
                 self.ready_line = text
                 self.addrs = m.group(1).split(",")
-                self.addr, self.metrics = self.addrs[0], m.group(2)
-                self.health = m.group(3)
+                self.addr, self.metrics, self.health = self.addrs[0], m.group(2), m.group(3)
         if self.addr is None:
             status = self.proc.poll()
             self.kill()
