@@ -94,7 +94,7 @@ absl::StatusOr<std::unique_ptr<RouteTable>> RouteTable::Create(const RouteOption
                       },
                       [p] {
                         std::lock_guard<std::mutex> l(p->mu_);
-                        return absl::StrCat("the last good route table (", p->file_routes_->size(), " routes)");
+                        return absl::StrCat("the last good table (", p->file_routes_->size(), " routes)");
                       }));
   }
   return t;

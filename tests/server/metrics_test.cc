@@ -82,7 +82,9 @@ TEST(MetricsTest, ForwardSeriesExistAtZeroFromTheStart) {
                            "# TYPE kvrelay_forwards_received_total counter"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line;
   }
-  EXPECT_EQ(text.find("peer"), std::string::npos) << "no forward series carries a peer label";
+  // (kvrelay_auth_failures_total's reason "peer_not_allowed" is a value, not a label.)
+  EXPECT_EQ(text.find("peer="), std::string::npos) << "no series carries a peer label";
+  EXPECT_EQ(text.find("target="), std::string::npos) << "no series carries a peer's target";
 }
 
 TEST(MetricsTest, ForwardMethodsMoveTheirSeries) {

@@ -2,7 +2,8 @@
 """Three relays on three test hosts (network namespaces joined by veth links).
 
   - a chain planner (host a) -> critic (host b) -> refiner (host c) with
-    parents, each agent talking to its own relay on its host's loopback;
+    parents, each agent talking to its own relay on its host's loopback (a
+    plaintext --local-listen), every forward between hosts over mTLS;
   - a link cut (ip link set down) in the middle of a forward, for longer than
     --forward-stall-seconds, then restored: the message is delivered exactly
     once, nothing partial is visible at the destination in between, and a
@@ -25,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "testlib"))
 import kvrelay_testlib as tl  # noqa: E402
 import netns  # noqa: E402
+from certs import TestPki  # noqa: E402
 from kvrelay_testlib import FAILURES, Server, check, read_st  # noqa: E402
 
 SKIP = 77
@@ -67,12 +69,19 @@ def main():
         routes = os.path.join(work, "routes.json")
         with open(routes, "w") as f:
             f.write("{" + ",".join(f'"{a}": "{hosts.addr(h)}:{PORT}"' for a, h in agents.items()) + "}")
+        # Relays reach each other over mTLS on the host's address; agents
+        # reach their own relay on a plaintext loopback local listener.
+        pki = TestPki(os.path.join(work, "pki"))
+        ca = pki.ca("mesh-ca")
+        certs = {h: pki.issue(ca, f"relay-{h}", dns=[f"relay-{h}.mesh.test"], ips=[hosts.addr(h)]) for h in names}
         relays = {}
         try:
             for h in names:
                 relays[h] = Server(
                     "ip", work, name=f"relay-{h}",
-                    args=["netns", "exec", hosts.ns(h), args.server, "--listen", f"0.0.0.0:{PORT}",
+                    args=["netns", "exec", hosts.ns(h), args.server, "--listen", f"{hosts.addr(h)}:{PORT}",
+                          "--local-listen", f"127.0.0.1:{PORT}", "--tls-cert", certs[h].cert, "--tls-key",
+                          certs[h].key, "--tls-client-ca", ca.cert, "--peer-identity", "*.mesh.test",
                           "--metrics-listen", "off", "--advertise", f"{hosts.addr(h)}:{PORT}",
                           "--route-file", routes, "--forward-stall-seconds", "2", "--forward-timeout-seconds",
                           "120"])
