@@ -109,7 +109,9 @@ relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
       The relay's counters and what it holds now.
   status --addr A --session S --id MSGID [--timeout SECONDS]
       Where a message is, as the relay it was published to knows it: a line
-      sender=NAME, then per recipient (in the publish's order)
+      sender=NAME (and forwarded_by=IDENTITY when another relay forwarded it
+      there over mTLS: that relay's certificate SAN), then per recipient (in
+      the publish's order)
         agent=NAME state=STATE relay=TARGET attempts=N reason="TEXT"
       STATE: queued, committed, delivered, acked, dead_lettered or
       unspecified. relay= is empty for a recipient on relay A, else the
@@ -837,7 +839,11 @@ std::optional<Failure> StatusVerb(int argc, char** argv) {
   KVRELAYCTL_DIAL(client, flags, addr);
   absl::StatusOr<MessageStatusResult> m = client->MessageStatus(session, id, timeout);
   if (!m.ok()) return RelayError("status", m.status());
-  std::printf("sender=%s\n", m->sender.c_str());
+  if (m->forwarded_by.empty()) {
+    std::printf("sender=%s\n", m->sender.c_str());
+  } else {
+    std::printf("sender=%s forwarded_by=%s\n", m->sender.c_str(), m->forwarded_by.c_str());
+  }
   for (const RecipientStatus& r : m->recipients) {
     std::printf("agent=%s state=%s relay=%s attempts=%u reason=%s\n", r.agent.c_str(),
                 RecipientStateName(r.state), r.relay.c_str(), r.attempts, Quoted(r.reason).c_str());

@@ -522,6 +522,7 @@ absl::StatusOr<MessageStatusResult> RelayClient::MessageStatus(const std::string
   KVRELAY_RETURN_IF_ERROR(FromGrpcStatus(stub_->MessageStatus(&ctx, req, &resp)));
   MessageStatusResult out;
   out.sender = resp.sender();
+  out.forwarded_by = resp.forwarded_by();
   out.recipients.reserve(resp.recipients_size());
   for (const v1::RecipientStatus& r : resp.recipients()) {
     RecipientStatus& o = out.recipients.emplace_back();

@@ -170,6 +170,9 @@ struct RecipientStatus {
 // MessageStatus() result (relay.proto, MessageStatusResponse).
 struct MessageStatusResult {
   std::string sender;
+  // The relay that forwarded it to the relay asked, as its mTLS certificate
+  // names it; empty when it was published there (or forwarded without TLS).
+  std::string forwarded_by;
   std::vector<RecipientStatus> recipients;  // in the publish's order
 };
 
