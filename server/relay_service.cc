@@ -95,11 +95,10 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* RelayService::Publish(grpc::CallbackS
 grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::Fetch(grpc::CallbackServerContext* ctx,
                                                                const grpc::ByteBuffer* request) {
   v1::FetchRequest req;
-  absl::Status s = ParseRequest(*request, "fetch", &req);
-  if (s.ok()) {
-    absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "fetch");
-    s = caller.ok() ? CheckActsAs(*ctx, "fetch", *caller, "agent", req.agent()) : caller.status();
-  }
+  absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "fetch");
+  absl::Status s = caller.status();
+  if (s.ok()) s = ParseRequest(*request, "fetch", &req);
+  if (s.ok()) s = CheckActsAs(*ctx, "fetch", *caller, "agent", req.agent());
   return NewFetchReactor(this, ctx, req, s);
 }
 

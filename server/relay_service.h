@@ -115,7 +115,8 @@ class RelayService final : public RelayCallbackBase {
 
  private:
   absl::Status CheckMayClose(const grpc::CallbackServerContext& ctx, const v1::CloseSessionRequest& req) const;
-  absl::Status CheckMayReadStatus(const grpc::CallbackServerContext& ctx, const v1::MessageStatusRequest& req) const;
+  absl::Status CheckMayReadStatus(const grpc::CallbackServerContext& ctx, const Caller& caller,
+                                  const v1::MessageStatusRequest& req) const;
 
   const ServerConfig config_;
   Store* const store_;

@@ -32,14 +32,15 @@ grpc::ServerUnaryReactor* FinishUnary(RelayService* svc, grpc::CallbackServerCon
 grpc::ServerUnaryReactor* RelayService::Ack(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                             grpc::ByteBuffer* response) {
   v1::AckRequest req;
-  absl::Status s = ParseRequest(*request, "ack", &req);
+  // Credentials first: a caller without them learns nothing, not even
+  // whether its request was well-formed.
+  absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "ack");
+  absl::Status s = caller.status();
+  if (s.ok()) s = ParseRequest(*request, "ack", &req);
   if (s.ok()) s = CheckId("session_id", req.session_id());
   if (s.ok()) s = CheckId("agent", req.agent());
   if (s.ok()) s = CheckId("message_id", req.message_id());
-  if (s.ok()) {
-    absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "ack");
-    s = caller.ok() ? CheckActsAs(*ctx, "ack", *caller, "agent", req.agent()) : caller.status();
-  }
+  if (s.ok()) s = CheckActsAs(*ctx, "ack", *caller, "agent", req.agent());
   if (s.ok()) s = store_->Ack(req.session_id(), req.agent(), req.message_id());
   if (s.ok() && forwarder_) {
     MessagePtr m = store_->Find(req.session_id(), req.message_id());
@@ -92,8 +93,8 @@ grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, 
                                               grpc::ByteBuffer* response) {
   v1::StatsRequest req;
   v1::StatsResponse resp;
-  absl::Status s = ParseRequest(*request, "stats", &req);
-  if (s.ok()) s = AuthenticateAgent(*ctx, "stats").status();
+  absl::Status s = AuthenticateAgent(*ctx, "stats").status();
+  if (s.ok()) s = ParseRequest(*request, "stats", &req);
   if (s.ok()) {
     const StoreStats st = store_->Stats();
     resp.set_messages_committed(st.committed);
@@ -114,9 +115,8 @@ grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, 
 }
 
 // An agent may read the status of a message it sent or is a recipient of.
-absl::Status RelayService::CheckMayReadStatus(const grpc::CallbackServerContext& ctx,
+absl::Status RelayService::CheckMayReadStatus(const grpc::CallbackServerContext& ctx, const Caller& caller,
                                               const v1::MessageStatusRequest& req) const {
-  KVRELAY_ASSIGN_OR_RETURN(Caller caller, AuthenticateAgent(ctx, "message status"));
   if (caller.kind != Caller::Kind::kAgent) return absl::OkStatus();
   MessagePtr m = store_->Find(req.session_id(), req.message_id());
   if (!m) return absl::OkStatus();  // NOT_FOUND follows, as for anyone
@@ -132,10 +132,12 @@ absl::Status RelayService::CheckMayReadStatus(const grpc::CallbackServerContext&
 grpc::ServerUnaryReactor* RelayService::MessageStatus(grpc::CallbackServerContext* ctx,
                                                       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   v1::MessageStatusRequest req;
-  absl::Status s = ParseRequest(*request, "message status", &req);
+  absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "message status");
+  absl::Status s = caller.status();
+  if (s.ok()) s = ParseRequest(*request, "message status", &req);
   if (s.ok()) s = CheckId("session_id", req.session_id());
   if (s.ok()) s = CheckId("message_id", req.message_id());
-  if (s.ok()) s = CheckMayReadStatus(*ctx, req);
+  if (s.ok()) s = CheckMayReadStatus(*ctx, *caller, req);
   v1::MessageStatusResponse resp;
   if (s.ok()) {
     absl::StatusOr<v1::MessageStatusResponse> r = store_->MessageStatus(req.session_id(), req.message_id());
@@ -148,7 +150,9 @@ grpc::ServerUnaryReactor* RelayService::MessageStatus(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* RelayService::ReportRecipient(grpc::CallbackServerContext* ctx,
                                                         const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   v1::ReportRecipientRequest req;
-  absl::Status s = ParseRequest(*request, "report recipient", &req);
+  absl::StatusOr<Caller> peer = AuthenticatePeer(*ctx, "report recipient");
+  absl::Status s = peer.status();
+  if (s.ok()) s = ParseRequest(*request, "report recipient", &req);
   if (s.ok()) s = CheckId("session_id", req.session_id());
   if (s.ok()) s = CheckId("message_id", req.message_id());
   if (s.ok()) s = CheckId("agent", req.agent());
@@ -156,8 +160,6 @@ grpc::ServerUnaryReactor* RelayService::ReportRecipient(grpc::CallbackServerCont
     s = absl::InvalidArgumentError(absl::StrCat("state: ", v1::RecipientState_Name(req.state()),
                                                 ", expected RECIPIENT_STATE_DELIVERED or RECIPIENT_STATE_ACKED"));
   }
-  absl::StatusOr<Caller> peer = s.ok() ? AuthenticatePeer(*ctx, "report recipient") : Caller{};
-  if (s.ok()) s = peer.status();
   if (s.ok()) {
     MessagePtr m = store_->Find(req.session_id(), req.message_id());
     auto remote = m ? m->remote.find(req.agent()) : decltype(m->remote.end()){};
