@@ -234,6 +234,22 @@ class SecurityTest(unittest.TestCase):
             self.assertNotIn(tok, details)
         return details
 
+    def status(self, relay, agent, sess, mid):
+        return self.stub(relay).MessageStatus(pb.MessageStatusRequest(session_id=sess, message_id=mid), timeout=5,
+                                              metadata=[("authorization", "Bearer " + self.tokens[agent])])
+
+    def wait_state(self, relay, agent, sess, mid, state, seconds):
+        """The message's status at `relay` once its first recipient reaches
+        `state` (asserted), asked as `agent`."""
+        deadline = time.time() + seconds
+        while True:
+            st = self.status(relay, agent, sess, mid)
+            if st.recipients[0].state == state or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        self.assertEqual(pb.RecipientState.Name(st.recipients[0].state), pb.RecipientState.Name(state))
+        return st
+
     def forward_header(self, sender, session="forged", mid="m-forged"):
         h = pb.ForwardHeader(protocol_version=1, origin="x:1", recipients=["a3"])
         h.message.session_id, h.message.message_id, h.message.sender = session, mid, sender
@@ -373,19 +389,9 @@ class SecurityTest(unittest.TestCase):
             self.assertEqual(m2.n_history, m1.n_history + m1.n_anchor + m1.n_kept + m1.n_gen)
             a3.ack(sess, "a3", m2.message_id)
             # The destination recorded which relay forwarded each message.
-            st_c = self.stub("c").MessageStatus(pb.MessageStatusRequest(session_id=sess, message_id=r2.message_id),
-                                                timeout=5, metadata=[("authorization", "Bearer " + self.tokens["a3"])])
-            self.assertEqual(st_c.forwarded_by, "relay-b.mesh.test")
+            self.assertEqual(self.status("c", "a3", sess, r2.message_id).forwarded_by, "relay-b.mesh.test")
             # Deliveries and acks come back to the sender's relay over mTLS.
-            deadline, state = time.time() + 10, None
-            while time.time() < deadline:
-                st = self.stub("a").MessageStatus(pb.MessageStatusRequest(session_id=sess, message_id=r1.message_id),
-                                                  timeout=5, metadata=[("authorization", "Bearer " + self.tokens["a1"])])
-                state = st.recipients[0].state
-                if state == pb.RECIPIENT_STATE_ACKED:
-                    break
-                time.sleep(0.2)
-            self.assertEqual(state, pb.RECIPIENT_STATE_ACKED)
+            st = self.wait_state("a", "a1", sess, r1.message_id, pb.RECIPIENT_STATE_ACKED, 10)
             self.assertEqual(st.forwarded_by, "")
             # The close reaches every relay of the session (peers it exchanged messages with).
             a1.close_session(sess)
@@ -401,15 +407,7 @@ class SecurityTest(unittest.TestCase):
         sess = "s-dead"
         with self.client("a", "a1") as a1:
             r = a1.publish(make_turn(20), sess, "a1", ["a4"], policy="h2o-head:k=8")
-            st = None
-            deadline = time.time() + 15
-            while time.time() < deadline:
-                st = self.stub("a").MessageStatus(pb.MessageStatusRequest(session_id=sess, message_id=r.message_id),
-                                                  timeout=5, metadata=[("authorization", "Bearer " + self.tokens["a1"])])
-                if st.recipients[0].state == pb.RECIPIENT_STATE_DEAD_LETTERED:
-                    break
-                time.sleep(0.2)
-            self.assertEqual(st.recipients[0].state, pb.RECIPIENT_STATE_DEAD_LETTERED)
+            st = self.wait_state("a", "a1", sess, r.message_id, pb.RECIPIENT_STATE_DEAD_LETTERED, 15)
             self.assertTrue(st.recipients[0].reason.startswith("PERMISSION_DENIED"), st.recipients[0].reason)
         self.assertGreaterEqual(auth_failures(self.relays["d"])["peer_not_allowed"], 1)
 
@@ -419,14 +417,7 @@ class SecurityTest(unittest.TestCase):
         f0 = auth_failures(self.relays["a"])["bad_certificate"]
         with self.client("a", "a1") as a1:
             r = a1.publish(make_turn(21), sess, "a1", ["a5"], policy="h2o-head:k=8")
-            deadline, st = time.time() + 20, None
-            while time.time() < deadline:
-                st = self.stub("a").MessageStatus(pb.MessageStatusRequest(session_id=sess, message_id=r.message_id),
-                                                  timeout=5, metadata=[("authorization", "Bearer " + self.tokens["a1"])])
-                if st.recipients[0].state == pb.RECIPIENT_STATE_DEAD_LETTERED:
-                    break
-                time.sleep(0.3)
-            self.assertEqual(st.recipients[0].state, pb.RECIPIENT_STATE_DEAD_LETTERED)
+            self.wait_state("a", "a1", sess, r.message_id, pb.RECIPIENT_STATE_DEAD_LETTERED, 20)
         self.assertGreater(auth_failures(self.relays["a"])["bad_certificate"], f0)
         self.assertEqual(self.forward_calls("e"), forwards_e)  # the handshake never completed
 
