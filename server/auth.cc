@@ -3,8 +3,10 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
+#include <arpa/inet.h>
 #include <openssl/x509.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -48,6 +50,33 @@ bool DnsSanMatches(absl::string_view san, absl::string_view host) {
   return absl::EqualsIgnoreCase(san, host);
 }
 
+// The bytes of an IPv4 or IPv6 address, or "" for anything else.
+std::string IpBytes(absl::string_view s) {
+  const std::string z(s);
+  unsigned char buf[16];
+  if (inet_pton(AF_INET, z.c_str(), buf) == 1) return std::string(reinterpret_cast<char*>(buf), 4);
+  if (inet_pton(AF_INET6, z.c_str(), buf) == 1) return std::string(reinterpret_cast<char*>(buf), 16);
+  return "";
+}
+
+// Whether a certificate with these DNS and IP SANs names `host`.
+bool NamesHost(const std::vector<std::string>& dns, const std::vector<std::string>& ips, absl::string_view host) {
+  if (host.empty()) return false;
+  for (const std::string& d : dns) {
+    if (DnsSanMatches(d, host)) return true;
+  }
+  for (const std::string& ip : ips) {
+    if (SameHost(ip, host)) return true;
+  }
+  return false;
+}
+
+std::vector<std::string> Strings(const std::vector<grpc::string_ref>& refs) {
+  std::vector<std::string> out;
+  for (const grpc::string_ref& r : refs) out.emplace_back(r.data(), r.size());
+  return out;
+}
+
 // Checks, after the chain was verified against the peer CA, that the
 // destination relay is the one the target names.
 class PeerVerifier final : public grpc::experimental::ExternalCertificateVerifier {
@@ -59,12 +88,7 @@ class PeerVerifier final : public grpc::experimental::ExternalCertificateVerifie
               std::function<void(grpc::Status)> /*callback*/, grpc::Status* sync_status) override {
     const std::string target(request->target_name().data(), request->target_name().size());
     const std::string host = TargetHost(target);
-    for (const grpc::string_ref& d : request->dns_names()) {
-      if (!host.empty() && DnsSanMatches(absl::string_view(d.data(), d.size()), host)) return Ok(sync_status);
-    }
-    for (const grpc::string_ref& ip : request->ip_names()) {
-      if (!host.empty() && absl::string_view(ip.data(), ip.size()) == host) return Ok(sync_status);
-    }
+    if (NamesHost(Strings(request->dns_names()), Strings(request->ip_names()), host)) return Ok(sync_status);
     for (const grpc::string_ref& u : request->uri_names()) {
       for (const std::string& p : identities_) {
         if (IdentityMatches(p, absl::string_view(u.data(), u.size()))) return Ok(sync_status);
@@ -131,7 +155,25 @@ bool IdentityMatches(absl::string_view pattern, absl::string_view san) {
     return !absl::StrContains(label, '.') && !absl::StrContains(label, '/') && !absl::StrContains(label, ':');
   }
   if (absl::StrContains(pattern, "://")) return pattern == san;  // a URI: exact
-  return absl::EqualsIgnoreCase(pattern, san);
+  return SameHost(pattern, san);
+}
+
+bool SameHost(absl::string_view a, absl::string_view b) {
+  const std::string ia = IpBytes(a), ib = IpBytes(b);
+  if (!ia.empty() || !ib.empty()) return ia == ib;
+  return absl::EqualsIgnoreCase(a, b);
+}
+
+std::string MatchingIdentity(absl::string_view pattern, const Caller& caller) {
+  const bool uri = absl::StrContains(pattern, "://");
+  for (const std::vector<std::string>* sans : uri ? std::vector<const std::vector<std::string>*>{&caller.uris}
+                                                  : std::vector<const std::vector<std::string>*>{&caller.dns,
+                                                                                                 &caller.ips}) {
+    for (const std::string& san : *sans) {
+      if (IdentityMatches(pattern, san)) return san;
+    }
+  }
+  return "";
 }
 
 std::string TargetHost(absl::string_view t) {
@@ -145,6 +187,9 @@ std::string TargetHost(absl::string_view t) {
   } else if (absl::StartsWith(t, "ipv4:") || absl::StartsWith(t, "ipv6:")) {
     t.remove_prefix(5);
     t = t.substr(0, t.find(','));
+  }
+  if (std::count(t.begin(), t.end(), ':') > 1 && !absl::StrContains(t, '[')) {
+    return std::string(t);  // a bare IPv6 address
   }
   if (absl::StartsWith(t, "[")) {
     const size_t close = t.find(']');
@@ -179,6 +224,11 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokensFile(const std::string& conte
     e.agent = std::string(f[0]);
     const std::string bytes = absl::HexStringToBytes(hex);
     std::copy(bytes.begin(), bytes.end(), e.digest.begin());
+    for (const TokenEntry& prior : out) {
+      if (prior.digest == e.digest) {
+        return bad(absl::StrCat("the digest is also agent '", prior.agent, "''s: one token, one agent"));
+      }
+    }
     out.push_back(std::move(e));
   }
   return out;
@@ -191,11 +241,7 @@ bool Caller::MayActAs(absl::string_view a) const {
 bool Caller::PeerIsHost(absl::string_view host) const {
   if (kind != Kind::kPeer) return false;
   if (identity.empty() && sans.empty()) return true;
-  if (host.empty()) return false;
-  for (const std::string& s : sans) {
-    if (DnsSanMatches(s, host)) return true;
-  }
-  return false;
+  return NamesHost(dns, ips, host);
 }
 
 std::string Caller::Describe() const {
@@ -238,7 +284,7 @@ absl::Status Authenticator::ReloadTokens() { return tokens_file_ ? tokens_file_-
 std::optional<std::string> Authenticator::LookupToken(absl::string_view token) const {
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
-  EVP_Digest(token.data(), token.size(), md, &n, EVP_sha256(), nullptr);
+  if (EVP_Digest(token.data(), token.size(), md, &n, EVP_sha256(), nullptr) != 1 || n != 32) return std::nullopt;
   std::shared_ptr<const std::vector<TokenEntry>> tokens;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -329,13 +375,12 @@ absl::StatusOr<Caller> Authenticator::Peer(const grpc::ServerContextBase& ctx, a
                            "address)")));
   }
   c.sans = Properties(ac.get(), GRPC_X509_SAN_PROPERTY_NAME);
-  for (const std::string& san : c.sans) {
-    for (const std::string& p : opts_.peer_identities) {
-      if (IdentityMatches(p, san)) {
-        c.identity = san;
-        return c;
-      }
-    }
+  c.dns = Properties(ac.get(), GRPC_PEER_DNS_PROPERTY_NAME);
+  c.ips = Properties(ac.get(), GRPC_PEER_IP_PROPERTY_NAME);
+  c.uris = Properties(ac.get(), GRPC_PEER_URI_PROPERTY_NAME);
+  for (const std::string& p : opts_.peer_identities) {
+    c.identity = MatchingIdentity(p, c);
+    if (!c.identity.empty()) return c;
   }
   return Refuse(ctx, rpc, AuthFailure::kPeerNotAllowed,
                 absl::PermissionDeniedError(absl::StrCat(

@@ -47,6 +47,7 @@ namespace kvrelay {
 
 class Metrics;
 class RouteTable;
+struct Caller;
 
 // The reasons of kvrelay_auth_failures_total, a fixed set.
 enum class AuthFailure { kMissingCredentials, kBadToken, kBadCertificate, kPeerNotAllowed, kForbidden };
@@ -58,11 +59,20 @@ const char* AuthFailureName(AuthFailure f);
 // How callers on local listeners are treated.
 enum class LocalAuth { kPod, kToken };
 
-// A --peer-identity pattern: a SAN (DNS name or URI, e.g. a SPIFFE id)
-// matched exactly (DNS names ASCII case-insensitively), or "*.SUFFIX",
-// which matches one more leading DNS label. InvalidArgument otherwise.
+// A --peer-identity pattern: a SAN (DNS name, IP address or URI, e.g. a
+// SPIFFE id) matched exactly (DNS names ASCII case-insensitively), or
+// "*.SUFFIX", which matches one more leading DNS label. InvalidArgument
+// otherwise. A pattern with "://" matches URI SANs only, any other DNS and
+// IP SANs only (an email SAN never matches).
 absl::Status CheckIdentityPattern(absl::string_view pattern);
 bool IdentityMatches(absl::string_view pattern, absl::string_view san);
+// Whether `caller` (a kPeer with a certificate) has a SAN `pattern`
+// matches, by the type rule above; the SAN that matched, or "".
+std::string MatchingIdentity(absl::string_view pattern, const Caller& caller);
+
+// Whether `a` and `b` name the same host: equal IP addresses (any
+// spelling inet_pton reads), else equal names ASCII case-insensitively.
+bool SameHost(absl::string_view a, absl::string_view b);
 
 // The host a target names, as a certificate's SAN would: "dns:///a.b:50051"
 // and "a.b:50051" give "a.b", "ipv4:10.0.0.1:7" gives "10.0.0.1",
@@ -88,16 +98,19 @@ struct Caller {
     kPeer,      // another relay (its certificate, or an open mesh without TLS)
   };
   Kind kind = Kind::kAnyAgent;
-  std::string agent;              // kAgent
-  std::vector<std::string> sans;  // kPeer with a certificate: its SANs (DNS, URI, IP)
-  std::string identity;           // kPeer: the SAN that matched --peer-identity ("" without TLS)
+  std::string agent;  // kAgent
+  // kPeer with a certificate: its SANs, by type, and all of them.
+  std::vector<std::string> dns, ips, uris, sans;
+  std::string identity;  // kPeer: the SAN that matched --peer-identity ("" without TLS)
 
   // Whether the caller may act as `agent` (kAnyAgent, or kAgent itself).
   bool MayActAs(absl::string_view agent) const;
-  // Whether a kPeer caller's certificate names `host` ("" never matches);
-  // true for a peer without TLS (nothing to check against).
+  // Whether a kPeer caller's certificate names `host` as TLS would: a DNS
+  // SAN (with "*." wildcards) or an IP SAN (compared as addresses); "" never
+  // matches. True for a peer without TLS (nothing to check against).
   bool PeerIsHost(absl::string_view host) const;
-  // "agent \"X\"", "a local caller", "peer relay \"ID\"": for messages.
+  // "agent \"X\"", "an unauthenticated caller", "peer relay \"ID\"": for
+  // messages.
   std::string Describe() const;
 };
 

@@ -448,6 +448,11 @@ absl::Status CheckSecurity(const ServerConfig& c) {
       if (set) return absl::InvalidArgumentError(absl::StrCat(flag, ": needs --tls-cert FILE and --tls-key FILE"));
     }
   }
+  if (!c.peer_identities.empty() && c.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError(
+        "--peer-identity: needs --tls-client-ca FILE (relays prove who they are with a client certificate, which "
+        "is requested only with a client CA)");
+  }
   for (const std::string& a : c.local_listen) {
     if (absl::StartsWith(a, kUnixPrefix)) continue;
     std::string host;

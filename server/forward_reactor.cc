@@ -103,13 +103,31 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       if (r.ok()) target = *r;
     }
     const std::string host = target ? TargetHost(*target) : "";
-    if (!host.empty() && caller_.PeerIsHost(host)) return absl::OkStatus();
+    if (!host.empty() && caller_.PeerIsHost(host)) {
+      verified_origin_ = *target;
+      return absl::OkStatus();
+    }
     if (svc_->metrics()) svc_->metrics()->AddForwardReceived("refused");
     return svc_->Forbid(*ctx_, "forward",
                         absl::StrCat("header.message.sender: ", caller_.Describe(), " does not serve agent \"", sender,
                                      "\" (", target ? absl::StrCat("it routes here to ", *target)
                                                      : std::string("it is local to this relay"),
                                      ", and the peer certificate does not name that host)"));
+  }
+
+  // Whether the calling peer is a relay that holds `a`: the one that
+  // forwarded it here, or one this relay forwarded it to.
+  bool PeerHolds(const StoredMessage& a) const {
+    if (caller_.identity.empty()) return true;  // no TLS: nothing to check against
+    if (a.forwarded && IsOneOf(a.forwarded_by, caller_.sans)) return true;
+    for (const auto& [agent, target] : a.remote) {
+      if (caller_.PeerIsHost(TargetHost(target))) return true;
+    }
+    return false;
+  }
+
+  static bool IsOneOf(const std::string& san, const std::vector<std::string>& sans) {
+    return !san.empty() && std::find(sans.begin(), sans.end(), san) != sans.end();
   }
 
   absl::Status OnHeader(const v1::ForwardHeader& h) {
@@ -157,7 +175,10 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     if (!h.ancestor_id().empty()) {
       KVRELAY_RETURN_IF_ERROR(CheckId("header.ancestor_id", h.ancestor_id()));
       MessagePtr a = svc_->store()->Find(session, h.ancestor_id());
-      const bool usable = a && !a->msg.layers.empty() && !a->msg.layers[0].quant && m.quant_bits() == 0 &&
+      // Only an ancestor the peer holds itself (it forwarded it here, or this
+      // relay forwarded it there): a peer cannot splice in someone else's KV.
+      // Anything else reads as missing, which tells nothing.
+      const bool usable = a && PeerHolds(*a) && !a->msg.layers.empty() && !a->msg.layers[0].quant && m.quant_bits() == 0 &&
                           a->msg.layers.size() == m.layers() && static_cast<uint32_t>(a->msg.kv_heads) == m.kv_heads() &&
                           static_cast<uint32_t>(a->msg.head_dim) == m.head_dim() &&
                           ToProtoDType(a->msg.dtype) == m.dtype() &&
@@ -220,7 +241,9 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     m->requested_policy = h.requested_policy();
     m->geometry = h.geometry();
     m->accounting = c.accounting();
-    m->origin = h.origin();
+    // With mTLS the origin is the relay the certificate proved, as this
+    // relay routes to it, not what the forward says about itself.
+    m->origin = caller_.identity.empty() ? h.origin() : verified_origin_;
     m->forwarded = true;
     m->forwarded_by = caller_.identity;
     m->msg = std::move(msg);
@@ -293,6 +316,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const wire_resp_;
   const Caller caller_;
+  std::string verified_origin_;  // with mTLS: the sender's route target here
   const Clock::time_point started_;
   std::shared_ptr<UploadWatchdog::Entry> idle_;
   grpc::ByteBuffer wire_;
@@ -347,7 +371,11 @@ absl::Status CheckSameForward(const v1::ForwardHeader& h, const StoredMessage& p
                                                  field, " ", Quoted(then), ", this forward has ", Quoted(now)));
   };
   const v1::MessageHeader& m = h.message();
-  if (m.sender() != prior.sender) return differs("sender", m.sender(), prior.sender);
+  if (m.sender() != prior.sender) {  // another sender's message: nothing of it is told
+    return absl::AlreadyExistsError(absl::StrCat("header.message.message_id: '", prior.message_id,
+                                                 "' is already held in session '", prior.session_id,
+                                                 "' from another sender"));
+  }
   if (m.role() != prior.role) return differs("role", m.role(), prior.role);
   if (m.parent_id() != prior.parent_id) return differs("parent_id", m.parent_id(), prior.parent_id);
   if (h.requested_policy() != prior.requested_policy) {

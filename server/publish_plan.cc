@@ -37,7 +37,12 @@ absl::Status CheckSamePublish(const v1::PublishHeader& h, const StoredMessage& p
         "; reuse a message id only to retry the same publish"));
   };
   auto quoted = [](absl::string_view v) { return absl::StrCat("'", absl::CHexEscape(v), "'"); };
-  if (h.sender() != prior.sender) return differs("header.sender", quoted(h.sender()), quoted(prior.sender));
+  // Another sender's message: nothing of it is told (not even its sender).
+  if (h.sender() != prior.sender) {
+    return absl::AlreadyExistsError(absl::StrCat("header.message_id: '", prior.message_id,
+                                                 "' is already committed in session '", prior.session_id,
+                                                 "' by another sender; choose another message id"));
+  }
   std::vector<std::string> now(h.recipients().begin(), h.recipients().end()), then = prior.recipients;
   std::sort(now.begin(), now.end());
   std::sort(then.begin(), then.end());

@@ -53,6 +53,7 @@ class PublishReactor final
 
   absl::Status OnHeader(const v1::PublishHeader& h) {
     header_ = h;  // for the logs, also when it is rejected
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.sender", h.sender()));
     KVRELAY_RETURN_IF_ERROR(svc_->CheckActsAs(*ctx_, "publish", caller_, "header.sender", h.sender()));
     KVRELAY_RETURN_IF_ERROR(CheckSenderIsLocal(h.sender()));
     KVRELAY_RETURN_IF_ERROR(CheckId("header.session_id", h.session_id()));
@@ -180,10 +181,13 @@ class PublishReactor final
   void Fail(const absl::Status& s) {
     if (source_) source_->Resolve(nullptr);  // the forwards are cancelled: nothing reaches a destination
     CancelUpload();
-    svc_->store()->AddFailed();
-    if (svc_->metrics()) svc_->metrics()->AddOutcome("failed");
-    spdlog::info("publish failed session={} message={}: {}", header_.session_id(), header_.message_id(),
-                 s.ToString());
+    // A refusal (counted and logged as one) is no failed message.
+    if (s.code() != absl::StatusCode::kPermissionDenied) {
+      svc_->store()->AddFailed();
+      if (svc_->metrics()) svc_->metrics()->AddOutcome("failed");
+      spdlog::info("publish failed session={} message={}: {}", header_.session_id(), header_.message_id(),
+                   s.ToString());
+    }
     FinishOnce(ToGrpcStatus(s));
   }
 

@@ -11,6 +11,7 @@
 #include "server/forward_reactor.h"
 #include "server/internal/call_util.h"
 #include "server/publish_reactor.h"
+#include "server/request_checks.h"
 
 namespace kvrelay {
 namespace {
@@ -98,6 +99,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::Fetch(grpc::CallbackSe
   absl::StatusOr<Caller> caller = AuthenticateAgent(*ctx, "fetch");
   absl::Status s = caller.status();
   if (s.ok()) s = ParseRequest(*request, "fetch", &req);
+  if (s.ok()) s = CheckId("agent", req.agent());
   if (s.ok()) s = CheckActsAs(*ctx, "fetch", *caller, "agent", req.agent());
   return NewFetchReactor(this, ctx, req, s);
 }

@@ -154,6 +154,9 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
                      config.tls_peer_ca.empty() ? config.tls_client_ca : config.tls_peer_ca};
   if (tls) KVRELAY_RETURN_IF_ERROR(CheckTlsFiles(tls_files));
   constexpr unsigned kCertRefreshSeconds = 1;
+  // One provider for every TLS address: the files are watched once.
+  const std::shared_ptr<grpc::ServerCredentials> tls_creds =
+      tls ? TlsServerCredentials(tls_files, kCertRefreshSeconds) : nullptr;
   std::vector<Listener> listeners;
   for (const auto& [flag, addrs] : {std::pair<const char*, const std::vector<std::string>*>{"--listen", &config.listen},
                                     {"--local-listen", &config.local_listen}}) {
@@ -169,7 +172,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
         absl::Status hs = SplitHostPort(addr, &l.host, &port);
         if (!hs.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, "=", hs.message()));
         l.creds = local ? grpc::experimental::LocalServerCredentials(LOCAL_TCP)
-                  : tls ? TlsServerCredentials(tls_files, kCertRefreshSeconds)
+                  : tls ? tls_creds
                         : grpc::InsecureServerCredentials();
       }
       listeners.push_back(std::move(l));

@@ -76,6 +76,11 @@ grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext
   v1::CloseSessionRequest req;
   v1::CloseSessionResponse resp;
   absl::Status s = ParseRequest(*request, "close session", &req);
+  // Which credentials apply depends on the request (propagated or not); a
+  // caller without any still learns nothing of a malformed one.
+  if (!s.ok()) {
+    if (absl::Status a = AuthenticateAgent(*ctx, "close session").status(); !a.ok()) s = a;
+  }
   if (s.ok()) s = CheckId("session_id", req.session_id());
   if (s.ok()) s = CheckMayClose(*ctx, req);
   if (s.ok()) {
@@ -160,13 +165,14 @@ grpc::ServerUnaryReactor* RelayService::ReportRecipient(grpc::CallbackServerCont
     s = absl::InvalidArgumentError(absl::StrCat("state: ", v1::RecipientState_Name(req.state()),
                                                 ", expected RECIPIENT_STATE_DELIVERED or RECIPIENT_STATE_ACKED"));
   }
+  MessagePtr m = s.ok() ? store_->Find(req.session_id(), req.message_id()) : nullptr;
+  if (s.ok() && !m) {
+    s = absl::NotFoundError(absl::StrCat("message_id: '", req.message_id(), "': not held in session '",
+                                         req.session_id(), "'"));
+  }
   if (s.ok()) {
-    MessagePtr m = store_->Find(req.session_id(), req.message_id());
-    auto remote = m ? m->remote.find(req.agent()) : decltype(m->remote.end()){};
-    if (!m) {
-      s = absl::NotFoundError(absl::StrCat("message_id: '", req.message_id(), "': not held in session '",
-                                           req.session_id(), "'"));
-    } else if (remote == m->remote.end()) {
+    auto remote = m->remote.find(req.agent());
+    if (remote == m->remote.end()) {
       s = absl::NotFoundError(absl::StrCat("agent: '", req.agent(), "': not a recipient of message '",
                                            req.message_id(), "' on another relay"));
     } else if (!peer->identity.empty() && !peer->PeerIsHost(TargetHost(remote->second))) {

@@ -38,6 +38,7 @@ TEST(TokensFileTest, BadLinesNameTheLineAndWhatWasExpected) {
       {"planner sha256:" + std::string(63, 'a') + "\n", "63 characters, not 64 hex digits"},
       {"planner sha256:" + std::string(63, 'a') + "g\n", "not 64 hex digits"},
       {"plan/ner " + Digest("x") + "\n", "the agent is not [A-Za-z0-9._:-]{1,128}"},
+      {"planner " + Digest("x") + "\ncritic " + Digest("x") + "\n", "line 2: the digest is also agent 'planner''s"},
   };
   for (const auto& c : cases) {
     absl::StatusOr<std::vector<TokenEntry>> t = ParseTokensFile(c.content, "--tokens-file=f");
@@ -84,6 +85,8 @@ TEST(IdentityTest, TargetHostIsWhatACertificateNames) {
   EXPECT_EQ(TargetHost("ipv6:[fd00::7]:50051"), "fd00::7");
   EXPECT_EQ(TargetHost("unix:/run/kvrelay.sock"), "");
   EXPECT_EQ(TargetHost("relay"), "relay");
+  EXPECT_EQ(TargetHost("::1"), "::1");  // gRPC's verifier passes the bare host
+  EXPECT_EQ(TargetHost("fd00::7"), "fd00::7");
 }
 
 TEST(CallerTest, WhoMayActAsWhom) {
@@ -100,11 +103,26 @@ TEST(CallerTest, WhoMayActAsWhom) {
   EXPECT_FALSE(peer.MayActAs("critic"));  // a relay is no agent
   EXPECT_TRUE(peer.PeerIsHost("anything"));  // no TLS: nothing to check against
   peer.identity = "relay-b.mesh";
-  peer.sans = {"relay-b.mesh", "10.0.0.12"};
+  peer.dns = {"relay-b.mesh"};
+  peer.ips = {"10.0.0.12", "fd00::7"};
+  peer.uris = {"spiffe://td/relay-b"};
+  peer.sans = {"relay-b.mesh", "10.0.0.12", "fd00::7", "spiffe://td/relay-b", "ops@relay-c.mesh"};
   EXPECT_TRUE(peer.PeerIsHost("relay-b.mesh"));
   EXPECT_TRUE(peer.PeerIsHost("10.0.0.12"));
+  EXPECT_TRUE(peer.PeerIsHost("fd00:0:0::7"));  // the same address spelt another way
   EXPECT_FALSE(peer.PeerIsHost("relay-a.mesh"));
+  EXPECT_FALSE(peer.PeerIsHost("relay-c.mesh"));  // an email SAN names no host
+  EXPECT_FALSE(peer.PeerIsHost("spiffe://td/relay-b"));
   EXPECT_FALSE(peer.PeerIsHost(""));
+  // Patterns match by SAN type.
+  EXPECT_EQ(MatchingIdentity("*.mesh", peer), "relay-b.mesh");
+  EXPECT_EQ(MatchingIdentity("fd00::0:7", peer), "fd00::7");
+  EXPECT_EQ(MatchingIdentity("spiffe://td/relay-b", peer), "spiffe://td/relay-b");
+  EXPECT_EQ(MatchingIdentity("*.relay-c.mesh", peer), "");  // not the email's domain
+  Caller mail;
+  mail.kind = Caller::Kind::kPeer;
+  mail.sans = {"x@y.mesh"};
+  EXPECT_EQ(MatchingIdentity("*.mesh", mail), "");
   EXPECT_EQ(peer.Describe(), "peer relay \"relay-b.mesh\"");
 }
 
@@ -130,6 +148,7 @@ TEST(SecurityConfigTest, TheRulesBetweenTheFlags) {
       {{"--local-auth", "token"}, "--local-auth=token: needs --tokens-file"},
       {{"--local-auth", "yes"}, "--local-auth=yes: expected pod or token"},
       {{"--peer-identity", "a*.x", "--tls-cert", "c", "--tls-key", "k"}, "--peer-identity='a*.x'"},
+      {{"--peer-identity", "*.x", "--tls-cert", "c", "--tls-key", "k"}, "--peer-identity: needs --tls-client-ca"},
   };
   for (const auto& r : refused) {
     absl::StatusOr<ServerConfig> c = Parse(r.args);

@@ -281,7 +281,7 @@ TEST_F(PlanPublishTest, ARetryThatDiffersIsAlreadyExistsNamingTheField) {
     std::string with;
   };
   const std::vector<Case> cases = {
-      {[](auto* h) { h->set_sender("z"); }, "with header.sender 'a', this publish has 'z'"},
+      {[](auto* h) { h->set_sender("z"); }, "by another sender; choose another message id"},
       {[](auto* h) { h->add_recipients("d"); }, "with header.recipients [b,c], this publish has [b,c,d]"},
       {[](auto* h) { h->set_role("critic"); }, "with header.role 'planner', this publish has 'critic'"},
       {[](auto* h) { h->set_policy("h2o-head:k=4"); }, "with header.policy 'h2o-head:k=8', this publish has 'h2o-head:k=4'"},

@@ -221,7 +221,7 @@ TEST_F(RelayTest, RepublishOfAnIdWithADifferentHeaderIsAlreadyExists) {
     std::string message;
   };
   const std::vector<Case> cases = {
-      {"sender", [](auto* x) { x->set_sender("z"); }, "with header.sender 'a', this publish has 'z'"},
+      {"sender", [](auto* x) { x->set_sender("z"); }, "by another sender; choose another message id"},
       {"recipients", [](auto* x) { x->add_recipients("d"); }, "with header.recipients [b,c], this publish has [b,c,d]"},
       {"role", [](auto* x) { x->set_role("judge"); }, "with header.role '', this publish has 'judge'"},
       {"policy", [](auto* x) { x->set_policy("full"); }, "with header.policy 'h2o-head:k=8', this publish has 'full'"},

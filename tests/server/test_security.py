@@ -147,6 +147,8 @@ class Pki:
         self.rotated_a = p.issue(self.ca, "relay-a", dns=["relay-a.mesh.test", "localhost"], ips=["127.0.0.11"],
                                  out_name="relay-a-rotated")
         self.rogue = p.issue(self.ca, "rogue", dns=["rogue.other.test"])
+        # An email SAN under the relays' domain is no relay identity.
+        self.mailer = p.issue(self.ca, "mailer", emails=["x@y.mesh.test"])
         self.expired = p.issue(self.ca, "relay-b", dns=["relay-b.mesh.test"], ips=["127.0.0.12"], expired=True,
                                out_name="relay-b-expired")
         other = p.ca("another-ca")
@@ -363,6 +365,8 @@ class SecurityTest(unittest.TestCase):
                             "need a verified client certificate")
         self.assert_refused(PD, lambda: self.stub("c", cert=self.pki.rogue).Forward(
             iter([self.forward_header("a2")]), timeout=5), "match no --peer-identity")
+        self.assert_refused(PD, lambda: self.stub("c", cert=self.pki.mailer).Forward(
+            iter([self.forward_header("a2")]), timeout=5), "match no --peer-identity")
         # Relay B's certificate, speaking for a1 (whose relay is A): refused.
         self.assert_refused(PD, lambda: self.stub("c", cert=self.pki.relay["b"]).Forward(
             iter([self.forward_header("a1")]), timeout=5), 'header.message.sender: peer relay "relay-b.mesh.test"')
@@ -372,8 +376,50 @@ class SecurityTest(unittest.TestCase):
         self.assertEqual(self.visible("c", "a3"), before)
         f1 = auth_failures(self.relays["c"])
         self.assertEqual(f1["missing_credentials"] - f0["missing_credentials"], 1)
-        self.assertEqual(f1["peer_not_allowed"] - f0["peer_not_allowed"], 1)
+        self.assertEqual(f1["peer_not_allowed"] - f0["peer_not_allowed"], 2)
         self.assertEqual(f1["forbidden"] - f0["forbidden"], 2)
+
+    def test_a_peer_cannot_splice_in_a_message_it_does_not_hold(self):
+        """Ancestor elision names a message of the session the destination
+        holds; a peer may name only one it holds itself, else the
+        destination answers ancestor_missing (as for one it lacks)."""
+        sess = "s-splice"
+        with self.client("c", "a3") as a3:
+            # a3's own message on relay C: relay B never held it.
+            r = a3.publish(make_turn(40), sess, "a3", ["a3"], policy="full")
+            m = a3.fetch(sess, "a3", timeout=10)
+            tokens = m.layers[0].k.shape[1]
+            req = self.forward_header("a2", session=sess, mid="m-splice")
+            h = req.header.message
+            h.layers, h.kv_heads, h.head_dim, h.dtype, h.n_history = 2, 2, 32, pb.DTYPE_F32, tokens
+            req.header.ancestor_id, req.header.ancestor_tokens = r.message_id, tokens
+            resp = self.stub("c", cert=self.pki.relay["b"]).Forward(iter([req]), timeout=5)
+            self.assertTrue(resp.ancestor_missing)
+            a3.ack(sess, "a3", m.message_id)
+            self.assertEqual(a3.close_session(sess), 1)  # only a3's message was ever there
+
+    def test_another_senders_message_id_tells_nothing(self):
+        sess = "s-ids"
+        with self.client("a", "a1") as a1, kvrelay.Client(f"unix:{self.dir}/a.sock", token="") as pod:
+            pod.publish(make_turn(41), sess, "a6", ["a6"], policy="full", message_id="turn-1")
+            d = self.assert_refused(grpc.StatusCode.ALREADY_EXISTS, lambda: a1.publish(
+                make_turn(42), sess, "a1", ["a1"], policy="full", message_id="turn-1", retries=0),
+                "by another sender")
+            self.assertNotIn("a6", d)
+            pod.close_session(sess)
+
+    def test_reports_come_only_from_the_recipients_relay(self):
+        sess = "s-report"
+        with self.client("a", "a1") as a1, self.client("b", "a2") as a2:
+            r = a1.publish(make_turn(43), sess, "a1", ["a2"], policy="h2o-head:k=8")
+            a2.fetch(sess, "a2", timeout=20)
+            # Relay C reporting for a2 (whose relay is B): refused.
+            self.assert_refused(PD, lambda: self.stub("a", cert=self.pki.relay["c"]).ReportRecipient(
+                pb.ReportRecipientRequest(session_id=sess, message_id=r.message_id, agent="a2",
+                                          state=pb.RECIPIENT_STATE_ACKED), timeout=5), "is not the relay of agent")
+            st = self.wait_state("a", "a1", sess, r.message_id, pb.RECIPIENT_STATE_DELIVERED, 10)
+            self.assertEqual(st.recipients[0].state, pb.RECIPIENT_STATE_DELIVERED)  # not acked by C's say
+            a1.close_session(sess)
 
     def test_chain_over_mtls(self):
         sess = "s-chain"

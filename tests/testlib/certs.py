@@ -82,7 +82,7 @@ class TestPki:
                                       serial=os.path.join(ca_dir, "serial")))
         return Cert(name=name, cert=cert, key=key)
 
-    def issue(self, ca, name, dns=(), ips=(), uris=(), expired=False, days=30, out_name=None):
+    def issue(self, ca, name, dns=(), ips=(), uris=(), emails=(), expired=False, days=30, out_name=None):
         """A leaf certificate for `name` (its CN) with the given SANs, signed
         by `ca`. `expired`: valid only for a day in 2020. `out_name` names
         the files (default `name`), so one identity can be issued twice."""
@@ -91,7 +91,8 @@ class TestPki:
         csr = self._path(f"{base}.csr")
         cert = self._path(f"{base}.pem")
         _run(["openssl", "req", "-new", "-key", key, "-out", csr, "-subj", f"/CN={name}"])
-        sans = [f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips] + [f"URI:{u}" for u in uris]
+        sans = ([f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips] + [f"URI:{u}" for u in uris] +
+                [f"email:{e}" for e in emails])
         ext = self._path(f"{base}.ext")
         with open(ext, "w") as f:
             if sans:
