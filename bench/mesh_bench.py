@@ -11,6 +11,7 @@ fails on a missed target (exit 0), only on a broken run (exit 1) or bad usage (2
 
     sudo /usr/bin/python3 bench/mesh_bench.py [--build build] [--reps 5] [--rates 1gbit,10gbit]
         [--policy SPEC]... [--topology mesh|fetch-remote] [--agent-transport unix|tcp]
+        [--link-security plain,mtls] [--handshake-trials 5]
         [--skip-local-hop] [--raw-only] [--out mesh_bench.json] [--time-limit 1800]
 
 Hosts are network namespaces made by tests/testlib/netns.py (root only), joined
@@ -47,6 +48,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "testlib"))
 import kvrelay_testlib as tl  # noqa: E402
 import netns  # noqa: E402
+from certs import TestPki  # noqa: E402
 
 DEFAULT_POLICIES = [
     ("full", "full"),
@@ -61,10 +63,21 @@ RATIO_TARGETS = [
     ("h2o-head:k=32 at 10 Gbit/s: delivery / raw full-KV send", "h2o-head:k=32", "10gbit", 1.0),
     ("full at 10 Gbit/s: delivery / raw full-KV send", "full", "10gbit", 2.0),
 ]
+# (figure, policy spec, rate, target) of the security issue: delivery with mTLS
+# on the relay-to-relay link ÷ delivery over plaintext, same run.
+TLS_TARGETS = [
+    ("H-OBF fast at 10 Gbit/s: delivery mTLS / plaintext", "h2o-head:k=32+obf:p=8,mode=fast", "10gbit", 1.15),
+]
+LINK_SECURITY = ("plain", "mtls")
 WIRE_TARGET = 1.05
 LOCAL_HOP_TARGET = 1.5
 RAW_JUDGED_FRACTION = 0.9
-RELAY_PORT = 50051
+RELAY_PORT = 50051  # plaintext mesh; the mTLS mesh listens on RELAY_PORT + 1
+HANDSHAKE_PORT = 50061  # the fresh relay pairs of the handshake figure (+1 with mTLS)
+# The handshake figure's message: one small turn (a few KB), so its forward
+# is dominated by the connection, not the bytes.
+HANDSHAKE_TURN = ["--layers", "1", "--kv-heads", "1", "--score-heads", "1", "--head-dim", "64", "--prompt", "16",
+                  "--gen", "4"]
 STEP_TIMEOUT_S = 180  # any one transfer, process start to exit
 
 PROCS = []  # every Popen this driver started (killed on every exit path)
@@ -208,6 +221,25 @@ class Bench:
             self.turn_flags += [f"--{k.replace('_', '-')}", str(v)]
         self.seq = 0
         self.notes = []
+        self.pki = self.make_pki() if "mtls" in args.link_security else None
+
+    def make_pki(self):
+        """One CA; one certificate per host whose IP SAN is the address its
+        peers dial (the --route and --advertise targets name IPs)."""
+        pki = TestPki(os.path.join(self.dir, "pki"))
+        ca = pki.ca("mesh-bench-ca")
+        certs = {h: pki.issue(ca, f"relay-{h}", ips=[self.hosts.addr(h)]) for h in ("h1", "h2")}
+        return {"ca": ca, "certs": certs}
+
+    def security_flags(self, security, host, peer):
+        """The relay flags of one link-security mode: plaintext needs --insecure
+        for its non-loopback --listen; mtls presents the host's certificate,
+        verifies peers against the CA and lets only the other relay forward."""
+        if security == "plain":
+            return ["--insecure"]
+        cert = self.pki["certs"][host]
+        return ["--tls-cert", cert.cert, "--tls-key", cert.key, "--tls-client-ca", self.pki["ca"].cert,
+                "--peer-identity", self.hosts.addr(peer)]
 
     # ---- processes in hosts
     def start(self, host, argv, name):
@@ -217,11 +249,13 @@ class Bench:
     def agent_run(self, host, mode, flags, name, timeout=STEP_TIMEOUT_S):
         return self.start(host, [self.agent, mode, *flags], name).finish(timeout)
 
-    def start_relay(self, host, name, listen, extra):
+    def start_relay(self, host, name, listen, extra, local_listen=()):
         argv = [self.server, "--metrics-listen", "127.0.0.1:0", "--shutdown-grace-seconds", "1",
                 "--session-ttl-seconds", "600"]
         for addr in listen:
             argv += ["--listen", addr]
+        for addr in local_listen:
+            argv += ["--local-listen", addr]
         proc = self.start(host, argv + extra, name)
         m = proc.expect(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)", 30)
         proc.grpc, proc.metrics = m.group(1).split(","), m.group(2)
@@ -347,68 +381,145 @@ class Bench:
 
     # ---- one link rate
     def rate(self, rate, policies):
+        """Every link-security mode's mesh runs at once (ports apart); each rep
+        is a raw send, then per policy one transfer per mode (the modes' order
+        alternates from rep to rep)."""
         for h in ("h1", "h2"):
             self.hosts.shape(h, rate)
         rate_bps = netns.rate_bytes_per_second(rate) * 8
-        out = {"rate": rate, "rate_bit_s": rate_bps, "raw": [], "policies": {spec: [] for _, spec in policies},
-               "warmup": {}}
-        relays, agent_addr = (None, None), None
-        if not self.a.raw_only:
-            relays, agent_addr = self.start_mesh(rate)
+        modes = self.a.link_security
+        out = {"rate": rate, "rate_bit_s": rate_bps, "raw": [],
+               "links": {sec: {"policies": {spec: [] for _, spec in policies}, "warmup": {}} for sec in modes}}
+        meshes = {}
         try:
-            if relays[0] is not None:
+            if not self.a.raw_only:
+                for sec in modes:
+                    relays, agent_addr = self.start_mesh(rate, sec)
+                    if relays[0] is not None:
+                        meshes[sec] = (relays, agent_addr)
+            for sec, (relays, agent_addr) in meshes.items():
+                warm = out["links"][sec]["warmup"]
                 for _, spec in policies:  # the first forward opens the relay-to-relay channel
-                    out["warmup"][spec] = self.mesh_rep(relays, agent_addr, spec, f"{rate}-warm-{len(out['warmup'])}")
-            else:
+                    warm[spec] = self.mesh_rep(relays, agent_addr, spec, f"{rate}-{sec}-warm-{len(warm)}")
+            if not meshes:
                 self.raw_rep(f"{rate}-warm")
             for r in range(self.a.reps):
                 out["raw"].append(self.raw_rep(f"{rate}-{r}"))
                 print(f"  {rate} rep {r}: raw {out['raw'][-1]['ms']:.1f} ms "
                       f"({out['raw'][-1]['gbit_s']:.2f} Gbit/s)", flush=True)
-                if relays[0] is None:
-                    continue
+                order = list(meshes.items())
+                if r % 2:
+                    order.reverse()  # neither mode always runs right after the other's transfer
                 for pi, (_, spec) in enumerate(policies):
-                    res = self.mesh_rep(relays, agent_addr, spec, f"{rate}-{pi}-{r}")
-                    out["policies"][spec].append(res)
-                    print(f"  {rate} rep {r}: {spec}: {res['ms']:.1f} ms, wire {res['wire_bytes'] / 1e6:.2f} MB, "
-                          f"sent {res['sent_bytes'] / 1e6:.2f} MB", flush=True)
+                    for sec, (relays, agent_addr) in order:
+                        res = self.mesh_rep(relays, agent_addr, spec, f"{rate}-{sec}-{pi}-{r}")
+                        out["links"][sec]["policies"][spec].append(res)
+                        print(f"  {rate} rep {r}: {sec:5s} {spec}: {res['ms']:.1f} ms, wire "
+                              f"{res['wire_bytes'] / 1e6:.2f} MB, sent {res['sent_bytes'] / 1e6:.2f} MB", flush=True)
         finally:
-            for r in relays:
-                if r is not None:
-                    r.stop()
+            for relays, _ in meshes.values():
+                for rel in relays:
+                    if rel is not None:
+                        rel.stop()
             for h in ("h1", "h2"):
                 self.hosts.unshape(h)
         return out
 
-    def start_mesh(self, rate):
-        """(relay A, relay B or None), {host: the address its agent uses}."""
+    def relay_pair(self, tag, security, port, routes=True):
+        """Relay A on host 1 (--route b=B) and relay B on host 2 (--route
+        a=A), both advertising themselves on `port`, agents on Unix sockets
+        (local listeners, plaintext in every mode); mtls: the TCP listeners
+        serve TLS and the link runs mTLS. (relays, {host: agent address})."""
         ip1, ip2 = self.hosts.addr("h1"), self.hosts.addr("h2")
-        t1, t2 = f"{ip1}:{RELAY_PORT}", f"{ip2}:{RELAY_PORT}"
-
-        def listen(host, ip):
+        t1, t2 = f"{ip1}:{port}", f"{ip2}:{port}"
+        relays, addrs = [], {}
+        for host, peer, me, other, route in (("h1", "h2", t1, t2, "b"), ("h2", "h1", t2, t1, "a")):
+            ip = self.hosts.addr(host)
+            extra = ["--advertise", me, "--route", f"{route}={other}"] + self.security_flags(security, host, peer)
             if self.a.agent_transport == "unix":
-                sock = os.path.join(self.dir, f"{host}-{rate}.sock")
-                return [f"unix:{sock}", f"{ip}:{RELAY_PORT}"], f"unix:{sock}"
-            return [f"0.0.0.0:{RELAY_PORT}"], f"127.0.0.1:{RELAY_PORT}"
+                sock = os.path.join(self.dir, f"{host}-{tag}.sock")
+                listen, local, addrs[host] = [f"{ip}:{port}"], [f"unix:{sock}"], f"unix:{sock}"
+            elif security == "plain":
+                listen, local, addrs[host] = [f"0.0.0.0:{port}"], [], f"127.0.0.1:{port}"
+            else:  # TLS on the host's address, plaintext on loopback for its agent
+                listen, local, addrs[host] = [f"{ip}:{port}"], [f"127.0.0.1:{port}"], f"127.0.0.1:{port}"
+            relays.append(self.start_relay(host, f"relay-{'ab'[len(relays)]}-{tag}", listen, extra, local))
+        return tuple(relays), addrs
 
+    def start_mesh(self, rate, security="plain"):
+        """(relay A, relay B or None), {host: the address its agent uses}."""
+        ip1 = self.hosts.addr("h1")
+        t1 = f"{ip1}:{RELAY_PORT}"
         try:
             if self.a.topology == "fetch-remote":
-                la, aa = listen("h1", ip1)
-                ra = self.start_relay("h1", f"relay-a-{rate}", la, [])
+                if self.a.agent_transport == "unix":
+                    sock = os.path.join(self.dir, f"h1-{rate}.sock")
+                    la, aa = [f"unix:{sock}", t1], f"unix:{sock}"
+                else:
+                    la, aa = [f"0.0.0.0:{RELAY_PORT}"], f"127.0.0.1:{RELAY_PORT}"
+                ra = self.start_relay("h1", f"relay-a-{rate}", la, ["--insecure"])
                 return (ra, None), {"h1": aa, "h2": t1}
-            la, aa = listen("h1", ip1)
-            lb, ab = listen("h2", ip2)
-            ra = self.start_relay("h1", f"relay-a-{rate}", la, ["--advertise", t1, "--route", f"b={t2}"])
-            rb = self.start_relay("h2", f"relay-b-{rate}", lb, ["--advertise", t2, "--route", f"a={t1}"])
-            return (ra, rb), {"h1": aa, "h2": ab}
+            port = RELAY_PORT + LINK_SECURITY.index(security)
+            return self.relay_pair(f"{rate}-{security}", security, port)
         except BenchError as e:
-            self.notes.append(f"{rate}: relays did not start ({self.a.topology}, agents over "
-                              f"{self.a.agent_transport}); only the raw baseline ran: {str(e)[:400]}")
+            self.notes.append(f"{rate}: {security} relays did not start ({self.a.topology}, agents over "
+                              f"{self.a.agent_transport}); that mesh did not run: {str(e)[:400]}")
             print("  " + self.notes[-1], flush=True)
             for p in PROCS:
                 if p.poll() is None and p.args and self.server in p.args:
                     p.kill()
             return (None, None), None
+
+    # ---- the handshake cost
+    def handshake(self, trials):
+        """Per link-security mode and trial: a fresh relay pair (link
+        unshaped); each relay first serves one local publish and fetch (its
+        own first-call costs), then a small turn is forwarded A -> B twice.
+        The first forward dials B (TCP, HTTP/2 and, with mtls, the TLS
+        handshake); the second reuses the channel. Figures: delivery times of
+        both, in ms, and first minus second."""
+        out = {"turn": " ".join(HANDSHAKE_TURN), "policy": "full", "links": {}}
+        for sec in self.a.link_security:
+            out["links"][sec] = []
+        for t in range(trials):
+            for sec in self.a.link_security:
+                tag = f"hs-{sec}-{t}"
+                relays, addrs = self.relay_pair(tag, sec, HANDSHAKE_PORT + LINK_SECURITY.index(sec))
+                try:
+                    for host, agent in (("h1", "a"), ("h2", "b")):
+                        self.agent_run(host, "publish", ["--addr", addrs[host], "--session", f"{tag}-local",
+                                                         "--from", agent, "--to", agent + "2", "--policy", "full",
+                                                         *HANDSHAKE_TURN], f"publish-{tag}-local-{host}", 60)
+                        self.agent_run(host, "fetch", ["--addr", addrs[host], "--session", f"{tag}-local",
+                                                       "--agent", agent + "2", "--wait-seconds", "30"],
+                                       f"fetch-{tag}-local-{host}", 60)
+                    ms = []
+                    for i in range(2):
+                        ms.append(self.small_forward(addrs, f"{tag}-{i}"))
+                finally:
+                    for rel in relays:
+                        rel.stop()
+                trial = {"first_ms": ms[0], "second_ms": ms[1], "cost_ms": ms[0] - ms[1]}
+                out["links"][sec].append(trial)
+                print(f"  handshake {sec:5s} trial {t}: first forward {ms[0]:.2f} ms, second {ms[1]:.2f} ms",
+                      flush=True)
+        for sec, trials_ in out["links"].items():
+            out[sec] = {k: median(x[k] for x in trials_) for k in ("first_ms", "second_ms", "cost_ms")}
+        if "plain" in out and "mtls" in out:
+            out["mtls_minus_plain_cost_ms"] = out["mtls"]["cost_ms"] - out["plain"]["cost_ms"]
+        return out
+
+    def small_forward(self, addrs, session):
+        fetch = self.start("h2", [self.agent, "fetch", "--addr", addrs["h2"], "--session", session, "--agent", "b",
+                                  "--wait-seconds", "60"], f"fetch-{session}")
+        fetch.expect(r"^waiting", 30)
+        time.sleep(0.2)
+        p = self.agent_run("h1", "publish", ["--addr", addrs["h1"], "--session", session, "--from", "a", "--to", "b",
+                                             "--policy", "full", *HANDSHAKE_TURN], f"publish-{session}", 60)
+        f = fetch.finish(60)
+        if f["message_id"] != p["message_id"]:
+            raise BenchError(f"fetched {f['message_id']}, published {p['message_id']}")
+        return (int(f["done_ns"]) - int(p["start_ns"])) / 1e6
 
 
 # ---- the report
@@ -416,6 +527,7 @@ class Bench:
 def summarize(result, policies):
     rows, judged = [], []
     names = {spec: name for name, spec in policies}
+    modes = result.get("link_security") or ["plain"]
     for rr in result["rates"]:
         raw_ms = median(x["ms"] for x in rr["raw"])
         raw_gbit = median(x["gbit_s"] for x in rr["raw"])
@@ -423,33 +535,56 @@ def summarize(result, policies):
         rr["raw_median_ms"], rr["raw_median_gbit_s"], rr["raw_judged"] = raw_ms, raw_gbit, raw_ok
         rr["raw_wire_over_bytes"] = median(x["wire_bytes"] / x["bytes"] for x in rr["raw"])
         rr["raw_qdisc_over_bytes"] = median(x["qdisc_bytes"] / x["bytes"] for x in rr["raw"])
-        for spec, reps in rr["policies"].items():
-            if not reps:
-                continue
-            row = {"rate": rr["rate"], "policy": spec, "name": names.get(spec, spec),
-                   "ms": median(x["ms"] for x in reps), "publish_ms": median(x["publish_ms"] for x in reps),
-                   "sent_mb": median(x["sent_bytes"] for x in reps) / 1e6,
-                   "wire_mb": median(x["wire_bytes"] for x in reps) / 1e6,
-                   "wire_over_sent": median(x["wire_over_sent"] for x in reps),
-                   "qdisc_over_sent": median(x["qdisc_over_sent"] for x in reps),
-                   "forward_mb": (median(x["forward_bytes"] for x in reps) or 0) / 1e6
-                   if any(x["forward_bytes"] is not None for x in reps) else None,
-                   "raw_ms": raw_ms, "raw_judged": raw_ok,
-                   "cpu_s": {k: median(x["cpu_s"][k] for x in reps) for k in reps[0]["cpu_s"]},
-                   "cpu_total_s": median(x["cpu_total_s"] for x in reps)}
-            row["ratio"] = row["ms"] / raw_ms if raw_ms else None
-            row["cpu_busy"] = row["cpu_total_s"] / (row["ms"] / 1e3 * (os.cpu_count() or 1))
-            rows.append(row)
-            judged.append({"figure": f"wire / accounting sent, {row['name']} at {rr['rate']}",
-                           "value": row["wire_over_sent"], "target": WIRE_TARGET,
-                           "verdict": verdict(row["wire_over_sent"], WIRE_TARGET, True)})
+        for sec in modes:
+            for spec, reps in rr["links"][sec]["policies"].items():
+                if not reps:
+                    continue
+                row = {"rate": rr["rate"], "link": sec, "policy": spec, "name": names.get(spec, spec),
+                       "ms": median(x["ms"] for x in reps), "publish_ms": median(x["publish_ms"] for x in reps),
+                       "sent_mb": median(x["sent_bytes"] for x in reps) / 1e6,
+                       "wire_mb": median(x["wire_bytes"] for x in reps) / 1e6,
+                       "wire_over_sent": median(x["wire_over_sent"] for x in reps),
+                       "qdisc_over_sent": median(x["qdisc_over_sent"] for x in reps),
+                       "forward_mb": (median(x["forward_bytes"] for x in reps) or 0) / 1e6
+                       if any(x["forward_bytes"] is not None for x in reps) else None,
+                       "raw_ms": raw_ms, "raw_judged": raw_ok,
+                       "cpu_s": {k: median(x["cpu_s"][k] for x in reps) for k in reps[0]["cpu_s"]},
+                       "cpu_total_s": median(x["cpu_total_s"] for x in reps)}
+                row["ratio"] = row["ms"] / raw_ms if raw_ms else None
+                row["cpu_busy"] = row["cpu_total_s"] / (row["ms"] / 1e3 * (os.cpu_count() or 1))
+                rows.append(row)
+                judged.append({"figure": f"wire / accounting sent, {row['name']} at {rr['rate']} ({sec})",
+                               "value": row["wire_over_sent"], "target": WIRE_TARGET,
+                               "verdict": verdict(row["wire_over_sent"], WIRE_TARGET, True)})
+    base = "plain" if "plain" in modes else modes[0]
     for figure, spec, rate, target in RATIO_TARGETS:
-        row = next((r for r in rows if r["policy"] == spec and r["rate"] == rate), None)
+        row = next((r for r in rows if r["policy"] == spec and r["rate"] == rate and r["link"] == base), None)
         if row is None:
             judged.append({"figure": figure, "value": None, "target": target, "verdict": "not measured"})
             continue
-        judged.append({"figure": figure, "value": row["ratio"], "target": target,
+        judged.append({"figure": f"{figure} ({base})", "value": row["ratio"], "target": target,
                        "verdict": verdict(row["ratio"], target, row["raw_judged"])})
+    tls = []
+    if "plain" in modes and "mtls" in modes:
+        for r in rows:
+            if r["link"] != "mtls":
+                continue
+            p = next((x for x in rows if x["link"] == "plain" and x["policy"] == r["policy"]
+                      and x["rate"] == r["rate"]), None)
+            if p is None:
+                continue
+            links = next(rr["links"] for rr in result["rates"] if rr["rate"] == r["rate"])
+            pairs = zip(links["plain"]["policies"][r["policy"]], links["mtls"]["policies"][r["policy"]])
+            tls.append({"rate": r["rate"], "policy": r["policy"], "name": r["name"], "plain_ms": p["ms"],
+                        "mtls_ms": r["ms"], "ratio": r["ms"] / p["ms"],
+                        "paired_ratio": median(m["ms"] / q["ms"] for q, m in pairs),
+                        "plain_cpu_busy": p["cpu_busy"],
+                        "mtls_cpu_busy": r["cpu_busy"], "plain_cpu_total_s": p["cpu_total_s"],
+                        "mtls_cpu_total_s": r["cpu_total_s"]})
+        for figure, spec, rate, target in TLS_TARGETS:
+            t = next((x for x in tls if x["policy"] == spec and x["rate"] == rate), None)
+            judged.append({"figure": figure, "value": t and t["ratio"], "target": target,
+                           "verdict": verdict(t and t["ratio"], target, True)})
     lh = result.get("local_hop") or {}
     if "unix" in lh:
         judged.append({"figure": "local hop, full: upload over a Unix socket (publish returned) / raw TCP loopback",
@@ -458,7 +593,7 @@ def summarize(result, policies):
     elif result.get("local_hop") is not None:
         judged.append({"figure": "local hop, full: upload over a Unix socket / raw TCP loopback", "value": None,
                        "target": LOCAL_HOP_TARGET, "verdict": "not measured"})
-    result["rows"], result["judged"] = rows, judged
+    result["rows"], result["judged"], result["tls_ratios"] = rows, judged, tls
 
 
 def verdict(value, target, judged):
@@ -476,7 +611,7 @@ def fmt(x, spec="%.1f"):
 def print_report(result):
     print("\n== mesh benchmark ==")
     print(f"turn: {result['turn']}, raw full-KV {result['kv_bytes'] / 1e6:.1f} MB; {result['topology']}, agents over "
-          f"{result['agent_transport']}; {result['reps']} reps, medians; MTU {result['mtu']}; {result['cpus']} CPUs, "
+          f"{result['agent_transport']}; relay-to-relay link: {', '.join(result['link_security'])}; {result['reps']} reps, medians; MTU {result['mtu']}; {result['cpus']} CPUs, "
           f"load {result['load_before']} -> {result['load_after']}")
     for rr in result["rates"]:
         print(f"raw TCP at {rr['rate']}: {fmt(rr['raw_median_ms'])} ms, {fmt(rr['raw_median_gbit_s'], '%.2f')} Gbit/s "
@@ -484,17 +619,35 @@ def print_report(result):
               f"{'judged' if rr['raw_judged'] else 'NOT judged'}), wire/payload {fmt(rr['raw_wire_over_bytes'], '%.3f')} "
               f"(per-segment headers: {fmt(rr['raw_qdisc_over_bytes'], '%.3f')})")
     if result["rows"]:
-        hdr = ("rate", "policy", "deliv ms", "pub ms", "raw ms", "ratio", "sent MB", "wire MB", "wire/sent", "+hdrs",
+        hdr = ("rate", "link", "policy", "deliv ms", "pub ms", "raw ms", "ratio", "sent MB", "wire MB", "wire/sent", "+hdrs",
                "fwd MB", "CPU s (pub,fetch,relayA,relayB)", "CPU/(wall*cpus)")
-        print("\n%-7s %-20s %9s %8s %8s %6s %8s %8s %9s %6s %7s %32s %s" % hdr)
+        print("\n%-7s %-5s %-20s %9s %8s %8s %6s %8s %8s %9s %6s %7s %32s %s" % hdr)
         for r in result["rows"]:
             c = r["cpu_s"]
             cpu = ",".join(fmt(c.get(k), "%.2f") for k in ("publisher", "fetcher", "relay_a", "relay_b"))
-            print("%-7s %-20s %9s %8s %8s %6s %8s %8s %9s %6s %7s %32s %s" % (
-                r["rate"], r["name"][:20], fmt(r["ms"]), fmt(r["publish_ms"]), fmt(r["raw_ms"]),
+            print("%-7s %-5s %-20s %9s %8s %8s %6s %8s %8s %9s %6s %7s %32s %s" % (
+                r["rate"], r["link"], r["name"][:20], fmt(r["ms"]), fmt(r["publish_ms"]), fmt(r["raw_ms"]),
                 fmt(r["ratio"], "%.3f"), fmt(r["sent_mb"], "%.2f"), fmt(r["wire_mb"], "%.2f"),
                 fmt(r["wire_over_sent"], "%.3f"), fmt(r["qdisc_over_sent"], "%.3f"), fmt(r["forward_mb"], "%.2f"),
                 cpu, fmt(r["cpu_busy"], "%.2f")))
+    if result.get("tls_ratios"):
+        print("\nmTLS on the relay-to-relay link / plaintext (ratio of the medians of the same run, interleaved; "
+              "and the median of the per-rep ratios):")
+        for t in result["tls_ratios"]:
+            print(f"  {t['rate']:7s} {t['name'][:20]:20s} plain {t['plain_ms']:8.1f} ms, mtls {t['mtls_ms']:8.1f} ms: "
+                  f"{t['ratio']:.3f}, per-rep pairs {t['paired_ratio']:.3f} (CPU/(wall*cpus) {t['plain_cpu_busy']:.2f} -> {t['mtls_cpu_busy']:.2f}, "
+                  f"CPU s {t['plain_cpu_total_s']:.2f} -> {t['mtls_cpu_total_s']:.2f})")
+    hs = result.get("handshake")
+    if hs:
+        print(f"\nhandshake (fresh relay pair, link unshaped, {hs['turn']}, {len(next(iter(hs['links'].values())))} "
+              "trials, medians):")
+        for sec in hs["links"]:
+            if sec in hs:
+                x = hs[sec]
+                print(f"  {sec:5s}: first forward {fmt(x['first_ms'], '%.2f')} ms, second "
+                      f"{fmt(x['second_ms'], '%.2f')} ms, first - second {fmt(x['cost_ms'], '%.2f')} ms")
+        if "mtls_minus_plain_cost_ms" in hs:
+            print(f"  mTLS's share (mtls cost - plain cost): {hs['mtls_minus_plain_cost_ms']:.2f} ms")
     lh = result.get("local_hop")
     if lh:
         print("\nlocal hop (full, %s):" % ("one relay on host 1"))
@@ -521,6 +674,12 @@ def main():
     ap.add_argument("--policy", action="append", help="policy spec (repeatable; default: the issue's four)")
     ap.add_argument("--topology", choices=["mesh", "fetch-remote"], default="mesh")
     ap.add_argument("--agent-transport", choices=["unix", "tcp"], default="unix")
+    ap.add_argument("--link-security", default="plain",
+                    help="comma list of relay-to-relay link modes, run interleaved: plain (--insecure), mtls "
+                    "(--tls-cert/--tls-key/--tls-client-ca/--peer-identity; agents stay on local listeners)")
+    ap.add_argument("--handshake-trials", type=int, default=None,
+                    help="fresh relay pairs per link mode for the handshake figure (first forward minus the "
+                    "second; default 5 with --link-security naming mtls, else 0)")
     ap.add_argument("--skip-local-hop", action="store_true")
     ap.add_argument("--raw-only", action="store_true", help="only the raw TCP baseline (and the local hop)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -541,6 +700,20 @@ def main():
         if not os.access(b, os.X_OK):
             ap.error(f"no executable {b} (build the benchmarks: cmake --build {args.build} "
                      f"--target mesh_bench_agent kvrelay-server)")
+    args.link_security = [m.strip() for m in args.link_security.split(",") if m.strip()]
+    for m in args.link_security:
+        if m not in LINK_SECURITY:
+            ap.error(f"--link-security: {m!r}: expected a comma list of {', '.join(LINK_SECURITY)}")
+    if not args.link_security or len(set(args.link_security)) != len(args.link_security):
+        ap.error("--link-security: expected one or more distinct modes (plain, mtls)")
+    if "mtls" in args.link_security and args.topology != "mesh":
+        ap.error("--link-security mtls: needs --topology mesh (the fetch-remote agent has no TLS client)")
+    if args.handshake_trials is None:
+        args.handshake_trials = 5 if "mtls" in args.link_security and not args.raw_only else 0
+    if not 0 <= args.handshake_trials <= 50:
+        ap.error("--handshake-trials: 0..50 expected")
+    if args.handshake_trials and (args.raw_only or args.topology != "mesh"):
+        ap.error("--handshake-trials: needs the mesh (--topology mesh, not --raw-only)")
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     for r in rates:
         try:
@@ -574,7 +747,8 @@ def main():
                                                                prompt=args.prompt, gen=args.gen).items()) + ", bf16",
               "kv_bytes": 0, "topology": args.topology, "agent_transport": args.agent_transport, "reps": args.reps, "mtu": args.mtu,
               "cpus": os.cpu_count(), "kernel": platform.release(), "load_before": open("/proc/loadavg").read().split()[0],
-              "rates": [], "local_hop": None, "notes": [], "policies": [s for _, s in policies]}
+              "rates": [], "local_hop": None, "handshake": None, "notes": [], "policies": [s for _, s in policies],
+              "link_security": args.link_security}
     status = 0
     try:
         with netns.Hosts(["h1", "h2"], prefix=args.prefix, ipv6=False, mtu=args.mtu) as hosts:
@@ -585,6 +759,9 @@ def main():
                 if not args.skip_local_hop:
                     print("local hop ...", flush=True)
                     result["local_hop"] = bench.local_hop()
+                if args.handshake_trials:
+                    print("handshake ...", flush=True)
+                    result["handshake"] = bench.handshake(args.handshake_trials)
                 for rate in rates:
                     print(f"link {rate} ...", flush=True)
                     result["rates"].append(bench.rate(rate, policies))
