@@ -114,7 +114,8 @@ class RelayService final : public RelayCallbackBase {
   std::function<void(int outstanding)> layer_observer() const;
 
  private:
-  absl::Status CheckMayClose(const grpc::CallbackServerContext& ctx, const v1::CloseSessionRequest& req) const;
+  absl::StatusOr<Caller> CheckMayClose(const grpc::CallbackServerContext& ctx,
+                                       const v1::CloseSessionRequest& req) const;
   absl::Status CheckMayReadStatus(const grpc::CallbackServerContext& ctx, const Caller& caller,
                                   const v1::MessageStatusRequest& req) const;
 

@@ -1,5 +1,7 @@
 // The unary calls of RelayService: Ack, CloseSession, Stats, MessageStatus,
 // ReportRecipient.
+#include <algorithm>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "proto/raw_chunk.h"
@@ -50,22 +52,23 @@ grpc::ServerUnaryReactor* RelayService::Ack(grpc::CallbackServerContext* ctx, co
 }
 
 // An agent may close a session it sent or received a message in; a peer
-// relay (a propagated close) one in which messages passed between the two.
-absl::Status RelayService::CheckMayClose(const grpc::CallbackServerContext& ctx,
-                                         const v1::CloseSessionRequest& req) const {
+// relay (a propagated close) one in which messages passed between the two,
+// or one already closed here (the close came back: nothing is left to free).
+absl::StatusOr<Caller> RelayService::CheckMayClose(const grpc::CallbackServerContext& ctx,
+                                                   const v1::CloseSessionRequest& req) const {
   const std::string& session = req.session_id();
   if (req.propagated()) {
     KVRELAY_ASSIGN_OR_RETURN(Caller peer, AuthenticatePeer(ctx, "close session"));
-    if (peer.identity.empty()) return absl::OkStatus();
+    if (peer.identity.empty() || store_->IsClosed(session)) return peer;
     for (const std::string& target : store_->Peers(session)) {
-      if (peer.PeerIsHost(TargetHost(target))) return absl::OkStatus();
+      if (peer.PeerIsHost(TargetHost(target))) return peer;
     }
     return Forbid(ctx, "close session",
                   absl::StrCat("session_id: ", peer.Describe(), " exchanged no message of session '", session,
                                "' with this relay"));
   }
   KVRELAY_ASSIGN_OR_RETURN(Caller caller, AuthenticateAgent(ctx, "close session"));
-  if (caller.kind != Caller::Kind::kAgent || store_->IsParticipant(session, caller.agent)) return absl::OkStatus();
+  if (caller.kind != Caller::Kind::kAgent || store_->IsParticipant(session, caller.agent)) return caller;
   return Forbid(ctx, "close session",
                 absl::StrCat("session_id: caller is ", caller.Describe(), ", which sent or received no message of "
                              "session '", session, "' here"));
@@ -82,9 +85,16 @@ grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext
     if (absl::Status a = AuthenticateAgent(*ctx, "close session").status(); !a.ok()) s = a;
   }
   if (s.ok()) s = CheckId("session_id", req.session_id());
-  if (s.ok()) s = CheckMayClose(*ctx, req);
+  absl::StatusOr<Caller> caller = s.ok() ? CheckMayClose(*ctx, req) : absl::StatusOr<Caller>(s);
+  if (s.ok()) s = caller.status();
   if (s.ok()) {
-    const Store::CloseResult r = store_->CloseSessionAndPeers(req.session_id());
+    Store::CloseResult r = store_->CloseSessionAndPeers(req.session_id());
+    // Not passed back to the relay it came from.
+    if (req.propagated() && !caller->identity.empty()) {
+      r.peers.erase(std::remove_if(r.peers.begin(), r.peers.end(),
+                                   [&](const std::string& t) { return caller->PeerIsHost(TargetHost(t)); }),
+                    r.peers.end());
+    }
     resp.set_messages_freed(r.messages_freed);
     spdlog::info("session closed session={} messages_freed={} propagated={} passed_on_to={}", req.session_id(),
                  r.messages_freed, req.propagated(), r.first ? r.peers.size() : 0);

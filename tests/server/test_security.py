@@ -439,12 +439,16 @@ class SecurityTest(unittest.TestCase):
             # Deliveries and acks come back to the sender's relay over mTLS.
             st = self.wait_state("a", "a1", sess, r1.message_id, pb.RECIPIENT_STATE_ACKED, 10)
             self.assertEqual(st.forwarded_by, "")
-            # The close reaches every relay of the session (peers it exchanged messages with).
+            # The close reaches every relay of the session (peers it exchanged
+            # messages with), and no relay refuses one that comes back to it.
+            forbidden = {n: auth_failures(self.relays[n])["forbidden"] for n in "abc"}
             a1.close_session(sess)
             deadline = time.time() + 10
-            while time.time() < deadline and self.stats("c", "a3").sessions and not self._closed("c", sess):
+            while time.time() < deadline and not self._closed("c", sess):
                 time.sleep(0.2)
             self.assertTrue(self._closed("c", sess))
+            time.sleep(1.0)  # any close passed back has arrived
+            self.assertEqual({n: auth_failures(self.relays[n])["forbidden"] for n in "abc"}, forbidden)
 
     def _closed(self, relay, sess):
         return f"session closed session={sess}" in self.relays[relay].log()
