@@ -475,6 +475,15 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   if (h.layers() < 1) return bad("layers", h.layers(), ">= 1");
   if (h.kv_heads() < 1) return bad("kv_heads", h.kv_heads(), ">= 1");
   if (h.head_dim() < 1) return bad("head_dim", h.head_dim(), ">= 1");
+  // The core's bounds (core/turn.h): they keep the sizes below from
+  // overflowing, and a header of empty layers from allocating billions.
+  if (h.layers() > static_cast<uint32_t>(kMaxLayers)) return bad("layers", h.layers(), absl::StrCat("<= ", kMaxLayers));
+  if (h.kv_heads() > static_cast<uint32_t>(kMaxKvHeads)) {
+    return bad("kv_heads", h.kv_heads(), absl::StrCat("<= ", kMaxKvHeads));
+  }
+  if (h.head_dim() > static_cast<uint32_t>(kMaxHeadDim)) {
+    return bad("head_dim", h.head_dim(), absl::StrCat("<= ", kMaxHeadDim));
+  }
   absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
   if (!dtype.ok()) return HeaderError(absl::StrCat("header.", dtype.status().message()));
   const uint64_t n64 = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
@@ -494,7 +503,7 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   const uint64_t L = h.layers(), H = h.kv_heads(), d = h.head_dim(), n = n64;
   const uint64_t groups = quant ? (n + h.quant_group() - 1) / h.quant_group() : 0;
   const uint64_t per_layer = MessageLayerBytes(h);
-  if (L * per_layer > kMaxMessageBytes) {
+  if (per_layer > kMaxMessageBytes / L) {
     return bad("layers", L, absl::StrCat("a message below 2^36 bytes (", per_layer, " per layer)"));
   }
 

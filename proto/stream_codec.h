@@ -265,7 +265,9 @@ class UploadReader {
 //   if (e.ok()) e = r.Finish(trailer, &m);
 //   return DeliveryStatus(e);
 //
-// Errors: kHeader for a header that describes no valid message; kSequence
+// Errors: kHeader for a header that describes no valid message (layers,
+// kv_heads or head_dim above core/turn.h's kMaxLayers, kMaxKvHeads,
+// kMaxHeadDim, or 2^36 bytes or more, included); kSequence
 // for a chunk or trailer before Start, a second Start, or anything after
 // Finish; the chunk and trailer kinds of ChunkSequence; kValue when the
 // header's accounting.sent_bytes is not the bytes of the delivered tensors.

@@ -8,3 +8,5 @@ BUILD_DIR=${KVRELAY_BUILD_DIR:-build}
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 # The core math again under AddressSanitizer + UndefinedBehaviorSanitizer.
 if [ "${KVRELAY_SKIP_SANITIZERS:-0}" != 1 ]; then bash scripts/sanitize.sh; fi
+# The decoders and parsers under libFuzzer (clang, ASan + UBSan), 30 s each.
+if [ "${KVRELAY_SKIP_FUZZ:-0}" != 1 ]; then bash scripts/fuzz.sh 30; fi

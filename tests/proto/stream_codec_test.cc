@@ -636,6 +636,22 @@ TEST_F(DeliveryReaderErrors, BadHeaders) {
   h.set_layers(1u << 30);
   h.set_kv_heads(1u << 20);
   EXPECT_EQ(start(h).code(), absl::StatusCode::kDataLoss);  // no huge allocation
+  // Layers of no tokens weigh 0 bytes: still not billions of them.
+  h = header_;
+  h.set_n_history(0);
+  h.set_n_anchor(0);
+  h.set_n_kept(0);
+  h.set_n_gen(0);
+  h.set_layers(4000000000u);
+  EXPECT_THAT(start(h).message(), HasSubstr("header.layers: 4000000000, expected <= 1024"));
+  // Sizes that would wrap around 2^64 to a small number.
+  h = header_;
+  h.set_layers(1);
+  h.set_kv_heads(1u << 31);
+  h.set_head_dim(1u << 31);
+  EXPECT_THAT(start(h).message(), HasSubstr("header.kv_heads: 2147483648, expected <= 1024"));
+  h.set_kv_heads(1);
+  EXPECT_THAT(start(h).message(), HasSubstr("header.head_dim: 2147483648, expected <= 1024"));
 }
 
 TEST_F(DeliveryReaderErrors, SentBytesMustMatchTheTensors) {
