@@ -467,8 +467,7 @@ uint64_t MessageLayerBytes(const v1::MessageHeader& h) {
   return 2 * H * n * d * (dtype.ok() ? DTypeSize(*dtype) : 0) + 4 * H * n;
 }
 
-StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
-  if (done_ || seq_) return StreamError(StreamErrorKind::kSequence, "header: given twice, expected one");
+StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* bytes) {
   auto bad = [](absl::string_view field, uint64_t v, absl::string_view expected) {
     return HeaderError(absl::StrCat("header.", field, ": ", v, ", expected ", expected));
   };
@@ -500,12 +499,26 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
       return bad("head_dim", h.head_dim(), "head_dim*quant_bits a multiple of 8");
     }
   }
-  const uint64_t L = h.layers(), H = h.kv_heads(), d = h.head_dim(), n = n64;
-  const uint64_t groups = quant ? (n + h.quant_group() - 1) / h.quant_group() : 0;
+  const uint64_t L = h.layers();
   const uint64_t per_layer = MessageLayerBytes(h);
   if (per_layer > kMaxMessageBytes / L) {
     return bad("layers", L, absl::StrCat("a message below 2^36 bytes (", per_layer, " per layer)"));
   }
+
+  *bytes = per_layer * L;
+  return StreamError();
+}
+
+StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
+  if (done_ || seq_) return StreamError(StreamErrorKind::kSequence, "header: given twice, expected one");
+  uint64_t bytes;
+  if (StreamError e = CheckHeader(h, &bytes); !e.ok()) return e;
+  const absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());  // OK: checked
+  const uint32_t bits = h.quant_bits();
+  const bool quant = bits != 0;
+  const uint64_t L = h.layers(), H = h.kv_heads(), d = h.head_dim();
+  const uint64_t n = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
+  const uint64_t groups = quant ? (n + h.quant_group() - 1) / h.quant_group() : 0;
 
   msg_ = Message();
   msg_.policy = h.accounting().policy();

@@ -282,6 +282,9 @@ class DeliveryReader {
   DeliveryReader(const DeliveryReader&) = delete;
   DeliveryReader& operator=(const DeliveryReader&) = delete;
 
+  // Validates `header` as Start does, allocating nothing; on OK `*bytes` is
+  // the tensor bytes the message will hold (what to reserve before Start).
+  static StreamError CheckHeader(const v1::MessageHeader& header, uint64_t* bytes);
   // Validates `header` and allocates every tensor of the message.
   StreamError Start(const v1::MessageHeader& header);
   // Copies the chunk's data into its tensor, checking its CRC32C during the

@@ -199,11 +199,13 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     v1::MessageHeader wire = m;
     wire.set_n_history(m.n_history() - elided);
     wire.mutable_accounting()->set_sent_bytes(MessageLayerBytes(wire) * wire.layers());
-    KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Start(wire)));
-    const uint64_t bytes = RetainedBytes(reader_.bytes_expected(), m.layers()) +
-                           (ancestor_ ? RetainedBytes(ancestor_->msg) : 0);
+    // Reserved before anything is allocated for it.
+    uint64_t tensor_bytes;
+    KVRELAY_RETURN_IF_ERROR(UploadStatus(DeliveryReader::CheckHeader(wire, &tensor_bytes)));
+    const uint64_t bytes = RetainedBytes(tensor_bytes, m.layers()) + (ancestor_ ? RetainedBytes(ancestor_->msg) : 0);
     KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(bytes, absl::StrCat("forward of ", bytes, " bytes")));
     reserved_ = bytes;
+    KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Start(wire)));
     return absl::OkStatus();
   }
 
