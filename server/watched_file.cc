@@ -45,9 +45,11 @@ WatchedFile::~WatchedFile() {
 }
 
 absl::Status WatchedFile::ReloadNow() {
+  // Read under the lock, so that a slower reload never applies an older
+  // read after a newer one.
+  std::lock_guard<std::mutex> lock(reload_mu_);
   absl::StatusOr<std::string> content = ReadFile(flag_, path_);
   if (!content.ok()) return content.status();
-  std::lock_guard<std::mutex> lock(reload_mu_);
   if (loads_.load() > 0 && *content == content_) return absl::OkStatus();
   // Remember a refused content too, so that it is reported once, not every poll.
   content_ = std::move(*content);
