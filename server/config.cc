@@ -293,6 +293,17 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
     return absl::OkStatus();
   }
   if (name == "insecure") return ParseBool(name, value, &c->insecure);
+  if (name == "spool-dir") {
+    if (value.empty()) return Bad(name, value, "a directory");
+    c->spool_dir = value;
+    return absl::OkStatus();
+  }
+  if (name == "fsync") {
+    if (value != "always" && value != "never") return Bad(name, value, "always or never");
+    c->fsync = value;
+    return absl::OkStatus();
+  }
+  if (name == "max-spool-bytes") return ParseBytes(name, value, &c->max_spool_bytes);
   if (name == "health-listen") return ParseAddr(name, value, true, &c->health_listen);
   if (name == "heap-retain-bytes") {
     if (absl::StripAsciiWhitespace(value) == "0") {
@@ -338,6 +349,9 @@ const char* const kEnv[][2] = {
     {"local-auth", "KVRELAY_LOCAL_AUTH"},
     {"insecure", "KVRELAY_INSECURE"},
     {"health-listen", "KVRELAY_HEALTH_LISTEN"},
+    {"spool-dir", "KVRELAY_SPOOL_DIR"},
+    {"fsync", "KVRELAY_FSYNC"},
+    {"max-spool-bytes", "KVRELAY_MAX_SPOOL_BYTES"},
 };
 
 absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
@@ -599,6 +613,13 @@ std::string ServerUsage() {
                                  as on --listen) (KVRELAY_LOCAL_AUTH; pod)
   --insecure                     allow plaintext on a non-loopback --listen (otherwise refused at start-up); logged,
                                  and exported as kvrelay_insecure 1 (KVRELAY_INSECURE)
+  --spool-dir DIR                keep messages, acks, closes and the outbox on disk in DIR (created, mode 0700),
+                                 so that a restart (kill -9 included) loses nothing accepted; without it
+                                 everything is in memory only (KVRELAY_SPOOL_DIR; none)
+  --fsync always|never           with --spool-dir: "always" syncs before answering; "never" is for benchmarks
+                                 only and loses data on a power loss or kernel crash (KVRELAY_FSYNC; always)
+  --max-spool-bytes N            message files and journal in --spool-dir, at most; past it RESOURCE_EXHAUSTED
+                                 (KVRELAY_MAX_SPOOL_BYTES; 0: up to the disk's free space)
   --log-json                     JSON log lines, the ready line too (its "msg" is the same text)
                                  (KVRELAY_LOG_JSON)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)

@@ -39,6 +39,9 @@
 //   --log-json                    KVRELAY_LOG_JSON (1/true)         off
 //   --shutdown-grace-seconds S    KVRELAY_SHUTDOWN_GRACE_SECONDS    10
 //   --heap-retain-bytes N         KVRELAY_HEAP_RETAIN_BYTES         128MiB (0: glibc's defaults; capped at 2GiB-1)
+//   --spool-dir DIR               KVRELAY_SPOOL_DIR                 none  (in memory only)
+//   --fsync always|never          KVRELAY_FSYNC                     always (with --spool-dir)
+//   --max-spool-bytes N           KVRELAY_MAX_SPOOL_BYTES           0 (up to the disk)
 //   --config FILE                 KVRELAY_CONFIG                    none
 //
 // Byte sizes accept a plain integer or a KiB/MiB/GiB/TiB suffix ("4GiB");
@@ -117,6 +120,11 @@ struct ServerConfig {
   std::string local_auth = "pod";            // "pod" or "token": local callers need a token
   bool insecure = false;                     // a non-loopback `listen` may be plaintext
   bool log_json = false;
+  // A durable store (server/spool_store.h) in this directory; empty: the
+  // in-memory store. fsync is "always" or "never" (benchmarks only).
+  std::string spool_dir;
+  std::string fsync = "always";
+  uint64_t max_spool_bytes = 0;  // 0: no limit but the disk's
   double shutdown_grace_seconds = 10;
   // Freed heap memory kept for reuse rather than returned to the kernel
   // (glibc's trim threshold, per malloc arena: see MallocArenas; the mmap

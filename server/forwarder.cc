@@ -12,6 +12,7 @@
 #include "proto/stream_codec.h"
 #include "server/metrics.h"
 #include "server/routing.h"
+#include "server/spool/crash_point.h"
 #include "spdlog/spdlog.h"
 
 namespace kvrelay {
@@ -187,6 +188,21 @@ Forwarder::~Forwarder() {
   for (std::thread& t : threads_) t.join();
 }
 
+v1::ForwardHeader ForwardHeaderOf(const StoredMessage& m) {
+  v1::ForwardHeader fh;
+  v1::MessageHeader* h = fh.mutable_message();
+  FillMessageHeader(m.msg, h);
+  h->set_session_id(m.session_id);
+  h->set_message_id(m.message_id);
+  h->set_sender(m.sender);
+  h->set_role(m.role);
+  h->set_parent_id(m.parent_id);
+  h->mutable_accounting()->set_policy(m.msg.policy);
+  fh.set_requested_policy(m.requested_policy);
+  *fh.mutable_geometry() = m.geometry;
+  return fh;
+}
+
 void Forwarder::Enqueue(const std::string& target, std::vector<std::string> recipients,
                         const v1::ForwardHeader& header, std::shared_ptr<ForwardSource> source,
                         uint64_t outbox_bytes) {
@@ -348,6 +364,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
                                           crc, hold),
                         stall);
     }
+    CrashPoint("forward.mid_stream");
   }
   MessagePtr m;
   if (ok && !publish_failed && !mismatch) {

@@ -114,6 +114,10 @@ class ForwardSource {
   Clock::time_point resolved_at_;
 };
 
+// The header of a forward of the committed message `m` (what its publish's
+// forwards sent): for the forwards a restart resumes.
+v1::ForwardHeader ForwardHeaderOf(const StoredMessage& m);
+
 // The Forward protocol version this relay speaks (ForwardHeader).
 inline constexpr uint32_t kForwardProtocolVersion = 1;
 

@@ -314,6 +314,7 @@ void MemoryStore::EraseSessionLocked(std::map<std::string, Session>::iterator it
     mailbox_bytes_ -= mb.bytes;
   }
   if (metrics_ && n) metrics_->AddOutcome(expired ? "expired" : "closed", static_cast<double>(n));
+  if (erase_listener_) erase_listener_(it->first, expired);
   sessions_.erase(it);
   PublishGaugesLocked();
 }
@@ -598,18 +599,7 @@ void MemoryStore::TrackRecipient(const std::string& session, const std::string& 
     tracks.emplace(agent, track);
     return;
   }
-  RecipientTrack& cur = it->second;
-  if (cur.state == v1::RECIPIENT_STATE_DEAD_LETTERED) return;
-  // The destination committed it (and may have reported it delivered or
-  // acked): a sender giving up later, its answer lost, does not undo that.
-  if (track.state == v1::RECIPIENT_STATE_DEAD_LETTERED && cur.state > v1::RECIPIENT_STATE_QUEUED) return;
-  if (track.state == v1::RECIPIENT_STATE_DEAD_LETTERED || track.state >= cur.state) {
-    const uint32_t attempts = std::max(cur.attempts, track.attempts);
-    const std::string relay = track.relay.empty() ? cur.relay : track.relay;
-    cur = track;
-    cur.attempts = attempts;
-    cur.relay = relay;
-  }
+  MergeTrack(&it->second, track);
 }
 
 absl::StatusOr<v1::MessageStatusResponse> MemoryStore::MessageStatus(const std::string& session,
@@ -706,6 +696,73 @@ std::vector<std::string> MemoryStore::Peers(const std::string& session) const {
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return {};
   return std::vector<std::string>(s->second.peers.begin(), s->second.peers.end());
+}
+
+MemoryStore::State MemoryStore::Export() const {
+  State st;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, s] : sessions_) {
+    SessionState& out = st.sessions[name];
+    for (const auto& [id, msg] : s.messages) {
+      SessionState::Held h;
+      h.msg = msg;
+      if (auto l = s.local.find(id); l != s.local.end()) h.local = l->second;
+      for (const std::string& agent : h.local) {
+        bool held = false;
+        if (auto mb = s.mailboxes.find(agent); mb != s.mailboxes.end()) {
+          for (const Entry& e : mb->second.entries) held |= e.msg->message_id == id;
+        }
+        if (!held) h.acked.insert(agent);
+      }
+      out.messages.push_back(std::move(h));
+    }
+    for (const auto& [id, agent] : s.delivered) {
+      for (SessionState::Held& h : out.messages) {
+        if (h.msg->message_id == id) h.delivered.insert(agent);
+      }
+    }
+    std::sort(out.messages.begin(), out.messages.end(),
+              [](const SessionState::Held& a, const SessionState::Held& b) {
+                return a.msg->spool_seq < b.msg->spool_seq;
+              });
+    out.tracks = s.tracks;
+    out.peers = s.peers;
+    out.peer_holds = s.peer_holds;
+  }
+  for (const auto& [name, at] : closed_) st.closed.push_back(name);
+  return st;
+}
+
+void MemoryStore::Restore(const State& state) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point now = Clock::now();
+  for (const auto& [name, in] : state.sessions) {
+    Session& s = sessions_[name];
+    s.last_active = now;
+    for (const SessionState::Held& h : in.messages) {
+      const MessagePtr& msg = h.msg;
+      s.messages[msg->message_id] = msg;
+      s.bytes += msg->bytes;
+      store_bytes_ += msg->bytes;
+      for (const std::string& agent : h.local) {
+        s.local[msg->message_id].insert(agent);
+        if (h.acked.count(agent)) continue;
+        Mailbox& mb = s.mailboxes[agent];
+        mb.entries.push_back({msg, 0});
+        mb.bytes += msg->bytes;
+        ++mailbox_messages_;
+        mailbox_bytes_ += msg->bytes;
+      }
+      for (const std::string& agent : h.delivered) s.delivered.insert({msg->message_id, agent});
+    }
+    s.tracks = in.tracks;
+    s.peers = in.peers;
+    s.peer_holds = in.peer_holds;
+  }
+  for (const std::string& name : state.closed) {
+    if (closed_.emplace(name, now).second) closed_order_.emplace_back(now, name);
+  }
+  PublishGaugesLocked();
 }
 
 }  // namespace kvrelay

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -70,6 +71,39 @@ class MemoryStore final : public Store {
   bool PeerHolds(const std::string& session, const std::string& message_id, const std::string& target) const override;
   bool IsParticipant(const std::string& session, const std::string& agent) const override;
   std::vector<std::string> Peers(const std::string& session) const override;
+
+  // ---- The durable state, for SpoolStore (server/spool_store.h) ----
+
+  // One session as the spool records it.
+  struct SessionState {
+    struct Held {
+      MessagePtr msg;
+      std::set<std::string> local;      // agents with a mailbox entry for it here, ever
+      std::set<std::string> delivered;  // of them and others: reached whole (may ack, may name it as parent)
+      std::set<std::string> acked;      // of `local`: acked (no longer in the mailbox)
+    };
+    std::vector<Held> messages;  // in commit order (StoredMessage::spool_seq)
+    std::map<std::string, std::map<std::string, RecipientTrack>> tracks;  // message_id -> remote agent
+    std::set<std::string> peers;
+    std::set<std::pair<std::string, std::string>> peer_holds;  // (message_id, relay)
+  };
+  struct State {
+    std::map<std::string, SessionState> sessions;
+    std::vector<std::string> closed;  // sessions closed here, still remembered
+  };
+  // The state, consistent under the store's lock. Waiters, publishes in
+  // progress, in-flight bytes and counters are not part of it.
+  State Export() const;
+  // Loads `state` as it is, limits unchecked (they held when it was
+  // recorded); sessions start a fresh TTL. REQUIRES: nothing was committed
+  // or closed yet.
+  void Restore(const State& state);
+  // Called (under the store's lock: it must not block or call the store)
+  // whenever a session is freed: closed (expired = false) or idle past the
+  // TTL (expired = true). REQUIRES: set before the store is used.
+  void SetEraseListener(std::function<void(const std::string& session, bool expired)> fn) {
+    erase_listener_ = std::move(fn);
+  }
 
  private:
   struct Entry {
@@ -143,6 +177,7 @@ class MemoryStore final : public Store {
   std::map<std::string, uint64_t> outbox_bytes_;
   uint64_t outbox_total_ = 0, outbox_messages_ = 0;
   bool stop_ = false, shutting_down_ = false;
+  std::function<void(const std::string&, bool)> erase_listener_;
   std::thread timer_;
 };
 

@@ -180,6 +180,48 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Help("1 when a non-loopback gRPC listener serves plaintext (--insecure), else 0.")
                    .Register(*registry_)
                    .Add({});
+  spool_bytes_ = &BuildGauge()
+                      .Name("kvrelay_spool_bytes")
+                      .Help("Bytes of message files and journal in --spool-dir (0 without a spool).")
+                      .Register(*registry_)
+                      .Add({});
+  spool_failed_ = &BuildGauge()
+                       .Name("kvrelay_spool_failed")
+                       .Help("1 once the spool took an I/O error it does not recover from: the relay takes no "
+                             "writes and reports NOT_SERVING until it is restarted.")
+                       .Register(*registry_)
+                       .Add({});
+  spool_fsync_ = &BuildHistogram()
+                      .Name("kvrelay_spool_fsync_seconds")
+                      .Help("Seconds of one fdatasync of a spool message file or journal batch.")
+                      .Register(*registry_)
+                      .Add({}, prometheus::Histogram::BucketBoundaries{0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                                                       0.025, 0.05, 0.1, 0.25, 1});
+  spool_recovery_ = &BuildGauge()
+                         .Name("kvrelay_spool_recovery_seconds")
+                         .Help("Seconds the last start-up spent recovering --spool-dir.")
+                         .Register(*registry_)
+                         .Add({});
+  spool_recovery_crc_ = &BuildGauge()
+                             .Name("kvrelay_spool_recovery_crc_seconds")
+                             .Help("Of kvrelay_spool_recovery_seconds, the CRC32C checks of the message files.")
+                             .Register(*registry_)
+                             .Add({});
+  spool_recovered_ = &BuildGauge()
+                          .Name("kvrelay_spool_recovered")
+                          .Help("What the last start-up recovered from --spool-dir: messages, sessions, closed "
+                                "(tombstones), outbox (forwards resumed), orphans (files removed), torn_bytes "
+                                "(cut off the journal).")
+                          .Register(*registry_);
+  for (const char* w : {"messages", "sessions", "closed", "outbox", "orphans", "torn_bytes"}) {
+    spool_recovered_->Add({{"what", w}});
+  }
+  spool_quarantined_ = &BuildCounter()
+                            .Name("kvrelay_spool_quarantined_total")
+                            .Help("Damaged spool files moved to DIR/quarantine (message_file, journal), and messages "
+                                  "the journal names whose file is gone (missing). Never served.")
+                            .Register(*registry_);
+  for (const char* w : {"message_file", "journal", "missing"}) spool_quarantined_->Add({{"what", w}});
   BuildGauge()
       .Name("kvrelay_build_info")
       .Help("Build information; the value is always 1.")

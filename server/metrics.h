@@ -30,6 +30,16 @@
 //                                                missing_credentials, bad_token, bad_certificate,
 //                                                peer_not_allowed, forbidden
 //   kvrelay_insecure                             1 when a non-loopback listener is plaintext
+//   kvrelay_spool_bytes                          message files and journal on disk (--spool-dir)
+//   kvrelay_spool_failed                         1 once the spool took an I/O error it cannot
+//                                                recover from (NOT_SERVING until restarted)
+//   kvrelay_spool_fsync_seconds                  one fdatasync of a message file or the journal
+//   kvrelay_spool_recovery_seconds               the last start-up's recovery, and of it
+//   kvrelay_spool_recovery_crc_seconds           the CRC32C checks of the message files
+//   kvrelay_spool_recovered{what}                what it found: messages, sessions, closed, outbox,
+//                                                orphans, torn_bytes
+//   kvrelay_spool_quarantined_total{what}        files moved to DIR/quarantine (message_file, journal)
+//                                                and messages the journal names without a file (missing)
 //   kvrelay_build_info{version}                  1
 //
 // Forward outcomes: "retry" is an attempt that failed and will be retried,
@@ -127,6 +137,17 @@ class Metrics {
   // REQUIRES: `reason` is one of AuthFailureName's (server/auth.h).
   void AddAuthFailure(const char* reason) { auth_failures_->Add({{"reason", reason}}).Increment(); }
   void SetInsecure(bool insecure) { insecure_->Set(insecure ? 1 : 0); }
+  void SetSpoolBytes(double bytes) { spool_bytes_->Set(bytes); }
+  void SetSpoolFailed(bool failed) { spool_failed_->Set(failed ? 1 : 0); }
+  void ObserveSpoolFsync(double s) { spool_fsync_->Observe(s); }
+  void SetSpoolRecovery(double seconds, double crc_seconds) {
+    spool_recovery_->Set(seconds);
+    spool_recovery_crc_->Set(crc_seconds);
+  }
+  void SetSpoolRecovered(const std::string& what, double n) { spool_recovered_->Add({{"what", what}}).Set(n); }
+  void AddSpoolQuarantined(const std::string& what, double n = 1) {
+    spool_quarantined_->Add({{"what", what}}).Increment(n);
+  }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -156,6 +177,13 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* forwards_received_;
   prometheus::Family<prometheus::Counter>* auth_failures_;
   prometheus::Gauge* insecure_;
+  prometheus::Gauge* spool_bytes_;
+  prometheus::Gauge* spool_failed_;
+  prometheus::Histogram* spool_fsync_;
+  prometheus::Gauge* spool_recovery_;
+  prometheus::Gauge* spool_recovery_crc_;
+  prometheus::Family<prometheus::Gauge>* spool_recovered_;
+  prometheus::Family<prometheus::Counter>* spool_quarantined_;
 };
 
 }  // namespace kvrelay

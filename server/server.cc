@@ -22,6 +22,7 @@
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server_builder.h"
 #include "server/memory_store.h"
+#include "server/spool_store.h"
 #include "server/forwarder.h"
 #include "server/routing.h"
 #include "server/auth.h"
@@ -33,6 +34,22 @@
 
 namespace kvrelay {
 namespace {
+
+// Hands the forwards a restart found in the spool's outbox to the forwarder,
+// reserving their bytes like a publish does (past the outbox limits they go
+// all the same: they were accepted).
+void ResumeForwards(SpoolStore& spool, Forwarder* fwd) {
+  for (const SpoolStore::PendingForward& p : spool.RecoveredOutbox()) {
+    const uint64_t bytes = p.msg->bytes;
+    if (!spool.ReserveOutbox(p.target, bytes).ok()) {
+      spdlog::warn("spool: resuming the forward of session={} message={} to {} past the outbox limits",
+                   p.msg->session_id, p.msg->message_id, p.target);
+    }
+    spdlog::info("spool: resuming the forward of session={} message={} to {} for {}", p.msg->session_id,
+                 p.msg->message_id, p.target, absl::StrJoin(p.agents, ","));
+    fwd->Enqueue(p.target, p.agents, ForwardHeaderOf(*p.msg), ForwardSource::OfCommitted(p.msg), bytes);
+  }
+}
 
 // Whether the metrics HTTP server can listen on IPv6 (unknown: assume so).
 bool MetricsServerHasIpv6() {
@@ -194,7 +211,24 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   limits.session_ttl_seconds = config.session_ttl_seconds;
   limits.max_outbox_bytes = config.max_outbox_bytes;
   limits.max_outbox_bytes_per_destination = config.max_outbox_bytes_per_destination;
-  s->store_ = std::make_unique<MemoryStore>(limits, s->metrics_.get());
+  SpoolStore* spool = nullptr;
+  if (config.spool_dir.empty()) {
+    s->store_ = std::make_unique<MemoryStore>(limits, s->metrics_.get());
+  } else {
+    SpoolOptions so;
+    so.dir = config.spool_dir;
+    so.fsync = config.fsync != "never";
+    so.max_spool_bytes = config.max_spool_bytes;
+    if (!so.fsync) {
+      spdlog::warn("--fsync=never: the spool is not synced; a power loss or kernel crash loses what the kernel had "
+                   "not written (for benchmarks only)");
+    }
+    KVRELAY_ASSIGN_OR_RETURN(std::unique_ptr<SpoolStore> store, SpoolStore::Open(limits, so, s->metrics_.get()));
+    spool = store.get();
+    RelayServer* self = s.get();
+    spool->SetOnFailure([self](const absl::Status&) { self->SetNotServing(); });
+    s->store_ = std::move(store);
+  }
   s->metrics_->SetLimit("outbox", static_cast<double>(config.max_outbox_bytes));
   s->metrics_->SetLimit("inflight", static_cast<double>(config.max_inflight_bytes));
   s->metrics_->SetLimit("mailbox", static_cast<double>(config.max_mailbox_bytes));
@@ -219,6 +253,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   fo.stall_seconds = config.forward_stall_seconds;
   if (tls) fo.credentials = PeerChannelCredentials(tls_files, kCertRefreshSeconds, config.peer_identities, s->metrics_.get());
   s->forwarder_ = std::make_unique<Forwarder>(fo, s->store_.get(), s->routes_.get(), s->metrics_.get());
+  if (spool) ResumeForwards(*spool, s->forwarder_.get());
   AuthOptions ao;
   ao.tls = tls;
   ao.tokens_file = config.tokens_file;
@@ -300,11 +335,17 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
     std::vector<std::string> bound;
     KVRELAY_RETURN_IF_ERROR(CheckBound(s->health_server_.get(), hl, &bound));
     s->health_address_ = bound[0];
-    s->health_server_->GetHealthCheckService()->SetServingStatus(true);
-    s->health_server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", true);
   }
-  s->server_->GetHealthCheckService()->SetServingStatus(true);
-  s->server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", true);
+  {
+    // A spool that failed before this point keeps the relay NOT_SERVING.
+    std::lock_guard<std::mutex> lock(s->shutdown_mu_);
+    s->serving_ = s->serving_ && (spool == nullptr || spool->health().ok());
+    for (grpc::Server* g : {s->server_.get(), s->health_server_.get()}) {
+      if (!g) continue;
+      g->GetHealthCheckService()->SetServingStatus(s->serving_);
+      g->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", s->serving_);
+    }
+  }
   spdlog::info("kvrelay-server serving grpc={} metrics={} health={} tls={} mtls={} tokens={} local_auth={} workers={} "
                "default_policy={} kernels={}",
                absl::StrJoin(s->grpc_addresses_, ","),
@@ -324,6 +365,18 @@ std::string RelayServer::ReadyLine() const {
   return absl::StrCat("kvrelay-server ready grpc=", absl::StrJoin(grpc_addresses_, ","), " metrics=",
                       exposer_ ? absl::StrCat(metrics_host_, ":", metrics_port_) : std::string("off"),
                       health_address_.empty() ? "" : absl::StrCat(" health=", health_address_));
+}
+
+void RelayServer::SetNotServing() {
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
+  serving_ = false;
+  if (shut_down_ || !server_) return;  // not serving yet: Start reads the spool's health
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", false);
+  if (health_server_) {
+    health_server_->GetHealthCheckService()->SetServingStatus(false);
+    health_server_->GetHealthCheckService()->SetServingStatus("kvrelay.v1.Relay", false);
+  }
 }
 
 void RelayServer::Shutdown() {

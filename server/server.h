@@ -90,8 +90,12 @@ class RelayServer {
   std::vector<std::string> grpc_addresses_;
   std::string metrics_host_;
   int grpc_port_ = 0, metrics_port_ = 0;
+  // Health NOT_SERVING from now on (a spool that takes no writes).
+  void SetNotServing();
+
   std::mutex shutdown_mu_;
   bool shut_down_ = false;
+  bool serving_ = true;  // false once SetNotServing ran
 };
 
 }  // namespace kvrelay

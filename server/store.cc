@@ -1,11 +1,27 @@
 #include "server/store.h"
 
+#include <algorithm>
+
 #include "proto/stream_codec.h"
 
 namespace kvrelay {
 
 uint64_t RetainedBytes(uint64_t sent_bytes, uint64_t layers) {
   return sent_bytes + kMessageOverheadBytes + kLayerOverheadBytes * layers;
+}
+
+void Store::MergeTrack(RecipientTrack* cur, const RecipientTrack& track) {
+  if (cur->state == v1::RECIPIENT_STATE_DEAD_LETTERED) return;
+  // The destination committed it (and may have reported it delivered or
+  // acked): a sender giving up later, its answer lost, does not undo that.
+  if (track.state == v1::RECIPIENT_STATE_DEAD_LETTERED && cur->state > v1::RECIPIENT_STATE_QUEUED) return;
+  if (track.state == v1::RECIPIENT_STATE_DEAD_LETTERED || track.state >= cur->state) {
+    const uint32_t attempts = std::max(cur->attempts, track.attempts);
+    const std::string relay = track.relay.empty() ? cur->relay : track.relay;
+    *cur = track;
+    cur->attempts = attempts;
+    cur->relay = relay;
+  }
 }
 
 }  // namespace kvrelay

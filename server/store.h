@@ -61,6 +61,9 @@ struct StoredMessage {
   // The certificate identity (the SAN matching --peer-identity) of the
   // relay that forwarded it here over mTLS; "" otherwise.
   std::string forwarded_by;
+  // Its file in the spool (server/spool_store.h): msg/<seq>.kvm; 0 in a
+  // store without a spool.
+  uint64_t spool_seq = 0;
 };
 using MessagePtr = std::shared_ptr<const StoredMessage>;
 
@@ -92,7 +95,8 @@ struct StoreStats {
   uint64_t store_bytes = 0;  // every retained message, acked or not
 };
 
-// The store's interface. Implementations: MemoryStore (server/memory_store.h).
+// The store's interface. Implementations: MemoryStore (server/memory_store.h)
+// and SpoolStore (server/spool_store.h), which makes it durable.
 class Store {
  public:
   Store() = default;
@@ -240,6 +244,9 @@ class Store {
 
   // What CloseSession did.
   struct CloseResult {
+    // OK, or why the close did not take effect (a spool that takes no more
+    // writes: UNAVAILABLE).
+    absl::Status status;
     uint32_t messages_freed = 0;
     bool first = false;              // the session was not closed here already
     std::vector<std::string> peers;  // relays that hold a part of it (AddPeer)
@@ -266,6 +273,9 @@ class Store {
     std::string reason;  // "CODE: message" of a dead letter or the last failed attempt
     uint32_t attempts = 0;
   };
+  // Applies `next` to `*cur` by the rule above (what TrackRecipient does to
+  // a recipient tracked already).
+  static void MergeTrack(RecipientTrack* cur, const RecipientTrack& next);
   virtual void TrackRecipient(const std::string& session, const std::string& message_id, const std::string& agent,
                               const RecipientTrack& track) = 0;
   // Where message `message_id` is for each of its recipients, in the

@@ -87,8 +87,12 @@ grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext
   if (s.ok()) s = CheckId("session_id", req.session_id());
   absl::StatusOr<Caller> caller = s.ok() ? CheckMayClose(*ctx, req) : absl::StatusOr<Caller>(s);
   if (s.ok()) s = caller.status();
+  Store::CloseResult r;
   if (s.ok()) {
-    Store::CloseResult r = store_->CloseSessionAndPeers(req.session_id());
+    r = store_->CloseSessionAndPeers(req.session_id());
+    s = r.status;  // a spool that could not record it
+  }
+  if (s.ok()) {
     // Not passed back to the relay it came from.
     if (req.propagated() && !caller->identity.empty()) {
       r.peers.erase(std::remove_if(r.peers.begin(), r.peers.end(),

@@ -1,0 +1,126 @@
+// The spool's journal: an append-only file of CRC32C-checked records
+// (spool_format.h) that records everything but the messages' tensors:
+// commits, deliveries, acks, closes, expiries, the outbox's states and the
+// relays that hold a part of a session.
+//
+// One writer thread takes whatever records are queued, writes them with one
+// write and (JournalOptions::sync) one fdatasync, then calls each record's
+// callback: group commit. A record is durable when its callback says OK.
+//
+// A failed write or sync is not retried (what the kernel dropped on a failed
+// fsync is gone, and the file's state is unknown): the journal stops
+// taking records for good, every queued and later Append fails with
+// UNAVAILABLE, and the failure callback runs once. The relay then reports
+// NOT_SERVING until it is restarted, when recovery reads what is durable.
+//
+// Compaction: once the file has grown by JournalOptions::compact_bytes
+// since it was last written whole, the writer asks the snapshot callback
+// for records that rebuild the current state, writes them to
+// DIR/journal.tmp, syncs it, renames it over DIR/journal and syncs DIR.
+// A crash at any step leaves one whole journal.
+//
+// Thread-safe. Callbacks run on the writer thread and must not block on
+// the journal.
+#ifndef KVRELAY_SERVER_SPOOL_JOURNAL_H_
+#define KVRELAY_SERVER_SPOOL_JOURNAL_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvrelay/spool/v1/spool.pb.h"
+#include "server/spool/spool_format.h"
+#include "server/spool/spool_fs.h"
+
+namespace kvrelay {
+
+struct JournalOptions {
+  bool sync = true;                   // fdatasync each batch (--fsync=always)
+  bool sync_dir = true;               // fsync the directory after a rename; false only in tests (a negative control)
+  uint64_t compact_bytes = 64 << 20;  // growth that triggers a compaction
+};
+
+// What opening the journal found.
+struct JournalRecovery {
+  std::vector<spool::v1::Record> records;  // the intact records, in order
+  uint64_t bytes = 0;                      // the journal's size after recovery
+  uint64_t torn_bytes = 0;                 // cut off the end (a torn or damaged tail)
+  std::string torn_why;
+  std::string quarantined;                 // where the damaged journal was copied ("": nowhere)
+};
+
+class Journal {
+ public:
+  using Done = std::function<void(const absl::Status&)>;
+  using Snapshot = std::function<std::vector<spool::v1::Record>()>;
+  using OnFailure = std::function<void(const absl::Status&)>;
+
+  // Opens DIR/journal, creating it when missing, and reads it into
+  // `*recovery`. A torn tail is cut off (after copying the whole damaged
+  // file to DIR/quarantine/ when more than a partial last record is lost);
+  // a leftover DIR/journal.tmp is removed. FAILED_PRECONDITION for a
+  // journal of an unknown format version (left untouched); DATA_LOSS for a
+  // file that is not a journal.
+  // REQUIRES: DIR and DIR/quarantine exist. `fs` outlives the journal.
+  static absl::StatusOr<std::unique_ptr<Journal>> Open(SpoolFs* fs, const std::string& dir,
+                                                       const JournalOptions& opts, JournalRecovery* recovery);
+  // Writes what is queued, then stops the writer.
+  ~Journal();
+  Journal(const Journal&) = delete;
+  Journal& operator=(const Journal&) = delete;
+
+  // Starts the writer thread. REQUIRES: called once, before Append.
+  void Start(Snapshot snapshot, OnFailure on_failure);
+
+  // Queues `record`; `done` (may be null) is called once it is durable or
+  // has failed.
+  void Append(spool::v1::Record record, Done done = nullptr);
+  // Appends `record` and waits until it is durable or has failed.
+  absl::Status AppendAndWait(spool::v1::Record record);
+
+  // OK, or the failure that stopped the journal.
+  absl::Status health() const;
+  uint64_t bytes() const;
+  uint64_t compactions() const;
+
+ private:
+  Journal(SpoolFs* fs, std::string dir, const JournalOptions& opts);
+  void Loop();
+  absl::Status WriteBatch(const std::string& bytes);
+  // Rewrites the journal from the snapshot; an error before the rename
+  // leaves the old journal in use, one after it fails the journal.
+  absl::Status Compact();
+  void Fail(const absl::Status& s);
+
+  struct Pending {
+    spool::v1::Record record;
+    Done done;
+  };
+
+  SpoolFs* const fs_;
+  const std::string dir_, path_;
+  const JournalOptions opts_;
+  Snapshot snapshot_;
+  OnFailure on_failure_;
+  std::unique_ptr<SpoolFile> file_;  // the writer's
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> queue_;
+  absl::Status failed_;
+  bool stop_ = false;
+  uint64_t bytes_ = 0, compacted_at_ = 0, compactions_ = 0;
+  std::thread writer_;
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_SPOOL_JOURNAL_H_

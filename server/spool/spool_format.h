@@ -1,0 +1,88 @@
+// The spool's two file formats (docs/SPOOL.md has the byte layout):
+//
+//   message file  "KVRSPMSG" | u32 version | u32 meta bytes | u64 body bytes
+//                 | MessageMeta | body (a message file of docs/FORMAT.md)
+//                 | u32 CRC32C of everything before it
+//   journal       "KVRSPJNL" | u32 version | u32 0, then records:
+//                 u32 payload bytes | u32 CRC32C of the payload | Record
+//
+// Integers are little-endian. Readers never trust a length before checking
+// it against what is there, and never return part of a damaged file.
+//
+// All functions are thread-safe (no shared state).
+#ifndef KVRELAY_SERVER_SPOOL_SPOOL_FORMAT_H_
+#define KVRELAY_SERVER_SPOOL_SPOOL_FORMAT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/message.h"
+#include "kvrelay/spool/v1/spool.pb.h"
+
+namespace kvrelay {
+
+// The format version this relay writes and the only one it reads.
+inline constexpr uint32_t kSpoolFormatVersion = 1;
+inline constexpr char kMessageFileMagic[] = "KVRSPMSG";
+inline constexpr char kJournalMagic[] = "KVRSPJNL";
+inline constexpr size_t kJournalHeaderBytes = 16;
+inline constexpr size_t kRecordHeaderBytes = 8;
+// A journal record longer than this is damage, not a record.
+inline constexpr uint32_t kMaxRecordBytes = 1u << 20;
+
+// ---- Message files ----
+
+struct SpoolMessage {
+  spool::v1::MessageMeta meta;
+  Message msg;
+};
+
+// Serializes `meta` and `msg` into `*out` (replacing it). InvalidArgument
+// when `msg` cannot be written as a message file.
+absl::Status EncodeMessageFile(const spool::v1::MessageMeta& meta, const Message& msg, std::string* out);
+
+// Parses a whole message file. FAILED_PRECONDITION for a version other than
+// kSpoolFormatVersion (the file is someone else's, not damaged); DATA_LOSS
+// for anything else wrong (short, bad magic, lengths that do not add up,
+// CRC mismatch, a body that does not parse), naming what. With
+// `check_crc` false the caller has checked MessageFileCrcOk already.
+absl::StatusOr<SpoolMessage> DecodeMessageFile(absl::string_view bytes, bool check_crc = true);
+// FAILED_PRECONDITION when `bytes` start like a message file of another
+// format version (checked before anything else: such a file is refused,
+// not judged by this version's checks); OK otherwise.
+absl::Status CheckMessageFileVersion(absl::string_view bytes);
+// Whether the file's last 4 bytes are the CRC32C of the rest (false for a
+// file under 4 bytes).
+bool MessageFileCrcOk(absl::string_view bytes);
+
+// ---- The journal ----
+
+// The 16 bytes every journal file starts with.
+std::string JournalHeader();
+
+// Appends `record`'s framing and payload to `*out`.
+void AppendJournalRecord(const spool::v1::Record& record, std::string* out);
+
+struct JournalScan {
+  std::vector<spool::v1::Record> records;  // the intact prefix, in order
+  uint64_t valid_bytes = 0;                // header + intact records
+  // Bytes after the intact prefix (a torn or damaged tail), and why the
+  // scan stopped there ("" when it did not).
+  uint64_t torn_bytes = 0;
+  std::string torn_why;
+};
+
+// Reads a journal file. FAILED_PRECONDITION for a version other than
+// kSpoolFormatVersion; DATA_LOSS when the header itself is not a journal's.
+// A record that is cut short, over kMaxRecordBytes, fails its CRC or does
+// not parse ends the intact prefix: it and everything after it are the torn
+// tail.
+absl::StatusOr<JournalScan> ScanJournal(absl::string_view bytes);
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_SPOOL_SPOOL_FORMAT_H_

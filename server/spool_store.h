@@ -1,0 +1,222 @@
+// The Store that survives a restart (kill -9, OOM kill, power loss with
+// --fsync=always): a MemoryStore for serving, and under it a spool
+// directory that records every commit, delivery, ack, close and forward
+// state before the call that made it returns OK.
+//
+// What "accepted" means:
+//   - Commit (Publish) and CommitForward (a forward here) return OK only
+//     once the message is durable: its file written and synced, renamed into
+//     place, the directory synced, and its commit record synced in the
+//     journal. A forward's commit goes out only after Commit returned, so no
+//     destination holds a message whose publish failed.
+//   - Ack returns OK only once the ack is durable; a message acked OK is
+//     never delivered again, also after a restart.
+//   - CloseSession returns once the close is durable (a tombstone that
+//     refuses forwards for the TTL after a restart too); dead letters are
+//     durable before they are reported.
+//   - The outbox: a message's recipients on other relays stay in it until
+//     the destination answered (after making the message durable there); a
+//     restart resumes their forwards (RecoveredOutbox).
+//   - Deliveries are recorded without waiting (so that an agent that fetched
+//     before a crash can still ack after it); one within the last journal
+//     batch before a crash is forgotten, and the agent fetches the message
+//     again before it acks (redelivery of an unacked message is allowed).
+// A crash before any of these returned loses nothing that was accepted; the
+// call may or may not have taken effect, and its retry with the same ids is
+// answered as a duplicate or done then.
+//
+// Layout of DIR (mode 0700, files 0600): LOCK (flock: one relay per spool),
+// journal (spool_format.h), msg/<seq>.kvm (one file per message, seq in 16
+// hex digits), msg/<seq>.tmp (a file being written), quarantine/ (damaged
+// files, never served). A message file goes once its session is closed or
+// expired (acked messages stay until then: they may still be parents).
+//
+// Memory: every retained message is also held in memory, as without a
+// spool, so the cache is the store itself, bounded by --max-store-bytes and
+// the other store limits; the spool holds at most the same messages.
+//
+// Errors: a full disk (ENOSPC) or a spool over --max-spool-bytes is
+// RESOURCE_EXHAUSTED; any other I/O error of a message file fails that call
+// with UNAVAILABLE and leaves nothing visible. A failed journal write or
+// sync, or a failed directory sync, is not retried (the kernel may have
+// dropped the data it could not write): the spool takes no more writes,
+// every mutating call fails with UNAVAILABLE, and the failure callback
+// tells the server to report NOT_SERVING until it is restarted.
+//
+// Thread-safe, like every Store.
+#ifndef KVRELAY_SERVER_SPOOL_STORE_H_
+#define KVRELAY_SERVER_SPOOL_STORE_H_
+
+#include <atomic>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "server/memory_store.h"
+#include "server/spool/journal.h"
+#include "server/spool/spool_fs.h"
+#include "server/store.h"
+
+namespace kvrelay {
+
+struct SpoolOptions {
+  std::string dir;
+  // --fsync=always (true) or never (false: for benchmarks; a power loss
+  // loses what the kernel had not written).
+  bool fsync = true;
+  uint64_t max_spool_bytes = 0;  // 0: no limit but the disk's
+  uint64_t compact_bytes = 64 << 20;
+  // Tests only: the file layer (null: the real file system), and a negative
+  // control that leaves out every directory sync.
+  SpoolFs* fs = nullptr;
+  bool sync_dir = true;
+};
+
+// What start-up found in the spool.
+struct SpoolRecovery {
+  double seconds = 0, crc_seconds = 0;
+  uint64_t messages = 0, sessions = 0, closed = 0, outbox = 0;
+  uint64_t bytes = 0;        // message files and journal
+  uint64_t orphans = 0;      // files removed: temporaries, never committed, or of freed sessions
+  uint64_t quarantined = 0;  // message files whose check failed (moved to quarantine/)
+  uint64_t missing = 0;      // messages the journal names whose file is gone
+  uint64_t torn_bytes = 0;   // cut off the journal's end
+  std::string torn_why;
+};
+
+class SpoolStore final : public Store {
+ public:
+  // Opens (creating it when missing) and recovers the spool in
+  // options.dir. FAILED_PRECONDITION when another process holds it or it
+  // has a format version this relay does not know (nothing is changed);
+  // the I/O error otherwise. `metrics` may be null and must outlive the store.
+  static absl::StatusOr<std::unique_ptr<SpoolStore>> Open(const StoreLimits& limits, const SpoolOptions& options,
+                                                          Metrics* metrics);
+  ~SpoolStore() override;
+
+  const SpoolRecovery& recovery() const { return recovery_; }
+
+  // A forward to resume after a restart: `agents` of `msg` on relay
+  // `target` had no answer from it yet.
+  struct PendingForward {
+    MessagePtr msg;
+    std::string target;
+    std::vector<std::string> agents;
+  };
+  // The outbox as recovered (the same list every call).
+  const std::vector<PendingForward>& RecoveredOutbox() const { return outbox_; }
+
+  // Called once, on the journal's thread, when the spool stops taking
+  // writes. REQUIRES: set before the store is used.
+  void SetOnFailure(std::function<void(const absl::Status&)> fn) { on_failure_ = std::move(fn); }
+  // OK, or why the spool takes no more writes.
+  absl::Status health() const;
+
+  absl::Status ReserveInflight(uint64_t bytes, absl::string_view what) override {
+    return mem_->ReserveInflight(bytes, what);
+  }
+  void AddInflight(uint64_t bytes) override { mem_->AddInflight(bytes); }
+  void ReleaseInflight(uint64_t bytes) override { mem_->ReleaseInflight(bytes); }
+  MessagePtr Find(const std::string& session, const std::string& message_id) const override {
+    return mem_->Find(session, message_id);
+  }
+  absl::StatusOr<MessagePtr> LookupParent(const std::string& session, const std::string& parent_id,
+                                          const std::string& sender) const override {
+    return mem_->LookupParent(session, parent_id, sender);
+  }
+  absl::Status CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
+                               uint64_t bytes) const override;
+  PublishTicket BeginPublish(const std::string& session) override { return mem_->BeginPublish(session); }
+  void EndPublish(const PublishTicket& t) override { mem_->EndPublish(t); }
+  absl::StatusOr<CommitResult> Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) override;
+  std::optional<Delivery> FetchOrWait(const std::string& session, const std::string& agent,
+                                      Clock::time_point deadline, WakeFn wake, uint64_t* waiter) override {
+    return mem_->FetchOrWait(session, agent, deadline, std::move(wake), waiter);
+  }
+  bool MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id) override;
+  bool CancelWaiter(uint64_t waiter) override { return mem_->CancelWaiter(waiter); }
+  absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id) override;
+  uint32_t CloseSession(const std::string& session) override { return CloseSessionAndPeers(session).messages_freed; }
+  void Shutdown() override { mem_->Shutdown(); }
+  bool shutting_down() const override { return mem_->shutting_down(); }
+  void SweepExpired() override { mem_->SweepExpired(); }
+  void AddReceived(uint64_t bytes) override { mem_->AddReceived(bytes); }
+  void AddFailed() override { mem_->AddFailed(); }
+  StoreStats Stats() const override { return mem_->Stats(); }
+  absl::StatusOr<ForwardCommitResult> CommitForward(std::shared_ptr<StoredMessage> m,
+                                                    const std::vector<std::string>& recipients,
+                                                    const PublishTicket& t) override;
+  bool IsClosed(const std::string& session) const override { return mem_->IsClosed(session); }
+  CloseResult CloseSessionAndPeers(const std::string& session) override;
+  absl::Status ReserveOutbox(const std::string& target, uint64_t bytes) override {
+    return mem_->ReserveOutbox(target, bytes);
+  }
+  void ReleaseOutbox(const std::string& target, uint64_t bytes) override { mem_->ReleaseOutbox(target, bytes); }
+  void TrackRecipient(const std::string& session, const std::string& message_id, const std::string& agent,
+                      const RecipientTrack& track) override;
+  absl::StatusOr<v1::MessageStatusResponse> MessageStatus(const std::string& session,
+                                                          const std::string& message_id) const override {
+    return mem_->MessageStatus(session, message_id);
+  }
+  bool AddPeer(const std::string& session, const std::string& target) override;
+  void NotePeerHolds(const std::string& session, const std::string& message_id, const std::string& target) override;
+  bool PeerHolds(const std::string& session, const std::string& message_id,
+                 const std::string& target) const override {
+    return mem_->PeerHolds(session, message_id, target);
+  }
+  bool IsParticipant(const std::string& session, const std::string& agent) const override {
+    return mem_->IsParticipant(session, agent);
+  }
+  std::vector<std::string> Peers(const std::string& session) const override { return mem_->Peers(session); }
+
+ private:
+  SpoolStore(const StoreLimits& limits, const SpoolOptions& options, Metrics* metrics);
+  absl::Status Recover();
+  // Writes `m`'s file under its temporary name and syncs it; returns its seq.
+  absl::StatusOr<uint64_t> WriteTemp(const StoredMessage& m);
+  // Renames the temporary file into place and syncs the directory.
+  absl::Status Publish(uint64_t seq);
+  void RemoveMessageFile(uint64_t seq, bool temp);
+  // Queues `r`; the future says when it is durable.
+  std::shared_ptr<std::promise<absl::Status>> Durable(spool::v1::Record r);
+  absl::Status Writable() const;
+  std::vector<spool::v1::Record> Snapshot() const;
+  // The message files of `session`, no longer counted as its; removed by
+  // RemoveMessageFiles once the record that freed the session is durable.
+  std::set<uint64_t> TakeSessionFiles(const std::string& session);
+  void RemoveMessageFiles(const std::set<uint64_t>& seqs);
+  void AddSpoolBytes(int64_t delta);
+  absl::Status SyncTimed(SpoolFile* f);
+  std::string MessagePath(uint64_t seq, bool temp) const;
+
+  const SpoolOptions options_;
+  SpoolFs* const fs_;
+  Metrics* const metrics_;
+  const std::string msg_dir_;
+  std::unique_ptr<MemoryStore> mem_;
+  std::unique_ptr<Journal> journal_;
+  int lock_fd_ = -1;
+  SpoolRecovery recovery_;
+  std::vector<PendingForward> outbox_;
+  std::function<void(const absl::Status&)> on_failure_;
+
+  // Orders commits, forward commits and closes: their records reach the
+  // journal in the order they took effect in memory.
+  std::mutex commit_mu_;
+  std::atomic<uint64_t> next_seq_{1};
+  std::atomic<int64_t> spool_bytes_{0};
+  mutable std::mutex files_mu_;
+  std::map<std::string, std::set<uint64_t>> files_;  // session -> its message files
+  std::map<uint64_t, uint64_t> file_bytes_;          // seq -> size
+  std::atomic<bool> failed_{false};
+  absl::Status dir_failure_;  // a failed directory sync; guarded by files_mu_
+};
+
+}  // namespace kvrelay
+
+#endif  // KVRELAY_SERVER_SPOOL_STORE_H_

@@ -1,0 +1,628 @@
+// The spool: its formats, recovery, the corruption table, injected I/O
+// faults, and crash and power-loss runs over random seeds with their
+// negative controls (no fsync, no directory fsync), which must fail.
+#include <functional>
+#include <iostream>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "gtest/gtest.h"
+#include "server/memory_store.h"
+#include "server/spool/journal.h"
+#include "server/spool/spool_format.h"
+#include "server/spool_store.h"
+#include "tests/server/spool/fault_fs.h"
+#include "tests/server/spool/spool_test_util.h"
+#include "tests/server/store_test_util.h"
+
+namespace kvrelay {
+namespace {
+
+using testing::Commit;
+using testing::FaultFs;
+using testing::Fingerprint;
+using testing::RealMsg;
+using testing::TryFetch;
+
+constexpr char kDir[] = "/spool";
+
+SpoolOptions Opts(FaultFs* fs) {
+  SpoolOptions o;
+  o.dir = kDir;
+  o.fs = fs;
+  return o;
+}
+
+std::unique_ptr<SpoolStore> OpenOk(const SpoolOptions& o, StoreLimits limits = {}) {
+  absl::StatusOr<std::unique_ptr<SpoolStore>> s = SpoolStore::Open(limits, o, nullptr);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+std::string MsgPath(uint64_t seq) {
+  char b[64];
+  snprintf(b, sizeof(b), "%s/msg/%016llx.kvm", kDir, static_cast<unsigned long long>(seq));
+  return b;
+}
+
+// ---- Formats ----
+
+TEST(SpoolFormat, MessageFileRoundTrip) {
+  auto m = RealMsg("s", "m1", {"b"}, 7);
+  spool::v1::MessageMeta meta;
+  meta.set_session_id("s");
+  meta.set_message_id("m1");
+  meta.add_recipients("b");
+  std::string bytes;
+  ASSERT_TRUE(EncodeMessageFile(meta, m->msg, &bytes).ok());
+  absl::StatusOr<SpoolMessage> back = DecodeMessageFile(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->meta.message_id(), "m1");
+  auto copy = std::make_shared<StoredMessage>(*m);
+  copy->msg = std::move(back->msg);
+  EXPECT_EQ(Fingerprint(*copy), Fingerprint(*m));
+}
+
+TEST(SpoolFormat, EveryDamagedMessageFileIsDataLossAndAnotherVersionIsRefused) {
+  auto m = RealMsg("s", "m1", {"b"}, 8);
+  spool::v1::MessageMeta meta;
+  meta.set_session_id("s");
+  std::string bytes;
+  ASSERT_TRUE(EncodeMessageFile(meta, m->msg, &bytes).ok());
+  std::mt19937 rng(1);
+  for (int i = 0; i < 200; ++i) {
+    std::string bad = bytes;
+    const size_t at = rng() % bad.size();
+    bad[at] ^= static_cast<char>(1u << (rng() % 8));
+    absl::StatusOr<SpoolMessage> r = DecodeMessageFile(bad);
+    ASSERT_FALSE(r.ok()) << "a flipped bit at " << at << " went unnoticed";
+    if (at >= 8 && at < 12) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+    } else {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+    }
+  }
+  for (size_t n : {size_t{0}, size_t{10}, bytes.size() / 2, bytes.size() - 1}) {
+    EXPECT_EQ(DecodeMessageFile(absl::string_view(bytes).substr(0, n)).status().code(), absl::StatusCode::kDataLoss);
+  }
+}
+
+TEST(SpoolFormat, JournalScanStopsAtTheFirstDamagedRecord) {
+  std::string j = JournalHeader();
+  std::vector<size_t> ends;
+  for (int i = 0; i < 5; ++i) {
+    spool::v1::Record r;
+    r.mutable_acked()->set_session_id("s");
+    r.mutable_acked()->set_message_id("m" + std::to_string(i));
+    AppendJournalRecord(r, &j);
+    ends.push_back(j.size());
+  }
+  absl::StatusOr<JournalScan> all = ScanJournal(j);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->records.size(), 5u);
+  EXPECT_EQ(all->torn_bytes, 0u);
+  // Cut anywhere inside record 3: records 0..2 survive.
+  for (size_t cut = ends[2] + 1; cut < ends[3]; ++cut) {
+    absl::StatusOr<JournalScan> s = ScanJournal(absl::string_view(j).substr(0, cut));
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s->records.size(), 3u) << cut;
+    EXPECT_EQ(s->valid_bytes, ends[2]);
+  }
+  // A flipped bit inside record 1: only record 0 survives.
+  std::string bad = j;
+  bad[ends[0] + 10] ^= 4;
+  absl::StatusOr<JournalScan> s = ScanJournal(bad);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->records.size(), 1u);
+  EXPECT_EQ(s->torn_bytes, j.size() - ends[0]);
+  std::string v2 = j;
+  v2[8] = 2;
+  EXPECT_EQ(ScanJournal(v2).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ScanJournal("not a journal at all").status().code(), absl::StatusCode::kDataLoss);
+}
+
+// ---- Recovery ----
+
+TEST(SpoolStore, RecoversMessagesDeliveriesAcksAndCloses) {
+  FaultFs fs;
+  std::map<std::string, uint32_t> prints;
+  {
+    auto s = OpenOk(Opts(&fs));
+    for (int i = 0; i < 4; ++i) {
+      auto m = RealMsg("s1", "m" + std::to_string(i), {"b", "c"}, i);
+      prints[m->message_id] = Fingerprint(*m);
+      ASSERT_TRUE(Commit(*s, m).ok());
+    }
+    ASSERT_TRUE(Commit(*s, RealMsg("s2", "x", {"b"}, 99)).ok());
+    ASSERT_TRUE(TryFetch(*s, "s1", "b"));  // m0 delivered to b
+    ASSERT_TRUE(s->Ack("s1", "b", "m0").ok());
+    ASSERT_TRUE(TryFetch(*s, "s1", "b"));  // m1 delivered to b, not acked
+    ASSERT_TRUE(s->CloseSessionAndPeers("s2").status.ok());
+  }
+  auto s = OpenOk(Opts(&fs));
+  EXPECT_EQ(s->recovery().messages, 4u);
+  EXPECT_EQ(s->recovery().closed, 1u);
+  for (const auto& [id, fp] : prints) {
+    MessagePtr m = s->Find("s1", id);
+    ASSERT_TRUE(m) << id;
+    EXPECT_EQ(Fingerprint(*m), fp) << id;
+  }
+  EXPECT_TRUE(s->IsClosed("s2"));
+  EXPECT_FALSE(s->Find("s2", "x"));
+  // b acked m0: its oldest is m1, which it fetched before the restart and
+  // may ack without fetching again; c still has everything.
+  EXPECT_TRUE(s->Ack("s1", "b", "m1").ok());
+  auto d = TryFetch(*s, "s1", "b");
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->msg->message_id, "m2");
+  d = TryFetch(*s, "s1", "c");
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->msg->message_id, "m0");
+  EXPECT_TRUE(s->LookupParent("s1", "m0", "b").ok());
+  // The closed session's file is gone; the others are there.
+  absl::StatusOr<std::vector<std::string>> files = fs.List(std::string(kDir) + "/msg");
+  ASSERT_TRUE(files.ok());
+  EXPECT_EQ(files->size(), 4u);
+}
+
+TEST(SpoolStore, DuplicatesAndRefusedCommitsLeaveNoFile) {
+  FaultFs fs;
+  StoreLimits limits;
+  limits.max_session_messages = 2;
+  auto s = OpenOk(Opts(&fs), limits);
+  ASSERT_TRUE(Commit(*s, RealMsg("s", "a", {"b"}, 1)).ok());
+  absl::StatusOr<Store::CommitResult> dup = Commit(*s, RealMsg("s", "a", {"b"}, 1));
+  ASSERT_TRUE(dup.ok());
+  EXPECT_TRUE(dup->duplicate);
+  ASSERT_TRUE(Commit(*s, RealMsg("s", "b", {"b"}, 2)).ok());
+  EXPECT_EQ(Commit(*s, RealMsg("s", "c", {"b"}, 3)).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(fs.List(std::string(kDir) + "/msg")->size(), 2u);
+}
+
+TEST(SpoolStore, ForwardedMessagesTracksPeersAndTheOutboxSurvive) {
+  FaultFs fs;
+  {
+    auto s = OpenOk(Opts(&fs));
+    // Published here for b (here) and r1, r2 on relay R.
+    auto m = RealMsg("s", "p1", {"b", "r1", "r2"}, 3);
+    m->remote = {{"r1", "R:1"}, {"r2", "R:1"}};
+    ASSERT_TRUE(Commit(*s, m).ok());
+    auto q = RealMsg("s", "p2", {"r1"}, 4);
+    q->remote = {{"r1", "R:1"}};
+    ASSERT_TRUE(Commit(*s, q).ok());
+    s->TrackRecipient("s", "p2", "r1", {v1::RECIPIENT_STATE_COMMITTED, "R:1", "", 1});
+    s->TrackRecipient("s", "p1", "r2", {v1::RECIPIENT_STATE_DEAD_LETTERED, "R:1", "NOT_FOUND: x", 3});
+    ASSERT_TRUE(s->AddPeer("s", "R:1"));
+    s->NotePeerHolds("s", "p2", "R:1");
+    // Forwarded here from relay O: one recipient, then a second.
+    auto f = RealMsg("s", "f1", {"b"}, 5);
+    f->forwarded = true;
+    f->origin = "O:1";
+    Store::PublishTicket t = s->BeginPublish("s");
+    ASSERT_TRUE(s->CommitForward(f, {"b"}, t).ok());
+    absl::StatusOr<Store::ForwardCommitResult> again = s->CommitForward(RealMsg("s", "f1", {"c"}, 5), {"c"}, t);
+    s->EndPublish(t);
+    ASSERT_TRUE(again.ok());
+    EXPECT_TRUE(again->duplicate);
+  }
+  auto s = OpenOk(Opts(&fs));
+  // The outbox: p1 to r1 had no answer; p2 was committed there, r2 dead.
+  ASSERT_EQ(s->RecoveredOutbox().size(), 1u);
+  EXPECT_EQ(s->RecoveredOutbox()[0].msg->message_id, "p1");
+  EXPECT_EQ(s->RecoveredOutbox()[0].target, "R:1");
+  EXPECT_EQ(s->RecoveredOutbox()[0].agents, std::vector<std::string>{"r1"});
+  absl::StatusOr<v1::MessageStatusResponse> st = s->MessageStatus("s", "p1");
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->recipients_size(), 3);
+  EXPECT_EQ(st->recipients(2).state(), v1::RECIPIENT_STATE_DEAD_LETTERED);
+  EXPECT_EQ(st->recipients(2).reason(), "NOT_FOUND: x");
+  EXPECT_TRUE(s->PeerHolds("s", "p2", "R:1"));
+  EXPECT_EQ(s->Peers("s"), (std::vector<std::string>{"O:1", "R:1"}));
+  MessagePtr f = s->Find("s", "f1");
+  ASSERT_TRUE(f);
+  EXPECT_TRUE(f->forwarded);
+  EXPECT_EQ(f->origin, "O:1");
+  // Both forwarded recipients have it.
+  for (const char* agent : {"b", "c"}) {
+    bool found = false;
+    for (int i = 0; i < 3 && !found; ++i) {
+      auto d = TryFetch(*s, "s", agent);
+      if (!d) break;
+      found = d->msg->message_id == "f1";
+      ASSERT_TRUE(s->Ack("s", agent, d->msg->message_id).ok());
+    }
+    EXPECT_TRUE(found) << agent;
+  }
+}
+
+TEST(SpoolStore, CompactionKeepsTheStateAndBoundsTheJournal) {
+  FaultFs fs;
+  SpoolOptions o = Opts(&fs);
+  o.compact_bytes = 4096;
+  {
+    auto s = OpenOk(o);
+    for (int i = 0; i < 60; ++i) {
+      ASSERT_TRUE(Commit(*s, RealMsg("s", "m" + std::to_string(i), {"b"}, i, 2, 1)).ok());
+    }
+    for (int i = 0; i < 40; ++i) {  // b takes and acks the oldest 40
+      auto d = TryFetch(*s, "s", "b");
+      ASSERT_TRUE(d);
+      ASSERT_EQ(d->msg->message_id, "m" + std::to_string(i));
+      ASSERT_TRUE(s->Ack("s", "b", d->msg->message_id).ok());
+    }
+  }
+  const std::string j = fs.Peek(std::string(kDir) + "/journal");
+  EXPECT_LT(j.size(), 4096u + 8192u) << "the journal was not compacted";
+  auto s = OpenOk(o);
+  EXPECT_EQ(s->recovery().messages, 60u);
+  auto d = TryFetch(*s, "s", "b");
+  ASSERT_TRUE(d);
+  EXPECT_EQ(d->msg->message_id, "m40");
+  EXPECT_TRUE(s->LookupParent("s", "m39", "b").ok());
+}
+
+// ---- The corruption table ----
+
+// A spool with three committed messages m0..m2 in session s for b, m0 acked.
+void MakeThree(FaultFs* fs) {
+  auto s = OpenOk(Opts(fs));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(Commit(*s, RealMsg("s", "m" + std::to_string(i), {"b"}, 40 + i)).ok());
+  ASSERT_TRUE(TryFetch(*s, "s", "b"));
+  ASSERT_TRUE(s->Ack("s", "b", "m0").ok());
+}
+
+struct Corruption {
+  const char* name;
+  std::function<void(FaultFs*)> damage;
+  std::set<std::string> served;  // what the recovered relay still holds
+  uint64_t quarantined, missing;
+  bool torn;
+};
+
+TEST(SpoolStore, CorruptionTable) {
+  const std::string journal = std::string(kDir) + "/journal";
+  const std::vector<Corruption> table = {
+      // m0, m1, m2 are files 1, 2, 3.
+      {"truncated message file",
+       [](FaultFs* fs) {
+         const std::string d = fs->Peek(MsgPath(3));
+         fs->Poke(MsgPath(3), d.substr(0, d.size() / 2));
+       },
+       {"m0", "m1"}, 1, 0, false},
+      {"flipped bit in a message file",
+       [](FaultFs* fs) {
+         std::string d = fs->Peek(MsgPath(2));
+         d[d.size() / 2] ^= 0x10;
+         fs->Poke(MsgPath(2), d);
+       },
+       {"m0", "m2"}, 1, 0, false},
+      {"torn journal record",
+       [&](FaultFs* fs) {
+         std::string d = fs->Peek(journal);
+         spool::v1::Record r;
+         r.mutable_acked()->set_session_id("s");
+         r.mutable_acked()->set_message_id("m1");
+         r.mutable_acked()->set_agent("b");
+         std::string rec;
+         AppendJournalRecord(r, &rec);
+         fs->Poke(journal, d + rec.substr(0, rec.size() - 3));  // the ack of m1 never finished
+       },
+       {"m0", "m1", "m2"}, 0, 0, true},
+      {"flipped bit in the journal",
+       [&](FaultFs* fs) {
+         std::string d = fs->Peek(journal);
+         d[d.size() - 5] ^= 0x01;  // inside the last record: the ack of m0
+         fs->Poke(journal, d);
+       },
+       {"m0", "m1", "m2"}, 0, 0, true},
+      {"missing file named by the journal",
+       [](FaultFs* fs) { ASSERT_TRUE(fs->Remove(MsgPath(3)).ok()); },
+       {"m0", "m1"}, 0, 1, false},
+  };
+  for (const Corruption& c : table) {
+    SCOPED_TRACE(c.name);
+    FaultFs fs;
+    MakeThree(&fs);
+    c.damage(&fs);
+    auto s = OpenOk(Opts(&fs));
+    ASSERT_TRUE(s);
+    EXPECT_EQ(s->recovery().quarantined, c.quarantined);
+    EXPECT_EQ(s->recovery().missing, c.missing);
+    EXPECT_EQ(s->recovery().torn_bytes > 0, c.torn);
+    std::set<std::string> held;
+    for (const char* id : {"m0", "m1", "m2"}) {
+      if (MessagePtr m = s->Find("s", id)) {
+        held.insert(id);
+        EXPECT_EQ(Fingerprint(*m), Fingerprint(*RealMsg("s", id, {"b"}, 40 + (id[1] - '0')))) << id;
+      }
+    }
+    EXPECT_EQ(held, c.served);
+    // What is served is whole, and a damaged file is never served: every
+    // delivery is one of the intact messages.
+    for (int i = 0; i < 3; ++i) {
+      auto d = TryFetch(*s, "s", "b");
+      if (!d) break;
+      EXPECT_TRUE(c.served.count(d->msg->message_id));
+      ASSERT_TRUE(s->Ack("s", "b", d->msg->message_id).ok());
+    }
+    if (c.quarantined) {
+      EXPECT_FALSE(fs.List(std::string(kDir) + "/quarantine")->empty());
+    }
+  }
+}
+
+TEST(SpoolStore, AnUnknownFormatVersionIsRefusedAndLeftAlone) {
+  for (const bool journal : {true, false}) {
+    FaultFs fs;
+    MakeThree(&fs);
+    const std::string path = journal ? std::string(kDir) + "/journal" : MsgPath(2);
+    std::string d = fs.Peek(path);
+    d[8] = 9;  // version 9
+    fs.Poke(path, d);
+    absl::StatusOr<std::unique_ptr<SpoolStore>> s = SpoolStore::Open({}, Opts(&fs), nullptr);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(s.status().message().find("version 9"), std::string::npos) << s.status();
+    EXPECT_EQ(fs.Peek(path), d);
+  }
+}
+
+// ---- I/O faults ----
+
+TEST(SpoolStore, IoFaultsGiveTheirCodesAndLeaveNothingVisible) {
+  struct Fault {
+    const char* op;
+    const char* path;
+    absl::Status status;
+    absl::StatusCode want;
+    bool stops_writes;
+  };
+  const std::vector<Fault> faults = {
+      {"write", ".tmp", absl::ResourceExhaustedError("write: No space left on device"),
+       absl::StatusCode::kResourceExhausted, false},
+      {"fdatasync", ".tmp", absl::UnavailableError("fdatasync: Input/output error"), absl::StatusCode::kUnavailable,
+       false},
+      {"open", ".tmp", absl::UnavailableError("open: Input/output error"), absl::StatusCode::kUnavailable, false},
+      {"fsync", "/msg", absl::UnavailableError("fsync: Input/output error"), absl::StatusCode::kUnavailable, true},
+      {"fdatasync", "journal", absl::UnavailableError("fdatasync: Input/output error"),
+       absl::StatusCode::kUnavailable, true},
+      {"write", "journal", absl::ResourceExhaustedError("write: No space left on device"),
+       absl::StatusCode::kUnavailable, true},
+  };
+  for (const Fault& f : faults) {
+    SCOPED_TRACE(std::string(f.op) + " " + f.path);
+    FaultFs fs;
+    auto s = OpenOk(Opts(&fs));
+    bool failed_called = false;
+    s->SetOnFailure([&](const absl::Status&) { failed_called = true; });
+    ASSERT_TRUE(Commit(*s, RealMsg("s", "ok", {"b"}, 1)).ok());
+    fs.FailOn(f.op, f.path, f.status);
+    absl::StatusOr<Store::CommitResult> r = Commit(*s, RealMsg("s", "bad", {"b"}, 2));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), f.want) << r.status();
+    EXPECT_EQ(!s->health().ok(), f.stops_writes);
+    EXPECT_EQ(failed_called, f.stops_writes);
+    if (f.stops_writes) {
+      // Never appended to or written again: every later write is refused.
+      EXPECT_EQ(Commit(*s, RealMsg("s", "later", {"b"}, 3)).status().code(), absl::StatusCode::kUnavailable);
+      EXPECT_EQ(s->Ack("s", "b", "ok").code(), absl::StatusCode::kUnavailable);
+    } else {
+      // A message file that failed is not visible, and leaves no file.
+      EXPECT_FALSE(s->Find("s", "bad"));
+      const std::vector<std::string> names = *fs.List(std::string(kDir) + "/msg");
+      for (const std::string& n : names) EXPECT_EQ(n.find(".tmp"), std::string::npos) << n;
+      EXPECT_TRUE(Commit(*s, RealMsg("s", "after", {"b"}, 4)).ok());
+    }
+    s.reset();
+    // Whatever happened, a restart serves "ok" and never a half-written "bad".
+    auto again = OpenOk(Opts(&fs));
+    EXPECT_TRUE(again->Find("s", "ok"));
+    if (MessagePtr bad = again->Find("s", "bad")) {
+      EXPECT_EQ(Fingerprint(*bad), Fingerprint(*RealMsg("s", "bad", {"b"}, 2)));
+    }
+  }
+}
+
+TEST(SpoolStore, MaxSpoolBytesIsResourceExhausted) {
+  FaultFs fs;
+  SpoolOptions o = Opts(&fs);
+  o.max_spool_bytes = 3000;
+  auto s = OpenOk(o);
+  ASSERT_TRUE(Commit(*s, RealMsg("s", "a", {"b"}, 1)).ok());
+  absl::StatusOr<Store::CommitResult> r = Commit(*s, RealMsg("s", "b", {"b"}, 2, 40));
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("--max-spool-bytes=3000"), std::string::npos);
+  EXPECT_FALSE(s->Find("s", "b"));
+}
+
+// ---- Crashes and power losses ----
+
+// What the clients were told: every publish that returned OK (with its
+// fingerprint), every ack that returned OK, every close that returned OK.
+// A call that failed may or may not have taken effect: an ack that failed
+// is "maybe acked", and a close that failed frees nothing the test may
+// still ask for.
+struct Told {
+  std::map<std::pair<std::string, std::string>, uint32_t> committed;
+  std::set<std::tuple<std::string, std::string, std::string>> acked, maybe_acked;
+  std::set<std::string> closed, maybe_closed;
+
+  // After a close, the same ids may be published anew.
+  void ForgetAcks(const std::string& session) {
+    for (auto* set : {&acked, &maybe_acked}) {
+      for (auto it = set->begin(); it != set->end();) {
+        it = std::get<0>(*it) == session ? set->erase(it) : std::next(it);
+      }
+    }
+  }
+};
+
+// Drives random publishes, fetches, acks and closes until the file system
+// dies (or `steps` run out).
+bool Debug() { return std::getenv("SPOOL_TEST_DEBUG") != nullptr; }
+
+void Drive(SpoolStore& s, std::mt19937& rng, int steps, Told* told, FaultFs& fs) {
+  for (int i = 0; i < steps && !fs.dead(); ++i) {
+    const std::string session = "s" + std::to_string(rng() % 3);
+    const int what = static_cast<int>(rng() % 10);
+    if (what < 5) {
+      const std::string id = "m" + std::to_string(rng() % 40);
+      const uint32_t seed = static_cast<uint32_t>(std::hash<std::string>()(session + id));
+      auto m = RealMsg(session, id, {"b", "c"}, seed);
+      const uint32_t fp = Fingerprint(*m);
+      absl::StatusOr<Store::CommitResult> r = Commit(s, m);
+      if (Debug()) std::cout << "publish " << session << "/" << id << " " << r.status() << (r.ok() && r->duplicate ? " dup" : "") << "\n";
+      if (r.ok()) {
+        told->committed[{session, id}] = Fingerprint(*r->msg);
+        EXPECT_EQ(Fingerprint(*r->msg), fp);
+      }
+      // A publish reopens a closed session, and one that failed may have.
+      told->closed.erase(session);
+    } else if (what < 9) {
+      const std::string agent = rng() % 2 ? "b" : "c";
+      if (auto d = TryFetch(s, session, agent)) {
+        if (rng() % 4) {
+          const auto key = std::make_tuple(session, d->msg->message_id, agent);
+          absl::Status a = s.Ack(session, agent, d->msg->message_id);
+          if (Debug()) std::cout << "ack " << session << "/" << d->msg->message_id << " " << agent << " " << a << "\n";
+          (a.ok() ? told->acked : told->maybe_acked).insert(key);
+        }
+      }
+    } else {
+      // Closed or not, its messages need not be there any more.
+      for (auto it = told->committed.begin(); it != told->committed.end();) {
+        it = it->first.first == session ? told->committed.erase(it) : std::next(it);
+      }
+      const absl::Status cs = s.CloseSessionAndPeers(session).status;
+      if (Debug()) std::cout << "close " << session << " " << cs << "\n";
+      if (cs.ok()) {
+        told->closed.insert(session);
+        told->ForgetAcks(session);
+      } else {
+        told->maybe_closed.insert(session);
+      }
+    }
+  }
+}
+
+// The three invariants against a recovered store; returns the violations.
+// It drains (fetches and acks) every mailbox, and records those acks.
+std::vector<std::string> Check(SpoolStore& s, Told& told) {
+  std::vector<std::string> bad;
+  for (const auto& [key, fp] : told.committed) {
+    const auto& [session, id] = key;
+    MessagePtr m = s.Find(session, id);
+    if (!m) {
+      bad.push_back("accepted " + session + "/" + id + " is gone");
+      continue;
+    }
+    if (Fingerprint(*m) != fp) bad.push_back("accepted " + session + "/" + id + " changed");
+  }
+  for (const std::string& c : told.closed) {
+    if (!s.IsClosed(c)) bad.push_back("closed " + c + " is open again");
+  }
+  // Drain every mailbox: an acked message never comes again; each id once.
+  std::set<std::tuple<std::string, std::string, std::string>> drained;
+  for (const char* session : {"s0", "s1", "s2"}) {
+    for (const char* agent : {"b", "c"}) {
+      std::set<std::string> seen;
+      for (int i = 0; i < 300; ++i) {
+        auto d = TryFetch(s, session, agent);  // (re)marks it delivered: a lost delivery record is no loss
+        if (!d) break;
+        const std::string id = d->msg->message_id;
+        if (told.acked.count({session, id, agent})) {
+          bad.push_back("acked " + std::string(session) + "/" + id + " to " + agent + " came again");
+        }
+        seen.insert(id);
+        if (!s.Ack(session, agent, id).ok()) bad.push_back("ack of " + id + " after recovery failed");
+        drained.insert({session, id, agent});
+      }
+      // Every accepted message not acked (for sure or maybe) was in the mailbox.
+      for (const auto& [key, fp] : told.committed) {
+        const auto k = std::make_tuple(key.first, key.second, std::string(agent));
+        if (key.first == session && !told.acked.count(k) && !told.maybe_acked.count(k) && !seen.count(key.second)) {
+          bad.push_back("accepted " + key.first + "/" + key.second + " not fetchable by " + agent);
+        }
+      }
+    }
+  }
+  told.acked.insert(drained.begin(), drained.end());
+  return bad;
+}
+
+// Runs `seeds` crash loops; returns how many ended with a violation.
+int CrashLoops(int seeds, bool power_loss, bool fsync, bool sync_dir, std::string* first) {
+  int violated = 0;
+  for (int seed = 1; seed <= seeds; ++seed) {
+    if (Debug() && seed != std::atoi(std::getenv("SPOOL_TEST_DEBUG"))) continue;
+    FaultFs fs;
+    SpoolOptions o = Opts(&fs);
+    o.fsync = fsync;
+    o.sync_dir = sync_dir;
+    o.compact_bytes = 2048;  // compactions happen in the loop too
+    std::mt19937 rng(seed);
+    Told told;
+    for (int round = 0; round < 4; ++round) {
+      auto s = OpenOk(o);
+      if (!s) return seeds;  // counted as violations: recovery itself failed
+      fs.Crash(static_cast<long>(20 + rng() % 400));
+      Drive(*s, rng, 200, &told, fs);
+      if (Debug()) std::cout << "--- crash\n";
+      s.reset();  // the dead process's store: nothing more reaches the disk
+      if (power_loss) fs.PowerLoss();
+      fs.Revive();
+      auto r = OpenOk(o);
+      if (!r) return seeds;
+      std::vector<std::string> bad = Check(*r, told);
+      if (!bad.empty()) {
+        ++violated;
+        if (first->empty()) *first = "seed " + std::to_string(seed) + ": " + bad[0];
+        break;
+      }
+      // A close that failed took effect or did not; now it is known.
+      for (const std::string& m : told.maybe_closed) {
+        if (r->IsClosed(m)) {
+          told.closed.insert(m);
+          told.ForgetAcks(m);
+        }
+      }
+      told.maybe_closed.clear();
+    }
+  }
+  return violated;
+}
+
+TEST(SpoolCrash, KillNineAtAnyStepLosesNothingAccepted) {
+  std::string first;
+  EXPECT_EQ(CrashLoops(30, /*power_loss=*/false, /*fsync=*/true, /*sync_dir=*/true, &first), 0) << first;
+}
+
+TEST(SpoolCrash, KillNineWithoutFsyncLosesNothingEither) {
+  // The page cache survives a process crash.
+  std::string first;
+  EXPECT_EQ(CrashLoops(20, false, /*fsync=*/false, true, &first), 0) << first;
+}
+
+TEST(SpoolCrash, PowerLossAtAnyStepLosesNothingAccepted) {
+  std::string first;
+  EXPECT_EQ(CrashLoops(30, /*power_loss=*/true, true, true, &first), 0) << first;
+}
+
+TEST(SpoolCrash, NegativeControlWithoutFsyncThePowerLossTestFails) {
+  std::string first;
+  EXPECT_GT(CrashLoops(10, true, /*fsync=*/false, true, &first), 0) << "the power-loss test cannot see a missing fsync";
+  std::cout << "without fsync: " << first << "\n";
+}
+
+TEST(SpoolCrash, NegativeControlWithoutDirectoryFsyncThePowerLossTestFails) {
+  std::string first;
+  EXPECT_GT(CrashLoops(10, true, true, /*sync_dir=*/false, &first), 0)
+      << "the power-loss test cannot see a missing directory fsync";
+  std::cout << "without directory fsync: " << first << "\n";
+}
+
+}  // namespace
+}  // namespace kvrelay
