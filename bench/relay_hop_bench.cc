@@ -21,7 +21,12 @@
 // pays the page faults a real receiver pays too).
 //
 //   build/bin/relay_hop_bench [--server build/bin/kvrelay-server] [--reps 5]
-//       [--policy SPEC]... [--worker-threads N]
+//       [--policy SPEC]... [--worker-threads N] [--spool DIR [--fsync always|never]]
+//
+// With --spool DIR every policy also runs against a second server with
+// --spool-dir (a fresh folder under DIR) and the --fsync given (default
+// always); its hops alternate with the in-memory server's, and the ratio
+// reported is the median of the per-pair ratios (spool / memory).
 //
 // Not part of the tests. Run it on an otherwise idle machine: it prints the
 // load average before and after.
@@ -377,7 +382,10 @@ void Usage() {
       "                       h2o-head, full)\n"
       "  --worker-threads N   passed to the server (default: the server's own default)\n"
       "  --copy-upload        publish with Publish(const Turn&), which copies each chunk once,\n"
-      "                       instead of the shared turn sent without a copy\n");
+      "                       instead of the shared turn sent without a copy\n"
+      "  --spool DIR          also time a server with --spool-dir under DIR, hop by hop against\n"
+      "                       the in-memory one\n"
+      "  --fsync MODE         the spool's --fsync (always or never; default always)\n");
 }
 
 struct PolicyRow {
@@ -386,6 +394,7 @@ struct PolicyRow {
   double rss_ready_mb = 0, hwm_after_mb = 0, rss_after_mb = 0;
   std::vector<HopResult> hops;
   std::vector<double> raw_ms;  // the raw TCP send timed just before each hop
+  std::vector<HopResult> spool_hops;  // --spool: the spooled server's hop paired with each hop
   double server_cpu_ms = 0, client_cpu_ms = 0;  // per timed hop, mean
 };
 
@@ -409,6 +418,7 @@ int Main(int argc, char** argv) {
   int reps = 5;
   std::vector<std::string> policies;
   std::vector<std::string> server_args;
+  std::string spool_dir, fsync = "always";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -430,6 +440,10 @@ int Main(int argc, char** argv) {
       policies.push_back(value());
     } else if (a == "--worker-threads") {
       server_args = {"--worker-threads", value()};
+    } else if (a == "--spool") {
+      spool_dir = value();
+    } else if (a == "--fsync") {
+      fsync = value();
     } else if (a == "--copy-upload") {
       g_copy_upload = true;
     } else if (a == "--help" || a == "-h") {
@@ -477,6 +491,17 @@ int Main(int argc, char** argv) {
     PolicyRow row;
     row.spec = spec;
     ServerProcess proc(server, server_args);
+    std::unique_ptr<ServerProcess> spooled;
+    std::unique_ptr<RelayClient> spool_sender, spool_recipient;
+    if (!spool_dir.empty()) {
+      std::vector<std::string> args = server_args;
+      const std::string dir = spool_dir + "/hop-" + std::to_string(rows.size()) + "-" + std::to_string(getpid());
+      args.insert(args.end(), {"--spool-dir", dir, "--fsync", fsync});
+      spooled = std::make_unique<ServerProcess>(server, args);
+      spool_sender = RelayClient::Connect(spooled->grpc_addr());
+      spool_recipient = RelayClient::Connect(spooled->grpc_addr());
+      OneHop(*spool_sender, *spool_recipient, shared_turn, spec, "warm-" + std::to_string(session_no++));
+    }
     {
       auto sender = RelayClient::Connect(proc.grpc_addr());
       auto recipient = RelayClient::Connect(proc.grpc_addr());
@@ -497,6 +522,10 @@ int Main(int argc, char** argv) {
         row.hops.push_back(OneHop(*sender, *recipient, shared_turn, spec, "bench-" + std::to_string(session_no++)));
         row.server_cpu_ms += (ProcessCpuMs(proc.pid()) - server_cpu0) / reps;
         row.client_cpu_ms += (ProcessCpuMs(getpid()) - client_cpu0) / reps;
+        if (spooled) {
+          row.spool_hops.push_back(
+              OneHop(*spool_sender, *spool_recipient, shared_turn, spec, "spool-" + std::to_string(session_no++)));
+        }
       }
     }
     std::printf("  %-34s hops ms:", spec.c_str());
@@ -552,6 +581,22 @@ int Main(int argc, char** argv) {
     const double floor_ms = (row.server_cpu_ms + row.client_cpu_ms) / threads;
     std::printf("  %-34s server %.0f ms, client %.0f ms; floor %.0f ms = %.2fx raw TCP\n", row.spec.c_str(),
                 row.server_cpu_ms, row.client_cpu_ms, floor_ms, floor_ms / Median(row.raw_ms));
+  }
+  if (!spool_dir.empty()) {
+    std::printf("\nwith --spool-dir and --fsync=%s, hop by hop against the in-memory server (median of the\n"
+                "per-pair ratios; each spooled hop right after its in-memory hop):\n", fsync.c_str());
+    for (const PolicyRow& row : rows) {
+      std::vector<double> mem, spool, ratio, pub_mem, pub_spool;
+      for (size_t r = 0; r < row.spool_hops.size(); ++r) {
+        mem.push_back(row.hops[r].hop_ms);
+        spool.push_back(row.spool_hops[r].hop_ms);
+        ratio.push_back(row.spool_hops[r].hop_ms / row.hops[r].hop_ms);
+        pub_mem.push_back(row.hops[r].publish_ms);
+        pub_spool.push_back(row.spool_hops[r].publish_ms);
+      }
+      std::printf("  %-34s hop ms memory %.1f, spool %.1f: spool/memory %.2fx (publish ms %.1f vs %.1f)\n",
+                  row.spec.c_str(), Median(mem), Median(spool), Median(ratio), Median(pub_mem), Median(pub_spool));
+    }
   }
   std::printf("load average after: %s\n", LoadAvg().c_str());
   return 0;

@@ -57,8 +57,15 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void OnWriteDone(bool ok) override {
     reply_idle_->Touch();
     if (!ok) return FinishOnce(grpc::Status(grpc::CANCELLED, "fetch: stream broken while delivering"));
-    if (out_->FillNext<v1::FetchResponse>(&wire_)) return StartWrite(&wire_);
-    Delivered();
+    if (out_->NextChunk<v1::FetchResponse>(&wire_)) return StartWrite(&wire_);
+    if (trailer_sent_) return Delivered();
+    trailer_sent_ = true;
+    wire_ = out_->EncodeTrailer<v1::FetchResponse>();
+    // The trailer goes once the store has recorded the delivery.
+    svc_->store()->BeforeDelivered(session_, agent_, delivery_.msg->message_id, [this](const absl::Status& s) {
+      if (!s.ok()) return FinishOnce(ToGrpcStatus(s));
+      StartWrite(&wire_);
+    });
   }
 
   void OnDone() override {
@@ -176,6 +183,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::atomic<bool> finished_{false};
   Store::Delivery delivery_;
   std::optional<ChunkStreamWriter> out_;
+  bool trailer_sent_ = false;  // the trailer's write has started (or is waiting for the store)
   grpc::ByteBuffer wire_;  // the response being written
   std::shared_ptr<UploadWatchdog::Entry> reply_idle_;  // set before the first write
 };

@@ -234,6 +234,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   s->metrics_->SetLimit("mailbox", static_cast<double>(config.max_mailbox_bytes));
   s->metrics_->SetLimit("session", static_cast<double>(config.max_session_bytes));
   s->metrics_->SetLimit("store", static_cast<double>(config.max_store_bytes));
+  if (spool && config.max_spool_bytes) s->metrics_->SetLimit("spool", static_cast<double>(config.max_spool_bytes));
   s->pool_ = std::make_unique<ThreadPool>(std::max(1, config.worker_threads));
   RouteOptions ro;
   ro.routes = config.routes;

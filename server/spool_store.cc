@@ -626,10 +626,24 @@ bool SpoolStore::MarkDelivered(const std::string& session, const std::string& ag
   return first;
 }
 
+void SpoolStore::BeforeDelivered(const std::string& session, const std::string& agent,
+                                 const std::string& message_id, std::function<void(const absl::Status&)> ready) {
+  if (absl::Status s = Writable(); !s.ok()) return ready(s);
+  journal_->Append(AgentRecord(false, session, message_id, agent), std::move(ready));
+}
+
 absl::Status SpoolStore::Ack(const std::string& session, const std::string& agent, const std::string& message_id) {
   KVRELAY_RETURN_IF_ERROR(Writable());
   KVRELAY_RETURN_IF_ERROR(mem_->Ack(session, agent, message_id));
   return Durable(AgentRecord(true, session, message_id, agent))->get_future().get();
+}
+
+void SpoolStore::AckAsync(const std::string& session, const std::string& agent, const std::string& message_id,
+                          std::function<void(const absl::Status&)> done) {
+  absl::Status s = Writable();
+  if (s.ok()) s = mem_->Ack(session, agent, message_id);
+  if (!s.ok()) return done(s);
+  journal_->Append(AgentRecord(true, session, message_id, agent), std::move(done));
 }
 
 Store::CloseResult SpoolStore::CloseSessionAndPeers(const std::string& session) {

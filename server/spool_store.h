@@ -17,10 +17,10 @@
 //   - The outbox: a message's recipients on other relays stay in it until
 //     the destination answered (after making the message durable there); a
 //     restart resumes their forwards (RecoveredOutbox).
-//   - Deliveries are recorded without waiting (so that an agent that fetched
-//     before a crash can still ack after it); one within the last journal
-//     batch before a crash is forgotten, and the agent fetches the message
-//     again before it acks (redelivery of an unacked message is allowed).
+//   - A delivery is durable before its last write (the trailer) goes out, so
+//     that an agent that got a whole message can ack it after a restart. A
+//     delivery cut after that point counts as delivered after a restart
+//     too (the agent may then ack a message it did not get whole).
 // A crash before any of these returned loses nothing that was accepted; the
 // call may or may not have taken effect, and its retry with the same ids is
 // answered as a duplicate or done then.
@@ -139,8 +139,12 @@ class SpoolStore final : public Store {
     return mem_->FetchOrWait(session, agent, deadline, std::move(wake), waiter);
   }
   bool MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id) override;
+  void BeforeDelivered(const std::string& session, const std::string& agent, const std::string& message_id,
+                       std::function<void(const absl::Status&)> ready) override;
   bool CancelWaiter(uint64_t waiter) override { return mem_->CancelWaiter(waiter); }
   absl::Status Ack(const std::string& session, const std::string& agent, const std::string& message_id) override;
+  void AckAsync(const std::string& session, const std::string& agent, const std::string& message_id,
+                std::function<void(const absl::Status&)> done) override;
   uint32_t CloseSession(const std::string& session) override { return CloseSessionAndPeers(session).messages_freed; }
   void Shutdown() override { mem_->Shutdown(); }
   bool shutting_down() const override { return mem_->shutting_down(); }

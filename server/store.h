@@ -178,6 +178,15 @@ class Store {
   // meanwhile.
   virtual bool MarkDelivered(const std::string& session, const std::string& agent,
                              const std::string& message_id) = 0;
+  // Called before the last write of a delivery (its trailer): `ready` runs
+  // once (maybe on another thread, must not block) when the trailer may go.
+  // A durable store records the delivery first, so that an agent that got
+  // the whole message may ack it after a restart; an error (the spool takes
+  // no writes) fails the delivery.
+  virtual void BeforeDelivered(const std::string& session, const std::string& agent, const std::string& message_id,
+                               std::function<void(const absl::Status&)> ready) {
+    ready(absl::OkStatus());
+  }
 
   // Unregisters a waiter. True if it was still registered: its wake will
   // never run. False if it already ran or is running.
@@ -189,6 +198,13 @@ class Store {
   // to `agent` (an ack cannot skip a message unseen).
   virtual absl::Status Ack(const std::string& session, const std::string& agent,
                            const std::string& message_id) = 0;
+  // Ack, answered through `done` (called once, maybe on another thread,
+  // must not block): a store that makes the ack durable answers once it is,
+  // without blocking the caller meanwhile.
+  virtual void AckAsync(const std::string& session, const std::string& agent, const std::string& message_id,
+                        std::function<void(const absl::Status&)> done) {
+    done(Ack(session, agent, message_id));
+  }
 
   // Frees the session and wakes its waiters (Wake::kClosed); returns the
   // number of messages it held. Publishes of the session in progress

@@ -19,13 +19,19 @@ namespace {
 
 // Finishes a unary call with `s` (and, when OK, `resp` as the response).
 template <typename Response>
-grpc::ServerUnaryReactor* FinishUnary(RelayService* svc, grpc::CallbackServerContext* ctx, const char* rpc,
-                                      const absl::Status& s, const Response& resp, grpc::ByteBuffer* wire) {
+void FinishUnaryWith(RelayService* svc, grpc::ServerUnaryReactor* r, const char* rpc, const absl::Status& s,
+                     const Response& resp, grpc::ByteBuffer* wire) {
   const grpc::Status g = ToGrpcStatus(s);
   if (g.ok()) *wire = EncodeProto(resp);
   svc->CountRpc(rpc, g);
-  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(g);
+}
+
+template <typename Response>
+grpc::ServerUnaryReactor* FinishUnary(RelayService* svc, grpc::CallbackServerContext* ctx, const char* rpc,
+                                      const absl::Status& s, const Response& resp, grpc::ByteBuffer* wire) {
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  FinishUnaryWith(svc, r, rpc, s, resp, wire);
   return r;
 }
 
@@ -43,12 +49,20 @@ grpc::ServerUnaryReactor* RelayService::Ack(grpc::CallbackServerContext* ctx, co
   if (s.ok()) s = CheckId("agent", req.agent());
   if (s.ok()) s = CheckId("message_id", req.message_id());
   if (s.ok()) s = CheckActsAs(*ctx, "ack", *caller, "agent", req.agent());
-  if (s.ok()) s = store_->Ack(req.session_id(), req.agent(), req.message_id());
-  if (s.ok() && forwarder_) {
-    MessagePtr m = store_->Find(req.session_id(), req.message_id());
-    if (m && m->forwarded) forwarder_->Report(*m, req.agent(), v1::RECIPIENT_STATE_ACKED);
-  }
-  return FinishUnary(this, ctx, "Ack", s, v1::AckResponse(), response);
+  if (!s.ok()) return FinishUnary(this, ctx, "Ack", s, v1::AckResponse(), response);
+  // A durable store answers once the ack is on disk, on its own thread: the
+  // call's reaction does not wait for it.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  store_->AckAsync(req.session_id(), req.agent(), req.message_id(),
+                   [this, reactor, response, session = req.session_id(), agent = req.agent(),
+                    id = req.message_id()](const absl::Status& st) {
+                     if (st.ok() && forwarder_) {
+                       MessagePtr m = store_->Find(session, id);
+                       if (m && m->forwarded) forwarder_->Report(*m, agent, v1::RECIPIENT_STATE_ACKED);
+                     }
+                     FinishUnaryWith(this, reactor, "Ack", st, v1::AckResponse(), response);
+                   });
+  return reactor;
 }
 
 // An agent may close a session it sent or received a message in; a peer
