@@ -176,6 +176,11 @@ void MemoryStore::EndPublish(const PublishTicket& t) {
 }
 
 absl::StatusOr<MemoryStore::CommitResult> MemoryStore::Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) {
+  return CommitWithHook(std::move(m), t, nullptr);
+}
+
+absl::StatusOr<MemoryStore::CommitResult> MemoryStore::CommitWithHook(std::shared_ptr<StoredMessage> m,
+                                                                      const PublishTicket& t, const CommitHook& hook) {
   std::vector<WakeFn> wakes;
   CommitResult result;
   {
@@ -207,13 +212,12 @@ absl::StatusOr<MemoryStore::CommitResult> MemoryStore::Commit(std::shared_ptr<St
       return st;
     }
     MessagePtr msg = std::move(m);
+    if (hook) hook(msg, local);
     s.messages[msg->message_id] = msg;
     s.bytes += msg->bytes;
     store_bytes_ += msg->bytes;
     s.last_active = Clock::now();
-    for (const std::string& r : msg->recipients) {
-      if (!msg->remote.count(r)) AddToMailboxLocked(s, msg, r, &wakes);
-    }
+    for (const std::string& r : local) AddToMailboxLocked(s, msg, r, &wakes);
     ++committed_;
     full_ += msg->msg.full_bytes;
     sent_ += msg->msg.sent_bytes;
@@ -481,6 +485,12 @@ void MemoryStore::AddToMailboxLocked(Session& s, const MessagePtr& msg, const st
 absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForward(std::shared_ptr<StoredMessage> m,
                                                                      const std::vector<std::string>& recipients,
                                                                      const PublishTicket& t) {
+  return CommitForwardWithHook(std::move(m), recipients, t, nullptr);
+}
+
+absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForwardWithHook(
+    std::shared_ptr<StoredMessage> m, const std::vector<std::string>& recipients, const PublishTicket& t,
+    const CommitHook& hook) {
   std::vector<WakeFn> wakes;
   ForwardCommitResult result;
   {
@@ -521,10 +531,11 @@ absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForward(std::share
       s.peer_holds.emplace(msg->message_id, msg->origin);
     }
     std::set<std::string>& here = s.local[msg->message_id];
+    std::vector<std::string> added;
     for (const std::string& agent : recipients) {
       RecipientResult r;
       r.agent = agent;
-      if (here.count(agent)) {
+      if (here.count(agent) || std::find(added.begin(), added.end(), agent) != added.end()) {
         r.duplicate = true;
       } else {
         auto mb = s.mailboxes.find(agent);
@@ -535,11 +546,13 @@ absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForward(std::share
               msg->bytes, " bytes of this message, expected at most --max-mailbox-bytes=",
               limits_.max_mailbox_bytes));
         } else {
-          AddToMailboxLocked(s, msg, agent, &wakes);
+          added.push_back(agent);
         }
       }
       result.recipients.push_back(std::move(r));
     }
+    if (hook && (!result.duplicate || !added.empty())) hook(msg, added);
+    for (const std::string& agent : added) AddToMailboxLocked(s, msg, agent, &wakes);
     PublishGaugesLocked();
     result.msg = std::move(msg);
   }

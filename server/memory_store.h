@@ -74,6 +74,19 @@ class MemoryStore final : public Store {
 
   // ---- The durable state, for SpoolStore (server/spool_store.h) ----
 
+  // Called under the store's lock at the instant a commit takes effect,
+  // before anyone can see it: the message, and the agents it entered the
+  // mailboxes of (for a forward of a message held already, those added).
+  // Must not block or call the store.
+  using CommitHook = std::function<void(const MessagePtr& msg, const std::vector<std::string>& agents)>;
+  // Commit and CommitForward with `hook` (not called when nothing was
+  // committed: an error, or a duplicate that added no recipient).
+  absl::StatusOr<CommitResult> CommitWithHook(std::shared_ptr<StoredMessage> m, const PublishTicket& t,
+                                              const CommitHook& hook);
+  absl::StatusOr<ForwardCommitResult> CommitForwardWithHook(std::shared_ptr<StoredMessage> m,
+                                                            const std::vector<std::string>& recipients,
+                                                            const PublishTicket& t, const CommitHook& hook);
+
   // One session as the spool records it.
   struct SessionState {
     struct Held {

@@ -173,6 +173,7 @@ absl::Status SpoolStore::Recover() {
   jo.sync = options_.fsync;
   jo.sync_dir = options_.sync_dir;
   jo.compact_bytes = options_.compact_bytes;
+  if (metrics_) jo.on_sync = [m = metrics_](double seconds) { m->ObserveSpoolFsync(seconds); };
   JournalRecovery jr;
   KVRELAY_ASSIGN_OR_RETURN(journal_, Journal::Open(fs_, options_.dir, jo, &jr));
   recovery_.torn_bytes = jr.torn_bytes;
@@ -548,15 +549,23 @@ std::shared_ptr<std::promise<absl::Status>> SpoolStore::Durable(spool::v1::Recor
   return p;
 }
 
+MemoryStore::CommitHook SpoolStore::CommitHook(std::shared_ptr<std::promise<absl::Status>>* durable) {
+  // Under the memory store's lock, before anyone can see the message: its
+  // commit record precedes every record of a fetch or ack of it.
+  return [this, durable](const MessagePtr& msg, const std::vector<std::string>& agents) {
+    {
+      std::lock_guard<std::mutex> files_lock(files_mu_);
+      files_[msg->session_id].insert(msg->spool_seq);
+    }
+    *durable = Durable(CommitRecord(msg->session_id, msg->message_id, msg->spool_seq, agents));
+  };
+}
+
 absl::StatusOr<Store::CommitResult> SpoolStore::Commit(std::shared_ptr<StoredMessage> m, const PublishTicket& t) {
   KVRELAY_RETURN_IF_ERROR(Writable());
   if (mem_->Find(m->session_id, m->message_id)) return mem_->Commit(std::move(m), t);  // a duplicate
   KVRELAY_ASSIGN_OR_RETURN(const uint64_t seq, WriteTemp(*m));
   m->spool_seq = seq;
-  std::vector<std::string> local;
-  for (const std::string& r : m->recipients) {
-    if (!m->remote.count(r)) local.push_back(r);
-  }
   std::shared_ptr<std::promise<absl::Status>> durable;
   absl::StatusOr<CommitResult> r;
   {
@@ -566,16 +575,11 @@ absl::StatusOr<Store::CommitResult> SpoolStore::Commit(std::shared_ptr<StoredMes
       (void)fs_->Remove(MessagePath(seq, false));
       return s;
     }
-    r = mem_->Commit(m, t);
+    r = mem_->CommitWithHook(m, t, CommitHook(&durable));
     if (!r.ok() || r->duplicate) {
       RemoveMessageFile(seq, false);  // never recorded: an orphan even if this unlink is lost
       return r;
     }
-    {
-      std::lock_guard<std::mutex> files_lock(files_mu_);
-      files_[m->session_id].insert(seq);
-    }
-    durable = Durable(CommitRecord(m->session_id, m->message_id, seq, local));
   }
   KVRELAY_RETURN_IF_ERROR(durable->get_future().get());
   return r;
@@ -601,20 +605,9 @@ absl::StatusOr<Store::ForwardCommitResult> SpoolStore::CommitForward(std::shared
         return s;
       }
     }
-    r = mem_->CommitForward(m, recipients, t);
+    r = mem_->CommitForwardWithHook(m, recipients, t, CommitHook(&durable));
     if (seq && (!r.ok() || r->duplicate)) RemoveMessageFile(seq, false);
     if (!r.ok()) return r;
-    std::vector<std::string> added;
-    for (const RecipientResult& x : r->recipients) {
-      if (x.status.ok() && !x.duplicate) added.push_back(x.agent);
-    }
-    if (!r->duplicate) {
-      std::lock_guard<std::mutex> files_lock(files_mu_);
-      files_[m->session_id].insert(r->msg->spool_seq);
-    }
-    if (!r->duplicate || !added.empty()) {
-      durable = Durable(CommitRecord(r->msg->session_id, r->msg->message_id, r->msg->spool_seq, added));
-    }
   }
   if (durable) KVRELAY_RETURN_IF_ERROR(durable->get_future().get());
   return r;

@@ -186,6 +186,9 @@ class SpoolStore final : public Store {
   // Renames the temporary file into place and syncs the directory.
   absl::Status Publish(uint64_t seq);
   void RemoveMessageFile(uint64_t seq, bool temp);
+  // Records the commit (in the journal's queue) at the instant it takes
+  // effect, and sets *durable to say when the record is durable.
+  MemoryStore::CommitHook CommitHook(std::shared_ptr<std::promise<absl::Status>>* durable);
   // Queues `r`; the future says when it is durable.
   std::shared_ptr<std::promise<absl::Status>> Durable(spool::v1::Record r);
   absl::Status Writable() const;

@@ -147,8 +147,11 @@ void Journal::Fail(const absl::Status& s) {
 absl::Status Journal::WriteBatch(const std::string& bytes) {
   if (absl::Status s = file_->Append(bytes); !s.ok()) return s;
   CrashPoint("spool.journal.after_append");
-  if (opts_.sync) return file_->Sync();
-  return absl::OkStatus();
+  if (!opts_.sync) return absl::OkStatus();
+  const auto t = std::chrono::steady_clock::now();
+  absl::Status s = file_->Sync();
+  if (opts_.on_sync) opts_.on_sync(std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count());
+  return s;
 }
 
 void Journal::Loop() {

@@ -46,6 +46,7 @@ struct JournalOptions {
   bool sync = true;                   // fdatasync each batch (--fsync=always)
   bool sync_dir = true;               // fsync the directory after a rename; false only in tests (a negative control)
   uint64_t compact_bytes = 64 << 20;  // growth that triggers a compaction
+  std::function<void(double seconds)> on_sync;  // told how long each batch's fdatasync took
 };
 
 // What opening the journal found.
