@@ -16,6 +16,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
       libspdlog1.10 libssl3 zlib1g ca-certificates && \
     rm -rf /var/lib/apt/lists/*
 COPY --from=build /build/bin/kvrelay-server /build/bin/kvrelayctl /usr/local/bin/
+# Where a spool volume goes (--spool-dir /var/lib/kvrelay/spool, docs/SPOOL.md): owned by the
+# relay's user, so that a new Docker named volume mounted here (which takes the directory's owner
+# and mode) is writable by it.
+RUN mkdir -m 0700 -p /var/lib/kvrelay && chown 65532:65532 /var/lib/kvrelay
 USER 65532:65532
 EXPOSE 50051 9464
 # grpc.health.v1 on the plaintext health port (--health-listen; the gRPC port may serve only TLS).

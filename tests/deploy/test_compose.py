@@ -20,6 +20,13 @@ checked for what `docker compose up` would trip over or silently get wrong:
     health on a free loopback port): the HEALTHCHECK's command succeeds
     against the health port, and kvrelay_insecure reads 1 where --insecure
     is given;
+  - the relay's spool: one --spool-dir (or KVRELAY_SPOOL_DIR), a
+    subdirectory of a writable named volume (declared) that only the relay
+    mounts, --max-spool-bytes at least the store limit, --fsync not never;
+    the Dockerfile makes the mount point the image user's (a new named
+    volume takes its owner); started as written, the relay makes the spool
+    (moved into a temporary directory) with mode 0700, and
+    kvrelay_spool_failed reads 0;
   - every bind mount's host path exists in the repository; Prometheus reads
     its --config.file where deploy/prometheus/prometheus.yml is mounted, and
     the rules directory lands where that config's rule_files glob looks;
@@ -36,13 +43,14 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from deploy_common import (DEPLOY, REPO, Node, Relay, check, clean_env, finish, free_port,  # noqa: E402
-                           parse_exposition, run)
+                           parse_bytes, parse_exposition, run)
 
 COMPOSE = os.path.join(DEPLOY, "compose", "compose.yaml")
 
@@ -118,13 +126,18 @@ def start_as_written(server, work, what, argv, env, hc_argv):
     HEALTHCHECK's command (its port moved there) and the insecure gauge."""
     health_port = free_port()
     moved = []
+    spool = None
     for k, values in parse_flags(argv).items():
         for v in values:
             if k in ("listen", "metrics-listen") and not v.startswith("unix:"):
                 v = v.rsplit(":", 1)[0] + ":0"
             elif k == "health-listen":
                 v = f"127.0.0.1:{health_port}"
+            elif k == "spool-dir":  # below a fresh directory, as below the volume's mount point
+                spool = v = os.path.join(tempfile.mkdtemp(dir=work), "spool")
             moved.append(f"--{k}" + (f"={v}" if v else ""))
+    if env.get("KVRELAY_SPOOL_DIR") and spool is None:
+        spool = env["KVRELAY_SPOOL_DIR"] = os.path.join(tempfile.mkdtemp(dir=work), "spool")
     try:
         r = Relay(server, work, args=moved, env=env, name="relay-" + re.sub(r"\W+", "-", what))
     except RuntimeError as e:
@@ -141,8 +154,45 @@ def start_as_written(server, work, what, argv, env, hc_argv):
         want = 1 if "insecure" in parse_flags(argv) else 0
         got = samples.get(("kvrelay_insecure", frozenset()))
         check(got == want, f"{what}: kvrelay_insecure = {got}, expected {want}")
+        if spool:
+            mode = stat.S_IMODE(os.stat(spool).st_mode) if os.path.isdir(spool) else None
+            check(mode == 0o700, f"{what}: the spool directory: mode {mode and oct(mode)}, expected 0o700")
+            check(os.path.isfile(os.path.join(spool, "journal")), f"{what}: the relay made no spool journal")
+            got = samples.get(("kvrelay_spool_failed", frozenset()))
+            check(got == 0, f"{what}: kvrelay_spool_failed = {got}, expected 0")
     finally:
         check(r.stop() == 0, f"the relay with {what} did not exit 0 on SIGTERM")
+
+
+def check_spool(doc, relay, flags, env, dockerfile):
+    """The relay's spool on a named volume of its own, in a subdirectory the relay creates (mode
+    0700), bounded, synced; the image's mount point owned by its user, since a new named volume
+    takes the owner and mode of the directory it is mounted on."""
+    dirs = flags.get("spool-dir") or ([env["KVRELAY_SPOOL_DIR"]] if env.get("KVRELAY_SPOOL_DIR") else [])
+    if not check(len(dirs) == 1 and dirs[0].startswith("/"), f"kvrelay: one --spool-dir /ABSOLUTE/PATH, got {dirs}"):
+        return
+    fsync = (flags.get("fsync") or [env.get("KVRELAY_FSYNC", "always")])[-1]
+    check(fsync == "always", f"kvrelay: --fsync={fsync}: the stack syncs (never is for benchmarks)")
+    ms = [(src, t, ro) for src, t, ro in mounts(relay) if dirs[0].startswith(t.rstrip("/") + "/")]
+    if not check(len(ms) == 1, f"kvrelay: --spool-dir {dirs[0]} is on {len(ms)} volumes below it, expected one "
+                 "(the mount point itself is not enough: the relay makes and owns the spool directory)"):
+        return
+    src, target, ro = ms[0]
+    check(not src.startswith((".", "/")) and src in (doc.get("volumes") or {}),
+          f"kvrelay: the spool's volume {src} should be a declared named volume (it outlives the container)")
+    check(not ro, "kvrelay: the spool's volume is mounted read-only")
+    for name, s in (doc.get("services") or {}).items():
+        if s is not relay:
+            check(src not in {m[0] for m in mounts(s)}, f"{name} mounts the relay's spool volume {src}")
+    limit = (flags.get("max-spool-bytes") or [env.get("KVRELAY_MAX_SPOOL_BYTES")])[-1]
+    store = (flags.get("max-store-bytes") or [env.get("KVRELAY_MAX_STORE_BYTES")])[-1]
+    if check(limit, "kvrelay: no --max-spool-bytes (KVRELAY_MAX_SPOOL_BYTES): the spool would fill the disk"):
+        check(not store or parse_bytes(limit) >= parse_bytes(store),
+              f"kvrelay: the spool limit {limit} is below the store limit {store}")
+    owned = re.search(r"^RUN\b.*\bmkdir\b[^&]*\s" + re.escape(target) + r"\b.*\bchown\s+65532:65532\s+"
+                      + re.escape(target) + r"\b", dockerfile, re.M)
+    check(owned, f"Dockerfile: no RUN that makes {target} (the spool volume's mount point) and chowns it to "
+          "65532:65532: a new named volume would be root's and the relay could not write it")
 
 
 def main():
@@ -231,6 +281,7 @@ def main():
     for k in env:
         check(k in known, f"kvrelay: environment {k} is not one kvrelay-server --help lists")
     check(not {"KVRELAY_LISTEN", "KVRELAY_METRICS_LISTEN"} & set(env), "kvrelay: the environment moves the listen ports")
+    check_spool(doc, relay, flags, env, df)
     with tempfile.TemporaryDirectory(prefix="kvrelay-compose-") as work:
         for what, argv, run_env in (("the image's CMD", cmd_args, clean_env()),
                                     ("the compose command and environment", relay_args, clean_env(**env))):

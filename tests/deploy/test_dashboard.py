@@ -23,7 +23,12 @@
     outbox bytes with the outbox limit and its messages, dead letters by code;
   - a "security" row holding, below it: auth failures per second by reason
     (kvrelay_auth_failures_total, a legend naming the reason) and a stat of
-    the relays with an insecure listener (kvrelay_insecure), red from 1.
+    the relays with an insecure listener (kvrelay_insecure), red from 1;
+  - a "spool" row holding, below it: the spool's bytes on disk with the
+    spool limit (kvrelay_limit_bytes{limit="spool"}), fsync latency p50/p99
+    (kvrelay_spool_fsync_seconds), the last recovery's seconds and its CRC32C
+    part, files quarantined or missing by kind, and a stat of the relays
+    whose spool failed (kvrelay_spool_failed), red from 1.
 """
 import json
 import os
@@ -198,6 +203,7 @@ def main():
     check("kvrelay_rpcs_total" in metric_names_in_source(), "server/metrics.cc does not register kvrelay_rpcs_total")
     check_network_row(dash, panels, unit)
     check_security_row(dash, panels, unit)
+    check_spool_row(dash, panels, unit)
     return finish("deploy_dashboard")
 
 
@@ -240,6 +246,45 @@ def check_security_row(dash, panels, unit):
         steps = (((p.get("fieldConfig") or {}).get("defaults") or {}).get("thresholds") or {}).get("steps") or []
         red = [s.get("value") for s in steps if s.get("color") == "red"]
         check(red == [1], f"insecure-listener stat: red from {red}, expected from 1 (one relay is one too many)")
+
+
+def check_spool_row(dash, panels, unit):
+    """The spool's panels (--spool-dir) sit in a row titled spool."""
+    row = row_titled(dash, "spool")
+    if not row:
+        return
+    in_row = in_row_test(dash, row)
+
+    def need(what, pred, units):
+        hits = find_panel(panels, what, pred)
+        for p in hits:
+            check(in_row(p), f"panel {p['title']!r} ({what}) is not in the spool row")
+            check(unit(p) in units, f"panel {p['title']!r} ({what}) unit {unit(p)!r}, expected one of {units}")
+        return hits
+
+    def exprs(p):
+        return [squash(t["expr"]) for t in p.get("targets", [])]
+
+    for p in need("spool bytes", lambda e: "kvrelay_spool_bytes{" in e, ("bytes", "decbytes")):
+        check(any('kvrelay_limit_bytes{limit="spool"' in e for e in exprs(p)),
+              f"spool bytes panel {p['title']!r} does not show kvrelay_limit_bytes{{limit=\"spool\"}}")
+    for p in need("spool fsync latency", lambda e: re.search(
+            r"histogram_quantile\(0\.\d+,sumby\(le\)\(rate\(kvrelay_spool_fsync_seconds_bucket\{", e), ("s",)):
+        qs = {re.search(r"histogram_quantile\((0\.\d+)", e).group(1) for e in exprs(p) if "kvrelay_spool_fsync" in e}
+        check({"0.5", "0.99"} <= qs, f"spool fsync panel has quantiles {sorted(qs)}, expected 0.5 and 0.99")
+    for p in need("spool recovery seconds", lambda e: "kvrelay_spool_recovery_seconds{" in e, ("s",)):
+        check(any("kvrelay_spool_recovery_crc_seconds{" in e for e in exprs(p)),
+              f"recovery panel {p['title']!r} does not show the CRC32C part (kvrelay_spool_recovery_crc_seconds)")
+    for p in need("quarantined spool files", lambda e: re.search(r"sumby\(what\)\(kvrelay_spool_quarantined_total\{", e),
+                  ("short", "none")):
+        check(any("{{what}}" in t.get("legendFormat", "") for t in p["targets"]),
+              f"quarantined panel {p['title']!r}: the legend should name what (message_file, journal, missing)")
+    for p in need("relays whose spool failed", lambda e: re.fullmatch(r"sum\(kvrelay_spool_failed\{[^}]*\}\)", e),
+                  ("short", "none")):
+        check(p.get("type") == "stat", f"panel {p['title']!r} (failed spools) is a {p.get('type')}, expected stat")
+        steps = (((p.get("fieldConfig") or {}).get("defaults") or {}).get("thresholds") or {}).get("steps") or []
+        red = [s.get("value") for s in steps if s.get("color") == "red"]
+        check(red == [1], f"failed-spool stat: red from {red}, expected from 1")
 
 
 def check_network_row(dash, panels, unit):

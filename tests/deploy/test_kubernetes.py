@@ -54,13 +54,25 @@ For the base and every overlay under deploy/kubernetes/overlays:
      file is a Secret volume; Secret files are readable by the relay's group
      (fsGroup) and nobody else; no other container mounts any of it;
      examples/ca-issuer.yaml makes the issuer the csi-driver volume names;
+     the spool: one --spool-dir, a subdirectory of a writable volume mounted
+     by the relay alone (the relay makes it 0700 and must own it; the
+     volume's root is writable through the pod's fsGroup, the relay's
+     group), --fsync not never, --max-spool-bytes at least the store limit
+     and at most 90% of the volume; the volume an emptyDir on disk with a
+     sizeLimit in the base, a PersistentVolumeClaim of the StatefulSet's
+     volumeClaimTemplates (ReadWriteOnce, the base's emptyDir removed,
+     fsGroupChangePolicy OnRootMismatch) in production and the overlays on
+     it; the startup probe waits long enough to read a full spool at
+     100 MiB/s;
   4. kvrelay-server accepts the sidecar's rendered args and environment
      ($(VAR)s expanded for pod kvrelay-agent-0 in namespace apps, TCP listen
      addresses moved to 127.0.0.1 (the health port to a free port), the Unix
      socket into a temporary directory, a CA and the pod's certificate for
      the names its volume requests, and a tokens file, made where the flags
      read them), creates its socket, exports the configured limits (the
-     outbox's too) as kvrelay_limit_bytes and kvrelay_insecure 0, answers a
+     outbox's too) as kvrelay_limit_bytes and kvrelay_insecure 0, makes its
+     spool (--spool-dir moved into a temporary directory: mode 0700, with
+     LOCK, journal, msg/ and quarantine/; kvrelay_spool_failed 0), answers a
      plaintext grpc.health.v1 check SERVING on the health port and refuses
      one on the TLS gRPC port.
 """
@@ -727,6 +739,91 @@ def check_transport(tag, workload, pod_spec, relay):
     return src
 
 
+# ------------------------------------------------------------ the spool
+SPOOL_READ_BYTES_PER_S = 100 << 20  # what the startup probe must allow recovery to read at
+
+
+def spool_dir(container):
+    """--spool-dir values, or KVRELAY_SPOOL_DIR's (flags win)."""
+    values = flag_values(container, "spool-dir")
+    if values:
+        return values
+    env = {e["name"]: e.get("value") for e in container.get("env") or []}
+    return [env["KVRELAY_SPOOL_DIR"]] if env.get("KVRELAY_SPOOL_DIR") else []
+
+
+def check_spool(tag, workload, pod_spec, relay):
+    """The relay's spool (docs/SPOOL.md): on a volume the relay alone mounts, writable, a
+    subdirectory of it (the relay creates it with mode 0700 and chmods an existing one, which
+    only its owner may: a volume's root belongs to root or the fsGroup), synced, bounded below
+    the volume's size. Returns "emptyDir" or "pvc" (where it lives), or None."""
+    name = f"{tag}: {workload['kind']}/{workload['metadata']['name']}"
+    dirs = spool_dir(relay)
+    if not check(len(dirs) == 1 and dirs[0].startswith("/"),
+                 f"{name}: the relay should set one --spool-dir /ABSOLUTE/PATH, sets {dirs}"):
+        return None
+    env = {e["name"]: e.get("value") for e in relay.get("env") or []}
+    fsync = (flag_values(relay, "fsync") or [env.get("KVRELAY_FSYNC") or "always"])[-1]
+    check(fsync == "always", f"{name}: --fsync={fsync}: a deployment syncs (never is for benchmarks)")
+    m, rel = mount_of_path(relay, dirs[0])
+    if not check(m, f"{name}: --spool-dir {dirs[0]} is on no volume of the relay (read-only root filesystem)"):
+        return None
+    check(rel and not rel.startswith("/"), f"{name}: --spool-dir {dirs[0]} is the mount point {m['mountPath']}: use "
+          "a subdirectory, which the relay creates and owns (it makes the directory 0700)")
+    check(not m.get("readOnly") and not m.get("subPath"),
+          f"{name}: the spool's mount {m['name']} should be the whole volume, writable")
+    for c in (pod_spec.get("initContainers") or []) + (pod_spec.get("containers") or []):
+        if c is not relay:
+            check(m["name"] not in {x["name"] for x in c.get("volumeMounts") or []},
+                  f"{name}: container {c['name']} mounts the relay's spool volume {m['name']} (KV caches at rest)")
+    sec = effective_security(pod_spec, relay)
+    pod_sec = pod_spec.get("securityContext") or {}
+    check(pod_sec.get("fsGroup") is not None and pod_sec.get("fsGroup") == sec.get("runAsGroup"),
+          f"{name}: fsGroup {pod_sec.get('fsGroup')} is not the relay's group {sec.get('runAsGroup')}: the relay "
+          "cannot create its spool directory in the volume")
+    vol = {v["name"]: v for v in pod_spec.get("volumes") or []}.get(m["name"])
+    claims = {c["metadata"]["name"]: c for c in workload["spec"].get("volumeClaimTemplates") or []}
+    kind, size = None, None
+    if vol is not None:
+        check(m["name"] not in claims, f"{name}: {m['name']} is both a pod volume and a volumeClaimTemplate")
+        if check("emptyDir" in vol, f"{name}: the spool's volume {m['name']} is {sorted(vol)}, expected an emptyDir "
+                 "or a volumeClaimTemplate"):
+            ed = vol["emptyDir"] or {}
+            kind = "emptyDir"
+            check(ed.get("medium", "") == "", f"{name}: the spool's emptyDir has medium {ed.get('medium')!r}: in "
+                  "memory it counts against the memory limit and a node reboot loses it")
+            if check(ed.get("sizeLimit"), f"{name}: the spool's emptyDir has no sizeLimit"):
+                size = parse_quantity(ed["sizeLimit"])
+    elif check(m["name"] in claims, f"{name}: the spool's volume {m['name']} is neither a pod volume nor a "
+               "volumeClaimTemplate"):
+        claim = claims[m["name"]]["spec"]
+        kind = "pvc"
+        check(claim.get("accessModes") == ["ReadWriteOnce"] or claim.get("accessModes") == ["ReadWriteOncePod"],
+              f"{name}: the spool's claim accessModes {claim.get('accessModes')}: one relay per spool")
+        req = ((claim.get("resources") or {}).get("requests") or {}).get("storage")
+        if check(req, f"{name}: the spool's claim requests no storage"):
+            size = parse_quantity(req)
+        check(pod_sec.get("fsGroupChangePolicy") == "OnRootMismatch",
+              f"{name}: fsGroupChangePolicy {pod_sec.get('fsGroupChangePolicy')!r}: without OnRootMismatch the "
+              "kubelet walks every spool file at each mount and makes the relay's 0600 files group-writable")
+    limit, store = byte_limit(relay, "spool"), byte_limit(relay, "store")
+    if check(limit, f"{name}: no --max-spool-bytes: the spool would grow to the volume's end (an emptyDir past its "
+             "sizeLimit gets the pod evicted; a full disk under the journal stops the spool)"):
+        if store:
+            check(limit >= store, f"{name}: --max-spool-bytes {limit} below the store limit {store}: publishes would "
+                  "fail on the spool before the store is full")
+        if size:
+            check(limit <= 0.9 * size, f"{name}: --max-spool-bytes {limit} above 90% of the volume's {size:.0f} bytes "
+                  "(the journal may pass the limit; quarantined files are not counted)")
+        sp = relay.get("startupProbe") or {}
+        window = sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3)
+        check(window >= limit / SPOOL_READ_BYTES_PER_S,
+              f"{name}: the startup probe allows {window} s; recovery reads up to {limit} bytes of spool "
+              f"({limit / SPOOL_READ_BYTES_PER_S:.0f} s at 100 MiB/s) before the relay serves")
+    print(f"{name}: spool {dirs[0]} on {kind} {m['name']} ({size and f'{size:.0f} bytes'}), limit {limit}")
+    return kind
+
+
 # ------------------------------------------------------------ the mesh
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 TEMPLATE_RE = re.compile(r"^dns:///\{agent\}\.([a-z0-9-]+)\.(\S+)\.svc\.cluster\.local:(\d+)$")
@@ -889,10 +986,11 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
 
     shells = check_agent_shutdown(f"{tag}: {dep['kind']}/{dep['metadata']['name']}", pod_spec, relay, pid1)
     check_network_policy(tag, objs, pod_labels, pod_spec, relay)
-    tls_source = None
+    tls_source = spool = None
     if relay:
         check_mesh(tag, objs, dep, pod_labels, pod_spec, relay)
         tls_source = check_transport(tag, dep, pod_spec, relay)
+        spool = check_spool(tag, dep, pod_spec, relay)
 
     for svc in by_kind(objs, "Service"):
         spec = svc["spec"]
@@ -946,7 +1044,8 @@ def check_build(tag, objs, flags, envs, rules_doc, dashboard_text, pid1=None):
         check(list(data) == ["kvrelay-dashboard.json"], f"{tag}: dashboard ConfigMap keys {list(data)}")
         check(data.get("kvrelay-dashboard.json") == dashboard_text,
               f"{tag}: the ConfigMap's dashboard differs from deploy/grafana/kvrelay-dashboard.json")
-    return {"relay": relay, "pod_spec": pod_spec, "workload": dep, "shell_loops": shells, "tls": tls_source}
+    return {"relay": relay, "pod_spec": pod_spec, "workload": dep, "shell_loops": shells, "tls": tls_source,
+            "spool": spool}
 
 
 def dry_run_files(tag, relay, pod_spec, pod, workdir):
@@ -984,7 +1083,7 @@ def dry_run_relay(tag, server, relay, pod_spec, workdir):
     pod = {"name": "kvrelay-agent-0", "namespace": "apps"}
     sock = os.path.join(workdir, f"{tag}.sock")
     files, dns = dry_run_files(tag, relay, pod_spec, pod, workdir)
-    moved = ("listen", "local-listen", "metrics-listen", "health-listen") + tuple(files)
+    moved = ("listen", "local-listen", "metrics-listen", "health-listen", "spool-dir") + tuple(files)
     args = [expand(a, relay, pod) for a in relay.get("args") or []
             if not re.match(r"--(%s)(=|$)" % "|".join(moved), a)]
     health_port = free_port()
@@ -996,6 +1095,12 @@ def dry_run_relay(tag, server, relay, pod_spec, workdir):
     unix = [v for v in flag_values(relay, "listen") + flag_values(relay, "local-listen") if v.startswith("unix:")]
     if unix:
         args += ["--local-listen" if flag_values(relay, "local-listen") else "--listen", f"unix:{sock}"]
+    spool = None
+    if spool_dir(relay):
+        # The volume's mount point, the directory the relay creates below it.
+        spool = os.path.join(workdir, f"{tag}-volume", "spool")
+        os.makedirs(os.path.dirname(spool))
+        args += ["--spool-dir", spool]
     env = clean_env()
     limits = (relay.get("resources") or {}).get("limits") or {}
     for e in relay.get("env") or []:
@@ -1007,6 +1112,7 @@ def dry_run_relay(tag, server, relay, pod_spec, workdir):
             env[e["name"]] = str(max(1, math.ceil(q / parse_quantity(ref.get("divisor", "1")))))
     env.pop("KVRELAY_LISTEN", None)
     env.pop("KVRELAY_METRICS_LISTEN", None)
+    env.pop("KVRELAY_SPOOL_DIR", None)
     try:
         r = Relay(server, workdir, args=args, env=env, name=f"relay-{tag}")
     except RuntimeError as e:
@@ -1027,6 +1133,23 @@ def dry_run_relay(tag, server, relay, pod_spec, workdir):
         if unix:
             check(os.path.exists(sock) and stat.S_ISSOCK(os.stat(sock).st_mode),
                   f"{tag}: the relay did not create its Unix socket ({sock})")
+        if spool:
+            mode = stat.S_IMODE(os.stat(spool).st_mode) if os.path.isdir(spool) else None
+            check(mode == 0o700, f"{tag}: the spool directory {spool}: mode {mode and oct(mode)}, expected 0o700")
+            have = set(os.listdir(spool)) if os.path.isdir(spool) else set()
+            check({"LOCK", "journal", "msg", "quarantine"} <= have, f"{tag}: the spool holds {sorted(have)}")
+            for f in ("LOCK", "journal"):
+                if f in have:
+                    fm = stat.S_IMODE(os.stat(os.path.join(spool, f)).st_mode)
+                    check(fm & 0o077 == 0, f"{tag}: spool file {f} has mode {oct(fm)}: readable by others")
+            got = samples.get(("kvrelay_spool_failed", frozenset()))
+            check(got == 0, f"{tag}: kvrelay_spool_failed = {got}, expected 0")
+            got = samples.get(("kvrelay_spool_bytes", frozenset()))
+            check(got is not None and got > 0, f"{tag}: kvrelay_spool_bytes = {got}, expected the new journal's bytes")
+            want = byte_limit(relay, "spool")
+            if want is not None:  # what KvrelaySpoolNearlyFull compares with
+                got = samples.get(("kvrelay_limit_bytes", frozenset({("limit", "spool")})))
+                check(got == want, f"{tag}: kvrelay_limit_bytes{{limit=\"spool\"}} = {got}, configured {want}")
         if "tls-cert" in files:
             got = samples.get(("kvrelay_insecure", frozenset()))
             check(got == 0, f"{tag}: kvrelay_insecure = {got} with the sidecar's TLS configuration, expected 0")
@@ -1130,6 +1253,12 @@ def main():
         check((nocm or {}).get("tls") == "secret",
               f"no-cert-manager: certificates from {(nocm or {}).get('tls')}, expected a Secret")
         check_issuer_example(node, base)
+        # The spool: an emptyDir in the base (a restart of the relay keeps it, a new pod does not);
+        # a claim per pod in production and what builds on it (a replaced pod recovers it).
+        for tag, b in builds.items():
+            if b.get("relay"):
+                want = "emptyDir" if tag == "base" else "pvc"
+                check(b.get("spool") == want, f"{tag}: the spool is on {b.get('spool')}, expected {want}")
         # The base's example agent is a shell loop (kvrelayctl demo): its SIGTERM handling was checked.
         check(base.get("shell_loops", 0) >= 1, "base: the example agent's shell loop was not found to check its "
               "SIGTERM handling")

@@ -1,7 +1,9 @@
 #!/usr/bin/python3
 """A real Prometheus scraping a real relay, queried with the dashboard's own queries.
 
-  1. starts kvrelay-server on 127.0.0.1 (port 0) and Debian's Prometheus
+  1. starts kvrelay-server on 127.0.0.1 (port 0), with a spool in the
+     temporary directory (--spool-dir, --max-spool-bytes 8GiB), and Debian's
+     Prometheus
      server on a free loopback port with a temporary TSDB, configured from
      deploy/prometheus/prometheus.yml (the project's scrape config, its job
      name and its rule files) with the target moved to the test relay and a
@@ -26,8 +28,10 @@
      latency histogram counted one delivery per hop; the network row's
      series exist at 0 (one relay forwards nothing; its forward latency
      quantiles are NaN), and so do the security row's (the five reasons of
-     kvrelay_auth_failures_total; kvrelay_insecure on a loopback relay);
-     every alerting rule
+     kvrelay_auth_failures_total; kvrelay_insecure on a loopback relay), and
+     the spool row's: its bytes above 0, the spool limit as configured,
+     kvrelay_spool_failed and the three kinds of quarantined files at 0, fsync
+     latency quantiles that are numbers; every alerting rule
      evaluates with health "ok" in the real Prometheus and none fires;
   6. renders the dashboard from this Prometheus into a PNG
      (deploy/grafana/render_png.py; --png, default in the build dir).
@@ -210,8 +214,10 @@ def main():
     work = tempfile.mkdtemp(prefix="kvrelay-live-")
     relay = prom = None
     try:
-        relay = Relay(args.server, work, args=["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
-                      + args.relay_arg)
+        # A spool, so that the spool row has data (fsyncs on the temporary directory's disk).
+        relay = Relay(args.server, work, args=["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                                               "--spool-dir", os.path.join(work, "spool"),
+                                               "--max-spool-bytes", "8GiB"] + args.relay_arg)
         # The project's scrape config, pointed at this relay, scraping every second.
         cfg = node.yaml(PROM_CONFIG)[0]
         cfg.setdefault("global", {}).update({"scrape_interval": "1s", "evaluation_interval": "1s"})
@@ -367,6 +373,16 @@ def main():
             for v in values:
                 got = after.get((name, frozenset({(label, v)})))
                 check(got == 0, f"{name}{{{label}=\"{v}\"}} = {got} on a relay without routes, expected 0")
+        # The spool row: a fresh, healthy spool that took the demos.
+        check((after.get(("kvrelay_spool_bytes", frozenset())) or 0) > 0,
+              f"kvrelay_spool_bytes = {after.get(('kvrelay_spool_bytes', frozenset()))} after the demos, expected > 0")
+        check(after.get(("kvrelay_spool_failed", frozenset())) == 0, "kvrelay_spool_failed is not 0")
+        for what in ("message_file", "journal", "missing"):
+            got = after.get(("kvrelay_spool_quarantined_total", frozenset({("what", what)})))
+            check(got == 0, f"kvrelay_spool_quarantined_total{{what=\"{what}\"}} = {got} on a new spool, expected 0")
+        got = after.get(("kvrelay_limit_bytes", frozenset({("limit", "spool")})))
+        check(got == 8 * 2 ** 30 or any("max-spool-bytes" in a for a in args.relay_arg),
+              f"kvrelay_limit_bytes{{limit=\"spool\"}} = {got}, configured 8GiB")
         lim = vector(prom.query('kvrelay_limit_bytes{limit="inflight"}'))
         want = after.get(("kvrelay_limit_bytes", frozenset({("limit", "inflight")})))
         check(list(lim.values()) == [want] and (args.relay_arg or want == 4 * 2 ** 30),

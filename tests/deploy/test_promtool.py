@@ -15,13 +15,19 @@
      file's copies of those queries (and of the failed-RPC ratio by method)
      must be the dashboard's own ($__rate_interval -> 4m there, so the
      expected rates are exact floats), and so must the network row's
-     forwarded, full-KV and elided bytes and forward latency quantiles and
-     the security row's auth failures by reason and insecure-listener count;
+     forwarded, full-KV and elided bytes and forward latency quantiles,
+     the security row's auth failures by reason and insecure-listener count,
+     and the spool row's bytes with their limit, fsync latency quantiles,
+     recovery seconds, quarantined files and failed spools;
   5. KvrelayHighErrorRate is a per-method ratio of kvrelay_rpcs_total with a
      minimum-traffic guard, leaving out the same codes as the dashboard's
      failed-ratio panel;
   6. KvrelayAuthFailureBurst counts kvrelay_auth_failures_total per relay and
-     reason, and KvrelayInsecureListener selects kvrelay_insecure == 1.
+     reason, and KvrelayInsecureListener selects kvrelay_insecure == 1;
+  7. KvrelaySpoolFailed is critical and sees kvrelay_spool_failed == 1 over a
+     window (a liveness restart resets the gauge within a scrape or two), and
+     KvrelaySpoolNearlyFull compares kvrelay_spool_bytes with the spool's
+     kvrelay_limit_bytes and leaves out a limit of 0.
 """
 import argparse
 import glob
@@ -73,7 +79,8 @@ def main():
                     check(m in known, f"{name}: metric {m} is not registered in server/metrics.cc")
     check({"KvrelayDown", "KvrelayHighErrorRate", "KvrelayCompressionRatioCollapsed",
            "KvrelayInflightBytesNearLimit", "KvrelayForwardDeadLetters", "KvrelayForwardRetryRateHigh",
-           "KvrelayOutboxNearLimit", "KvrelayAuthFailureBurst", "KvrelayInsecureListener"} <= alerts,
+           "KvrelayOutboxNearLimit", "KvrelayAuthFailureBurst", "KvrelayInsecureListener",
+           "KvrelaySpoolFailed", "KvrelaySpoolNearlyFull"} <= alerts,
           f"alerts {sorted(alerts)}")
 
     # The error-rate alert: a per-method ratio of kvrelay_rpcs_total (every finished call,
@@ -114,6 +121,24 @@ def main():
         e = re.sub(r"\s+", "", insecure["expr"])
         check(re.fullmatch(r'kvrelay_insecure\{job="kvrelay"\}==1', e),
               f"KvrelayInsecureListener should be kvrelay_insecure{{job=\"kvrelay\"}} == 1: {insecure['expr']}")
+
+    # The spool alerts: a failed spool is critical and is not missed between a
+    # restart's scrapes; the fill ratio is against the spool's own limit, a 0 left out.
+    failed = all_rules.get("KvrelaySpoolFailed")
+    if check(failed, "no KvrelaySpoolFailed rule"):
+        e = re.sub(r"\s+", "", failed["expr"])
+        check(re.fullmatch(r'max_over_time\(kvrelay_spool_failed\{job="kvrelay"\}\[\d+m\]\)==1', e),
+              f"KvrelaySpoolFailed should be max_over_time(kvrelay_spool_failed{{job=\"kvrelay\"}}[Nm]) == 1: "
+              f"{failed['expr']}")
+        check((failed.get("labels") or {}).get("severity") == "critical",
+              f"KvrelaySpoolFailed severity {(failed.get('labels') or {}).get('severity')!r}, expected critical")
+    full = all_rules.get("KvrelaySpoolNearlyFull")
+    if check(full, "no KvrelaySpoolNearlyFull rule"):
+        e = re.sub(r"\s+", "", full["expr"])
+        check(metric_names_in_expr(full["expr"]) == {"kvrelay_spool_bytes", "kvrelay_limit_bytes"}
+              and 'kvrelay_limit_bytes{job="kvrelay",limit="spool"}>0' in e,
+              f"KvrelaySpoolNearlyFull should divide kvrelay_spool_bytes by kvrelay_limit_bytes{{limit=\"spool\"}} "
+              f"(> 0): {full['expr']}")
 
     rc, out, err = run([args.promtool, "check", "config", PROM_CONFIG])
     print(out.strip())
@@ -161,6 +186,12 @@ def main():
         "forward latency": lambda e: "kvrelay_forward_seconds_bucket" in e,
         "auth failures by reason": lambda e: "kvrelay_auth_failures_total" in e,
         "insecure listeners": lambda e: "kvrelay_insecure" in e,
+        "spool bytes": lambda e: "kvrelay_spool_bytes" in e,
+        "spool limit": lambda e: 'limit="spool"' in e,
+        "spool fsync latency": lambda e: "kvrelay_spool_fsync_seconds_bucket" in e,
+        "spool recovery": lambda e: "kvrelay_spool_recovery" in e,
+        "quarantined spool files": lambda e: "kvrelay_spool_quarantined_total" in e,
+        "failed spools": lambda e: "kvrelay_spool_failed" in e,
     }
     for _, t in targets:
         if "kvrelay_rpcs_total" in t["expr"] and "code!~" in t["expr"]:
