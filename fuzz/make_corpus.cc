@@ -11,11 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "core/crc32c.h"
 #include "core/format/safetensors.h"
 #include "core/format/synthetic.h"
 #include "core/format/turn_file.h"
 #include "core/pipeline.h"
 #include "fuzz/fuzz_frames.h"
+#include "fuzz/spool_fuzz.h"
 #include "proto/raw_chunk.h"
 #include "proto/stream_codec.h"
 #include "proto/wire.h"
@@ -291,6 +293,103 @@ void TextSeeds() {
   }
 }
 
+void MustOk(const absl::Status& s, const std::string& what) {
+  if (!s.ok()) Die(what + ": " + s.ToString());
+}
+
+// `file` (a message file or journal) with its version field set to
+// `version`; a message file gets its CRC32C again, so that only the version
+// is wrong.
+std::string WithVersion(std::string file, uint32_t version, bool message_file) {
+  for (int b = 0; b < 4; ++b) file[8 + b] = static_cast<char>((version >> (8 * b)) & 0xff);
+  if (message_file) {
+    const uint32_t crc = Crc32c(file.data(), file.size() - 4);
+    for (int b = 0; b < 4; ++b) file[file.size() - 4 + b] = static_cast<char>((crc >> (8 * b)) & 0xff);
+  }
+  return file;
+}
+
+// The spool (server/spool_store.h), written by SpoolStore itself on an
+// in-memory file system: journals of a commit and of a history with every
+// record kind, hand-made ones that exercise the replay, foreign headers;
+// message files of a small and a compressed message, another version.
+void SpoolSeeds() {
+  using fuzz::kSpoolJournal;
+  using spool::v1::Record;
+  auto open = [](testing::FaultFs* fs) {
+    return Must(SpoolStore::Open({}, fuzz::SpoolOpts(fs), nullptr), "SpoolStore::Open");
+  };
+  std::string seed_file;
+  {
+    testing::FaultFs fs;
+    {
+      auto s = open(&fs);
+      MustOk(fuzz::CommitTo(*s, fuzz::SeedMessage()), "commit");
+    }
+    WriteVariants("spool_journal", "commit", fs.Peek(kSpoolJournal), 20);
+    seed_file = fs.Peek(fuzz::SpoolMsgPath(1));
+    WriteVariants("spool_message_file", "seed", seed_file, 30);
+    Write("spool_message_file", "seed.version2", WithVersion(seed_file, 2, true));
+  }
+  {
+    testing::FaultFs fs;
+    {
+      auto s = open(&fs);
+      MustOk(fuzz::CommitTo(*s, fuzz::SeedMessage()), "commit");
+      MustOk(fuzz::CommitTo(*s, fuzz::SmallMsg("s", "m2", 2)), "commit");
+      uint64_t waiter = 0;
+      auto d = s->FetchOrWait("s", "b", Clock::now() + std::chrono::hours(1), [](Store::Wake) {}, &waiter);
+      if (!d) Die("fetch");
+      s->MarkDelivered("s", "b", d->msg->message_id);
+      MustOk(s->Ack("s", "b", d->msg->message_id), "ack");
+      s->TrackRecipient("s", "m2", "r", {v1::RECIPIENT_STATE_COMMITTED, "R:1", "", 1});
+      if (!s->AddPeer("s", "R:1")) Die("AddPeer");
+      s->NotePeerHolds("s", "m2", "R:1");
+      MustOk(fuzz::CommitTo(*s, fuzz::SmallMsg("t", "x", 3)), "commit");
+      s->CloseSession("t");
+      MustOk(fuzz::CommitTo(*s, fuzz::SmallMsg("t", "y", 4)), "commit");  // reopens t
+    }
+    std::string journal = fs.Peek(kSpoolJournal);
+    Record expired;
+    expired.mutable_expired()->set_session_id("t");
+    AppendJournalRecord(expired, &journal);
+    WriteVariants("spool_journal", "history", journal, 60);
+  }
+  // s/m closed, then committed again as seq 5 (its file is gone); and seq 1
+  // given to two messages (the one recovery picks finds s/m's file).
+  std::string reclosed = JournalHeader();
+  AppendJournalRecord(fuzz::CommitRecord("s", "m", 1, {"b"}), &reclosed);
+  Record closed;
+  closed.mutable_closed()->set_session_id("s");
+  AppendJournalRecord(closed, &reclosed);
+  AppendJournalRecord(fuzz::CommitRecord("s", "m", 5, {"b"}), &reclosed);
+  Write("spool_journal", "reclosed", reclosed);
+  std::string clash = JournalHeader();
+  AppendJournalRecord(fuzz::CommitRecord("s", "m", 1, {"b"}), &clash);
+  AppendJournalRecord(fuzz::CommitRecord("z", "z", 1, {"b"}), &clash);
+  Write("spool_journal", "seq_clash", clash);
+  Write("spool_journal", "header_only", JournalHeader());
+  Write("spool_journal", "version2", WithVersion(reclosed, 2, false));
+  Write("spool_journal", "not_a_journal", "KVRSPMSG" + reclosed.substr(8));
+
+  // A compressed (int4) message forwarded here, with remote recipients.
+  const Turn turn = TinyTurn(DType::kF32, 4, 0, 2);
+  spool::v1::MessageMeta meta;
+  meta.set_session_id("s");
+  meta.set_message_id("q");
+  meta.set_sender("a");
+  meta.add_recipients("b");
+  meta.add_recipients("c");
+  (*meta.mutable_remote())["c"] = "relay-b:50051";
+  meta.set_forwarded(true);
+  meta.set_origin("relay-o:50051");
+  meta.set_family("h2o");
+  std::string file;
+  MustOk(EncodeMessageFile(meta, Compress(turn, "h2o-head:k=4+int4:group=8"), &file), "EncodeMessageFile");
+  WriteVariants("spool_message_file", "int4", file, 100);
+  Write("spool_message_file", "not_a_message_file", "KVRSPJNL" + seed_file.substr(8));
+}
+
 }  // namespace
 }  // namespace kvrelay
 
@@ -303,5 +402,6 @@ int main(int argc, char** argv) {
   kvrelay::FormatSeeds();
   kvrelay::WireSeeds();
   kvrelay::TextSeeds();
+  kvrelay::SpoolSeeds();
   return 0;
 }

@@ -14,7 +14,8 @@ shift || true
 DIR=${KVRELAY_FUZZ_DIR:-build-fuzz}
 JOBS=${KVRELAY_JOBS:-$(nproc)}
 CXX=${KVRELAY_FUZZ_CXX:-clang++-14}
-ALL=(safetensors turn_file message_file raw_chunk stream_codec policy_spec server_config route_file tokens_file)
+ALL=(safetensors turn_file message_file raw_chunk stream_codec policy_spec server_config route_file tokens_file
+  spool_journal spool_message_file)
 TARGETS=("$@")
 ((${#TARGETS[@]})) || TARGETS=("${ALL[@]}")
 launcher=()
@@ -43,10 +44,10 @@ for t in "${TARGETS[@]}"; do
   total=$((total + execs))
   if ((rc != 0)); then
     crashed+=("$t")
-    printf 'fuzz: %-14s %12s executions  CRASHED (rc %d, see %s)\n' "$t" "$execs" "$rc" "$log"
+    printf 'fuzz: %-18s %12s executions  CRASHED (rc %d, see %s)\n' "$t" "$execs" "$rc" "$log"
     grep -m 3 -E 'ERROR:|FUZZ_CHECK|runtime error|Test unit written' "$log" | sed 's/^/fuzz:   /' || true
   else
-    printf 'fuzz: %-14s %12s executions  0 crashes\n' "$t" "$execs"
+    printf 'fuzz: %-18s %12s executions  0 crashes\n' "$t" "$execs"
   fi
 done
 printf 'fuzz: total %s executions over %d targets, %d crashed\n' "$total" "${#TARGETS[@]}" "${#crashed[@]}"

@@ -14,7 +14,8 @@ PACKAGES=(
 # What running the test suite needs on top: Python (Debian's, with numpy and
 # grpcio), promtool and Prometheus, the Go and Node clients, torch for the HF
 # adapter test, matplotlib for the dashboard picture, kubectl for kustomize,
-# clang and its sanitizer/libFuzzer runtimes for scripts/fuzz.sh.
+# clang and its sanitizer/libFuzzer runtimes for scripts/fuzz.sh, libfiu
+# (fiu-run, fiu-ctrl and its POSIX preload) for the spool's I/O-fault test.
 # `--build-only` (scripts/run.sh, the Dockerfile) skips these.
 if [[ "${1:-}" != "--build-only" ]]; then
   PACKAGES+=(
@@ -24,6 +25,7 @@ if [[ "${1:-}" != "--build-only" ]]; then
     python3-torch python3-matplotlib
     iproute2 openssl
     clang libclang-rt-14-dev
+    fiu-utils libfiu-dev
   )
   # Node.js/npm and kubectl may come from other repositories on the image;
   # take Debian's only when the command is missing.
