@@ -74,27 +74,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def make_turn(seed, layers=4, H=4, S=8, d=64, n_prompt=256, n_gen=16):
-    """A small synthetic F32 turn: 4 x 2 x 4 x 272 x 64 float32 of K/V (2.2 MB)."""
-    import numpy as np
-    import kvrelay
-    rng = np.random.default_rng(seed)
-    return kvrelay.Turn([kvrelay.TurnLayer(
-        prompt_k=rng.standard_normal((H, n_prompt, d), dtype=np.float32),
-        prompt_v=rng.standard_normal((H, n_prompt, d), dtype=np.float32),
-        gen_k=rng.standard_normal((H, n_gen, d), dtype=np.float32),
-        gen_v=rng.standard_normal((H, n_gen, d), dtype=np.float32),
-        score=rng.random((S, n_prompt), dtype=np.float32)) for _ in range(layers)], dtype="F32")
-
 
 # ---- what is sampled -----------------------------------------------------------------
-
-def rss_bytes(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def open_fds(pid):
@@ -395,7 +376,7 @@ def main():
         for name, r in relays.items():
             print(f"relay {name}: pid {r.pid}, {r.server.ready_line}", flush=True)
             clients[name] = kvrelay.Client(r.addr)
-        turns = [make_turn(i) for i in range(6)]
+        turns = [tl.random_turn(i, n_prompt=256) for i in range(6)]  # 2.2 MB of K/V each
         t0 = time.monotonic()
         deadline = t0 + duration
         traffic = Traffic(clients, turns, args.policy, args.expire_every, deadline, args.max_errors)
@@ -420,7 +401,7 @@ def main():
                 u = spool_usage(r.spool)
                 m = scrape(r.server.metrics, METRICS)
                 st = clients[name].stats(timeout=10)
-                s[name] = {"rss": rss_bytes(r.pid), "fds": open_fds(r.pid),
+                s[name] = {"rss": tl.rss_bytes(r.pid), "fds": open_fds(r.pid),
                            "spool": u["msg"] + u["journal"] + u["other"], "spool_msg": u["msg"],
                            "spool_journal": u["journal"], "spool_other": u["other"], "spool_files": u["files"],
                            "spool_du": u["du"], "spool_metric": m["kvrelay_spool_bytes"],

@@ -24,7 +24,6 @@ import kvrelay_testlib as tl  # noqa: E402
 from kvrelay_testlib import Server  # noqa: E402
 
 import grpc  # noqa: E402
-import numpy as np  # noqa: E402
 
 import kvrelay  # noqa: E402
 
@@ -39,25 +38,6 @@ INFLIGHT, STORE = 48 * MIB, 96 * MIB
 OVERHEAD = 64 * MIB
 
 
-def make_turn(seed, layers=4, H=4, S=8, d=64, n_prompt=512, n_gen=16):
-    """A turn of 4 x 2 x 4 x 528 x 64 float32: about 4.3 MB of K/V."""
-    rng = np.random.default_rng(seed)
-    return kvrelay.Turn([kvrelay.TurnLayer(
-        prompt_k=rng.standard_normal((H, n_prompt, d), dtype=np.float32),
-        prompt_v=rng.standard_normal((H, n_prompt, d), dtype=np.float32),
-        gen_k=rng.standard_normal((H, n_gen, d), dtype=np.float32),
-        gen_v=rng.standard_normal((H, n_gen, d), dtype=np.float32),
-        score=rng.random((S, n_prompt), dtype=np.float32)) for _ in range(layers)], dtype="F32")
-
-
-def rss_bytes(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 class OverloadTest(unittest.TestCase):
     def test_sixty_four_publishers_against_low_limits(self):
         work = tempfile.mkdtemp(prefix="kvrelay-overload-")
@@ -68,8 +48,9 @@ class OverloadTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, work, True)
         with Server(ARGS.server, work, args=args, name="overload") as relay:
             pid = relay.proc.pid
-            rest = rss_bytes(pid)
-            turns = [make_turn(i) for i in range(4)]  # shared: the client side stays small
+            rest = tl.rss_bytes(pid)
+            # 4 x 2 x 4 x 528 x 64 float32 (~4.3 MB) each, shared: the client side stays small
+            turns = [tl.random_turn(i) for i in range(4)]
             accepted, refused, other = [], [], []
             lock = threading.Lock()
             peak = [rest]
@@ -77,7 +58,7 @@ class OverloadTest(unittest.TestCase):
 
             def sample():
                 while not done.is_set():
-                    peak[0] = max(peak[0], rss_bytes(pid))
+                    peak[0] = max(peak[0], tl.rss_bytes(pid))
                     time.sleep(0.02)
 
             def publisher(i):

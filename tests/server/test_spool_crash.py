@@ -64,14 +64,7 @@ def free_port():
 def make_turn(mid):
     """The turn of message `mid`: the same bytes on every retry."""
     seed = int(hashlib.sha256(mid.encode()).hexdigest()[:8], 16)
-    rng = np.random.default_rng(seed)
-    H, S, d, n, g = 2, 4, 32, 48, 4
-    return kvrelay.Turn([kvrelay.TurnLayer(
-        prompt_k=rng.standard_normal((H, n, d), dtype=np.float32),
-        prompt_v=rng.standard_normal((H, n, d), dtype=np.float32),
-        gen_k=rng.standard_normal((H, g, d), dtype=np.float32),
-        gen_v=rng.standard_normal((H, g, d), dtype=np.float32),
-        score=rng.random((S, n), dtype=np.float32)) for _ in range(2)], dtype="F32")
+    return tl.random_turn(seed, layers=2, H=2, S=4, d=32, n_prompt=48, n_gen=4)
 
 
 def content_hash(m):
@@ -313,6 +306,10 @@ def run_loop(args, mode, iterations, rng, crash_points=()):
             if paused:
                 b.proc.proc.send_signal(signal.SIGCONT)
             kills += 1
+            if kills % 100 == 0:
+                with ck.lock:
+                    print(f"  {mode}: {kills} kills in {time.time() - t0:.0f} s, {len(ck.accepted)} publishes "
+                          f"accepted, {len(ck.acked)} acked, violations so far {len(ck.violations)}", flush=True)
             a.start()
             if not retry_pending(pub, ck, a):
                 ck.violation(f"iteration {i}: publishes could not be retried after the restart")

@@ -53,16 +53,6 @@ ENOSPC, EIO = 28, 5
 FSIZE_LIMIT = 256 << 10  # RLIMIT_FSIZE of the short-write-then-EFBIG case
 
 
-def make_turn(seed, H=2, d=64, n_prompt=64, n_gen=4, layers=2):
-    """F32 K/V of `seed`; 2 x 4 x [2, n, 64] float32 (n_prompt 64: ~140 KB)."""
-    rng = np.random.default_rng(seed)
-    return kvrelay.Turn([kvrelay.TurnLayer(
-        prompt_k=rng.standard_normal((H, n_prompt, d), dtype=np.float32),
-        prompt_v=rng.standard_normal((H, n_prompt, d), dtype=np.float32),
-        gen_k=rng.standard_normal((H, n_gen, d), dtype=np.float32),
-        gen_v=rng.standard_normal((H, n_gen, d), dtype=np.float32),
-        score=rng.random((2, n_prompt), dtype=np.float32)) for _ in range(layers)], dtype="F32")
-
 
 def intact(turn, m):
     """Whether fetched message `m` holds `turn`'s K/V bit for bit (policy full)."""
@@ -82,6 +72,11 @@ def spool_failed(relay):
     with urllib.request.urlopen(f"http://{relay.metrics}/metrics", timeout=10) as r:
         samples = tl.parse_exposition(r.read().decode())
     return samples.get(("kvrelay_spool_failed", frozenset()))
+
+
+def make_turn(seed, n_prompt=64):
+    """F32 K/V of `seed`: 2 layers x [2, n_prompt + 4, 64] (n_prompt 64: ~140 KB)."""
+    return tl.random_turn(seed, layers=2, H=2, S=2, d=64, n_prompt=n_prompt, n_gen=4)
 
 
 class SpoolFiuTest(unittest.TestCase):

@@ -15,6 +15,7 @@ A driver adds this folder to sys.path relative to its own file:
 - run / completed / check_run: a command with a timeout.
 - clean_env, port_open, stop_process, read_st, parse_exposition.
 - unittest_main: unittest.main under a watchdog that ends the servers.
+- random_turn (needs numpy and the kvrelay package), rss_bytes.
 """
 import json
 import os
@@ -257,6 +258,31 @@ def stop_started(timeout=20):
     """Server.stop() for every Server still running."""
     for p in STARTED:
         stop_process(p, timeout)
+
+
+# ---- turns and processes ------------------------------------------------------------
+
+def random_turn(seed, layers=4, H=4, S=8, d=64, n_prompt=512, n_gen=16):
+    """A synthetic F32 turn from `seed` (the same bytes for the same seed):
+    `layers` x [H, n_prompt + n_gen, d] K and V, scores [S, n_prompt]."""
+    import numpy as np  # only the drivers that make turns need them
+    import kvrelay
+    rng = np.random.default_rng(seed)
+    return kvrelay.Turn([kvrelay.TurnLayer(
+        prompt_k=rng.standard_normal((H, n_prompt, d), dtype=np.float32),
+        prompt_v=rng.standard_normal((H, n_prompt, d), dtype=np.float32),
+        gen_k=rng.standard_normal((H, n_gen, d), dtype=np.float32),
+        gen_v=rng.standard_normal((H, n_gen, d), dtype=np.float32),
+        score=rng.random((S, n_prompt), dtype=np.float32)) for _ in range(layers)], dtype="F32")
+
+
+def rss_bytes(pid):
+    """VmRSS of process `pid` in bytes (0 when unknown)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 # ---- files and scrapes -------------------------------------------------------------
