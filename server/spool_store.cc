@@ -391,7 +391,7 @@ absl::Status SpoolStore::Recover() {
   recovery_.closed = state.closed.size();
   recovery_.outbox = outbox_.size();
   recovery_.bytes = file_bytes + journal_->bytes();
-  spool_bytes_ = static_cast<int64_t>(recovery_.bytes);
+  file_bytes_total_ = static_cast<int64_t>(file_bytes);
   recovery_.seconds = Since(start);
   if (metrics_) {
     metrics_->SetSpoolRecovery(recovery_.seconds, recovery_.crc_seconds);
@@ -428,9 +428,13 @@ absl::Status SpoolStore::Writable() const {
   return journal_->health();
 }
 
+uint64_t SpoolStore::SpoolBytes() const {
+  return static_cast<uint64_t>(std::max<int64_t>(0, file_bytes_total_.load())) + journal_->bytes();
+}
+
 void SpoolStore::AddSpoolBytes(int64_t delta) {
-  const int64_t now = spool_bytes_.fetch_add(delta) + delta;
-  if (metrics_) metrics_->SetSpoolBytes(static_cast<double>(std::max<int64_t>(0, now)));
+  file_bytes_total_.fetch_add(delta);
+  if (metrics_) metrics_->SetSpoolBytes(static_cast<double>(SpoolBytes()));
 }
 
 absl::Status SpoolStore::SyncTimed(SpoolFile* f) {
@@ -443,8 +447,8 @@ absl::Status SpoolStore::SyncTimed(SpoolFile* f) {
 absl::Status SpoolStore::CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
                                          uint64_t bytes) const {
   KVRELAY_RETURN_IF_ERROR(Writable());
-  const int64_t held = spool_bytes_.load();
-  if (options_.max_spool_bytes && static_cast<uint64_t>(std::max<int64_t>(0, held)) + bytes > options_.max_spool_bytes) {
+  const uint64_t held = SpoolBytes();
+  if (options_.max_spool_bytes && held + bytes > options_.max_spool_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("spool: ", held, " bytes on disk + ", bytes,
                                                      " bytes of the message (at least), expected at most "
                                                      "--max-spool-bytes=", options_.max_spool_bytes));
@@ -457,9 +461,8 @@ absl::StatusOr<uint64_t> SpoolStore::WriteTemp(const StoredMessage& m) {
   if (absl::Status s = EncodeMessageFile(MetaOf(m), m.msg, &bytes); !s.ok()) {
     return absl::InternalError(absl::StrCat("spool: message file: ", s.message()));
   }
-  const int64_t held = spool_bytes_.load();
-  if (options_.max_spool_bytes && static_cast<uint64_t>(std::max<int64_t>(0, held)) + bytes.size() >
-                                      options_.max_spool_bytes) {
+  const uint64_t held = SpoolBytes();
+  if (options_.max_spool_bytes && held + bytes.size() > options_.max_spool_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("spool: ", held, " bytes on disk + ", bytes.size(),
                                                      " bytes of this message, expected at most --max-spool-bytes=",
                                                      options_.max_spool_bytes, "; nothing was stored"));

@@ -197,7 +197,9 @@ class SpoolStore final : public Store {
   // RemoveMessageFiles once the record that freed the session is durable.
   std::set<uint64_t> TakeSessionFiles(const std::string& session);
   void RemoveMessageFiles(const std::set<uint64_t>& seqs);
-  void AddSpoolBytes(int64_t delta);
+  void AddSpoolBytes(int64_t delta);  // to the message files' bytes
+  // The message files and the journal, as --max-spool-bytes counts them.
+  uint64_t SpoolBytes() const;
   absl::Status SyncTimed(SpoolFile* f);
   std::string MessagePath(uint64_t seq, bool temp) const;
 
@@ -216,7 +218,7 @@ class SpoolStore final : public Store {
   // journal in the order they took effect in memory.
   std::mutex commit_mu_;
   std::atomic<uint64_t> next_seq_{1};
-  std::atomic<int64_t> spool_bytes_{0};
+  std::atomic<int64_t> file_bytes_total_{0};  // the message files' bytes
   mutable std::mutex files_mu_;
   std::map<std::string, std::set<uint64_t>> files_;  // session -> its message files
   std::map<uint64_t, uint64_t> file_bytes_;          // seq -> size
