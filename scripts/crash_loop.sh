@@ -10,6 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${KVRELAY_BUILD_DIR:-build}
 export PYTHONPATH="client/python:$BUILD_DIR/client/python/gen" PYTHONDONTWRITEBYTECODE=1
-exec /usr/bin/python3 tests/server/test_spool_crash.py --server "$BUILD_DIR/bin/kvrelay-server" \
-  --kvrelayctl "$BUILD_DIR/bin/kvrelayctl" --iterations "${1:-1600}" --mesh-iterations "${2:-400}" \
+# Copies of the binaries: a rebuild during the hour-long run does not pull
+# them from under it.
+BIN=$(mktemp -d /tmp/kvrelay-crash-bin-XXXXXX)
+trap 'rm -rf "$BIN"' EXIT
+cp "$BUILD_DIR/bin/kvrelay-server" "$BUILD_DIR/bin/kvrelayctl" "$BIN/"
+/usr/bin/python3 tests/server/test_spool_crash.py --server "$BIN/kvrelay-server" \
+  --kvrelayctl "$BIN/kvrelayctl" --iterations "${1:-1600}" --mesh-iterations "${2:-400}" \
   --point-runs "${3:-5}"

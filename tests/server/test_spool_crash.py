@@ -102,7 +102,7 @@ class Relay:
                 self.proc = tl.Server(self.server, self.work, args=args, env=env,
                                       name=f"{self.name}-{self.starts}", timeout=15)
                 break
-            except RuntimeError:
+            except (RuntimeError, OSError):
                 if time.time() > deadline:
                     raise
                 time.sleep(0.2)
