@@ -36,7 +36,7 @@ std::vector<double> MaxPool(absl::Span<const double> scores, int begin, int end,
   std::vector<double> out(scores.begin(), scores.end());
   const int64_t r = pool / 2;
   if (r <= 0 || end - begin <= 1) return out;
-  // Sliding-window maximum: `window` holds indices of [lo, next) whose scores
+  // Sliding-window maximum: `window` holds indices of [j - r, next) whose scores
   // decrease strictly from front to back; its front is the window's maximum.
   // Each index is pushed and popped at most once.
   std::vector<int> window(end - begin);
