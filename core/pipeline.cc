@@ -37,6 +37,18 @@ class Params {
     return absl::OkStatus();
   }
 
+  // As Int, for an odd value in [lo, hi] (lo and hi odd).
+  absl::Status OddInt(absl::string_view key, int lo, int hi, int* out) {
+    const std::string* v = Find(key);
+    if (v == nullptr) return absl::OkStatus();
+    int x;
+    if (!absl::SimpleAtoi(*v, &x) || x < lo || x > hi || x % 2 == 0) {
+      return BadStage(st_, absl::StrCat(key, "=", *v, ": expected an odd integer in [", lo, ", ", hi, "]"));
+    }
+    *out = x;
+    return absl::OkStatus();
+  }
+
   template <typename E>
   absl::Status Enum(absl::string_view key, std::initializer_list<std::pair<const char*, E>> values,
                     E* out) {
@@ -90,6 +102,8 @@ absl::Status ApplySelector(SelectorKind kind, const StageSpec& st, PipelineConfi
   if (kind == SelectorKind::kH2oHead || kind == SelectorKind::kH2oLayer) {
     KVRELAY_RETURN_IF_ERROR(p.Int("k", 0, kMaxTokens, &o.k));
     KVRELAY_RETURN_IF_ERROR(p.Int("recent", 0, kMaxTokens, &o.recent));
+    // Any width past 2 * kMaxTokens - 1 pools over the whole top-k range.
+    KVRELAY_RETURN_IF_ERROR(p.OddInt("pool", 1, 2 * kMaxTokens + 1, &o.pool));
   }
   KVRELAY_RETURN_IF_ERROR(p.Done());
   cfg->select = o;
@@ -155,6 +169,9 @@ std::string CanonicalSpec(const PipelineConfig& c) {
   if (s.kind == SelectorKind::kGen) absl::StrAppend(&out, ":sinks=", s.sinks);
   if (s.kind == SelectorKind::kH2oLayer || s.kind == SelectorKind::kH2oHead) {
     absl::StrAppend(&out, ":k=", s.k, ",sinks=", s.sinks, ",recent=", s.recent);
+    // pool=1 (no pooling) is left out, so specs from before pool existed
+    // keep their canonical form.
+    if (s.pool != 1) absl::StrAppend(&out, ",pool=", s.pool);
   }
   if (c.obf) {
     const ObfOptions& o = *c.obf;

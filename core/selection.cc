@@ -1,6 +1,7 @@
 #include "core/selection.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <numeric>
 
@@ -31,6 +32,28 @@ std::vector<int> TopK(absl::Span<const double> scores, int begin, int end, int k
   return idx;
 }
 
+std::vector<double> MaxPool(absl::Span<const double> scores, int begin, int end, int pool) {
+  std::vector<double> out(scores.begin(), scores.end());
+  const int64_t r = pool / 2;
+  if (r <= 0 || end - begin <= 1) return out;
+  // Sliding-window maximum: `window` holds indices of [j - r, next) whose scores
+  // decrease strictly from front to back; its front is the window's maximum.
+  // Each index is pushed and popped at most once.
+  std::vector<int> window(end - begin);
+  int front = 0, back = 0;
+  int next = begin;
+  for (int j = begin; j < end; ++j) {
+    const int hi = static_cast<int>(std::min<int64_t>(end - 1, j + r));
+    for (; next <= hi; ++next) {
+      while (back > front && scores[window[back - 1]] <= scores[next]) --back;
+      window[back++] = next;
+    }
+    while (window[front] < j - r) ++front;
+    out[j] = scores[window[front]];
+  }
+  return out;
+}
+
 Selection Select(const SelectorOptions& opts, absl::Span<const double> head_scores, int kv_heads,
                  int n_prompt, bool first_agent) {
   Selection sel;
@@ -56,7 +79,12 @@ Selection Select(const SelectorOptions& opts, absl::Span<const double> head_scor
   const int recent = std::min(std::max(opts.recent, 0), n_cand);
   const int top_end = n_prompt - recent;
   auto select_one = [&](absl::Span<const double> scores) {
-    std::vector<int> kept = TopK(scores, begin, top_end, opts.k);
+    std::vector<int> kept;
+    if (opts.pool > 1 && opts.k < top_end - begin) {
+      kept = TopK(MaxPool(scores, begin, top_end, opts.pool), begin, top_end, opts.k);
+    } else {
+      kept = TopK(scores, begin, top_end, opts.k);
+    }
     for (int j = top_end; j < n_prompt; ++j) kept.push_back(j);
     return kept;
   };

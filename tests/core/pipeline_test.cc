@@ -1,8 +1,10 @@
 #include "core/pipeline.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -74,6 +76,39 @@ TEST(PipelineSpecTest, ErrorsNameTheToken) {
   ExpectSpecError("h2o-head:k=3\xc3\xa9", "byte 12 is not printable ASCII (0xc3)");
   ExpectSpecError("h2o-head:k=", "k=: expected an integer in [0,");
   ExpectSpecError("h2o-head:k=+3", "policy stage 'h2o-head': k=: expected an integer");  // '+' joins stages
+}
+
+TEST(PipelineSpecTest, PoolMustBeOddAndPositive) {
+  for (const char* bad : {"0", "2", "-1", "abc", "", "4", "1.0", "33554435"}) {
+    for (const char* sel : {"h2o-head", "h2o-layer"}) {
+      const std::string spec = absl::StrCat(sel, ":k=8,pool=", bad, "+obf");
+      auto p = Pipeline::Create(spec);
+      ASSERT_FALSE(p.ok()) << spec;
+      EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << spec;
+      EXPECT_EQ(p.status().message(),
+                absl::StrCat("policy stage '", sel, "': pool=", bad, ": expected an odd integer in [1, 33554433]"))
+          << spec;
+    }
+  }
+  // Only the h2o selectors take it.
+  ExpectSpecError("gen:pool=3", "'gen': unknown parameter 'pool' (known: sinks)");
+  ExpectSpecError("full:pool=3", "'full': unknown parameter 'pool' (this stage takes none)");
+  ExpectSpecError("h2o-head+obf:pool=3", "'obf': unknown parameter 'pool'");
+  EXPECT_TRUE(Pipeline::Create("h2o-head:pool=33554433").ok());
+}
+
+TEST(PipelineSpecTest, CanonicalListsPoolOnlyWhenNotOne) {
+  // pool=1 is no pooling: the canonical spec is the one from before pool existed.
+  for (const char* spec : {"h2o-head:k=16", "h2o-head:k=16,pool=1", "h2o-head:pool=1,k=16,recent=0"}) {
+    EXPECT_EQ((*Pipeline::Create(spec))->spec(), "h2o-head:k=16,sinks=4,recent=0") << spec;
+  }
+  auto p = Pipeline::Create("h2o-layer:pool=5,k=8+obf");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)->spec(), "h2o-layer:k=8,sinks=4,recent=0,pool=5+obf:p=8,mode=exact,inject=uniform,scale=ad_over_as");
+  EXPECT_EQ((*p)->config().select.pool, 5);
+  auto again = Pipeline::Create((*p)->spec());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->spec(), (*p)->spec());
 }
 
 TEST(PipelineSpecTest, RegistryIsExtensible) {
@@ -249,6 +284,61 @@ TEST(PipelineTest, OutputIdenticalForEveryThreadCount) {
         }
       }
       EXPECT_EQ(m.sent_bytes, base.sent_bytes);
+    }
+  }
+}
+
+TEST(PipelineTest, PoolOneIsBitIdenticalToNoPool) {
+  for (int seed = 0; seed < 6; ++seed) {
+    TurnShape s;
+    s.kv_heads = 1 + seed % 3;
+    s.n_prompt = 20 + 13 * seed;
+    s.n_history = seed % 2 ? 3 : 0;
+    s.first_agent = seed % 3 != 0;
+    s.dtype = seed % 2 ? DType::kBF16 : DType::kF32;
+    const Turn turn = RandomTurn(s, 100 + seed);
+    for (const char* base : {"h2o-head:k=7", "h2o-layer:k=5,recent=3", "h2o-head:k=9,sinks=2+obf:inject=attn",
+                             "h2o-layer:k=6+obf:mode=fast", "h2o-head:k=4,recent=2+obf+int4:group=8"}) {
+      std::string pooled(base);
+      const size_t stage_end = pooled.find('+');
+      pooled.insert(stage_end == std::string::npos ? pooled.size() : stage_end, ",pool=1");
+      const Message a = MustCompress(base, turn);
+      const Message b = MustCompress(pooled, turn);
+      EXPECT_EQ(a.policy, b.policy) << pooled;
+      EXPECT_EQ(a.sent_bytes, b.sent_bytes) << pooled;
+      EXPECT_EQ(a.n_kept, b.n_kept) << pooled;
+      ASSERT_EQ(a.layers.size(), b.layers.size());
+      for (size_t l = 0; l < a.layers.size(); ++l) {
+        EXPECT_TRUE(a.layers[l].k == b.layers[l].k) << pooled << " layer " << l;
+        EXPECT_TRUE(a.layers[l].v == b.layers[l].v) << pooled << " layer " << l;
+        EXPECT_TRUE(a.layers[l].pos == b.layers[l].pos) << pooled << " layer " << l;
+        ASSERT_EQ(a.layers[l].quant.has_value(), b.layers[l].quant.has_value());
+        if (a.layers[l].quant) {
+          EXPECT_EQ(a.layers[l].quant->k.codes, b.layers[l].quant->k.codes);
+          EXPECT_EQ(a.layers[l].quant->v.codes, b.layers[l].quant->v.codes);
+          EXPECT_EQ(a.layers[l].quant->k.scale, b.layers[l].quant->k.scale);
+          EXPECT_EQ(a.layers[l].quant->v.scale, b.layers[l].quant->v.scale);
+        }
+      }
+    }
+  }
+}
+
+TEST(PipelineTest, PoolKeepsTheSameCountAndComposesInOrder) {
+  TurnShape s;
+  s.n_prompt = 50;
+  const Turn turn = RandomTurn(s, 21);
+  const Message plain = MustCompress("h2o-head:k=6,recent=2+obf", turn);
+  const Message pooled = MustCompress("h2o-head:k=6,recent=2,pool=5+obf", turn);
+  EXPECT_EQ(pooled.n_kept, plain.n_kept);
+  EXPECT_EQ(pooled.sent_bytes, plain.sent_bytes);
+  for (const MessageLayer& l : pooled.layers) {
+    for (int h = 0; h < 2; ++h) {
+      std::vector<int> kept;
+      for (int i = 0; i < 8; ++i) kept.push_back(l.pos.at(h, 4 + i));
+      EXPECT_TRUE(std::is_sorted(kept.begin(), kept.end()));
+      EXPECT_EQ(kept[6], 48);
+      EXPECT_EQ(kept[7], 49);
     }
   }
 }

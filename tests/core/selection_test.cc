@@ -1,6 +1,7 @@
 #include "core/selection.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -128,6 +129,136 @@ TEST(SelectTest, EdgeCases) {
   sel = Select({SelectorKind::kH2oHead, 32, 4, 0}, {}, 2, 0, true);
   EXPECT_EQ(sel.n_anchor, 0);
   EXPECT_TRUE(sel.kept[0].empty());
+}
+
+// Brute force of the pooled score: max over the clipped window.
+std::vector<double> BruteMaxPool(const std::vector<double>& s, int begin, int end, int pool) {
+  std::vector<double> out(s);
+  const int r = pool / 2;
+  for (int j = begin; j < end; ++j) {
+    const int lo = std::max(begin, j - r), hi = std::min(end - 1, j + r);
+    out[j] = *std::max_element(s.begin() + lo, s.begin() + hi + 1);
+  }
+  return out;
+}
+
+TEST(MaxPoolTest, MatchesBruteForceOverSeeds) {
+  for (int seed = 0; seed < 300; ++seed) {
+    std::mt19937 rng(500 + seed);
+    const int n = rng() % 70;
+    std::vector<double> s(n);
+    for (double& x : s) x = (seed % 2) ? static_cast<double>(rng() % 5) : std::ldexp(static_cast<double>(rng() % 1000), -3);
+    const int begin = n ? static_cast<int>(rng() % (n + 1)) : 0;
+    const int end = begin + (n - begin ? static_cast<int>(rng() % (n - begin + 1)) : 0);
+    for (int pool : {1, 3, 5, 7, 2 * n + 1, 2 * n + 5}) {
+      ASSERT_EQ(MaxPool(s, begin, end, pool), BruteMaxPool(s, begin, end, pool))
+          << "seed " << seed << " pool " << pool << " [" << begin << ", " << end << ")";
+    }
+  }
+}
+
+// Pooled selection, computed by hand. One head's scores over 12 prompt
+// tokens; sinks=2 makes 0..1 anchors, recent=2 keeps 10..11, so the top-k
+// range is 2..9. The anchors and the recent window score 1000: if they leaked
+// into a window, positions 2 and 9 would pool to 1000 and win.
+//   a          = [1000 1000 | 7 0 0 9 0 0 0 5 | 1000 1000]
+//   P (pool=3) =            [ 7 7 9 9 9 0 5 5 ]   (2 and 9: windows clipped)
+constexpr double kHand[12] = {1000, 1000, 7, 0, 0, 9, 0, 0, 0, 5, 1000, 1000};
+
+TEST(SelectPoolTest, HeavyHitterBringsItsNeighboursAndWindowsClipAtTheRange) {
+  std::vector<double> a(kHand, kHand + 12);
+  EXPECT_EQ(MaxPool(a, 2, 10, 3), (std::vector<double>{1000, 1000, 7, 7, 9, 9, 9, 0, 5, 5, 1000, 1000}));
+  SelectorOptions o{SelectorKind::kH2oHead, 3, 2, 2, 3};
+  // The heavy hitter 5 brings 4 and 6.
+  EXPECT_EQ(Select(o, a, 1, 12, true).kept[0], (std::vector<int>{4, 5, 6, 10, 11}));
+  // Then the 7s (2, 3: the window of 2 stops at the range start), then the
+  // 5s: 8 and 9 tie, the lower position goes first; 9's window stops at 9.
+  o.k = 6;
+  EXPECT_EQ(Select(o, a, 1, 12, true).kept[0], (std::vector<int>{2, 3, 4, 5, 6, 8, 10, 11}));
+  o.k = 7;
+  EXPECT_EQ(Select(o, a, 1, 12, true).kept[0], (std::vector<int>{2, 3, 4, 5, 6, 8, 9, 10, 11}));
+  // pool=1: plain top-k.
+  o.k = 3;
+  o.pool = 1;
+  EXPECT_EQ(Select(o, a, 1, 12, true).kept[0], (std::vector<int>{2, 5, 9, 10, 11}));
+  // pool=5 (r=2): P = [7 9 9 9 9 9 5 5]; 5's score reaches 3..7, and the
+  // ties among them go to the lower positions.
+  o.pool = 5;
+  EXPECT_EQ(Select(o, a, 1, 12, true).kept[0], (std::vector<int>{3, 4, 5, 10, 11}));
+  // A window wider than the range: every P is the range maximum, so the
+  // tie rule keeps the first k.
+  o.pool = 101;
+  EXPECT_EQ(Select(o, a, 1, 12, true).kept[0], (std::vector<int>{2, 3, 4, 10, 11}));
+  // A later agent has no anchors: 0 and 1 join the range and pool into 2 (and
+  // 1 into 0); the range is 0..9, P = [1000 1000 1000 7 9 9 9 0 5 5].
+  o.pool = 3;
+  EXPECT_EQ(Select(o, a, 1, 12, false).kept[0], (std::vector<int>{0, 1, 2, 10, 11}));
+}
+
+TEST(SelectPoolTest, LayerGranularityPoolsTheLayerScore) {
+  // Head 0 carries kHand, head 1 a single heavy hitter at 8. The layer score
+  // a = [1000 1000 | 7 0 0 9 0 0 10 5 | 1000 1000] pools to [7 7 9 9 9 10 10 10]
+  // over 2..9: the layer keeps 7..9 for both heads, where head 0 alone would
+  // keep 4..6.
+  std::vector<double> s(24, 0.0);
+  std::copy(kHand, kHand + 12, s.begin());
+  s[12 + 8] = 10;
+  SelectorOptions o{SelectorKind::kH2oLayer, 3, 2, 2, 3};
+  const Selection sel = Select(o, s, 2, 12, true);
+  EXPECT_EQ(sel.kept[0], (std::vector<int>{7, 8, 9, 10, 11}));
+  EXPECT_EQ(sel.kept[1], sel.kept[0]);
+  // Per head, head 1 pools its own row: 7, 8, 9.
+  o.kind = SelectorKind::kH2oHead;
+  const Selection head = Select(o, s, 2, 12, true);
+  EXPECT_EQ(head.kept[0], (std::vector<int>{4, 5, 6, 10, 11}));
+  EXPECT_EQ(head.kept[1], (std::vector<int>{7, 8, 9, 10, 11}));
+}
+
+TEST(SelectPoolTest, PoolOneIsPlainTopKOverSeeds) {
+  // pool=1 selects exactly what selection without pooling selects: brute
+  // top-k of the raw scores, for both granularities.
+  for (int seed = 0; seed < 100; ++seed) {
+    std::mt19937 rng(900 + seed);
+    const int heads = 1 + rng() % 4, n = rng() % 60;
+    auto s = RandomScores(heads, n, seed);
+    if (seed % 3 == 0) for (double& x : s) x = std::floor(x * 2);  // ties
+    const int k = rng() % 20, sinks = rng() % 6, recent = rng() % 5;
+    const bool first = rng() % 2;
+    for (SelectorKind kind : {SelectorKind::kH2oLayer, SelectorKind::kH2oHead}) {
+      const Selection sel = Select({kind, k, sinks, recent, 1}, s, heads, n, first);
+      const int begin = first ? std::min(sinks, n) : 0;
+      const int end = n - std::min(recent, n - begin);
+      std::vector<double> layer(n, 0.0);
+      for (int h = 0; h < heads; ++h)
+        for (int j = 0; j < n; ++j) layer[j] += s[h * n + j];
+      for (int h = 0; h < heads; ++h) {
+        std::vector<double> row = kind == SelectorKind::kH2oLayer
+                                      ? layer
+                                      : std::vector<double>(s.begin() + h * n, s.begin() + (h + 1) * n);
+        auto want = BruteTopK(row, begin, end, k);
+        for (int j = end; j < n; ++j) want.push_back(j);
+        ASSERT_EQ(sel.kept[h], want) << "seed " << seed << " head " << h;
+      }
+    }
+  }
+}
+
+TEST(SelectPoolTest, PooledSelectionMatchesBruteForceOverSeeds) {
+  for (int seed = 0; seed < 100; ++seed) {
+    std::mt19937 rng(1900 + seed);
+    const int heads = 1 + rng() % 3, n = rng() % 60;
+    auto s = RandomScores(heads, n, 77 + seed);
+    const int k = rng() % 20, sinks = rng() % 6, recent = rng() % 5;
+    const int pool = 1 + 2 * static_cast<int>(rng() % 5);
+    const Selection sel = Select({SelectorKind::kH2oHead, k, sinks, recent, pool}, s, heads, n, true);
+    const int begin = std::min(sinks, n), end = n - std::min(recent, n - begin);
+    for (int h = 0; h < heads; ++h) {
+      const std::vector<double> row(s.begin() + h * n, s.begin() + (h + 1) * n);
+      auto want = BruteTopK(BruteMaxPool(row, begin, end, pool), begin, end, k);
+      for (int j = end; j < n; ++j) want.push_back(j);
+      ASSERT_EQ(sel.kept[h], want) << "seed " << seed << " head " << h << " pool " << pool;
+    }
+  }
 }
 
 }  // namespace

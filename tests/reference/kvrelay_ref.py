@@ -196,8 +196,8 @@ def write_safetensors(path, tensors, metadata=None):
 _SELECTORS = {
     "full": {},
     "gen": {"sinks": 4},
-    "h2o-layer": {"k": 32, "sinks": 4, "recent": 0},
-    "h2o-head": {"k": 32, "sinks": 4, "recent": 0},
+    "h2o-layer": {"k": 32, "sinks": 4, "recent": 0, "pool": 1},
+    "h2o-head": {"k": 32, "sinks": 4, "recent": 0, "pool": 1},
 }
 _OBF = {"p": 8, "mode": "exact", "inject": "uniform", "scale": "ad_over_as",
         "iters": 12, "oversample": 10}
@@ -228,6 +228,8 @@ def parse_policy(spec):
                 if key not in sel:
                     raise ValueError("unknown key %s for %s" % (key, name))
                 sel[key] = int(val)
+            if sel.get("pool", 1) < 1 or sel.get("pool", 1) % 2 == 0:
+                raise ValueError("pool must be odd and >= 1: %r" % spec)
             sel["name"] = name
             out["selector"] = sel
         elif name == "obf":
@@ -311,7 +313,19 @@ def reduce_scores(score_f32, H):
     return A, A_layer
 
 
-def select(score, s, n, k, recent):
+def pool_scores(score, s, e, pool):
+    """FORMAT.md step 3: P[j] = max a[i] over max(s, j-r) <= i <= min(e-1, j+r),
+    r = (pool-1)//2, for j in the top-k range s..e-1 (other entries unchanged)."""
+    a = np.asarray(score, dtype=np.float64)
+    P = a.copy()
+    r = (pool - 1) // 2
+    for j in range(s, e):
+        lo, hi = max(s, j - r), min(e - 1, j + r)
+        P[j] = np.max(a[lo:hi + 1])
+    return P
+
+
+def select(score, s, n, k, recent, pool=1):
     """Kept prompt indices (ascending) among candidates s..n-1."""
     n_cand = n - s
     rw = min(recent, n_cand)
@@ -320,8 +334,9 @@ def select(score, s, n, k, recent):
     if k >= len(others):
         chosen = others
     else:
+        P = pool_scores(score, s, n - rw, pool)
         # Highest score first, ties to the lower position (exact float keys).
-        order = sorted(others, key=lambda j: (-float(score[j]), j))
+        order = sorted(others, key=lambda j: (-float(P[j]), j))
         chosen = order[:k]
     return sorted(chosen + recent_idx)
 
@@ -452,9 +467,9 @@ def compress(turn, policy):
             elif sel["name"] == "gen":
                 kept.append([])
             elif sel["name"] == "h2o-layer":
-                kept.append(select(A_layer, s, n, sel["k"], sel["recent"]))
+                kept.append(select(A_layer, s, n, sel["k"], sel["recent"], sel["pool"]))
             elif sel["name"] == "h2o-head":
-                kept.append(select(A[h], s, n, sel["k"], sel["recent"]))
+                kept.append(select(A[h], s, n, sel["k"], sel["recent"], sel["pool"]))
             else:
                 raise ValueError(sel["name"])
         nk = len(kept[0])
@@ -727,6 +742,16 @@ def selftest(verbose=True):
     _check(select(sc, 8, 8, 3, 3) == [], "select no candidates")
     _check(select(np.zeros(6), 1, 6, 2, 0) == [1, 2], "select all-zero")
     n_checks += 6
+
+    # Max-pooled selection: a heavy hitter lifts its neighbours; windows are
+    # clipped to the top-k range (no anchors, no recent window).
+    sc = np.array([100, 0, 1, 0, 0, 9, 0, 0, 2, 50], dtype=np.float64)
+    _check(list(pool_scores(sc, 1, 9, 3)) == [100, 1, 1, 1, 9, 9, 9, 2, 2, 50], "pool 3 clipped")
+    _check(select(sc, 1, 10, 3, 1, 3) == [4, 5, 6, 9], "select pool 3 recent 1")
+    _check(select(sc, 1, 10, 3, 1, 1) == [2, 5, 8, 9], "select pool 1 recent 1")
+    _check(select(sc, 1, 10, 2, 0, 101) == [1, 2], "select pool > range")
+    _check(select(sc, 1, 10, 4, 0, 5) == [3, 7, 8, 9], "select pool 5 (9 reaches 50)")
+    n_checks += 5
 
     # Score reduction: groups of consecutive rows.
     scr = np.arange(12, dtype=np.float32).reshape(6, 2)

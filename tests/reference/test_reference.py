@@ -745,6 +745,50 @@ class RandomSeeds(CliTestCase):
         self.assert_no_errors(errs)
 
 
+def pool_policies(rng, n_prompt):
+    """h2o-layer and h2o-head with pool = 1, 3, 5, 7 and one window wider than
+    the prompt (so wider than the top-k range), each alone and with OBF."""
+    pols = []
+    big = 2 * n_prompt + 1 + 2 * int(rng.integers(0, 5))
+    for sel in ("h2o-layer", "h2o-head"):
+        for pool in (1, 3, 5, 7, big):
+            params = ["k=%d" % rng.integers(1, 25), "pool=%d" % pool]
+            if rng.random() < 0.5:
+                params.append("sinks=%d" % rng.integers(0, 7))
+            if rng.random() < 0.4:
+                params.append("recent=%d" % rng.integers(0, 9))
+            rng.shuffle(params)
+            s = sel + ":" + ",".join(params)
+            pols.append(s)
+            pols.append(s + "+" + random_obf(rng))
+    return pols
+
+
+class RandomPoolSeeds(CliTestCase):
+    """pool=K max-pools the selection score over the top-k range (FORMAT.md
+    step 3); kept positions must match exactly, OBF values within the usual
+    tolerances (OBF weights use the unpooled scores)."""
+
+    def test_random_pool_seeds(self):
+        errs = []
+        for seed in range(max(4, N_SEEDS // 5)):
+            case, rng = random_case(5000 + seed)
+            case.name = "pool_seed%d" % seed
+            errs += self.run_case(case, pool_policies(rng, case.turn.n_prompt))
+        self.assert_no_errors(errs)
+
+    def test_pool_recent_and_ties(self):
+        rng = np.random.default_rng(23)
+        errs = []
+        c = build_case("pool_recent", rng, 2, 2, 2, 16, 40, 3, "F32", n_hist=3)
+        errs += self.run_case(c, ["h2o-layer:k=4,recent=5,pool=3+obf", "h2o-head:k=4,recent=5,pool=7+obf:inject=attn",
+                                  "h2o-head:k=6,recent=40,pool=5+obf", "h2o-layer:k=3,sinks=0,pool=81+obf"])
+        sc = [rng.integers(0, 3, (3, 40)).astype(np.float32) for _ in range(2)]
+        c = build_case("pool_ties", rng, 2, 3, 1, 8, 40, 2, "BF16", scores=sc)
+        errs += self.run_case(c, ["h2o-layer:k=7,pool=3", "h2o-head:k=7,pool=5+obf", "h2o-head:k=9,recent=3,pool=3+obf"])
+        self.assert_no_errors(errs)
+
+
 def _rank_deficient_case(rng, dtype, name):
     """Kept rows (highest scores for every score head) are duplicated / exact
     integer linear combinations, so V_keep has rank 3 < k = 6 < d."""
@@ -942,7 +986,10 @@ class Rejections(CliTestCase):
                           ("gen+obf", "obf after gen"), ("h2o-head+int4+obf", "obf after quantizer"),
                           ("h2o-head+int8:rotate=hadamard", "rotate with int8"),
                           ("h2o-head+int4+int8", "two quantizers"), ("h2o-head:bogus=1", "unknown key"),
-                          ("nope", "unknown stage"), ("h2o-head:k=4+obf:mode=slow", "bad mode")):
+                          ("nope", "unknown stage"), ("h2o-head:k=4+obf:mode=slow", "bad mode"),
+                          ("h2o-head:pool=0", "pool below 1"), ("h2o-layer:pool=2", "even pool"),
+                          ("h2o-head:pool=-1", "negative pool"), ("h2o-head:pool=abc", "pool not a number"),
+                          ("gen:pool=3", "pool on gen")):
             errs += self._expect_fail(c, spec, why)
         self.assert_no_errors(errs)
 
