@@ -51,6 +51,7 @@ SPOOL_POINTS = ["spool.message.after_temp_write", "spool.message.before_rename",
 MESH_POINTS = ["forward.mid_stream"]
 POLICY = "h2o-head:k=8"
 SESSIONS = 3
+ROUND = 100  # kills per round (fresh spools)
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 250)]
 
@@ -327,7 +328,7 @@ def run_loop(args, mode, iterations, rng, crash_points=()):
                   f"other violations {len(ck.violations) - lost - dup - again}", flush=True)
             for line in a.recovery_lines[-2:]:
                 print(f"  last recovery: {line.strip()[:300]}")
-            return kills, list(ck.violations)
+            return kills, list(ck.violations), len(ck.accepted)
     finally:
         for r in relays:
             r.stop()
@@ -355,18 +356,24 @@ def main():
     watchdog.start()
     total, failed = 0, []
     runs = []
-    if args.iterations:
-        runs.append(("single", args.iterations, ()))
-    if args.mesh_iterations:
-        runs.append(("mesh", args.mesh_iterations, ()))
+    # Rounds of at most ROUND kills, each on fresh spools checked whole at its
+    # end: a session holds at most 1024 messages (--max-session-messages).
+    for mode, n in (("single", args.iterations), ("mesh", args.mesh_iterations)):
+        for start in range(0, n, ROUND):
+            runs.append((mode, min(ROUND, n - start), ()))
     if args.point_runs:
         runs.append(("single", 0, tuple(SPOOL_POINTS * args.point_runs)))
         runs.append(("mesh", 0, tuple(MESH_POINTS * args.point_runs)))
+    accepted = 0
     for mode, n, points in runs:
-        kills, violations = run_loop(args, mode, n, rng, points)
+        kills, violations, acc = run_loop(args, mode, n, rng, points)
         total += kills
+        accepted += acc
         failed += violations
-    print(f"crash tests: {total} kills in all, {len(failed)} violations (seed {seed})")
+        print(f"  so far: {total} kills, {accepted} publishes accepted, {len(failed)} violations", flush=True)
+    print(f"crash tests: {total} kills in all, {accepted} publishes accepted, {len(failed)} violations "
+          f"(lost {sum('not fetchable' in v for v in failed)}, duplicated {sum('two contents' in v for v in failed)}, "
+          f"acked-but-redelivered {sum('delivered again' in v for v in failed)}; seed {seed})")
     for v in failed[:20]:
         print(f"  {v}")
     tl.kill_started()
