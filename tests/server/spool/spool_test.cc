@@ -462,6 +462,7 @@ struct Told {
 
 // Drives random publishes, fetches, acks and closes until the file system
 // dies (or `steps` run out).
+// SPOOL_TEST_DEBUG=SEED runs that seed alone and prints every call and crash.
 bool Debug() { return std::getenv("SPOOL_TEST_DEBUG") != nullptr; }
 
 void Drive(SpoolStore& s, std::mt19937& rng, int steps, Told* told, FaultFs& fs) {
