@@ -444,15 +444,17 @@ absl::Status SpoolStore::SyncTimed(SpoolFile* f) {
   return s;
 }
 
+absl::Status SpoolStore::CheckSpoolRoom(uint64_t bytes, absl::string_view what) const {
+  const uint64_t held = SpoolBytes();
+  if (!options_.max_spool_bytes || held + bytes <= options_.max_spool_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("spool: ", held, " bytes on disk + ", bytes, " bytes of ", what,
+                                                   "; expected at most --max-spool-bytes=", options_.max_spool_bytes));
+}
+
 absl::Status SpoolStore::CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
                                          uint64_t bytes) const {
   KVRELAY_RETURN_IF_ERROR(Writable());
-  const uint64_t held = SpoolBytes();
-  if (options_.max_spool_bytes && held + bytes > options_.max_spool_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("spool: ", held, " bytes on disk + ", bytes,
-                                                     " bytes of the message (at least), expected at most "
-                                                     "--max-spool-bytes=", options_.max_spool_bytes));
-  }
+  KVRELAY_RETURN_IF_ERROR(CheckSpoolRoom(bytes, "the message (at least)"));
   return mem_->CheckCanPublish(session, recipients, bytes);
 }
 
@@ -461,12 +463,7 @@ absl::StatusOr<uint64_t> SpoolStore::WriteTemp(const StoredMessage& m) {
   if (absl::Status s = EncodeMessageFile(MetaOf(m), m.msg, &bytes); !s.ok()) {
     return absl::InternalError(absl::StrCat("spool: message file: ", s.message()));
   }
-  const uint64_t held = SpoolBytes();
-  if (options_.max_spool_bytes && held + bytes.size() > options_.max_spool_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("spool: ", held, " bytes on disk + ", bytes.size(),
-                                                     " bytes of this message, expected at most --max-spool-bytes=",
-                                                     options_.max_spool_bytes, "; nothing was stored"));
-  }
+  KVRELAY_RETURN_IF_ERROR(CheckSpoolRoom(bytes.size(), "this message"));
   const uint64_t seq = next_seq_++;
   const std::string tmp = MessagePath(seq, true);
   absl::StatusOr<std::unique_ptr<SpoolFile>> f = fs_->NewFile(tmp);

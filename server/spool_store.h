@@ -200,6 +200,9 @@ class SpoolStore final : public Store {
   void AddSpoolBytes(int64_t delta);  // to the message files' bytes
   // The message files and the journal, as --max-spool-bytes counts them.
   uint64_t SpoolBytes() const;
+  // RESOURCE_EXHAUSTED naming --max-spool-bytes when `bytes` more would not
+  // fit (`what` says whose bytes they are).
+  absl::Status CheckSpoolRoom(uint64_t bytes, absl::string_view what) const;
   absl::Status SyncTimed(SpoolFile* f);
   std::string MessagePath(uint64_t seq, bool temp) const;
 
