@@ -95,8 +95,10 @@ class Relay:
         env = tl.clean_env()
         if crash_point:
             env["KVRELAY_CRASH_POINT"] = crash_point
+        # A round publishes thousands of messages into 3 sessions: above the
+        # default 1024 per session the relay would refuse them, rightly.
         args = ["--listen", self.addr, "--metrics-listen", "off", "--spool-dir", self.spool,
-                "--worker-threads", "2"] + self.extra
+                "--worker-threads", "2", "--max-session-messages", "100000"] + self.extra
         deadline = time.time() + 20
         while True:  # the port of a relay just killed may linger for a moment
             try:
