@@ -358,15 +358,15 @@ void SpoolSeeds() {
   // s/m closed, then committed again as seq 5 (its file is gone); and seq 1
   // given to two messages (the one recovery picks finds s/m's file).
   std::string reclosed = JournalHeader();
-  AppendJournalRecord(fuzz::CommitRecord("s", "m", 1, {"b"}), &reclosed);
+  AppendJournalRecord(CommitRecord("s", "m", 1, {"b"}), &reclosed);
   Record closed;
   closed.mutable_closed()->set_session_id("s");
   AppendJournalRecord(closed, &reclosed);
-  AppendJournalRecord(fuzz::CommitRecord("s", "m", 5, {"b"}), &reclosed);
+  AppendJournalRecord(CommitRecord("s", "m", 5, {"b"}), &reclosed);
   Write("spool_journal", "reclosed", reclosed);
   std::string clash = JournalHeader();
-  AppendJournalRecord(fuzz::CommitRecord("s", "m", 1, {"b"}), &clash);
-  AppendJournalRecord(fuzz::CommitRecord("z", "z", 1, {"b"}), &clash);
+  AppendJournalRecord(CommitRecord("s", "m", 1, {"b"}), &clash);
+  AppendJournalRecord(CommitRecord("z", "z", 1, {"b"}), &clash);
   Write("spool_journal", "seq_clash", clash);
   Write("spool_journal", "header_only", JournalHeader());
   Write("spool_journal", "version2", WithVersion(reclosed, 2, false));

@@ -53,17 +53,6 @@ inline absl::Status CommitTo(Store& s, std::shared_ptr<StoredMessage> m) {
   return r.status();
 }
 
-inline spool::v1::Record CommitRecord(const std::string& session, const std::string& id, uint64_t seq,
-                                      const std::vector<std::string>& agents) {
-  spool::v1::Record r;
-  spool::v1::Commit* c = r.mutable_commit();
-  c->set_session_id(session);
-  c->set_message_id(id);
-  c->set_seq(seq);
-  for (const std::string& a : agents) c->add_agents(a);
-  return r;
-}
-
 }  // namespace kvrelay::fuzz
 
 #endif  // KVRELAY_FUZZ_SPOOL_FUZZ_H_

@@ -86,7 +86,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   testing::FaultFs fs;
   {
     std::string journal = JournalHeader();
-    AppendJournalRecord(fuzz::CommitRecord(session, id, 1, {"b"}), &journal);
+    AppendJournalRecord(CommitRecord(session, id, 1, {"b"}), &journal);
     auto j = fs.NewFile(fuzz::kSpoolJournal);
     FUZZ_CHECK(j.ok() && (*j)->Append(journal).ok() && (*j)->Sync().ok());
     auto m = fs.NewFile(fuzz::SpoolMsgPath(1));

@@ -68,17 +68,6 @@ std::shared_ptr<StoredMessage> StoredOf(SpoolMessage sm, uint64_t seq) {
   return m;
 }
 
-Record CommitRecord(const std::string& session, const std::string& id, uint64_t seq,
-                    const std::vector<std::string>& agents) {
-  Record r;
-  spool::v1::Commit* c = r.mutable_commit();
-  c->set_session_id(session);
-  c->set_message_id(id);
-  c->set_seq(seq);
-  for (const std::string& a : agents) c->add_agents(a);
-  return r;
-}
-
 Record AgentRecord(bool acked, const std::string& session, const std::string& id, const std::string& agent) {
   Record r;
   spool::v1::AgentEvent* e = acked ? r.mutable_acked() : r.mutable_delivered();

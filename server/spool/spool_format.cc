@@ -104,6 +104,17 @@ std::string JournalHeader() {
   return h;
 }
 
+spool::v1::Record CommitRecord(const std::string& session, const std::string& id, uint64_t seq,
+                               const std::vector<std::string>& agents) {
+  spool::v1::Record r;
+  spool::v1::Commit* c = r.mutable_commit();
+  c->set_session_id(session);
+  c->set_message_id(id);
+  c->set_seq(seq);
+  for (const std::string& a : agents) c->add_agents(a);
+  return r;
+}
+
 void AppendJournalRecord(const spool::v1::Record& record, std::string* out) {
   std::string payload;
   record.SerializeToString(&payload);

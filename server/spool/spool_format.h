@@ -64,6 +64,11 @@ bool MessageFileCrcOk(absl::string_view bytes);
 // The 16 bytes every journal file starts with.
 std::string JournalHeader();
 
+// The journal record of a commit: message `id` of `session` is in file
+// `seq`, with a mailbox entry for each of `agents`.
+spool::v1::Record CommitRecord(const std::string& session, const std::string& id, uint64_t seq,
+                               const std::vector<std::string>& agents);
+
 // Appends `record`'s framing and payload to `*out`.
 void AppendJournalRecord(const spool::v1::Record& record, std::string* out);
 
