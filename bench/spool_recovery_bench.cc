@@ -3,7 +3,8 @@
 // --no-fsync), closes it, drops the page cache when it may (root), and
 // times SpoolStore::Open: the journal replay, reading every message file,
 // its CRC32C check (eager, at start-up) and decoding. Prints the recovery
-// time, how much of it is CRC32C, and the bytes read per second.
+// time, how much of it is CRC32C, and the bytes read per second, and how
+// far a commit raises the peak RSS above the message it writes.
 //
 //   build/bin/spool_recovery_bench --dir /var/tmp/kvspool [--messages 1000] [--mb 10] [--no-fsync] [--keep]
 //
@@ -11,6 +12,7 @@
 // (a recovered relay holds every retained message in memory).
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -65,6 +67,22 @@ std::shared_ptr<StoredMessage> MakeMessage(int i, int tokens, std::mt19937& rng)
   return m;
 }
 
+// A field of /proc/self/status in kB (0 when missing).
+double StatusKb(const std::string& key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind(key, 0) == 0) return std::atof(line.c_str() + key.size());
+  }
+  return 0;
+}
+
+// Resets VmHWM (the peak RSS) to the current RSS.
+void ResetPeakRss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5\n";
+}
+
 int Main(int argc, char** argv) {
   std::string dir;
   int messages = 1000;
@@ -109,12 +127,16 @@ int Main(int argc, char** argv) {
     }
     std::mt19937 rng(1);
     const Clock::time_point t0 = Clock::now();
+    double commit_peak = 0;  // the most a commit's peak RSS rose above the RSS before it
     for (int i = 0; i < messages; ++i) {
       auto m = MakeMessage(i, tokens, rng);
       bytes += m->msg.sent_bytes;
+      ResetPeakRss();
+      const double before = StatusKb("VmRSS:");
       const Store::PublishTicket t = (*s)->BeginPublish(m->session_id);
       absl::StatusOr<Store::CommitResult> r = (*s)->Commit(m, t);
       (*s)->EndPublish(t);
+      commit_peak = std::max(commit_peak, StatusKb("VmHWM:") - before);
       if (!r.ok()) {
         std::fprintf(stderr, "commit %d: %s\n", i, r.status().ToString().c_str());
         return 1;
@@ -124,6 +146,8 @@ int Main(int argc, char** argv) {
                 "fsync=%s\n",
                 messages, bytes / 1e6 / messages, tokens, bytes / 1e9,
                 std::chrono::duration<double>(Clock::now() - t0).count(), fsync ? "always" : "never");
+    std::printf("commit: peak RSS at most %.1f MB above the RSS before it (the message itself: %.1f MB)\n",
+                commit_peak / 1e3, bytes / 1e6 / messages);
   }
   ::sync();
   const bool dropped = [] {

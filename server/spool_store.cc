@@ -125,8 +125,9 @@ SpoolStore::SpoolStore(const StoreLimits& limits, const SpoolOptions& options, M
       mem_(std::make_unique<MemoryStore>(limits, metrics)) {}
 
 SpoolStore::~SpoolStore() {
-  mem_.reset();      // its timer may still free a session (and record it)
-  journal_.reset();  // writes what is queued
+  if (journal_) journal_->StopCompaction();  // a compaction reads mem_
+  mem_.reset();                              // its timer may still free a session (and record it)
+  journal_.reset();                          // writes what is queued
   if (lock_fd_ >= 0) ::close(lock_fd_);
 }
 
@@ -448,16 +449,16 @@ absl::Status SpoolStore::CheckCanPublish(const std::string& session, const std::
 }
 
 absl::StatusOr<uint64_t> SpoolStore::WriteTemp(const StoredMessage& m) {
-  std::string bytes;
-  if (absl::Status s = EncodeMessageFile(MetaOf(m), m.msg, &bytes); !s.ok()) {
-    return absl::InternalError(absl::StrCat("spool: message file: ", s.message()));
-  }
-  KVRELAY_RETURN_IF_ERROR(CheckSpoolRoom(bytes.size(), "this message"));
+  // Written tensor by tensor from the message itself: no serialized copy.
+  absl::StatusOr<MessageFileWriter> w = MessageFileWriter::Make(MetaOf(m), m.msg);
+  if (!w.ok()) return absl::InternalError(absl::StrCat("spool: message file: ", w.status().message()));
+  const uint64_t size = w->size();
+  KVRELAY_RETURN_IF_ERROR(CheckSpoolRoom(size, "this message"));
   const uint64_t seq = next_seq_++;
   const std::string tmp = MessagePath(seq, true);
   absl::StatusOr<std::unique_ptr<SpoolFile>> f = fs_->NewFile(tmp);
   absl::Status s = f.status();
-  if (s.ok()) s = (*f)->Append(bytes);
+  if (s.ok()) s = w->WriteTo([&f](absl::string_view piece) { return (*f)->Append(piece); });
   if (s.ok() && options_.fsync) s = SyncTimed(f->get());
   if (s.ok()) s = (*f)->Close();
   if (!s.ok()) {
@@ -468,9 +469,9 @@ absl::StatusOr<uint64_t> SpoolStore::WriteTemp(const StoredMessage& m) {
   }
   {
     std::lock_guard<std::mutex> lock(files_mu_);
-    file_bytes_[seq] = bytes.size();
+    file_bytes_[seq] = size;
   }
-  AddSpoolBytes(static_cast<int64_t>(bytes.size()));
+  AddSpoolBytes(static_cast<int64_t>(size));
   CrashPoint("spool.message.after_temp_write");
   return seq;
 }

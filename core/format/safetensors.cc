@@ -418,6 +418,10 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> SafetensorsHeader(absl::Span<const StTensor> tensors, const StMetadata& metadata) {
+  return BuildHeader(tensors, metadata);
+}
+
 absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const StTensor> tensors,
                                                  const StMetadata& metadata) {
   absl::StatusOr<std::string> out = BuildHeader(tensors, metadata);

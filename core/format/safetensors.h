@@ -128,6 +128,11 @@ class SafetensorsReader {
 absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const StTensor> tensors,
                                                  const StMetadata& metadata);
 
+// The bytes SerializeSafetensors writes before the tensor data (the length
+// field and the padded JSON header); followed by each tensor's `data` in
+// order, they are its whole output. Same errors.
+absl::StatusOr<std::string> SafetensorsHeader(absl::Span<const StTensor> tensors, const StMetadata& metadata);
+
 // Same bytes as SerializeSafetensors, streamed to the file at `path`
 // without assembling the buffer in memory. A new file, or a regular file of
 // this user's with one link, is written under a temporary name beside it

@@ -576,6 +576,21 @@ absl::Status WriteMessage(const Message& msg, std::string* out) {
   return absl::OkStatus();
 }
 
+uint64_t MessagePieces::size() const {
+  uint64_t n = header.size();
+  for (absl::Span<const uint8_t> t : tensors) n += t.size();
+  return n;
+}
+
+absl::StatusOr<MessagePieces> SerializeMessagePieces(const Message& msg) {
+  KVRELAY_ASSIGN_OR_RETURN(auto tm, MessageTensors(msg));
+  MessagePieces out;
+  KVRELAY_ASSIGN_OR_RETURN(out.header, SafetensorsHeader(tm.first, tm.second));
+  out.tensors.reserve(tm.first.size());
+  for (const StTensor& t : tm.first) out.tensors.push_back(t.data);
+  return out;
+}
+
 absl::Status WriteMessageFile(const Message& msg, const std::string& path) {
   KVRELAY_ASSIGN_OR_RETURN(auto tm, MessageTensors(msg));
   return WriteSafetensorsFile(path, tm.first, tm.second);

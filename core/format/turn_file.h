@@ -24,6 +24,7 @@
 #define KVRELAY_CORE_FORMAT_TURN_FILE_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -81,6 +82,18 @@ absl::StatusOr<Message> ReadMessageFile(const std::string& path);
 absl::Status WriteMessage(const Message& msg, std::string* out);
 // Same bytes, streamed to the file at `path`.
 absl::Status WriteMessageFile(const Message& msg, const std::string& path);
+
+// The bytes WriteMessage writes, without copying the tensors: the
+// safetensors header, then views of the message's own buffers in file
+// order (K, V or their packed parts, and positions, layer by layer). The
+// views are valid while `msg` is alive and unchanged.
+struct MessagePieces {
+  std::string header;
+  std::vector<absl::Span<const uint8_t>> tensors;
+  uint64_t size() const;  // header + tensors
+};
+// Same errors as WriteMessage.
+absl::StatusOr<MessagePieces> SerializeMessagePieces(const Message& msg);
 
 // Bytes of one message layer as FORMAT.md counts them: K/V payload (dense,
 // or codes + scales + zeros) plus 4 bytes per position id.

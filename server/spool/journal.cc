@@ -117,6 +117,12 @@ absl::Status Journal::AppendAndWait(spool::v1::Record record) {
   return f.get();
 }
 
+void Journal::StopCompaction() {
+  std::unique_lock<std::mutex> lock(mu_);
+  compaction_stopped_ = true;
+  compaction_done_.wait(lock, [this] { return !compacting_; });
+}
+
 absl::Status Journal::health() const {
   std::lock_guard<std::mutex> lock(mu_);
   return failed_;
@@ -177,15 +183,15 @@ void Journal::Loop() {
     for (Pending& p : batch) {
       if (p.done) p.done(st);
     }
-    bool compact = false;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      compact = failed_.ok() && snapshot_ && bytes_ > compacted_at_ + opts_.compact_bytes;
-    }
-    if (compact) {
-      if (absl::Status s = Compact(); !s.ok()) spdlog::warn("spool journal: compaction failed: {}", s.ToString());
-    }
     lock.lock();
+    if (failed_.ok() && snapshot_ && !compaction_stopped_ && bytes_ > compacted_at_ + opts_.compact_bytes) {
+      compacting_ = true;
+      lock.unlock();
+      if (absl::Status s = Compact(); !s.ok()) spdlog::warn("spool journal: compaction failed: {}", s.ToString());
+      lock.lock();
+      compacting_ = false;
+      compaction_done_.notify_all();
+    }
   }
 }
 

@@ -87,6 +87,11 @@ class Journal {
   // Appends `record` and waits until it is durable or has failed.
   absl::Status AppendAndWait(spool::v1::Record record);
 
+  // No compaction starts after this returns, and one in progress has
+  // finished: the snapshot callback is not called again. Records are still
+  // written. Call it before whatever the snapshot reads goes away.
+  void StopCompaction();
+
   // OK, or the failure that stopped the journal.
   absl::Status health() const;
   uint64_t bytes() const;
@@ -118,6 +123,8 @@ class Journal {
   std::deque<Pending> queue_;
   absl::Status failed_;
   bool stop_ = false;
+  bool compaction_stopped_ = false, compacting_ = false;
+  std::condition_variable compaction_done_;
   uint64_t bytes_ = 0, compacted_at_ = 0, compactions_ = 0;
   std::thread writer_;
 };

@@ -39,21 +39,60 @@ absl::Status CheckVersion(const char* what, uint32_t version) {
 
 }  // namespace
 
-absl::Status EncodeMessageFile(const spool::v1::MessageMeta& meta, const Message& msg, std::string* out) {
-  std::string body;
-  if (absl::Status s = WriteMessage(msg, &body); !s.ok()) return s;
+absl::StatusOr<MessageFileWriter> MessageFileWriter::Make(const spool::v1::MessageMeta& meta, const Message& msg) {
+  absl::StatusOr<MessagePieces> body = SerializeMessagePieces(msg);
+  if (!body.ok()) return body.status();
   std::string m;
   meta.SerializeToString(&m);
+  MessageFileWriter w;
+  w.head_.reserve(kMessageHeaderBytes + m.size() + body->header.size());
+  w.head_.append(kMessageFileMagic, 8);
+  PutU32(kSpoolFormatVersion, &w.head_);
+  PutU32(static_cast<uint32_t>(m.size()), &w.head_);
+  PutU64(body->size(), &w.head_);
+  w.head_.append(m);
+  w.head_.append(body->header);
+  w.size_ = kMessageHeaderBytes + m.size() + body->size() + 4;
+  w.tensors_ = std::move(body->tensors);
+  return w;
+}
+
+absl::Status MessageFileWriter::WriteTo(const Sink& sink) const {
+  // Small pieces (positions, scales, the header) are gathered into `staged`
+  // so that the sink sees few calls; large tensors go through untouched.
+  constexpr size_t kGather = 256 << 10;
+  std::string staged = head_;
+  uint32_t crc = Crc32c(head_.data(), head_.size());
+  for (absl::Span<const uint8_t> t : tensors_) {
+    const absl::string_view piece(reinterpret_cast<const char*>(t.data()), t.size());
+    crc = Crc32cExtend(crc, piece.data(), piece.size());
+    if (staged.size() + piece.size() <= kGather) {
+      staged.append(piece.data(), piece.size());
+      continue;
+    }
+    if (!staged.empty()) {
+      if (absl::Status s = sink(staged); !s.ok()) return s;
+      staged.clear();
+    }
+    if (piece.size() >= kGather) {
+      if (absl::Status s = sink(piece); !s.ok()) return s;
+    } else {
+      staged.append(piece.data(), piece.size());
+    }
+  }
+  PutU32(crc, &staged);
+  return sink(staged);
+}
+
+absl::Status EncodeMessageFile(const spool::v1::MessageMeta& meta, const Message& msg, std::string* out) {
+  absl::StatusOr<MessageFileWriter> w = MessageFileWriter::Make(meta, msg);
+  if (!w.ok()) return w.status();
   out->clear();
-  out->reserve(kMessageHeaderBytes + m.size() + body.size() + 4);
-  out->append(kMessageFileMagic, 8);
-  PutU32(kSpoolFormatVersion, out);
-  PutU32(static_cast<uint32_t>(m.size()), out);
-  PutU64(body.size(), out);
-  out->append(m);
-  out->append(body);
-  PutU32(Crc32c(out->data(), out->size()), out);
-  return absl::OkStatus();
+  out->reserve(w->size());
+  return w->WriteTo([out](absl::string_view piece) {
+    out->append(piece.data(), piece.size());
+    return absl::OkStatus();
+  });
 }
 
 absl::Status CheckMessageFileVersion(absl::string_view bytes) {

@@ -14,12 +14,14 @@
 #define KVRELAY_SERVER_SPOOL_SPOOL_FORMAT_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "core/message.h"
 #include "kvrelay/spool/v1/spool.pb.h"
 
@@ -41,8 +43,34 @@ struct SpoolMessage {
   Message msg;
 };
 
-// Serializes `meta` and `msg` into `*out` (replacing it). InvalidArgument
-// when `msg` cannot be written as a message file.
+// Writes a message file piece by piece, from the message's own buffers: the
+// header and metadata, then the body tensor by tensor (layer by layer), then
+// the CRC32C, computed on the way. No copy of the message is made, so a
+// large message costs no more memory to write than a small one.
+// Not thread-safe; REQUIRES: the message outlives the writer, unchanged.
+class MessageFileWriter {
+ public:
+  using Sink = std::function<absl::Status(absl::string_view)>;
+
+  // InvalidArgument when `msg` cannot be written as a message file.
+  static absl::StatusOr<MessageFileWriter> Make(const spool::v1::MessageMeta& meta, const Message& msg);
+
+  // The file's size in bytes, known before anything is written.
+  uint64_t size() const { return size_; }
+  // Passes the file's bytes to `sink` in order: tensors of 256 KiB or more
+  // as they are, smaller pieces gathered into calls of at most 256 KiB. The
+  // first error `sink` returns stops the write and is returned.
+  absl::Status WriteTo(const Sink& sink) const;
+
+ private:
+  MessageFileWriter() = default;
+  std::string head_;  // the fixed header, the metadata and the body's header
+  std::vector<absl::Span<const uint8_t>> tensors_;
+  uint64_t size_ = 0;
+};
+
+// The whole message file in `*out` (replacing it): MessageFileWriter into a
+// string.
 absl::Status EncodeMessageFile(const spool::v1::MessageMeta& meta, const Message& msg, std::string* out);
 
 // Parses a whole message file. FAILED_PRECONDITION for a version other than

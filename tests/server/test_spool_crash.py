@@ -221,16 +221,34 @@ def traffic(pub, con, ck, stop, pub_relay, duration):
     return ts
 
 
+def wait_ready(client, timeout=5.0):
+    """Asks the client's channel to connect now and waits until it is ready.
+
+    A channel whose calls failed fast while the relay was down sits in
+    reconnect backoff for up to ~5 s after the relay is back (grpcio 1.51,
+    with calls that do not wait for readiness); asking for a connection ends
+    the wait at once."""
+    ready = grpc.channel_ready_future(client._channel)
+    try:
+        ready.result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        ready.cancel()
+        return False
+
+
 def retry_pending(pub, ck, relay, deadline_s=20):
     """Retries every publish that has not returned OK, with its id, until it does."""
     end = time.time() + deadline_s
+    wait_ready(pub)
     while time.time() < end:
         with ck.lock:
             keys = list(ck.pending)
         if not keys:
             return True
         for key in keys:
-            publish(pub, ck, key)
+            if not publish(pub, ck, key):
+                wait_ready(pub, timeout=1.0)
         if not relay.alive():
             return False
     return not ck.pending
@@ -239,6 +257,7 @@ def retry_pending(pub, ck, relay, deadline_s=20):
 def drain(con, ck, ctl, sender_relay, settle_s):
     """Fetches and acks everything; checks invariant 1 for every accepted id."""
     end = time.time() + settle_s
+    wait_ready(con)
     while True:
         got = 0
         for s in range(SESSIONS):

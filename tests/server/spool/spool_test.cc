@@ -1,15 +1,20 @@
 // The spool: its formats, recovery, the corruption table, injected I/O
 // faults, and crash and power-loss runs over random seeds with their
 // negative controls (no fsync, no directory fsync), which must fail.
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "gtest/gtest.h"
+#include "core/crc32c.h"
+#include "core/format/turn_file.h"
 #include "server/memory_store.h"
 #include "server/spool/journal.h"
 #include "server/spool/spool_format.h"
@@ -64,6 +69,67 @@ TEST(SpoolFormat, MessageFileRoundTrip) {
   auto copy = std::make_shared<StoredMessage>(*m);
   copy->msg = std::move(back->msg);
   EXPECT_EQ(Fingerprint(*copy), Fingerprint(*m));
+}
+
+std::string Le(uint64_t v, int bytes) {
+  std::string out;
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  return out;
+}
+
+// The writer streams the layout of docs/SPOOL.md, built here by hand from
+// WriteMessage, and hands the large tensors to the sink from the message's
+// own buffers rather than from a copy.
+TEST(SpoolFormat, MessageFileWriterStreamsTheTensorsWithoutCopying) {
+  auto m = RealMsg("s", "big", {"b", "c"}, 9, /*tokens=*/20000, /*layers=*/3);  // K, V: 640,000 bytes each
+  spool::v1::MessageMeta meta;
+  meta.set_session_id("s");
+  meta.set_message_id("big");
+  meta.add_recipients("b");
+  meta.add_recipients("c");
+  std::string body, meta_bytes;
+  ASSERT_TRUE(WriteMessage(m->msg, &body).ok());
+  meta.SerializeToString(&meta_bytes);
+  std::string want = std::string("KVRSPMSG") + Le(1, 4) + Le(meta_bytes.size(), 4) + Le(body.size(), 8) +
+                     meta_bytes + body;
+  want += Le(Crc32c(want.data(), want.size()), 4);
+
+  absl::StatusOr<MessageFileWriter> w = MessageFileWriter::Make(meta, m->msg);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->size(), want.size());
+  std::string got;
+  int borrowed = 0, calls = 0;
+  ASSERT_TRUE(w->WriteTo([&](absl::string_view piece) {
+                 ++calls;
+                 const auto* p = reinterpret_cast<const uint8_t*>(piece.data());
+                 for (const MessageLayer& l : m->msg.layers) {
+                   for (const KvTensor* t : {&l.k, &l.v}) {
+                     if (p == t->bytes().data() && piece.size() == t->bytes().size()) ++borrowed;
+                   }
+                 }
+                 EXPECT_TRUE(piece.size() <= (256u << 10) || borrowed > 0) << "a large piece was copied";
+                 got.append(piece.data(), piece.size());
+                 return absl::OkStatus();
+               }).ok());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(borrowed, 6) << "every K and V should reach the sink from the message itself";
+  EXPECT_LT(calls, 16);
+  std::string encoded;
+  ASSERT_TRUE(EncodeMessageFile(meta, m->msg, &encoded).ok());
+  EXPECT_EQ(encoded, want);
+
+  // The sink's first error stops the write.
+  int n = 0;
+  absl::Status s = w->WriteTo([&n](absl::string_view) {
+    return ++n == 2 ? absl::ResourceExhaustedError("disk full") : absl::OkStatus();
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(n, 2);
+
+  // A message that cannot be written is refused before anything is.
+  Message broken = m->msg;
+  broken.sent_bytes += 1;
+  EXPECT_EQ(MessageFileWriter::Make(meta, broken).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(SpoolFormat, EveryDamagedMessageFileIsDataLossAndAnotherVersionIsRefused) {
@@ -262,6 +328,48 @@ TEST(SpoolStore, CompactionKeepsTheStateAndBoundsTheJournal) {
   ASSERT_TRUE(d);
   EXPECT_EQ(d->msg->message_id, "m40");
   EXPECT_TRUE(s->LookupParent("s", "m39", "b").ok());
+}
+
+// The store's destructor stops compaction before the memory store the
+// snapshot reads goes away; StopCompaction must wait for one in progress.
+TEST(Journal, StopCompactionWaitsForACompactionInProgress) {
+  FaultFs fs;
+  ASSERT_TRUE(fs.CreateDir("/j").ok());
+  ASSERT_TRUE(fs.CreateDir("/j/quarantine").ok());
+  JournalOptions jo;
+  jo.compact_bytes = 1;  // every batch triggers a compaction
+  JournalRecovery recovery;
+  absl::StatusOr<std::unique_ptr<Journal>> j = Journal::Open(&fs, "/j", jo, &recovery);
+  ASSERT_TRUE(j.ok()) << j.status();
+  std::atomic<int> calls{0};
+  std::atomic<bool> in_snapshot{false}, release{false};
+  (*j)->Start(
+      [&] {
+        ++calls;
+        in_snapshot = true;
+        while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        in_snapshot = false;
+        return std::vector<spool::v1::Record>{};
+      },
+      nullptr);
+  spool::v1::Record r;
+  r.mutable_peer()->set_session_id("s");
+  (*j)->Append(r);
+  for (int i = 0; i < 5000 && !in_snapshot; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(in_snapshot) << "no compaction started";
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    (*j)->StopCompaction();
+    stopped = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(stopped) << "StopCompaction returned while the snapshot was being read";
+  release = true;
+  stopper.join();
+  EXPECT_FALSE(in_snapshot);
+  const int seen = calls;
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE((*j)->AppendAndWait(r).ok());
+  EXPECT_EQ(calls, seen) << "a compaction started after StopCompaction";
 }
 
 // ---- The corruption table ----
