@@ -8,6 +8,7 @@
 //
 // The process keeps freed heap for reuse like kvrelay-server does
 // (--heap-retain-bytes); see main().
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "core/format/synthetic.h"
 #include "core/internal/gram.h"
 #include "core/pipeline.h"
+#include "core/query_scores.h"
 #include "core/thread_pool.h"
 
 namespace kvrelay {
@@ -152,6 +154,84 @@ void BM_Gram(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Gram)->ArgsProduct({{0, 1}, {0, 1, 2}})->ArgNames({"bf16", "isa"})->Unit(benchmark::kMicrosecond);
+
+// Scores from queries (gen.q, bf16) on the Qwen3-14B turn, one thread:
+// every layer's QueryScores. Counters: multiply-adds per second of the
+// logits (sum over layers, query heads and steps of keys seen x head_dim)
+// and that rate over one core's FMA peak measured by BM_FmaPeak.
+const std::vector<KvTensor>& Qwen14BQueries() {
+  static const std::vector<KvTensor>* q = [] {
+    const Turn& turn = Qwen14BTurn();
+    auto* out = new std::vector<KvTensor>;
+    uint32_t x = 99;
+    for (size_t l = 0; l < turn.layers.size(); ++l) {
+      // Queries of the keys' own scale: a random mix of the layer's keys.
+      const TurnLayer& layer = turn.layers[l];
+      KvTensor t(DType::kBF16, 40, layer.gen_k.tokens(), layer.gen_k.dim());
+      std::vector<float> row(t.dim()), k(t.dim());
+      for (int h = 0; h < t.heads(); ++h) {
+        for (int s = 0; s < t.tokens(); ++s) {
+          std::fill(row.begin(), row.end(), 0.f);
+          for (int m = 0; m < 4; ++m) {
+            x = x * 1664525u + 1013904223u;
+            layer.prompt_k.ReadRow(h / 5, static_cast<int>(x >> 8) % layer.prompt_k.tokens(), k.data());
+            for (int c = 0; c < t.dim(); ++c) row[c] += 0.5f * k[c];
+          }
+          t.WriteRow(h, s, row.data());
+        }
+      }
+      out->push_back(std::move(t));
+    }
+    return out;
+  }();
+  return *q;
+}
+
+double QueryScoreMacs(const TurnGeometry& g, int layers) {
+  double per_head = 0;
+  for (int t = 0; t < g.n_gen; ++t) per_head += static_cast<double>(g.n_history + g.n_prompt + t + 1) * g.head_dim;
+  return per_head * g.score_heads * layers;
+}
+
+
+// One core's float32 FMA peak with the instructions the build uses for
+// QueryScores' logits (AVX2 FMA at -march=x86-64-v3): 12 independent
+// accumulators of 8 lanes, so the loop is bound by FMA throughput.
+void BM_FmaPeak(benchmark::State& state) {
+  constexpr int kAcc = 12, kLanes = 8, kIters = 1 << 20;
+  float acc[kAcc][kLanes] = {};
+  float a[kLanes], b[kLanes];
+  for (int i = 0; i < kLanes; ++i) a[i] = 1.0f + 1e-7f * i, b[i] = 1e-7f;
+  for (auto _ : state) {
+    for (int it = 0; it < kIters; ++it) {
+      for (int j = 0; j < kAcc; ++j) {
+        for (int i = 0; i < kLanes; ++i) acc[j][i] = acc[j][i] * a[i] + b[i];
+      }
+    }
+    benchmark::DoNotOptimize(acc);
+  }
+  const double macs = static_cast<double>(state.iterations()) * kIters * kAcc * kLanes;
+  state.counters["mac_per_s"] = benchmark::Counter(macs, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_FmaPeak)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_QueryScores(benchmark::State& state) {
+  Turn turn = Qwen14BTurn();
+  const std::vector<KvTensor>& q = Qwen14BQueries();
+  for (size_t l = 0; l < turn.layers.size(); ++l) {
+    turn.layers[l].scores = ScoreMatrix();
+    turn.layers[l].gen_q = q[l];
+  }
+  const TurnGeometry geo = *GeometryOf(turn);
+  const double scale = 1.0 / std::sqrt(128.0);
+  for (auto _ : state) {
+    for (const TurnLayer& layer : turn.layers) benchmark::DoNotOptimize(QueryScores(layer, geo, scale, 0));
+  }
+  state.counters["mac_per_s"] = benchmark::Counter(QueryScoreMacs(geo, static_cast<int>(turn.layers.size())) *
+                                                       static_cast<double>(state.iterations()),
+                                                   benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_QueryScores)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace kvrelay

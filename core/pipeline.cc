@@ -12,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "core/internal/cpu.h"
 #include "core/internal/gram.h"
+#include "core/query_scores.h"
 #include "core/status_macros.h"
 
 namespace kvrelay {
@@ -104,6 +105,7 @@ absl::Status ApplySelector(SelectorKind kind, const StageSpec& st, PipelineConfi
     KVRELAY_RETURN_IF_ERROR(p.Int("recent", 0, kMaxTokens, &o.recent));
     // Any width past 2 * kMaxTokens - 1 pools over the whole top-k range.
     KVRELAY_RETURN_IF_ERROR(p.OddInt("pool", 1, 2 * kMaxTokens + 1, &o.pool));
+    KVRELAY_RETURN_IF_ERROR(p.Int("window", 1, kMaxTokens, &o.window));
   }
   KVRELAY_RETURN_IF_ERROR(p.Done());
   cfg->select = o;
@@ -172,6 +174,7 @@ std::string CanonicalSpec(const PipelineConfig& c) {
     // pool=1 (no pooling) is left out, so specs from before pool existed
     // keep their canonical form.
     if (s.pool != 1) absl::StrAppend(&out, ",pool=", s.pool);
+    if (s.window != 0) absl::StrAppend(&out, ",window=", s.window);
   }
   if (c.obf) {
     const ObfOptions& o = *c.obf;
@@ -357,7 +360,15 @@ struct Pipeline::LayerWork {
 void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                              LayerWork* w) const {
   const int heads = geo.kv_heads, d = geo.head_dim, n_prompt = geo.n_prompt;
-  w->scores = ReduceScores(layer.scores, heads);
+  const SelectorKind kind = config_.select.kind;
+  if (!geo.queries) {
+    w->scores = ReduceScores(layer.scores, heads);
+  } else if (kind == SelectorKind::kH2oHead || kind == SelectorKind::kH2oLayer) {
+    const double scale = ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(d));
+    w->scores = QueryScores(layer, geo, scale, config_.select.window);
+  } else {
+    w->scores.assign(static_cast<size_t>(heads) * n_prompt, 0.0);  // full and gen read no scores
+  }
   w->sel = Select(config_.select, w->scores, heads, n_prompt, ctx.first_agent);
   const int n_anchor = w->sel.n_anchor;
   const int n_hist = geo.n_history;
@@ -442,9 +453,17 @@ absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork
   return absl::OkStatus();
 }
 
+absl::Status Pipeline::CheckWindow(const TurnGeometry& geo) const {
+  if (config_.select.window == 0 || geo.queries) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "policy stage '", SelectorName(config_.select.kind), "': window=", config_.select.window,
+      " scores from the generated steps' queries: expected layer.0.gen.q, the turn carries layer.0.prompt.score"));
+}
+
 absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
                                                      const LayerContext& ctx, ThreadPool* pool) const {
   if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, geo.head_dim));
+  KVRELAY_RETURN_IF_ERROR(CheckWindow(geo));
   KVRELAY_RETURN_IF_ERROR(ValidateTurnLayer(layer, ctx.layer, geo, ctx.prompt_pos0, /*check_kv_values=*/false));
   LayerWork w;
   SelectAndCopy(layer, geo, ctx, &w);
@@ -466,6 +485,7 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
                                                bool check_kv_values) const {
   KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
   if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, geo.head_dim));
+  KVRELAY_RETURN_IF_ERROR(CheckWindow(geo));
   const size_t n_layers = turn.layers.size();
   const int heads = geo.kv_heads;
   std::vector<LayerContext> ctx(n_layers);
@@ -473,6 +493,7 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
     ctx[l].layer = static_cast<int>(l);
     ctx[l].first_agent = turn.first_agent;
     ctx[l].prompt_pos0 = turn.PromptPos0();
+    ctx[l].softmax_scale = turn.SoftmaxScale(geo.head_dim);
   }
   // Three phases, each spread over the pool: validate, select and copy per
   // layer; backfill per (layer, head); quantize per layer. Every task writes

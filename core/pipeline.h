@@ -80,6 +80,9 @@ struct LayerContext {
   int layer = 0;
   bool first_agent = true;
   int64_t prompt_pos0 = 0;
+  // Logit scale for scores from queries (Turn::SoftmaxScale); 0 means
+  // 1/sqrt(head_dim).
+  double softmax_scale = 0;
 };
 
 class Pipeline {
@@ -108,6 +111,7 @@ class Pipeline {
   // Compresses one layer, spreading its heads over `pool` (may be null).
   // Checks shapes, scores and positions (InvalidArgument) but not the K/V
   // values: REQUIRES the caller to have checked those (ValidateTurnLayer).
+  // A selector with `window` on a turn without queries is InvalidArgument.
   absl::StatusOr<MessageLayer> CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
                                              const LayerContext& ctx,
                                              ThreadPool* pool = nullptr) const;
@@ -130,6 +134,8 @@ class Pipeline {
       : spec_(std::move(spec)), config_(std::move(config)) {}
 
   absl::StatusOr<Message> CompressImpl(const Turn& turn, ThreadPool* pool, bool check_kv_values) const;
+  // InvalidArgument when the selector has `window` and the turn no queries.
+  absl::Status CheckWindow(const TurnGeometry& geo) const;
   void SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                      LayerWork* w) const;
   void BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx, int h,

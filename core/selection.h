@@ -19,6 +19,7 @@ struct SelectorOptions {
   int sinks = 4;    // anchor tokens of the first agent (>= 0)
   int recent = 0;   // last candidates always kept (>= 0)
   int pool = 1;     // odd width of the max-pool over the top-k range (>= 1)
+  int window = 0;   // score with the last `window` generated steps (0: all); needs queries
 };
 
 struct Selection {

@@ -83,78 +83,32 @@ absl::Status CheckKv(const KvTensor& t, int layer, absl::string_view part, const
   return CheckKvFinite(t.dtype(), t.bytes().data(), 0, t.elements(), layer, part, t.tokens(), t.dim());
 }
 
-}  // namespace
-
-absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_t n, int layer,
-                           absl::string_view part, int tokens, int dim) {
-  // Non-finite values have an all-ones exponent in every dtype.
-  const size_t es = DTypeSize(dtype);
-  const size_t bad = first + FirstNonFinite(dtype, data + first * es, n);
-  if (bad == first + n) return absl::OkStatus();
-  float v;
-  ToFloat(dtype, data + bad * es, &v, 1);
-  const size_t d = static_cast<size_t>(dim), tok = static_cast<size_t>(tokens);
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "%s: non-finite value %g at [%d,%d,%d], expected finite values", Name(layer, part), v,
-      static_cast<int>(bad / d / tok), static_cast<int>(bad / d % tok), static_cast<int>(bad % d)));
-}
-
-int64_t Turn::PromptPos0() const {
-  if (prompt_pos0.has_value()) return *prompt_pos0;
-  return layers.empty() ? 0 : layers[0].history_k.tokens();
-}
-
-absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
-  if (turn.layers.empty()) return absl::InvalidArgumentError("turn: no layers, expected at least 1");
-  const TurnLayer& l0 = turn.layers[0];
-  TurnGeometry geo;
-  geo.dtype = l0.prompt_k.dtype();
-  geo.kv_heads = l0.prompt_k.heads();
-  geo.head_dim = l0.prompt_k.dim();
-  geo.n_prompt = l0.prompt_k.tokens();
-  geo.n_gen = l0.gen_k.tokens();
-  geo.n_history = l0.history_k.tokens();
-  geo.score_heads = l0.scores.rows;
-  if (turn.layers.size() > static_cast<size_t>(kMaxLayers)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("turn: ", turn.layers.size(), " layers, expected at most ", kMaxLayers));
+// The layer's scores, or its queries when geo.queries.
+absl::Status CheckAttentionInput(const TurnLayer& layer, int li, const TurnGeometry& geo, bool check_values) {
+  if (geo.queries) {
+    if (layer.scores.rows > 0 || !layer.scores.data.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(Name(li, "prompt.score"), ": given, expected layer.", li,
+                                                     ".gen.q like layer.0 (every layer carries the same one, "
+                                                     "never both)"));
+    }
+    const KvTensor& q = layer.gen_q;
+    if (q.dtype() != geo.q_dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(Name(li, "gen.q"), ": dtype ", DTypeName(q.dtype()),
+                                                     ", expected ", DTypeName(geo.q_dtype),
+                                                     " (dtype of layer.0.gen.q)"));
+    }
+    if (q.heads() != geo.score_heads || q.tokens() != geo.n_gen || q.dim() != geo.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Name(li, "gen.q"), ": shape ", Shape({q.heads(), q.tokens(), q.dim()}), ", expected ",
+          Shape({geo.score_heads, geo.n_gen, geo.head_dim}), " (score heads, n_gen, head_dim)"));
+    }
+    if (!check_values) return absl::OkStatus();
+    return CheckKvFinite(q.dtype(), q.bytes().data(), 0, q.elements(), li, "gen.q", q.tokens(), q.dim());
   }
-  KVRELAY_RETURN_IF_ERROR(ValidateGeometry(geo));
-  return geo;
-}
-
-absl::Status ValidateGeometry(const TurnGeometry& geo) {
-  auto range = [](absl::string_view what, int v, int lo, int hi) -> absl::Status {
-    if (v >= lo && v <= hi) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer.0.", what, " ", v, ", expected ", lo, "..", hi));
-  };
-  KVRELAY_RETURN_IF_ERROR(range("prompt.k: kv heads", geo.kv_heads, 1, kMaxKvHeads));
-  KVRELAY_RETURN_IF_ERROR(range("prompt.k: head_dim", geo.head_dim, 1, kMaxHeadDim));
-  KVRELAY_RETURN_IF_ERROR(range("prompt.k: tokens", geo.n_prompt, 0, kMaxTokensPerPart));
-  KVRELAY_RETURN_IF_ERROR(range("gen.k: tokens", geo.n_gen, 0, kMaxTokensPerPart));
-  KVRELAY_RETURN_IF_ERROR(range("history.k: tokens", geo.n_history, 0, kMaxTokensPerPart));
-  if (geo.score_heads < geo.kv_heads || geo.score_heads % geo.kv_heads != 0 ||
-      geo.score_heads > kMaxScoreHeads) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer.0.prompt.score: ", geo.score_heads, " score heads, expected a positive multiple of ",
-        geo.kv_heads, " kv heads, at most ", kMaxScoreHeads));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometry& geo,
-                               int64_t prompt_pos0, bool check_kv_values) {
-  KVRELAY_RETURN_IF_ERROR(ValidateGeometry(geo));
-  for (auto [t, part, tokens] :
-       {std::tuple<const KvTensor*, const char*, int>{&layer.prompt_k, "prompt.k", geo.n_prompt},
-        {&layer.prompt_v, "prompt.v", geo.n_prompt},
-        {&layer.gen_k, "gen.k", geo.n_gen},
-        {&layer.gen_v, "gen.v", geo.n_gen},
-        {&layer.history_k, "history.k", geo.n_history},
-        {&layer.history_v, "history.v", geo.n_history}}) {
-    absl::Status s = CheckKv(*t, li, part, geo, tokens, check_kv_values);
-    if (!s.ok()) return s;
+  if (layer.has_queries()) {
+    return absl::InvalidArgumentError(absl::StrCat(Name(li, "gen.q"), ": given, expected layer.", li,
+                                                   ".prompt.score like layer.0 (every layer carries the same "
+                                                   "one, never both)"));
   }
   const ScoreMatrix& sc = layer.scores;
   if (sc.rows != geo.score_heads || sc.cols != geo.n_prompt ||
@@ -174,6 +128,107 @@ absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometr
       }
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_t n, int layer,
+                           absl::string_view part, int tokens, int dim) {
+  // Non-finite values have an all-ones exponent in every dtype.
+  const size_t es = DTypeSize(dtype);
+  const size_t bad = first + FirstNonFinite(dtype, data + first * es, n);
+  if (bad == first + n) return absl::OkStatus();
+  float v;
+  ToFloat(dtype, data + bad * es, &v, 1);
+  const size_t d = static_cast<size_t>(dim), tok = static_cast<size_t>(tokens);
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s: non-finite value %g at [%d,%d,%d], expected finite values", Name(layer, part), v,
+      static_cast<int>(bad / d / tok), static_cast<int>(bad / d % tok), static_cast<int>(bad % d)));
+}
+
+double Turn::SoftmaxScale(int head_dim) const {
+  return softmax_scale.has_value() ? *softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
+
+int64_t Turn::PromptPos0() const {
+  if (prompt_pos0.has_value()) return *prompt_pos0;
+  return layers.empty() ? 0 : layers[0].history_k.tokens();
+}
+
+absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
+  if (turn.layers.empty()) return absl::InvalidArgumentError("turn: no layers, expected at least 1");
+  const TurnLayer& l0 = turn.layers[0];
+  TurnGeometry geo;
+  geo.dtype = l0.prompt_k.dtype();
+  geo.kv_heads = l0.prompt_k.heads();
+  geo.head_dim = l0.prompt_k.dim();
+  geo.n_prompt = l0.prompt_k.tokens();
+  geo.n_gen = l0.gen_k.tokens();
+  geo.n_history = l0.history_k.tokens();
+  geo.queries = l0.has_queries();
+  geo.q_dtype = l0.gen_q.dtype();
+  geo.score_heads = geo.queries ? l0.gen_q.heads() : l0.scores.rows;
+  if (geo.queries && l0.scores.rows > 0) {
+    return absl::InvalidArgumentError(
+        "layer.0.gen.q: given together with layer.0.prompt.score, expected exactly one of the two");
+  }
+  if (!geo.queries && l0.scores.rows == 0) {
+    return absl::InvalidArgumentError(
+        "layer.0.prompt.score: missing, expected layer.0.prompt.score or layer.0.gen.q (the queries)");
+  }
+  if (turn.layers.size() > static_cast<size_t>(kMaxLayers)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("turn: ", turn.layers.size(), " layers, expected at most ", kMaxLayers));
+  }
+  if (turn.softmax_scale.has_value() &&
+      !(std::isfinite(*turn.softmax_scale) && *turn.softmax_scale > 0)) {
+    return absl::InvalidArgumentError(absl::StrFormat("softmax_scale: %g, expected a finite number > 0",
+                                                      *turn.softmax_scale));
+  }
+  KVRELAY_RETURN_IF_ERROR(ValidateGeometry(geo));
+  return geo;
+}
+
+absl::Status ValidateGeometry(const TurnGeometry& geo) {
+  auto range = [](absl::string_view what, int v, int lo, int hi) -> absl::Status {
+    if (v >= lo && v <= hi) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer.0.", what, " ", v, ", expected ", lo, "..", hi));
+  };
+  KVRELAY_RETURN_IF_ERROR(range("prompt.k: kv heads", geo.kv_heads, 1, kMaxKvHeads));
+  KVRELAY_RETURN_IF_ERROR(range("prompt.k: head_dim", geo.head_dim, 1, kMaxHeadDim));
+  KVRELAY_RETURN_IF_ERROR(range("prompt.k: tokens", geo.n_prompt, 0, kMaxTokensPerPart));
+  KVRELAY_RETURN_IF_ERROR(range("gen.k: tokens", geo.n_gen, 0, kMaxTokensPerPart));
+  KVRELAY_RETURN_IF_ERROR(range("history.k: tokens", geo.n_history, 0, kMaxTokensPerPart));
+  if (geo.score_heads < geo.kv_heads || geo.score_heads % geo.kv_heads != 0 ||
+      geo.score_heads > kMaxScoreHeads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        geo.queries ? "layer.0.gen.q: " : "layer.0.prompt.score: ", geo.score_heads,
+        " score heads, expected a positive multiple of ", geo.kv_heads, " kv heads, at most ", kMaxScoreHeads));
+  }
+  if (geo.queries && geo.q_dtype != DType::kF32 && geo.q_dtype != geo.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("layer.0.gen.q: dtype ", DTypeName(geo.q_dtype),
+                                                   ", expected F32 or ", DTypeName(geo.dtype),
+                                                   " (the K/V dtype)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometry& geo,
+                               int64_t prompt_pos0, bool check_kv_values) {
+  KVRELAY_RETURN_IF_ERROR(ValidateGeometry(geo));
+  for (auto [t, part, tokens] :
+       {std::tuple<const KvTensor*, const char*, int>{&layer.prompt_k, "prompt.k", geo.n_prompt},
+        {&layer.prompt_v, "prompt.v", geo.n_prompt},
+        {&layer.gen_k, "gen.k", geo.n_gen},
+        {&layer.gen_v, "gen.v", geo.n_gen},
+        {&layer.history_k, "history.k", geo.n_history},
+        {&layer.history_v, "history.v", geo.n_history}}) {
+    absl::Status s = CheckKv(*t, li, part, geo, tokens, check_kv_values);
+    if (!s.ok()) return s;
+  }
+  KVRELAY_RETURN_IF_ERROR(CheckAttentionInput(layer, li, geo, check_kv_values));
   const PosTensor& pos = layer.history_pos;
   if (pos.heads != (geo.n_history ? geo.kv_heads : pos.heads) || pos.tokens != geo.n_history ||
       pos.data.size() != static_cast<size_t>(pos.heads) * pos.tokens) {

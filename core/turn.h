@@ -25,9 +25,18 @@ struct TurnLayer {
   KvTensor gen_k, gen_v;          // [kv_heads, n_gen, head_dim]
   KvTensor history_k, history_v;  // [kv_heads, n_history, head_dim]; n_history may be 0
   PosTensor history_pos;          // [kv_heads, n_history]
+  // The attention input: exactly one of the two, the same in every layer.
   // [score_heads, n_prompt]; score_heads is kv_heads, or a multiple of it
-  // (query heads, reduced by summing consecutive groups).
+  // (query heads, reduced by summing consecutive groups). Empty (0 rows)
+  // when the layer carries gen_q.
   ScoreMatrix scores;
+  // [score_heads, n_gen, head_dim], F32 or the K/V dtype: the post-RoPE
+  // query of each score head at each generated step, from which the relay
+  // computes the scores (docs/FORMAT.md, step 0). Empty (0 heads) when the
+  // layer carries scores.
+  KvTensor gen_q;
+
+  bool has_queries() const { return gen_q.heads() > 0; }
 };
 
 // Geometry shared by every layer of a turn, as established by layer 0.
@@ -39,6 +48,9 @@ struct TurnGeometry {
   int n_prompt = 0;
   int n_gen = 0;
   int n_history = 0;
+  // Scores come from gen_q (in q_dtype) rather than from prompt.score.
+  bool queries = false;
+  DType q_dtype = DType::kF32;
 };
 
 // Bounds on a turn's geometry. Real models stay far below them; they keep a
@@ -58,13 +70,19 @@ struct Turn {
   bool first_agent = true;
   // Position id of the first prompt token. When unset, n_history is used.
   std::optional<int64_t> prompt_pos0;
+  // The attention's logit scale, for scores from gen_q. When unset,
+  // 1/sqrt(head_dim). Finite and > 0 (ValidateTurn).
+  std::optional<double> softmax_scale;
   std::vector<TurnLayer> layers;
 
   int64_t PromptPos0() const;
+  // softmax_scale, or 1/sqrt(head_dim) when unset.
+  double SoftmaxScale(int head_dim) const;
 };
 
 // Checks `geo` (ValidateGeometry), then one layer against it: shapes, dtypes, score layout, scores
-// finite and >= 0, position ranges (history ids in [0, prompt_pos0), the
+// finite and >= 0, gen_q instead of scores exactly when geo.queries (its
+// shape, dtype, finite values), position ranges (history ids in [0, prompt_pos0), the
 // last prompt/generated id within int32), and (when check_kv_values) that every
 // K/V element is finite. The K/V scan reads every byte of the layer; callers
 // that already checked the values (a file reader, a relay checking chunks as
@@ -82,7 +100,9 @@ absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_
                            absl::string_view part, int tokens, int dim);
 
 // Derives the geometry from layer 0. InvalidArgument when the turn has no
-// layers or layer 0 is inconsistent in itself.
+// layers or layer 0 is inconsistent in itself (among others: both or
+// neither of prompt.score and gen.q, or a softmax_scale that is not finite
+// and > 0).
 absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn);
 
 // GeometryOf + ValidateTurnLayer on every layer.

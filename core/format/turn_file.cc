@@ -1,6 +1,7 @@
 #include "core/format/turn_file.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -8,7 +9,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/quant.h"
 #include "core/status_macros.h"
@@ -180,11 +183,10 @@ absl::Status PrefixPath(const std::string& path, const absl::Status& s) {
 
 // ---- Turn ----
 
-constexpr absl::string_view kTurnParts[] = {"prompt.k",  "prompt.v",     "gen.k",
-                                            "gen.v",     "prompt.score", "history.k",
+constexpr absl::string_view kTurnParts[] = {"prompt.k",  "prompt.v",     "gen.k",  "gen.v",
+                                            "gen.q",     "prompt.score", "history.k",
                                             "history.v", "history.pos"};
-constexpr absl::string_view kRequiredTurnParts[] = {"prompt.k", "prompt.v", "gen.k", "gen.v",
-                                                    "prompt.score"};
+constexpr absl::string_view kRequiredTurnParts[] = {"prompt.k", "prompt.v", "gen.k", "gen.v"};
 constexpr absl::string_view kHistoryParts[] = {"history.k", "history.v", "history.pos"};
 
 bool IsTurnPart(absl::string_view part) {
@@ -280,8 +282,8 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
   KVRELAY_ASSIGN_OR_RETURN(
       std::vector<PartMap> layers,
       GroupByLayer(file, &IsTurnPart,
-                   "layer.{l}.{prompt.k,prompt.v,gen.k,gen.v,prompt.score,history.k,history.v,"
-                   "history.pos}"));
+                   "layer.{l}.{prompt.k,prompt.v,gen.k,gen.v,prompt.score,gen.q,history.k,"
+                   "history.v,history.pos}"));
   const int num_layers = static_cast<int>(layers.size());
 
   // Required tensors, then history in every layer or none.
@@ -291,6 +293,16 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
       if (!layers[l].count(part)) {
         return Invalid(LayerName(l, part), "missing, required in every layer");
       }
+    }
+    // The attention input: precomputed scores or the queries, one of them.
+    const bool score = layers[l].count("prompt.score") > 0, queries = layers[l].count("gen.q") > 0;
+    if (score && queries) {
+      return Invalid(LayerName(l, "gen.q"),
+                     absl::StrCat("given together with ", LayerName(l, "prompt.score"), ", expected exactly one of the two"));
+    }
+    if (!score && !queries) {
+      return Invalid(LayerName(l, "prompt.score"),
+                     absl::StrCat("missing, expected it or ", LayerName(l, "gen.q"), " (the queries) in every layer"));
     }
     for (absl::string_view part : kHistoryParts) {
       if (layers[l].count(part) && history_layer < 0) history_layer = l;
@@ -330,6 +342,12 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
       } else if (part == "prompt.score") {
         KVRELAY_RETURN_IF_ERROR(CheckDType(*t, StDType::kF32));
         KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 2, "[score_heads, n_prompt]"));
+      } else if (part == "gen.q") {
+        if (t->dtype != StDType::kF32 && t->dtype != ref.dtype) {
+          return Invalid(t->name, absl::StrCat("dtype ", StDTypeName(t->dtype), ", expected F32 or ",
+                                               StDTypeName(ref.dtype), " (the K/V dtype)"));
+        }
+        KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 3, "[score_heads, n_gen, head_dim]"));
       } else {  // history.pos
         KVRELAY_RETURN_IF_ERROR(CheckDType(*t, StDType::kI32));
         KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 2, "[kv_heads, n_history]"));
@@ -345,6 +363,14 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
                                   "a decimal integer >= 0"));
     turn.prompt_pos0 = static_cast<int64_t>(pos0);
   }
+  if (std::optional<absl::string_view> v = file.GetMetadata("softmax_scale")) {
+    double scale;
+    if (!absl::SimpleAtod(*v, &scale) || !std::isfinite(scale) || scale <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("metadata softmax_scale: ", Quote(*v), ", expected a finite decimal number > 0"));
+    }
+    turn.softmax_scale = scale;
+  }
 
   turn.layers.resize(num_layers);
   for (int l = 0; l < num_layers; ++l) {
@@ -354,10 +380,15 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
     out.prompt_v = KvFrom(*parts["prompt.v"], *dtype);
     out.gen_k = KvFrom(*parts["gen.k"], *dtype);
     out.gen_v = KvFrom(*parts["gen.v"], *dtype);
-    const StTensor& score = *parts["prompt.score"];
-    out.scores = ScoreMatrix(static_cast<int>(score.shape[0]), static_cast<int>(score.shape[1]));
-    if (!score.data.empty())
-      std::memcpy(out.scores.data.data(), score.data.data(), score.data.size());
+    if (parts.count("gen.q")) {
+      const StTensor& q = *parts["gen.q"];
+      out.gen_q = KvFrom(q, *KvDType(q.dtype));
+    } else {
+      const StTensor& score = *parts["prompt.score"];
+      out.scores = ScoreMatrix(static_cast<int>(score.shape[0]), static_cast<int>(score.shape[1]));
+      if (!score.data.empty())
+        std::memcpy(out.scores.data.data(), score.data.data(), score.data.size());
+    }
     if (history_layer >= 0) {
       out.history_k = KvFrom(*parts["history.k"], *dtype);
       out.history_v = KvFrom(*parts["history.v"], *dtype);
@@ -397,8 +428,12 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> TurnTensors(const T
     tensors.push_back(KvView(LayerName(l, "prompt.v"), layer.prompt_v));
     tensors.push_back(KvView(LayerName(l, "gen.k"), layer.gen_k));
     tensors.push_back(KvView(LayerName(l, "gen.v"), layer.gen_v));
-    tensors.push_back(View(LayerName(l, "prompt.score"), StDType::kF32,
-                           {layer.scores.rows, layer.scores.cols}, BytesOf(layer.scores.data)));
+    if (layer.has_queries()) {
+      tensors.push_back(KvView(LayerName(l, "gen.q"), layer.gen_q));
+    } else {
+      tensors.push_back(View(LayerName(l, "prompt.score"), StDType::kF32,
+                             {layer.scores.rows, layer.scores.cols}, BytesOf(layer.scores.data)));
+    }
     if (history) {
       tensors.push_back(KvView(LayerName(l, "history.k"), layer.history_k));
       tensors.push_back(KvView(LayerName(l, "history.v"), layer.history_v));
@@ -408,6 +443,8 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> TurnTensors(const T
   StMetadata meta;
   meta["first_agent"] = turn.first_agent ? "true" : "false";
   if (turn.prompt_pos0) meta["prompt_pos0"] = absl::StrCat(*turn.prompt_pos0);
+  // %.17g: the double reads back exactly.
+  if (turn.softmax_scale) meta["softmax_scale"] = absl::StrFormat("%.17g", *turn.softmax_scale);
   return std::make_pair(std::move(tensors), std::move(meta));
 }
 

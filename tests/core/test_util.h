@@ -15,6 +15,10 @@ struct TurnShape {
   int n_prompt = 40, n_gen = 5, n_history = 0;
   DType dtype = DType::kF32;
   bool first_agent = true;
+  // Carry gen.q [kv_heads * group, n_gen, head_dim] in this dtype instead
+  // of prompt.score.
+  bool queries = false;
+  DType q_dtype = DType::kF32;
 };
 
 // Low-rank-plus-noise rows, heavy-tailed nonnegative scores.
@@ -60,10 +64,15 @@ inline Turn RandomTurn(const TurnShape& s, uint64_t seed) {
     for (int h = 0; h < s.kv_heads; ++h) {
       for (int j = 0; j < s.n_history; ++j) layer.history_pos.at(h, j) = 2 * j + (h % 2);
     }
-    layer.scores = ScoreMatrix(s.kv_heads * s.group, s.n_prompt);
-    for (float& x : layer.scores.data) {
-      const float e = expo(rng);
-      x = e * e * e;  // heavy tail
+    if (s.queries) {
+      layer.gen_q = KvTensor(s.q_dtype, s.kv_heads * s.group, s.n_gen, s.head_dim);
+      FillKv(&layer.gen_q, rng);
+    } else {
+      layer.scores = ScoreMatrix(s.kv_heads * s.group, s.n_prompt);
+      for (float& x : layer.scores.data) {
+        const float e = expo(rng);
+        x = e * e * e;  // heavy tail
+      }
     }
     turn.layers.push_back(std::move(layer));
   }

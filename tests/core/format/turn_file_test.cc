@@ -47,7 +47,9 @@ void ExpectSameTurn(const Turn& a, const Turn& b) {
     EXPECT_EQ(x.scores.rows, y.scores.rows);
     EXPECT_EQ(x.scores.cols, y.scores.cols);
     EXPECT_EQ(x.scores.data, y.scores.data);
+    EXPECT_TRUE(x.gen_q == y.gen_q);
   }
+  EXPECT_EQ(a.softmax_scale, b.softmax_scale);
 }
 
 void ExpectSameMessage(const Message& a, const Message& b) {
@@ -276,12 +278,93 @@ TEST(TurnFileMalformedTest, NoLayers) {
                     "no layer tensors");
 }
 
+// ---- Turns with queries (gen.q) ----
+
+Turn QueryTurn(DType kv, DType q) {
+  TurnShape s;
+  s.layers = 3;
+  s.n_history = 4;
+  s.dtype = kv;
+  s.queries = true;
+  s.q_dtype = q;
+  return RandomTurn(s, 8);
+}
+
+TEST(TurnFileTest, QueriesAndSoftmaxScaleRoundTrip) {
+  for (DType kv : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (DType q : {DType::kF32, kv}) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(kv), " q ", DTypeName(q)));
+      Turn turn = QueryTurn(kv, q);
+      turn.softmax_scale = 0.1 / 3;  // needs all 17 digits to read back
+      const std::string bytes = MustWriteTurn(turn);
+      absl::StatusOr<Turn> back = ReadTurn(AsBytes(bytes));
+      ASSERT_TRUE(back.ok()) << back.status();
+      ExpectSameTurn(turn, *back);
+      EXPECT_EQ(MustWriteTurn(*back), bytes);
+    }
+  }
+}
+
+TEST(TurnFileMalformedTest, BothScoresAndQueries) {
+  const std::string with_scores = MustWriteTurn(GoodTurn());
+  const std::string with_queries = MustWriteTurn(QueryTurn(DType::kBF16, DType::kF32));
+  absl::StatusOr<SafetensorsReader> q = SafetensorsReader::ParseView(AsBytes(with_queries));
+  ASSERT_TRUE(q.ok());
+  ExpectTurnInvalid(Edited(with_scores,
+                           [&](std::vector<StTensor>* ts, auto*, auto*) {
+                             StTensor t = *q->Find("layer.1.gen.q");
+                             ts->push_back(t);
+                           }),
+                    "layer.1.gen.q: given together with layer.1.prompt.score, expected exactly one of the two");
+}
+
+TEST(TurnFileMalformedTest, QueriesInSomeLayersOnly) {
+  const std::string with_scores = MustWriteTurn(GoodTurn());
+  const std::string with_queries = MustWriteTurn(QueryTurn(DType::kBF16, DType::kF32));
+  absl::StatusOr<SafetensorsReader> q = SafetensorsReader::ParseView(AsBytes(with_queries));
+  ASSERT_TRUE(q.ok());
+  ExpectTurnInvalid(Edited(with_scores,
+                           [&](std::vector<StTensor>* ts, auto*, auto*) {
+                             Drop(ts, "layer.2.prompt.score");
+                             ts->push_back(*q->Find("layer.2.gen.q"));
+                           }),
+                    "layer.2.gen.q: given, expected layer.2.prompt.score like layer.0");
+}
+
+TEST(TurnFileMalformedTest, QueriesOfAnotherDtypeOrShape) {
+  const std::string bytes = MustWriteTurn(QueryTurn(DType::kBF16, DType::kBF16));
+  ExpectTurnInvalid(Edited(bytes, [](std::vector<StTensor>* ts, auto*,
+                                     auto*) { Named(ts, "layer.0.gen.q")->dtype = StDType::kF16; }),
+                    "layer.0.gen.q: dtype F16, expected F32 or BF16 (the K/V dtype)");
+  ExpectTurnInvalid(Edited(bytes,
+                           [](std::vector<StTensor>* ts, auto*, auto*) {
+                             StTensor* t = Named(ts, "layer.1.gen.q");
+                             t->shape = {t->shape[0] * t->shape[1], 1, t->shape[2]};
+                           }),
+                    "layer.1.gen.q: shape [20,1,16], expected [4,5,16] (score heads, n_gen, head_dim)");
+  ExpectTurnInvalid(Edited(bytes,
+                           [](std::vector<StTensor>* ts, auto*, auto*) {
+                             StTensor* t = Named(ts, "layer.0.gen.q");
+                             t->shape = {t->shape[1], t->shape[0], t->shape[2]};  // [5, 4, 16]
+                           }),
+                    "layer.0.gen.q: 5 score heads, expected a positive multiple of 2 kv heads");
+}
+
+TEST(TurnFileMalformedTest, BadSoftmaxScale) {
+  for (const char* v : {"0", "-0.1", "inf", "nan", "abc", ""}) {
+    SCOPED_TRACE(v);
+    ExpectTurnInvalid(Edited(MustWriteTurn(QueryTurn(DType::kBF16, DType::kF32)),
+                             [v](std::vector<StTensor>*, StMetadata* meta, auto*) { (*meta)["softmax_scale"] = v; }),
+                      absl::StrCat("metadata softmax_scale: \"", v, "\", expected a finite decimal number > 0"));
+  }
+}
+
 TEST(TurnFileMalformedTest, UnknownTensorName) {
   ExpectTurnInvalid(Edited(MustWriteTurn(GoodTurn()),
                            [](std::vector<StTensor>* ts, auto*, auto*) {
-                             Named(ts, "layer.1.gen.v")->name = "layer.1.gen.q";
+                             Named(ts, "layer.1.gen.v")->name = "layer.1.gen.w";
                            }),
-                    "layer.1.gen.q: unknown tensor name, expected layer.{l}.{prompt.k");
+                    "layer.1.gen.w: unknown tensor name, expected layer.{l}.{prompt.k");
 }
 
 TEST(TurnFileMalformedTest, ForeignTensorName) {
@@ -322,7 +405,7 @@ TEST(TurnFileMalformedTest, MissingRequiredTensor) {
   ExpectTurnInvalid(
       Edited(MustWriteTurn(GoodTurn()),
              [](std::vector<StTensor>* ts, auto*, auto*) { Drop(ts, "layer.2.prompt.score"); }),
-      "layer.2.prompt.score: missing, required in every layer");
+      "layer.2.prompt.score: missing, expected it or layer.2.gen.q (the queries) in every layer");
 }
 
 TEST(TurnFileMalformedTest, HistoryNotInEveryLayer) {
