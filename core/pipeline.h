@@ -116,6 +116,12 @@ class Pipeline {
                                              const LayerContext& ctx,
                                              ThreadPool* pool = nullptr) const;
 
+  // InvalidArgument when this pipeline cannot compress a turn of geometry
+  // `geo` whatever its values: a selector with `window` on a turn without
+  // queries. Compress and CompressLayer check it too; a relay checks it
+  // before the upload's tensors arrive.
+  absl::Status CheckWindow(const TurnGeometry& geo) const;
+
   // Token counts per head of every message layer this pipeline produces for
   // a turn of geometry `geo`.
   void CountTokens(const TurnGeometry& geo, bool first_agent, Message* msg) const;
@@ -134,8 +140,6 @@ class Pipeline {
       : spec_(std::move(spec)), config_(std::move(config)) {}
 
   absl::StatusOr<Message> CompressImpl(const Turn& turn, ThreadPool* pool, bool check_kv_values) const;
-  // InvalidArgument when the selector has `window` and the turn no queries.
-  absl::Status CheckWindow(const TurnGeometry& geo) const;
   void SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                      LayerWork* w) const;
   void BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx, int h,

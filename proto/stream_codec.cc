@@ -1,6 +1,7 @@
 #include "proto/stream_codec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -18,6 +19,9 @@ absl::Span<const uint8_t> BytesOf(const std::vector<T>& v) {
 constexpr v1::Part kUploadParts[] = {v1::PART_PROMPT_K,   v1::PART_PROMPT_V,  v1::PART_GEN_K,
                                      v1::PART_GEN_V,      v1::PART_PROMPT_SCORE, v1::PART_HISTORY_K,
                                      v1::PART_HISTORY_V,  v1::PART_HISTORY_POS};
+constexpr v1::Part kQueryUploadParts[] = {v1::PART_PROMPT_K,  v1::PART_PROMPT_V,  v1::PART_GEN_K,
+                                          v1::PART_GEN_V,     v1::PART_GEN_Q,     v1::PART_HISTORY_K,
+                                          v1::PART_HISTORY_V, v1::PART_HISTORY_POS};
 constexpr v1::Part kDenseParts[] = {v1::PART_K, v1::PART_V, v1::PART_POS};
 constexpr v1::Part kQuantParts[] = {v1::PART_K_CODES, v1::PART_K_SCALE, v1::PART_K_ZERO, v1::PART_V_CODES,
                                     v1::PART_V_SCALE, v1::PART_V_ZERO,  v1::PART_POS};
@@ -29,6 +33,7 @@ absl::Span<const uint8_t> TurnPartBytes(const TurnLayer& l, v1::Part part) {
     case v1::PART_GEN_K: return l.gen_k.bytes();
     case v1::PART_GEN_V: return l.gen_v.bytes();
     case v1::PART_PROMPT_SCORE: return BytesOf(l.scores.data);
+    case v1::PART_GEN_Q: return l.gen_q.bytes();
     case v1::PART_HISTORY_K: return l.history_k.bytes();
     case v1::PART_HISTORY_V: return l.history_v.bytes();
     case v1::PART_HISTORY_POS: return BytesOf(l.history_pos.data);
@@ -61,6 +66,7 @@ uint64_t UploadPartBytes(const TurnGeometry& g, v1::Part part) {
     case v1::PART_GEN_K:
     case v1::PART_GEN_V: return row * g.n_gen;
     case v1::PART_PROMPT_SCORE: return 4ull * g.score_heads * g.n_prompt;
+    case v1::PART_GEN_Q: return uint64_t{DTypeSize(g.q_dtype)} * g.score_heads * g.n_gen * g.head_dim;
     case v1::PART_HISTORY_K:
     case v1::PART_HISTORY_V: return row * g.n_history;
     case v1::PART_HISTORY_POS: return 4ull * g.kv_heads * g.n_history;
@@ -114,8 +120,8 @@ absl::Status DeliveryStatus(const StreamError& e) {
   return absl::DataLossError(e.message());
 }
 
-absl::Span<const v1::Part> UploadParts(bool history) {
-  return absl::MakeConstSpan(kUploadParts, history ? 8 : 5);
+absl::Span<const v1::Part> UploadParts(bool history, bool queries) {
+  return absl::MakeConstSpan(queries ? kQueryUploadParts : kUploadParts, history ? 8 : 5);
 }
 
 absl::Span<const v1::Part> DeliveryParts(bool quantized) {
@@ -125,16 +131,17 @@ absl::Span<const v1::Part> DeliveryParts(bool quantized) {
 
 std::vector<TensorRef> LayerUploadOrder(const TurnLayer& layer, uint32_t index, bool history) {
   std::vector<TensorRef> out;
-  for (v1::Part p : UploadParts(history)) out.push_back({index, p, TurnPartBytes(layer, p)});
+  for (v1::Part p : UploadParts(history, layer.has_queries())) out.push_back({index, p, TurnPartBytes(layer, p)});
   return out;
 }
 
 std::vector<TensorRef> TurnUploadOrder(const Turn& turn) {
   std::vector<TensorRef> out;
   const bool history = !turn.layers.empty() && turn.layers[0].history_k.tokens() > 0;
-  out.reserve(turn.layers.size() * UploadParts(history).size());
+  const bool queries = !turn.layers.empty() && turn.layers[0].has_queries();
+  out.reserve(turn.layers.size() * UploadParts(history, queries).size());
   for (size_t i = 0; i < turn.layers.size(); ++i) {
-    for (v1::Part p : UploadParts(history)) {
+    for (v1::Part p : UploadParts(history, queries)) {
       out.push_back({static_cast<uint32_t>(i), p, TurnPartBytes(turn.layers[i], p)});
     }
   }
@@ -168,7 +175,7 @@ std::string PartName(v1::Part part) { return v1::Part_Name(part); }
 
 uint64_t UploadShape::LayerUploadBytes() const {
   uint64_t n = 0;
-  for (v1::Part p : UploadParts(true)) n += UploadPartBytes(geo, p);
+  for (v1::Part p : UploadParts(true, geo.queries)) n += UploadPartBytes(geo, p);
   return n;
 }
 
@@ -224,6 +231,26 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
   s.geo.n_gen = static_cast<int>(g.n_gen());
   s.geo.n_history = static_cast<int>(g.n_history());
   s.first_agent = g.first_agent();
+  if (g.query_dtype() != v1::DTYPE_UNSPECIFIED) {
+    std::optional<DType> q = DTypeFromProto(g.query_dtype());
+    if (!q || (*q != DType::kF32 && *q != s.geo.dtype)) {
+      const std::string& name = v1::DType_Name(g.query_dtype());
+      return bad(HeaderError(absl::StrCat(
+          field, ".query_dtype: ", name.empty() ? absl::StrCat(static_cast<int>(g.query_dtype())) : name,
+          ", expected DTYPE_UNSPECIFIED (the layers send PROMPT_SCORE) or ",
+          s.geo.dtype == DType::kF32 ? "DTYPE_F32" : absl::StrCat("DTYPE_F32 or ", v1::DType_Name(g.dtype())),
+          " (the layers send GEN_Q; the K/V dtype or F32)")));
+    }
+    s.geo.queries = true;
+    s.geo.q_dtype = *q;
+  }
+  if (g.has_softmax_scale()) {
+    if (!(std::isfinite(g.softmax_scale()) && g.softmax_scale() > 0)) {
+      return bad(HeaderError(
+          absl::StrCat(field, ".softmax_scale: ", g.softmax_scale(), ", expected a finite number > 0")));
+    }
+    s.softmax_scale = g.softmax_scale();
+  }
   if (g.has_prompt_pos0()) {
     const int64_t p = g.prompt_pos0();
     constexpr int64_t kMaxPos = std::numeric_limits<int32_t>::max();
@@ -338,7 +365,7 @@ namespace {
 std::vector<ChunkSequence::Slot> UploadSlots(const UploadShape& shape) {
   std::vector<ChunkSequence::Slot> out;
   for (int l = 0; l < shape.layers; ++l) {
-    for (v1::Part p : UploadParts(true)) {
+    for (v1::Part p : UploadParts(true, shape.geo.queries)) {
       out.push_back({static_cast<uint32_t>(l), p, UploadPartBytes(shape.geo, p)});
     }
   }
@@ -355,20 +382,25 @@ UploadReader::UploadReader(const UploadShape& shape)
 StreamError UploadReader::CheckFinite(const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) const {
   const TurnGeometry& g = shape_.geo;
   int tokens;
+  DType dtype = g.dtype;
   switch (s.part) {
     case v1::PART_PROMPT_K:
     case v1::PART_PROMPT_V: tokens = g.n_prompt; break;
     case v1::PART_GEN_K:
     case v1::PART_GEN_V: tokens = g.n_gen; break;
+    case v1::PART_GEN_Q:
+      tokens = g.n_gen;
+      dtype = g.q_dtype;
+      break;
     case v1::PART_HISTORY_K:
     case v1::PART_HISTORY_V: tokens = g.n_history; break;
     default: return StreamError();  // scores and positions: checked per layer
   }
   // The elements this chunk completes (one may straddle the previous chunk).
-  const uint64_t es = DTypeSize(g.dtype);
+  const uint64_t es = DTypeSize(dtype);
   const uint64_t offset = seq_.offset();
   const uint64_t first = offset / es, end = (offset + n) / es;
-  absl::Status st = CheckKvFinite(g.dtype, base, first, end - first, static_cast<int>(s.layer),
+  absl::Status st = CheckKvFinite(dtype, base, first, end - first, static_cast<int>(s.layer),
                                   FilePartName(s.part), tokens, g.head_dim);
   if (st.ok()) return StreamError();
   return StreamError(StreamErrorKind::kValue, std::string(st.message()));
@@ -396,6 +428,9 @@ uint8_t* UploadReader::Dest(const ChunkSequence::Slot& s) {
     case v1::PART_PROMPT_SCORE:
       if (first) L.scores = ScoreMatrix(g.score_heads, g.n_prompt);
       return reinterpret_cast<uint8_t*>(L.scores.data.data());
+    case v1::PART_GEN_Q:
+      if (first) L.gen_q = KvTensor::Uninitialized(g.q_dtype, g.score_heads, g.n_gen, g.head_dim);
+      return L.gen_q.mutable_bytes().data();
     case v1::PART_HISTORY_K:
       if (first) L.history_k = KvTensor::Uninitialized(g.dtype, g.kv_heads, g.n_history, g.head_dim);
       return L.history_k.mutable_bytes().data();
@@ -429,11 +464,12 @@ void UploadReader::AdvanceCompleted() {
     if (g.n_prompt == 0) {
       L.prompt_k = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
       L.prompt_v = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
-      L.scores = ScoreMatrix(g.score_heads, 0);
+      if (!g.queries) L.scores = ScoreMatrix(g.score_heads, 0);
     }
     if (g.n_gen == 0) {
       L.gen_k = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
       L.gen_v = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);
+      if (g.queries) L.gen_q = KvTensor(g.q_dtype, g.score_heads, 0, g.head_dim);
     }
     if (g.n_history == 0) {
       L.history_k = KvTensor(g.dtype, g.kv_heads, 0, g.head_dim);

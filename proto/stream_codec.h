@@ -104,7 +104,7 @@ absl::Status DeliveryStatus(const StreamError& e);
 
 // The parts of one uploaded layer, in upload order (without history: the
 // first five).
-absl::Span<const v1::Part> UploadParts(bool history);
+absl::Span<const v1::Part> UploadParts(bool history, bool queries = false);
 
 // The parts of one delivered layer, in delivery order.
 absl::Span<const v1::Part> DeliveryParts(bool quantized);
@@ -140,6 +140,7 @@ struct UploadShape {
   TurnGeometry geo;  // n_history: history tokens uploaded (0 with a parent)
   bool first_agent = true;
   std::optional<int64_t> prompt_pos0;
+  std::optional<double> softmax_scale;  // with geo.queries
 
   // Tensor bytes the upload carries (every chunk's data, summed).
   uint64_t UploadBytes() const;

@@ -50,6 +50,7 @@ const char* FilePartName(v1::Part part) {
     case v1::PART_GEN_K: return "gen.k";
     case v1::PART_GEN_V: return "gen.v";
     case v1::PART_PROMPT_SCORE: return "prompt.score";
+    case v1::PART_GEN_Q: return "gen.q";
     case v1::PART_HISTORY_K: return "history.k";
     case v1::PART_HISTORY_V: return "history.v";
     case v1::PART_HISTORY_POS: return "history.pos";
@@ -102,6 +103,8 @@ absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn) {
   g.set_n_history(geo.n_history);
   g.set_first_agent(turn.first_agent);
   if (turn.prompt_pos0) g.set_prompt_pos0(*turn.prompt_pos0);
+  if (geo.queries) g.set_query_dtype(ToProtoDType(geo.q_dtype));
+  if (turn.softmax_scale) g.set_softmax_scale(*turn.softmax_scale);
   return g;
 }
 

@@ -15,6 +15,7 @@ PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline,
       geo_(shape.geo),
       first_agent_(shape.first_agent),
       prompt_pos0_(prompt_pos0),
+      softmax_scale_(shape.softmax_scale.value_or(0)),
       parent_(std::move(parent)),
       pool_(pool),
       store_(store),
@@ -77,6 +78,7 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
       ctx.layer = l;
       ctx.first_agent = first_agent_;
       ctx.prompt_pos0 = prompt_pos0_;
+      ctx.softmax_scale = softmax_scale_;
       absl::StatusOr<MessageLayer> r = pipeline_->CompressLayer(layer, geo_, ctx, /*pool=*/nullptr);
       if (r.ok()) result = std::move(*r);
       else st = r.status();

@@ -92,6 +92,7 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   TurnGeometry geo_;
   const bool first_agent_;
   const int64_t prompt_pos0_;
+  const double softmax_scale_;  // 0: 1/sqrt(head_dim)
   const MessagePtr parent_;
   ThreadPool* const pool_;
   Store* const store_;

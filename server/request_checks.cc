@@ -32,6 +32,10 @@ absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const st
     absl::Status s = ValidateQuantOptions(*p.config().quant, geo.head_dim);
     if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
   }
+  if (absl::Status s = p.CheckWindow(geo); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message(),
+                                                   " (header.geometry.query_dtype is unset)"));
+  }
   return absl::OkStatus();
 }
 

@@ -23,8 +23,8 @@ absl::Status CheckId(const std::string& field, const std::string& value);
 // trailing metadata gRPC clients accept by default.
 absl::Status CheckPolicyLength(const std::string& policy);
 
-// The policy's quantization options against the geometry's head_dim, the
-// error prefixed by `field`.
+// The policy against the geometry: its quantization options against
+// head_dim, and `window` only with queries. The error is prefixed by `field`.
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field);
 
 }  // namespace kvrelay

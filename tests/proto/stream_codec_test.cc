@@ -75,6 +75,57 @@ TEST(UploadReaderTest, ReassemblesEveryLayerBitExactInOrder) {
   }
 }
 
+// A turn with queries sends GEN_Q in PROMPT_SCORE's place; the codec's own
+// upload order agrees with the test's independent one.
+TEST(UploadReaderTest, QueriesTravelInsteadOfScores) {
+  for (DType q : {DType::kF32, DType::kBF16}) {
+    for (int hist : {0, 6}) {
+      for (int n_gen : {0, 5}) {
+        SCOPED_TRACE(absl::StrCat(DTypeName(q), " history=", hist, " n_gen=", n_gen));
+        kvrelay::testing::TurnShape s;
+        s.layers = 3;
+        s.n_history = hist;
+        s.n_gen = n_gen;
+        s.dtype = DType::kBF16;
+        s.queries = true;
+        s.q_dtype = q;
+        Turn turn = kvrelay::testing::RandomTurn(s, 21);
+        turn.softmax_scale = 0.3;
+        const v1::TurnGeometry g = testing::ProtoGeometry(turn);
+        absl::StatusOr<v1::TurnGeometry> ours = TurnGeometryOf(turn);
+        ASSERT_TRUE(ours.ok());
+        EXPECT_EQ(ours->SerializeAsString(), g.SerializeAsString());
+        absl::StatusOr<UploadShape> shape = CheckGeometry(g, "header.geometry");
+        ASSERT_TRUE(shape.ok()) << shape.status();
+        EXPECT_TRUE(shape->geo.queries);
+        EXPECT_EQ(shape->softmax_scale, 0.3);
+        const std::vector<v1::Chunk> chunks = TurnChunks(turn, 256);
+        std::vector<TensorRef> order = TurnUploadOrder(turn);
+        uint64_t bytes = 0;
+        for (const v1::Chunk& c : chunks) {
+          EXPECT_NE(c.part(), v1::PART_PROMPT_SCORE);
+          bytes += c.data().size();
+        }
+        EXPECT_EQ(TotalBytes(order), bytes);
+        EXPECT_EQ(shape->UploadBytes(), bytes);
+        UploadReader r(*shape);
+        int seen = 0;
+        for (const v1::Chunk& c : chunks) {
+          ASSERT_TRUE(r.Accept(c).ok());
+          for (auto& [l, layer] : r.TakeCompleted()) {
+            ++seen;
+            EXPECT_EQ(layer.gen_q, turn.layers[l].gen_q);
+            EXPECT_EQ(layer.scores.rows, 0);
+            EXPECT_TRUE(ValidateTurnLayer(layer, l, shape->geo, turn.PromptPos0()).ok());
+          }
+        }
+        EXPECT_EQ(seen, 3);
+        EXPECT_TRUE(r.CheckCommit(testing::TrailerOf(chunks)).ok());
+      }
+    }
+  }
+}
+
 TEST(UploadReaderTest, LayerIsReportedAsSoonAsItsLastChunkArrives) {
   Fixture f = Make();
   UploadReader a(f.shape);
@@ -252,6 +303,13 @@ TEST(UploadReaderTest, BadGeometry) {
       {[](auto* g) { g->set_prompt_pos0(std::numeric_limits<int64_t>::max() - 5); }, "header.geometry.prompt_pos0"},
       {[](auto* g) { g->set_prompt_pos0(int64_t{1} << 31); }, "header.geometry.prompt_pos0"},
       {[](auto* g) { g->set_n_prompt(1u << 30); }, "header.geometry.n_prompt"},
+      {[](auto* g) { g->set_query_dtype(v1::DTYPE_F16); },
+       "header.geometry.query_dtype: DTYPE_F16, expected DTYPE_UNSPECIFIED (the layers send PROMPT_SCORE) or "
+       "DTYPE_F32 (the layers send GEN_Q; the K/V dtype or F32)"},
+      {[](auto* g) { g->set_query_dtype(static_cast<v1::DType>(9)); }, "header.geometry.query_dtype: 9, expected"},
+      {[](auto* g) { g->set_softmax_scale(-1); }, "header.geometry.softmax_scale: -1, expected a finite number > 0"},
+      {[](auto* g) { g->set_softmax_scale(0); }, "header.geometry.softmax_scale: 0, expected a finite number > 0"},
+      {[](auto* g) { g->set_softmax_scale(std::nan("")); }, "header.geometry.softmax_scale: nan, expected"},
   };
   for (const auto& tc : cases) {
     v1::TurnGeometry g = good;

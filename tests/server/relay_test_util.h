@@ -29,7 +29,9 @@ inline v1::TurnGeometry ProtoGeometry(const Turn& t, bool with_history = true) {
   const TurnLayer& l0 = t.layers[0];
   g.set_layers(t.layers.size());
   g.set_kv_heads(l0.prompt_k.heads());
-  g.set_score_heads(l0.scores.rows);
+  g.set_score_heads(l0.has_queries() ? l0.gen_q.heads() : l0.scores.rows);
+  if (l0.has_queries()) g.set_query_dtype(ProtoDType(l0.gen_q.dtype()));
+  if (t.softmax_scale) g.set_softmax_scale(*t.softmax_scale);
   g.set_head_dim(l0.prompt_k.dim());
   g.set_dtype(ProtoDType(l0.prompt_k.dtype()));
   g.set_n_prompt(l0.prompt_k.tokens());
@@ -62,7 +64,11 @@ inline std::vector<v1::Chunk> TurnChunks(const Turn& t, size_t chunk_bytes = 1 <
     add(v1::PART_PROMPT_V, L.prompt_v.bytes().data(), L.prompt_v.byte_size());
     add(v1::PART_GEN_K, L.gen_k.bytes().data(), L.gen_k.byte_size());
     add(v1::PART_GEN_V, L.gen_v.bytes().data(), L.gen_v.byte_size());
-    add(v1::PART_PROMPT_SCORE, L.scores.data.data(), 4 * L.scores.data.size());
+    if (L.has_queries()) {
+      add(v1::PART_GEN_Q, L.gen_q.bytes().data(), L.gen_q.byte_size());
+    } else {
+      add(v1::PART_PROMPT_SCORE, L.scores.data.data(), 4 * L.scores.data.size());
+    }
     if (L.history_k.tokens() > 0) {
       add(v1::PART_HISTORY_K, L.history_k.bytes().data(), L.history_k.byte_size());
       add(v1::PART_HISTORY_V, L.history_v.bytes().data(), L.history_v.byte_size());

@@ -292,6 +292,59 @@ TEST_F(RelayTest, ParentChainComposesHistoryLikeTheCoreLibrary) {
   ExpectSameMessage(f2.msg, want);
 }
 
+// Turns that carry the generated steps' queries instead of scores: the relay
+// scores from them (history from the parent included) exactly as offline
+// compression of the same turn does.
+TEST_F(RelayTest, QueriesInsteadOfScoresThroughAParentChain) {
+  const std::string policy = "h2o-head:k=8,window=4+obf:p=4,mode=fast";
+  auto queries = [](uint64_t seed, bool first) {
+    TurnShape s;
+    s.layers = 3;
+    s.kv_heads = 2;
+    s.group = 3;
+    s.head_dim = 32;
+    s.n_prompt = 48;
+    s.n_gen = 6;
+    s.dtype = DType::kBF16;
+    s.first_agent = first;
+    s.queries = true;
+    s.q_dtype = seed % 2 ? DType::kF32 : DType::kBF16;
+    Turn t = RandomTurn(s, seed);
+    t.softmax_scale = 0.2;
+    return t;
+  };
+  Turn t1 = queries(31, true);
+  auto p1 = PublishTurn(stub_.get(), Header("q", "m1", "planner", {"critic"}, policy, t1), t1);
+  ASSERT_TRUE(p1.status.ok()) << p1.status.error_message();
+  FetchResult f1 = DoFetch(stub_.get(), "q", "critic", true);
+  ASSERT_TRUE(f1.status.ok());
+  const Message m1 = Offline(t1, policy);
+  ExpectSameMessage(f1.msg, m1);
+  Turn t2 = queries(32, false);
+  auto h2 = Header("q", "m2", "critic", {"refiner"}, policy, t2);
+  h2.set_parent_id("m1");
+  auto p2 = PublishTurn(stub_.get(), h2, t2);
+  ASSERT_TRUE(p2.status.ok()) << p2.status.error_message();
+  FetchResult f2 = DoFetch(stub_.get(), "q", "refiner", true);
+  ASSERT_TRUE(f2.status.ok());
+  Turn t2h = t2;
+  for (size_t l = 0; l < t2h.layers.size(); ++l) {
+    t2h.layers[l].history_k = m1.layers[l].k;
+    t2h.layers[l].history_v = m1.layers[l].v;
+    t2h.layers[l].history_pos = m1.layers[l].pos;
+  }
+  t2h.prompt_pos0 = m1.next_pos;
+  ExpectSameMessage(f2.msg, Offline(t2h, policy));
+
+  // window= with precomputed scores is refused from the header, before any chunk.
+  Turn scored = MakeTurn(33);
+  auto bad = PublishTurn(stub_.get(), Header("q", "m3", "planner", {"critic"}, "h2o-layer:window=2", scored), scored);
+  EXPECT_EQ(bad.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(bad.status.error_message(),
+            "header.policy: policy stage 'h2o-layer': window=2 scores from the generated steps' queries: expected "
+            "layer.0.gen.q, the turn carries layer.0.prompt.score (header.geometry.query_dtype is unset)");
+}
+
 // A parent turn that generated nothing and whose last prompt tokens were
 // evicted still ends at prompt_pos0 + n_prompt: a child continues there, not
 // after the last position the parent kept (those ids belonged to evicted
