@@ -9,8 +9,12 @@ Contents
   * dtype helpers (bf16 <-> f32 by bit manipulation, round to nearest even;
     directed fp16 rounding used by the quantizer),
   * policy spec parsing,
-  * compress(): scores -> anchors/candidates -> selection -> OBF (exact,
-    float64 SVD) -> composition with positions -> byte accounting,
+  * query_scores(): scores from gen.q (FORMAT.md step 0), float64 softmax of
+    eager attention over history + prompt + gen 0..t, summed over the steps
+    of the window,
+  * compress(): scores (prompt.score, or query_scores in float64) -> anchors/
+    candidates -> selection -> OBF (exact, float64 SVD) -> composition with
+    positions -> byte accounting,
   * quantize_layer()/dequantize_layer()/pack_codes()/unpack_codes(),
   * selftest(): internal invariants, run with
         /usr/bin/python3 tests/reference/kvrelay_ref.py --selftest
@@ -28,6 +32,10 @@ Choices where FORMAT.md leaves room (see also the report in the test file):
     choice only matters at that level.
   * Quantizer code rounding: round half to even (np.rint); ties are measure
     zero for random data and the tests never depend on them.
+  * Scores from queries: the float64 definition of FORMAT.md step 0, with the
+    row's softmax denominator summed by numpy (pairwise) and the steps summed
+    one at a time in ascending t.  `softmax_scale` is parsed as a float64
+    (Python float()); the default is 1/math.sqrt(d) in float64.
 """
 
 import json
@@ -196,9 +204,10 @@ def write_safetensors(path, tensors, metadata=None):
 _SELECTORS = {
     "full": {},
     "gen": {"sinks": 4},
-    "h2o-layer": {"k": 32, "sinks": 4, "recent": 0, "pool": 1},
-    "h2o-head": {"k": 32, "sinks": 4, "recent": 0, "pool": 1},
+    "h2o-layer": {"k": 32, "sinks": 4, "recent": 0, "pool": 1, "window": None},
+    "h2o-head": {"k": 32, "sinks": 4, "recent": 0, "pool": 1, "window": None},
 }
+WINDOW_MAX = 1 << 24
 _OBF = {"p": 8, "mode": "exact", "inject": "uniform", "scale": "ad_over_as",
         "iters": 12, "oversample": 10}
 _QUANT = {"group": 32, "rotate": "none"}
@@ -230,6 +239,8 @@ def parse_policy(spec):
                 sel[key] = int(val)
             if sel.get("pool", 1) < 1 or sel.get("pool", 1) % 2 == 0:
                 raise ValueError("pool must be odd and >= 1: %r" % spec)
+            if sel.get("window") is not None and not 1 <= sel["window"] <= WINDOW_MAX:
+                raise ValueError("window=%d: expected an integer in [1, %d]" % (sel["window"], WINDOW_MAX))
             sel["name"] = name
             out["selector"] = sel
         elif name == "obf":
@@ -259,6 +270,23 @@ def parse_policy(spec):
     return out
 
 
+def canonical_selector(sel):
+    """The canonical form of a parsed selector stage (FORMAT.md "Policy specs"):
+    every parameter except pool, which is listed only when it is not 1, and
+    window, listed only when given (after pool)."""
+    name = sel["name"]
+    if name == "full":
+        return "full"
+    if name == "gen":
+        return "gen:sinks=%d" % sel["sinks"]
+    out = "%s:k=%d,sinks=%d,recent=%d" % (name, sel["k"], sel["sinks"], sel["recent"])
+    if sel["pool"] != 1:
+        out += ",pool=%d" % sel["pool"]
+    if sel.get("window") is not None:
+        out += ",window=%d" % sel["window"]
+    return out
+
+
 # ---------------------------------------------------------------------------
 # turns
 # ---------------------------------------------------------------------------
@@ -277,7 +305,19 @@ class Turn(object):
         self.dtype = dt
         self.H, self.n_prompt, self.d = k0.shape
         self.n_gen = tensors["layer.0.gen.k"][1].shape[1]
-        self.S = tensors["layer.0.prompt.score"][1].shape[0]
+        # Scores from queries (FORMAT.md step 0) when the turn has gen.q.
+        self.has_query = "layer.0.gen.q" in tensors
+        if self.has_query:
+            self.q_dtype = tensors["layer.0.gen.q"][0]
+            self.S = tensors["layer.0.gen.q"][1].shape[0]
+        else:
+            self.q_dtype = None
+            self.S = tensors["layer.0.prompt.score"][1].shape[0]
+        # softmax_scale is ignored on a turn with prompt.score.
+        self.softmax_scale = None
+        if self.has_query:
+            self.softmax_scale = (float(self.meta["softmax_scale"]) if "softmax_scale" in self.meta
+                                  else 1.0 / math.sqrt(self.d))
         self.has_history = "layer.0.history.k" in tensors
         self.n_history = tensors["layer.0.history.k"][1].shape[1] if self.has_history else 0
         self.first_agent = self.meta.get("first_agent", "true") == "true"
@@ -295,6 +335,83 @@ class Turn(object):
 # ---------------------------------------------------------------------------
 # compression semantics
 # ---------------------------------------------------------------------------
+
+def query_weights(q, hk, pk, gk, scale=None):
+    """Eager-attention softmax weights of the generated steps (FORMAT.md step 0).
+
+    q: [S, n_gen, d]; hk: [H, n_history, d]; pk: [H, n_prompt, d];
+    gk: [H, n_gen, d] -- float64 arrays holding the exact values of the stored
+    dtype (see to_f64).  scale: the logit scale (None: 1/sqrt(d)).
+
+    Returns W [S, n_gen, M] float64, M = n_history + n_prompt + n_gen, over
+    the keys [history; prompt; gen] of KV head h = q // (S/H): row (q, t) is
+    softmax((k_i . q_t) * scale) over the m_t = n_history + n_prompt + t + 1
+    keys that step t sees (max subtracted first), and 0 past them.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    hk = np.asarray(hk, dtype=np.float64)
+    pk = np.asarray(pk, dtype=np.float64)
+    gk = np.asarray(gk, dtype=np.float64)
+    S, ng, d = q.shape
+    H, nh = hk.shape[0], hk.shape[1]
+    n = pk.shape[1]
+    assert H >= 1 and S >= H and S % H == 0, (S, H)
+    assert hk.shape == (H, nh, d) and pk.shape == (H, n, d) and gk.shape == (H, ng, d), \
+        (q.shape, hk.shape, pk.shape, gk.shape)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    g = S // H
+    M = nh + n + ng
+    W = np.zeros((S, ng, M), dtype=np.float64)
+    for h in range(H):
+        keys = np.concatenate([hk[h], pk[h], gk[h]], axis=0)  # [M, d]
+        for qi in range(h * g, (h + 1) * g):
+            for t in range(ng):
+                m = nh + n + t + 1
+                z = (keys[:m] @ q[qi, t]) * scale
+                e = np.exp(z - np.max(z))
+                W[qi, t, :m] = e / np.sum(e)
+    return W
+
+
+def query_scores(q, hk, pk, gk, scale=None, window=None):
+    """FORMAT.md step 0: prompt scores from the generated steps' queries.
+
+    Arguments as query_weights(); window: None (every step) or an integer
+    >= 1 (the last `window` steps; more than n_gen means all of them).
+
+    Returns score [S, n_prompt] float64: score[q][j] = sum over the steps t in
+    the window (t >= n_gen - window) of the weight step t of score head q puts
+    on prompt token j, accumulated in float64 in ascending t.
+    """
+    W = query_weights(q, hk, pk, gk, scale)
+    S, ng, _ = W.shape
+    nh, n = np.shape(hk)[1], np.shape(pk)[1]
+    t0 = 0 if window is None else max(0, ng - int(window))
+    out = np.zeros((S, n), dtype=np.float64)
+    for t in range(t0, ng):  # ascending t, one add at a time
+        out = out + W[:, t, nh:nh + n]
+    return out
+
+
+def turn_scores(turn, l, window=None):
+    """The [S, n_prompt] scores of layer l: prompt.score as float64 (exact
+    F32 values), or query_scores() of gen.q kept in float64 (not rounded to
+    F32).  `window` needs gen.q, as in kvrelay (InvalidArgument there)."""
+    if not turn.has_query:
+        if window is not None:
+            raise ValueError("window=%d needs layer.%d.gen.q; the turn has layer.%d.prompt.score"
+                             % (window, l, l))
+        return np.asarray(turn.arr("layer.%d.prompt.score" % l), dtype=np.float64)
+    dt = turn.dtype
+    q = to_f64(turn.arr("layer.%d.gen.q" % l), turn.q_dtype)
+    if turn.has_history:
+        hk = to_f64(turn.arr("layer.%d.history.k" % l), dt)
+    else:
+        hk = np.zeros((turn.H, 0, turn.d), dtype=np.float64)
+    pk = to_f64(turn.arr("layer.%d.prompt.k" % l), dt)
+    gk = to_f64(turn.arr("layer.%d.gen.k" % l), dt)
+    return query_scores(q, hk, pk, gk, turn.softmax_scale, window)
+
 
 def reduce_scores(score_f32, H):
     """[S, n] F32 -> (A [H, n] float64, A_layer [n] float64), sequential sums."""
@@ -429,8 +546,13 @@ def quant_layer_bytes(H, n, d, bits, group):
     return codes + kstat + vstat + 4 * H * n
 
 
-def compress(turn, policy):
-    """Reference compression. `policy` is a spec string or parse_policy() dict."""
+def compress(turn, policy, kept_override=None):
+    """Reference compression. `policy` is a spec string or parse_policy() dict.
+
+    kept_override: optional {layer: [kept prompt indices per head]} replacing
+    the selection of those layers (the tests use it to follow kvrelay's choice
+    where float32 query scores make the reference's top-k ambiguous); the
+    rest (composition, OBF with this layer's A[h]) is computed as usual."""
     pol = parse_policy(policy) if isinstance(policy, str) else policy
     sel = pol["selector"]
     obf = pol["obf"]
@@ -450,7 +572,8 @@ def compress(turn, policy):
         pv = turn.arr("layer.%d.prompt.v" % l)
         gk = turn.arr("layer.%d.gen.k" % l)
         gv = turn.arr("layer.%d.gen.v" % l)
-        A, A_layer = reduce_scores(turn.arr("layer.%d.prompt.score" % l), H)
+        score = turn_scores(turn, l, sel.get("window"))
+        A, A_layer = reduce_scores(score, H)
         if turn.has_history:
             hk = turn.arr("layer.%d.history.k" % l)
             hv = turn.arr("layer.%d.history.v" % l)
@@ -472,6 +595,9 @@ def compress(turn, policy):
                 kept.append(select(A[h], s, n, sel["k"], sel["recent"], sel["pool"]))
             else:
                 raise ValueError(sel["name"])
+        if kept_override is not None and l in kept_override:
+            kept = [list(x) for x in kept_override[l]]
+            assert len(kept) == H
         nk = len(kept[0])
         assert all(len(x) == nk for x in kept)
         if n_kept is None:
@@ -519,7 +645,7 @@ def compress(turn, policy):
         lay.k, lay.v, lay.pos = K, V, pos
         lay.v64, lay.vorig64, lay.add64 = V64, Vorig64, D64
         lay.modified, lay.part, lay.kept, lay.obf = modified, part, kept, obf_info
-        lay.A, lay.A_layer = A, A_layer
+        lay.score, lay.A, lay.A_layer = score, A, A_layer
         msg.layers.append(lay)
     msg.n_history, msg.n_anchor, msg.n_kept, msg.n_gen = nh, s, n_kept, ng
     msg.n = nh + s + n_kept + ng
@@ -637,22 +763,41 @@ def unpack_codes(u8, bits, d):
 # helpers for building turns (used by the tests and the self-test)
 # ---------------------------------------------------------------------------
 
-def make_turn_tensors(layers, dtype, history=None, history_pos=None):
-    """layers: list of dicts with float64 'pk','pv','gk','gv' and F32 'score'.
-    history / history_pos: optional list (per layer) of (hk, hv) and pos arrays."""
+def make_turn_tensors(layers, dtype, history=None, history_pos=None, q_dtype=None):
+    """layers: list of dicts with float64 'pk','pv','gk','gv' and either F32
+    'score' ([S, n_prompt], written as prompt.score) or float64 'q'
+    ([S, n_gen, d], written as gen.q in q_dtype: F32 or the K/V dtype, default
+    the K/V dtype).  history / history_pos: optional list (per layer) of
+    (hk, hv) and pos arrays.  The softmax_scale metadata goes in the turn's
+    metadata, see softmax_scale_str()."""
     t = {}
     for l, lay in enumerate(layers):
         t["layer.%d.prompt.k" % l] = (dtype, from_f64(lay["pk"], dtype))
         t["layer.%d.prompt.v" % l] = (dtype, from_f64(lay["pv"], dtype))
         t["layer.%d.gen.k" % l] = (dtype, from_f64(lay["gk"], dtype))
         t["layer.%d.gen.v" % l] = (dtype, from_f64(lay["gv"], dtype))
-        t["layer.%d.prompt.score" % l] = ("F32", np.asarray(lay["score"], np.float32))
+        if lay.get("q") is not None:
+            qd = q_dtype or dtype
+            t["layer.%d.gen.q" % l] = (qd, from_f64(lay["q"], qd))
+        else:
+            t["layer.%d.prompt.score" % l] = ("F32", np.asarray(lay["score"], np.float32))
         if history is not None:
             hk, hv = history[l]
             t["layer.%d.history.k" % l] = (dtype, from_f64(hk, dtype))
             t["layer.%d.history.v" % l] = (dtype, from_f64(hv, dtype))
             t["layer.%d.history.pos" % l] = ("I32", np.asarray(history_pos[l], np.int32))
     return t
+
+
+def softmax_scale_str(x):
+    """float -> the `softmax_scale` metadata string: a plain decimal (no
+    exponent), the shortest one that reads back as the same float64."""
+    x = float(x)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError("softmax_scale must be finite and > 0: %r" % x)
+    out = np.format_float_positional(x, unique=True, trim="-")
+    assert float(out) == x, (out, x)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -759,6 +904,97 @@ def selftest(verbose=True):
     _check(np.array_equal(A, [[6, 9], [24, 27]]) and np.array_equal(Al, [30, 36]), "reduce")
     n_checks += 1
 
+    # Scores from queries (FORMAT.md step 0), a hand-computed case: d = 1,
+    # scale 1, so each logit is q * k; keys ln 3 (history), 0, ln 2 (prompt),
+    # 0, ln 4 (gen).  Step 0 sees exp-weights 3,1,2,1 (sum 7), step 1 sees
+    # 3,1,2,1,4 (sum 11); score head 1 (q = 2) squares them.
+    ln2, ln3, ln4 = math.log(2.0), math.log(3.0), math.log(4.0)
+    hk1 = np.array([[[ln3]]])
+    pk1 = np.array([[[0.0], [ln2]]])
+    gk1 = np.array([[[0.0], [ln4]]])
+    q1 = np.array([[[1.0], [1.0]], [[2.0], [2.0]]])  # S = 2 score heads, H = 1
+    sc = query_scores(q1, hk1, pk1, gk1, scale=1.0)
+    want = np.array([[1 / 7 + 1 / 11, 2 / 7 + 2 / 11],
+                     [1 / 15 + 1 / 31, 4 / 15 + 4 / 31]])  # 9,1,4,1 (15); 9,1,4,1,16 (31)
+    _check(np.allclose(sc, want, rtol=1e-14, atol=0), "query_scores hand case %r" % sc)
+    scw = query_scores(q1, hk1, pk1, gk1, scale=1.0, window=1)
+    _check(np.allclose(scw, [[1 / 11, 2 / 11], [1 / 31, 4 / 31]], rtol=1e-14, atol=0),
+           "query_scores hand case window=1")
+    # scale 0.5 on q = 2 gives q = 1's weights.
+    _check(np.array_equal(query_scores(q1[1:], hk1, pk1, gk1, scale=0.5),
+                          query_scores(q1[:1], hk1, pk1, gk1, scale=1.0)), "query_scores scale")
+    n_checks += 3
+
+    # Zero queries: uniform weights 1/m_t over the m_t = nh + n + t + 1 keys.
+    H, g, d, nh, n, ng = 2, 3, 8, 4, 7, 5
+    hk1, pk1, gk1 = (rng.standard_normal((H, x, d)) for x in (nh, n, ng))
+    sc = query_scores(np.zeros((H * g, ng, d)), hk1, pk1, gk1)
+    want = sum(1.0 / (nh + n + t + 1) for t in range(ng))
+    _check(np.allclose(sc, want, rtol=1e-14, atol=0), "query_scores zero q -> uniform 1/m_t")
+    n_checks += 1
+
+    # Random cases: rows of W sum to 1 and are 0 past m_t (causal); scores =
+    # sums of W over the steps; window = n_gen (or more) equals no window;
+    # score head q reads KV head q // (S/H); n_gen = 0 gives zeros.
+    for trial in range(30):
+        H = int(rng.integers(1, 4))
+        g = int(rng.integers(1, 6))
+        d = int(rng.choice([1, 4, 8, 16, 64]))
+        nh, n, ng = int(rng.integers(0, 6)), int(rng.integers(0, 12)), int(rng.integers(0, 7))
+        ch = np.exp(rng.standard_normal(d))
+        hk1, pk1, gk1 = (rng.standard_normal((H, x, d)) * ch for x in (nh, n, ng))
+        q1 = rng.standard_normal((H * g, ng, d)) * 2.0
+        scale = None if trial % 2 else float(rng.uniform(0.05, 2.0))
+        W = query_weights(q1, hk1, pk1, gk1, scale)
+        for t in range(ng):
+            m = nh + n + t + 1
+            _check(np.allclose(W[:, t].sum(axis=1), 1.0, rtol=0, atol=1e-14), "W rows sum to 1")
+            _check(np.all(W[:, t, m:] == 0) and np.all(W[:, t, :m] > 0), "W causal")
+        sc = query_scores(q1, hk1, pk1, gk1, scale)
+        _check(np.allclose(sc, W[:, :, nh:nh + n].sum(axis=1), rtol=1e-14, atol=1e-300), "scores = sum W")
+        _check(np.all(sc.sum(axis=1) <= ng * (1 + 1e-14)), "scores sum to at most n_gen")
+        for w in (ng, ng + 1, WINDOW_MAX):
+            if w >= 1:
+                _check(np.array_equal(query_scores(q1, hk1, pk1, gk1, scale, w), sc), "window >= n_gen")
+        if ng >= 2:
+            w = int(rng.integers(1, ng))
+            sw = query_scores(q1, hk1, pk1, gk1, scale, w)
+            _check(np.allclose(sw, W[:, ng - w:, nh:nh + n].sum(axis=1), rtol=1e-14, atol=1e-300),
+                   "window = last steps")
+            _check(np.all(sw <= sc * (1 + 1e-14)), "window scores <= all-step scores")
+        for qi in range(H * g):
+            h = qi // g
+            one = query_scores(q1[qi:qi + 1], hk1[h:h + 1], pk1[h:h + 1], gk1[h:h + 1], scale)
+            _check(np.array_equal(one[0], sc[qi]), "score head q reads KV head q // (S/H)")
+        if ng == 0:
+            _check(sc.shape == (H * g, n) and np.all(sc == 0), "n_gen = 0 gives zeros")
+        n_checks += 6
+
+    # Policy specs: window on h2o-*, canonical form, refusals.
+    pw = parse_policy("h2o-head:window=8,k=3")
+    _check(pw["selector"]["window"] == 8 and parse_policy("h2o-layer")["selector"]["window"] is None,
+           "parse window")
+    _check(canonical_selector(pw["selector"]) == "h2o-head:k=3,sinks=4,recent=0,window=8",
+           "canonical window")
+    _check(canonical_selector(parse_policy("h2o-layer:pool=5,window=%d" % WINDOW_MAX)["selector"])
+           == "h2o-layer:k=32,sinks=4,recent=0,pool=5,window=16777216", "canonical pool + window")
+    _check(canonical_selector(parse_policy("h2o-head")["selector"]) == "h2o-head:k=32,sinks=4,recent=0",
+           "canonical without window")
+    for bad in ("h2o-head:window=0", "h2o-layer:window=16777217", "h2o-head:window=-1",
+                "h2o-head:window=x", "gen:window=4", "full:window=4"):
+        try:
+            parse_policy(bad)
+            _check(False, "parse_policy accepted %r" % bad)
+        except ValueError:
+            pass
+    n_checks += 10
+
+    # softmax_scale metadata: plain decimals that read back exactly.
+    for x in (0.125, 1.0 / math.sqrt(128), 1e-5, 3.0, 0.1):
+        st = softmax_scale_str(x)
+        _check(float(st) == x and "e" not in st.lower(), "softmax_scale_str %r -> %r" % (x, st))
+    n_checks += 5
+
     def rand_turn(H, d, n, ng, dtype, nh=0, first=True, pos0=None, g=1):
         layers, hist, hpos = [], [], []
         for _ in range(2):
@@ -848,6 +1084,50 @@ def selftest(verbose=True):
                                                                         "scale": "none"})
     _check(res is None, "V_keep full rank -> skip")
     n_checks += 5
+
+    # Turns with gen.q: written and read back (q in F32 or the K/V dtype,
+    # softmax_scale metadata), compress() uses query scores in float64 (not
+    # rounded to F32); window is refused on a prompt.score turn.
+    for dtype, qd, scale in (("BF16", "F32", None), ("F16", "F16", 0.3), ("F32", "F32", 0.0625),
+                             ("BF16", "BF16", 0.7)):
+        H, g, d, nh, n, ng = 2, 2, 16, 3, 20, 4
+        layers, hist, hpos = [], [], []
+        for _ in range(2):
+            layers.append({"pk": rng.standard_normal((H, n, d)), "pv": rng.standard_normal((H, n, d)),
+                           "gk": rng.standard_normal((H, ng, d)), "gv": rng.standard_normal((H, ng, d)),
+                           "q": rng.standard_normal((H * g, ng, d)) * 2})
+            hist.append((rng.standard_normal((H, nh, d)), rng.standard_normal((H, nh, d))))
+            hpos.append(np.tile(np.arange(nh), (H, 1)))
+        tens = make_turn_tensors(layers, dtype, hist, hpos, q_dtype=qd)
+        meta = {} if scale is None else {"softmax_scale": softmax_scale_str(scale)}
+        with tempfile.TemporaryDirectory() as td:
+            pth = os.path.join(td, "q.safetensors")
+            write_safetensors(pth, tens, meta)
+            t = Turn.load(pth)
+        _check(t.has_query and t.q_dtype == qd and t.S == H * g and "layer.0.prompt.score" not in t.tensors,
+               "gen.q turn")
+        _check(t.softmax_scale == (1 / math.sqrt(d) if scale is None else scale), "softmax_scale read")
+        for w in (None, 1, 3):
+            spec = "h2o-head:k=5" + ("" if w is None else ",window=%d" % w)
+            m = compress(t, spec)
+            for l in range(2):
+                qv = to_f64(t.arr("layer.%d.gen.q" % l), qd)
+                want = query_scores(qv, to_f64(t.arr("layer.%d.history.k" % l), dtype),
+                                    to_f64(t.arr("layer.%d.prompt.k" % l), dtype),
+                                    to_f64(t.arr("layer.%d.gen.k" % l), dtype), t.softmax_scale, w)
+                _check(np.array_equal(m.layers[l].score, want), "compress uses query scores (float64)")
+                A, _ = reduce_scores(want, H)
+                _check(np.array_equal(m.layers[l].A, A), "query scores reduced")
+        n_checks += 8
+    # The F32 rounding is not applied: some score differs from its F32 rounding.
+    _check(np.any(m.layers[0].score != m.layers[0].score.astype(np.float32)), "scores stay float64")
+    tp = rand_turn(2, 8, 10, 2, "F32")
+    try:
+        compress(tp, "h2o-head:k=3,window=2")
+        _check(False, "window accepted on a prompt.score turn")
+    except ValueError as e:
+        _check("window=" in str(e) and "prompt.score" in str(e), "window refusal names window= and tensor")
+    n_checks += 2
 
     # Quantization error bound (in the rotated domain) and accounting.
     for bits in (2, 4, 8):
