@@ -22,6 +22,7 @@ wrong one answers UNAUTHENTICATED; acting for another agent is
 PERMISSION_DENIED; a failed TLS handshake (e.g. an untrusted CA) is
 UNAVAILABLE.
 """
+import math
 import numbers
 import os
 import re
@@ -192,18 +193,30 @@ def _geometry(turn):
         if not _is_int(p0) or not 0 <= p0 < 1 << 31:
             raise ValueError(f"turn.prompt_pos0: {p0!r}, expected an integer in [0, 2^31) or None")
         g.prompt_pos0 = int(p0)
+    qdt = turn.query_dtype()
+    if qdt:
+        g.query_dtype = _DTYPE_TO_PB[qdt]
+    if turn.softmax_scale is not None:
+        sc = turn.softmax_scale
+        if isinstance(sc, bool) or not isinstance(sc, numbers.Real) or not math.isfinite(sc) or sc <= 0:
+            raise ValueError(f"turn.softmax_scale: {sc!r}, expected a finite number > 0 or None")
+        g.softmax_scale = float(sc)
     return g
 
 
 def _upload_tensors(turn):
     """(layer, part, bytes) of every tensor of `turn` in upload order."""
     kv = DTYPES[turn.kv_dtype()]
+    qdt = turn.query_dtype()
     for i, l in enumerate(turn.layers):
         yield i, pb.PART_PROMPT_K, _le_bytes(l.prompt_k, kv)
         yield i, pb.PART_PROMPT_V, _le_bytes(l.prompt_v, kv)
         yield i, pb.PART_GEN_K, _le_bytes(l.gen_k, kv)
         yield i, pb.PART_GEN_V, _le_bytes(l.gen_v, kv)
-        yield i, pb.PART_PROMPT_SCORE, _le_bytes(l.score, np.float32)
+        if qdt:
+            yield i, pb.PART_GEN_Q, _le_bytes(l.gen_q, DTYPES[qdt])
+        else:
+            yield i, pb.PART_PROMPT_SCORE, _le_bytes(l.score, np.float32)
         if l.history_k is not None and np.shape(l.history_k)[1] > 0:
             yield i, pb.PART_HISTORY_K, _le_bytes(l.history_k, kv)
             yield i, pb.PART_HISTORY_V, _le_bytes(l.history_v, kv)

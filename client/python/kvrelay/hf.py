@@ -54,8 +54,19 @@ How a model consumes a relayed cache (`RelayedCache`):
   `attention_mask=relayed.attention_mask(q_len)` (all ones, length
   tokens + q_len); models taking `cache_position` want
   `relayed.cache_position(q_len)` (storage indices tokens .. tokens+q_len-1).
-- Attention scores for the relay (`PromptAttention`) come only from eager
-  attention (`attn_implementation="eager"`, `output_attentions=True`).
+- Attention scores for the relay come either from eager attention
+  (`PromptAttention`: `attn_implementation="eager"`, `output_attentions=True`)
+  or, with any attention kernel (SDPA, flash attention), from the generated
+  steps' queries (`QueryCapture`): the turn then carries gen.q and the relay
+  computes the attention mass itself, exactly as eager attention would:
+
+      cap = hf.QueryCapture(model)            # hooks every attention module
+      out = model(prompt_ids, ...)            # the prompt pass: not captured
+      with cap:                               # the generated steps only
+          for step in range(n_latent):
+              out = model(..., past_key_values=out.past_key_values)
+      turn = hf.turn_from_cache(out.past_key_values, n_prompt, queries=cap.queries(),
+                                softmax_scale=cap.softmax_scale, history=relayed)
 """
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +75,7 @@ import numpy as np
 
 from kvrelay.types import Turn, TurnLayer
 
-__all__ = ["DTYPE_NAMES", "RelayedCache", "PromptAttention", "cache_layers",
+__all__ = ["DTYPE_NAMES", "RelayedCache", "PromptAttention", "QueryCapture", "cache_layers",
            "prompt_attention_mass", "turn_from_cache", "message_to_cache"]
 
 # torch dtype name -> kvrelay dtype name
@@ -311,10 +322,137 @@ def prompt_attention_mass(steps, n_prompt, prompt_start=0, kv_heads=None):
     return acc.scores()
 
 
+# ---- queries of the generated steps ---------------------------------------------
+
+def _rope(x, cos, sin):
+    """x * cos + rotate_half(x) * sin, cos/sin broadcast over the heads axis
+    ([q_len, d], [b, q_len, d] as transformers passes them, or already
+    [b, 1, q_len, d])."""
+    while cos.dim() < 4:
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + _torch().cat((-b, a), dim=-1) * sin
+
+
+def llama_queries(module, args, kwargs):
+    """The post-RoPE queries [batch, q_heads, q_len, head_dim] of one call of
+    a Llama-style attention module (Llama, Mistral, Qwen2, Qwen3 and
+    examples/tiny_decoder.py), recomputed from the call's inputs:
+    q_proj(hidden_states) split into heads of head_dim, q_norm when the
+    module has one (Qwen3), then RoPE with the call's (cos, sin): the
+    `position_embeddings` argument (transformers), or the second and third
+    positional arguments (tiny_decoder)."""
+    x = kwargs.get("hidden_states", args[0] if args else None)
+    cos_sin = kwargs.get("position_embeddings")
+    if cos_sin is None and len(args) >= 2 and isinstance(args[1], (tuple, list)):
+        cos_sin = args[1]
+    if cos_sin is None and len(args) >= 3 and _is_tensor(args[1]) and _is_tensor(args[2]):
+        cos_sin = (args[1], args[2])
+    if not _is_tensor(x) or cos_sin is None:
+        raise ValueError(f"{type(module).__name__}: no hidden_states and position_embeddings "
+                         "(cos, sin) in the call, expected a Llama-style attention call; pass "
+                         "QueryCapture(..., queries_fn=) for this model")
+    head_dim = getattr(module, "head_dim", None) or getattr(module, "hd", None)
+    if not head_dim:
+        raise ValueError(f"{type(module).__name__}: no head_dim attribute; pass queries_fn=")
+    b, q_len = x.shape[0], x.shape[1]
+    q = module.q_proj(x).view(b, q_len, -1, head_dim)
+    if getattr(module, "q_norm", None) is not None:
+        q = module.q_norm(q)
+    q = q.transpose(1, 2)
+    return _rope(q, cos_sin[0].to(q.dtype), cos_sin[1].to(q.dtype))
+
+
+def _attention_modules(model):
+    """(name, module) of every attention module: those with a q_proj and a
+    k_proj (Llama-style); the model's own layers in order."""
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "q_proj") and hasattr(m, "k_proj")]
+
+
+class QueryCapture:
+    """Captures the post-RoPE queries of the generated (latent) steps from
+    every attention layer, with any attention kernel: no eager attention and
+    no output_attentions needed. The relay computes the scores from them
+    (a turn with gen.q, docs/FORMAT.md step 0).
+
+    model: the model whose attention modules (q_proj and k_proj, in module
+    order = layer order) are wrapped while capturing; queries_fn(module,
+    args, kwargs) -> [1, q_heads, q_len, head_dim] recomputes a call's
+    queries (default: llama_queries). Use it as a context manager (or
+    start()/stop()) around the generated steps only, not the prompt pass;
+    the wrapping is removed on exit. Not thread-safe.
+
+    queries(): a list over layers of float32 numpy [q_heads, n_gen,
+    head_dim], the steps in call order, for turn_from_cache(queries=).
+    softmax_scale: the modules' `scaling` attribute when they have one
+    (transformers), else None (the relay's default 1/sqrt(head_dim))."""
+
+    def __init__(self, model, queries_fn=None):
+        self._modules = _attention_modules(model)
+        if not self._modules:
+            raise ValueError(f"model: {type(model).__name__} has no attention modules with "
+                             "q_proj and k_proj, expected a Llama-style decoder")
+        self._fn = queries_fn or llama_queries
+        self._steps = [[] for _ in self._modules]
+        self._saved = None
+        scales = {getattr(m, "scaling", None) for _, m in self._modules}
+        self.softmax_scale = scales.pop() if len(scales) == 1 else None
+
+    def start(self):
+        if self._saved is not None:
+            raise ValueError("QueryCapture: already capturing")
+        self._saved = []
+        for i, (_, m) in enumerate(self._modules):
+            orig = m.__dict__.get("forward")
+            self._saved.append((m, orig))
+            bound = m.forward
+
+            def wrapped(*args, _i=i, _m=m, _f=bound, **kwargs):
+                with _torch().no_grad():
+                    q = self._fn(_m, args, kwargs)
+                if not _is_tensor(q) or q.dim() != 4 or q.shape[0] != 1:
+                    raise ValueError(f"attention layer {_i}: queries "
+                                     f"{list(q.shape) if _is_tensor(q) else type(q).__name__}, "
+                                     "expected [1, q_heads, q_len, head_dim]")
+                self._steps[_i].append(q[0].detach().to("cpu", _torch().float32))
+                return _f(*args, **kwargs)
+
+            m.forward = wrapped
+        return self
+
+    def stop(self):
+        for m, orig in self._saved or []:
+            if orig is None:
+                del m.forward
+            else:
+                m.forward = orig
+        self._saved = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def queries(self):
+        torch = _torch()
+        if not self._steps[0]:
+            raise ValueError("QueryCapture: no calls captured")
+        out = []
+        for i, steps in enumerate(self._steps):
+            if len(steps) != len(self._steps[0]):
+                raise ValueError(f"attention layer {i}: {len(steps)} calls captured, expected "
+                                 f"{len(self._steps[0])} (as layer 0)")
+            out.append(torch.cat(steps, dim=1).numpy())  # [q_heads, n_gen, head_dim]
+        return out
+
+
 # ---- cache -> turn -------------------------------------------------------------
 
 def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=False,
-                    n_history=None, history_positions=None, first_agent=None, prompt_pos0=None):
+                    n_history=None, history_positions=None, first_agent=None, prompt_pos0=None,
+                    queries=None, softmax_scale=None):
     """A kvrelay.Turn from an agent's cache.
 
     The cache's token axis holds [history; prompt; generated]: the first
@@ -324,7 +462,10 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
     n_history = history.tokens, prompt_pos0 = history.next_pos,
     first_agent=False). scores: a list over layers of [score_heads, n_prompt]
     float32 (PromptAttention.scores()); None sends zeros (only sensible for
-    `full` and `gen`).
+    `full` and `gen`). queries: instead of scores, a list over layers of
+    [score_heads, n_gen, head_dim] post-RoPE queries of the generated steps
+    (QueryCapture.queries()), sent as float32 gen.q with `softmax_scale`
+    (None: the relay's 1/sqrt(head_dim)); the relay scores from them.
 
     include_history=False (default) leaves the history out of the turn:
     publish it with parent_id=history.message_id and the relay supplies it.
@@ -374,31 +515,51 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
         hist_pos = hp.astype(np.int32)
         if prompt_pos0 is None:  # the prompt continues after the history (its ids must precede it)
             prompt_pos0 = int(hist_pos.max()) + 1
-    if scores is None:
-        scores = [np.zeros((H, n_prompt), np.float32)] * len(pairs)
-    scores = list(scores)
-    if len(scores) != len(pairs):
-        raise ValueError(f"scores: {len(scores)} layers, expected {len(pairs)} (the cache's)")
+    if queries is not None and scores is not None:
+        raise ValueError("scores and queries: both given, expected one of them")
+    if queries is not None:
+        queries = list(queries)
+        if len(queries) != len(pairs):
+            raise ValueError(f"queries: {len(queries)} layers, expected {len(pairs)} (the cache's)")
+    else:
+        if scores is None:
+            scores = [np.zeros((H, n_prompt), np.float32)] * len(pairs)
+        scores = list(scores)
+        if len(scores) != len(pairs):
+            raise ValueError(f"scores: {len(scores)} layers, expected {len(pairs)} (the cache's)")
     a, b = n_history, n_history + n_prompt
+    d, n_gen = int(k0.shape[3]), T - n_history - n_prompt
     layers = []
     for i, (k, v) in enumerate(pairs):
-        s = scores[i]
-        s = s.detach().cpu().numpy() if _is_tensor(s) else np.asarray(s)
-        if s.ndim != 2 or s.shape[1] != n_prompt or s.shape[0] < 1 or s.shape[0] % H:
-            raise ValueError(f"scores layer {i}: shape {list(s.shape)}, expected [score_heads, "
-                             f"{n_prompt}] with score_heads a multiple of kv_heads={H}")
+        score = gen_q = None
+        if queries is not None:
+            q = queries[i]
+            q = q.detach().cpu().float().numpy() if _is_tensor(q) else np.asarray(q)
+            if q.ndim != 3 or q.shape[1:] != (n_gen, d) or q.shape[0] < 1 or q.shape[0] % H:
+                raise ValueError(f"queries layer {i}: shape {list(q.shape)}, expected [score_heads, "
+                                 f"{n_gen}, {d}] (n_gen, head_dim) with score_heads a multiple of "
+                                 f"kv_heads={H}")
+            gen_q = np.ascontiguousarray(q, dtype=np.float32)
+        else:
+            s = scores[i]
+            s = s.detach().cpu().numpy() if _is_tensor(s) else np.asarray(s)
+            if s.ndim != 2 or s.shape[1] != n_prompt or s.shape[0] < 1 or s.shape[0] % H:
+                raise ValueError(f"scores layer {i}: shape {list(s.shape)}, expected [score_heads, "
+                                 f"{n_prompt}] with score_heads a multiple of kv_heads={H}")
+            score = np.ascontiguousarray(s, dtype=np.float32)
         tl = TurnLayer(prompt_k=_to_numpy(k[0, :, a:b], f"layer {i} key"),
                        prompt_v=_to_numpy(v[0, :, a:b], f"layer {i} value"),
                        gen_k=_to_numpy(k[0, :, b:], f"layer {i} key"),
                        gen_v=_to_numpy(v[0, :, b:], f"layer {i} value"),
-                       score=np.ascontiguousarray(s, dtype=np.float32))
+                       score=score, gen_q=gen_q)
         if hist_pos is not None:
             tl.history_k = _to_numpy(k[0, :, :a], f"layer {i} key")
             tl.history_v = _to_numpy(v[0, :, :a], f"layer {i} value")
             tl.history_pos = np.ascontiguousarray(hist_pos[i])
         layers.append(tl)
     return Turn(layers, dtype=dtype, first_agent=bool(first_agent),
-                prompt_pos0=None if prompt_pos0 is None else int(prompt_pos0))
+                prompt_pos0=None if prompt_pos0 is None else int(prompt_pos0),
+                softmax_scale=softmax_scale)
 
 
 # ---- message -> cache ----------------------------------------------------------

@@ -78,6 +78,7 @@ def read(path):
 def write_turn(path, turn):
     """Writes a kvrelay.Turn as a turn file (what `kvrelayctl compress --in` reads)."""
     dtype = turn.geometry()[0]
+    qdt = turn.query_dtype()
     tensors, dts = {}, {}
     for i, l in enumerate(turn.layers):
         p = f"layer.{i}."
@@ -88,12 +89,18 @@ def write_turn(path, turn):
         for name, a in parts.items():
             tensors[p + name] = np.asarray(a, dtype=DTYPES[dtype])
             dts[p + name] = dtype
-        tensors[p + "prompt.score"] = np.asarray(l.score, dtype=np.float32)
+        if qdt:
+            tensors[p + "gen.q"] = np.asarray(l.gen_q, dtype=DTYPES[qdt])
+            dts[p + "gen.q"] = qdt
+        else:
+            tensors[p + "prompt.score"] = np.asarray(l.score, dtype=np.float32)
         if l.history_k is not None:
             tensors[p + "history.pos"] = np.asarray(l.history_pos, dtype=np.int32)
     meta = {"first_agent": "true" if turn.is_first_agent() else "false"}
     if turn.prompt_pos0 is not None:
         meta["prompt_pos0"] = str(int(turn.prompt_pos0))
+    if turn.softmax_scale is not None:
+        meta["softmax_scale"] = repr(float(turn.softmax_scale))  # reads back exactly
     write(path, tensors, meta, dts)
 
 

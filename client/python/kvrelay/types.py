@@ -103,17 +103,21 @@ class Stats:
 
 @dataclass
 class TurnLayer:
-    """One layer of a turn. K/V: [kv_heads, n, head_dim]; score: float32
-    [score_heads, n_prompt] (attention mass on each prompt token, >= 0);
-    history_pos: int32 [kv_heads, n_history]."""
+    """One layer of a turn. K/V: [kv_heads, n, head_dim]; history_pos: int32
+    [kv_heads, n_history]. The attention input, exactly one of: score,
+    float32 [score_heads, n_prompt] (attention mass on each prompt token,
+    >= 0), or gen_q [score_heads, n_gen, head_dim], the generated steps'
+    post-RoPE queries in float32 or the K/V dtype, from which the relay
+    computes the scores (every layer the same one)."""
     prompt_k: np.ndarray
     prompt_v: np.ndarray
     gen_k: np.ndarray
     gen_v: np.ndarray
-    score: np.ndarray
+    score: Optional[np.ndarray] = None
     history_k: Optional[np.ndarray] = None
     history_v: Optional[np.ndarray] = None
     history_pos: Optional[np.ndarray] = None
+    gen_q: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -126,6 +130,8 @@ class Turn:
     # keeps its attention sinks), else False. Not a bool: ValueError.
     first_agent: Optional[bool] = None
     prompt_pos0: Optional[int] = None  # None: the history length
+    # The attention's logit scale for scores from gen_q; None: 1/sqrt(head_dim).
+    softmax_scale: Optional[float] = None
 
     def kv_dtype(self):
         if self.dtype is not None:
@@ -153,6 +159,38 @@ class Turn:
             raise ValueError(f"turn.first_agent: {self.first_agent!r}, expected True, False or None")
         return bool(self.first_agent)
 
+    def query_dtype(self):
+        """None when the layers carry scores; else gen_q's dtype, "F32" or the
+        K/V dtype (ValueError naming the tensor for another, or for both or
+        neither input, or a mix across layers)."""
+        kv = self.kv_dtype()
+        if not self.layers:
+            raise ValueError("turn.layers: empty, expected at least one layer")
+        queries = self.layers[0].gen_q is not None
+        for i, layer in enumerate(self.layers):
+            if layer.gen_q is not None and layer.score is not None:
+                raise ValueError(f"layer.{i}.gen.q: given together with layer.{i}.prompt.score, "
+                                 "expected exactly one of the two")
+            if layer.gen_q is None and layer.score is None:
+                raise ValueError(f"layer.{i}.prompt.score: missing, expected it or layer.{i}.gen.q "
+                                 "(the queries)")
+            if (layer.gen_q is not None) != queries:
+                given, want = ("gen.q", "prompt.score") if layer.gen_q is not None else \
+                    ("prompt.score", "gen.q")
+                raise ValueError(f"layer.{i}.{given}: given, expected layer.{i}.{want} like layer.0 "
+                                 "(every layer carries the same one)")
+        if not queries:
+            return None
+        dt = np.asarray(self.layers[0].gen_q).dtype
+        if dt.kind == "f":
+            dt = dt.newbyteorder("<")
+        if dt == np.float32:
+            return "F32"
+        if dt == np.dtype(DTYPES[kv]).newbyteorder("<"):
+            return kv
+        raise ValueError(f"layer.0.gen.q: dtype {dt}, expected float32 or the K/V dtype "
+                         f"({np.dtype(DTYPES[kv])}, {kv} turn)")
+
     def geometry(self):
         """(dtype, kv_heads, score_heads, head_dim, n_prompt, n_gen, n_history),
         checked across layers (ValueError naming the tensor)."""
@@ -167,15 +205,24 @@ class Turn:
         n_gen = np.shape(l0.gen_k)[1] if np.ndim(l0.gen_k) == 3 else -1
         hist = l0.history_k is not None
         n_hist = np.shape(l0.history_k)[1] if hist and np.ndim(l0.history_k) == 3 else 0
-        s = np.shape(l0.score)[0] if np.ndim(l0.score) == 2 else -1
+        qdt = self.query_dtype()
+        if qdt:
+            s = np.shape(l0.gen_q)[0] if np.ndim(l0.gen_q) == 3 else -1
+        else:
+            s = np.shape(l0.score)[0] if np.ndim(l0.score) == 2 else -1
         want = {
             "prompt.k": (h, n_prompt, d), "prompt.v": (h, n_prompt, d),
-            "gen.k": (h, n_gen, d), "gen.v": (h, n_gen, d), "prompt.score": (s, n_prompt),
+            "gen.k": (h, n_gen, d), "gen.v": (h, n_gen, d),
         }
+        if qdt:
+            want["gen.q"] = (s, n_gen, d)
+        else:
+            want["prompt.score"] = (s, n_prompt)
         if hist:
             want.update({"history.k": (h, n_hist, d), "history.v": (h, n_hist, d),
                          "history.pos": (h, n_hist)})
-        dts = {"prompt.score": np.float32, "history.pos": np.int32}
+        dts = {"prompt.score": np.float32, "history.pos": np.int32,
+               "gen.q": DTYPES[qdt] if qdt else np.float32}
         for i, layer in enumerate(self.layers):
             parts = [getattr(layer, n) is not None for n in ("history_k", "history_v", "history_pos")]
             if any(parts) and not all(parts):
@@ -197,8 +244,8 @@ class Turn:
                     raise ValueError(f"layer.{i}.{name}: dtype {np.asarray(a).dtype}, "
                                      f"expected {np.dtype(want_dt)} ({dtype} turn)")
         if s < 1 or s % h:
-            raise ValueError(f"layer.0.prompt.score: {s} score heads, expected a positive "
-                             f"multiple of kv_heads={h}")
+            raise ValueError(f"layer.0.{'gen.q' if qdt else 'prompt.score'}: {s} score heads, "
+                             f"expected a positive multiple of kv_heads={h}")
         return dtype, h, s, d, n_prompt, n_gen, n_hist
 
 

@@ -421,6 +421,52 @@ class RelayTest(unittest.TestCase):
                     self.assertTrue(np.array_equal(a.pos, b.pos))
                 self.c.close_session(sess)
 
+    def test_queries_instead_of_scores_match_kvrelayctl(self):
+        # gen_q (float32 or the K/V dtype) travels as GEN_Q, softmax_scale in
+        # the geometry; the relay's message equals kvrelayctl's for the same
+        # turn file (written by kvrelay.safetensors, gen.q and all).
+        cases = [("BF16", "F32", None, "h2o-head:k=8+obf:p=4"),
+                 ("BF16", "BF16", 0.3, "h2o-layer:k=8,window=3"),
+                 ("F16", "F16", 0.05, "h2o-head:k=6,pool=3,window=2+int4")]
+        for i, (dtype, qdt, scale, policy) in enumerate(cases):
+            with self.subTest(dtype=dtype, q=qdt, policy=policy):
+                turn = make_turn(200 + i, dtype)
+                rng = np.random.default_rng(300 + i)
+                for layer in turn.layers:
+                    q = rng.standard_normal((4, 6, 64)).astype(np.float32)
+                    layer.gen_q = q if qdt == "F32" else from_f32(q, qdt)
+                    layer.score = None
+                turn.softmax_scale = scale
+                sess = f"q-{i}"
+                r = self.c.publish(turn, sess, "planner", ["critic"], policy=policy)
+                m = self.c.fetch(sess, "critic", timeout=10, auto_ack=True)
+                meta, ref = kvrelayctl_compress(turn, policy, decode=False)
+                self.assertEqual(int(meta["sent_bytes"]), r.accounting.sent_bytes)
+                self.assertEqual(meta["policy"], m.accounting.policy)
+                for li, ml in enumerate(m.layers):
+                    p = f"layer.{li}."
+                    self.assertTrue(np.array_equal(ml.pos, ref[p + "pos"]), p + "pos")
+                    if ml.quant is None:
+                        self.assertTrue(np.array_equal(bits(ml.k), bits(ref[p + "k"])))
+                        self.assertTrue(np.array_equal(bits(ml.v), bits(ref[p + "v"])))
+                    else:
+                        self.assertTrue(np.array_equal(bits(ml.quant.v_codes), bits(ref[p + "v.codes"])))
+                self.c.close_session(sess)
+        # Both inputs, or a gen_q of a third dtype: ValueError before any RPC.
+        turn = make_turn(210, "BF16")
+        turn.layers[0].gen_q = np.zeros((4, 6, 64), np.float32)
+        with self.assertRaisesRegex(ValueError, r"layer\.0\.gen\.q: given together with layer\.0\.prompt\.score"):
+            self.c.publish(turn, "q-bad", "planner", ["critic"])
+        for layer in turn.layers:
+            layer.score, layer.gen_q = None, np.zeros((4, 6, 64), np.float16)
+        with self.assertRaisesRegex(ValueError, r"layer\.0\.gen\.q: dtype float16, expected float32 or the K/V"):
+            self.c.publish(turn, "q-bad", "planner", ["critic"])
+        for layer in turn.layers:
+            layer.gen_q = np.zeros((4, 6, 64), np.float32)
+        turn.softmax_scale = -1.0
+        with self.assertRaisesRegex(ValueError, r"turn\.softmax_scale: -1\.0, expected a finite number > 0"):
+            self.c.publish(turn, "q-bad", "planner", ["critic"])
+
     def test_ack_redelivery_duplicate(self):
         sess = "ack"
         turn = make_turn(200)

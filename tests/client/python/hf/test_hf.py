@@ -33,6 +33,7 @@ Checks:
 The whole run is bounded (watchdog) and the server is always stopped.
 """
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -448,6 +449,86 @@ class CacheConversionTest(unittest.TestCase):
 
 
 # ---- through the live relay -----------------------------------------------------------
+
+class QueryCaptureTest(unittest.TestCase):
+    """Scores from captured queries (no eager attention, no output_attentions)
+    against the eager attention mass, and the relayed messages of both."""
+
+    def capture_turn(self, model, gen=5):
+        ids = encode(PROMPT)
+        n = ids.shape[1]
+        out = model(input_ids=ids, position_ids=torch.arange(n).unsqueeze(0))
+        cap = hf.QueryCapture(model)
+        with cap:
+            for s in range(gen):
+                tok = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=tok, past_key_values=out.past_key_values,
+                            position_ids=torch.tensor([[n + s]]))
+        return out.past_key_values, n, cap
+
+    def test_queries_give_the_eager_mass_and_the_same_message(self):
+        model = TinyDecoder(seed=6)  # float32: eager attention's own rounding stays below 1e-6
+        cache_q, n, cap = self.capture_turn(model)
+        for layer in model.layers:  # the wrapping is gone after the with-block
+            self.assertNotIn("forward", layer.self_attn.__dict__)
+        cache, n2, steps, _, _ = run_turn(model, gen=5)
+        self.assertEqual(n, n2)
+        for (k1, v1), (k2, v2) in zip(cache_q, cache):
+            self.assertTrue(torch.equal(k1, k2) and torch.equal(v1, v2))
+        eager = hf.prompt_attention_mass(steps, n)  # per query head
+        queries = cap.queries()
+        self.assertEqual(queries[0].shape, (Q_HEADS, 5, CONFIG["head_dim"]))
+        self.assertIsNone(cap.softmax_scale)  # tiny_decoder divides by sqrt(head_dim)
+        group = Q_HEADS // H
+        for l in range(LAYERS):
+            keys = cache[l][0][0].double()  # [H, T, d]
+            q = torch.from_numpy(queries[l]).double()
+            mass = torch.zeros(Q_HEADS, n, dtype=torch.float64)
+            for t in range(q.shape[1]):
+                for qh in range(Q_HEADS):
+                    k = keys[qh // group, :n + t + 1]
+                    w = torch.softmax(k @ q[qh, t] / math.sqrt(CONFIG["head_dim"]), dim=0)
+                    mass[qh] += w[:n]
+            diff = np.abs(mass.numpy() - eager[l]).max()
+            self.assertLess(diff, 1e-5, f"layer {l}: |mass from queries - eager mass| = {diff}")
+        c = kvrelay.Client(ADDR)
+        try:
+            t_eager = hf.turn_from_cache(cache, n, eager)
+            t_q = hf.turn_from_cache(cache_q, n, queries=queries, softmax_scale=cap.softmax_scale)
+            self.assertIsNotNone(t_q.layers[0].gen_q)
+            self.assertIsNone(t_q.layers[0].score)
+            for policy in ("h2o-head:k=8", "h2o-layer:k=8,recent=2+obf:p=4"):
+                with self.subTest(policy=policy):
+                    a, b = c.compress(t_eager, policy), c.compress(t_q, policy)
+                    for la, lb in zip(a.layers, b.layers, strict=True):
+                        self.assertTrue(np.array_equal(la.pos, lb.pos), "kept positions differ")
+                        self.assertTrue(np.array_equal(la.k, lb.k))
+                        if "obf" not in policy:
+                            self.assertTrue(np.array_equal(la.v, lb.v))
+                        else:  # OBF's weights use the scores: float32 noise only
+                            np.testing.assert_allclose(la.v, lb.v, rtol=1e-4, atol=1e-5)
+            # window= scores with the last steps only: accepted with queries.
+            w = c.compress(t_q, "h2o-head:k=8,window=2")
+            self.assertEqual(w.n_kept, 8)
+        finally:
+            c.close()
+
+    def test_errors(self):
+        with self.assertRaisesRegex(ValueError, "has no attention modules with q_proj and k_proj"):
+            hf.QueryCapture(torch.nn.Linear(2, 2))
+        model = TinyDecoder(seed=7)
+        cap = hf.QueryCapture(model)
+        with self.assertRaisesRegex(ValueError, "no calls captured"):
+            cap.queries()
+        cache, n, cap = self.capture_turn(model, gen=3)
+        q = cap.queries()
+        with self.assertRaisesRegex(ValueError, "scores and queries: both given"):
+            hf.turn_from_cache(cache, n, [np.zeros((Q_HEADS, n), np.float32)] * LAYERS, queries=q)
+        with self.assertRaisesRegex(ValueError, r"queries layer 0: shape \[4, 2, 16\], expected \[score_heads, 3, 16\]"):
+            hf.turn_from_cache(cache, n, queries=[x[:, :2] for x in q])
+        with self.assertRaisesRegex(ValueError, r"queries: 2 layers, expected 3"):
+            hf.turn_from_cache(cache, n, queries=q[:2])
+
 
 class RelayTest(unittest.TestCase):
     def setUp(self):
