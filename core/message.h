@@ -43,6 +43,9 @@ struct MessageLayer {
   KvTensor k, v;  // [kv_heads, n, head_dim]; empty (0 elements) when quantized
   PosTensor pos;  // [kv_heads, n]
   std::optional<QuantizedKv> quant;
+  // The layer's fidelity figure (AttentionOutputError), for turns with
+  // queries; never sent itself (the message's mean is).
+  std::optional<double> attention_error;
 
   int tokens() const { return pos.tokens; }
   // Bytes this layer sends: K/V payload (dense, or codes + scales + zeros)
@@ -65,6 +68,11 @@ struct Message {
   // least 1 + every position id held), even when the turn's last tokens were
   // evicted. 0 when unknown (a message built by hand); see NextPosition().
   int64_t next_pos = 0;
+  // For a turn with queries: the mean over layers of the fidelity figure,
+  // |o_msg - o_full| / |o_full| of the sender's own attention output
+  // (docs/FORMAT.md, "Fidelity"). A proxy: the recipient's queries are not
+  // known.
+  std::optional<double> attention_error;
   std::vector<MessageLayer> layers;
 
   double Ratio() const { return sent_bytes ? static_cast<double>(full_bytes) / sent_bytes : 0.0; }

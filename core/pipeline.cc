@@ -470,7 +470,18 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
   ParallelFor(pool, config_.obf ? geo.kv_heads : 0,
               [&](size_t h) { BackfillHead(layer, geo, ctx, static_cast<int>(h), &w); });
   KVRELAY_RETURN_IF_ERROR(FinishLayer(geo, ctx.layer, &w));
+  KVRELAY_RETURN_IF_ERROR(MeasureFidelity(layer, geo, ctx, &w.out));
   return std::move(w.out);
+}
+
+absl::Status Pipeline::MeasureFidelity(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                                       MessageLayer* out) const {
+  if (!geo.queries) return absl::OkStatus();
+  const double scale = ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(geo.head_dim));
+  absl::StatusOr<double> e = AttentionOutputError(layer, geo, *out, scale);
+  if (!e.ok()) return e.status();
+  out->attention_error = *e;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Message> Pipeline::Compress(const Turn& turn, ThreadPool* pool) const {
@@ -511,7 +522,10 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
       BackfillHead(turn.layers[l], geo, ctx[l], static_cast<int>(i % heads), &work[l]);
     });
   }
-  ParallelFor(pool, n_layers, [&](size_t l) { status[l] = FinishLayer(geo, static_cast<int>(l), &work[l]); });
+  ParallelFor(pool, n_layers, [&](size_t l) {
+    status[l] = FinishLayer(geo, static_cast<int>(l), &work[l]);
+    if (status[l].ok()) status[l] = MeasureFidelity(turn.layers[l], geo, ctx[l], &work[l].out);
+  });
   for (const absl::Status& s : status) KVRELAY_RETURN_IF_ERROR(s);
 
   std::vector<MessageLayer> layers;
@@ -530,6 +544,12 @@ Message Pipeline::Compose(const TurnGeometry& geo, bool first_agent, int64_t pro
   CountTokens(geo, first_agent, &msg);
   msg.full_bytes = FullLayerBytes(geo) * layers.size();
   for (const MessageLayer& l : layers) msg.sent_bytes += l.SentBytes();
+  if (!layers.empty() && std::all_of(layers.begin(), layers.end(),
+                                     [](const MessageLayer& l) { return l.attention_error.has_value(); })) {
+    double sum = 0;
+    for (const MessageLayer& l : layers) sum += *l.attention_error;
+    msg.attention_error = sum / static_cast<double>(layers.size());
+  }
   msg.layers = std::move(layers);
   msg.next_pos = prompt_pos0 + geo.n_prompt + geo.n_gen;
   msg.next_pos = NextPosition(msg);  // never before an id held

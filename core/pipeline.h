@@ -128,8 +128,9 @@ class Pipeline {
 
   // The message of compressed `layers` (CompressLayer's, in order) of a turn
   // of geometry `geo` starting at `prompt_pos0`: policy, dtype, shape, token
-  // counts, byte accounting and next_pos (the turn's end, prompt_pos0 +
-  // n_prompt + n_gen, or past every id held if that is later).
+  // counts, byte accounting, next_pos (the turn's end, prompt_pos0 +
+  // n_prompt + n_gen, or past every id held if that is later) and, when
+  // every layer has one, the mean fidelity figure.
   Message Compose(const TurnGeometry& geo, bool first_agent, int64_t prompt_pos0,
                   std::vector<MessageLayer> layers) const;
 
@@ -145,6 +146,9 @@ class Pipeline {
   void BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx, int h,
                     LayerWork* w) const;
   absl::Status FinishLayer(const TurnGeometry& geo, int layer, LayerWork* w) const;
+  // Sets out->attention_error for a turn with queries.
+  absl::Status MeasureFidelity(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                               MessageLayer* out) const;
 
   std::string spec_;
   PipelineConfig config_;

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "Eigen/Core"
+#include "core/quant.h"
 
 namespace kvrelay {
 namespace {
@@ -20,6 +22,15 @@ double SumAsDouble(const float* x, int n) {
   for (; i < n; ++i) sum += x[i];
   for (double p : part) sum += p;
   return sum;
+}
+
+// Softmax of the first `seen` entries of `z` in place (float32 exponentials,
+// float64 sum); the entries past them become 0.
+void MaskedSoftmax(float* z, int seen, int m) {
+  Eigen::Map<Eigen::ArrayXf> head(z, seen);
+  head = (head - head.maxCoeff()).exp();
+  head *= static_cast<float>(1.0 / SumAsDouble(z, seen));
+  std::fill(z + seen, z + m, 0.0f);
 }
 
 }  // namespace
@@ -62,6 +73,63 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
     }
   }
   return out;
+}
+
+absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGeometry& geo,
+                                            const MessageLayer& msg, double scale) {
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using ColMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+  const int heads = geo.kv_heads, d = geo.head_dim;
+  const int n_hist = geo.n_history, n_prompt = geo.n_prompt, n_gen = geo.n_gen;
+  const int group = geo.score_heads / heads;
+  if (n_gen == 0) return 0.0;
+  KvTensor decoded_k, decoded_v;
+  const KvTensor* mk = &msg.k;
+  const KvTensor* mv = &msg.v;
+  if (msg.quant) {
+    if (absl::Status s = DequantizeKv(*msg.quant, geo.dtype, &decoded_k, &decoded_v); !s.ok()) return s;
+    mk = &decoded_k;
+    mv = &decoded_v;
+  }
+  const int m_full = n_hist + n_prompt + n_gen, m_msg = msg.tokens();
+  const int before_gen = m_msg - n_gen;  // the message's tokens every step sees
+  RowMajor kf(m_full, d), vf(m_full, d), km(m_msg, d), vm(m_msg, d), q(n_gen, d);
+  ColMajor wf(m_full, n_gen), wm(m_msg, n_gen), of(d, n_gen), om(d, n_gen);
+  double total = 0;
+  for (int h = 0; h < heads; ++h) {
+    int at = 0;
+    for (const auto& [k, v, n] : {std::tuple<const KvTensor&, const KvTensor&, int>{layer.history_k, layer.history_v, n_hist},
+                                  {layer.prompt_k, layer.prompt_v, n_prompt},
+                                  {layer.gen_k, layer.gen_v, n_gen}}) {
+      k.ReadRows(h, 0, n, kf.data() + static_cast<size_t>(at) * d);
+      v.ReadRows(h, 0, n, vf.data() + static_cast<size_t>(at) * d);
+      at += n;
+    }
+    mk->ReadRows(h, 0, m_msg, km.data());
+    mv->ReadRows(h, 0, m_msg, vm.data());
+    for (int g = 0; g < group; ++g) {
+      layer.gen_q.ReadRows(h * group + g, 0, n_gen, q.data());
+      q *= static_cast<float>(scale);
+      wf.noalias() = kf * q.transpose();
+      wm.noalias() = km * q.transpose();
+      for (int t = 0; t < n_gen; ++t) {
+        MaskedSoftmax(wf.data() + static_cast<size_t>(t) * m_full, n_hist + n_prompt + t + 1, m_full);
+        MaskedSoftmax(wm.data() + static_cast<size_t>(t) * m_msg, before_gen + t + 1, m_msg);
+      }
+      of.noalias() = vf.transpose() * wf;
+      om.noalias() = vm.transpose() * wm;
+      for (int t = 0; t < n_gen; ++t) {
+        double full = 0, diff = 0;
+        for (int c = 0; c < d; ++c) {
+          const double a = of(c, t), b = om(c, t);
+          full += a * a;
+          diff += (b - a) * (b - a);
+        }
+        total += full > 0 ? std::sqrt(diff / full) : (diff > 0 ? 1.0 : 0.0);
+      }
+    }
+  }
+  return total / (static_cast<double>(geo.score_heads) * n_gen);
 }
 
 }  // namespace kvrelay

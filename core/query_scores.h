@@ -1,7 +1,8 @@
 // Scores from queries (docs/FORMAT.md, "Compression semantics", step 0):
 // for a turn that carries the generated steps' queries (gen.q) instead of
 // precomputed attention scores, the attention mass those steps put on each
-// prompt token, as eager attention computes it.
+// prompt token, as eager attention computes it; and, from the same queries,
+// how much a compressed layer changes the sender's own attention output.
 //
 // Thread-safe (pure functions).
 #ifndef KVRELAY_CORE_QUERY_SCORES_H_
@@ -9,6 +10,8 @@
 
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "core/message.h"
 #include "core/turn.h"
 
 namespace kvrelay {
@@ -24,6 +27,21 @@ namespace kvrelay {
 // REQUIRES: geo.queries, ValidateTurnLayer(layer, ..., geo, ...) is OK,
 // scale finite and > 0, window >= 0.
 std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window);
+
+// The fidelity figure of one compressed layer (docs/FORMAT.md, "Fidelity"):
+// the mean over score heads and generated steps of |o_msg - o_full| /
+// |o_full|. o_full is step t's attention output (softmax of the logits as
+// above, times the values) over the whole cache the step sees; o_msg the
+// same query's output over the message's tokens it would see (the history,
+// the anchors, the kept prompt tokens, generated steps 0..t), with the
+// message's keys and values as the recipient holds them: OBF's values, and
+// quantized ones decoded into the turn's dtype. A step with o_full = 0
+// counts 0 when o_msg = 0 too, else 1. Float32 dot products and outputs,
+// float64 norms and mean. 0 when n_gen = 0.
+// REQUIRES: geo.queries, ValidateTurnLayer(layer, ...) is OK, `msg` is the
+// pipeline's output for `layer`, scale finite and > 0.
+absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGeometry& geo,
+                                            const MessageLayer& msg, double scale);
 
 }  // namespace kvrelay
 

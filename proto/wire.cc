@@ -116,6 +116,7 @@ v1::MessageHeader MessageHeaderOf(const Message& msg) {
   a->set_full_bytes(msg.full_bytes);
   a->set_sent_bytes(msg.sent_bytes);
   a->set_ratio(msg.Ratio());
+  if (msg.attention_error) a->set_attention_error(*msg.attention_error);
   return h;
 }
 

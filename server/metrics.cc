@@ -86,6 +86,12 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Help("Worker seconds spent compressing one message.")
                    .Register(*registry_)
                    .Add({}, SecondsBuckets());
+  attention_error_ = &BuildHistogram()
+                          .Name("kvrelay_attention_output_relative_error")
+                          .Help("Per committed message whose turn carried queries (gen.q): the mean over layers of "
+                                "|o_msg - o_full| / |o_full|, how much compression changed the sender's own "
+                                "attention output. A proxy for the recipient's.")
+                          .Register(*registry_);
   visible_ = &BuildHistogram()
                   .Name("kvrelay_publish_visible_seconds")
                   .Help("Seconds from a publish's first request to its message becoming visible.")
@@ -269,6 +275,12 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 
 void Metrics::DeclareFamily(const std::string& family) {
   for (auto* f : {full_, sent_, saved_}) f->Add({{"family", family}});
+}
+
+void Metrics::ObserveAttentionError(const std::string& family, double e) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                                    0.1,   0.25,   0.5,   1.0};
+  attention_error_->Add({{"family", family}}, kBuckets).Observe(e);
 }
 
 void Metrics::AddCommitted(const std::string& family, uint64_t full, uint64_t sent) {

@@ -9,6 +9,8 @@
 //   kvrelay_rpcs_total{method, code}             finished RPCs by method and gRPC code name (OK too)
 //   kvrelay_errors_total{code}                   failed RPCs by gRPC code name
 //   kvrelay_compress_seconds                     worker seconds per message
+//   kvrelay_attention_output_relative_error{family}  fidelity figure per committed message whose
+//                                                turn carried queries (gen.q)
 //   kvrelay_publish_visible_seconds              first request to visibility
 //   kvrelay_publish_delivered_seconds            first request to the first complete delivery,
 //                                                one observation per recipient
@@ -94,6 +96,9 @@ class Metrics {
   // "MessageStatus", "Forward", "ReportRecipient").
   void AddRpc(const char* method, grpc::StatusCode code);
   void ObserveCompress(double s) { compress_->Observe(s); }
+  // kvrelay_attention_output_relative_error{family}: a committed message's
+  // fidelity figure (turns with queries only).
+  void ObserveAttentionError(const std::string& family, double e);
   void ObserveVisible(double s) { visible_->Observe(s); }
   void ObserveDelivered(double s) { delivered_->Observe(s); }
   void SetInflight(double bytes) { inflight_->Set(bytes); }
@@ -159,6 +164,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* errors_;
   prometheus::Family<prometheus::Counter>* rpcs_;
   prometheus::Histogram* compress_;
+  prometheus::Family<prometheus::Histogram>* attention_error_;
   prometheus::Histogram* visible_;
   prometheus::Histogram* delivered_;
   prometheus::Gauge* inflight_;

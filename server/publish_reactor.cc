@@ -170,6 +170,7 @@ class PublishReactor final
       mx->AddOutcome("committed");
       mx->ObserveCompress(compress_s);
       mx->ObserveVisible(c.accounting.commit_seconds());
+      if (c.msg.attention_error) mx->ObserveAttentionError(c.family, *c.msg.attention_error);
     }
     spdlog::info("publish committed session={} message={} from={} recipients={} policy={} full={} sent={} "
                  "ratio={:.2f} compress_s={:.4f} commit_s={:.4f}",

@@ -597,6 +597,8 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
   meta["full_bytes"] = absl::StrCat(msg.full_bytes);
   meta["sent_bytes"] = absl::StrCat(msg.sent_bytes);
   meta["next_pos"] = absl::StrCat(NextPosition(msg));
+  // %.17g: the double reads back exactly.
+  if (msg.attention_error) meta["attention_error"] = absl::StrFormat("%.17g", *msg.attention_error);
   if (quant) {
     meta["quant_bits"] = absl::StrCat(l0.quant->bits);
     meta["quant_group"] = absl::StrCat(l0.quant->group);
@@ -667,6 +669,14 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
   msg.n_kept = static_cast<int>(nk);
   msg.n_gen = static_cast<int>(ng);
   const uint64_t kMaxU64 = std::numeric_limits<uint64_t>::max();
+  if (std::optional<absl::string_view> e = file.GetMetadata("attention_error")) {
+    double v;
+    if (!absl::SimpleAtod(*e, &v) || !std::isfinite(v) || v < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("metadata attention_error: ", Quote(*e), ", expected a finite decimal number >= 0"));
+    }
+    msg.attention_error = v;
+  }
   KVRELAY_ASSIGN_OR_RETURN(msg.full_bytes, ParseCount(file, "full_bytes", kMaxU64, count));
   KVRELAY_ASSIGN_OR_RETURN(msg.sent_bytes, ParseCount(file, "sent_bytes", kMaxU64, count));
   const int64_t n = static_cast<int64_t>(nh + na + nk + ng);

@@ -33,6 +33,7 @@ void FillAccounting(const Message& m, uint64_t received, double compress_s, doub
   a->set_compress_seconds(compress_s);
   a->set_commit_seconds(commit_s);
   a->set_policy(m.policy);
+  if (m.attention_error) a->set_attention_error(*m.attention_error);
 }
 
 }  // namespace kvrelay

@@ -3,13 +3,16 @@
 // gen.q and window=.
 #include "core/query_scores.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "core/pipeline.h"
+#include "core/quant.h"
 #include "tests/core/test_util.h"
 
 namespace kvrelay {
@@ -221,6 +224,118 @@ TEST(QueryScores, BothOrNeitherInputIsRefused) {
   turn.layers[0].gen_q = KvTensor();
   EXPECT_EQ(ValidateTurn(turn).message(),
             "layer.0.prompt.score: missing, expected layer.0.prompt.score or layer.0.gen.q (the queries)");
+}
+
+// The fidelity figure from the definition, in float64, from the turn and
+// the message's keys and values as the recipient holds them.
+double ReferenceError(const TurnLayer& layer, const TurnGeometry& geo, const MessageLayer& msg, double scale) {
+  const int H = geo.kv_heads, S = geo.score_heads, d = geo.head_dim;
+  const int nh = geo.n_history, np = geo.n_prompt, ng = geo.n_gen;
+  KvTensor mk = msg.k, mv = msg.v;
+  if (msg.quant) EXPECT_TRUE(DequantizeKv(*msg.quant, geo.dtype, &mk, &mv).ok());
+  const int m_msg = msg.tokens();
+  auto row = [&](const KvTensor& t, int h, int i) {
+    std::vector<float> f(d);
+    t.ReadRow(h, i, f.data());
+    return std::vector<double>(f.begin(), f.end());
+  };
+  auto full_kv = [&](int h, int i, bool value) {
+    if (i < nh) return row(value ? layer.history_v : layer.history_k, h, i);
+    if (i < nh + np) return row(value ? layer.prompt_v : layer.prompt_k, h, i - nh);
+    return row(value ? layer.gen_v : layer.gen_k, h, i - nh - np);
+  };
+  auto output = [&](const std::vector<double>& q, int seen, const std::function<std::vector<double>(int, bool)>& kv) {
+    std::vector<double> z(seen), o(d, 0.0);
+    for (int i = 0; i < seen; ++i) {
+      const std::vector<double> k = kv(i, false);
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += q[c] * k[c];
+      z[i] = dot * scale;
+    }
+    const double zmax = *std::max_element(z.begin(), z.end());
+    double sum = 0;
+    for (double& x : z) sum += (x = std::exp(x - zmax));
+    for (int i = 0; i < seen; ++i) {
+      const std::vector<double> v = kv(i, true);
+      for (int c = 0; c < d; ++c) o[c] += z[i] / sum * v[c];
+    }
+    return o;
+  };
+  double total = 0;
+  for (int qh = 0; qh < S; ++qh) {
+    const int h = qh / (S / H);
+    for (int t = 0; t < ng; ++t) {
+      const std::vector<double> q = row(layer.gen_q, qh, t);
+      const std::vector<double> of = output(q, nh + np + t + 1, [&](int i, bool v) { return full_kv(h, i, v); });
+      const std::vector<double> om =
+          output(q, m_msg - ng + t + 1, [&](int i, bool v) { return row(v ? mv : mk, h, i); });
+      double full = 0, diff = 0;
+      for (int c = 0; c < d; ++c) {
+        full += of[c] * of[c];
+        diff += (om[c] - of[c]) * (om[c] - of[c]);
+      }
+      total += std::sqrt(diff / full);
+    }
+  }
+  return total / (S * ng);
+}
+
+TEST(AttentionOutputError, MatchesTheFloat64DefinitionAndIsZeroForFull) {
+  int seed = 40;
+  for (const char* spec : {"full", "h2o-head:k=6", "h2o-layer:k=6+obf:p=4", "h2o-head:k=6+obf:p=4,mode=fast+int4",
+                           "gen:sinks=2"}) {
+    for (int group : {1, 4}) {
+      for (int history : {0, 5}) {
+        TurnShape s;
+        s.layers = 2;
+        s.group = group;
+        s.head_dim = 32;
+        s.n_prompt = 30;
+        s.n_gen = 5;
+        s.n_history = history;
+        s.dtype = DType::kBF16;
+        s.queries = true;
+        Turn turn = RandomTurn(s, ++seed);
+        turn.softmax_scale = 0.05;  // moderate logits: a non-trivial softmax
+        SCOPED_TRACE(absl::StrCat(spec, " group=", group, " history=", history, " seed=", seed));
+        auto p = Pipeline::Create(spec);
+        ASSERT_TRUE(p.ok());
+        absl::StatusOr<Message> m = (*p)->Compress(turn);
+        ASSERT_TRUE(m.ok()) << m.status();
+        ASSERT_TRUE(m->attention_error.has_value());
+        const TurnGeometry geo = *GeometryOf(turn);
+        double sum = 0;
+        for (size_t l = 0; l < turn.layers.size(); ++l) {
+          const MessageLayer& ml = m->layers[l];
+          ASSERT_TRUE(ml.attention_error.has_value());
+          const double want = ReferenceError(turn.layers[l], geo, ml, 0.05);
+          EXPECT_NEAR(*ml.attention_error, want, 1e-5 + 1e-4 * want) << "layer " << l;
+          if (std::string(spec) == "full") {
+            EXPECT_LT(*ml.attention_error, 1e-6);
+          } else {
+            EXPECT_GT(*ml.attention_error, 1e-4);
+          }
+          sum += *ml.attention_error;
+        }
+        EXPECT_DOUBLE_EQ(*m->attention_error, sum / turn.layers.size());
+      }
+    }
+  }
+}
+
+TEST(AttentionOutputError, OnlyForTurnsWithQueries) {
+  TurnShape s;
+  auto p = Pipeline::Create("h2o-head:k=8");
+  ASSERT_TRUE(p.ok());
+  absl::StatusOr<Message> m = (*p)->Compress(RandomTurn(s, 1));
+  ASSERT_TRUE(m.ok());
+  EXPECT_FALSE(m->attention_error.has_value());
+  EXPECT_FALSE(m->layers[0].attention_error.has_value());
+  s.queries = true;
+  s.n_gen = 0;  // no steps: nothing to compare, the figure is 0
+  m = (*p)->Compress(RandomTurn(s, 2));
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->attention_error, 0.0);
 }
 
 }  // namespace
