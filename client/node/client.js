@@ -172,14 +172,17 @@ function loadRelayService(protoPath = DEFAULT_PROTO_PATH) {
 // ---- uploads ----------------------------------------------------------------
 
 // Upload order of one layer (relay.proto, "Tensor order"): [part, turn field,
-// file-format name, bytes for turn geometry g].
+// file-format name, bytes for turn geometry g], then the attention input
+// (SCORE_PART, or QUERY_PART when the turn has a queryDtype), then history.
 const UPLOAD_PARTS = [
   ['PART_PROMPT_K', 'promptK', 'prompt.k', (g, kv) => g.kvHeads * g.nPrompt * g.headDim * kv],
   ['PART_PROMPT_V', 'promptV', 'prompt.v', (g, kv) => g.kvHeads * g.nPrompt * g.headDim * kv],
   ['PART_GEN_K', 'genK', 'gen.k', (g, kv) => g.kvHeads * g.nGen * g.headDim * kv],
   ['PART_GEN_V', 'genV', 'gen.v', (g, kv) => g.kvHeads * g.nGen * g.headDim * kv],
-  ['PART_PROMPT_SCORE', 'promptScore', 'prompt.score', (g) => g.scoreHeads * g.nPrompt * 4],
 ];
+const SCORE_PART = ['PART_PROMPT_SCORE', 'promptScore', 'prompt.score', (g) => g.scoreHeads * g.nPrompt * 4];
+const QUERY_PART = ['PART_GEN_Q', 'genQ', 'gen.q', (g, kv, q) => g.scoreHeads * g.nGen * g.headDim * q];
+const KV_SIZE = { F32: 4, F16: 2, BF16: 2 };
 const HISTORY_PARTS = [
   ['PART_HISTORY_K', 'historyK', 'history.k', (g, kv) => g.kvHeads * g.nHistory * g.headDim * kv],
   ['PART_HISTORY_V', 'historyV', 'history.v', (g, kv) => g.kvHeads * g.nHistory * g.headDim * kv],
@@ -192,19 +195,33 @@ const HISTORY_PARTS = [
  *
  * A turn: { dtype: 'F32'|'F16'|'BF16', kvHeads, scoreHeads, headDim, nPrompt,
  * nGen, nHistory (0), firstAgent (nHistory === 0), promptPos0 (optional),
- * layers: [{ promptK, promptV, genK, genV, promptScore[, historyK, historyV,
- * historyPos] }] } with every tensor as little-endian bytes (Uint8Array or
- * Buffer, or another typed array or DataView, taken as its bytes; BF16 as its
- * 16-bit patterns, scores F32, positions I32).
+ * queryDtype (optional), softmaxScale (optional), layers: [{ promptK,
+ * promptV, genK, genV, promptScore | genQ[, historyK, historyV, historyPos]
+ * }] } with every tensor as little-endian bytes (Uint8Array or Buffer, or
+ * another typed array or DataView, taken as its bytes; BF16 as its 16-bit
+ * patterns, scores F32, positions I32).
+ *
+ * The attention input, the same in every layer: without queryDtype the
+ * scores, promptScore F32 [scoreHeads, nPrompt]; with queryDtype ('F32' or
+ * the K/V dtype) the generated steps' post-RoPE queries instead, genQ
+ * [scoreHeads, nGen, headDim] in that dtype, from which the relay computes
+ * the scores with softmaxScale as the logit scale (a finite number > 0;
+ * unset: 1/sqrt(headDim)). A layer carries exactly one of the two.
  */
 function planUpload(turn) {
   if (turn === null || typeof turn !== 'object') {
     throw invalid(`turn: ${turn === null ? 'null' : typeof turn}, expected an object (see planUpload)`);
   }
-  const kv = { F32: 4, F16: 2, BF16: 2 }[turn.dtype];
+  const kv = KV_SIZE[turn.dtype];
   if (!kv) throw invalid(`turn.dtype: ${JSON.stringify(turn.dtype)}, expected F32, F16 or BF16`);
   if (!Array.isArray(turn.layers) || turn.layers.length === 0) {
     throw invalid('turn.layers: empty, expected at least one layer');
+  }
+  const queryDtype = checkAttentionInput(turn);
+  const scale = turn.softmaxScale ?? undefined;
+  if (scale !== undefined && !(typeof scale === 'number' && Number.isFinite(scale) && scale > 0)) {
+    throw invalid(`turn.softmaxScale: ${typeof scale === 'string' ? JSON.stringify(scale) : scale}, ` +
+                  'expected a finite number > 0 or undefined (1/sqrt(headDim))');
   }
   // `undefined` or `null` take the defaults too (a spread would keep them).
   // firstAgent unset: the chain's first agent exactly when no history is
@@ -224,20 +241,22 @@ function planUpload(turn) {
     throw invalid(`turn.promptPos0: ${typeof pos0 === 'string' ? JSON.stringify(pos0) : pos0}, ` +
                   'expected an integer >= 0 (or undefined: after the history or the parent)');
   }
-  const parts = g.nHistory > 0 ? UPLOAD_PARTS.concat(HISTORY_PARTS) : UPLOAD_PARTS;
+  const attention = queryDtype ? QUERY_PART : SCORE_PART;
+  const parts = UPLOAD_PARTS.concat([attention], g.nHistory > 0 ? HISTORY_PARTS : []);
+  const q = queryDtype ? KV_SIZE[queryDtype] : 0;
   const tensors = [];
   turn.layers.forEach((layer, l) => {
-    if (layer === null || typeof layer !== 'object') {
-      throw invalid(`turn.layers[${l}]: ${layer === null ? 'null' : typeof layer}, expected an object of tensors`);
-    }
     for (const [part, field, name, bytes] of parts) {
       let data = layer[field];
       if (ArrayBuffer.isView(data) && !(data instanceof Uint8Array)) {
         data = new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
       }
-      const want = bytes(g, kv);
+      const want = bytes(g, kv, q);
       if (!(data instanceof Uint8Array) || data.length !== want) {
-        const got = data instanceof Uint8Array ? `${data.length} bytes` : data === undefined ? 'missing' : typeof data;
+        if (data == null && part === 'PART_PROMPT_SCORE') {
+          throw invalid(`layer.${l}.prompt.score: missing, expected it or layer.${l}.gen.q (the queries)`);
+        }
+        const got = data instanceof Uint8Array ? `${data.length} bytes` : data == null ? 'missing' : typeof data;
         throw invalid(`layer.${l}.${name}: ${got}, expected ${want} bytes (a Uint8Array or typed array)`);
       }
       tensors.push({ layer: l, part, data });
@@ -255,7 +274,43 @@ function planUpload(turn) {
     firstAgent: g.firstAgent,
   };
   if (pos0 !== undefined) geometry.promptPos0 = pos0;
+  if (queryDtype) geometry.queryDtype = `DTYPE_${queryDtype}`;
+  if (scale !== undefined) geometry.softmaxScale = scale;
   return { geometry, tensors };
+}
+
+/**
+ * The dtype of the layers' genQ ('F32' or the K/V dtype), or undefined when
+ * they carry promptScore, as turn.queryDtype says (unset, null or ''
+ * for promptScore); checks that every layer
+ * is an object carrying exactly one of the two, the same one as layer 0.
+ */
+function checkAttentionInput(turn) {
+  const queryDtype = turn.queryDtype === '' || turn.queryDtype == null ? undefined : turn.queryDtype;
+  turn.layers.forEach((layer, l) => {
+    if (layer === null || typeof layer !== 'object') {
+      throw invalid(`turn.layers[${l}]: ${layer === null ? 'null' : typeof layer}, expected an object of tensors`);
+    }
+    const score = layer.promptScore != null;
+    const q = layer.genQ != null;
+    if (score && q) {
+      throw invalid(`layer.${l}.gen.q: given together with layer.${l}.prompt.score, expected exactly one of the two`);
+    }
+    if (queryDtype !== undefined && score) {
+      throw invalid(`layer.${l}.prompt.score: given, expected layer.${l}.gen.q ` +
+                    `(turn.queryDtype is ${JSON.stringify(queryDtype)}: every layer carries the queries)`);
+    }
+    if (queryDtype === undefined && q) {
+      throw invalid(l === 0 ?
+        `layer.0.gen.q: dtype unset (turn.queryDtype undefined), expected 'F32' or the K/V dtype ('${turn.dtype}')` :
+        `layer.${l}.gen.q: given, expected layer.${l}.prompt.score like layer.0 (every layer carries the same one)`);
+    }
+  });
+  if (queryDtype !== undefined && queryDtype !== 'F32' && queryDtype !== turn.dtype) {
+    throw invalid(`layer.0.gen.q: dtype ${JSON.stringify(queryDtype)} (turn.queryDtype), ` +
+                  `expected 'F32' or the K/V dtype ('${turn.dtype}')`);
+  }
+  return queryDtype;
 }
 
 /** The requests after the header: every chunk, then the commit trailer. */

@@ -101,7 +101,9 @@ async function writeSafetensors(path, tensors, metadata) {
 /**
  * Reads a turn file (docs/FORMAT.md, "Turn") into the turn object that
  * RelayClient.publish takes. Checks names, dtypes and shapes; the relay
- * checks the values.
+ * checks the values. A file whose layers carry gen.q gives layers with genQ
+ * and queryDtype (gen.q's dtype), and its softmax_scale metadata
+ * softmaxScale.
  * @param {string} path
  */
 async function readTurnFile(path) {
@@ -117,7 +119,15 @@ async function readTurnFile(path) {
   const [kvHeads, nPrompt, headDim] = k0.shape;
   const dtype = k0.dtype;
   if (!['F32', 'F16', 'BF16'].includes(dtype)) throw bad(`layer.0.prompt.k: dtype ${dtype}, expected F32, F16 or BF16`);
-  const score0 = get('layer.0.prompt.score');
+  // The attention input: layer 0's prompt.score or gen.q, the same one in
+  // every layer (checked below).
+  const queries = tensors.has('layer.0.gen.q');
+  const attention = queries ? 'gen.q' : 'prompt.score';
+  const attention0 = get(`layer.0.${attention}`);
+  if (queries && attention0.dtype !== 'F32' && attention0.dtype !== dtype) {
+    throw bad(`layer.0.gen.q: dtype ${attention0.dtype}, expected F32 or ${dtype} (the K/V dtype)`);
+  }
+  const scoreHeads = attention0.shape[0];
   const nGen = get('layer.0.gen.k').shape[1];
   const hasHistory = tensors.has('layer.0.history.k');
   const nHistory = hasHistory ? get('layer.0.history.k').shape[1] : 0;
@@ -135,13 +145,25 @@ async function readTurnFile(path) {
   let used = 0;
   for (let l = 0; l < layers; l++) {
     const p = `layer.${l}.`;
+    const score = tensors.has(p + 'prompt.score');
+    const q = tensors.has(p + 'gen.q');
+    if (score && q) throw bad(`${p}gen.q: given together with ${p}prompt.score, expected exactly one of the two`);
+    if (!score && !q) throw bad(`${p}prompt.score: missing, expected it or ${p}gen.q (the queries)`);
+    if (q !== queries) {
+      const [given, want] = q ? ['gen.q', 'prompt.score'] : ['prompt.score', 'gen.q'];
+      throw bad(`${p}${given}: given, expected ${p}${want} like layer.0 (every layer carries the same one)`);
+    }
     const layer = {
       promptK: expect(p + 'prompt.k', dtype, [kvHeads, nPrompt, headDim]),
       promptV: expect(p + 'prompt.v', dtype, [kvHeads, nPrompt, headDim]),
       genK: expect(p + 'gen.k', dtype, [kvHeads, nGen, headDim]),
       genV: expect(p + 'gen.v', dtype, [kvHeads, nGen, headDim]),
-      promptScore: expect(p + 'prompt.score', 'F32', [score0.shape[0], nPrompt]),
     };
+    if (queries) {
+      layer.genQ = expect(p + 'gen.q', attention0.dtype, [scoreHeads, nGen, headDim]);
+    } else {
+      layer.promptScore = expect(p + 'prompt.score', 'F32', [scoreHeads, nPrompt]);
+    }
     used += 5;
     if (hasHistory) {
       layer.historyK = expect(p + 'history.k', dtype, [kvHeads, nHistory, headDim]);
@@ -154,7 +176,7 @@ async function readTurnFile(path) {
   if (used !== tensors.size) {
     const known = new Set();
     for (let l = 0; l < layers; l++) {
-      for (const s of ['prompt.k', 'prompt.v', 'gen.k', 'gen.v', 'prompt.score', 'history.k', 'history.v', 'history.pos']) {
+      for (const s of ['prompt.k', 'prompt.v', 'gen.k', 'gen.v', attention, 'history.k', 'history.v', 'history.pos']) {
         known.add(`layer.${l}.${s}`);
       }
     }
@@ -168,7 +190,7 @@ async function readTurnFile(path) {
   const turn = {
     dtype,
     kvHeads,
-    scoreHeads: score0.shape[0],
+    scoreHeads,
     headDim,
     nPrompt,
     nGen,
@@ -181,6 +203,16 @@ async function readTurnFile(path) {
       throw bad(`metadata prompt_pos0: ${JSON.stringify(metadata.prompt_pos0)}, expected a decimal integer >= 0`);
     }
     turn.promptPos0 = Number(metadata.prompt_pos0);
+  }
+  if (queries) turn.queryDtype = attention0.dtype;
+  if (metadata.softmax_scale !== undefined) {
+    const v = metadata.softmax_scale;
+    const scale = Number(v);
+    const decimal = typeof v === 'string' && /^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$/.test(v);
+    if (!decimal || !Number.isFinite(scale) || !(scale > 0)) {
+      throw bad(`metadata softmax_scale: ${JSON.stringify(v)}, expected a finite decimal number > 0`);
+    }
+    turn.softmaxScale = scale;
   }
   return turn;
 }

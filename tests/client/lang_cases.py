@@ -23,7 +23,14 @@ count every ack); a bad policy fails with INVALID_ARGUMENT naming
 header.policy and commits nothing; a malformed turn file fails before any
 call, naming the tensor; a missing flag is a usage error (exit 2); a publish
 and a fetch over the relay's Unix socket (--addr unix:PATH) give the same
-message, counted by the same relay.
+message, counted by the same relay. Turns whose layers carry gen.q (the
+generated steps' queries, F32 or the K/V dtype, with and without
+softmax_scale; QUERY_CASES) published and fetched, and sent to Compress,
+equal `kvrelayctl compress` of the same file bit for bit, and differ from
+the turn's scores and from the default scale (so the client sent GEN_Q,
+query_dtype and softmax_scale); a file with gen.q and prompt.score in one
+layer, a mix across layers, gen.q in a third dtype or a softmax_scale that
+is not a finite decimal > 0 fails before any call, naming it.
 
 TLS cases (TlsCases; the driver defines TlsTest as TlsCases +
 unittest.TestCase with LANG, example and BINARIES = (server, kvrelayctl)):
@@ -78,6 +85,45 @@ CASES = [
     ("evicted-tail-no-gen", "h2o-layer:k=2", dict(dtype="BF16", gen=0, seed=18)),
 ]
 
+# Turns whose layers carry gen.q (the generated steps' queries) instead of
+# prompt.score: (name, policy, make-turn flags, gen.q dtype, softmax_scale
+# metadata or None). window= needs the queries (the relay refuses it on a
+# turn with scores); a scale that is not 1/sqrt(head_dim) changes the kept
+# set, so a client that dropped it would not match kvrelayctl.
+QUERY_CASES = [
+    ("q-f32-bf16", "h2o-head:k=8+obf:p=4", dict(dtype="BF16", seed=51), "F32", None),
+    ("q-f16-gqa-window", "h2o-layer:k=8,window=3", dict(dtype="F16", kv_heads=2, score_heads=8, seed=52),
+     "F16", "0.05"),
+    ("q-bf16-history-int4", "h2o-head:k=6,pool=3,window=2+int4",
+     dict(dtype="BF16", history=6, seed=53), "BF16", "3e-1"),
+    ("q-f32-multichunk", "h2o-layer:k=64,recent=4",
+     dict(dtype="F32", layers=2, kv_heads=4, head_dim=128, prompt=600, gen=600, seed=54), "F32", "0.02"),
+]
+
+
+def write_st(path, meta, tensors):
+    """Writes a safetensors file: tensors {name: (dtype, shape, bytes)} (as
+    read_st returns them) in their order, metadata `meta`."""
+    header, offset = {}, 0
+    if meta:
+        header["__metadata__"] = meta
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(t[2] for t in tensors.values()))
+
+
+def query_bytes(q, dtype):
+    """float32 array q as little-endian bytes of dtype (BF16: the top 16 bits)."""
+    if dtype == "F32":
+        return q.astype("<f4").tobytes()
+    if dtype == "F16":
+        return q.astype("<f2").tobytes()
+    return (q.astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
+
 
 def rows(t):
     """A [H, n, ...] tensor as uint8 [H, n, row_bytes], for concatenating along tokens."""
@@ -115,6 +161,30 @@ class Live:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         check_run(cmd)
         return path
+
+    def query_turn(self, name, query_dtype, softmax_scale=None, **flags):
+        """A make-turn turn with each layer's prompt.score replaced by gen.q
+        [score_heads, n_gen, head_dim] of random queries in query_dtype, and
+        softmax_scale (a string) in the metadata when given; (path of the
+        gen.q turn, path of the make-turn turn it came from)."""
+        source = self.make_turn(name + "-scores", **flags)
+        meta, tensors = read_st(source)
+        rng = np.random.default_rng(int(flags.get("seed", 1)) + 1000)
+        out = {}
+        for key, t in tensors.items():
+            if not key.endswith(".prompt.score"):
+                out[key] = t
+                continue
+            p = key[:-len("prompt.score")]
+            heads = t[1][0]
+            _, (_, n_gen, d), _ = tensors[p + "gen.k"]
+            q = rng.standard_normal((heads, n_gen, d)).astype(np.float32)
+            out[p + "gen.q"] = (query_dtype, (heads, n_gen, d), query_bytes(q, query_dtype))
+        if softmax_scale is not None:
+            meta = dict(meta, softmax_scale=softmax_scale)
+        path = self.path(name + ".safetensors")
+        write_st(path, meta, out)
+        return path, source
 
     def stats(self):
         out = check_run([self.kvrelayctl, "stats", "--addr", self.addr]).stdout
@@ -263,6 +333,95 @@ class RelayCases:
         p = self.compress("h2o-head:k=8+bogus", turn, out)
         self.assertEqual(p.returncode, 1)
         self.assertIn("INVALID_ARGUMENT: header.policy 'h2o-head:k=8+bogus'", p.stdout + p.stderr)
+
+    def offline(self, policy, turn, name):
+        """kvrelayctl compress of `turn` with `policy`: (metadata, tensors)."""
+        ref = self.live.path(f"ref-{name}.safetensors")
+        check_run([self.live.kvrelayctl, "compress", "--policy", policy, "--in", turn, "--out", ref,
+                   "--threads", "2"])
+        return read_st(ref)
+
+    def test_queries_match_offline_compress(self):
+        # Publish (and Compress) of gen.q turns: the relay computes the
+        # scores from the queries the client sent as GEN_Q, with the
+        # query_dtype and softmax_scale it put in the geometry, exactly as
+        # kvrelayctl compress does from the same file.
+        live = self.live
+        before = live.stats()
+        for name, policy, flags, qdtype, scale in QUERY_CASES:
+            with self.subTest(case=name):
+                turn, source = live.query_turn(name, qdtype, scale, **flags)
+                out, msg_id = self.publish_fetch(name, policy, turn)
+                meta, msg = read_st(out)
+                self.assertEqual((meta["message_id"], meta["session"]), (msg_id, f"s-{name}"))
+                rmeta, rmsg = self.offline(meta["policy"], turn, name)
+                for key in MESSAGE_KEYS:
+                    self.assertEqual(meta.get(key), rmeta.get(key), key)
+                self.assert_same_tensors(msg, rmsg, name)
+                # The queries (and the scale) chose the tokens: other scores,
+                # or the default scale, keep others.
+                if "window=" not in policy:
+                    _, smsg = self.offline(meta["policy"], source, name + "-scores")
+                    self.assertTrue(any(msg[k][2] != smsg[k][2] for k in msg if k.endswith(".pos")),
+                                    f"{name}: the same positions as the turn with scores")
+                if scale is not None:
+                    plain = live.path(f"{name}-no-scale.safetensors")
+                    smeta, st = read_st(turn)
+                    write_st(plain, {k: v for k, v in smeta.items() if k != "softmax_scale"}, st)
+                    _, dmsg = self.offline(meta["policy"], plain, name + "-no-scale")
+                    self.assertTrue(any(msg[k][2] != dmsg[k][2] for k in msg if k.endswith(".pos")),
+                                    f"{name}: softmax_scale {scale} keeps what 1/sqrt(head_dim) keeps")
+                # The stateless Compress sends the same turn.
+                cout = live.path(f"cmp-{name}.safetensors")
+                p = self.compress(policy, turn, cout)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                cmeta, cmsg = read_st(cout)
+                for key in MESSAGE_KEYS:
+                    self.assertEqual(cmeta.get(key), rmeta.get(key), key)
+                self.assert_same_tensors(cmsg, rmsg, name + " (compress)")
+        after = live.stats()
+        for key in ("messages_committed", "messages_delivered", "messages_acked"):
+            self.assertEqual(int(after[key]) - int(before[key]), len(QUERY_CASES), key)
+
+    def test_bad_query_turn_fails_before_any_call(self):
+        # gen.q together with prompt.score, gen.q in a third dtype, a
+        # softmax_scale that is no finite number > 0: the example refuses the
+        # file, naming the tensor or the key, and publishes nothing.
+        live = self.live
+        turn, source = live.query_turn("q-bad", "F32", "0.5", dtype="BF16", layers=2, seed=61)
+        meta, tensors = read_st(turn)
+        _, scores = read_st(source)
+        both = dict(tensors)
+        both["layer.0.prompt.score"] = scores["layer.0.prompt.score"]
+        f16 = dict(tensors)
+        f16["layer.1.gen.q"] = f16["layer.0.gen.q"] = (
+            "F16", tensors["layer.0.gen.q"][1], tensors["layer.0.gen.q"][2][:len(tensors["layer.0.gen.q"][2]) // 2])
+        mixed = dict(tensors)
+        del mixed["layer.1.gen.q"]
+        mixed["layer.1.prompt.score"] = scores["layer.1.prompt.score"]
+        cases = [
+            ("both", meta, both, "layer.0.gen.q: given together with layer.0.prompt.score, "
+                                 "expected exactly one of the two"),
+            ("f16", meta, f16, "layer.0.gen.q: dtype F16, expected F32 or BF16 (the K/V dtype)"),
+            ("mixed", meta, mixed, "layer.1.prompt.score: given, expected layer.1.gen.q like layer.0"),
+        ]
+        for v in ("-1", "0", "inf", "nan", "abc"):
+            cases.append((f"scale {v}", dict(meta, softmax_scale=v), tensors,
+                          f'metadata softmax_scale: "{v}", expected a finite decimal number > 0'))
+        before = live.stats()
+        for name, m, ts, want in cases:
+            with self.subTest(case=name):
+                bad = live.path("q-bad-file.safetensors")
+                write_st(bad, m, ts)
+                out = live.path("q-never.safetensors")
+                p = self.example("--in", bad, "--out", out, "--session", "s-q-bad")
+                self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+                self.assertIn("kvrelay-example: read turn: ", p.stderr)
+                self.assertIn(want, p.stderr)
+                self.assertFalse(os.path.exists(out))
+        after = live.stats()
+        for key in ("messages_committed", "messages_failed"):
+            self.assertEqual(after[key], before[key], key)
 
     def test_bad_policy_is_invalid_argument(self):
         live = self.live

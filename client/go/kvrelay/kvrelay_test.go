@@ -109,6 +109,109 @@ func TestPlanUpload(t *testing.T) {
 	}
 }
 
+// queryTurn is a 2-layer BF16 turn (H=1, S=2, d=2, 3 prompt and 2 generated
+// tokens) whose layers carry gen.q in qdtype instead of scores.
+func queryTurn(qdtype string) *Turn {
+	bf16 := func(n int) []byte { return bytes.Repeat([]byte{0x80, 0x3f}, n) } // 1.0
+	layer := func() TurnLayer {
+		q := bf16(2 * 2 * 2)
+		if qdtype == "F32" {
+			q = f32Bytes(1, -1, 0.5, 2, 0, 1, 3, -2)
+		}
+		return TurnLayer{PromptK: bf16(6), PromptV: bf16(6), GenK: bf16(4), GenV: bf16(4), GenQ: q}
+	}
+	return &Turn{DType: "BF16", KVHeads: 1, ScoreHeads: 2, HeadDim: 2, NPrompt: 3, NGen: 2, FirstAgent: true,
+		QueryDType: qdtype, Layers: []TurnLayer{layer(), layer()}}
+}
+
+func TestPlanUploadQueries(t *testing.T) {
+	for _, qdtype := range []string{"F32", "BF16"} {
+		turn := queryTurn(qdtype)
+		scale := 0.125
+		turn.SoftmaxScale = &scale
+		g, tensors, err := planUpload(turn)
+		if err != nil {
+			t.Fatalf("%s: %v", qdtype, err)
+		}
+		scale = 3 // the geometry holds its own copy
+		if g.GetQueryDtype() != protoDType[qdtype] || g.SoftmaxScale == nil || g.GetSoftmaxScale() != 0.125 ||
+			g.GetScoreHeads() != 2 || g.GetNGen() != 2 {
+			t.Errorf("%s: geometry %v", qdtype, g)
+		}
+		var order []string
+		for _, x := range tensors {
+			order = append(order, fmt.Sprintf("%d:%v:%d", x.layer, x.part, len(x.data)))
+		}
+		q := 2 * 2 * 2 * dtypeSize[qdtype]
+		want := fmt.Sprintf("[0:PART_PROMPT_K:12 0:PART_PROMPT_V:12 0:PART_GEN_K:8 0:PART_GEN_V:8 0:PART_GEN_Q:%d "+
+			"1:PART_PROMPT_K:12 1:PART_PROMPT_V:12 1:PART_GEN_K:8 1:PART_GEN_V:8 1:PART_GEN_Q:%d]", q, q)
+		if fmt.Sprint(order) != want {
+			t.Errorf("%s: order %v, want %s", qdtype, order, want)
+		}
+	}
+	// A turn with scores sends neither query_dtype nor (unless given) a scale.
+	if g, _, err := planUpload(tinyTurn()); err != nil || g.GetQueryDtype() != pb.DType_DTYPE_UNSPECIFIED || g.SoftmaxScale != nil {
+		t.Errorf("scores: geometry %v, %v", g, err)
+	}
+}
+
+func TestPlanUploadQueryErrors(t *testing.T) {
+	scale := func(x float64) *float64 { return &x }
+	for _, c := range []struct {
+		name string
+		edit func(*Turn)
+		want string
+	}{
+		{"both", func(x *Turn) { x.Layers[0].PromptScore = f32Bytes(1, 2, 3, 4, 5, 6) },
+			"layer.0.gen.q: given together with layer.0.prompt.score, expected exactly one of the two"},
+		{"scores in layer 1", func(x *Turn) { x.Layers[1].GenQ, x.Layers[1].PromptScore = nil, f32Bytes(1, 2, 3, 4, 5, 6) },
+			"layer.1.prompt.score: given, expected layer.1.gen.q (turn.query_dtype is F32: every layer carries the queries)"},
+		{"queries in layer 1 of a score turn", func(x *Turn) {
+			x.QueryDType = ""
+			x.Layers[0].GenQ, x.Layers[0].PromptScore = nil, f32Bytes(1, 2, 3, 4, 5, 6)
+		}, "layer.1.gen.q: given, expected layer.1.prompt.score like layer.0 (every layer carries the same one)"},
+		{"no query dtype", func(x *Turn) { x.QueryDType = "" },
+			`layer.0.gen.q: dtype unset (turn.query_dtype ""), expected F32 or the K/V dtype (BF16 turn)`},
+		{"third dtype", func(x *Turn) { x.QueryDType = "F16" },
+			`layer.0.gen.q: dtype "F16" (turn.query_dtype), expected F32 or the K/V dtype (BF16 turn)`},
+		{"K/V-dtype bytes sent as F32", func(x *Turn) { x.Layers[0].GenQ = x.Layers[0].GenQ[:16] },
+			"layer.0.gen.q: 16 bytes, expected 32"},
+		{"missing in layer 1", func(x *Turn) { x.Layers[1].GenQ = nil },
+			"layer.1.gen.q: missing, expected 32 bytes like layer.0"},
+		{"negative scale", func(x *Turn) { x.SoftmaxScale = scale(-1) },
+			"turn.softmax_scale: -1, expected a finite number > 0 or nil"},
+		{"zero scale", func(x *Turn) { x.SoftmaxScale = scale(0) }, "turn.softmax_scale: 0, expected a finite number > 0"},
+		{"NaN scale", func(x *Turn) { x.SoftmaxScale = scale(math.NaN()) }, "turn.softmax_scale: NaN, expected"},
+		{"infinite scale", func(x *Turn) { x.SoftmaxScale = scale(math.Inf(1)) }, "turn.softmax_scale: +Inf, expected"},
+	} {
+		turn := queryTurn("F32")
+		c.edit(turn)
+		_, _, err := planUpload(turn)
+		if Code(err) != codes.InvalidArgument || err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want INVALID_ARGUMENT containing %q", c.name, err, c.want)
+		}
+	}
+	noScore := tinyTurn()
+	noScore.Layers[1].PromptScore = nil
+	if _, _, err := planUpload(noScore); err == nil ||
+		!strings.Contains(err.Error(), "layer.1.prompt.score: missing, expected it or layer.1.gen.q (the queries)") {
+		t.Errorf("no score: %v", err)
+	}
+	// Publish and Compress refuse them before any call.
+	relay := &fakeRelay{committed: map[string]bool{}}
+	c := NewClient(relay)
+	both := queryTurn("BF16")
+	both.Layers[0].PromptScore = f32Bytes(1, 2, 3, 4, 5, 6)
+	_, err := c.Publish(context.Background(), both, PublishOptions{SessionID: "s", Sender: "planner", Recipients: []string{"critic"}})
+	if Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "layer.0.gen.q: given together") || len(relay.seen) != 0 {
+		t.Errorf("publish: %v (relay saw %v)", err, relay.seen)
+	}
+	if _, err := c.Compress(context.Background(), both, "h2o-head:k=2,window=1"); Code(err) != codes.InvalidArgument ||
+		!strings.Contains(err.Error(), "kvrelay: compress: ") || !strings.Contains(err.Error(), "layer.0.gen.q: given together") {
+		t.Errorf("compress: %v", err)
+	}
+}
+
 // delivery is a valid delivery of a 1-layer dense F32 message: H=1, n=2, d=2.
 func delivery() []*pb.FetchResponse {
 	k, v, pos := f32Bytes(1, 2, 3, 4), f32Bytes(5, 6, 7, 8), []byte{0, 0, 0, 0, 1, 0, 0, 0}
@@ -234,6 +337,96 @@ func TestTurnFileRoundTrip(t *testing.T) {
 	}
 	if _, err := ReadTurnFile(path); err == nil || !strings.Contains(err.Error(), "layer.1.prompt.v: F32 [1 2 3], expected F32 [1 3 2]") {
 		t.Errorf("wrong shape: %v", err)
+	}
+}
+
+// queryTurnTensors is queryTurn(qdtype) as turn-file tensors.
+func queryTurnTensors(qdtype string) []Tensor {
+	turn := queryTurn(qdtype)
+	var ts []Tensor
+	for l, layer := range turn.Layers {
+		p := fmt.Sprintf("layer.%d.", l)
+		ts = append(ts,
+			Tensor{Name: p + "prompt.k", DType: "BF16", Shape: []int{1, 3, 2}, Data: layer.PromptK},
+			Tensor{Name: p + "prompt.v", DType: "BF16", Shape: []int{1, 3, 2}, Data: layer.PromptV},
+			Tensor{Name: p + "gen.k", DType: "BF16", Shape: []int{1, 2, 2}, Data: layer.GenK},
+			Tensor{Name: p + "gen.v", DType: "BF16", Shape: []int{1, 2, 2}, Data: layer.GenV},
+			Tensor{Name: p + "gen.q", DType: qdtype, Shape: []int{2, 2, 2}, Data: layer.GenQ})
+	}
+	return ts
+}
+
+func TestTurnFileWithQueries(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "turn.safetensors")
+	for _, qdtype := range []string{"F32", "BF16"} {
+		if err := writeSafetensors(path, queryTurnTensors(qdtype), map[string]string{"softmax_scale": "1.25e-1"}); err != nil {
+			t.Fatal(err)
+		}
+		got, err := ReadTurnFile(path)
+		if err != nil {
+			t.Fatalf("%s: %v", qdtype, err)
+		}
+		want := queryTurn(qdtype)
+		if got.QueryDType != qdtype || got.ScoreHeads != 2 || got.NGen != 2 || got.SoftmaxScale == nil ||
+			*got.SoftmaxScale != 0.125 || len(got.Layers) != 2 || got.Layers[1].PromptScore != nil ||
+			!bytes.Equal(got.Layers[1].GenQ, want.Layers[1].GenQ) {
+			t.Errorf("%s: read back %+v", qdtype, got)
+		}
+		if g, _, err := planUpload(got); err != nil || g.GetQueryDtype() != protoDType[qdtype] || g.GetSoftmaxScale() != 0.125 {
+			t.Errorf("%s: geometry %v, %v", qdtype, g, err)
+		}
+	}
+	// Without the metadata: no scale (the relay's 1/sqrt(head_dim)).
+	if err := writeSafetensors(path, queryTurnTensors("F32"), nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := ReadTurnFile(path); err != nil || got.SoftmaxScale != nil {
+		t.Errorf("no softmax_scale: %+v, %v", got, err)
+	}
+
+	score := Tensor{Name: "layer.1.prompt.score", DType: "F32", Shape: []int{2, 3}, Data: f32Bytes(1, 2, 3, 4, 5, 6)}
+	for _, c := range []struct {
+		name string
+		edit func([]Tensor) []Tensor
+		meta map[string]string
+		want string
+	}{
+		{"both", func(ts []Tensor) []Tensor { return append(ts, score) }, nil,
+			"layer.1.gen.q: given together with layer.1.prompt.score, expected exactly one of the two"},
+		{"mixed", func(ts []Tensor) []Tensor { return append(ts[:9], score) }, nil,
+			"layer.1.prompt.score: given, expected layer.1.gen.q like layer.0 (every layer carries the same one)"},
+		{"neither", func(ts []Tensor) []Tensor { return ts[:9] }, nil,
+			"layer.1.prompt.score: missing, expected it or layer.1.gen.q (the queries)"},
+		{"third dtype", func(ts []Tensor) []Tensor {
+			ts[4].DType, ts[4].Data = "F16", ts[4].Data[:16]
+			return ts
+		}, nil, "layer.0.gen.q: dtype F16, expected F32 or BF16 (the K/V dtype)"},
+		{"dtype differs in layer 1", func(ts []Tensor) []Tensor {
+			ts[9].DType, ts[9].Data = "BF16", ts[9].Data[:16]
+			return ts
+		}, nil, "layer.1.gen.q: BF16 [2 2 2], expected F32 [2 2 2] (from layer.0)"},
+		{"shape", func(ts []Tensor) []Tensor {
+			ts[9].Shape = []int{2, 1, 4}
+			return ts
+		}, nil, "layer.1.gen.q: F32 [2 1 4], expected F32 [2 2 2] (from layer.0)"},
+		{"scale 0", nil, map[string]string{"softmax_scale": "0"}, `metadata softmax_scale: "0", expected a finite decimal number > 0`},
+		{"scale -1", nil, map[string]string{"softmax_scale": "-1"}, `metadata softmax_scale: "-1", expected`},
+		{"scale inf", nil, map[string]string{"softmax_scale": "inf"}, `metadata softmax_scale: "inf", expected`},
+		{"scale nan", nil, map[string]string{"softmax_scale": "NaN"}, `metadata softmax_scale: "NaN", expected`},
+		{"scale hex", nil, map[string]string{"softmax_scale": "0x1p-3"}, `metadata softmax_scale: "0x1p-3", expected`},
+		{"scale overflow", nil, map[string]string{"softmax_scale": "1e999"}, `metadata softmax_scale: "1e999", expected`},
+	} {
+		ts := queryTurnTensors("F32")
+		if c.edit != nil {
+			ts = c.edit(ts)
+		}
+		if err := writeSafetensors(path, ts, c.meta); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ReadTurnFile(path); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want %q", c.name, err, c.want)
+		}
 	}
 }
 

@@ -4,7 +4,9 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"math"
 	"os"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -138,8 +140,14 @@ func writeSafetensors(path string, tensors []Tensor, meta map[string]string) err
 	return nil
 }
 
+// decimalPattern is a decimal number, an exponent allowed (no hexadecimal,
+// no inf or nan): what a turn file's softmax_scale holds.
+var decimalPattern = regexp.MustCompile(`^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$`)
+
 // ReadTurnFile reads a turn file (docs/FORMAT.md, "Turn"), checking names,
-// dtypes and shapes; the relay checks the values.
+// dtypes and shapes; the relay checks the values. A file whose layers carry
+// gen.q gives a Turn with GenQ and QueryDType (gen.q's dtype), and its
+// softmax_scale metadata SoftmaxScale.
 func ReadTurnFile(path string) (*Turn, error) {
 	meta, tensors, err := readSafetensors(path)
 	if err != nil {
@@ -163,11 +171,21 @@ func ReadTurnFile(path string) (*Turn, error) {
 		return nil, fmt.Errorf("%s: layer.0.prompt.k: dtype %s, expected F32, F16 or BF16", path, k0.dtype)
 	}
 	t := &Turn{DType: k0.dtype, KVHeads: k0.shape[0], NPrompt: k0.shape[1], HeadDim: k0.shape[2], FirstAgent: true}
+	// The attention input: layer 0's prompt.score or gen.q, the same one in
+	// every layer (checked below).
+	attention := "prompt.score"
+	if q0, ok := tensors["layer.0.gen.q"]; ok {
+		attention = "gen.q"
+		if q0.dtype != "F32" && q0.dtype != t.DType {
+			return nil, fmt.Errorf("%s: layer.0.gen.q: dtype %s, expected F32 or %s (the K/V dtype)", path, q0.dtype, t.DType)
+		}
+		t.QueryDType = q0.dtype
+	}
 	for _, dim := range []struct {
 		name string
 		axis int
 		dst  *int
-	}{{"layer.0.prompt.score", 0, &t.ScoreHeads}, {"layer.0.gen.k", 1, &t.NGen}} {
+	}{{"layer.0." + attention, 0, &t.ScoreHeads}, {"layer.0.gen.k", 1, &t.NGen}} {
 		x, err := get(dim.name)
 		if err != nil {
 			return nil, err
@@ -194,6 +212,13 @@ func ReadTurnFile(path string) (*Turn, error) {
 		}
 		t.PromptPos0 = &p
 	}
+	if v, ok := meta["softmax_scale"]; ok {
+		scale, err := strconv.ParseFloat(v, 64)
+		if err != nil || !decimalPattern.MatchString(v) || !(scale > 0 && scale <= math.MaxFloat64) {
+			return nil, fmt.Errorf("%s: metadata softmax_scale: %q, expected a finite decimal number > 0", path, v)
+		}
+		t.SoftmaxScale = &scale
+	}
 	type field struct {
 		name  string
 		dtype string
@@ -206,7 +231,13 @@ func ReadTurnFile(path string) (*Turn, error) {
 		{"prompt.v", t.DType, kv(t.NPrompt), func(l *TurnLayer) *[]byte { return &l.PromptV }},
 		{"gen.k", t.DType, kv(t.NGen), func(l *TurnLayer) *[]byte { return &l.GenK }},
 		{"gen.v", t.DType, kv(t.NGen), func(l *TurnLayer) *[]byte { return &l.GenV }},
-		{"prompt.score", "F32", []int{t.ScoreHeads, t.NPrompt}, func(l *TurnLayer) *[]byte { return &l.PromptScore }},
+	}
+	if attention == "gen.q" {
+		fields = append(fields, field{"gen.q", t.QueryDType, []int{t.ScoreHeads, t.NGen, t.HeadDim},
+			func(l *TurnLayer) *[]byte { return &l.GenQ }})
+	} else {
+		fields = append(fields, field{"prompt.score", "F32", []int{t.ScoreHeads, t.NPrompt},
+			func(l *TurnLayer) *[]byte { return &l.PromptScore }})
 	}
 	if hasHistory {
 		fields = append(fields,
@@ -218,6 +249,22 @@ func ReadTurnFile(path string) (*Turn, error) {
 	for l := 0; ; l++ {
 		if _, ok := tensors[fmt.Sprintf("layer.%d.prompt.k", l)]; !ok {
 			break
+		}
+		_, score := tensors[fmt.Sprintf("layer.%d.prompt.score", l)]
+		_, queries := tensors[fmt.Sprintf("layer.%d.gen.q", l)]
+		switch {
+		case score && queries:
+			return nil, fmt.Errorf("%s: layer.%d.gen.q: given together with layer.%d.prompt.score, expected exactly one of the two",
+				path, l, l)
+		case !score && !queries:
+			return nil, fmt.Errorf("%s: layer.%d.prompt.score: missing, expected it or layer.%d.gen.q (the queries)", path, l, l)
+		case queries != (attention == "gen.q"):
+			given, want := "prompt.score", "gen.q"
+			if queries {
+				given, want = want, given
+			}
+			return nil, fmt.Errorf("%s: layer.%d.%s: given, expected layer.%d.%s like layer.0 (every layer carries the same one)",
+				path, l, given, l, want)
 		}
 		var layer TurnLayer
 		for _, f := range fields {

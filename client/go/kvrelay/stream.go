@@ -16,10 +16,14 @@ import (
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Turn is one agent turn: per layer the prompt and generated K/V, the
-// attention mass on the prompt and optionally history (docs/FORMAT.md,
-// "Turn"). Tensors are little-endian, row-major bytes: K/V in DType ("F32",
-// "F16" or "BF16" bit patterns) of shape [KVHeads, n, HeadDim], scores F32
-// [ScoreHeads, NPrompt], history positions I32 [KVHeads, NHistory].
+// attention input and optionally history (docs/FORMAT.md, "Turn"). Tensors
+// are little-endian, row-major bytes: K/V in DType ("F32", "F16" or "BF16"
+// bit patterns) of shape [KVHeads, n, HeadDim], history positions I32
+// [KVHeads, NHistory]. The attention input is the same in every layer:
+// with QueryDType "" the scores (PromptScore, F32 [ScoreHeads, NPrompt],
+// the attention mass on each prompt token), else the generated steps'
+// post-RoPE queries (GenQ, [ScoreHeads, NGen, HeadDim] in QueryDType), from
+// which the relay computes the scores.
 type Turn struct {
 	DType      string
 	KVHeads    int
@@ -36,13 +40,24 @@ type Turn struct {
 	// PromptPos0: position id of the first prompt token; nil: NHistory, or
 	// with PublishOptions.ParentID where the parent's turn ended.
 	PromptPos0 *int64
-	Layers     []TurnLayer
+	// QueryDType: "" when every layer carries PromptScore; "F32" or DType
+	// when every layer carries GenQ instead (in that dtype) and no
+	// PromptScore. ScoreHeads is then GenQ's first dimension.
+	QueryDType string
+	// SoftmaxScale: the attention's logit scale for the scores from GenQ
+	// (finite, > 0, checked on every turn); nil: 1/sqrt(HeadDim). The relay
+	// ignores it on a turn with PromptScore.
+	SoftmaxScale *float64
+	Layers       []TurnLayer
 }
 
-// TurnLayer holds one layer's tensors; the History* ones only when NHistory > 0.
+// TurnLayer holds one layer's tensors: exactly one of PromptScore and GenQ
+// (Turn.QueryDType says which; the other nil), the History* ones only when
+// NHistory > 0.
 type TurnLayer struct {
 	PromptK, PromptV, GenK, GenV, PromptScore []byte
 	HistoryK, HistoryV, HistoryPos            []byte
+	GenQ                                      []byte
 }
 
 // Tensor is one delivered tensor, named as in the message file format
@@ -117,6 +132,13 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 			return nil, nil, invalidf("turn.%s: %d, expected 0..2^32-1", f.name, f.v)
 		}
 	}
+	qdtype, err := queryDType(t)
+	if err != nil {
+		return nil, nil, err
+	}
+	if s := t.SoftmaxScale; s != nil && !(*s > 0 && *s <= math.MaxFloat64) {
+		return nil, nil, invalidf("turn.softmax_scale: %v, expected a finite number > 0 or nil (1/sqrt(head_dim))", *s)
+	}
 	kv := dtypeSize[t.DType] * t.KVHeads * t.HeadDim
 	type partData struct {
 		part pb.Part
@@ -127,12 +149,23 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 	var tensors []uploadTensor
 	for l := range t.Layers {
 		layer := &t.Layers[l]
+		attention := partData{pb.Part_PART_PROMPT_SCORE, "prompt.score", layer.PromptScore, 4 * t.ScoreHeads * t.NPrompt}
+		if qdtype != "" {
+			attention = partData{pb.Part_PART_GEN_Q, "gen.q", layer.GenQ, dtypeSize[qdtype] * t.ScoreHeads * t.NGen * t.HeadDim}
+		}
+		if attention.data == nil && attention.want > 0 {
+			if qdtype == "" {
+				return nil, nil, invalidf("layer.%d.prompt.score: missing, expected it or layer.%d.gen.q (the queries)", l, l)
+			}
+			return nil, nil, invalidf("layer.%d.gen.q: missing, expected %d bytes like layer.0 (every layer carries the same one)",
+				l, attention.want)
+		}
 		parts := []partData{
 			{pb.Part_PART_PROMPT_K, "prompt.k", layer.PromptK, kv * t.NPrompt},
 			{pb.Part_PART_PROMPT_V, "prompt.v", layer.PromptV, kv * t.NPrompt},
 			{pb.Part_PART_GEN_K, "gen.k", layer.GenK, kv * t.NGen},
 			{pb.Part_PART_GEN_V, "gen.v", layer.GenV, kv * t.NGen},
-			{pb.Part_PART_PROMPT_SCORE, "prompt.score", layer.PromptScore, 4 * t.ScoreHeads * t.NPrompt},
+			attention,
 		}
 		if t.NHistory > 0 {
 			parts = append(parts, []partData{
@@ -153,7 +186,41 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 		HeadDim: uint32(t.HeadDim), Dtype: dtype, NPrompt: uint32(t.NPrompt), NGen: uint32(t.NGen),
 		NHistory: uint32(t.NHistory), FirstAgent: t.FirstAgent, PromptPos0: t.PromptPos0,
 	}
+	if qdtype != "" {
+		g.QueryDtype = protoDType[qdtype]
+	}
+	if t.SoftmaxScale != nil {
+		scale := *t.SoftmaxScale
+		g.SoftmaxScale = &scale
+	}
 	return g, tensors, nil
+}
+
+// queryDType is the dtype of the layers' GenQ ("F32" or the K/V dtype), or
+// "" when they carry PromptScore, as t.QueryDType says; it checks that every
+// layer carries exactly one of the two, the same one as layer 0.
+func queryDType(t *Turn) (string, error) {
+	queries := t.QueryDType != ""
+	for l := range t.Layers {
+		score, q := t.Layers[l].PromptScore != nil, t.Layers[l].GenQ != nil
+		switch {
+		case score && q:
+			return "", invalidf("layer.%d.gen.q: given together with layer.%d.prompt.score, expected exactly one of the two", l, l)
+		case queries && score:
+			return "", invalidf("layer.%d.prompt.score: given, expected layer.%d.gen.q "+
+				"(turn.query_dtype is %s: every layer carries the queries)", l, l, t.QueryDType)
+		case !queries && q && l == 0:
+			return "", invalidf("layer.0.gen.q: dtype unset (turn.query_dtype \"\"), expected F32 or the K/V dtype (%s turn)", t.DType)
+		case !queries && q:
+			return "", invalidf("layer.%d.gen.q: given, expected layer.%d.prompt.score like layer.0 "+
+				"(every layer carries the same one)", l, l)
+		}
+	}
+	if queries && t.QueryDType != "F32" && t.QueryDType != t.DType {
+		return "", invalidf("layer.0.gen.q: dtype %q (turn.query_dtype), expected F32 or the K/V dtype (%s turn)",
+			t.QueryDType, t.DType)
+	}
+	return t.QueryDType, nil
 }
 
 // sendChunks cuts tensors into chunks of at most MaxChunkBytes, each with its

@@ -13,7 +13,8 @@ make-turn`, fetch the message, write it, ack. Checks: the fetched message
 equals `kvrelayctl compress` of the same turn bit for bit (every tensor's
 dtype, shape and bytes, and the accounting metadata) for dense, quantized
 and default policies, multi-chunk F32 tensors, F16/BF16, GQA and uploaded
-history; with `full` it equals the input K/V (and positions); the message
+history, and for turns carrying gen.q (queries) instead of scores, through
+publish and compress; with `full` it equals the input K/V (and positions); the message
 was acked (the relay holds nothing, stats count every ack); a bad policy
 fails with INVALID_ARGUMENT naming header.policy and commits nothing; a
 malformed turn file fails before any call, naming the tensor; a publish and

@@ -15,7 +15,7 @@ const { RelayClient, RelayError, MAX_CHUNK_BYTES, loadRelayService, newMessageId
         writeUpload, Assembler, readTokenFile } = require(path.join(dir, 'client.js'));
 const { EventEmitter } = require('node:events');
 const grpc = require('@grpc/grpc-js');
-const { readSafetensors, writeSafetensors } = require(path.join(dir, 'safetensors.js'));
+const { readSafetensors, writeSafetensors, readTurnFile } = require(path.join(dir, 'safetensors.js'));
 const fs = require('node:fs');
 const os = require('node:os');
 
@@ -110,6 +110,155 @@ test('planUpload: typed arrays are taken as their bytes; a missing turn or layer
   const noScore = tinyTurn();
   delete noScore.layers[1].promptScore;
   assert.throws(() => planUpload(noScore), invalidArg(/layer\.1\.prompt\.score: missing/));
+});
+
+// A 2-layer BF16 turn (H=1, S=2, d=2, 3 prompt and 2 generated tokens) whose
+// layers carry genQ in queryDtype instead of scores.
+function queryTurn(queryDtype, overrides = {}) {
+  const bf16 = (n) => Buffer.from(new Uint16Array(n).fill(0x3f80).buffer); // 1.0
+  const genQ = () => (queryDtype === 'F32' ? new Float32Array([1, -1, 0.5, 2, 0, 1, 3, -2]) : bf16(8));
+  const layer = () => ({ promptK: bf16(6), promptV: bf16(6), genK: bf16(4), genV: bf16(4), genQ: genQ() });
+  return { dtype: 'BF16', kvHeads: 1, scoreHeads: 2, headDim: 2, nPrompt: 3, nGen: 2, queryDtype,
+           layers: [layer(), layer()], ...overrides };
+}
+
+test('planUpload: genQ in PROMPT_SCORE\'s place, queryDtype and softmaxScale in the geometry', () => {
+  for (const queryDtype of ['F32', 'BF16']) {
+    const { geometry, tensors } = planUpload(queryTurn(queryDtype, { softmaxScale: 0.125 }));
+    assert.equal(geometry.queryDtype, `DTYPE_${queryDtype}`);
+    assert.equal(geometry.softmaxScale, 0.125);
+    assert.equal(geometry.scoreHeads, 2);
+    const q = queryDtype === 'F32' ? 32 : 16;
+    assert.deepEqual(tensors.map((t) => `${t.layer}:${t.part}:${t.data.length}`), [
+      '0:PART_PROMPT_K:12', '0:PART_PROMPT_V:12', '0:PART_GEN_K:8', '0:PART_GEN_V:8', `0:PART_GEN_Q:${q}`,
+      '1:PART_PROMPT_K:12', '1:PART_PROMPT_V:12', '1:PART_GEN_K:8', '1:PART_GEN_V:8', `1:PART_GEN_Q:${q}`]);
+  }
+  // Scores: no query dtype, no scale unless given; '' and null are unset.
+  for (const queryDtype of [undefined, null, '']) {
+    const { geometry } = planUpload(tinyTurn({ queryDtype }));
+    assert.deepEqual([geometry.queryDtype, geometry.softmaxScale], [undefined, undefined]);
+  }
+  assert.equal(planUpload(queryTurn('F32', { softmaxScale: null })).geometry.softmaxScale, undefined);
+});
+
+test('planUpload: both or neither attention input, a mix, a wrong dtype or size, a bad softmaxScale name it', () => {
+  const invalidArg = (re) => (e) => e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT && re.test(e.details);
+  const score = () => new Float32Array(6);
+  const cases = [
+    ['both', (t) => { t.layers[0].promptScore = score(); },
+     /^layer\.0\.gen\.q: given together with layer\.0\.prompt\.score, expected exactly one of the two$/],
+    ['scores in layer 1', (t) => { t.layers[1] = { ...t.layers[1], genQ: undefined, promptScore: score() }; },
+     /^layer\.1\.prompt\.score: given, expected layer\.1\.gen\.q \(turn\.queryDtype is "F32": every layer/],
+    ['queries in layer 1 of a score turn', (t) => {
+      t.queryDtype = undefined;
+      t.layers[0] = { ...t.layers[0], genQ: null, promptScore: score() };
+    }, /^layer\.1\.gen\.q: given, expected layer\.1\.prompt\.score like layer\.0 \(every layer carries the same one\)$/],
+    ['no queryDtype', (t) => { t.queryDtype = undefined; },
+     /^layer\.0\.gen\.q: dtype unset \(turn\.queryDtype undefined\), expected 'F32' or the K\/V dtype \('BF16'\)$/],
+    ['third dtype', (t) => { t.queryDtype = 'F16'; },
+     /^layer\.0\.gen\.q: dtype "F16" \(turn\.queryDtype\), expected 'F32' or the K\/V dtype \('BF16'\)$/],
+    ['K/V-dtype bytes sent as F32', (t) => { t.layers[0].genQ = new Uint16Array(8); },
+     /^layer\.0\.gen\.q: 16 bytes, expected 32 bytes/],
+    ['missing in layer 1', (t) => { delete t.layers[1].genQ; }, /^layer\.1\.gen\.q: missing, expected 32 bytes/],
+  ];
+  for (const softmaxScale of [-1, 0, NaN, Infinity, '0.5', true]) {
+    cases.push([`softmaxScale ${String(softmaxScale)}`, (t) => { t.softmaxScale = softmaxScale; },
+                /^turn\.softmaxScale: .*, expected a finite number > 0 or undefined/]);
+  }
+  for (const [name, edit, re] of cases) {
+    const t = queryTurn('F32');
+    edit(t);
+    assert.throws(() => planUpload(t), invalidArg(re), name);
+  }
+  const noScore = tinyTurn();
+  noScore.layers[1].promptScore = null;
+  assert.throws(() => planUpload(noScore),
+                invalidArg(/^layer\.1\.prompt\.score: missing, expected it or layer\.1\.gen\.q \(the queries\)$/));
+});
+
+test('readTurnFile: gen.q (F32 or the K/V dtype) and softmax_scale; both, a mix, a third dtype name the tensor', async () => {
+  const file = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'kvrelay-st-')), 'turn.safetensors');
+  const tensorsOf = (queryDtype) => queryTurn(queryDtype).layers.flatMap((l, i) => [
+    { name: `layer.${i}.prompt.k`, dtype: 'BF16', shape: [1, 3, 2], data: l.promptK },
+    { name: `layer.${i}.prompt.v`, dtype: 'BF16', shape: [1, 3, 2], data: l.promptV },
+    { name: `layer.${i}.gen.k`, dtype: 'BF16', shape: [1, 2, 2], data: l.genK },
+    { name: `layer.${i}.gen.v`, dtype: 'BF16', shape: [1, 2, 2], data: l.genV },
+    { name: `layer.${i}.gen.q`, dtype: queryDtype, shape: [2, 2, 2], data: l.genQ },
+  ]);
+  for (const queryDtype of ['F32', 'BF16']) {
+    await writeSafetensors(file, tensorsOf(queryDtype), { softmax_scale: '1.25e-1' });
+    const turn = await readTurnFile(file);
+    assert.equal(turn.queryDtype, queryDtype);
+    assert.equal(turn.softmaxScale, 0.125);
+    assert.equal(turn.scoreHeads, 2);
+    assert.ok(turn.layers.every((l) => l.promptScore === undefined));
+    const want = queryTurn(queryDtype).layers[1].genQ;
+    assert.deepEqual(Buffer.from(turn.layers[1].genQ), Buffer.from(want.buffer, want.byteOffset, want.byteLength));
+    const { geometry } = planUpload(turn);
+    assert.deepEqual([geometry.queryDtype, geometry.softmaxScale], [`DTYPE_${queryDtype}`, 0.125]);
+  }
+  await writeSafetensors(file, tensorsOf('F32'));
+  assert.equal((await readTurnFile(file)).softmaxScale, undefined);
+
+  const score = { name: 'layer.1.prompt.score', dtype: 'F32', shape: [2, 3], data: new Float32Array(6) };
+  const cases = [
+    ['both', (ts) => [...ts, score], {},
+     /layer\.1\.gen\.q: given together with layer\.1\.prompt\.score, expected exactly one of the two/],
+    ['mixed', (ts) => [...ts.slice(0, 9), score], {},
+     /layer\.1\.prompt\.score: given, expected layer\.1\.gen\.q like layer\.0 \(every layer carries the same one\)/],
+    ['neither', (ts) => ts.slice(0, 9), {}, /layer\.1\.prompt\.score: missing, expected it or layer\.1\.gen\.q \(the queries\)/],
+    ['third dtype', (ts) => { ts[4] = { ...ts[4], dtype: 'F16', data: new Uint16Array(8) }; return ts; }, {},
+     /layer\.0\.gen\.q: dtype F16, expected F32 or BF16 \(the K\/V dtype\)/],
+    ['shape', (ts) => { ts[9] = { ...ts[9], shape: [2, 1, 4] }; return ts; }, {},
+     /layer\.1\.gen\.q: F32 \[2,1,4\], expected F32 \[2,2,2\] \(from layer\.0\)/],
+  ];
+  for (const v of ['0', '-1', 'inf', 'NaN', '0x1p-3', '1e999', '']) {
+    cases.push([`softmax_scale ${v}`, (ts) => ts, { softmax_scale: v },
+                new RegExp(`metadata softmax_scale: "${v}", expected a finite decimal number > 0`)]);
+  }
+  for (const [name, edit, meta, re] of cases) {
+    await writeSafetensors(file, edit(tensorsOf('F32')), meta);
+    await assert.rejects(readTurnFile(file), re, name);
+  }
+});
+
+test('publish: GEN_Q chunks, query_dtype and softmax_scale reach the relay', async () => {
+  const got = [];
+  const server = new grpc.Server();
+  server.addService(loadRelayService().service, {
+    Publish(call, callback) {
+      const parts = [];
+      let header;
+      call.on('data', (r) => {
+        if (r.header) header = r.header;
+        if (r.chunk) parts.push(`${r.chunk.layer}:${r.chunk.part}:${r.chunk.data.length}`);
+      });
+      call.on('end', () => {
+        got.push({ geometry: header.geometry, parts });
+        callback(null, { messageId: header.messageId });
+      });
+    },
+  });
+  const port = await new Promise((resolve, reject) =>
+    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  const relay = new RelayClient(`127.0.0.1:${port}`);
+  try {
+    await relay.publish(queryTurn('BF16', { softmaxScale: 0.3 }), { sender: 'planner', recipients: ['critic'], sessionId: 's', messageId: 'm-q' });
+    await relay.publish(tinyTurn(), { sender: 'planner', recipients: ['critic'], sessionId: 's', messageId: 'm-s' });
+  } finally {
+    relay.close();
+    server.forceShutdown();
+  }
+  const [q, s] = got;
+  assert.equal(q.geometry.queryDtype, 'DTYPE_BF16');
+  assert.equal(q.geometry.softmaxScale, 0.3);
+  assert.deepEqual(q.parts.filter((p) => p.includes('GEN_Q')), ['0:PART_GEN_Q:16', '1:PART_GEN_Q:16']);
+  assert.ok(!q.parts.some((p) => p.includes('PROMPT_SCORE')));
+  assert.equal(s.geometry.queryDtype, 'DTYPE_UNSPECIFIED');
+  // Presence on the wire: proto-loader names a set optional field in its synthetic oneof.
+  assert.equal(q.geometry._softmaxScale, 'softmaxScale');
+  assert.equal(s.geometry._softmaxScale, undefined);
+  assert.equal(s.parts.filter((p) => p.includes('PROMPT_SCORE')).length, 2);
 });
 
 test('chunkRequests: 1 MiB chunks, contiguous offsets, trailer over the stream', () => {
