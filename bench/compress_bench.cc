@@ -233,6 +233,41 @@ void BM_QueryScores(benchmark::State& state) {
 }
 BENCHMARK(BM_QueryScores)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// The fidelity figure of an H-OBF fast message of the same turn, one
+// thread: every layer's AttentionOutputError (the full cache's logits and
+// outputs, the message's). Counter: multiply-adds per second of the logits
+// and outputs of the full cache and of the message.
+void BM_AttentionOutputError(benchmark::State& state) {
+  Turn turn = Qwen14BTurn();
+  const std::vector<KvTensor>& q = Qwen14BQueries();
+  for (size_t l = 0; l < turn.layers.size(); ++l) {
+    turn.layers[l].scores = ScoreMatrix();
+    turn.layers[l].gen_q = q[l];
+  }
+  const TurnGeometry geo = *GeometryOf(turn);
+  auto pipeline = Pipeline::Create("h2o-head:k=32+obf:p=8,mode=fast");
+  absl::StatusOr<Message> msg = (*pipeline)->Compress(turn);
+  if (!msg.ok()) {
+    state.SkipWithError(std::string(msg.status().message()).c_str());
+    return;
+  }
+  const double scale = 1.0 / std::sqrt(128.0);
+  for (auto _ : state) {
+    for (size_t l = 0; l < turn.layers.size(); ++l) {
+      benchmark::DoNotOptimize(AttentionOutputError(turn.layers[l], geo, msg->layers[l], scale));
+    }
+  }
+  // The definition's work: logits and outputs (two d-long products) for
+  // every key a step sees, in the full cache and in the message.
+  const int before_gen = msg->layers[0].tokens() - geo.n_gen;
+  double seen = 0;
+  for (int t = 0; t < geo.n_gen; ++t) seen += (geo.n_history + geo.n_prompt + t + 1) + (before_gen + t + 1);
+  const double macs = 2.0 * seen * geo.head_dim * geo.score_heads * turn.layers.size();
+  state.counters["mac_per_s"] =
+      benchmark::Counter(macs * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_AttentionOutputError)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 }  // namespace
 }  // namespace kvrelay
 

@@ -80,10 +80,12 @@ verbs:
   make-turn --out FILE [--layers L] [--kv-heads H] [--score-heads S]
             [--head-dim D] [--prompt N] [--gen G] [--history M]
             [--dtype F32|F16|BF16] [--seed X] [--first-agent true|false]
+            [--queries]
       Writes a synthetic turn (heavy-tailed scores, low-rank-plus-noise
       values). Defaults: 4 layers, 2 kv heads, score heads = kv heads,
       head dim 64, 128 prompt, 16 generated, 0 history tokens, BF16,
       seed 1, first agent true when there is no history, else false.
+      --queries: the generated steps' queries (gen.q) instead of scores.
 
 relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
   publish --addr A --session S --from AGENT --to AGENT [--to AGENT ...]
@@ -121,7 +123,7 @@ relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
 
   demo --addr A [--rounds N] [--policy SPEC] [--session S] [--layers L]
        [--kv-heads H] [--score-heads S] [--head-dim D] [--prompt N]
-       [--gen G] [--dtype DT] [--seed X]
+       [--gen G] [--dtype DT] [--seed X] [--queries]
   demo --addr A --addr B --addr C --addr D [flags as above]
   demo --addrs A,B,C,D [flags as above]
       A planner -> critic -> refiner -> judger chain of simulated agents
@@ -129,6 +131,8 @@ relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
       head_dim 128, BF16, 512 prompt + 40 generated tokens; policy
       h2o-head:k=32+obf:p=8,mode=fast). Each hop publishes with the fetched
       message as parent; prints a table per round and the totals.
+      --queries: the turns carry the generated steps' queries (gen.q); the
+      relay scores from them and reports each hop's attention output error.
       With 4 addresses (one relay per agent, in chain order) each agent
       publishes to, fetches from and acks at its own relay only; the relays
       must route each agent to its relay (kvrelay-server --route). The table
@@ -546,7 +550,7 @@ std::optional<Failure> MakeTurn(int argc, char** argv) {
   Flags flags("make-turn",
               {"out", "layers", "kv-heads", "score-heads", "head-dim", "prompt", "gen", "history",
                "dtype", "seed", "first-agent"},
-              {});
+              {"queries"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "make-turn")) return f;
   constexpr int64_t kMax = 1 << 24;
@@ -573,6 +577,7 @@ std::optional<Failure> MakeTurn(int argc, char** argv) {
     }
     o.first_agent = *v == "true";
   }
+  o.queries = flags.Has("queries");
   if (auto f = CheckTurnFlags(o)) return f;
   absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
   if (!turn.ok()) return Runtime(turn.status());
@@ -580,10 +585,10 @@ std::optional<Failure> MakeTurn(int argc, char** argv) {
   if (!s.ok()) return Runtime(s);
   std::printf(
       "wrote %s: layers=%d kv_heads=%d score_heads=%d head_dim=%d history=%d prompt=%d "
-      "gen=%d dtype=%s first_agent=%s seed=%" PRIu64 "\n",
-      out.c_str(), o.layers, o.kv_heads, turn->layers[0].scores.rows, o.head_dim, o.n_history,
+      "gen=%d dtype=%s first_agent=%s seed=%" PRIu64 "%s\n",
+      out.c_str(), o.layers, o.kv_heads, GeometryOf(*turn)->score_heads, o.head_dim, o.n_history,
       o.n_prompt, o.n_gen, std::string(DTypeName(o.dtype)).c_str(),
-      o.first_agent ? "true" : "false", o.seed);
+      o.first_agent ? "true" : "false", o.seed, o.queries ? " attention=gen.q" : "");
   return std::nullopt;
 }
 
@@ -919,7 +924,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
   Flags flags("demo",
               WithConnectFlags({"addrs", "rounds", "policy", "session", "layers", "kv-heads", "score-heads",
                                 "head-dim", "prompt", "gen", "dtype", "seed"}),
-              {}, {"addr"});
+              {"queries"}, {"addr"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "demo")) return f;
   KVRELAYCTL_FLAG(const std::vector<std::string> addrs, DemoAddrs(flags));
@@ -941,6 +946,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
     if (!dt) return Usage(absl::StrCat("flag --dtype: \"", *v, "\", expected F32, F16 or BF16"));
     o.dtype = *dt;
   }
+  o.queries = flags.Has("queries");
   if (auto f = CheckTurnFlags(o)) return f;
   // Empty --policy: the relay's default for each agent's role.
   const std::string policy = flags.Get("policy").value_or("h2o-head:k=32+obf:p=8,mode=fast");
@@ -1076,6 +1082,10 @@ std::optional<Failure> Demo(int argc, char** argv) {
                   a.full_bytes, a.sent_bytes, Ratio(a.full_bytes, a.sent_bytes).c_str(),
                   a.compress_seconds * 1e3, hop_ms,
                   mesh ? absl::StrFormat(" %14d", to_next).c_str() : "");
+      if (a.attention_error) {
+        std::printf("    attention output error %.4f (the sender's own queries on the message vs the full cache)\n",
+                    *a.attention_error);
+      }
       std::fflush(stdout);
       tot_full += a.full_bytes;
       tot_sent += a.sent_bytes;

@@ -125,6 +125,7 @@ Accounting FromProto(const v1::Accounting& a) {
   out.compress_seconds = a.compress_seconds();
   out.commit_seconds = a.commit_seconds();
   out.policy = a.policy();
+  if (a.has_attention_error()) out.attention_error = a.attention_error();
   return out;
 }
 

@@ -75,6 +75,9 @@ struct Accounting {
   double compress_seconds = 0;
   double commit_seconds = 0;
   std::string policy;  // canonical spec that was applied
+  // For a turn with queries: how much compression changed the sender's own
+  // attention output (mean over layers of |o_msg - o_full| / |o_full|).
+  std::optional<double> attention_error;
 };
 
 struct PublishOptions {

@@ -46,8 +46,10 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
   const int m = n_hist + n_prompt + n_gen;  // every key of a head
   std::vector<double> out(static_cast<size_t>(heads) * n_prompt, 0.0);
   if (steps == 0 || n_prompt == 0) return out;
-  RowMajor keys(m, d), queries(steps, d);
-  ColMajor logits(m, steps);
+  // One GEMM per KV head for the whole group of score heads: the columns
+  // are (score head g, step s) at g * steps + s.
+  RowMajor keys(m, d), queries(static_cast<Eigen::Index>(group) * steps, d);
+  ColMajor logits(m, static_cast<Eigen::Index>(group) * steps);
   std::vector<double> mass(n_prompt);
   std::vector<float> e(m);
   for (int h = 0; h < heads; ++h) {
@@ -56,13 +58,15 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
     layer.gen_k.ReadRows(h, 0, n_gen, keys.data() + static_cast<size_t>(n_hist + n_prompt) * d);
     double* dst = out.data() + static_cast<size_t>(h) * n_prompt;
     for (int g = 0; g < group; ++g) {
-      layer.gen_q.ReadRows(h * group + g, t0, steps, queries.data());
-      queries *= static_cast<float>(scale);
-      logits.noalias() = keys * queries.transpose();
+      layer.gen_q.ReadRows(h * group + g, t0, steps, queries.data() + static_cast<size_t>(g) * steps * d);
+    }
+    queries *= static_cast<float>(scale);
+    logits.noalias() = keys * queries.transpose();
+    for (int g = 0; g < group; ++g) {
       std::fill(mass.begin(), mass.end(), 0.0);
       for (int s = 0; s < steps; ++s) {
         const int seen = n_hist + n_prompt + t0 + s + 1;
-        const auto z = logits.col(s).head(seen).array();
+        const auto z = logits.col(static_cast<Eigen::Index>(g) * steps + s).head(seen).array();
         Eigen::Map<Eigen::ArrayXf> ez(e.data(), seen);
         ez = (z - z.maxCoeff()).exp();  // Eigen's vectorized expf
         const double inv = 1.0 / SumAsDouble(e.data(), seen);
@@ -93,8 +97,11 @@ absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGe
   }
   const int m_full = n_hist + n_prompt + n_gen, m_msg = msg.tokens();
   const int before_gen = m_msg - n_gen;  // the message's tokens every step sees
-  RowMajor kf(m_full, d), vf(m_full, d), km(m_msg, d), vm(m_msg, d), q(n_gen, d);
-  ColMajor wf(m_full, n_gen), wm(m_msg, n_gen), of(d, n_gen), om(d, n_gen);
+  // As in QueryScores, one GEMM per KV head for the group's score heads:
+  // columns (g, t) at g * n_gen + t.
+  const Eigen::Index cols = static_cast<Eigen::Index>(group) * n_gen;
+  RowMajor kf(m_full, d), vf(m_full, d), km(m_msg, d), vm(m_msg, d), q(cols, d);
+  ColMajor wf(m_full, cols), wm(m_msg, cols), of(d, cols), om(d, cols);
   double total = 0;
   for (int h = 0; h < heads; ++h) {
     int at = 0;
@@ -108,25 +115,26 @@ absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGe
     mk->ReadRows(h, 0, m_msg, km.data());
     mv->ReadRows(h, 0, m_msg, vm.data());
     for (int g = 0; g < group; ++g) {
-      layer.gen_q.ReadRows(h * group + g, 0, n_gen, q.data());
-      q *= static_cast<float>(scale);
-      wf.noalias() = kf * q.transpose();
-      wm.noalias() = km * q.transpose();
-      for (int t = 0; t < n_gen; ++t) {
-        MaskedSoftmax(wf.data() + static_cast<size_t>(t) * m_full, n_hist + n_prompt + t + 1, m_full);
-        MaskedSoftmax(wm.data() + static_cast<size_t>(t) * m_msg, before_gen + t + 1, m_msg);
+      layer.gen_q.ReadRows(h * group + g, 0, n_gen, q.data() + static_cast<size_t>(g) * n_gen * d);
+    }
+    q *= static_cast<float>(scale);
+    wf.noalias() = kf * q.transpose();
+    wm.noalias() = km * q.transpose();
+    for (Eigen::Index c = 0; c < cols; ++c) {
+      const int t = static_cast<int>(c % n_gen);
+      MaskedSoftmax(wf.data() + static_cast<size_t>(c) * m_full, n_hist + n_prompt + t + 1, m_full);
+      MaskedSoftmax(wm.data() + static_cast<size_t>(c) * m_msg, before_gen + t + 1, m_msg);
+    }
+    of.noalias() = vf.transpose() * wf;
+    om.noalias() = vm.transpose() * wm;
+    for (Eigen::Index c = 0; c < cols; ++c) {
+      double full = 0, diff = 0;
+      for (int i = 0; i < d; ++i) {
+        const double a = of(i, c), b = om(i, c);
+        full += a * a;
+        diff += (b - a) * (b - a);
       }
-      of.noalias() = vf.transpose() * wf;
-      om.noalias() = vm.transpose() * wm;
-      for (int t = 0; t < n_gen; ++t) {
-        double full = 0, diff = 0;
-        for (int c = 0; c < d; ++c) {
-          const double a = of(c, t), b = om(c, t);
-          full += a * a;
-          diff += (b - a) * (b - a);
-        }
-        total += full > 0 ? std::sqrt(diff / full) : (diff > 0 ? 1.0 : 0.0);
-      }
+      total += full > 0 ? std::sqrt(diff / full) : (diff > 0 ? 1.0 : 0.0);
     }
   }
   return total / (static_cast<double>(geo.score_heads) * n_gen);

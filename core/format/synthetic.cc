@@ -160,6 +160,30 @@ absl::StatusOr<Turn> MakeSyntheticTurn(const SyntheticTurnOptions& opts) {
       shared[j] = 1.2 * rng.Normal();
       if (rng.Uniform() < 0.05) shared[j] += 2.5;  // heavy hitters
     }
+    if (opts.queries) {
+      // Heavy hitters: the prompt tokens with the largest shared importance.
+      std::vector<int> heavy(P);
+      for (int j = 0; j < P; ++j) heavy[j] = j;
+      std::sort(heavy.begin(), heavy.end(), [&](int a, int b) { return shared[a] > shared[b]; });
+      heavy.resize(std::min(P, 8));
+      layer.gen_q = KvTensor(opts.dtype, score_heads, G, d);
+      std::vector<float> q(d), k(d);
+      const int group = score_heads / H;
+      for (int qh = 0; qh < score_heads; ++qh) {
+        for (int t = 0; t < G; ++t) {
+          layer.gen_k.ReadRow(qh / group, t, q.data());
+          for (float& x : q) x *= 0.5f;
+          for (int m = 0; m < 2 && !heavy.empty(); ++m) {
+            const int j = heavy[static_cast<size_t>(rng.Uniform() * heavy.size()) % heavy.size()];
+            layer.prompt_k.ReadRow(qh / group, j, k.data());
+            for (int c = 0; c < d; ++c) q[c] += 0.5f * k[c];
+          }
+          for (float& x : q) x += static_cast<float>(0.3 * rng.Normal());
+          layer.gen_q.WriteRow(qh, t, q.data());
+        }
+      }
+      continue;
+    }
     layer.scores = ScoreMatrix(score_heads, P);
     for (int q = 0; q < score_heads; ++q) {
       std::vector<double> row(P);

@@ -40,6 +40,11 @@ struct SyntheticTurnOptions {
   DType dtype = DType::kBF16;
   uint64_t seed = 1;
   bool first_agent = true;
+  // Carry the generated steps' queries (gen.q [score_heads, n_gen,
+  // head_dim], in `dtype`) instead of prompt.score: each step's query leans
+  // on a few heavy-hitter prompt keys of its KV head and on its own key, so
+  // the relay's scores from them are concentrated like real attention.
+  bool queries = false;
 };
 
 // The shape of one Qwen3-14B agent turn in the method's reference setting

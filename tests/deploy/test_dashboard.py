@@ -142,7 +142,9 @@ def main():
             for metric, labels in selectors:
                 check('instance=~"$instance"' in labels, f"{tn}: {metric}{{{labels}}} does not filter by $instance")
             if "histogram_quantile" in expr:
-                check(re.search(r"by\s*\(\s*le\s*\)", expr), f"{tn}: histogram_quantile without sum by (le)")
+                # sum by (le) or by (le, family): the buckets must stay apart.
+                groups = [[x.strip() for x in g.split(",")] for g in re.findall(r"by\s*\(([^)]*)\)", expr)]
+                check(any("le" in g for g in groups), f"{tn}: histogram_quantile without sum by (le)")
             if (p.get("type") == "timeseries" and len(targets) > 1) or " by (" in expr:
                 check(t.get("legendFormat"), f"{tn}: no legendFormat")
 

@@ -12,8 +12,8 @@
      exist, a fetch that times out and an ack of an unknown message, so the
      error counter has codes), waits until Prometheus holds that state;
   3. runs `kvrelayctl demo` twice, with the default policy
-     (h2o-head+obf) and with int4 quantization added (h2o-head+obf+int4), on
-     a small geometry; checks that the relay's own /metrics moved by exactly
+     (h2o-head+obf) and with int4 quantization added (h2o-head+obf+int4,
+     its turns carrying the generated steps' queries), on a small geometry; checks that the relay's own /metrics moved by exactly
      the totals each demo printed;
   4. waits for a scrape after the demos, then evaluates the dashboard's
      "Compression ratio by compressor family" and "Bytes saved per second"
@@ -258,7 +258,10 @@ def main():
         # The demos: the relay's counters move by exactly what each printed.
         totals = {}
         for family, policy in POLICIES.items():
-            t = demo(args.kvrelayctl, relay.addr, policy, rounds=2 if family == "h2o-head+obf" else 1)
+            # The int4 demo's turns carry queries (gen.q), so the attention
+            # output error panel has observations in the window too.
+            t = demo(args.kvrelayctl, relay.addr, policy, rounds=2 if family == "h2o-head+obf" else 1,
+                     extra=GEOMETRY + ["--queries"] if family == "h2o-head+obf+int4" else None)
             if t:
                 totals[family] = t
         t_done = time.time()

@@ -170,7 +170,8 @@ def _accounting(a):
     return Accounting(received_bytes=a.received_bytes, full_bytes=a.full_bytes,
                       sent_bytes=a.sent_bytes, ratio=a.ratio,
                       compress_seconds=a.compress_seconds, commit_seconds=a.commit_seconds,
-                      policy=a.policy)
+                      policy=a.policy,
+                      attention_error=a.attention_error if a.HasField("attention_error") else None)
 
 
 def _is_int(v):

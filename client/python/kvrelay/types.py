@@ -74,6 +74,9 @@ class Accounting:
     compress_seconds: float = 0.0
     commit_seconds: float = 0.0
     policy: str = ""  # canonical spec that was applied
+    # For a turn with queries (gen_q): mean over layers of |o_msg - o_full| /
+    # |o_full| of the sender's own attention output; None otherwise.
+    attention_error: Optional[float] = None
 
 
 @dataclass

@@ -381,6 +381,7 @@ class RelayTest(unittest.TestCase):
                 r = self.c.publish(turn, sess, "planner", ["critic"], policy=policy)
                 m = self.c.fetch(sess, "critic", timeout=10, auto_ack=True)
                 self.assertEqual(m.accounting.sent_bytes, r.accounting.sent_bytes)
+                self.assertIsNone(r.accounting.attention_error)  # scores, not queries
                 meta, ref = kvrelayctl_compress(turn, policy, decode=False)
                 self.assertEqual(meta["policy"], m.accounting.policy)
                 self.assertEqual(int(meta["sent_bytes"]), m.accounting.sent_bytes)
@@ -443,6 +444,10 @@ class RelayTest(unittest.TestCase):
                 meta, ref = kvrelayctl_compress(turn, policy, decode=False)
                 self.assertEqual(int(meta["sent_bytes"]), r.accounting.sent_bytes)
                 self.assertEqual(meta["policy"], m.accounting.policy)
+                # The fidelity figure: the same in the accounting and the file.
+                self.assertIsNotNone(r.accounting.attention_error)
+                self.assertEqual(float(meta["attention_error"]), r.accounting.attention_error)
+                self.assertGreater(r.accounting.attention_error, 0.0)
                 for li, ml in enumerate(m.layers):
                     p = f"layer.{li}."
                     self.assertTrue(np.array_equal(ml.pos, ref[p + "pos"]), p + "pos")
