@@ -39,6 +39,10 @@ const char* GrpcCodeName(grpc::StatusCode code) {
 }
 
 namespace {
+prometheus::Histogram::BucketBoundaries AttentionErrorBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0};
+}
+
 prometheus::Histogram::BucketBoundaries SecondsBuckets() {
   return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
 }
@@ -275,12 +279,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 
 void Metrics::DeclareFamily(const std::string& family) {
   for (auto* f : {full_, sent_, saved_}) f->Add({{"family", family}});
+  attention_error_->Add({{"family", family}}, AttentionErrorBuckets());
 }
 
 void Metrics::ObserveAttentionError(const std::string& family, double e) {
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                                                    0.1,   0.25,   0.5,   1.0};
-  attention_error_->Add({{"family", family}}, kBuckets).Observe(e);
+  attention_error_->Add({{"family", family}}, AttentionErrorBuckets()).Observe(e);
 }
 
 void Metrics::AddCommitted(const std::string& family, uint64_t full, uint64_t sent) {
