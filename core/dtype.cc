@@ -89,6 +89,7 @@ float F16ToFloat(uint16_t h) {
 }
 
 void ToFloat(DType dtype, const void* src, float* dst, size_t n) {
+  if (n == 0) return;  // an empty tensor's data may be null (memcpy would be UB)
   switch (dtype) {
     case DType::kF32:
       std::memcpy(dst, src, n * sizeof(float));
@@ -117,6 +118,7 @@ void ToFloat(DType dtype, const void* src, float* dst, size_t n) {
 }
 
 void FromFloat(DType dtype, const float* src, void* dst, size_t n) {
+  if (n == 0) return;
   switch (dtype) {
     case DType::kF32:
       std::memcpy(dst, src, n * sizeof(float));

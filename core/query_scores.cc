@@ -33,6 +33,13 @@ void MaskedSoftmax(float* z, int seen, int m) {
   std::fill(z + seen, z + m, 0.0f);
 }
 
+// Columns per GEMM block: all `cols` when m * cols floats fit
+// kMaxBlockFloats (64 MiB), else as many as fit, at least 1.
+constexpr Eigen::Index kMaxBlockFloats = Eigen::Index{1} << 24;
+Eigen::Index BlockColumns(Eigen::Index m, Eigen::Index cols) {
+  return std::max<Eigen::Index>(1, std::min(cols, kMaxBlockFloats / std::max<Eigen::Index>(m, 1)));
+}
+
 }  // namespace
 
 std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window) {
@@ -46,13 +53,17 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
   const int m = n_hist + n_prompt + n_gen;  // every key of a head
   std::vector<double> out(static_cast<size_t>(heads) * n_prompt, 0.0);
   if (steps == 0 || n_prompt == 0) return out;
-  // One GEMM per KV head for the whole group of score heads: the columns
-  // are (score head g, step s) at g * steps + s.
-  RowMajor keys(m, d), queries(static_cast<Eigen::Index>(group) * steps, d);
-  ColMajor logits(m, static_cast<Eigen::Index>(group) * steps);
+  // The columns of one KV head are (score head g, step s) at g * steps + s:
+  // a GEMM covers a block of them, the whole group when the logits fit
+  // kMaxBlockFloats (the turn's bound on the work keeps the rest finite).
+  const Eigen::Index cols = static_cast<Eigen::Index>(group) * steps;
+  const Eigen::Index block = BlockColumns(m, cols);
+  RowMajor keys(m, d), queries(cols, d);
+  ColMajor logits(m, block);
   std::vector<double> mass(n_prompt);
   std::vector<float> e(m);
   for (int h = 0; h < heads; ++h) {
+    // (ReadRows of 0 rows reads nothing: empty parts are safe.)
     layer.history_k.ReadRows(h, 0, n_hist, keys.data());
     layer.prompt_k.ReadRows(h, 0, n_prompt, keys.data() + static_cast<size_t>(n_hist) * d);
     layer.gen_k.ReadRows(h, 0, n_gen, keys.data() + static_cast<size_t>(n_hist + n_prompt) * d);
@@ -61,19 +72,24 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
       layer.gen_q.ReadRows(h * group + g, t0, steps, queries.data() + static_cast<size_t>(g) * steps * d);
     }
     queries *= static_cast<float>(scale);
-    logits.noalias() = keys * queries.transpose();
-    for (int g = 0; g < group; ++g) {
-      std::fill(mass.begin(), mass.end(), 0.0);
-      for (int s = 0; s < steps; ++s) {
+    for (Eigen::Index c0 = 0; c0 < cols; c0 += block) {
+      const Eigen::Index nb = std::min(block, cols - c0);
+      logits.leftCols(nb).noalias() = keys * queries.middleRows(c0, nb).transpose();
+      for (Eigen::Index c = c0; c < c0 + nb; ++c) {
+        const int s = static_cast<int>(c % steps);
+        if (s == 0) std::fill(mass.begin(), mass.end(), 0.0);
         const int seen = n_hist + n_prompt + t0 + s + 1;
-        const auto z = logits.col(static_cast<Eigen::Index>(g) * steps + s).head(seen).array();
+        const auto z = logits.col(c - c0).head(seen).array();
         Eigen::Map<Eigen::ArrayXf> ez(e.data(), seen);
         ez = (z - z.maxCoeff()).exp();  // Eigen's vectorized expf
         const double inv = 1.0 / SumAsDouble(e.data(), seen);
         const float* ep = e.data() + n_hist;
         for (int j = 0; j < n_prompt; ++j) mass[j] += ep[j] * inv;
+        // The score head's last step: its mass joins the group's sum.
+        if (s == steps - 1) {
+          for (int j = 0; j < n_prompt; ++j) dst[j] += mass[j];
+        }
       }
-      for (int j = 0; j < n_prompt; ++j) dst[j] += mass[j];
     }
   }
   return out;
@@ -97,11 +113,11 @@ absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGe
   }
   const int m_full = n_hist + n_prompt + n_gen, m_msg = msg.tokens();
   const int before_gen = m_msg - n_gen;  // the message's tokens every step sees
-  // As in QueryScores, one GEMM per KV head for the group's score heads:
-  // columns (g, t) at g * n_gen + t.
+  // As in QueryScores: columns (g, t) at g * n_gen + t, in GEMM blocks.
   const Eigen::Index cols = static_cast<Eigen::Index>(group) * n_gen;
+  const Eigen::Index block = BlockColumns(m_full, cols);
   RowMajor kf(m_full, d), vf(m_full, d), km(m_msg, d), vm(m_msg, d), q(cols, d);
-  ColMajor wf(m_full, cols), wm(m_msg, cols), of(d, cols), om(d, cols);
+  ColMajor wf(m_full, block), wm(m_msg, block), of(d, block), om(d, block);
   double total = 0;
   for (int h = 0; h < heads; ++h) {
     int at = 0;
@@ -118,23 +134,26 @@ absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGe
       layer.gen_q.ReadRows(h * group + g, 0, n_gen, q.data() + static_cast<size_t>(g) * n_gen * d);
     }
     q *= static_cast<float>(scale);
-    wf.noalias() = kf * q.transpose();
-    wm.noalias() = km * q.transpose();
-    for (Eigen::Index c = 0; c < cols; ++c) {
-      const int t = static_cast<int>(c % n_gen);
-      MaskedSoftmax(wf.data() + static_cast<size_t>(c) * m_full, n_hist + n_prompt + t + 1, m_full);
-      MaskedSoftmax(wm.data() + static_cast<size_t>(c) * m_msg, before_gen + t + 1, m_msg);
-    }
-    of.noalias() = vf.transpose() * wf;
-    om.noalias() = vm.transpose() * wm;
-    for (Eigen::Index c = 0; c < cols; ++c) {
-      double full = 0, diff = 0;
-      for (int i = 0; i < d; ++i) {
-        const double a = of(i, c), b = om(i, c);
-        full += a * a;
-        diff += (b - a) * (b - a);
+    for (Eigen::Index c0 = 0; c0 < cols; c0 += block) {
+      const Eigen::Index nb = std::min(block, cols - c0);
+      wf.leftCols(nb).noalias() = kf * q.middleRows(c0, nb).transpose();
+      wm.leftCols(nb).noalias() = km * q.middleRows(c0, nb).transpose();
+      for (Eigen::Index c = 0; c < nb; ++c) {
+        const int t = static_cast<int>((c0 + c) % n_gen);
+        MaskedSoftmax(wf.data() + static_cast<size_t>(c) * m_full, n_hist + n_prompt + t + 1, m_full);
+        MaskedSoftmax(wm.data() + static_cast<size_t>(c) * m_msg, before_gen + t + 1, m_msg);
       }
-      total += full > 0 ? std::sqrt(diff / full) : (diff > 0 ? 1.0 : 0.0);
+      of.leftCols(nb).noalias() = vf.transpose() * wf.leftCols(nb);
+      om.leftCols(nb).noalias() = vm.transpose() * wm.leftCols(nb);
+      for (Eigen::Index c = 0; c < nb; ++c) {
+        double full = 0, diff = 0;
+        for (int i = 0; i < d; ++i) {
+          const double a = of(i, c), b = om(i, c);
+          full += a * a;
+          diff += (b - a) * (b - a);
+        }
+        total += full > 0 ? std::sqrt(diff / full) : (diff > 0 ? 1.0 : 0.0);
+      }
     }
   }
   return total / (static_cast<double>(geo.score_heads) * n_gen);

@@ -102,6 +102,15 @@ absl::Status CheckAttentionInput(const TurnLayer& layer, int li, const TurnGeome
           Name(li, "gen.q"), ": shape ", Shape({q.heads(), q.tokens(), q.dim()}), ", expected ",
           Shape({geo.score_heads, geo.n_gen, geo.head_dim}), " (score heads, n_gen, head_dim)"));
     }
+    const double steps = geo.n_gen;
+    const double work = static_cast<double>(geo.score_heads) * geo.head_dim *
+                        (steps * (geo.n_history + geo.n_prompt) + steps * (steps + 1) / 2);
+    if (work > kMaxQueryScoreWork) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: scoring from these queries takes %.4g multiply-adds per layer (score heads x head_dim x the keys "
+          "each generated step sees), expected at most 2^36; send prompt.score instead",
+          Name(li, "gen.q"), work));
+    }
     if (!check_values) return absl::OkStatus();
     return CheckKvFinite(q.dtype(), q.bytes().data(), 0, q.elements(), li, "gen.q", q.tokens(), q.dim());
   }

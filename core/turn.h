@@ -61,6 +61,11 @@ inline constexpr int kMaxKvHeads = 1024;
 inline constexpr int kMaxScoreHeads = 16384;
 inline constexpr int kMaxHeadDim = 1024;
 inline constexpr int kMaxTokensPerPart = 1 << 24;
+// The most multiply-adds scoring one layer from queries may take (score
+// heads x head_dim x the keys each generated step sees, summed over the
+// steps): 2^36, some 600 times a Qwen3-14B turn's layer. Attention is
+// quadratic in the tokens, so a small upload could otherwise ask for hours.
+inline constexpr double kMaxQueryScoreWork = 68719476736.0;
 
 // InvalidArgument naming the field when `geo` is out of the bounds above,
 // score_heads is not a positive multiple of kv_heads, or a count is negative.
@@ -82,7 +87,8 @@ struct Turn {
 
 // Checks `geo` (ValidateGeometry), then one layer against it: shapes, dtypes, score layout, scores
 // finite and >= 0, gen_q instead of scores exactly when geo.queries (its
-// shape, dtype, finite values), position ranges (history ids in [0, prompt_pos0), the
+// shape, dtype, finite values, the scoring work within
+// kMaxQueryScoreWork), position ranges (history ids in [0, prompt_pos0), the
 // last prompt/generated id within int32), and (when check_kv_values) that every
 // K/V element is finite. The K/V scan reads every byte of the layer; callers
 // that already checked the values (a file reader, a relay checking chunks as

@@ -140,6 +140,35 @@ TEST(QueryScores, AWindowPastTheStepsIsEveryStepAndNoStepsIsZero) {
   EXPECT_EQ(zero, std::vector<double>(static_cast<size_t>(s.kv_heads) * s.n_prompt, 0.0));
 }
 
+// A KV head whose logits do not fit one 64 MiB block is computed in column
+// blocks (one crossing from one score head to the next): the same mass as
+// each score head computed alone (to float32 rounding of the logits).
+TEST(QueryScores, BlocksOfColumnsGiveTheSameMass) {
+  TurnShape s;
+  s.layers = 1;
+  s.kv_heads = 1;
+  s.group = 2;
+  s.head_dim = 8;
+  s.n_prompt = 40000;
+  s.n_gen = 250;  // 2 x 250 columns x 40,250 keys > 2^24 floats
+  s.queries = true;
+  const Turn turn = RandomTurn(s, 77);
+  const TurnGeometry geo = *GeometryOf(turn);
+  const std::vector<double> both = QueryScores(turn.layers[0], geo, 0.1, 0);
+  std::vector<double> sum(both.size(), 0.0);
+  for (int g = 0; g < 2; ++g) {
+    Turn one = turn;
+    one.layers[0].gen_q = KvTensor(s.q_dtype, 1, s.n_gen, s.head_dim);
+    for (int t = 0; t < s.n_gen; ++t) one.layers[0].gen_q.CopyRow(0, t, turn.layers[0].gen_q, g, t);
+    TurnGeometry g1 = geo;
+    g1.score_heads = 1;
+    const std::vector<double> m = QueryScores(one.layers[0], g1, 0.1, 0);
+    for (size_t j = 0; j < m.size(); ++j) sum[j] += m[j];
+  }
+  // The GEMMs differ in shape, so the float32 logits may round differently.
+  for (size_t j = 0; j < both.size(); ++j) ASSERT_NEAR(both[j], sum[j], 1e-5 * std::max(sum[j], 1e-6)) << j;
+}
+
 TEST(QueryScores, PipelineUsesTheTurnsSoftmaxScale) {
   TurnShape s;
   s.queries = true;
@@ -209,6 +238,24 @@ TEST(QueryScores, WindowNeedsQueriesAndAValidValue) {
   EXPECT_THAT(std::string(g.status().message()), HasSubstr("unknown parameter 'window'"));
 }
 
+TEST(QueryScores, WorkPastTheBoundIsRefused) {
+  // 1 score head x head_dim 1, 2^20 prompt tokens and 2^17 steps: about
+  // 2^37 multiply-adds from an upload of a few MB.
+  TurnShape s;
+  s.layers = 1;
+  s.kv_heads = 1;
+  s.group = 1;
+  s.head_dim = 1;
+  s.n_prompt = 1 << 20;
+  s.n_gen = 1 << 17;
+  s.queries = true;
+  const Turn turn = RandomTurn(s, 3);
+  EXPECT_THAT(std::string(ValidateTurn(turn).message()),
+              HasSubstr("layer.0.gen.q: scoring from these queries takes 1.46e+11 multiply-adds per layer"));
+  s.n_gen = 1 << 15;  // 2^35: accepted
+  EXPECT_TRUE(ValidateTurn(RandomTurn(s, 3)).ok());
+}
+
 TEST(QueryScores, BothOrNeitherInputIsRefused) {
   TurnShape s;
   s.queries = true;
@@ -232,7 +279,9 @@ double ReferenceError(const TurnLayer& layer, const TurnGeometry& geo, const Mes
   const int H = geo.kv_heads, S = geo.score_heads, d = geo.head_dim;
   const int nh = geo.n_history, np = geo.n_prompt, ng = geo.n_gen;
   KvTensor mk = msg.k, mv = msg.v;
-  if (msg.quant) EXPECT_TRUE(DequantizeKv(*msg.quant, geo.dtype, &mk, &mv).ok());
+  if (msg.quant) {
+    EXPECT_TRUE(DequantizeKv(*msg.quant, geo.dtype, &mk, &mv).ok());
+  }
   const int m_msg = msg.tokens();
   auto row = [&](const KvTensor& t, int h, int i) {
     std::vector<float> f(d);
