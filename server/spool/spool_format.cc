@@ -64,6 +64,7 @@ absl::Status MessageFileWriter::WriteTo(const Sink& sink) const {
   std::string staged = head_;
   uint32_t crc = Crc32c(head_.data(), head_.size());
   for (absl::Span<const uint8_t> t : tensors_) {
+    if (t.empty()) continue;  // an empty tensor's data may be null
     const absl::string_view piece(reinterpret_cast<const char*>(t.data()), t.size());
     crc = Crc32cExtend(crc, piece.data(), piece.size());
     if (staged.size() + piece.size() <= kGather) {
