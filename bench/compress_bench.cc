@@ -159,10 +159,11 @@ BENCHMARK(BM_Gram)->ArgsProduct({{0, 1}, {0, 1, 2}})->ArgNames({"bf16", "isa"})-
 // every layer's QueryScores. Counters: multiply-adds per second of the
 // logits (sum over layers, query heads and steps of keys seen x head_dim)
 // and that rate over one core's FMA peak measured by BM_FmaPeak.
-const std::vector<KvTensor>& Qwen14BQueries() {
-  static const std::vector<KvTensor>* q = [] {
+// The Qwen3-14B turn carrying gen.q (bf16, 40 query heads) instead of scores.
+const Turn& Qwen14BQueryTurn() {
+  static const Turn* q = [] {
     const Turn& turn = Qwen14BTurn();
-    auto* out = new std::vector<KvTensor>;
+    auto* out = new Turn(turn);
     uint32_t x = 99;
     for (size_t l = 0; l < turn.layers.size(); ++l) {
       // Queries of the keys' own scale: a random mix of the layer's keys.
@@ -180,7 +181,8 @@ const std::vector<KvTensor>& Qwen14BQueries() {
           t.WriteRow(h, s, row.data());
         }
       }
-      out->push_back(std::move(t));
+      out->layers[l].scores = ScoreMatrix();
+      out->layers[l].gen_q = std::move(t);
     }
     return out;
   }();
@@ -216,12 +218,7 @@ void BM_FmaPeak(benchmark::State& state) {
 BENCHMARK(BM_FmaPeak)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_QueryScores(benchmark::State& state) {
-  Turn turn = Qwen14BTurn();
-  const std::vector<KvTensor>& q = Qwen14BQueries();
-  for (size_t l = 0; l < turn.layers.size(); ++l) {
-    turn.layers[l].scores = ScoreMatrix();
-    turn.layers[l].gen_q = q[l];
-  }
+  const Turn& turn = Qwen14BQueryTurn();
   const TurnGeometry geo = *GeometryOf(turn);
   const double scale = 1.0 / std::sqrt(128.0);
   for (auto _ : state) {
@@ -238,12 +235,7 @@ BENCHMARK(BM_QueryScores)->Unit(benchmark::kMillisecond)->UseRealTime();
 // outputs, the message's). Counter: multiply-adds per second of the logits
 // and outputs of the full cache and of the message.
 void BM_AttentionOutputError(benchmark::State& state) {
-  Turn turn = Qwen14BTurn();
-  const std::vector<KvTensor>& q = Qwen14BQueries();
-  for (size_t l = 0; l < turn.layers.size(); ++l) {
-    turn.layers[l].scores = ScoreMatrix();
-    turn.layers[l].gen_q = q[l];
-  }
+  const Turn& turn = Qwen14BQueryTurn();
   const TurnGeometry geo = *GeometryOf(turn);
   auto pipeline = Pipeline::Create("h2o-head:k=32+obf:p=8,mode=fast");
   absl::StatusOr<Message> msg = (*pipeline)->Compress(turn);

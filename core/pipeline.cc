@@ -93,6 +93,11 @@ class Params {
 
 constexpr int kMaxTokens = 1 << 24;
 
+// The logit scale for scores from queries: the context's, or 1/sqrt(d).
+double SoftmaxScaleOf(const LayerContext& ctx, int head_dim) {
+  return ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
+
 absl::Status ApplySelector(SelectorKind kind, const StageSpec& st, PipelineConfig* cfg) {
   SelectorOptions o;
   o.kind = kind;
@@ -364,8 +369,7 @@ void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, co
   if (!geo.queries) {
     w->scores = ReduceScores(layer.scores, heads);
   } else if (kind == SelectorKind::kH2oHead || kind == SelectorKind::kH2oLayer) {
-    const double scale = ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(d));
-    w->scores = QueryScores(layer, geo, scale, config_.select.window);
+    w->scores = QueryScores(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window);
   } else {
     w->scores.assign(static_cast<size_t>(heads) * n_prompt, 0.0);  // full and gen read no scores
   }
@@ -477,8 +481,7 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
 absl::Status Pipeline::MeasureFidelity(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                                        MessageLayer* out) const {
   if (!geo.queries) return absl::OkStatus();
-  const double scale = ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(geo.head_dim));
-  absl::StatusOr<double> e = AttentionOutputError(layer, geo, *out, scale);
+  absl::StatusOr<double> e = AttentionOutputError(layer, geo, *out, SoftmaxScaleOf(ctx, geo.head_dim));
   if (!e.ok()) return e.status();
   out->attention_error = *e;
   return absl::OkStatus();

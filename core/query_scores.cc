@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 
 #include "Eigen/Core"
 #include "core/quant.h"
@@ -31,6 +30,30 @@ void MaskedSoftmax(float* z, int seen, int m) {
   head = (head - head.maxCoeff()).exp();
   head *= static_cast<float>(1.0 / SumAsDouble(z, seen));
   std::fill(z + seen, z + m, 0.0f);
+}
+
+// Rows of KV head h of the cache every step may see, [history; prompt;
+// generated], from the keys (or the values) into `out` (m x d floats).
+// Parts of 0 rows read nothing.
+void ReadCache(const TurnLayer& layer, int h, bool values, float* out) {
+  const KvTensor* parts[] = {values ? &layer.history_v : &layer.history_k, values ? &layer.prompt_v : &layer.prompt_k,
+                             values ? &layer.gen_v : &layer.gen_k};
+  for (const KvTensor* t : parts) {
+    t->ReadRows(h, 0, t->tokens(), out);
+    out += static_cast<size_t>(t->tokens()) * t->dim();
+  }
+}
+
+// Steps first..first+steps-1 of the queries of KV head h's group of score
+// heads into `out`, score head by score head (group * steps x d floats),
+// multiplied by `scale`.
+void ReadGroupQueries(const TurnLayer& layer, int h, int group, int first, int steps, double scale,
+                      Eigen::Ref<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> out) {
+  const int d = static_cast<int>(out.cols());
+  for (int g = 0; g < group; ++g) {
+    layer.gen_q.ReadRows(h * group + g, first, steps, out.data() + static_cast<size_t>(g) * steps * d);
+  }
+  out *= static_cast<float>(scale);
 }
 
 // Columns per GEMM block: all `cols` when m * cols floats fit
@@ -63,15 +86,9 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
   std::vector<double> mass(n_prompt);
   std::vector<float> e(m);
   for (int h = 0; h < heads; ++h) {
-    // (ReadRows of 0 rows reads nothing: empty parts are safe.)
-    layer.history_k.ReadRows(h, 0, n_hist, keys.data());
-    layer.prompt_k.ReadRows(h, 0, n_prompt, keys.data() + static_cast<size_t>(n_hist) * d);
-    layer.gen_k.ReadRows(h, 0, n_gen, keys.data() + static_cast<size_t>(n_hist + n_prompt) * d);
+    ReadCache(layer, h, /*values=*/false, keys.data());
+    ReadGroupQueries(layer, h, group, t0, steps, scale, queries);
     double* dst = out.data() + static_cast<size_t>(h) * n_prompt;
-    for (int g = 0; g < group; ++g) {
-      layer.gen_q.ReadRows(h * group + g, t0, steps, queries.data() + static_cast<size_t>(g) * steps * d);
-    }
-    queries *= static_cast<float>(scale);
     for (Eigen::Index c0 = 0; c0 < cols; c0 += block) {
       const Eigen::Index nb = std::min(block, cols - c0);
       logits.leftCols(nb).noalias() = keys * queries.middleRows(c0, nb).transpose();
@@ -120,20 +137,11 @@ absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGe
   ColMajor wf(m_full, block), wm(m_msg, block), of(d, block), om(d, block);
   double total = 0;
   for (int h = 0; h < heads; ++h) {
-    int at = 0;
-    for (const auto& [k, v, n] : {std::tuple<const KvTensor&, const KvTensor&, int>{layer.history_k, layer.history_v, n_hist},
-                                  {layer.prompt_k, layer.prompt_v, n_prompt},
-                                  {layer.gen_k, layer.gen_v, n_gen}}) {
-      k.ReadRows(h, 0, n, kf.data() + static_cast<size_t>(at) * d);
-      v.ReadRows(h, 0, n, vf.data() + static_cast<size_t>(at) * d);
-      at += n;
-    }
+    ReadCache(layer, h, /*values=*/false, kf.data());
+    ReadCache(layer, h, /*values=*/true, vf.data());
     mk->ReadRows(h, 0, m_msg, km.data());
     mv->ReadRows(h, 0, m_msg, vm.data());
-    for (int g = 0; g < group; ++g) {
-      layer.gen_q.ReadRows(h * group + g, 0, n_gen, q.data() + static_cast<size_t>(g) * n_gen * d);
-    }
-    q *= static_cast<float>(scale);
+    ReadGroupQueries(layer, h, group, 0, n_gen, scale, q);
     for (Eigen::Index c0 = 0; c0 < cols; c0 += block) {
       const Eigen::Index nb = std::min(block, cols - c0);
       wf.leftCols(nb).noalias() = kf * q.middleRows(c0, nb).transpose();
