@@ -63,9 +63,12 @@ constexpr char kUsage[] = R"(usage: kvrelayctl <verb> [flags]
 
 verbs:
   compress --policy SPEC --in TURN.safetensors --out MSG.safetensors
-           [--decode] [--threads N] [--addr HOST:PORT]
+           [--parent MSG.safetensors] [--decode] [--threads N] [--addr HOST:PORT]
       Compresses a turn with a pipeline spec (docs/FORMAT.md, e.g.
       "h2o-head:k=32+obf:p=8+int4:group=32") and writes the message.
+      --parent composes on a message file as a relay composes a publish with
+      parent_id: the parent (decoded, with its acc and anchors) is the
+      history, and prompt_pos0 defaults to where it ended.
       --decode writes quantized K/V decoded back to the turn's dtype.
       --threads defaults to the number of hardware threads. With --addr the
       relay compresses (its stateless Compress call) instead.
@@ -74,7 +77,7 @@ verbs:
 
   inspect FILE
       Describes a turn or a message (detected by metadata
-      format=kvrelay.message.v1): tokens and bytes of each part, and for
+      format=kvrelay.message.v2 or v1): tokens and bytes of each part, and for
       messages full/sent bytes and the ratio.
 
   make-turn --out FILE [--layers L] [--kv-heads H] [--score-heads S]
@@ -123,7 +126,7 @@ relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
 
   demo --addr A [--rounds N] [--policy SPEC] [--session S] [--layers L]
        [--kv-heads H] [--score-heads S] [--head-dim D] [--prompt N]
-       [--gen G] [--dtype DT] [--seed X] [--queries]
+       [--gen G] [--dtype DT] [--seed X] [--queries] [--chain]
   demo --addr A --addr B --addr C --addr D [flags as above]
   demo --addrs A,B,C,D [flags as above]
       A planner -> critic -> refiner -> judger chain of simulated agents
@@ -133,6 +136,10 @@ relay verbs (a running kvrelay-server; --addr HOST:PORT or unix:PATH):
       message as parent; prints a table per round and the totals.
       --queries: the turns carry the generated steps' queries (gen.q); the
       relay scores from them and reports each hop's attention output error.
+      --chain: the rounds continue one session, the judger publishing back
+      to the planner (4 hops a round), so each message's history is the
+      whole chain so far: it keeps growing, unless the policy caps it
+      (e.g. h2o-head:k=32,hist=64).
       With 4 addresses (one relay per agent, in chain order) each agent
       publishes to, fetches from and acks at its own relay only; the relays
       must route each agent to its relay (kvrelay-server --route). The table
@@ -380,7 +387,8 @@ std::unique_ptr<RelayClient> Dial(const Flags& flags, const std::string& addr, s
 #endif
 
 std::optional<Failure> Compress(int argc, char** argv) {
-  Flags flags("compress", {"policy", "in", "out", "threads", "addr", "tls-ca", "tls-cert", "tls-key", "token-file"},
+  Flags flags("compress",
+              {"policy", "in", "out", "parent", "threads", "addr", "tls-ca", "tls-cert", "tls-key", "token-file"},
               {"decode"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "compress")) return f;
@@ -411,6 +419,15 @@ std::optional<Failure> Compress(int argc, char** argv) {
   absl::StatusOr<Turn> turn = ReadTurnFile(in);
   if (!turn.ok()) return Runtime(turn.status());
   const DType dtype = turn->layers[0].prompt_k.dtype();
+  const std::optional<std::string> parent_path = flags.Get("parent");
+  if (parent_path) {
+    if (addr) return Usage("compress: --parent is for compressing here; a relay composes on a parent by publish");
+    absl::StatusOr<Message> parent = ReadMessageFile(*parent_path);
+    if (!parent.ok()) return Runtime(parent.status());
+    if (absl::Status s = ComposeOnParent(*parent, &*turn); !s.ok()) {
+      return Runtime(absl::Status(s.code(), absl::StrCat(in, " on parent ", *parent_path, ": ", s.message())));
+    }
+  }
 
   absl::StatusOr<Message> msg;
   double ms = 0;
@@ -429,8 +446,9 @@ std::optional<Failure> Compress(int argc, char** argv) {
     std::unique_ptr<ThreadPool> pool;
     if (threads > 1) pool = std::make_unique<ThreadPool>(static_cast<int>(threads));
     const auto start = std::chrono::steady_clock::now();
-    // ReadTurnFile validated every value already.
-    msg = (*pipeline)->CompressValidated(*turn, pool.get());
+    // ReadTurnFile validated every value already; a parent's decoded
+    // history has not been.
+    msg = parent_path ? (*pipeline)->Compress(*turn, pool.get()) : (*pipeline)->CompressValidated(*turn, pool.get());
     const auto stop = std::chrono::steady_clock::now();
     if (!msg.ok()) return Runtime(msg.status());
     ms = std::chrono::duration<double, std::milli>(stop - start).count();
@@ -924,9 +942,10 @@ std::optional<Failure> Demo(int argc, char** argv) {
   Flags flags("demo",
               WithConnectFlags({"addrs", "rounds", "policy", "session", "layers", "kv-heads", "score-heads",
                                 "head-dim", "prompt", "gen", "dtype", "seed"}),
-              {"queries"}, {"addr"});
+              {"queries", "chain"}, {"addr"});
   if (auto f = flags.Parse(argc, argv)) return f;
   if (auto f = NoPositional(flags, "demo")) return f;
+  const bool chain = flags.Has("chain");
   KVRELAYCTL_FLAG(const std::vector<std::string> addrs, DemoAddrs(flags));
   KVRELAYCTL_FLAG(const int64_t rounds, flags.Int("rounds", 1, 1, 1000));
   SyntheticTurnOptions o = Qwen3_14BTurn();
@@ -988,9 +1007,15 @@ std::optional<Failure> Demo(int argc, char** argv) {
   uint64_t tot_full = 0, tot_sent = 0, tot_saved = 0, tot_received = 0, tot_to_next = 0;
   double tot_compress_ms = 0, tot_hop_ms = 0;
   int hops = 0;
+  // With --chain every round continues one session: the judger publishes
+  // back to the planner, so the history keeps growing (or stays within
+  // hist=); else each round is a session of its own.
+  const int hops_per_round = chain ? kDemoAgents : kDemoAgents - 1;
+  std::string parent;
+  int64_t next_pos = 0;
   for (int64_t round = 0; round < rounds; ++round) {
     const std::string session =
-        rounds == 1 ? session_base : absl::StrCat(session_base, "-r", round + 1);
+        rounds == 1 || chain ? session_base : absl::StrCat(session_base, "-r", round + 1);
     // Closes the session at every relay of the chain (each relay passes a
     // close on as well; closing is idempotent).
     auto close_all = [&]() -> absl::Status {
@@ -1004,16 +1029,19 @@ std::optional<Failure> Demo(int argc, char** argv) {
     std::printf("%-3s %-19s %7s %13s %13s %8s %11s %13s%s\n", "hop", "from -> to", "tokens",
                 "full_bytes", "sent_bytes", "ratio", "compress_ms", "hop_latency_ms",
                 mesh ? "  to_next_relay" : "");
-    std::string parent;
-    int64_t next_pos = 0;
-    for (int hop = 0; hop < 3; ++hop) {
-      const std::string from = agents[hop], to = agents[hop + 1];
+    if (!chain) {
+      parent.clear();
+      next_pos = 0;
+    }
+    for (int hop = 0; hop < hops_per_round; ++hop) {
+      const int next = (hop + 1) % kDemoAgents;
+      const std::string from = agents[hop], to = agents[next];
       RelayClient* const from_relay = relay_of[hop];
-      RelayClient* const to_relay = relay_of[hop + 1];
+      RelayClient* const to_relay = relay_of[next];
       const bool crosses = from_relay != to_relay;
       SyntheticTurnOptions to_make = o;
       to_make.seed = static_cast<uint64_t>(seed) + round * 16 + hop;
-      to_make.first_agent = hop == 0;
+      to_make.first_agent = parent.empty();
       absl::StatusOr<Turn> turn = MakeSyntheticTurn(to_make);
       if (!turn.ok()) return Runtime(turn.status());
       turn->prompt_pos0 = next_pos;  // continue after what the agent received
@@ -1057,7 +1085,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
         recipient.join();
         line.Clear();
         return Failure{kRuntimeError,
-                       absl::StrCat("demo: forward ", from, " -> ", to, " (", addrs[hop], " to ", addrs[hop + 1],
+                       absl::StrCat("demo: forward ", from, " -> ", to, " (", addrs[hop], " to ", addrs[next],
                                     "): message ", r->message_id, " dead-lettered: ", dead_reason)};
       }
       recipient.join();
@@ -1077,7 +1105,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
       const Message& m = fetched->message;
       // What a whole forward carries: the composed message.
       const uint64_t to_next = crosses ? a.sent_bytes : 0;
-      std::printf("%-3d %-19s %7d %13" PRIu64 " %13" PRIu64 " %8s %11.2f %13.2f%s\n", hop + 1,
+      std::printf("%-3d %-19s %7d %13" PRIu64 " %13" PRIu64 " %8s %11.2f %13.2f%s\n", chain ? hops + 1 : hop + 1,
                   absl::StrCat(from, " -> ", to).c_str(), m.layers.empty() ? 0 : m.layers[0].tokens(),
                   a.full_bytes, a.sent_bytes, Ratio(a.full_bytes, a.sent_bytes).c_str(),
                   a.compress_seconds * 1e3, hop_ms,
@@ -1098,7 +1126,9 @@ std::optional<Failure> Demo(int argc, char** argv) {
       parent = fetched->message_id;
       next_pos = m.next_pos;  // where the sender's turn ended
     }
-    if (absl::Status s = close_all(); !s.ok()) return RelayError("demo: close", s);
+    if (!chain || round == rounds - 1) {
+      if (absl::Status s = close_all(); !s.ok()) return RelayError("demo: close", s);
+    }
   }
   std::printf("\ntotals: hops=%d received_bytes=%" PRIu64 " full_bytes=%" PRIu64
               " sent_bytes=%" PRIu64 " ratio=%s saved_bytes=%" PRIu64

@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "core/tensor.h"
+#include "core/turn.h"
 
 namespace kvrelay {
 
@@ -39,9 +41,18 @@ struct QuantizedKv {
   QuantizedTensor k, v;
 };
 
+// The granularity h2o-auto chose for a layer (docs/FORMAT.md, step 3a).
+enum class Granularity : uint8_t { kNone, kHead, kLayer };
+
 struct MessageLayer {
   KvTensor k, v;  // [kv_heads, n, head_dim]; empty (0 elements) when quantized
   PosTensor pos;  // [kv_heads, n]
+  // Accumulated importance of every token, [kv_heads, n] row-major
+  // (docs/FORMAT.md, step 5); empty means 0 everywhere (a message read from
+  // a file or stream without it). Relay-side state: not sent to agents,
+  // not counted in SentBytes.
+  std::vector<float> acc;
+  Granularity granularity = Granularity::kNone;  // set by h2o-auto only
   std::optional<QuantizedKv> quant;
   // The layer's fidelity figure (AttentionOutputError), for turns with
   // queries; never sent itself (the message's mean is).
@@ -73,6 +84,9 @@ struct Message {
   // (docs/FORMAT.md, "Fidelity"). A proxy: the recipient's queries are not
   // known.
   std::optional<double> attention_error;
+  // Position ids of the chain's anchors that the message holds (every head
+  // of every layer holds each once), ascending.
+  std::vector<int32_t> anchor_pos;
   std::vector<MessageLayer> layers;
 
   double Ratio() const { return sent_bytes ? static_cast<double>(full_bytes) / sent_bytes : 0.0; }
@@ -84,6 +98,29 @@ int64_t HeldEnd(const Message& msg);
 
 // Where the receiver continues: max(msg.next_pos, HeldEnd(msg)).
 int64_t NextPosition(const Message& msg);
+
+// "head" / "layer" / "" for Granularity::kHead / kLayer / kNone.
+const char* GranularityName(Granularity g);
+
+// The history part of the geometry of a turn composed on `parent` (as a
+// relay composes it): n_history = the parent's tokens per head,
+// history_anchors = its anchor_pos, history_acc (its acc, or zeros).
+void SetHistoryGeometry(const Message& parent, TurnGeometry* geo);
+
+// Layer l of `parent` as the history of `layer`, as a relay composes a
+// child turn: K and V (quantized layers decoded into `dtype`), positions,
+// and acc (zeros when the parent has none). The turn's history_anchors
+// must be parent.anchor_pos. InvalidArgument when decoding fails.
+// REQUIRES: 0 <= l < parent.layers.size().
+absl::Status SetHistoryFromMessage(const Message& parent, int l, DType dtype, TurnLayer* layer);
+
+// Makes `parent` the history of `turn`, as a relay does for a publish with
+// parent_id: every layer by SetHistoryFromMessage, history_anchors =
+// parent.anchor_pos, and prompt_pos0 = NextPosition(parent) when unset.
+// InvalidArgument when the turn has history of its own or its layers, KV
+// heads, head_dim or dtype differ from the parent's, or an explicit
+// prompt_pos0 is before NextPosition(parent).
+absl::Status ComposeOnParent(const Message& parent, Turn* turn);
 
 }  // namespace kvrelay
 

@@ -1,6 +1,7 @@
 #include "core/pipeline.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -45,6 +46,18 @@ class Params {
     int x;
     if (!absl::SimpleAtoi(*v, &x) || x < lo || x > hi || x % 2 == 0) {
       return BadStage(st_, absl::StrCat(key, "=", *v, ": expected an odd integer in [", lo, ", ", hi, "]"));
+    }
+    *out = x;
+    return absl::OkStatus();
+  }
+
+  // A finite decimal number in [lo, hi].
+  absl::Status Double(absl::string_view key, double lo, double hi, double* out) {
+    const std::string* v = Find(key);
+    if (v == nullptr) return absl::OkStatus();
+    double x;
+    if (!absl::SimpleAtod(*v, &x) || !std::isfinite(x) || x < lo || x > hi) {
+      return BadStage(st_, absl::StrCat(key, "=", *v, ": expected a decimal number in [", lo, ", ", hi, "]"));
     }
     *out = x;
     return absl::OkStatus();
@@ -98,20 +111,33 @@ double SoftmaxScaleOf(const LayerContext& ctx, int head_dim) {
   return ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
 }
 
+bool IsH2o(SelectorKind k) {
+  return k == SelectorKind::kH2oHead || k == SelectorKind::kH2oLayer || k == SelectorKind::kH2oAuto;
+}
+
+// The shortest decimal that reads back as `x`.
+std::string ShortestDecimal(double x) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
+}
+
 absl::Status ApplySelector(SelectorKind kind, const StageSpec& st, PipelineConfig* cfg) {
   SelectorOptions o;
   o.kind = kind;
   Params p(st);
-  if (kind == SelectorKind::kGen || kind == SelectorKind::kH2oHead || kind == SelectorKind::kH2oLayer) {
+  if (kind == SelectorKind::kGen || IsH2o(kind)) {
     KVRELAY_RETURN_IF_ERROR(p.Int("sinks", 0, kMaxTokens, &o.sinks));
   }
-  if (kind == SelectorKind::kH2oHead || kind == SelectorKind::kH2oLayer) {
+  if (IsH2o(kind)) {
     KVRELAY_RETURN_IF_ERROR(p.Int("k", 0, kMaxTokens, &o.k));
     KVRELAY_RETURN_IF_ERROR(p.Int("recent", 0, kMaxTokens, &o.recent));
     // Any width past 2 * kMaxTokens - 1 pools over the whole top-k range.
     KVRELAY_RETURN_IF_ERROR(p.OddInt("pool", 1, 2 * kMaxTokens + 1, &o.pool));
     KVRELAY_RETURN_IF_ERROR(p.Int("window", 1, kMaxTokens, &o.window));
+    KVRELAY_RETURN_IF_ERROR(p.Int("hist", 0, kMaxTokens, &o.hist));
   }
+  if (kind == SelectorKind::kH2oAuto) KVRELAY_RETURN_IF_ERROR(p.Double("tau", 0, 1, &o.tau));
   KVRELAY_RETURN_IF_ERROR(p.Done());
   cfg->select = o;
   return absl::OkStatus();
@@ -166,6 +192,7 @@ const char* SelectorName(SelectorKind k) {
     case SelectorKind::kGen: return "gen";
     case SelectorKind::kH2oLayer: return "h2o-layer";
     case SelectorKind::kH2oHead: return "h2o-head";
+    case SelectorKind::kH2oAuto: return "h2o-auto";
   }
   return "?";
 }
@@ -174,12 +201,14 @@ std::string CanonicalSpec(const PipelineConfig& c) {
   const SelectorOptions& s = c.select;
   std::string out = SelectorName(s.kind);
   if (s.kind == SelectorKind::kGen) absl::StrAppend(&out, ":sinks=", s.sinks);
-  if (s.kind == SelectorKind::kH2oLayer || s.kind == SelectorKind::kH2oHead) {
+  if (IsH2o(s.kind)) {
     absl::StrAppend(&out, ":k=", s.k, ",sinks=", s.sinks, ",recent=", s.recent);
+    if (s.kind == SelectorKind::kH2oAuto) absl::StrAppend(&out, ",tau=", ShortestDecimal(s.tau));
     // pool=1 (no pooling) is left out, so specs from before pool existed
     // keep their canonical form.
     if (s.pool != 1) absl::StrAppend(&out, ",pool=", s.pool);
     if (s.window != 0) absl::StrAppend(&out, ",window=", s.window);
+    if (s.hist >= 0) absl::StrAppend(&out, ",hist=", s.hist);
   }
   if (c.obf) {
     const ObfOptions& o = *c.obf;
@@ -281,7 +310,8 @@ absl::Status RegisterBuiltins(Registry* r) {
   for (auto [name, kind] : {std::pair<const char*, SelectorKind>{"full", SelectorKind::kFull},
                             {"gen", SelectorKind::kGen},
                             {"h2o-layer", SelectorKind::kH2oLayer},
-                            {"h2o-head", SelectorKind::kH2oHead}}) {
+                            {"h2o-head", SelectorKind::kH2oHead},
+                            {"h2o-auto", SelectorKind::kH2oAuto}}) {
     KVRELAY_RETURN_IF_ERROR(r->Register(name, K::kSelector, [kind = kind](const StageSpec& st, PipelineConfig* c) {
       return ApplySelector(kind, st, c);
     }));
@@ -314,13 +344,14 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Pipeline::Create(absl::string_view spe
       if (i != 0) return BadStage(st, "the selector must be the first stage");
       have_selector = true;
     } else if (!have_selector) {
-      return BadStage(st, "must follow a selector (full, gen, h2o-layer, h2o-head)");
+      return BadStage(st, "must follow a selector (full, gen, h2o-layer, h2o-head, h2o-auto)");
     }
     if (kind == Registry::Kind::kTransform) {
       if (cfg.obf) return BadStage(st, "given twice");
       if (cfg.quant) return BadStage(st, "must come before the quantizer");
-      if (cfg.select.kind != SelectorKind::kH2oLayer && cfg.select.kind != SelectorKind::kH2oHead) {
-        return BadStage(st, "needs h2o-layer or h2o-head before it (full and gen delete no candidate to backfill)");
+      if (!IsH2o(cfg.select.kind)) {
+        return BadStage(st, "needs h2o-layer, h2o-head or h2o-auto before it (full and gen delete no candidate "
+                            "to backfill)");
       }
     }
     if (kind == Registry::Kind::kQuantizer && cfg.quant) {
@@ -332,6 +363,12 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Pipeline::Create(absl::string_view spe
   return std::unique_ptr<Pipeline>(new Pipeline(std::move(canonical), std::move(cfg)));
 }
 
+std::vector<int32_t> AnchorPositions(const TurnGeometry& geo, int n_anchor, int64_t prompt_pos0) {
+  std::vector<int32_t> out = geo.history_anchors;  // all below prompt_pos0
+  for (int j = 0; j < n_anchor; ++j) out.push_back(static_cast<int32_t>(prompt_pos0 + j));
+  return out;
+}
+
 uint64_t FullLayerBytes(const TurnGeometry& geo) {
   const uint64_t tokens = static_cast<uint64_t>(geo.n_history) + geo.n_prompt + geo.n_gen;
   return tokens * geo.kv_heads * (2ull * geo.head_dim * DTypeSize(geo.dtype) + 4);
@@ -340,6 +377,10 @@ uint64_t FullLayerBytes(const TurnGeometry& geo) {
 void Pipeline::CountTokens(const TurnGeometry& geo, bool first_agent, Message* msg) const {
   const SelectorOptions& s = config_.select;
   msg->n_history = geo.n_history;
+  if (IsH2o(s.kind) && s.hist >= 0) {
+    msg->n_history = static_cast<int>(
+        std::min<int64_t>(geo.n_history, static_cast<int64_t>(geo.history_anchors.size()) + s.hist));
+  }
   msg->n_gen = geo.n_gen;
   msg->n_anchor = first_agent ? std::min(s.sinks, geo.n_prompt) : 0;
   const int n_cand = geo.n_prompt - msg->n_anchor;
@@ -365,37 +406,80 @@ struct Pipeline::LayerWork {
 void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                              LayerWork* w) const {
   const int heads = geo.kv_heads, d = geo.head_dim, n_prompt = geo.n_prompt;
-  const SelectorKind kind = config_.select.kind;
-  if (!geo.queries) {
-    w->scores = ReduceScores(layer.scores, heads);
-  } else if (kind == SelectorKind::kH2oHead || kind == SelectorKind::kH2oLayer) {
-    w->scores = QueryScores(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window);
+  const int n_hist = geo.n_history, n_gen = geo.n_gen;
+  // The attention mass on every token of the cache: the prompt's is the
+  // selection score; the history's and the generated tokens' feed acc.
+  std::vector<double> hist_mass(static_cast<size_t>(heads) * n_hist, 0.0);
+  std::vector<double> gen_mass(static_cast<size_t>(heads) * n_gen, 0.0);
+  if (geo.queries) {
+    const std::vector<double> mass = QueryMass(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window);
+    const size_t m = static_cast<size_t>(n_hist) + n_prompt + n_gen;
+    w->scores.resize(static_cast<size_t>(heads) * n_prompt);
+    for (int h = 0; h < heads; ++h) {
+      auto row = mass.begin() + h * m;
+      std::copy_n(row, n_hist, hist_mass.begin() + static_cast<size_t>(h) * n_hist);
+      std::copy_n(row + n_hist, n_prompt, w->scores.begin() + static_cast<size_t>(h) * n_prompt);
+      std::copy_n(row + n_hist + n_prompt, n_gen, gen_mass.begin() + static_cast<size_t>(h) * n_gen);
+    }
   } else {
-    w->scores.assign(static_cast<size_t>(heads) * n_prompt, 0.0);  // full and gen read no scores
+    w->scores = ReduceScores(layer.scores, heads);
+    if (geo.history_score) hist_mass = ReduceScores(layer.history_score, heads);
   }
-  w->sel = Select(config_.select, w->scores, heads, n_prompt, ctx.first_agent);
+  SelectorOptions opts = config_.select;
+  if (opts.kind == SelectorKind::kH2oAuto) {
+    const int n_anchor = ctx.first_agent ? std::min(opts.sinks, n_prompt) : 0;
+    const bool per_head = AutoPicksHead(w->scores, heads, n_prompt, n_anchor, opts.tau);
+    opts.kind = per_head ? SelectorKind::kH2oHead : SelectorKind::kH2oLayer;
+    w->out.granularity = per_head ? Granularity::kHead : Granularity::kLayer;
+  }
+  w->sel = Select(opts, w->scores, heads, n_prompt, ctx.first_agent);
+
+  // The history's acc after this turn, and what the budget keeps of it.
+  std::vector<float> hist_acc(hist_mass.size());
+  for (size_t i = 0; i < hist_acc.size(); ++i) {
+    const double before = geo.history_acc ? layer.history_acc.data[i] : 0.0;
+    hist_acc[i] = static_cast<float>(before + hist_mass[i]);
+  }
+  std::vector<bool> is_anchor(hist_acc.size(), false);
+  for (size_t i = 0; i < is_anchor.size(); ++i) {
+    is_anchor[i] = std::binary_search(geo.history_anchors.begin(), geo.history_anchors.end(),
+                                      layer.history_pos.data[i]);
+  }
+  const std::vector<std::vector<int>> kept_hist =
+      SelectHistory(hist_acc, is_anchor, heads, n_hist, IsH2o(opts.kind) ? opts.hist : -1,
+                    opts.kind == SelectorKind::kH2oHead);
+
   const int n_anchor = w->sel.n_anchor;
-  const int n_hist = geo.n_history;
-  const int n_out = n_hist + n_anchor + static_cast<int>(w->sel.kept[0].size()) + geo.n_gen;
+  const int n_hist_out = static_cast<int>(kept_hist[0].size());
+  const int n_out = n_hist_out + n_anchor + static_cast<int>(w->sel.kept[0].size()) + n_gen;
   const int32_t pos0 = static_cast<int32_t>(ctx.prompt_pos0);
-  w->kept_begin = n_hist + n_anchor;
+  w->kept_begin = n_hist_out + n_anchor;
   w->head_status.assign(heads, absl::OkStatus());
   MessageLayer& out = w->out;
   out.k = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.v = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.pos = PosTensor(heads, n_out);
+  out.acc.resize(static_cast<size_t>(heads) * n_out);
   for (int h = 0; h < heads; ++h) {
     int t = 0;
-    auto copy = [&](const KvTensor& k, const KvTensor& v, int src, int32_t pos) {
+    auto copy = [&](const KvTensor& k, const KvTensor& v, int src, int32_t pos, float acc) {
       out.k.CopyRow(h, t, k, h, src);
       out.v.CopyRow(h, t, v, h, src);
       out.pos.at(h, t) = pos;
+      out.acc[static_cast<size_t>(h) * n_out + t] = acc;
       ++t;
     };
-    for (int j = 0; j < n_hist; ++j) copy(layer.history_k, layer.history_v, j, layer.history_pos.at(h, j));
-    for (int j = 0; j < n_anchor; ++j) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j);
-    for (int j : w->sel.kept[h]) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j);
-    for (int j = 0; j < geo.n_gen; ++j) copy(layer.gen_k, layer.gen_v, j, pos0 + n_prompt + j);
+    const double* a = w->scores.data() + static_cast<size_t>(h) * n_prompt;
+    for (int j : kept_hist[h]) {
+      copy(layer.history_k, layer.history_v, j, layer.history_pos.at(h, j),
+           hist_acc[static_cast<size_t>(h) * n_hist + j]);
+    }
+    for (int j = 0; j < n_anchor; ++j) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j, static_cast<float>(a[j]));
+    for (int j : w->sel.kept[h]) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j, static_cast<float>(a[j]));
+    for (int j = 0; j < n_gen; ++j) {
+      copy(layer.gen_k, layer.gen_v, j, pos0 + n_prompt + j,
+           static_cast<float>(gen_mass[static_cast<size_t>(h) * n_gen + j]));
+    }
   }
 }
 
@@ -553,6 +637,7 @@ Message Pipeline::Compose(const TurnGeometry& geo, bool first_agent, int64_t pro
     for (const MessageLayer& l : layers) sum += *l.attention_error;
     msg.attention_error = sum / static_cast<double>(layers.size());
   }
+  msg.anchor_pos = AnchorPositions(geo, msg.n_anchor, prompt_pos0);
   msg.layers = std::move(layers);
   msg.next_pos = prompt_pos0 + geo.n_prompt + geo.n_gen;
   msg.next_pos = NextPosition(msg);  // never before an id held

@@ -154,6 +154,11 @@ class Pipeline {
   PipelineConfig config_;
 };
 
+// The chain's anchors a message of a turn of geometry `geo` holds: the
+// history's (geo.history_anchors) and the turn's own `n_anchor` from
+// prompt_pos0 on, ascending.
+std::vector<int32_t> AnchorPositions(const TurnGeometry& geo, int n_anchor, int64_t prompt_pos0);
+
 // Bytes `full` sends for a layer of geometry `geo`: dense K and V of every
 // history, prompt and generated token, plus 4 bytes per position id.
 uint64_t FullLayerBytes(const TurnGeometry& geo);

@@ -65,7 +65,7 @@ Eigen::Index BlockColumns(Eigen::Index m, Eigen::Index cols) {
 
 }  // namespace
 
-std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window) {
+std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window) {
   using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using ColMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
   const int heads = geo.kv_heads, d = geo.head_dim;
@@ -74,8 +74,8 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
   const int t0 = window > 0 ? std::max(0, n_gen - window) : 0;
   const int steps = n_gen - t0;
   const int m = n_hist + n_prompt + n_gen;  // every key of a head
-  std::vector<double> out(static_cast<size_t>(heads) * n_prompt, 0.0);
-  if (steps == 0 || n_prompt == 0) return out;
+  std::vector<double> out(static_cast<size_t>(heads) * m, 0.0);
+  if (steps == 0 || m == 0) return out;
   // The columns of one KV head are (score head g, step s) at g * steps + s:
   // a GEMM covers a block of them, the whole group when the logits fit
   // kMaxBlockFloats (the turn's bound on the work keeps the rest finite).
@@ -83,12 +83,12 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
   const Eigen::Index block = BlockColumns(m, cols);
   RowMajor keys(m, d), queries(cols, d);
   ColMajor logits(m, block);
-  std::vector<double> mass(n_prompt);
+  std::vector<double> mass(m);
   std::vector<float> e(m);
   for (int h = 0; h < heads; ++h) {
     ReadCache(layer, h, /*values=*/false, keys.data());
     ReadGroupQueries(layer, h, group, t0, steps, scale, queries);
-    double* dst = out.data() + static_cast<size_t>(h) * n_prompt;
+    double* dst = out.data() + static_cast<size_t>(h) * m;
     for (Eigen::Index c0 = 0; c0 < cols; c0 += block) {
       const Eigen::Index nb = std::min(block, cols - c0);
       logits.leftCols(nb).noalias() = keys * queries.middleRows(c0, nb).transpose();
@@ -100,14 +100,24 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
         Eigen::Map<Eigen::ArrayXf> ez(e.data(), seen);
         ez = (z - z.maxCoeff()).exp();  // Eigen's vectorized expf
         const double inv = 1.0 / SumAsDouble(e.data(), seen);
-        const float* ep = e.data() + n_hist;
-        for (int j = 0; j < n_prompt; ++j) mass[j] += ep[j] * inv;
+        for (int i = 0; i < seen; ++i) mass[i] += e[i] * inv;
         // The score head's last step: its mass joins the group's sum.
         if (s == steps - 1) {
-          for (int j = 0; j < n_prompt; ++j) dst[j] += mass[j];
+          for (int i = 0; i < m; ++i) dst[i] += mass[i];
         }
       }
     }
+  }
+  return out;
+}
+
+std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window) {
+  const int heads = geo.kv_heads, n_prompt = geo.n_prompt;
+  const size_t m = static_cast<size_t>(geo.n_history) + n_prompt + geo.n_gen;
+  const std::vector<double> mass = QueryMass(layer, geo, scale, window);
+  std::vector<double> out(static_cast<size_t>(heads) * n_prompt);
+  for (int h = 0; h < heads; ++h) {
+    std::copy_n(mass.begin() + h * m + geo.n_history, n_prompt, out.begin() + static_cast<size_t>(h) * n_prompt);
   }
   return out;
 }

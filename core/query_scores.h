@@ -28,6 +28,13 @@ namespace kvrelay {
 // scale finite and > 0, window >= 0.
 std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window);
 
+// As QueryScores, for every key of the layer: [kv_heads, m] with m =
+// n_history + n_prompt + n_gen, row h at h * m, columns in the cache's
+// order (history, prompt, generated). Generated token j gets the weights of
+// the steps in the window that see it (t >= j); QueryScores is the prompt's
+// columns. Same REQUIRES.
+std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window);
+
 // The fidelity figure of one compressed layer (docs/FORMAT.md, "Fidelity"):
 // the mean over score heads and generated steps of |o_msg - o_full| /
 // |o_full|. o_full is step t's attention output (softmax of the logits as

@@ -1,6 +1,7 @@
 #include "core/selection.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <numeric>
@@ -54,6 +55,71 @@ std::vector<double> MaxPool(absl::Span<const double> scores, int begin, int end,
   return out;
 }
 
+bool AutoPicksHead(absl::Span<const double> head_scores, int kv_heads, int n_prompt, int n_anchor,
+                   double tau) {
+  const int c = n_prompt - n_anchor;
+  double sum_e = 0;
+  for (int h = 0; h < kv_heads; ++h) {
+    const double* a = head_scores.data() + static_cast<size_t>(h) * n_prompt + n_anchor;
+    double total = 0;
+    for (int j = 0; j < c; ++j) total += a[j];
+    double e = 1;
+    if (c >= 2 && total > 0) {
+      double ent = 0;
+      for (int j = 0; j < c; ++j) {
+        const double p = a[j] / total;
+        if (p > 0) ent -= p * std::log(p);
+      }
+      e = ent / std::log(static_cast<double>(c));
+    }
+    sum_e += e;
+  }
+  return sum_e / kv_heads < tau;
+}
+
+std::vector<std::vector<int>> SelectHistory(absl::Span<const float> acc, const std::vector<bool>& is_anchor,
+                                            int kv_heads, int n_history, int hist, bool per_head) {
+  std::vector<std::vector<int>> cand(kv_heads), kept(kv_heads);
+  for (int h = 0; h < kv_heads; ++h) {
+    for (int i = 0; i < n_history; ++i) {
+      if (!is_anchor[static_cast<size_t>(h) * n_history + i]) cand[h].push_back(i);
+    }
+  }
+  const int c = kv_heads > 0 ? static_cast<int>(cand[0].size()) : 0;
+  if (hist < 0 || c <= hist) {
+    for (auto& k : kept) {
+      k.resize(n_history);
+      std::iota(k.begin(), k.end(), 0);
+    }
+    return kept;
+  }
+  // Candidate ranks kept per head, ascending.
+  std::vector<std::vector<int>> ranks(kv_heads);
+  std::vector<double> score(c);
+  if (per_head) {
+    for (int h = 0; h < kv_heads; ++h) {
+      for (int r = 0; r < c; ++r) score[r] = acc[static_cast<size_t>(h) * n_history + cand[h][r]];
+      ranks[h] = TopK(score, 0, c, hist);
+    }
+  } else {
+    std::fill(score.begin(), score.end(), 0.0);
+    for (int h = 0; h < kv_heads; ++h) {
+      for (int r = 0; r < c; ++r) score[r] += acc[static_cast<size_t>(h) * n_history + cand[h][r]];
+    }
+    std::vector<int> shared = TopK(score, 0, c, hist);
+    for (auto& r : ranks) r = shared;
+  }
+  for (int h = 0; h < kv_heads; ++h) {
+    std::vector<bool> keep(n_history, false);
+    for (int i = 0; i < n_history; ++i) keep[i] = is_anchor[static_cast<size_t>(h) * n_history + i];
+    for (int r : ranks[h]) keep[cand[h][r]] = true;
+    for (int i = 0; i < n_history; ++i) {
+      if (keep[i]) kept[h].push_back(i);
+    }
+  }
+  return kept;
+}
+
 Selection Select(const SelectorOptions& opts, absl::Span<const double> head_scores, int kv_heads,
                  int n_prompt, bool first_agent) {
   Selection sel;
@@ -73,6 +139,7 @@ Selection Select(const SelectorOptions& opts, absl::Span<const double> head_scor
       return sel;
     case SelectorKind::kH2oLayer:
     case SelectorKind::kH2oHead:
+    case SelectorKind::kH2oAuto:
       break;
   }
 

@@ -11,7 +11,7 @@
 
 namespace kvrelay {
 
-enum class SelectorKind { kFull, kGen, kH2oLayer, kH2oHead };
+enum class SelectorKind { kFull, kGen, kH2oLayer, kH2oHead, kH2oAuto };
 
 struct SelectorOptions {
   SelectorKind kind = SelectorKind::kFull;
@@ -20,6 +20,8 @@ struct SelectorOptions {
   int recent = 0;   // last candidates always kept (>= 0)
   int pool = 1;     // odd width of the max-pool over the top-k range (>= 1)
   int window = 0;   // score with the last `window` generated steps (0: all); needs queries
+  int hist = -1;    // history candidates kept besides the chain's anchors (-1: all)
+  double tau = 0.9; // h2o-auto: per-head selection below this mean normalised entropy
 };
 
 struct Selection {
@@ -41,11 +43,28 @@ std::vector<int> TopK(absl::Span<const double> scores, int begin, int end, int k
 // <= end <= scores.size(), no NaN in scores[begin, end).
 std::vector<double> MaxPool(absl::Span<const double> scores, int begin, int end, int pool);
 
+// h2o-auto's choice for one layer (docs/FORMAT.md, step 3a): true (select
+// per head) when the mean over KV heads of the normalised entropy of each
+// head's candidate scores head_scores[h][n_anchor..n_prompt) is below tau.
+bool AutoPicksHead(absl::Span<const double> head_scores, int kv_heads, int n_prompt, int n_anchor,
+                   double tau);
+
+// The history budget (docs/FORMAT.md, step 5a) for one layer: per KV head,
+// the indices of the history tokens kept, ascending. `acc` is the
+// history's accumulated importance after this turn, [kv_heads, n_history];
+// `is_anchor` flags, per head and token, the chain's anchors (the same count
+// in every head). Every head keeps its anchors and, when more than `hist`
+// candidates remain, `hist` of them: per head by acc (`per_head`), or by
+// the sum over heads of the r-th candidate's acc. hist < 0 keeps all.
+std::vector<std::vector<int>> SelectHistory(absl::Span<const float> acc, const std::vector<bool>& is_anchor,
+                                            int kv_heads, int n_history, int hist, bool per_head);
+
 // Selects for one layer. `head_scores` is the reduced [kv_heads, n_prompt]
 // float64 score matrix (see ReduceScores). Anchors are the first
 // min(sinks, n_prompt) tokens when `first_agent`, else none. h2o-* rank the
 // top-k range (candidates before the recent window) by MaxPool(opts.pool) of
-// their scores; docs/FORMAT.md has the rule.
+// their scores; docs/FORMAT.md has the rule. kH2oAuto is not taken here:
+// resolve it to kH2oHead or kH2oLayer first (AutoPicksHead).
 Selection Select(const SelectorOptions& opts, absl::Span<const double> head_scores, int kv_heads,
                  int n_prompt, bool first_agent);
 

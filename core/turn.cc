@@ -83,6 +83,70 @@ absl::Status CheckKv(const KvTensor& t, int layer, absl::string_view part, const
   return CheckKvFinite(t.dtype(), t.bytes().data(), 0, t.elements(), layer, part, t.tokens(), t.dim());
 }
 
+// `sc` ([rows, cols], finite and >= 0), named `part` of layer li.
+absl::Status CheckMass(const ScoreMatrix& sc, int li, absl::string_view part, int rows, int cols,
+                       absl::string_view dims) {
+  if (sc.rows != rows || sc.cols != cols || sc.data.size() != static_cast<size_t>(sc.rows) * sc.cols) {
+    return absl::InvalidArgumentError(absl::StrCat(Name(li, part), ": shape ", Shape({sc.rows, sc.cols}),
+                                                   ", expected ", Shape({rows, cols}), " (", dims, ")"));
+  }
+  if (AllFiniteNonNegative(sc.data.data(), sc.data.size())) return absl::OkStatus();
+  for (int r = 0; r < sc.rows; ++r) {
+    for (int c = 0; c < sc.cols; ++c) {
+      const float v = sc.at(r, c);
+      if (!std::isfinite(v) || v < 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: value %g at [%d,%d], expected a finite attention mass >= 0", Name(li, part), v, r, c));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The history's optional acc and score, and the anchors it must hold.
+absl::Status CheckHistoryState(const TurnLayer& layer, int li, const TurnGeometry& geo) {
+  auto presence = [&](const ScoreMatrix& sc, bool expected, absl::string_view part) -> absl::Status {
+    const bool given = sc.rows > 0 || sc.cols > 0 || !sc.data.empty();
+    if (given == expected) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(Name(li, part), given ? ": given" : ": missing",
+                                                   ", expected it in every layer or in none (as layer.0)"));
+  };
+  KVRELAY_RETURN_IF_ERROR(presence(layer.history_acc, geo.history_acc, "history.acc"));
+  KVRELAY_RETURN_IF_ERROR(presence(layer.history_score, geo.history_score, "history.score"));
+  if (geo.history_acc) {
+    KVRELAY_RETURN_IF_ERROR(CheckMass(layer.history_acc, li, "history.acc", geo.kv_heads, geo.n_history,
+                                      "kv heads, n_history"));
+  }
+  if (geo.history_score) {
+    if (geo.queries) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Name(li, "history.score"), ": given with gen.q, expected none (the relay computes the mass on the "
+          "history from the queries)"));
+    }
+    KVRELAY_RETURN_IF_ERROR(CheckMass(layer.history_score, li, "history.score", geo.score_heads, geo.n_history,
+                                      "score heads, n_history"));
+  }
+  const std::vector<int32_t>& anchors = geo.history_anchors;
+  if (anchors.empty()) return absl::OkStatus();
+  const PosTensor& pos = layer.history_pos;
+  std::vector<int> held(anchors.size());
+  for (int h = 0; h < pos.heads; ++h) {
+    std::fill(held.begin(), held.end(), 0);
+    for (int t = 0; t < pos.tokens; ++t) {
+      auto it = std::lower_bound(anchors.begin(), anchors.end(), pos.at(h, t));
+      if (it != anchors.end() && *it == pos.at(h, t)) ++held[it - anchors.begin()];
+    }
+    for (size_t a = 0; a < anchors.size(); ++a) {
+      if (held[a] != 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "history_anchors: position ", anchors[a], " is held ", held[a], " times by head ", h, " of ",
+            Name(li, "history.pos"), ", expected exactly once (every head keeps every anchor of the chain)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The layer's scores, or its queries when geo.queries.
 absl::Status CheckAttentionInput(const TurnLayer& layer, int li, const TurnGeometry& geo, bool check_values) {
   if (geo.queries) {
@@ -119,25 +183,7 @@ absl::Status CheckAttentionInput(const TurnLayer& layer, int li, const TurnGeome
                                                    ".prompt.score like layer.0 (every layer carries the same "
                                                    "one, never both)"));
   }
-  const ScoreMatrix& sc = layer.scores;
-  if (sc.rows != geo.score_heads || sc.cols != geo.n_prompt ||
-      sc.data.size() != static_cast<size_t>(sc.rows) * sc.cols) {
-    return absl::InvalidArgumentError(absl::StrCat(Name(li, "prompt.score"), ": shape ",
-                                                   Shape({sc.rows, sc.cols}), ", expected ",
-                                                   Shape({geo.score_heads, geo.n_prompt})));
-  }
-  const bool scores_ok = AllFiniteNonNegative(sc.data.data(), sc.data.size());
-  for (int r = 0; r < sc.rows && !scores_ok; ++r) {
-    for (int c = 0; c < sc.cols; ++c) {
-      const float v = sc.at(r, c);
-      if (!std::isfinite(v) || v < 0) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: value %g at [%d,%d], expected a finite attention mass >= 0",
-            Name(li, "prompt.score"), v, r, c));
-      }
-    }
-  }
-  return absl::OkStatus();
+  return CheckMass(layer.scores, li, "prompt.score", geo.score_heads, geo.n_prompt, "score heads, n_prompt");
 }
 
 }  // namespace
@@ -178,6 +224,9 @@ absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
   geo.queries = l0.has_queries();
   geo.q_dtype = l0.gen_q.dtype();
   geo.score_heads = geo.queries ? l0.gen_q.heads() : l0.scores.rows;
+  geo.history_acc = l0.history_acc.rows > 0 || !l0.history_acc.data.empty();
+  geo.history_score = l0.history_score.rows > 0 || !l0.history_score.data.empty();
+  geo.history_anchors = turn.history_anchors;
   if (geo.queries && l0.scores.rows > 0) {
     return absl::InvalidArgumentError(
         "layer.0.gen.q: given together with layer.0.prompt.score, expected exactly one of the two");
@@ -199,6 +248,25 @@ absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
   return geo;
 }
 
+absl::Status CheckAnchorList(const std::vector<int32_t>& anchors, int n_history) {
+  if (anchors.empty()) return absl::OkStatus();
+  if (n_history == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("history_anchors: ", anchors.size(),
+                                                   " position ids, expected none for a turn without history"));
+  }
+  if (anchors.size() > static_cast<size_t>(n_history)) {
+    return absl::InvalidArgumentError(absl::StrCat("history_anchors: ", anchors.size(),
+                                                   " position ids, expected at most n_history = ", n_history));
+  }
+  for (size_t i = 0; i < anchors.size(); ++i) {
+    if (anchors[i] < 0 || (i > 0 && anchors[i] <= anchors[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat("history_anchors: ", anchors[i], " at index ", i,
+                                                     ", expected ascending distinct position ids >= 0"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateGeometry(const TurnGeometry& geo) {
   auto range = [](absl::string_view what, int v, int lo, int hi) -> absl::Status {
     if (v >= lo && v <= hi) return absl::OkStatus();
@@ -210,6 +278,7 @@ absl::Status ValidateGeometry(const TurnGeometry& geo) {
   KVRELAY_RETURN_IF_ERROR(range("prompt.k: tokens", geo.n_prompt, 0, kMaxTokensPerPart));
   KVRELAY_RETURN_IF_ERROR(range("gen.k: tokens", geo.n_gen, 0, kMaxTokensPerPart));
   KVRELAY_RETURN_IF_ERROR(range("history.k: tokens", geo.n_history, 0, kMaxTokensPerPart));
+  KVRELAY_RETURN_IF_ERROR(CheckAnchorList(geo.history_anchors, geo.n_history));
   if (geo.score_heads < geo.kv_heads || geo.score_heads % geo.kv_heads != 0 ||
       geo.score_heads > kMaxScoreHeads) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -245,6 +314,7 @@ absl::Status ValidateTurnLayer(const TurnLayer& layer, int li, const TurnGeometr
                                                    Shape({pos.heads, pos.tokens}), ", expected ",
                                                    Shape({geo.kv_heads, geo.n_history})));
   }
+  KVRELAY_RETURN_IF_ERROR(CheckHistoryState(layer, li, geo));
   if (prompt_pos0 < 0) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_pos0: ", prompt_pos0, ", expected >= 0"));
   }

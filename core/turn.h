@@ -35,6 +35,12 @@ struct TurnLayer {
   // computes the scores (docs/FORMAT.md, step 0). Empty (0 heads) when the
   // layer carries scores.
   KvTensor gen_q;
+  // Optional, with history, in every layer or none (docs/FORMAT.md):
+  // [kv_heads, n_history], the history's accumulated importance as received
+  // (absent: 0); and [score_heads, n_history], the attention mass this
+  // agent's steps put on the history, only with `scores` (absent: 0).
+  ScoreMatrix history_acc;
+  ScoreMatrix history_score;
 
   bool has_queries() const { return gen_q.heads() > 0; }
 };
@@ -51,6 +57,12 @@ struct TurnGeometry {
   // Scores come from gen_q (in q_dtype) rather than from prompt.score.
   bool queries = false;
   DType q_dtype = DType::kF32;
+  // Layers carry history_acc / history_score.
+  bool history_acc = false;
+  bool history_score = false;
+  // Position ids of the chain's anchors that the history holds, ascending;
+  // every head of every layer's history holds each exactly once.
+  std::vector<int32_t> history_anchors;
 };
 
 // Bounds on a turn's geometry. Real models stay far below them; they keep a
@@ -71,6 +83,10 @@ inline constexpr double kMaxQueryScoreWork = 68719476736.0;
 // score_heads is not a positive multiple of kv_heads, or a count is negative.
 absl::Status ValidateGeometry(const TurnGeometry& geo);
 
+// InvalidArgument naming history_anchors unless `anchors` is empty, or
+// ascending distinct ids >= 0, at most n_history of them, with n_history > 0.
+absl::Status CheckAnchorList(const std::vector<int32_t>& anchors, int n_history);
+
 struct Turn {
   bool first_agent = true;
   // Position id of the first prompt token. When unset, n_history is used.
@@ -78,6 +94,8 @@ struct Turn {
   // The attention's logit scale, for scores from gen_q. When unset,
   // 1/sqrt(head_dim). Finite and > 0 (ValidateTurn).
   std::optional<double> softmax_scale;
+  // Position ids of the chain's anchors in the history (TurnGeometry).
+  std::vector<int32_t> history_anchors;
   std::vector<TurnLayer> layers;
 
   int64_t PromptPos0() const;
@@ -88,7 +106,9 @@ struct Turn {
 // Checks `geo` (ValidateGeometry), then one layer against it: shapes, dtypes, score layout, scores
 // finite and >= 0, gen_q instead of scores exactly when geo.queries (its
 // shape, dtype, finite values, the scoring work within
-// kMaxQueryScoreWork), position ranges (history ids in [0, prompt_pos0), the
+// kMaxQueryScoreWork), history_acc / history_score exactly when geo says
+// (shape, finite and >= 0; history_score never with queries), every head's
+// history holding each of geo.history_anchors exactly once, position ranges (history ids in [0, prompt_pos0), the
 // last prompt/generated id within int32), and (when check_kv_values) that every
 // K/V element is finite. The K/V scan reads every byte of the layer; callers
 // that already checked the values (a file reader, a relay checking chunks as
@@ -105,10 +125,11 @@ absl::Status ValidateTurnLayer(const TurnLayer& layer, int layer_index, const Tu
 absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_t n, int layer,
                            absl::string_view part, int tokens, int dim);
 
-// Derives the geometry from layer 0. InvalidArgument when the turn has no
-// layers or layer 0 is inconsistent in itself (among others: both or
-// neither of prompt.score and gen.q, or a softmax_scale that is not finite
-// and > 0).
+// Derives the geometry from layer 0 (and the turn's history_anchors).
+// InvalidArgument when the turn has no layers or layer 0 is inconsistent in
+// itself (among others: both or neither of prompt.score and gen.q, a
+// softmax_scale that is not finite and > 0, history_anchors without history
+// or not ascending).
 absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn);
 
 // GeometryOf + ValidateTurnLayer on every layer.

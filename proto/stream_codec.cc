@@ -53,6 +53,7 @@ absl::Span<const uint8_t> MessagePartBytes(const MessageLayer& l, v1::Part part)
     case v1::PART_V_CODES: return BytesOf(q->v.codes);
     case v1::PART_V_SCALE: return BytesOf(q->v.scale);
     case v1::PART_V_ZERO: return BytesOf(q->v.zero);
+    case v1::PART_ACC: return BytesOf(l.acc);
     default: return {};
   }
 }
@@ -148,16 +149,17 @@ std::vector<TensorRef> TurnUploadOrder(const Turn& turn) {
   return out;
 }
 
-std::vector<TensorRef> LayerDeliveryOrder(const MessageLayer& layer, uint32_t index) {
+std::vector<TensorRef> LayerDeliveryOrder(const MessageLayer& layer, uint32_t index, bool with_acc) {
   std::vector<TensorRef> out;
   for (v1::Part p : DeliveryParts(layer.quant.has_value())) out.push_back({index, p, MessagePartBytes(layer, p)});
+  if (with_acc) out.push_back({index, v1::PART_ACC, MessagePartBytes(layer, v1::PART_ACC)});
   return out;
 }
 
-std::vector<TensorRef> MessageDeliveryOrder(const Message& msg) {
+std::vector<TensorRef> MessageDeliveryOrder(const Message& msg, bool with_acc) {
   std::vector<TensorRef> out;
   for (size_t i = 0; i < msg.layers.size(); ++i) {
-    std::vector<TensorRef> l = LayerDeliveryOrder(msg.layers[i], static_cast<uint32_t>(i));
+    std::vector<TensorRef> l = LayerDeliveryOrder(msg.layers[i], static_cast<uint32_t>(i), with_acc);
     out.insert(out.end(), l.begin(), l.end());
   }
   return out;
@@ -535,8 +537,21 @@ StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* by
       return bad("head_dim", h.head_dim(), "head_dim*quant_bits a multiple of 8");
     }
   }
+  if (h.acc_tokens() >= (uint64_t{1} << 31)) return bad("acc_tokens", h.acc_tokens(), "< 2^31");
+  if (h.acc_tokens() != 0 && h.acc_tokens() < n64) {
+    return bad("acc_tokens", h.acc_tokens(), absl::StrCat("0 or at least the message's ", n64, " tokens"));
+  }
+  if (static_cast<uint64_t>(h.anchor_pos_size()) > n64) {
+    return bad("anchor_pos", h.anchor_pos_size(), absl::StrCat("at most the message's ", n64, " tokens"));
+  }
+  for (int i = 0; i < h.anchor_pos_size(); ++i) {
+    if (h.anchor_pos(i) < 0 || (i > 0 && h.anchor_pos(i) <= h.anchor_pos(i - 1))) {
+      return HeaderError(absl::StrCat("header.anchor_pos[", i, "]: ", h.anchor_pos(i),
+                                      ", expected ascending distinct position ids >= 0"));
+    }
+  }
   const uint64_t L = h.layers();
-  const uint64_t per_layer = MessageLayerBytes(h);
+  const uint64_t per_layer = MessageLayerBytes(h) + 4 * uint64_t{h.kv_heads()} * h.acc_tokens();
   if (per_layer > kMaxMessageBytes / L) {
     return bad("layers", L, absl::StrCat("a message below 2^36 bytes (", per_layer, " per layer)"));
   }
@@ -568,11 +583,13 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   msg_.full_bytes = h.accounting().full_bytes();
   msg_.sent_bytes = h.accounting().sent_bytes();
   msg_.next_pos = h.next_pos();
+  msg_.anchor_pos.assign(h.anchor_pos().begin(), h.anchor_pos().end());
   msg_.layers.resize(L);
   const int Hi = msg_.kv_heads, ni = static_cast<int>(n), di = msg_.head_dim;
   for (uint32_t l = 0; l < L; ++l) {
     MessageLayer& layer = msg_.layers[l];
     layer.pos = PosTensor(Hi, ni);
+    layer.acc.resize(H * h.acc_tokens());
     if (!quant) {
       layer.k = KvTensor::Uninitialized(*dtype, Hi, ni, di);
       layer.v = KvTensor::Uninitialized(*dtype, Hi, ni, di);
@@ -599,7 +616,7 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   // The slots are the message's own buffers, in delivery order.
   std::vector<ChunkSequence::Slot> slots;
   slot_data_.clear();
-  for (const TensorRef& t : MessageDeliveryOrder(msg_)) {
+  for (const TensorRef& t : MessageDeliveryOrder(msg_, /*with_acc=*/h.acc_tokens() > 0)) {
     if (t.data.empty()) continue;
     slots.push_back({t.layer, t.part, t.data.size()});
     slot_data_.push_back(const_cast<uint8_t*>(t.data.data()));

@@ -118,11 +118,12 @@ std::vector<TensorRef> LayerUploadOrder(const TurnLayer& layer, uint32_t index, 
 std::vector<TensorRef> TurnUploadOrder(const Turn& turn);
 
 // The tensors of `layer` (index `index`) in delivery order, 0-byte tensors
-// included. Views into `layer`, which must outlive the result.
-std::vector<TensorRef> LayerDeliveryOrder(const MessageLayer& layer, uint32_t index);
+// included, and with `with_acc` (relay to relay) its acc after them. Views
+// into `layer`, which must outlive the result.
+std::vector<TensorRef> LayerDeliveryOrder(const MessageLayer& layer, uint32_t index, bool with_acc = false);
 
 // Every tensor of `msg` in delivery order: LayerDeliveryOrder of each layer.
-std::vector<TensorRef> MessageDeliveryOrder(const Message& msg);
+std::vector<TensorRef> MessageDeliveryOrder(const Message& msg, bool with_acc = false);
 
 // Tensor bytes of `tensors` in total.
 uint64_t TotalBytes(absl::Span<const TensorRef> tensors);
@@ -268,7 +269,8 @@ class UploadReader {
 //
 // Errors: kHeader for a header that describes no valid message (layers,
 // kv_heads or head_dim above core/turn.h's kMaxLayers, kMaxKvHeads,
-// kMaxHeadDim, or 2^36 bytes or more, included); kSequence
+// kMaxHeadDim, or 2^36 bytes or more, included; acc_tokens that is neither
+// 0 nor at least the message's tokens; anchor_pos not ascending); kSequence
 // for a chunk or trailer before Start, a second Start, or anything after
 // Finish; the chunk and trailer kinds of ChunkSequence; kValue when the
 // header's accounting.sent_bytes is not the bytes of the delivered tensors.

@@ -130,6 +130,7 @@ void FillMessageHeader(const Message& msg, v1::MessageHeader* h) {
   h->set_n_kept(msg.n_kept);
   h->set_n_gen(msg.n_gen);
   h->set_next_pos(NextPosition(msg));
+  h->mutable_anchor_pos()->Assign(msg.anchor_pos.begin(), msg.anchor_pos.end());
   if (!msg.layers.empty() && msg.layers[0].quant) {
     const QuantizedKv& q = *msg.layers[0].quant;
     h->set_quant_bits(q.bits);

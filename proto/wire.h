@@ -99,8 +99,8 @@ absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn);
 v1::MessageHeader MessageHeaderOf(const Message& msg);
 
 // The message-shape fields of a delivery header: layers, kv_heads, head_dim,
-// dtype, the four part sizes, next_pos and the quantization (bits, group,
-// rotate).
+// dtype, the four part sizes, next_pos, anchor_pos and the quantization
+// (bits, group, rotate).
 // Leaves ids, routing and accounting alone.
 void FillMessageHeader(const Message& msg, v1::MessageHeader* h);
 

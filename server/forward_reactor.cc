@@ -196,6 +196,12 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     // The stream carries the tokens after the ancestor's: a message of that
     // many fewer history tokens, whose sent bytes are its tensors'.
+    const uint64_t n_full = uint64_t{m.n_history()} + m.n_anchor() + m.n_kept() + m.n_gen();
+    if (m.acc_tokens() != 0 && m.acc_tokens() != n_full && m.acc_tokens() != n_full - elided) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.message.acc_tokens: ", m.acc_tokens(), ", expected 0, the message's ", n_full,
+          " tokens per head", elided ? absl::StrCat(" or the ", n_full - elided, " after the ancestor") : ""));
+    }
     v1::MessageHeader wire = m;
     wire.set_n_history(m.n_history() - elided);
     wire.mutable_accounting()->set_sent_bytes(MessageLayerBytes(wire) * wire.layers());
@@ -351,6 +357,17 @@ Message RebuildFromAncestor(const Message& ancestor, Message suffix) {
     out.k = KvTensor::Uninitialized(a.k.dtype(), heads, n, a.k.dim());
     out.v = KvTensor::Uninitialized(a.k.dtype(), heads, n, a.k.dim());
     out.pos = PosTensor(heads, n);
+    if (s.acc.size() == static_cast<size_t>(heads) * n) {
+      out.acc = std::move(s.acc);  // the whole message's
+    } else if (!s.acc.empty()) {   // the tokens after the ancestor's, whose acc is the ancestor's
+      out.acc.assign(static_cast<size_t>(heads) * n, 0.0f);
+      for (int h = 0; h < heads; ++h) {
+        if (!a.acc.empty()) {
+          std::copy_n(a.acc.begin() + static_cast<size_t>(h) * na, na, out.acc.begin() + static_cast<size_t>(h) * n);
+        }
+        std::copy_n(s.acc.begin() + static_cast<size_t>(h) * ns, ns, out.acc.begin() + static_cast<size_t>(h) * n + na);
+      }
+    }
     for (int h = 0; h < heads; ++h) {
       for (auto [dst, src_a, src_s] : {std::tuple{&out.k, &a.k, &s.k}, std::tuple{&out.v, &a.v, &s.v}}) {
         uint8_t* d = dst->mutable_bytes().data() + static_cast<size_t>(h) * n * rb;

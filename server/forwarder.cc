@@ -63,8 +63,25 @@ bool PrefixMatches(const ForwardSource::LayerView& v, const MessageLayer& anc, i
   return true;
 }
 
-// The tokens after the first `a` of every head of `v`, as a layer of its own.
-std::shared_ptr<MessageLayer> Suffix(const ForwardSource::LayerView& v, const MessageLayer& anc, int a) {
+const float* AccOf(const ForwardSource::LayerView& v) { return reinterpret_cast<const float*>(v.acc.data.data()); }
+
+// Whether the first `a` acc values of every head of `v` are exactly `anc`'s
+// (0 where it has none).
+bool AccPrefixMatches(const ForwardSource::LayerView& v, const MessageLayer& anc, int a) {
+  const int heads = anc.pos.heads;
+  if (v.acc.data.size() != static_cast<size_t>(heads) * v.tokens * sizeof(float)) return false;
+  for (int h = 0; h < heads; ++h) {
+    for (int t = 0; t < a; ++t) {
+      const float want = anc.acc.empty() ? 0.0f : anc.acc[static_cast<size_t>(h) * a + t];
+      if (AccOf(v)[static_cast<size_t>(h) * v.tokens + t] != want) return false;
+    }
+  }
+  return true;
+}
+
+// The tokens after the first `a` of every head of `v`, as a layer of its own
+// (with their acc when `acc`).
+std::shared_ptr<MessageLayer> Suffix(const ForwardSource::LayerView& v, const MessageLayer& anc, int a, bool acc) {
   auto out = std::make_shared<MessageLayer>();
   const int heads = anc.pos.heads, n = v.tokens - a, dim = anc.k.dim();
   const size_t rb = anc.k.row_bytes();
@@ -77,6 +94,12 @@ std::shared_ptr<MessageLayer> Suffix(const ForwardSource::LayerView& v, const Me
     std::memcpy(out->v.mutable_bytes().data() + dst, v.v.data() + src, n * rb);
     std::memcpy(out->pos.data.data() + static_cast<size_t>(h) * n, v.pos.data() + static_cast<size_t>(h) * v.tokens + a,
                 n * sizeof(int32_t));
+  }
+  if (acc) {
+    out->acc.resize(static_cast<size_t>(heads) * n);
+    for (int h = 0; h < heads; ++h) {
+      std::copy_n(AccOf(v) + static_cast<size_t>(h) * v.tokens + a, n, out->acc.begin() + static_cast<size_t>(h) * n);
+    }
   }
   return out;
 }
@@ -106,6 +129,11 @@ void ForwardSource::SetLayer(int l, const MessageLayer& layer) {
     v->v = layer.v.bytes();
   }
   v->pos = absl::MakeConstSpan(layer.pos.data);
+  if (layer.acc.empty()) v->zeros.assign(layer.pos.data.size(), 0.0f);
+  const std::vector<float>& acc = layer.acc.empty() ? v->zeros : layer.acc;
+  v->acc = {static_cast<uint32_t>(l), v1::PART_ACC,
+            absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(acc.data()), acc.size() * sizeof(float))};
+  v->wire.push_back(v->acc);
   std::lock_guard<std::mutex> lock(mu_);
   layers_[l] = std::move(v);
   cv_.notify_all();
@@ -317,6 +345,17 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
     h->set_ancestor_id(ancestor->message_id);
     h->set_ancestor_tokens(static_cast<uint32_t>(a));
   }
+  // The acc goes whole, or with an ancestor only for the tokens after it
+  // when the ancestor's tokens keep their acc: a turn without queries adds
+  // no mass to its history (none can upload history.score with a parent).
+  // A layer where that does not hold fails the elided attempt (mismatch,
+  // below), and the message goes whole.
+  const bool acc_suffix = ancestor && job->header.geometry().query_dtype() == v1::DTYPE_UNSPECIFIED;
+  {
+    const v1::MessageHeader& m = h->message();
+    const uint32_t n = m.n_history() + m.n_anchor() + m.n_kept() + m.n_gen();
+    h->mutable_message()->set_acc_tokens(acc_suffix ? n - static_cast<uint32_t>(a) : n);
+  }
 
   std::shared_ptr<grpc::Channel> channel = peers_.Get(job->target);
   grpc::ClientContext ctx;
@@ -345,14 +384,15 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
     std::shared_ptr<const void> hold = job->source;
     if (ancestor) {
       const MessageLayer& al = ancestor->msg.layers[l];
-      if (!PrefixMatches(v, al, a)) {
+      if (!PrefixMatches(v, al, a) || (acc_suffix && !AccPrefixMatches(v, al, a))) {
         mismatch = true;
         break;
       }
-      std::shared_ptr<MessageLayer> suffix = Suffix(v, al, a);
-      tensors = LayerDeliveryOrder(*suffix, static_cast<uint32_t>(l));
+      std::shared_ptr<MessageLayer> suffix = Suffix(v, al, a, acc_suffix);
+      tensors = LayerDeliveryOrder(*suffix, static_cast<uint32_t>(l), /*with_acc=*/acc_suffix);
+      if (!acc_suffix) tensors.push_back(v.acc);  // the source's
       elided += TotalBytes(v.wire) - TotalBytes(tensors);
-      hold = suffix;
+      hold = std::make_shared<std::pair<std::shared_ptr<const void>, std::shared_ptr<const void>>>(suffix, hold);
     }
     ChunkCursor cursor(std::move(tensors));
     ChunkCursor::Piece p;

@@ -72,6 +72,10 @@ class ForwardSource {
     bool dense = false;
     absl::Span<const uint8_t> k, v;  // [kv_heads, tokens, row bytes]
     absl::Span<const int32_t> pos;   // [kv_heads, tokens]
+    // The layer's acc ([kv_heads, tokens]; `zeros` when it has none), sent
+    // whole after the other tensors, also when the tokens are elided.
+    TensorRef acc;
+    std::vector<float> zeros;
   };
 
   // A source for a publish in progress; `owner` keeps the compression (and

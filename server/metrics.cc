@@ -96,6 +96,15 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                 "|o_msg - o_full| / |o_full|, how much compression changed the sender's own "
                                 "attention output. A proxy for the recipient's.")
                           .Register(*registry_);
+  {
+    auto& g = BuildCounter()
+                  .Name("kvrelay_auto_granularity_layers_total")
+                  .Help("Layers of committed h2o-auto messages, by the granularity chosen for them: \"head\" "
+                        "(attention concentrated: per-head top-k) or \"layer\" (one top-k set per layer).")
+                  .Register(*registry_);
+    auto_head_ = &g.Add({{"granularity", "head"}});
+    auto_layer_ = &g.Add({{"granularity", "layer"}});
+  }
   visible_ = &BuildHistogram()
                   .Name("kvrelay_publish_visible_seconds")
                   .Help("Seconds from a publish's first request to its message becoming visible.")
@@ -284,6 +293,11 @@ void Metrics::DeclareFamily(const std::string& family) {
 
 void Metrics::ObserveAttentionError(const std::string& family, double e) {
   attention_error_->Add({{"family", family}}, AttentionErrorBuckets()).Observe(e);
+}
+
+void Metrics::AddAutoGranularity(uint64_t head_layers, uint64_t layer_layers) {
+  auto_head_->Increment(static_cast<double>(head_layers));
+  auto_layer_->Increment(static_cast<double>(layer_layers));
 }
 
 void Metrics::AddCommitted(const std::string& family, uint64_t full, uint64_t sent) {

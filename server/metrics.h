@@ -99,6 +99,9 @@ class Metrics {
   // kvrelay_attention_output_relative_error{family}: a committed message's
   // fidelity figure (turns with queries only).
   void ObserveAttentionError(const std::string& family, double e);
+  // kvrelay_auto_granularity_layers_total{granularity}: layers of committed
+  // h2o-auto messages selected per head ("head") or per layer ("layer").
+  void AddAutoGranularity(uint64_t head_layers, uint64_t layer_layers);
   void ObserveVisible(double s) { visible_->Observe(s); }
   void ObserveDelivered(double s) { delivered_->Observe(s); }
   void SetInflight(double bytes) { inflight_->Set(bytes); }
@@ -165,6 +168,8 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* rpcs_;
   prometheus::Histogram* compress_;
   prometheus::Family<prometheus::Histogram>* attention_error_;
+  prometheus::Counter* auto_head_;
+  prometheus::Counter* auto_layer_;
   prometheus::Histogram* visible_;
   prometheus::Histogram* delivered_;
   prometheus::Gauge* inflight_;

@@ -21,7 +21,7 @@ PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline,
       store_(store),
       reserved_(reserved),
       out_(shape.layers) {
-  if (parent_) geo_.n_history = parent_->msg.layers.empty() ? 0 : parent_->msg.layers[0].tokens();
+  if (parent_) SetHistoryGeometry(parent_->msg, &geo_);
 }
 
 PendingCompression::~PendingCompression() {
@@ -53,16 +53,7 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
   if (cancelled_.load() || !status().ok()) {
     st = absl::CancelledError("publish: cancelled");
   } else {
-    if (parent_) {
-      const MessageLayer& p = parent_->msg.layers[l];
-      layer.history_pos = p.pos;
-      if (p.quant) {
-        st = DequantizeKv(*p.quant, geo_.dtype, &layer.history_k, &layer.history_v);
-      } else {
-        layer.history_k = p.k;
-        layer.history_v = p.v;
-      }
-    }
+    if (parent_) st = SetHistoryFromMessage(parent_->msg, l, geo_.dtype, &layer);
     // The UploadReader checked every uploaded K/V element as its chunk arrived;
     // the history taken from a parent (dequantized, maybe) is checked here.
     if (st.ok()) st = ValidateTurnLayer(layer, l, geo_, prompt_pos0_, /*check_kv_values=*/false);

@@ -65,9 +65,9 @@ absl::Status CheckSamePublish(const v1::PublishHeader& h, const StoredMessage& p
   return absl::OkStatus();
 }
 
-uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, int n_history) {
+uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, const Message* parent) {
   TurnGeometry g = shape.geo;
-  g.n_history = n_history;
+  if (parent) SetHistoryGeometry(*parent, &g);
   Message counts;
   p.CountTokens(g, shape.first_agent, &counts);
   const uint64_t tokens = static_cast<uint64_t>(counts.n_history) + counts.n_anchor + counts.n_kept + counts.n_gen;
@@ -174,9 +174,7 @@ absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanIn
   // The composed message ([parent; kept prompt; generated]) must fit the
   // mailboxes here and the session's and store's byte limits: refuse it
   // before anything is uploaded or reserved.
-  const int n_history = parent ? (parent->msg.layers.empty() ? 0 : parent->msg.layers[0].tokens())
-                               : shape.geo.n_history;
-  plan.min_bytes = MinComposedBytes(**pipeline, shape, n_history);
+  plan.min_bytes = MinComposedBytes(**pipeline, shape, parent ? &parent->msg : nullptr);
   KVRELAY_RETURN_IF_ERROR(in.store.CheckCanPublish(h.session_id(), plan.local, plan.min_bytes));
   plan.shape = shape;
   plan.pipeline = std::move(*pipeline);
@@ -196,7 +194,7 @@ v1::ForwardHeader ForwardHeaderFor(const PublishPlan& plan) {
   m->set_role(h.role());
   m->set_parent_id(h.parent_id());
   TurnGeometry geo = plan.shape.geo;
-  if (plan.parent) geo.n_history = plan.parent->msg.layers.empty() ? 0 : plan.parent->msg.layers[0].tokens();
+  if (plan.parent) SetHistoryGeometry(plan.parent->msg, &geo);
   Message counts;
   plan.pipeline->CountTokens(geo, plan.shape.first_agent, &counts);
   m->set_layers(static_cast<uint32_t>(plan.shape.layers));
@@ -207,6 +205,7 @@ v1::ForwardHeader ForwardHeaderFor(const PublishPlan& plan) {
   m->set_n_anchor(static_cast<uint32_t>(counts.n_anchor));
   m->set_n_kept(static_cast<uint32_t>(counts.n_kept));
   m->set_n_gen(static_cast<uint32_t>(counts.n_gen));
+  for (int32_t p : AnchorPositions(geo, counts.n_anchor, plan.prompt_pos0)) m->add_anchor_pos(p);
   if (const auto& q = plan.pipeline->config().quant) {
     m->set_quant_bits(static_cast<uint32_t>(q->bits));
     m->set_quant_group(static_cast<uint32_t>(q->group));

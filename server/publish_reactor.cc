@@ -171,6 +171,12 @@ class PublishReactor final
       mx->ObserveCompress(compress_s);
       mx->ObserveVisible(c.accounting.commit_seconds());
       if (c.msg.attention_error) mx->ObserveAttentionError(c.family, *c.msg.attention_error);
+      uint64_t head = 0, layer = 0;
+      for (const MessageLayer& l : c.msg.layers) {
+        head += l.granularity == Granularity::kHead;
+        layer += l.granularity == Granularity::kLayer;
+      }
+      if (head + layer > 0) mx->AddAutoGranularity(head, layer);
     }
     spdlog::info("publish committed session={} message={} from={} recipients={} policy={} full={} sent={} "
                  "ratio={:.2f} compress_s={:.4f} commit_s={:.4f}",

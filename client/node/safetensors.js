@@ -244,7 +244,7 @@ async function writeMessageFile(path, message) {
   const a = h.accounting || { policy: '', fullBytes: 0, sentBytes: 0, receivedBytes: 0, ratio: 0,
                               compressSeconds: 0, commitSeconds: 0 };
   const meta = {
-    format: 'kvrelay.message.v1',
+    format: 'kvrelay.message.v2',
     policy: a.policy,
     dtype: h.dtype.replace(/^DTYPE_/, ''),
     n_history: String(h.nHistory),
@@ -254,6 +254,7 @@ async function writeMessageFile(path, message) {
     full_bytes: String(a.fullBytes),
     sent_bytes: String(a.sentBytes),
     next_pos: String(nextPos(message)),
+    anchor_pos: (h.anchorPos || []).join(','),
   };
   if (h.quantBits) {
     meta.quant_bits = String(h.quantBits);

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "core/quant.h"
 #include "core/status_macros.h"
 
@@ -183,9 +184,9 @@ absl::Status PrefixPath(const std::string& path, const absl::Status& s) {
 
 // ---- Turn ----
 
-constexpr absl::string_view kTurnParts[] = {"prompt.k",  "prompt.v",     "gen.k",  "gen.v",
-                                            "gen.q",     "prompt.score", "history.k",
-                                            "history.v", "history.pos"};
+constexpr absl::string_view kTurnParts[] = {"prompt.k",  "prompt.v",    "gen.k",       "gen.v",
+                                            "gen.q",     "prompt.score", "history.k",  "history.v",
+                                            "history.pos", "history.acc", "history.score"};
 constexpr absl::string_view kRequiredTurnParts[] = {"prompt.k", "prompt.v", "gen.k", "gen.v"};
 constexpr absl::string_view kHistoryParts[] = {"history.k", "history.v", "history.pos"};
 
@@ -247,6 +248,21 @@ absl::StatusOr<bool> ParseBool(const SafetensorsReader& file, absl::string_view 
       absl::StrCat("metadata ", key, ": ", Quote(*v), ", expected \"true\" or \"false\""));
 }
 
+// Comma-separated decimal position ids (int32, >= 0); "" is none.
+absl::StatusOr<std::vector<int32_t>> ParsePositionList(absl::string_view key, absl::string_view v) {
+  std::vector<int32_t> out;
+  if (v.empty()) return out;
+  for (absl::string_view item : absl::StrSplit(v, ',')) {
+    std::optional<uint64_t> n = ParseDecimal(item, std::numeric_limits<int32_t>::max());
+    if (!n) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata ", key, ": item ", Quote(item), " of ", out.size(),
+                                                     ", expected comma-separated position ids (decimal, 0..2^31-1)"));
+    }
+    out.push_back(static_cast<int32_t>(*n));
+  }
+  return out;
+}
+
 absl::StatusOr<uint64_t> ParseCount(const SafetensorsReader& file, absl::string_view key,
                                     uint64_t max, absl::string_view expected) {
   std::optional<absl::string_view> v = file.GetMetadata(key);
@@ -265,7 +281,7 @@ absl::StatusOr<uint64_t> ParseCount(const SafetensorsReader& file, absl::string_
 
 bool IsMessageFile(const SafetensorsReader& file) {
   std::optional<absl::string_view> f = file.GetMetadata("format");
-  return f && *f == kMessageFormat;
+  return f && (*f == kMessageFormat || *f == kMessageFormatV1);
 }
 
 uint64_t MessageLayerBytes(const MessageLayer& layer) {
@@ -277,13 +293,13 @@ uint64_t MessageLayerBytes(const MessageLayer& layer) {
 absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
   if (IsMessageFile(file)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "file is a kvrelay message (metadata format=", kMessageFormat, "), expected a turn"));
+        "file is a kvrelay message (metadata format=", *file.GetMetadata("format"), "), expected a turn"));
   }
   KVRELAY_ASSIGN_OR_RETURN(
       std::vector<PartMap> layers,
       GroupByLayer(file, &IsTurnPart,
                    "layer.{l}.{prompt.k,prompt.v,gen.k,gen.v,prompt.score,gen.q,history.k,"
-                   "history.v,history.pos}"));
+                   "history.v,history.pos,history.acc,history.score}"));
   const int num_layers = static_cast<int>(layers.size());
 
   // Required tensors, then history in every layer or none.
@@ -348,6 +364,12 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
                                                StDTypeName(ref.dtype), " (the K/V dtype)"));
         }
         KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 3, "[score_heads, n_gen, head_dim]"));
+      } else if (part == "history.acc") {
+        KVRELAY_RETURN_IF_ERROR(CheckDType(*t, StDType::kF32));
+        KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 2, "[kv_heads, n_history]"));
+      } else if (part == "history.score") {
+        KVRELAY_RETURN_IF_ERROR(CheckDType(*t, StDType::kF32));
+        KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 2, "[score_heads, n_history]"));
       } else {  // history.pos
         KVRELAY_RETURN_IF_ERROR(CheckDType(*t, StDType::kI32));
         KVRELAY_RETURN_IF_ERROR(CheckRank(*t, 2, "[kv_heads, n_history]"));
@@ -371,6 +393,9 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
     }
     turn.softmax_scale = scale;
   }
+  if (std::optional<absl::string_view> v = file.GetMetadata("history_anchors")) {
+    KVRELAY_ASSIGN_OR_RETURN(turn.history_anchors, ParsePositionList("history_anchors", *v));
+  }
 
   turn.layers.resize(num_layers);
   for (int l = 0; l < num_layers; ++l) {
@@ -393,7 +418,17 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
       out.history_k = KvFrom(*parts["history.k"], *dtype);
       out.history_v = KvFrom(*parts["history.v"], *dtype);
       out.history_pos = PosFrom(*parts["history.pos"]);
+      for (auto [name, dst] : {std::pair<const char*, ScoreMatrix*>{"history.acc", &out.history_acc},
+                               {"history.score", &out.history_score}}) {
+        if (!parts.count(name)) continue;
+        const StTensor& t = *parts[name];
+        *dst = ScoreMatrix(static_cast<int>(t.shape[0]), static_cast<int>(t.shape[1]));
+        if (!t.data.empty()) std::memcpy(dst->data.data(), t.data.data(), t.data.size());
+      }
     } else {
+      for (absl::string_view name : {"history.acc", "history.score"}) {
+        if (parts.count(name)) return Invalid(LayerName(l, name), "given without history, expected none");
+      }
       out.history_k = KvTensor(*dtype, out.prompt_k.heads(), 0, out.prompt_k.dim());
       out.history_v = KvTensor(*dtype, out.prompt_k.heads(), 0, out.prompt_k.dim());
       out.history_pos = PosTensor(out.prompt_k.heads(), 0);
@@ -438,10 +473,16 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> TurnTensors(const T
       tensors.push_back(KvView(LayerName(l, "history.k"), layer.history_k));
       tensors.push_back(KvView(LayerName(l, "history.v"), layer.history_v));
       tensors.push_back(PosView(LayerName(l, "history.pos"), layer.history_pos));
+      for (auto [name, sc] : {std::pair<const char*, const ScoreMatrix*>{"history.acc", &layer.history_acc},
+                              {"history.score", &layer.history_score}}) {
+        if (sc->rows == 0 && sc->data.empty()) continue;
+        tensors.push_back(View(LayerName(l, name), StDType::kF32, {sc->rows, sc->cols}, BytesOf(sc->data)));
+      }
     }
   }
   StMetadata meta;
   meta["first_agent"] = turn.first_agent ? "true" : "false";
+  if (!turn.history_anchors.empty()) meta["history_anchors"] = absl::StrJoin(turn.history_anchors, ",");
   if (turn.prompt_pos0) meta["prompt_pos0"] = absl::StrCat(*turn.prompt_pos0);
   // %.17g: the double reads back exactly.
   if (turn.softmax_scale) meta["softmax_scale"] = absl::StrFormat("%.17g", *turn.softmax_scale);
@@ -470,7 +511,7 @@ constexpr absl::string_view kQuantParts[] = {"k.codes", "k.scale", "k.zero", "v.
                                              "v.scale", "v.zero",  "pos"};
 
 bool IsMessagePart(absl::string_view part) {
-  return std::find(std::begin(kDenseParts), std::end(kDenseParts), part) != std::end(kDenseParts) ||
+  return part == "acc" || std::find(std::begin(kDenseParts), std::end(kDenseParts), part) != std::end(kDenseParts) ||
          std::find(std::begin(kQuantParts), std::end(kQuantParts), part) != std::end(kQuantParts);
 }
 
@@ -579,6 +620,13 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
       tensors.push_back(KvView(LayerName(l, "v"), layer.v));
     }
     tensors.push_back(PosView(LayerName(l, "pos"), layer.pos));
+    if (!layer.acc.empty() || !l0.acc.empty()) {
+      if (layer.acc.size() != static_cast<size_t>(heads) * n) {
+        return Invalid(LayerName(l, "acc"), absl::StrCat(layer.acc.size(), " values, expected ", heads * n,
+                                                         " ([kv_heads, n], in every layer or none)"));
+      }
+      tensors.push_back(View(LayerName(l, "acc"), StDType::kF32, {heads, n}, BytesOf(layer.acc)));
+    }
     sent += MessageLayerBytes(layer);
   }
   if (sent != msg.sent_bytes) {
@@ -599,6 +647,12 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
   meta["next_pos"] = absl::StrCat(NextPosition(msg));
   // %.17g: the double reads back exactly.
   if (msg.attention_error) meta["attention_error"] = absl::StrFormat("%.17g", *msg.attention_error);
+  meta["anchor_pos"] = absl::StrJoin(msg.anchor_pos, ",");
+  if (l0.granularity != Granularity::kNone) {
+    std::vector<std::string> g;
+    for (const MessageLayer& layer : msg.layers) g.push_back(GranularityName(layer.granularity));
+    meta["granularity"] = absl::StrJoin(g, ",");
+  }
   if (quant) {
     meta["quant_bits"] = absl::StrCat(l0.quant->bits);
     meta["quant_group"] = absl::StrCat(l0.quant->group);
@@ -635,16 +689,71 @@ absl::Status WriteMessageFile(const Message& msg, const std::string& path) {
   return WriteSafetensorsFile(path, tm.first, tm.second);
 }
 
+namespace {
+
+// anchor_pos (a v1 file: its own anchor part's ids) and granularity.
+absl::Status ReadAnchorsAndGranularity(const SafetensorsReader& file, bool v1, Message* msg) {
+  const MessageLayer& l0 = msg->layers[0];
+  if (v1) {
+    for (int j = 0; j < msg->n_anchor; ++j) msg->anchor_pos.push_back(l0.pos.at(0, msg->n_history + j));
+    return absl::OkStatus();
+  }
+  std::optional<absl::string_view> a = file.GetMetadata("anchor_pos");
+  if (!a) return absl::InvalidArgumentError("metadata anchor_pos: missing, expected comma-separated position ids");
+  KVRELAY_ASSIGN_OR_RETURN(msg->anchor_pos, ParsePositionList("anchor_pos", *a));
+  const std::vector<int32_t>& anchors = msg->anchor_pos;
+  for (size_t i = 1; i < anchors.size(); ++i) {
+    if (anchors[i] <= anchors[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata anchor_pos: ", anchors[i], " at index ", i,
+                                                     ", expected ascending distinct position ids"));
+    }
+  }
+  for (size_t l = 0; l < msg->layers.size(); ++l) {
+    const PosTensor& pos = msg->layers[l].pos;
+    for (int h = 0; h < pos.heads; ++h) {
+      const int32_t* row = pos.data.data() + static_cast<size_t>(h) * pos.tokens;
+      for (int32_t p : anchors) {
+        if (std::count(row, row + pos.tokens, p) != 1) {
+          return absl::InvalidArgumentError(absl::StrCat("metadata anchor_pos: position ", p, " is not held once by head ",
+                                                         h, " of ", LayerName(static_cast<int>(l), "pos"),
+                                                         ", expected every head to hold every anchor once"));
+        }
+      }
+    }
+  }
+  if (std::optional<absl::string_view> g = file.GetMetadata("granularity")) {
+    std::vector<absl::string_view> items = absl::StrSplit(*g, ',');
+    if (items.size() != msg->layers.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata granularity: ", items.size(), " items, expected ",
+                                                     msg->layers.size(), " (one per layer)"));
+    }
+    for (size_t l = 0; l < items.size(); ++l) {
+      if (items[l] == "head") {
+        msg->layers[l].granularity = Granularity::kHead;
+      } else if (items[l] == "layer") {
+        msg->layers[l].granularity = Granularity::kLayer;
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("metadata granularity: item ", l, " is ", Quote(items[l]),
+                                                       ", expected head or layer"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
   std::optional<absl::string_view> format = file.GetMetadata("format");
   if (!format) {
     return absl::InvalidArgumentError(absl::StrCat("metadata format: missing, expected \"",
                                                    kMessageFormat, "\" (is this a turn?)"));
   }
-  if (*format != kMessageFormat) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metadata format: ", Quote(*format), ", expected \"", kMessageFormat, "\""));
+  if (*format != kMessageFormat && *format != kMessageFormatV1) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata format: ", Quote(*format), ", expected \"",
+                                                   kMessageFormat, "\" or \"", kMessageFormatV1, "\""));
   }
+  const bool v1 = *format == kMessageFormatV1;
   Message msg;
   std::optional<absl::string_view> policy = file.GetMetadata("policy");
   if (!policy)
@@ -717,7 +826,7 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
   const int num_layers = static_cast<int>(layers.size());
   for (int l = 0; l < num_layers; ++l) {
     for (const auto& [part, t] : layers[l]) {
-      if (std::find(parts_begin, parts_end, part) == parts_end) {
+      if (part != "acc" && std::find(parts_begin, parts_end, part) == parts_end) {
         return Invalid(t->name, quant ? "unexpected in a quantized message (metadata quant_bits "
                                         "is set), expected k.codes, k.scale, k.zero, v.codes, "
                                         "v.scale, v.zero and pos"
@@ -729,6 +838,13 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
       if (!layers[l].count(*p)) {
         return Invalid(LayerName(l, *p), "missing, required in every layer");
       }
+    }
+    if (layers[l].count("acc") != layers[0].count("acc")) {
+      return Invalid(LayerName(l, "acc"), layers[0].count("acc") ? "missing, expected in every layer like layer.0"
+                                                                 : "given, expected in no layer like layer.0");
+    }
+    if (v1 && layers[l].count("acc")) {
+      return Invalid(LayerName(l, "acc"), absl::StrCat("unexpected in a ", kMessageFormatV1, " file"));
     }
   }
 
@@ -777,6 +893,18 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
     KVRELAY_RETURN_IF_ERROR(CheckDType(pos, StDType::kI32));
     KVRELAY_RETURN_IF_ERROR(CheckShape(pos, {heads, n}, geo_why));
     out.pos = PosFrom(pos);
+    if (parts.count("acc")) {
+      const StTensor& acc = *parts["acc"];
+      KVRELAY_RETURN_IF_ERROR(CheckDType(acc, StDType::kF32));
+      KVRELAY_RETURN_IF_ERROR(CheckShape(acc, {heads, n}, geo_why));
+      out.acc = VectorFrom<float>(acc);
+      for (size_t i = 0; i < out.acc.size(); ++i) {
+        if (!std::isfinite(out.acc[i]) || out.acc[i] < 0) {
+          return Invalid(acc.name, absl::StrFormat("value %g at [%d,%d], expected a finite mass >= 0", out.acc[i],
+                                                   static_cast<int>(i / n), static_cast<int>(i % n)));
+        }
+      }
+    }
     if (quant) {
       const int64_t row = dim * bits / 8;
       const int64_t groups = CeilDiv(n, group);
@@ -838,6 +966,7 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
     }
     msg.next_pos = static_cast<int64_t>(next);
   }
+  KVRELAY_RETURN_IF_ERROR(ReadAnchorsAndGranularity(file, v1, &msg));
   return msg;
 }
 

@@ -9,9 +9,11 @@
 //
 // Message tensors: layer.{l}.k/.v [H, n, d] in the message dtype, or their
 // packed form layer.{l}.k.codes/.k.scale/.k.zero/.v.codes/.v.scale/.v.zero,
-// and layer.{l}.pos [H, n] I32. Metadata: format = kvrelay.message.v1,
-// policy, dtype, n_history, n_anchor, n_kept, n_gen, full_bytes, sent_bytes,
-// next_pos, and quant_bits, quant_group, quant_rotate when quantized.
+// layer.{l}.pos [H, n] I32, and optionally layer.{l}.acc [H, n] F32.
+// Metadata: format = kvrelay.message.v2, policy, dtype, n_history, n_anchor,
+// n_kept, n_gen, full_bytes, sent_bytes, next_pos, anchor_pos, granularity
+// (h2o-auto), attention_error (turns with queries), and quant_bits,
+// quant_group, quant_rotate when quantized. Version 1 files are read too.
 //
 // Readers return InvalidArgument for malformed files, naming the tensor or
 // metadata key, what was expected and what was found, e.g.
@@ -35,10 +37,13 @@
 
 namespace kvrelay {
 
-// The value of the "format" metadata key of every message file.
-inline constexpr char kMessageFormat[] = "kvrelay.message.v1";
+// The value of the "format" metadata key of every message file written.
+inline constexpr char kMessageFormat[] = "kvrelay.message.v2";
+// The format before acc and anchor_pos; still read (acc = 0, anchors of
+// the file's own anchor part).
+inline constexpr char kMessageFormatV1[] = "kvrelay.message.v1";
 
-// True when `file` carries format = kvrelay.message.v1 (a message, not a turn).
+// True when `file` carries a message format (v2 or v1), not a turn.
 bool IsMessageFile(const SafetensorsReader& file);
 
 // ---- Turns ----

@@ -274,7 +274,7 @@ class CliTest(unittest.TestCase):
         M = t["layer.0.history.k"][1][1] if "layer.0.history.k" in t else 0
         pos0 = int(tmeta.get("prompt_pos0", M))
         anchors = min(4, P) if first_agent else 0
-        self.assertEqual(mmeta["format"], "kvrelay.message.v1")
+        self.assertEqual(mmeta["format"], "kvrelay.message.v2")
         self.assertEqual(mmeta["policy"], "full")
         self.assertEqual(mmeta["dtype"], dtype)
         self.assertEqual(int(mmeta["n_history"]), M)
@@ -285,7 +285,7 @@ class CliTest(unittest.TestCase):
         n = M + P + G
         expected_bytes = layers * (2 * H * n * D * DTYPE_SIZE[dtype] + 4 * H * n)
         self.assertEqual(int(mmeta["sent_bytes"]), expected_bytes)
-        self.assertEqual(len(m), 3 * layers)
+        self.assertEqual(len(m), 4 * layers)  # k, v, pos, acc
         for layer in range(layers):
             for kv in ["k", "v"]:
                 mdtype, mshape, mraw = m["layer.%d.%s" % (layer, kv)]
@@ -399,7 +399,8 @@ class CliTest(unittest.TestCase):
         self.assertEqual(m["layer.1.v.zero"][:2], ("F16", [2, n]))
         self.assertNotIn("layer.1.k", m)
         sent = int(meta["sent_bytes"])
-        self.assertEqual(sent, sum(len(raw) for _, _, raw in m.values()))
+        # Every tensor but acc (relay-side state, not sent to agents).
+        self.assertEqual(sent, sum(len(raw) for name, (_, _, raw) in m.items() if not name.endswith(".acc")))
         info = self.parse_inspect(self.run_ok(["inspect", out]).stdout)
         self.assertEqual(info["quant"], "int4 group=8 rotate=false")
         self.assertEqual(sum(b for _, b in info["parts"].values()) + int(info["key_stats_bytes"]),
@@ -429,7 +430,7 @@ class CliTest(unittest.TestCase):
         self.assertIn(" sent_bytes=%s " % qmeta["sent_bytes"], p.stdout)
         for name in r:
             self.assertEqual(d[name][:2], r[name][:2], name)
-            if name.endswith(".pos"):
+            if name.endswith(".pos") or name.endswith(".acc"):
                 self.assertEqual(d[name][2], r[name][2])
                 continue
             want = bf16_to_floats(r[name][2])

@@ -51,8 +51,8 @@ TEST(PipelineSpecTest, ErrorsNameTheToken) {
   ExpectSpecError("h2o-head+h2o-layer", "'h2o-layer': a second selector");
   ExpectSpecError("obf+h2o-head", "'obf': must follow a selector");
   ExpectSpecError("int4", "'int4': must follow a selector");
-  ExpectSpecError("gen+obf", "'obf': needs h2o-layer or h2o-head");
-  ExpectSpecError("full+obf", "'obf': needs h2o-layer or h2o-head");
+  ExpectSpecError("gen+obf", "'obf': needs h2o-layer, h2o-head or h2o-auto");
+  ExpectSpecError("full+obf", "'obf': needs h2o-layer, h2o-head or h2o-auto");
   ExpectSpecError("h2o-head+int4+obf", "'obf': must come before the quantizer");
   ExpectSpecError("h2o-head+obf+obf", "'obf': given twice");
   ExpectSpecError("h2o-head+int4+int8", "'int8': a second quantizer");

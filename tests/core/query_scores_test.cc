@@ -27,11 +27,14 @@ using testing::TurnShape;
 // error is at most twice the largest logit error of its step, and a float32
 // dot product of length d errs by at most (d+2) 2^-24 sum_c |q_c k_c|
 // (plus the exponential's and the scaling's roundings).
-std::vector<double> Reference(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window,
-                              std::vector<double>* bound = nullptr) {
+// ReferenceMass: the same over every key, [H, m] (history, prompt,
+// generated); Reference: the prompt's columns.
+std::vector<double> ReferenceMass(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window,
+                                  std::vector<double>* bound = nullptr) {
   const int H = geo.kv_heads, S = geo.score_heads, d = geo.head_dim;
   const int nh = geo.n_history, np = geo.n_prompt, ng = geo.n_gen;
-  std::vector<double> a(static_cast<size_t>(H) * np, 0.0);
+  const int m = nh + np + ng;
+  std::vector<double> a(static_cast<size_t>(H) * m, 0.0);
   if (bound) bound->assign(a.size(), 0.0);
   const double eps = std::ldexp(1.0, -24);
   std::vector<float> row(d);
@@ -44,7 +47,7 @@ std::vector<double> Reference(const TurnLayer& layer, const TurnGeometry& geo, d
   };
   for (int q = 0; q < S; ++q) {
     const int h = q / (S / H);
-    std::vector<double> mass(np, 0.0), err(np, 0.0);
+    std::vector<double> mass(m, 0.0), err(m, 0.0);
     for (int t = 0; t < ng; ++t) {
       if (window > 0 && t < ng - window) continue;
       layer.gen_q.ReadRow(q, t, row.data());
@@ -65,18 +68,79 @@ std::vector<double> Reference(const TurnLayer& layer, const TurnGeometry& geo, d
       for (double x : z) zmax = std::max(zmax, x);
       double sum = 0;
       for (double& x : z) sum += (x = std::exp(x - zmax));
-      for (int j = 0; j < np; ++j) {
-        const double w = z[nh + j] / sum;
-        mass[j] += w;
-        err[j] += w * (2 * dz + 8 * eps);
+      for (int i = 0; i < seen; ++i) {
+        const double w = z[i] / sum;
+        mass[i] += w;
+        err[i] += w * (2 * dz + 8 * eps);
       }
     }
-    for (int j = 0; j < np; ++j) {
-      a[static_cast<size_t>(h) * np + j] += mass[j];
-      if (bound) (*bound)[static_cast<size_t>(h) * np + j] += err[j];
+    for (int i = 0; i < m; ++i) {
+      a[static_cast<size_t>(h) * m + i] += mass[i];
+      if (bound) (*bound)[static_cast<size_t>(h) * m + i] += err[i];
     }
   }
   return a;
+}
+
+std::vector<double> Reference(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window,
+                              std::vector<double>* bound = nullptr) {
+  const int H = geo.kv_heads, np = geo.n_prompt, nh = geo.n_history;
+  const size_t m = static_cast<size_t>(nh) + np + geo.n_gen;
+  std::vector<double> full_bound;
+  const std::vector<double> full = ReferenceMass(layer, geo, scale, window, bound ? &full_bound : nullptr);
+  std::vector<double> a(static_cast<size_t>(H) * np);
+  if (bound) bound->resize(a.size());
+  for (int h = 0; h < H; ++h) {
+    for (int j = 0; j < np; ++j) {
+      a[static_cast<size_t>(h) * np + j] = full[h * m + nh + j];
+      if (bound) (*bound)[static_cast<size_t>(h) * np + j] = full_bound[h * m + nh + j];
+    }
+  }
+  return a;
+}
+
+// The mass on the history and on the generated tokens (acc, FORMAT.md
+// step 5): every key a step sees, generated token j only from steps t >= j.
+TEST(QueryMass, MatchesTheFloat64DefinitionOnEveryKey) {
+  int cases = 0;
+  for (int group : {1, 4, 5}) {
+    for (int window : {0, 3}) {
+      TurnShape s;
+      s.layers = 1;
+      s.kv_heads = 2;
+      s.group = group;
+      s.head_dim = 16;
+      s.n_prompt = 23;
+      s.n_gen = 7;
+      s.n_history = 9;
+      s.dtype = DType::kBF16;
+      s.queries = true;
+      const uint64_t seed = 700 + cases++;
+      Turn turn = RandomTurn(s, seed);
+      absl::StatusOr<TurnGeometry> geo = GeometryOf(turn);
+      ASSERT_TRUE(geo.ok()) << geo.status();
+      SCOPED_TRACE(absl::StrCat("group=", group, " window=", window, " seed=", seed));
+      const double scale = 0.21;
+      const std::vector<double> got = QueryMass(turn.layers[0], *geo, scale, window);
+      std::vector<double> bound;
+      const std::vector<double> want = ReferenceMass(turn.layers[0], *geo, scale, window, &bound);
+      ASSERT_EQ(got.size(), want.size());
+      const int m = s.n_history + s.n_prompt + s.n_gen;
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], bound[i] + 1e-300) << "at " << i;
+      // A step sees generated tokens 0..t only: the last one gets its own
+      // step's weight alone (with the window: if that step is in it).
+      for (int h = 0; h < s.kv_heads; ++h) {
+        const double last = got[static_cast<size_t>(h) * m + m - 1];
+        EXPECT_GT(last, 0);
+        EXPECT_LE(last, group * (1 + 1e-9));
+      }
+      // Every step's weights sum to 1 over the keys it sees.
+      double total = 0;
+      for (double x : got) total += x;
+      const int steps = window > 0 ? window : s.n_gen;
+      EXPECT_NEAR(total, steps * s.kv_heads * group, 1e-6 * steps * s.kv_heads * group);
+    }
+  }
 }
 
 TEST(QueryScores, MatchTheFloat64Definition) {

@@ -441,7 +441,18 @@ absl::StatusOr<Message> Assemble(const v1::MessageHeader& h, const Stream& s) {
   return m;
 }
 
+// The message file of `m` as an agent receives it: without acc, which is
+// relay-side state that a delivery does not carry.
 std::string Bytes(const Message& m) {
+  Message delivered = m;
+  for (MessageLayer& l : delivered.layers) l.acc.clear();
+  std::string out;
+  absl::Status s = WriteMessage(delivered, &out);
+  EXPECT_TRUE(s.ok()) << s;
+  return out;
+}
+
+std::string BytesWithAcc(const Message& m) {
   std::string out;
   absl::Status s = WriteMessage(m, &out);
   EXPECT_TRUE(s.ok()) << s;
@@ -549,7 +560,15 @@ TEST(DeliveryReaderTest, RoundTripIsBitExact) {
       absl::StatusOr<Message> got = Assemble(MessageHeaderOf(m), s);
       ASSERT_TRUE(got.ok()) << c.policy << ": " << got.status();
       EXPECT_EQ(Bytes(*got), want) << c.policy << " max_chunk " << max;
+      EXPECT_TRUE(got->layers[0].acc.empty());
+      EXPECT_EQ(got->anchor_pos, m.anchor_pos);
       EXPECT_EQ(got->policy, m.policy);
+      // Relay to relay the acc travels too (acc_tokens, PART_ACC).
+      v1::MessageHeader with_acc = MessageHeaderOf(m);
+      with_acc.set_acc_tokens(static_cast<uint32_t>(m.layers[0].tokens()));
+      absl::StatusOr<Message> relayed = Assemble(with_acc, Chunk(MessageDeliveryOrder(m, /*with_acc=*/true), max));
+      ASSERT_TRUE(relayed.ok()) << c.policy << ": " << relayed.status();
+      EXPECT_EQ(BytesWithAcc(*relayed), BytesWithAcc(m)) << c.policy << " max_chunk " << max;
       EXPECT_EQ(got->full_bytes, m.full_bytes);
       EXPECT_EQ(got->sent_bytes, m.sent_bytes);
       EXPECT_EQ(got->next_pos, m.next_pos);

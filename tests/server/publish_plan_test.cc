@@ -375,7 +375,7 @@ TEST_F(PlanPublishTest, TheComposedMessageMustFitTheLimitsUpFront) {
   ASSERT_TRUE(shape.ok());
   auto full = Pipeline::Create("full");
   ASSERT_TRUE(full.ok());
-  const uint64_t need = MinComposedBytes(**full, *shape, 0);
+  const uint64_t need = MinComposedBytes(**full, *shape, nullptr);
   // Exact for a dense policy: what the store would hold once committed.
   auto offline = (*full)->Compress(turn_);
   ASSERT_TRUE(offline.ok());

@@ -615,8 +615,9 @@ TEST(PendingConcurrencyTest, UploadsUnderBackpressureAndCancelFeedTheirForwards)
         ASSERT_EQ(committed->msg.layers.size(), offline->layers.size());
         std::vector<std::string> want;
         for (size_t l = 0; l < offline->layers.size(); ++l) {
-          want.push_back(WireBytes(LayerDeliveryOrder(offline->layers[l], static_cast<uint32_t>(l))));
-          EXPECT_EQ(WireBytes(LayerDeliveryOrder(committed->msg.layers[l], static_cast<uint32_t>(l))), want[l])
+          // A forward carries the acc too.
+          want.push_back(WireBytes(LayerDeliveryOrder(offline->layers[l], static_cast<uint32_t>(l), true)));
+          EXPECT_EQ(WireBytes(LayerDeliveryOrder(committed->msg.layers[l], static_cast<uint32_t>(l), true)), want[l])
               << "layer " << l;
         }
         EXPECT_EQ(committed->msg.sent_bytes, offline->sent_bytes);

@@ -105,14 +105,17 @@ def metric(series, name, **labels):
 
 
 def same_message(a, b, what):
-    """Tensors of two message files equal, byte for byte."""
+    """Tensors of two message files equal, byte for byte (acc aside: relay-side
+    state, which a delivery does not carry and an offline compression writes)."""
     ma, ta = read_st(a)
     mb, tb = read_st(b)
+    ta = {k: v for k, v in ta.items() if not k.endswith(".acc")}
+    tb = {k: v for k, v in tb.items() if not k.endswith(".acc")}
     ok = check(set(ta) == set(tb), f"{what}: same tensors ({sorted(ta)[:4]} vs {sorted(tb)[:4]})")
     for name in ta:
         if name in tb:
             ok &= check(ta[name] == tb[name], f"{what}: {name} bit-exact")
-    for key in ("n_history", "n_anchor", "n_kept", "n_gen", "next_pos"):
+    for key in ("n_history", "n_anchor", "n_kept", "n_gen", "next_pos", "anchor_pos"):
         if key in ma or key in mb:
             ok &= check(ma.get(key) == mb.get(key), f"{what}: {key} {ma.get(key)} vs {mb.get(key)}")
     return ok
@@ -171,9 +174,14 @@ def test_chain(ctl, mesh, turns, server_bin, work):
     offline = ctl.path("offline-0.st")
     ctl.ok("compress", "--policy", policy, "--in", turns[0], "--out", offline, addr=False)
     same_message(ctl.path("chain-0.st"), offline, "chain hop 0 vs kvrelayctl compress")
-    # Metrics: what the senders forwarded is what the publishes sent.
+    # Metrics: what the senders forwarded is what the publishes sent, plus
+    # each message's acc (relay-side state, 4 bytes per position id, which
+    # forwards carry and deliveries do not).
+    acc_total = sum(len(raw) for i in range(3)
+                    for name, (_, _, raw) in read_st(ctl.path(f"chain-{i}.st"))[1].items() if name.endswith(".pos"))
     fwd = sum(metric(metrics(mesh.relays[a]), "kvrelay_forward_bytes_total") for a in agents)
-    check(fwd == sent_total, f"chain: forwarded bytes {fwd} == the publishes' sent bytes {sent_total}")
+    check(fwd == sent_total + acc_total,
+          f"chain: forwarded bytes {fwd} == the publishes' sent bytes {sent_total} + acc {acc_total}")
     outcomes = sum(metric(metrics(mesh.relays[a]), "kvrelay_forwards_total", outcome="committed") for a in agents)
     check(outcomes == 3, f"chain: 3 forwards committed, metrics say {outcomes}")
     full = sum(metric(metrics(mesh.relays[a]), "kvrelay_forward_full_bytes_total") for a in agents)

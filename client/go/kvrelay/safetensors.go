@@ -294,6 +294,15 @@ func ReadTurnFile(path string) (*Turn, error) {
 	return t, nil
 }
 
+// joinInt32 is the ids in decimal, comma-separated.
+func joinInt32(ids []int32) string {
+	parts := make([]string, len(ids))
+	for i, id := range ids {
+		parts[i] = strconv.FormatInt(int64(id), 10)
+	}
+	return strings.Join(parts, ",")
+}
+
 // WriteMessageFile writes a fetched message as a message file
 // (docs/FORMAT.md, "Message"), with the delivery in its metadata like
 // `kvrelayctl fetch --out`.
@@ -301,7 +310,7 @@ func WriteMessageFile(path string, m *Message) error {
 	h, a := m.Header, m.Header.GetAccounting()
 	u := func(x uint64) string { return strconv.FormatUint(x, 10) }
 	meta := map[string]string{
-		"format":           "kvrelay.message.v1",
+		"format":           "kvrelay.message.v2",
 		"policy":           a.GetPolicy(),
 		"dtype":            strings.TrimPrefix(h.GetDtype().String(), "DTYPE_"),
 		"n_history":        u(uint64(h.GetNHistory())),
@@ -311,6 +320,7 @@ func WriteMessageFile(path string, m *Message) error {
 		"full_bytes":       u(a.GetFullBytes()),
 		"sent_bytes":       u(a.GetSentBytes()),
 		"next_pos":         strconv.FormatInt(m.NextPos(), 10),
+		"anchor_pos":       joinInt32(h.GetAnchorPos()),
 		"message_id":       h.GetMessageId(),
 		"session":          h.GetSessionId(),
 		"from":             h.GetSender(),

@@ -388,7 +388,7 @@ class _Assembler:
             quant_bits=h.quant_bits, quant_group=h.quant_group, quant_rotate=h.quant_rotate,
             accounting=_accounting(h.accounting), message_id=h.message_id,
             session_id=h.session_id, sender=h.sender, role=h.role, parent_id=h.parent_id,
-            delivery_attempt=h.delivery_attempt, turn_end=h.next_pos)
+            delivery_attempt=h.delivery_attempt, turn_end=h.next_pos, anchor_pos=list(h.anchor_pos))
 
 
 def _read_delivery(call):

@@ -302,6 +302,10 @@ class Message:
     # Where the turn ended, as the relay (MessageHeader.next_pos) or the file
     # (metadata next_pos) says; 0: not known. Read next_pos instead.
     turn_end: int = 0
+    # Position ids of the chain's anchors the message holds, ascending
+    # (MessageHeader.anchor_pos): a turn that uploads this message as its
+    # history passes them on, so a history budget (hist=) keeps them.
+    anchor_pos: List[int] = field(default_factory=list)
 
     @property
     def tokens(self):

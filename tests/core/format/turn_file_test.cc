@@ -563,7 +563,7 @@ TEST(TurnFileMalformedTest, PromptPos0PastInt32) {
 TEST(TurnFileMalformedTest, MessageIsNotATurn) {
   const std::string msg = MustWriteMessage(Compress(GoodTurn(), "full"));
   ExpectTurnInvalid(
-      msg, "file is a kvrelay message (metadata format=kvrelay.message.v1), expected a turn");
+      msg, "file is a kvrelay message (metadata format=kvrelay.message.v2), expected a turn");
 }
 
 TEST(TurnFileMalformedTest, FileErrorsNameThePath) {
@@ -625,9 +625,11 @@ TEST(MessageFileTest, MetadataKeys) {
   for (const auto& [k, v] : file->metadata()) keys.push_back(k);
   EXPECT_THAT(keys, ::testing::UnorderedElementsAre(
                         "format", "policy", "dtype", "n_history", "n_anchor", "n_kept", "n_gen",
-                        "full_bytes", "sent_bytes", "next_pos", "quant_bits", "quant_group",
+                        "full_bytes", "sent_bytes", "next_pos", "anchor_pos", "quant_bits", "quant_group",
                         "quant_rotate"));
-  EXPECT_EQ(*file->GetMetadata("format"), "kvrelay.message.v1");
+  EXPECT_EQ(*file->GetMetadata("format"), "kvrelay.message.v2");
+  // GoodTurn: 4 history tokens before it, first agent: its own 4 anchors.
+  EXPECT_EQ(*file->GetMetadata("anchor_pos"), "8,9,10,11");
   EXPECT_EQ(*file->GetMetadata("dtype"), "BF16");
   EXPECT_EQ(*file->GetMetadata("n_kept"), "8");
   EXPECT_EQ(*file->GetMetadata("quant_bits"), "4");
@@ -710,13 +712,14 @@ std::string QuantMessage() {
 TEST(MessageFileMalformedTest, TurnIsNotAMessage) {
   ExpectMessageInvalid(
       MustWriteTurn(GoodTurn()),
-      "metadata format: missing, expected \"kvrelay.message.v1\" (is this a turn?)");
+      "metadata format: missing, expected \"kvrelay.message.v2\" (is this a turn?)");
 }
 
 TEST(MessageFileMalformedTest, WrongFormat) {
   ExpectMessageInvalid(Edited(DenseMessage(), [](auto*, StMetadata* m,
-                                                 auto*) { (*m)["format"] = "kvrelay.message.v2"; }),
-                       "metadata format: \"kvrelay.message.v2\", expected \"kvrelay.message.v1\"");
+                                                 auto*) { (*m)["format"] = "kvrelay.message.v3"; }),
+                       "metadata format: \"kvrelay.message.v3\", expected \"kvrelay.message.v2\" or "
+                       "\"kvrelay.message.v1\"");
 }
 
 TEST(MessageFileMalformedTest, MissingPolicy) {
@@ -805,6 +808,7 @@ TEST(MessageFileMalformedTest, GeometryBeyondTheTurnBounds) {
     return [heads, dim](std::vector<StTensor>* ts, StMetadata* m, auto*) {
       for (const char* key : {"n_history", "n_anchor", "n_kept", "n_gen", "sent_bytes"}) (*m)[key] = "0";
       m->erase("next_pos");
+      (*m)["anchor_pos"] = "";
       for (StTensor& t : *ts) {
         t.data = {};
         if (t.shape.size() == 2) t.shape = {heads, 0};
