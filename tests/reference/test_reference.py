@@ -130,6 +130,9 @@ seeds / 3).
     are eps_l off.  A float32 emulation (numpy float32 dots, exps, sums)
     stayed within 1e-6 relative and 0.0033 F of the float64 figure;
     kvrelayctl within 0.0017 of the tolerance.
+  * Determinism: FORMAT.md fixes every summation order of acc, so the same
+    turn and policy must give a bit-identical message for --threads 1, 2, 4,
+    8 and from run to run (class Determinism).
 """
 
 import math
@@ -447,10 +450,11 @@ def random_policies(rng, wrng=None, n_gen=0):
 # running the CLI
 # ---------------------------------------------------------------------------
 
-def run_cli(case, spec, out_path, decode=False):
+def run_cli(case, spec, out_path, decode=False, extra=()):
     cmd = [KVRELAYCTL, "compress", "--policy", spec, "--in", case.path, "--out", out_path]
     if decode:
         cmd.append("--decode")
+    cmd += list(extra)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
     return p.returncode, (p.stdout + p.stderr).decode("utf-8", "replace").strip()
 
@@ -1992,6 +1996,43 @@ class Fidelity(CliTestCase):
         errs += self.run_case(c, ["h2o-head:k=4", "h2o-layer:k=10+obf", "gen:sinks=0"])
         c = build_case("fid_no_gen", rng, 1, 2, 2, 16, 20, 0, "BF16", n_hist=3, query=("BF16", 1.0))
         errs += self.run_case(c, ["h2o-head:k=4", "full"])
+        self.assert_no_errors(errs)
+
+
+class Determinism(CliTestCase):
+    """FORMAT.md fixes every summation order of acc (step 5: the steps of the
+    window as in step 0, ascending t, then the group's score heads as in
+    step 1, ascending q; float64, one rounding), so the message must not
+    depend on --threads nor change from run to run."""
+
+    def test_same_message_for_any_threads(self):
+        rng = np.random.default_rng(71)
+        c = build_case("determinism", rng, 4, 4, 4, 32, 120, 12, "F32", n_hist=40, first_agent=False,
+                       prompt_pos0=300, query=("F32", 1.0), hist_anchors=[0, 1, 2, 3], hist_acc="random")
+        c.write(self.tmp)
+        errs = []
+        for spec in ("full", "h2o-auto:k=20,hist=10,tau=0.8+obf"):
+            seen = {}
+            for threads in ("1", "2", "2", "2", "4", "4", "4", "8"):
+                out = os.path.join(self.tmp, "det.safetensors")
+                rc, text = run_cli(c, spec, out, extra=("--threads", threads))
+                STATS["cli_runs"] += 1
+                if rc != 0:
+                    errs.append("[determinism] policy=%r --threads %s: exit %d: %s" % (spec, threads, rc, text[-500:]))
+                    break
+                t, meta = ref.read_safetensors(out)
+                key = tuple((k, t[k][0], t[k][1].tobytes()) for k in sorted(t)) + tuple(sorted(meta.items()))
+                seen.setdefault(key, []).append(threads)
+            if len(seen) > 1:
+                groups = list(seen.values())
+                base = list(seen)[0]
+                diffs = []
+                for other in list(seen)[1:]:
+                    a, b = dict((x[0], x[2]) for x in base if len(x) == 3), dict((x[0], x[2]) for x in other
+                                                                                 if len(x) == 3)
+                    diffs.append(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))
+                errs.append("[determinism] policy=%r: %d different messages from the same turn (runs by "
+                            "--threads: %s); differing entries: %s" % (spec, len(seen), groups, diffs))
         self.assert_no_errors(errs)
 
 
