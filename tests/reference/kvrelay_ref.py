@@ -51,8 +51,10 @@ Choices where FORMAT.md leaves room (see also the report in the test file):
     reading there (lay.hist_keys64).
   * `tau` in the canonical spec, "the shortest decimal form that reads back
     as the same float64": numpy's shortest positional form, no exponent and
-    no trailing ".0" (0.9 -> "0.9", 1.0 -> "1", 0.0 -> "0").  Forms with an
-    exponent (tau = 1e-05?) are not decided here; the tests avoid such taus.
+    no trailing ".0" (0.9 -> "0.9", 1.0 -> "1", 0.0 -> "0").  Whether a form
+    with an exponent counts ("1e-04" is shorter than "0.0001") is not
+    decided by FORMAT.md; the tests accept one that is no longer and reads
+    back as the same float64.
   * `granularity` ("h2o-auto only") is expected absent on other policies, and
     `attention_error` ("present for a turn with gen.q") absent on
     prompt.score turns.
