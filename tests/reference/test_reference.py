@@ -1893,6 +1893,31 @@ class HistoryBudget(CliTestCase):
         errs += self.run_case(c, ["h2o-head:k=3,hist=2,sinks=2", "h2o-layer:k=3,hist=2+int8"])
         self.assert_no_errors(errs)
 
+    def test_history_not_ascending(self):
+        """History ids need not ascend along a head (FORMAT.md only asks them
+        to precede the prompt): candidates are taken "in their order along
+        the head", kept ones keep it, ties go to the earlier token there."""
+        rng = np.random.default_rng(64)
+        errs = []
+        for query in (None, ("F32", 1.0)):
+            c = build_case("hist_shuffled_%s" % ("q" if query else "score"), rng, 2, 3, 4, 8, 20, 3, "F32",
+                           n_hist=12, first_agent=False, prompt_pos0=50, hist_anchors=[5, 7], query=query,
+                           hist_acc="ties", hist_score=None if query else True)
+            for l in range(2):
+                perm = [rng.permutation(12) for _ in range(3)]
+                for nm in ("history.k", "history.v", "history.pos", "history.acc"):
+                    dt, arr = c.tensors["layer.%d.%s" % (l, nm)]
+                    c.tensors["layer.%d.%s" % (l, nm)] = (dt, np.stack([arr[h][perm[h]] for h in range(3)]))
+                if not query:
+                    dt, arr = c.tensors["layer.%d.history.score" % l]
+                    # score rows of group h follow head h's permutation.
+                    c.tensors["layer.%d.history.score" % l] = (dt, np.stack([arr[q][perm[q // 4]]
+                                                                             for q in range(12)]))
+            c.turn = ref.Turn(c.tensors, c.meta)
+            errs += self.run_case(c, ["h2o-head:k=4,hist=3", "h2o-layer:k=4,hist=3+obf", "h2o-layer:k=4,hist=0",
+                                      "h2o-auto:k=4,hist=6,tau=0.6", "full"])
+        self.assert_no_errors(errs)
+
     def test_query_history_mass(self):
         """gen.q turns: the history's mass comes from the queries (step 5),
         also with window=; GQA groups 1 / 4 / 5."""
