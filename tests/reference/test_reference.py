@@ -130,9 +130,10 @@ seeds / 3).
     are eps_l off.  A float32 emulation (numpy float32 dots, exps, sums)
     stayed within 1e-6 relative and 0.0033 F of the float64 figure;
     kvrelayctl within 0.0017 of the tolerance.
-  * Determinism: FORMAT.md fixes every summation order of acc, so the same
-    turn and policy must give a bit-identical message for --threads 1, 2, 4,
-    8 and from run to run (class Determinism).
+  * Determinism: FORMAT.md fixes how every number is computed and nothing
+    there depends on threads or memory layout, so the same turn and policy
+    must give a bit-identical message for --threads 1, 2, 4, 8 and turn
+    files under paths of other lengths (class Determinism).
 """
 
 import math
@@ -2042,20 +2043,26 @@ class Fidelity(CliTestCase):
 
 
 class Determinism(CliTestCase):
-    """FORMAT.md fixes every summation order of acc (step 5: the steps of the
-    window as in step 0, ascending t, then the group's score heads as in
-    step 1, ascending q; float64, one rounding), so the message must not
-    depend on --threads nor change from run to run."""
+    """FORMAT.md fixes how every number of a message is computed (step 0:
+    float32 dot products and exponentials, float64 sums in ascending t;
+    step 5: float64 sums in fixed orders, one rounding; OBF: sums in
+    ascending row order "whatever the CPU's vector width"), and nothing in it
+    depends on the number of threads or on where the data lies in memory.
+    So the same turn and policy must give the same bytes for --threads 1, 2,
+    4, 8 and for turn files under paths of other lengths (which move the
+    process's memory layout)."""
 
     def test_same_message_for_any_threads(self):
         rng = np.random.default_rng(71)
         c = build_case("determinism", rng, 4, 4, 4, 32, 120, 12, "F32", n_hist=40, first_agent=False,
                        prompt_pos0=300, query=("F32", 1.0), hist_anchors=[0, 1, 2, 3], hist_acc="random")
-        c.write(self.tmp)
         errs = []
         for spec in ("full", "h2o-auto:k=20,hist=10,tau=0.8+obf"):
             seen = {}
-            for threads in ("1", "2", "2", "2", "4", "4", "4", "8"):
+            for threads, name in (("1", "d"), ("2", "d"), ("4", "d"), ("8", "d"), ("1", "determinism_long_name"),
+                                  ("2", "determinism_long_name"), ("2", "x" * 40), ("4", "x" * 40)):
+                c.name = name
+                c.write(self.tmp)
                 out = os.path.join(self.tmp, "det.safetensors")
                 rc, text = run_cli(c, spec, out, extra=("--threads", threads))
                 STATS["cli_runs"] += 1
@@ -2063,18 +2070,18 @@ class Determinism(CliTestCase):
                     errs.append("[determinism] policy=%r --threads %s: exit %d: %s" % (spec, threads, rc, text[-500:]))
                     break
                 t, meta = ref.read_safetensors(out)
-                key = tuple((k, t[k][0], t[k][1].tobytes()) for k in sorted(t)) + tuple(sorted(meta.items()))
-                seen.setdefault(key, []).append(threads)
+                key = (tuple((k, t[k][0], t[k][1].tobytes()) for k in sorted(t)), tuple(sorted(meta.items())))
+                seen.setdefault(key, []).append("threads=%s path=%s" % (threads, len(c.path)))
             if len(seen) > 1:
-                groups = list(seen.values())
-                base = list(seen)[0]
+                keys = list(seen)
+                base_t, base_m = dict((x[0], x[2]) for x in keys[0][0]), dict(keys[0][1])
                 diffs = []
-                for other in list(seen)[1:]:
-                    a, b = dict((x[0], x[2]) for x in base if len(x) == 3), dict((x[0], x[2]) for x in other
-                                                                                 if len(x) == 3)
-                    diffs.append(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))
-                errs.append("[determinism] policy=%r: %d different messages from the same turn (runs by "
-                            "--threads: %s); differing entries: %s" % (spec, len(seen), groups, diffs))
+                for other in keys[1:]:
+                    ot, om = dict((x[0], x[2]) for x in other[0]), dict(other[1])
+                    diffs.append(sorted(k for k in set(base_t) | set(ot) if base_t.get(k) != ot.get(k))
+                                 + sorted("meta " + k for k in set(base_m) | set(om) if base_m.get(k) != om.get(k)))
+                errs.append("[determinism] policy=%r: %d different messages from the same turn (runs: %s); "
+                            "differing entries against the first: %s" % (spec, len(seen), list(seen.values()), diffs))
         self.assert_no_errors(errs)
 
 
