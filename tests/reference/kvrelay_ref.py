@@ -12,9 +12,16 @@ Contents
   * query_scores(): scores from gen.q (FORMAT.md step 0), float64 softmax of
     eager attention over history + prompt + gen 0..t, summed over the steps
     of the window,
+  * query_masses(): the same steps' mass on every key (history, prompt,
+    generated), for the accumulated importance,
   * compress(): scores (prompt.score, or query_scores in float64) -> anchors/
-    candidates -> selection -> OBF (exact, float64 SVD) -> composition with
-    positions -> byte accounting,
+    candidates -> granularity (h2o-auto, layer_entropy(), step 3a) ->
+    selection -> OBF (exact, float64 SVD) -> accumulated importance `acc`
+    (step 5) -> history budget hist=K (history_budget(), step 5a) ->
+    composition with positions, acc and anchor_pos (step 6) -> byte
+    accounting -> attention_error (gen.q turns, "Fidelity"),
+  * attention_error(): FORMAT.md "Fidelity" in float64 for any message's
+    keys and values (the tests pass kvrelayctl's own),
   * quantize_layer()/dequantize_layer()/pack_codes()/unpack_codes(),
   * selftest(): internal invariants, run with
         /usr/bin/python3 tests/reference/kvrelay_ref.py --selftest
@@ -36,6 +43,26 @@ Choices where FORMAT.md leaves room (see also the report in the test file):
     row's softmax denominator summed by numpy (pairwise) and the steps summed
     one at a time in ascending t.  `softmax_scale` is parsed as a float64
     (Python float()); the default is 1/math.sqrt(d) in float64.
+  * History budget (step 5a) ranks by "their acc after step 5"; step 5 makes
+    every acc a float32, so compress() ranks by the float32 acc (h2o-layer:
+    the float64 sum over heads of the float32 values).  Ranking by the
+    float64 value before rounding differs only where two float32 keys tie
+    or (h2o-layer sums) lie within ~2^-23 relative; the tests accept either
+    reading there (lay.hist_keys64).
+  * `tau` in the canonical spec, "the shortest decimal form that reads back
+    as the same float64": numpy's shortest positional form, no exponent and
+    no trailing ".0" (0.9 -> "0.9", 1.0 -> "1", 0.0 -> "0").  Whether a form
+    with an exponent counts ("1e-04" is shorter than "0.0001") is not
+    decided by FORMAT.md; the tests accept one that is no longer and reads
+    back as the same float64.
+  * `granularity` ("h2o-auto only") is expected absent on other policies, and
+    `attention_error` ("present for a turn with gen.q") absent on
+    prompt.score turns.
+  * Fidelity: o_full sees the turn's whole history (before hist=K), o_msg the
+    message's (after it); the figure ignores `window` ("every step").  When
+    only o_full is 0 a step's error is 1, when both are 0 it is 0.
+  * `full` takes no parameters, so hist= (like every h2o-only key) is refused
+    on `full` and `gen`; their messages carry the history whole, with acc.
 """
 
 import json
@@ -204,13 +231,27 @@ def write_safetensors(path, tensors, metadata=None):
 _SELECTORS = {
     "full": {},
     "gen": {"sinks": 4},
-    "h2o-layer": {"k": 32, "sinks": 4, "recent": 0, "pool": 1, "window": None},
-    "h2o-head": {"k": 32, "sinks": 4, "recent": 0, "pool": 1, "window": None},
+    "h2o-layer": {"k": 32, "sinks": 4, "recent": 0, "pool": 1, "window": None, "hist": None},
+    "h2o-head": {"k": 32, "sinks": 4, "recent": 0, "pool": 1, "window": None, "hist": None},
+    "h2o-auto": {"k": 32, "sinks": 4, "recent": 0, "pool": 1, "window": None, "hist": None,
+                 "tau": 0.9},
 }
 WINDOW_MAX = 1 << 24
+HIST_MAX = 1 << 24
 _OBF = {"p": 8, "mode": "exact", "inject": "uniform", "scale": "ad_over_as",
         "iters": 12, "oversample": 10}
 _QUANT = {"group": 32, "rotate": "none"}
+
+
+def _parse_tau(val):
+    """`tau` (h2o-auto): a decimal number in [0, 1], read as float64."""
+    try:
+        x = float(val)
+    except ValueError:
+        raise ValueError("tau=%s: expected a decimal number in [0, 1]" % val)
+    if "_" in val or not math.isfinite(x) or not 0.0 <= x <= 1.0:
+        raise ValueError("tau=%s: expected a decimal number in [0, 1]" % val)
+    return x
 
 
 def parse_policy(spec):
@@ -236,11 +277,13 @@ def parse_policy(spec):
             for key, val in kv.items():
                 if key not in sel:
                     raise ValueError("unknown key %s for %s" % (key, name))
-                sel[key] = int(val)
+                sel[key] = _parse_tau(val) if key == "tau" else int(val)
             if sel.get("pool", 1) < 1 or sel.get("pool", 1) % 2 == 0:
                 raise ValueError("pool must be odd and >= 1: %r" % spec)
             if sel.get("window") is not None and not 1 <= sel["window"] <= WINDOW_MAX:
                 raise ValueError("window=%d: expected an integer in [1, %d]" % (sel["window"], WINDOW_MAX))
+            if sel.get("hist") is not None and not 0 <= sel["hist"] <= HIST_MAX:
+                raise ValueError("hist=%d: expected an integer in [0, %d]" % (sel["hist"], HIST_MAX))
             sel["name"] = name
             out["selector"] = sel
         elif name == "obf":
@@ -270,26 +313,51 @@ def parse_policy(spec):
     return out
 
 
+def shortest_decimal(x):
+    """The shortest plain decimal (no exponent, no trailing '.0') that reads
+    back as the same float64: 0.9 -> '0.9', 1.0 -> '1', 0.0 -> '0'."""
+    out = np.format_float_positional(float(x), unique=True, trim="-")
+    assert float(out) == float(x), (out, x)
+    return out
+
+
 def canonical_selector(sel):
     """The canonical form of a parsed selector stage (FORMAT.md "Policy specs"):
-    every parameter except pool, which is listed only when it is not 1, and
-    window, listed only when given (after pool)."""
+    k, sinks, recent, then tau (h2o-auto only, always, in the shortest decimal
+    form), pool (only when it is not 1), window (only when given), hist (only
+    when given)."""
     name = sel["name"]
     if name == "full":
         return "full"
     if name == "gen":
         return "gen:sinks=%d" % sel["sinks"]
     out = "%s:k=%d,sinks=%d,recent=%d" % (name, sel["k"], sel["sinks"], sel["recent"])
+    if name == "h2o-auto":
+        out += ",tau=%s" % shortest_decimal(sel["tau"])
     if sel["pool"] != 1:
         out += ",pool=%d" % sel["pool"]
     if sel.get("window") is not None:
         out += ",window=%d" % sel["window"]
+    if sel.get("hist") is not None:
+        out += ",hist=%d" % sel["hist"]
     return out
 
 
 # ---------------------------------------------------------------------------
 # turns
 # ---------------------------------------------------------------------------
+
+def parse_id_list(text):
+    """'3,5,9' -> [3, 5, 9]; '' -> [] (history_anchors / anchor_pos)."""
+    text = str(text)
+    if text == "":
+        return []
+    return [int(x) for x in text.split(",")]
+
+
+def format_id_list(ids):
+    return ",".join(str(int(x)) for x in ids)
+
 
 class Turn(object):
     """A turn file's content; arrays are kept in their storage form."""
@@ -322,6 +390,13 @@ class Turn(object):
         self.n_history = tensors["layer.0.history.k"][1].shape[1] if self.has_history else 0
         self.first_agent = self.meta.get("first_agent", "true") == "true"
         self.prompt_pos0 = int(self.meta.get("prompt_pos0", self.n_history))
+        # Accumulated importance of the history (FORMAT.md step 5): history.acc
+        # (else 0) and, on prompt.score turns, history.score (else no mass).
+        self.has_history_acc = "layer.0.history.acc" in tensors
+        self.has_history_score = "layer.0.history.score" in tensors
+        # The chain's anchors the history holds (history_anchors metadata).
+        ha = self.meta.get("history_anchors")
+        self.history_anchors = parse_id_list(ha) if ha is not None else []
 
     def arr(self, name):
         return self.tensors[name][1]
@@ -373,6 +448,36 @@ def query_weights(q, hk, pk, gk, scale=None):
     return W
 
 
+def window_steps(n_gen, window):
+    """The steps t of the window: t >= n_gen - window (every step without)."""
+    t0 = 0 if window is None else max(0, n_gen - int(window))
+    return range(t0, n_gen)
+
+
+def sum_steps(W, lo, hi, steps):
+    """sum over the steps t (ascending, one add at a time) of W[:, t, lo:hi]."""
+    out = np.zeros((W.shape[0], hi - lo), dtype=np.float64)
+    for t in steps:
+        out = out + W[:, t, lo:hi]
+    return out
+
+
+def query_masses(q, hk, pk, gk, scale=None, window=None):
+    """The attention mass the generated steps of the window put on every key,
+    per score head (FORMAT.md steps 0 and 5).  Arguments as query_weights().
+
+    Returns (hist [S, n_history], prompt [S, n_prompt], gen [S, n_gen]),
+    float64, each sum_t W[q, t, i] over the steps t of the window in ascending
+    t (a generated token j only gets mass from steps t >= j: W is 0 before).
+    """
+    W = query_weights(q, hk, pk, gk, scale)
+    ng = W.shape[1]
+    nh, n = np.shape(hk)[1], np.shape(pk)[1]
+    steps = window_steps(ng, window)
+    return (sum_steps(W, 0, nh, steps), sum_steps(W, nh, nh + n, steps),
+            sum_steps(W, nh + n, nh + n + ng, steps))
+
+
 def query_scores(q, hk, pk, gk, scale=None, window=None):
     """FORMAT.md step 0: prompt scores from the generated steps' queries.
 
@@ -384,33 +489,51 @@ def query_scores(q, hk, pk, gk, scale=None, window=None):
     on prompt token j, accumulated in float64 in ascending t.
     """
     W = query_weights(q, hk, pk, gk, scale)
-    S, ng, _ = W.shape
     nh, n = np.shape(hk)[1], np.shape(pk)[1]
-    t0 = 0 if window is None else max(0, ng - int(window))
-    out = np.zeros((S, n), dtype=np.float64)
-    for t in range(t0, ng):  # ascending t, one add at a time
-        out = out + W[:, t, nh:nh + n]
-    return out
+    return sum_steps(W, nh, nh + n, window_steps(W.shape[1], window))
 
 
-def turn_scores(turn, l, window=None):
-    """The [S, n_prompt] scores of layer l: prompt.score as float64 (exact
-    F32 values), or query_scores() of gen.q kept in float64 (not rounded to
-    F32).  `window` needs gen.q, as in kvrelay (InvalidArgument there)."""
-    if not turn.has_query:
-        if window is not None:
-            raise ValueError("window=%d needs layer.%d.gen.q; the turn has layer.%d.prompt.score"
-                             % (window, l, l))
-        return np.asarray(turn.arr("layer.%d.prompt.score" % l), dtype=np.float64)
+def turn_keys_f64(turn, l):
+    """(gen.q, history.k, prompt.k, gen.k) of layer l as float64 arrays of
+    their exact stored values (gen.q only on a gen.q turn, else None)."""
     dt = turn.dtype
-    q = to_f64(turn.arr("layer.%d.gen.q" % l), turn.q_dtype)
     if turn.has_history:
         hk = to_f64(turn.arr("layer.%d.history.k" % l), dt)
     else:
         hk = np.zeros((turn.H, 0, turn.d), dtype=np.float64)
     pk = to_f64(turn.arr("layer.%d.prompt.k" % l), dt)
     gk = to_f64(turn.arr("layer.%d.gen.k" % l), dt)
-    return query_scores(q, hk, pk, gk, turn.softmax_scale, window)
+    q = to_f64(turn.arr("layer.%d.gen.q" % l), turn.q_dtype) if turn.has_query else None
+    return q, hk, pk, gk
+
+
+def turn_scores(turn, l, window=None):
+    """The [S, n_prompt] scores of layer l: prompt.score as float64 (exact
+    F32 values), or query_scores() of gen.q kept in float64 (not rounded to
+    F32).  `window` needs gen.q, as in kvrelay (InvalidArgument there)."""
+    return turn_masses(turn, l, window)[1]
+
+
+def turn_masses(turn, l, window=None):
+    """(hist [S, n_history], prompt [S, n_prompt], gen [S, n_gen]) float64
+    masses of layer l, per score head.  gen.q turns: query_masses().
+    prompt.score turns: history.score (zeros without it), prompt.score, and
+    zeros for the generated tokens (FORMAT.md step 5)."""
+    if not turn.has_query:
+        if window is not None:
+            raise ValueError("window=%d needs layer.%d.gen.q; the turn has layer.%d.prompt.score"
+                             % (window, l, l))
+        sc = np.asarray(turn.arr("layer.%d.prompt.score" % l), dtype=np.float64)
+        if turn.has_history_score:
+            hs = np.asarray(turn.arr("layer.%d.history.score" % l), dtype=np.float64)
+        else:
+            hs = np.zeros((turn.S, turn.n_history), dtype=np.float64)
+        return hs, sc, np.zeros((turn.S, turn.n_gen), dtype=np.float64)
+    if turn.has_history_score:
+        raise ValueError("layer.%d.history.score: only with prompt.score (the turn has layer.%d.gen.q)"
+                         % (l, l))
+    q, hk, pk, gk = turn_keys_f64(turn, l)
+    return query_masses(q, hk, pk, gk, turn.softmax_scale, window)
 
 
 def reduce_scores(score_f32, H):
@@ -546,13 +669,125 @@ def quant_layer_bytes(H, n, d, bits, group):
     return codes + kstat + vstat + 4 * H * n
 
 
-def compress(turn, policy, kept_override=None):
+def layer_entropy(A, s, n):
+    """FORMAT.md step 3a: the normalized attention entropy of one layer.
+
+    A: [H, n_prompt] float64 reduced scores.  For each KV head h, over the
+    c = n - s candidates (recent window included): T = sum_j A[h][j] and,
+    when c >= 2 and T > 0, e_h = -(sum_j p_j ln p_j) / ln c with p_j =
+    A[h][j] / T (terms with p_j = 0 add 0), else e_h = 1; float64, sums in
+    ascending j.  Returns (mean over h of e_h (summed in ascending h, divided
+    by H), [e_h])."""
+    H = A.shape[0]
+    c = n - s
+    es = []
+    for h in range(H):
+        T = 0.0
+        for j in range(s, n):
+            T += float(A[h, j])
+        if c >= 2 and T > 0:
+            acc = 0.0
+            for j in range(s, n):
+                p = float(A[h, j]) / T
+                if p > 0:
+                    acc += p * math.log(p)
+            es.append(-acc / math.log(c))
+        else:
+            es.append(1.0)
+    tot = 0.0
+    for e in es:
+        tot += e
+    return tot / H, es
+
+
+def auto_granularity(mean_entropy, tau):
+    """h2o-auto: 'head' when the mean entropy is below tau, else 'layer'."""
+    return "head" if mean_entropy < tau else "layer"
+
+
+def history_split(hpos, anchors):
+    """Per head: (anchor indices, candidate indices) along the head's history.
+    hpos: [H, n_history] position ids; anchors: the chain's anchor ids."""
+    aset = set(int(x) for x in anchors)
+    out = []
+    for h in range(hpos.shape[0]):
+        anc = [i for i in range(hpos.shape[1]) if int(hpos[h, i]) in aset]
+        cand = [i for i in range(hpos.shape[1]) if int(hpos[h, i]) not in aset]
+        out.append((anc, cand))
+    return out
+
+
+def history_rank_keys(acc32, split, gran):
+    """FORMAT.md step 5a ranking keys of the history candidates, float64
+    [H, c]: 'head': acc[h][cand_h(r)]; 'layer': sum_h acc[h][cand_h(r)] (in
+    ascending h), the same row for every head.  acc32: [H, n_history] acc
+    after step 5: the float32 acc (what compress() ranks by), or the float64
+    value before rounding (the tests accept either reading, see
+    lay.hist_keys64)."""
+    H = acc32.shape[0]
+    c = len(split[0][1])
+    keys = np.zeros((H, c), dtype=np.float64)
+    for h in range(H):
+        keys[h] = acc32[h, split[h][1]].astype(np.float64)
+    if gran == "layer":
+        tot = np.zeros(c, dtype=np.float64)
+        for h in range(H):
+            tot = tot + keys[h]
+        keys = np.tile(tot, (H, 1))
+    return keys
+
+
+def history_budget(keys, split, K):
+    """Kept history indices per head (ascending along the head): the anchors
+    and the K candidates with the largest keys (ties to the earlier token),
+    or the whole history when c <= K or K is None."""
+    out = []
+    for h, (anc, cand) in enumerate(split):
+        c = len(cand)
+        if K is None or c <= K:
+            out.append(sorted(anc + cand))
+            continue
+        order = sorted(range(c), key=lambda r: (-float(keys[h, r]), r))
+        ranks = sorted(order[:K])
+        out.append(sorted(anc + [cand[r] for r in ranks]))
+    return out
+
+
+def check_history_anchors(turn):
+    """FORMAT.md reader rules for history_anchors (ValueError naming the key)."""
+    ha = turn.history_anchors
+    if not ha:
+        if "history_anchors" in turn.meta and turn.meta["history_anchors"] != "" and not turn.has_history:
+            raise ValueError("history_anchors without history")
+        return
+    if not turn.has_history:
+        raise ValueError("history_anchors without history")
+    if any(b <= a for a, b in zip(ha, ha[1:])):
+        raise ValueError("history_anchors: ids not ascending")
+    for l in range(turn.L):
+        hpos = turn.arr("layer.%d.history.pos" % l)
+        for h in range(turn.H):
+            for x in ha:
+                cnt = int(np.count_nonzero(hpos[h] == x))
+                if cnt != 1:
+                    raise ValueError("history_anchors: id %d held %d times by layer %d head %d"
+                                     % (x, cnt, l, h))
+
+
+def compress(turn, policy, kept_override=None, hist_override=None, gran_override=None,
+             with_error=True):
     """Reference compression. `policy` is a spec string or parse_policy() dict.
 
     kept_override: optional {layer: [kept prompt indices per head]} replacing
     the selection of those layers (the tests use it to follow kvrelay's choice
     where float32 query scores make the reference's top-k ambiguous); the
-    rest (composition, OBF with this layer's A[h]) is computed as usual."""
+    rest (composition, OBF with this layer's A[h]) is computed as usual.
+    hist_override: the same for the history budget, {layer: [kept history
+    indices per head]}.  gran_override: {layer: 'head' | 'layer'} replacing
+    h2o-auto's choice (step 3a) of those layers.
+    with_error: on a gen.q turn, also compute msg.attention_error (FORMAT.md
+    "Fidelity") from the reference's own message (quantized: its own codes
+    decoded into the turn's dtype)."""
     pol = parse_policy(policy) if isinstance(policy, str) else policy
     sel = pol["selector"]
     obf = pol["obf"]
@@ -562,18 +797,24 @@ def compress(turn, policy, kept_override=None):
     s = min(sinks, n) if turn.first_agent else 0
     p0 = turn.prompt_pos0
     nh, ng = turn.n_history, turn.n_gen
+    check_history_anchors(turn)
+    window = sel.get("window")
     msg = RefMessage()
     msg.policy = pol
     msg.dtype = dt
     msg.layers = []
+    msg.granularity = [] if sel["name"] == "h2o-auto" else None
     n_kept = None
+    n_hist_kept = None
     for l in range(turn.L):
         pk = turn.arr("layer.%d.prompt.k" % l)
         pv = turn.arr("layer.%d.prompt.v" % l)
         gk = turn.arr("layer.%d.gen.k" % l)
         gv = turn.arr("layer.%d.gen.v" % l)
-        score = turn_scores(turn, l, sel.get("window"))
+        hmass, score, gmass = turn_masses(turn, l, window)
         A, A_layer = reduce_scores(score, H)
+        Ahist, _ = reduce_scores(hmass, H)
+        Agen, _ = reduce_scores(gmass, H)
         if turn.has_history:
             hk = turn.arr("layer.%d.history.k" % l)
             hv = turn.arr("layer.%d.history.v" % l)
@@ -582,19 +823,36 @@ def compress(turn, policy, kept_override=None):
             hk = np.zeros((H, 0, d), dtype=pk.dtype)
             hv = np.zeros((H, 0, d), dtype=pk.dtype)
             hpos = np.zeros((H, 0), dtype=np.int64)
+        if turn.has_history_acc:
+            acc_in = np.asarray(turn.arr("layer.%d.history.acc" % l), dtype=np.float64)
+        else:
+            acc_in = np.zeros((H, nh), dtype=np.float64)
+        # Step 3a (h2o-auto): the layer's granularity.
+        name = sel["name"]
+        gran = None
+        mean_e = None
+        if name == "h2o-auto":
+            mean_e, _ = layer_entropy(A, s, n)
+            gran = auto_granularity(mean_e, sel["tau"])
+            if gran_override is not None and l in gran_override:
+                gran = gran_override[l]
+            msg.granularity.append(gran)
+            name = "h2o-head" if gran == "head" else "h2o-layer"
+        elif name in ("h2o-head", "h2o-layer"):
+            gran = "head" if name == "h2o-head" else "layer"
         cands = list(range(s, n))
         kept = []  # per head
         for h in range(H):
-            if sel["name"] == "full":
+            if name == "full":
                 kept.append(cands)
-            elif sel["name"] == "gen":
+            elif name == "gen":
                 kept.append([])
-            elif sel["name"] == "h2o-layer":
+            elif name == "h2o-layer":
                 kept.append(select(A_layer, s, n, sel["k"], sel["recent"], sel["pool"]))
-            elif sel["name"] == "h2o-head":
+            elif name == "h2o-head":
                 kept.append(select(A[h], s, n, sel["k"], sel["recent"], sel["pool"]))
             else:
-                raise ValueError(sel["name"])
+                raise ValueError(name)
         if kept_override is not None and l in kept_override:
             kept = [list(x) for x in kept_override[l]]
             assert len(kept) == H
@@ -603,7 +861,30 @@ def compress(turn, policy, kept_override=None):
         if n_kept is None:
             n_kept = nk
         assert n_kept == nk
-        ntot = nh + s + nk + ng
+        # Step 5: accumulated importance, float64, rounded to float32 once.
+        # acc_q: the part that comes from this agent's masses (for the tests'
+        # tolerance on gen.q turns); acc_in is exact.
+        hacc64 = acc_in + Ahist
+        hacc32 = hacc64.astype(np.float32)
+        # Step 5a: the history budget (h2o-* with hist=K).
+        split = history_split(hpos, turn.history_anchors)
+        hist_keys = hist_keys64 = None
+        if sel["name"].startswith("h2o-") and sel.get("hist") is not None and nh:
+            hist_keys = history_rank_keys(hacc32, split, gran)
+            hist_keys64 = history_rank_keys(hacc64, split, gran)
+            hkept = history_budget(hist_keys, split, sel["hist"])
+        else:
+            hkept = [list(range(nh)) for _ in range(H)]
+        if hist_override is not None and l in hist_override:
+            hkept = [list(x) for x in hist_override[l]]
+            assert len(hkept) == H
+        nhk = len(hkept[0])
+        assert all(len(x) == nhk for x in hkept)
+        if n_hist_kept is None:
+            n_hist_kept = nhk
+        assert n_hist_kept == nhk
+        # Step 6: compose.
+        ntot = nhk + s + nk + ng
         K = np.zeros((H, ntot, d), dtype=pk.dtype)
         V = np.zeros((H, ntot, d), dtype=pk.dtype)
         V64 = np.zeros((H, ntot, d), dtype=np.float64)   # exact (pre-rounding)
@@ -611,22 +892,27 @@ def compress(turn, policy, kept_override=None):
         D64 = np.zeros((H, ntot, d), dtype=np.float64)   # increments
         part = np.zeros(ntot, dtype="<U7")
         pos = np.zeros((H, ntot), dtype=np.int64)
+        acc64 = np.zeros((H, ntot), dtype=np.float64)
+        accq = np.zeros((H, ntot), dtype=np.float64)   # mass part of acc64
         modified = np.zeros((H, ntot), dtype=bool)
         obf_info = [None] * H
-        part[:nh] = "history"
-        part[nh:nh + s] = "anchor"
-        part[nh + s:nh + s + nk] = "kept"
-        part[nh + s + nk:] = "gen"
+        part[:nhk] = "history"
+        part[nhk:nhk + s] = "anchor"
+        part[nhk + s:nhk + s + nk] = "kept"
+        part[nhk + s + nk:] = "gen"
         for h in range(H):
-            rows_k = [hk[h], pk[h, :s], pk[h, kept[h]], gk[h]]
-            rows_v = [hv[h], pv[h, :s], pv[h, kept[h]], gv[h]]
+            hi = hkept[h]
+            rows_k = [hk[h, hi], pk[h, :s], pk[h, kept[h]], gk[h]]
+            rows_v = [hv[h, hi], pv[h, :s], pv[h, kept[h]], gv[h]]
             K[h] = np.concatenate(rows_k, axis=0)
             V[h] = np.concatenate(rows_v, axis=0)
             pos[h] = np.concatenate([
-                hpos[h],
+                hpos[h, hi],
                 p0 + np.arange(s, dtype=np.int64),
                 p0 + np.asarray(kept[h], dtype=np.int64),
                 p0 + n + np.arange(ng, dtype=np.int64)])
+            acc64[h] = np.concatenate([hacc64[h, hi], A[h, :s], A[h, kept[h]], Agen[h]])
+            accq[h] = np.concatenate([Ahist[h, hi], A[h, :s], A[h, kept[h]], Agen[h]])
             Vorig64[h] = to_f64(V[h], dt)
             V64[h] = Vorig64[h]
             if obf is not None:
@@ -636,7 +922,7 @@ def compress(turn, policy, kept_override=None):
                 res = obf_head(vals, kept[h], dele, A[h], obf)
                 obf_info[h] = res
                 if res is not None:
-                    sl = slice(nh + s, nh + s + nk)
+                    sl = slice(nhk + s, nhk + s + nk)
                     D64[h, sl] = res["add"]
                     V64[h, sl] = Vorig64[h, sl] + res["add"]
                     V[h, sl] = from_f64(V64[h, sl], dt)
@@ -646,15 +932,134 @@ def compress(turn, policy, kept_override=None):
         lay.v64, lay.vorig64, lay.add64 = V64, Vorig64, D64
         lay.modified, lay.part, lay.kept, lay.obf = modified, part, kept, obf_info
         lay.score, lay.A, lay.A_layer = score, A, A_layer
+        lay.acc64, lay.acc_mass64 = acc64, accq
+        lay.acc = acc64.astype(np.float32)
+        lay.gran, lay.mean_entropy = gran, mean_e
+        lay.hist_split, lay.hist_keys, lay.hist_kept = split, hist_keys, hkept
+        lay.hist_acc64, lay.hist_mass64, lay.hist_keys64 = hacc64, Ahist, hist_keys64
         msg.layers.append(lay)
-    msg.n_history, msg.n_anchor, msg.n_kept, msg.n_gen = nh, s, n_kept, ng
-    msg.n = nh + s + n_kept + ng
+    msg.n_history, msg.n_anchor, msg.n_kept, msg.n_gen = n_hist_kept, s, n_kept, ng
+    msg.n = n_hist_kept + s + n_kept + ng
+    msg.anchor_pos = sorted(turn.history_anchors) + [p0 + j for j in range(s)]
+    msg.next_pos = p0 + n + ng
     msg.full_bytes = turn.L * dense_layer_bytes(H, nh + n + ng, d, dt)
     if quant is None:
         msg.sent_bytes = turn.L * dense_layer_bytes(H, msg.n, d, dt)
     else:
         msg.sent_bytes = turn.L * quant_layer_bytes(H, msg.n, d, quant["bits"], quant["group"])
+    msg.attention_error = None
+    if with_error and turn.has_query:
+        msg.attention_error = attention_error(turn, message_as_held(msg), window)["figure"]
     return msg
+
+
+def decode_into(x64, dtype):
+    """float64 decoded values -> the turn's dtype (float64 of the stored
+    values); F16 / BF16 saturate at their largest finite value."""
+    x = np.asarray(x64, dtype=np.float64)
+    if dtype == "F16":
+        x = np.clip(x, -65504.0, 65504.0)
+    elif dtype == "BF16":
+        big = float(bf16_bits_to_f32(np.array([0x7F7F], np.uint16))[0])
+        x = np.clip(x, -big, big)
+    return to_f64(from_f64(x, dtype), dtype)
+
+
+def message_as_held(msg):
+    """Per layer (K, V) float64 [H, n, d] of the message as the recipient
+    holds it: the dense tensors, or (with a quantizer) the reference's own
+    codes decoded into the turn's dtype."""
+    out = []
+    q = msg.policy["quant"]
+    for lay in msg.layers:
+        k64, v64 = to_f64(lay.k, msg.dtype), to_f64(lay.v, msg.dtype)
+        if q is not None:
+            r = quantize_layer(k64, v64, q["bits"], q["group"], q["rotate"])
+            yk, yv, _, _ = dequantize_layer(r["codes_k"], r["codes_v"], r["k_scale"], r["k_zero"],
+                                            r["v_scale"], r["v_zero"], q["group"], q["rotate"])
+            k64, v64 = decode_into(yk, msg.dtype), decode_into(yv, msg.dtype)
+        out.append((k64, v64))
+    return out
+
+
+def _softmax_rows(Z, mask):
+    """Row-wise softmax of Z over the entries where mask is True (0 elsewhere)."""
+    Zm = np.where(mask, Z, -np.inf)
+    mx = np.max(Zm, axis=1, keepdims=True)
+    E = np.where(mask, np.exp(Zm - mx), 0.0)
+    return E / np.sum(E, axis=1, keepdims=True)
+
+
+def attention_error(turn, msg_kv, window=None):
+    """FORMAT.md "Fidelity": the attention_error of a message, float64.
+
+    msg_kv: per layer (K, V) float64 [H, n_msg, d] as the recipient holds
+    them, the last n_gen rows being the generated tokens.  For each layer,
+    score head q (KV head q // (S/H)) and step t (every step; `window` does
+    not apply): o_full = softmax((q_t . k_i) * scale) @ v over the turn's
+    history, prompt and gen 0..t; o_msg the same over the message's tokens
+    other than the generated ones plus gen 0..t.  The step's error is
+    ||o_msg - o_full|| / ||o_full|| (0 when both are 0, 1 when only o_full
+    is).  Layer figure: the mean over heads and steps; figure: the mean over
+    layers; 0 when n_gen = 0.
+
+    Returns {'figure', 'layers': [layer figures], 'steps': per layer
+    [S, n_gen] errors, 'nfull': per layer [S, n_gen] ||o_full||, 'sfull' /
+    'smsg': per layer [S, n_gen] sum_i w_i ||v_i||_2 (for the tests'
+    tolerance)}."""
+    S, H, ng, d = turn.S, turn.H, turn.n_gen, turn.d
+    g = S // H
+    scale = turn.softmax_scale
+    out = {"figure": 0.0, "layers": [], "steps": [], "nfull": [], "sfull": [], "smsg": []}
+    if ng == 0:
+        out["layers"] = [0.0] * turn.L
+        return out
+    tot = 0.0
+    for l in range(turn.L):
+        q, hk, pk, gk = turn_keys_f64(turn, l)
+        dt = turn.dtype
+        if turn.has_history:
+            hv = to_f64(turn.arr("layer.%d.history.v" % l), dt)
+        else:
+            hv = np.zeros((H, 0, d))
+        pv = to_f64(turn.arr("layer.%d.prompt.v" % l), dt)
+        gv = to_f64(turn.arr("layer.%d.gen.v" % l), dt)
+        Km, Vm = msg_kv[l]
+        nm = Km.shape[1]
+        base_m = nm - ng
+        errs = np.zeros((S, ng))
+        nfull = np.zeros((S, ng))
+        sfull = np.zeros((S, ng))
+        smsg = np.zeros((S, ng))
+        tsteps = np.arange(ng)
+        for h in range(H):
+            kf = np.concatenate([hk[h], pk[h], gk[h]], axis=0)
+            vf = np.concatenate([hv[h], pv[h], gv[h]], axis=0)
+            base_f = kf.shape[0] - ng
+            mask_f = np.arange(kf.shape[0])[None, :] < (base_f + tsteps + 1)[:, None]
+            mask_m = np.arange(nm)[None, :] < (base_m + tsteps + 1)[:, None]
+            nvf = np.linalg.norm(vf, axis=1)
+            nvm = np.linalg.norm(Vm[h], axis=1)
+            for qi in range(h * g, (h + 1) * g):
+                Wf = _softmax_rows((q[qi] @ kf.T) * scale, mask_f)
+                Wm = _softmax_rows((q[qi] @ Km[h].T) * scale, mask_m)
+                of = Wf @ vf
+                om = Wm @ Vm[h]
+                nf = np.linalg.norm(of, axis=1)
+                nd = np.linalg.norm(om - of, axis=1)
+                nmm = np.linalg.norm(om, axis=1)
+                e = np.where(nf > 0, nd / np.where(nf > 0, nf, 1.0), np.where(nmm > 0, 1.0, 0.0))
+                errs[qi], nfull[qi] = e, nf
+                sfull[qi], smsg[qi] = Wf @ nvf, Wm @ nvm
+        lf = float(np.mean(errs))
+        out["layers"].append(lf)
+        out["steps"].append(errs)
+        out["nfull"].append(nfull)
+        out["sfull"].append(sfull)
+        out["smsg"].append(smsg)
+        tot += lf
+    out["figure"] = tot / turn.L
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -763,13 +1168,16 @@ def unpack_codes(u8, bits, d):
 # helpers for building turns (used by the tests and the self-test)
 # ---------------------------------------------------------------------------
 
-def make_turn_tensors(layers, dtype, history=None, history_pos=None, q_dtype=None):
+def make_turn_tensors(layers, dtype, history=None, history_pos=None, q_dtype=None,
+                      history_acc=None, history_score=None):
     """layers: list of dicts with float64 'pk','pv','gk','gv' and either F32
     'score' ([S, n_prompt], written as prompt.score) or float64 'q'
     ([S, n_gen, d], written as gen.q in q_dtype: F32 or the K/V dtype, default
     the K/V dtype).  history / history_pos: optional list (per layer) of
-    (hk, hv) and pos arrays.  The softmax_scale metadata goes in the turn's
-    metadata, see softmax_scale_str()."""
+    (hk, hv) and pos arrays; history_acc ([H, n_history]) / history_score
+    ([S, n_history]): optional lists (per layer), written as F32.  The
+    softmax_scale and history_anchors metadata go in the turn's metadata, see
+    softmax_scale_str() and format_id_list()."""
     t = {}
     for l, lay in enumerate(layers):
         t["layer.%d.prompt.k" % l] = (dtype, from_f64(lay["pk"], dtype))
@@ -786,6 +1194,10 @@ def make_turn_tensors(layers, dtype, history=None, history_pos=None, q_dtype=Non
             t["layer.%d.history.k" % l] = (dtype, from_f64(hk, dtype))
             t["layer.%d.history.v" % l] = (dtype, from_f64(hv, dtype))
             t["layer.%d.history.pos" % l] = ("I32", np.asarray(history_pos[l], np.int32))
+        if history_acc is not None:
+            t["layer.%d.history.acc" % l] = ("F32", np.asarray(history_acc[l], np.float32))
+        if history_score is not None:
+            t["layer.%d.history.score" % l] = ("F32", np.asarray(history_score[l], np.float32))
     return t
 
 
@@ -1148,8 +1560,300 @@ def selftest(verbose=True):
                        "quant stat shapes")
                 _check(np.all(q["codes_k"] <= (1 << bits) - 1) and np.all(q["codes_k"] >= 0), "code range")
                 n_checks += 4
+    n_checks += _selftest_history_auto_fidelity(rng)
     if verbose:
         print("kvrelay_ref selftest: %d checks passed" % n_checks)
+    return n_checks
+
+
+def _hist_turn(rng, H, g, d, n, ng, dtype="F32", nh=0, n_anchor=0, query=False, acc=False,
+               hscore=False, first=False, L=2, anchors_low=True, qmul=1.0, scores=None):
+    """A random turn for the self-test: history of nh tokens per head (unique
+    ascending positions below prompt_pos0 = nh + 50) holding n_anchor chain
+    anchors, optional history.acc / history.score, prompt.score or gen.q."""
+    p0 = nh + 50
+    anchors = []
+    if nh and n_anchor:
+        anchors = (list(range(n_anchor)) if anchors_low
+                   else sorted(int(x) for x in rng.choice(p0, n_anchor, replace=False)))
+    layers, hist, hpos, hacc, hsc = [], [], [], [], []
+    for l in range(L):
+        lay = {"pk": rng.standard_normal((H, n, d)), "pv": rng.standard_normal((H, n, d)),
+               "gk": rng.standard_normal((H, ng, d)), "gv": rng.standard_normal((H, ng, d))}
+        if query:
+            lay["q"] = rng.standard_normal((H * g, ng, d)) * qmul
+        else:
+            lay["score"] = (rng.exponential(size=(H * g, n)) if scores is None else scores[l]).astype(np.float32)
+        layers.append(lay)
+        hist.append((rng.standard_normal((H, nh, d)), rng.standard_normal((H, nh, d))))
+        others = np.array([x for x in range(p0) if x not in set(anchors)])
+        ph = np.zeros((H, nh), dtype=np.int64)
+        for h in range(H):
+            ph[h] = np.sort(np.concatenate([anchors, rng.choice(others, nh - len(anchors), replace=False)]))
+        hpos.append(ph)
+        hacc.append(rng.exponential(size=(H, nh)) * 3)
+        hsc.append(rng.exponential(size=(H * g, nh)))
+    t = make_turn_tensors(layers, dtype, hist if nh else None, hpos if nh else None,
+                          history_acc=hacc if (acc and nh) else None,
+                          history_score=hsc if (hscore and nh) else None)
+    meta = {"first_agent": "true" if first else "false", "prompt_pos0": str(p0)}
+    if anchors:
+        meta["history_anchors"] = format_id_list(anchors)
+    return Turn(t, meta)
+
+
+def _same_message(a, b):
+    if a.n != b.n or len(a.layers) != len(b.layers):
+        return False
+    for la, lb in zip(a.layers, b.layers):
+        if (la.k.tobytes() != lb.k.tobytes() or la.v.tobytes() != lb.v.tobytes()
+                or not np.array_equal(la.pos, lb.pos) or la.acc.tobytes() != lb.acc.tobytes()):
+            return False
+    return True
+
+
+def _selftest_history_auto_fidelity(rng):
+    """Self-test of accumulated importance, hist=K, h2o-auto and the fidelity
+    figure (FORMAT.md steps 3a, 5, 5a, 6 and "Fidelity")."""
+    n_checks = 0
+
+    # Policy specs: hist on h2o-*, tau on h2o-auto, canonical order
+    # k, sinks, recent, tau, pool, window, hist.
+    pa = parse_policy("h2o-auto:hist=7,k=3,window=2,pool=3,tau=0.25")
+    _check(pa["selector"]["tau"] == 0.25 and pa["selector"]["hist"] == 7, "parse auto")
+    _check(canonical_selector(pa["selector"]) == "h2o-auto:k=3,sinks=4,recent=0,tau=0.25,pool=3,window=2,hist=7",
+           "canonical auto")
+    _check(canonical_selector(parse_policy("h2o-auto")["selector"]) == "h2o-auto:k=32,sinks=4,recent=0,tau=0.9",
+           "canonical auto default")
+    _check(canonical_selector(parse_policy("h2o-auto:tau=1")["selector"]).endswith("tau=1")
+           and canonical_selector(parse_policy("h2o-auto:tau=0.0")["selector"]).endswith("tau=0")
+           and canonical_selector(parse_policy("h2o-auto:tau=0.10")["selector"]).endswith("tau=0.1"),
+           "canonical tau shortest")
+    _check(canonical_selector(parse_policy("h2o-head:hist=0")["selector"]) == "h2o-head:k=32,sinks=4,recent=0,hist=0",
+           "canonical hist")
+    _check(canonical_selector(parse_policy("h2o-layer:hist=16777216,window=4")["selector"])
+           == "h2o-layer:k=32,sinks=4,recent=0,window=4,hist=16777216", "canonical window + hist")
+    n_checks += 6
+    for bad in ("h2o-head:hist=-1", "h2o-layer:hist=16777217", "h2o-auto:hist=1.5", "gen:hist=2",
+                "full:hist=2", "h2o-auto:tau=1.5", "h2o-auto:tau=1.0000001", "h2o-auto:tau=-0.1",
+                "h2o-auto:tau=nan", "h2o-auto:tau=inf", "h2o-auto:tau=", "h2o-head:tau=0.5",
+                "h2o-layer:tau=0.5"):
+        try:
+            parse_policy(bad)
+            _check(False, "parse_policy accepted %r" % bad)
+        except ValueError:
+            pass
+        n_checks += 1
+
+    # Entropy (step 3a), hand cases.
+    A = np.array([[9.0, 1, 1, 1, 1], [9.0, 0, 0, 5, 0], [0.0, 0, 0, 0, 0]])
+    m, es = layer_entropy(A, 1, 5)
+    _check(abs(es[0] - 1.0) < 1e-15 and es[1] == 0.0 and es[2] == 1.0, "entropy uniform/one-hot/T=0 %r" % es)
+    _check(abs(m - 2.0 / 3.0) < 1e-15, "entropy mean")
+    m, es = layer_entropy(np.array([[1.0, 3.0, 1.0, 3.0]]), 0, 4)
+    want = -(2 * 0.125 * math.log(0.125) + 2 * 0.375 * math.log(0.375)) / math.log(4)
+    _check(abs(es[0] - want) < 1e-15, "entropy hand")
+    _check(layer_entropy(np.array([[5.0, 7.0]]), 1, 2)[1] == [1.0], "entropy c = 1")
+    n_checks += 4
+
+    for trial in range(12):
+        query = trial % 2 == 1
+        H = int(rng.integers(1, 4))
+        g = int(rng.choice([1, 4, 5]))
+        nh = int(rng.integers(0, 14))
+        n_anchor = int(rng.integers(0, min(nh, 4) + 1))
+        t = _hist_turn(rng, H, g, 8, int(rng.integers(6, 30)), int(rng.integers(1, 6)),
+                       dtype=str(rng.choice(FLOAT_DTYPES)), nh=nh, n_anchor=n_anchor, query=query,
+                       acc=rng.random() < 0.7, hscore=(not query) and rng.random() < 0.7,
+                       first=rng.random() < 0.5, anchors_low=rng.random() < 0.5)
+        k = int(rng.integers(1, 8))
+        # tau = 0: mean entropy is never below 0 -> h2o-layer, every layer.
+        ma = compress(t, "h2o-auto:k=%d,tau=0+obf" % k)
+        ml = compress(t, "h2o-layer:k=%d+obf" % k)
+        _check(_same_message(ma, ml) and ma.granularity == ["layer"] * t.L, "auto tau=0 == h2o-layer")
+        # hist at least the history candidates: the history passes whole.
+        for sel in ("h2o-head", "h2o-layer", "h2o-auto"):
+            big = compress(t, "%s:k=%d,hist=%d" % (sel, k, nh - n_anchor + int(rng.integers(0, 3))))
+            _check(_same_message(big, compress(t, "%s:k=%d" % (sel, k))), "hist >= candidates keeps all")
+        # acc (step 5): history = acc in + mass, anchors/kept = A[h], gen = mass.
+        m = compress(t, "full")
+        for l, lay in enumerate(m.layers):
+            hm, sc, gm = turn_masses(t, l)
+            Ah, _ = reduce_scores(hm, H)
+            A, _ = reduce_scores(sc, H)
+            Ag, _ = reduce_scores(gm, H)
+            ain = (t.arr("layer.%d.history.acc" % l).astype(np.float64) if t.has_history_acc
+                   else np.zeros((H, nh)))
+            want = np.concatenate([ain + Ah, A, Ag], axis=1)
+            _check(np.array_equal(lay.acc64, want) and lay.acc.dtype == np.float32
+                   and np.array_equal(lay.acc, want.astype(np.float32)), "acc of full")
+            if not query:
+                _check(np.all(lay.acc64[:, nh + t.n_prompt:] == 0), "acc of gen = 0 with prompt.score")
+                if not t.has_history_score:
+                    _check(np.array_equal(lay.acc64[:, :nh], ain), "acc of history = history.acc")
+            else:
+                # Every step's weights sum to 1 over the keys it sees, all kept by full.
+                tot = lay.acc64.sum(axis=1) - ain.sum(axis=1)
+                _check(np.allclose(tot, g * t.n_gen, rtol=1e-12), "acc of full sums to g * n_gen")
+            n_checks += 2
+        # anchor_pos: the history's chain anchors plus the first agent's own.
+        mg = compress(t, "gen:sinks=3")
+        s = min(3, t.n_prompt) if t.first_agent else 0
+        _check(mg.anchor_pos == t.history_anchors + [t.prompt_pos0 + j for j in range(s)], "anchor_pos")
+        n_checks += 5
+        # hist=K: anchors kept, K candidates by acc; h2o-head per head, h2o-layer the same ranks.
+        if nh - n_anchor >= 2:
+            K = int(rng.integers(0, nh - n_anchor))
+            for sel in ("h2o-head", "h2o-layer"):
+                mh = compress(t, "%s:k=%d,hist=%d" % (sel, k, K))
+                _check(mh.n_history == n_anchor + K, "hist=K keeps anchors + K")
+                for l, lay in enumerate(mh.layers):
+                    hp = t.arr("layer.%d.history.pos" % l)
+                    acc32 = lay.hist_acc64.astype(np.float32).astype(np.float64)
+                    ranks = []
+                    for h in range(H):
+                        anc, cand = lay.hist_split[h]
+                        kept = lay.hist_kept[h]
+                        _check(set(anc) <= set(kept) and kept == sorted(kept), "anchors kept, order kept")
+                        kc = [i for i in kept if i not in set(anc)]
+                        ranks.append([cand.index(i) for i in kc])
+                        if sel == "h2o-head":
+                            drop = [i for i in cand if i not in set(kc)]
+                            if kc and drop:
+                                _check(min(acc32[h, kc]) >= max(acc32[h, drop]), "head keeps the K largest acc")
+                        _check(np.array_equal(lay.pos[h, :mh.n_history], hp[h, kept]), "history positions")
+                        _check(np.array_equal(lay.acc64[h, :mh.n_history], lay.hist_acc64[h, kept]),
+                               "history acc travels")
+                    if sel == "h2o-layer":
+                        _check(all(r == ranks[0] for r in ranks), "h2o-layer keeps the same ranks")
+                    n_checks += 3
+        if t.n_gen and query:
+            _check(m.attention_error == 0.0, "full has attention_error 0")
+            n_checks += 1
+
+    # tau = 1 with concentrated scores (entropy well below 1): h2o-head.
+    for dt in FLOAT_DTYPES:
+        H, g, n = 3, 2, 30
+        sc = []
+        for _ in range(2):
+            x = rng.exponential(size=(H * g, n)) ** 4   # heavy-tailed, entropy ~ 0.5
+            sc.append(x)
+        t = _hist_turn(rng, H, g, 8, n, 3, dtype=dt, nh=6, n_anchor=2, acc=True, hscore=True,
+                       scores=sc, first=True)
+        ma = compress(t, "h2o-auto:k=5,tau=1,hist=2+obf:inject=attn")
+        mh = compress(t, "h2o-head:k=5,hist=2+obf:inject=attn")
+        _check(all(lay.mean_entropy < 0.9 for lay in ma.layers), "concentrated")
+        _check(_same_message(ma, mh) and ma.granularity == ["head"] * t.L, "auto tau=1 == h2o-head")
+        # A tau between two layers' entropies chooses per layer.
+        e0, e1 = ma.layers[0].mean_entropy, ma.layers[1].mean_entropy
+        if e0 != e1:
+            tau = (e0 + e1) / 2
+            mm = compress(t, "h2o-auto:k=5,tau=%r,hist=2" % tau)
+            want = ["head" if e < tau else "layer" for e in (e0, e1)]
+            _check(mm.granularity == want, "auto per layer")
+            for l in range(2):
+                other = compress(t, "h2o-%s:k=5,hist=2" % want[l])
+                _check(np.array_equal(mm.layers[l].pos, other.layers[l].pos)
+                       and mm.layers[l].acc.tobytes() == other.layers[l].acc.tobytes(), "auto layer = chosen")
+            n_checks += 3
+        n_checks += 2
+
+    # A chain: message 1 (gen.q) becomes turn 2's history (acc, anchor_pos);
+    # under full everywhere each head's total acc grows by g * n_gen each turn.
+    H, g, d = 2, 4, 8
+    t1 = _hist_turn(rng, H, g, d, 12, 3, query=True, first=True, nh=0)
+    m1 = compress(t1, "h2o-head:k=4")
+    layers, hist, hpos, hacc = [], [], [], []
+    for lay in m1.layers:
+        layers.append({"pk": rng.standard_normal((H, 9, d)), "pv": rng.standard_normal((H, 9, d)),
+                       "gk": rng.standard_normal((H, 4, d)), "gv": rng.standard_normal((H, 4, d)),
+                       "q": rng.standard_normal((H * g, 4, d))})
+        hist.append((to_f64(lay.k, "F32"), to_f64(lay.v, "F32")))
+        hpos.append(lay.pos)
+        hacc.append(lay.acc)
+    t2 = Turn(make_turn_tensors(layers, "F32", hist, hpos, history_acc=hacc),
+              {"first_agent": "false", "prompt_pos0": str(m1.next_pos + 5),
+               "history_anchors": format_id_list(m1.anchor_pos)})
+    m2 = compress(t2, "full")
+    _check(m1.anchor_pos == [t1.prompt_pos0 + j for j in range(4)] and m2.anchor_pos == m1.anchor_pos,
+           "anchor_pos travels")
+    for l in range(2):
+        hm, _, _ = turn_masses(t2, l)
+        Ah, _ = reduce_scores(hm, H)
+        _check(np.array_equal(m2.layers[l].acc64[:, :m1.n], m1.layers[l].acc.astype(np.float64) + Ah),
+               "chain: acc = acc of message 1 + mass of turn 2")
+        tot1 = m1.layers[l].acc.astype(np.float64).sum(axis=1)
+        tot2 = m2.layers[l].acc64.sum(axis=1)
+        _check(np.allclose(tot2 - tot1, g * 4, rtol=1e-12), "chain: total acc grows by g * n_gen")
+        n_checks += 2
+    # Budget on the chain: hist=1 keeps the 4 anchors and 1 more per head.
+    m3 = compress(t2, "h2o-head:k=2,hist=1")
+    _check(m3.n_history == 5 and all(set(m1.anchor_pos) <= set(m3.layers[l].pos[h, :5].tolist())
+                                     for l in range(2) for h in range(H)), "chain budget keeps anchors")
+    n_checks += 2
+
+    # Fidelity, a hand case: d = 1, one prompt key (dropped by gen:sinks=0)
+    # and one generated key; scale 1.  Step 0 sees prompt (z = 0, v = 3) and
+    # gen (z = ln 2, v = -1): o_full = (3 - 2) / 3 = 1/3, o_msg = -1 -> 4.
+    tens = make_turn_tensors([{"pk": np.zeros((1, 1, 1)), "pv": np.full((1, 1, 1), 3.0),
+                               "gk": np.full((1, 1, 1), math.log(2.0)), "gv": np.full((1, 1, 1), -1.0),
+                               "q": np.ones((1, 1, 1))}], "F32")
+    t = Turn(tens, {"softmax_scale": "1"})
+    mf = compress(t, "gen:sinks=0")
+    want_err = abs(-1.0 - 1.0 / 3.0) / (1.0 / 3.0)
+    _check(abs(mf.attention_error - want_err) < 1e-6 * 4, "fidelity hand case %r" % mf.attention_error)
+    _check(compress(t, "full").attention_error == 0.0, "fidelity full = 0")
+    # Two steps, mean over steps: step 1 sees prompt, gen 0 and gen 1.
+    tens = make_turn_tensors([{"pk": np.zeros((1, 1, 1)), "pv": np.full((1, 1, 1), 2.0),
+                               "gk": np.zeros((1, 2, 1)), "gv": np.array([[[0.0], [0.0]]]),
+                               "q": np.ones((1, 2, 1))}], "F32")
+    t = Turn(tens, {})
+    # step 0: full = (2 + 0) / 2 = 1, msg = 0 -> 1; step 1: full = 2/3, msg = 0 -> 1.
+    _check(abs(compress(t, "gen:sinks=0").attention_error - 1.0) < 1e-12, "fidelity mean of steps")
+    # Zero values everywhere: o_full = o_msg = 0 -> 0.
+    tens["layer.0.prompt.v"] = ("F32", np.zeros((1, 1, 1), np.float32))
+    t = Turn(tens, {})
+    _check(compress(t, "gen:sinks=0").attention_error == 0.0, "fidelity both zero")
+    n_checks += 4
+    # Random: attention_error >= 0, invariant to scaling the values by 2,
+    # and with window the same figure as without (every step counts).
+    for trial in range(6):
+        H, g = int(rng.integers(1, 3)), int(rng.choice([1, 4, 5]))
+        t = _hist_turn(rng, H, g, 8, 20, 4, query=True, nh=5, n_anchor=1, first=True)
+        e1 = compress(t, "h2o-head:k=3,hist=1").attention_error
+        e2 = compress(t, "h2o-head:k=3,hist=1,window=1").attention_error
+        _check(e1 > 0 and e2 > 0, "fidelity > 0 when tokens are dropped")
+        tens2 = dict(t.tensors)
+        for l in range(t.L):
+            for nm in ("history.v", "prompt.v", "gen.v"):
+                dtn, arr = tens2["layer.%d.%s" % (l, nm)]
+                tens2["layer.%d.%s" % (l, nm)] = (dtn, (arr.astype(np.float64) * 2).astype(np.float32))
+        e3 = compress(Turn(tens2, t.meta), "h2o-head:k=3,hist=1").attention_error
+        _check(abs(e3 - e1) <= 1e-12 * max(1.0, e1), "fidelity scale invariant")
+        mq = compress(t, "h2o-head:k=3,hist=1+int8")
+        _check(mq.attention_error != e1 and abs(mq.attention_error - e1) < 0.05, "fidelity with int8")
+        n_checks += 3
+
+    # Reader rules (reference side): history.score with gen.q, history_anchors.
+    t = _hist_turn(rng, 2, 1, 8, 10, 2, query=True, nh=4, n_anchor=1)
+    t.tensors["layer.0.history.score"] = ("F32", np.ones((2, 4), np.float32))
+    t.tensors["layer.1.history.score"] = ("F32", np.ones((2, 4), np.float32))
+    t = Turn(t.tensors, t.meta)
+    try:
+        compress(t, "full")
+        _check(False, "history.score with gen.q accepted")
+    except ValueError as e:
+        _check("history.score" in str(e), "history.score refusal names it")
+    t = _hist_turn(rng, 2, 1, 8, 10, 2, nh=4, n_anchor=2)
+    for bad in ("%d" % (t.prompt_pos0 - 1), "1,0", "0,0"):
+        meta = dict(t.meta)
+        meta["history_anchors"] = bad
+        try:
+            compress(Turn(t.tensors, meta), "full")
+            _check(False, "history_anchors=%r accepted" % bad)
+        except ValueError as e:
+            _check("history_anchors" in str(e), "history_anchors refusal names the key")
+    n_checks += 4
     return n_checks
 
 

@@ -91,6 +91,49 @@ smallest normal.  Then:
     n_gen = 0).
   * Quantized output is checked against kvrelayctl's own unquantized
     message, so it needs nothing new.
+
+Accumulated importance, hist=K, h2o-auto, fidelity (FORMAT.md steps 3a, 5,
+5a, 6 and "Fidelity"; classes HistorySeeds, HistoryBudget, AutoGranularity,
+Fidelity, Chains, and every other case's acc / anchor_pos / attention_error).
+Every message is `kvrelay.message.v2` with layer.{l}.acc F32 [H, n] and
+anchor_pos; granularity only under h2o-auto; attention_error only on gen.q
+turns.  --hist-seeds N sets the number of random history seeds (default
+seeds / 3).
+  * anchor_pos, granularity, n_history after hist=K, kept history positions
+    and their rows: exact (bit-identical rows).
+  * acc, prompt.score turns: every input is an exact float32 and kvrelay
+    rounds a float64 value once, so acc must be fl32 of the reference's
+    float64 value; 1 float32 ulp is allowed (a rounding boundary or another
+    float64 summation order).  Measured: every value exact.
+  * acc, gen.q turns: |cli - ref| <= query_eps * mass + ulp_f32 + QUERY_ABS,
+    mass = this agent's attention on the token (the received history.acc is
+    exact; the mass is a sum of weights each within query_eps relative).
+    Measured: at most 0.46 of that tolerance.
+  * History ranking (step 5a): prompt.score turns must keep exactly the
+    reference's set, or the one a float64 (unrounded) reading of acc keeps;
+    gen.q turns may keep any set that keys within the acc tolerance would
+    keep (plausible_hist_choice), exact ties (no mass) going to the earlier
+    token.  A followed set is composed by the reference and compared as usual.
+  * Granularity (step 3a): a layer whose mean entropy is within
+    1e-9 relative of tau (gen.q turns: + 4 query_eps (1 + 1 / ln c), see
+    gran_band()) may go either way; kvrelayctl's choice is then followed.
+  * attention_error: the reference evaluates FORMAT.md's definition in
+    float64 on the keys and values kvrelayctl wrote (dense output, or the
+    --decode output of a quantized policy: the codes decoded into the turn's
+    dtype, which is what the recipient holds), so only the figure's own
+    arithmetic is compared:
+        |cli - ref| <= 1e-4 * ref + F + (unit of the last printed digit) / 2
+    F = mean over layers, score heads and steps of
+        eps_l ((1 + e_t) sum_i w_i ||v_i|| (full) + sum_i w_i ||v_i|| (msg)) / ||o_full||,
+    eps_l = 2^-24 (sqrt(d) B_l + sqrt(M) + 8) (fidelity_eps()): the first-
+    order change of a step's error when the float32 weights and output sums
+    are eps_l off.  A float32 emulation (numpy float32 dots, exps, sums)
+    stayed within 1e-6 relative and 0.0033 F of the float64 figure;
+    kvrelayctl within 0.0017 of the tolerance.
+  * Determinism: FORMAT.md fixes how every number is computed and nothing
+    there depends on threads or memory layout, so the same turn and policy
+    must give a bit-identical message for --threads 1, 2, 4, 8 and turn
+    files under paths of other lengths (class Determinism).
 """
 
 import math
@@ -181,14 +224,25 @@ def heavy_scores(rng, S, n, zeros=False):
 
 def build_case(name, rng, L, H, g, d, n_prompt, n_gen, dtype, n_hist=None,
                first_agent=None, prompt_pos0=None, scores=None, values=None,
-               zeros=False, query=None, softmax_scale=None, queries=None, keys=None):
+               zeros=False, query=None, softmax_scale=None, queries=None, keys=None,
+               hist_anchors=None, hist_acc=None, hist_score=None):
     """n_hist None: no history tensors.  first_agent None: metadata key absent
     (default true).  prompt_pos0 None: key absent (default n_history).
 
     query: None (the turn carries prompt.score) or (q_dtype, qmul): the turn
     carries gen.q in q_dtype instead, random queries with the keys' channel
     scales times qmul (or `queries[l]` when given).  softmax_scale: None (key
-    absent) or the metadata string.  keys: optional per-layer prompt keys."""
+    absent) or the metadata string.  keys: optional per-layer prompt keys.
+
+    History extras (FORMAT.md steps 5 / 5a), drawn after everything else so
+    that cases without them draw what they drew before:
+      hist_anchors: None, or a list of position ids (below max(prompt_pos0,
+        n_hist)) that every head's history holds once, written as the
+        history_anchors metadata; the other ids of each head stay random.
+      hist_acc: None, "random" (exponential masses, some exactly 0), "ties"
+        (small integers: many exact ties) or a per-layer list -> history.acc.
+      hist_score: None, True (heavy-tailed, like prompt.score) or a per-layer
+        list -> history.score (prompt.score turns only)."""
     layers, hist, hpos = [], [], []
     nh = n_hist or 0
     p0 = prompt_pos0 if prompt_pos0 is not None else nh
@@ -217,10 +271,36 @@ def build_case(name, rng, L, H, g, d, n_prompt, n_gen, dtype, n_hist=None,
                 hi = max(p0, nh)
                 ph[h] = np.sort(rng.choice(hi, size=nh, replace=False)) if nh else []
             hpos.append(ph)
+    hacc = hsc = None
+    if n_hist is not None and hist_anchors is not None:
+        anchors = sorted(int(x) for x in hist_anchors)
+        hi = max(p0, nh)
+        others = np.array([x for x in range(hi) if x not in set(anchors)], dtype=np.int64)
+        for l in range(L):
+            for h in range(H):
+                hpos[l][h] = np.sort(np.concatenate([anchors, rng.choice(others, nh - len(anchors),
+                                                                          replace=False)]))
+    if n_hist is not None and hist_acc is not None:
+        if isinstance(hist_acc, str):
+            hacc = []
+            for l in range(L):
+                if hist_acc == "ties":
+                    a = rng.integers(0, 4, (H, nh)).astype(np.float64)
+                else:
+                    a = rng.exponential(size=(H, nh)) * rng.uniform(0.5, 5.0)
+                    a[rng.random((H, nh)) < 0.1] = 0.0
+                hacc.append(a.astype(np.float32))
+        else:
+            hacc = hist_acc
+    if n_hist is not None and hist_score is not None:
+        hsc = [heavy_scores(rng, H * g, nh) for _ in range(L)] if hist_score is True else hist_score
     tensors = ref.make_turn_tensors(layers, dtype, hist if n_hist is not None else None,
                                     hpos if n_hist is not None else None,
-                                    q_dtype=None if query is None else query[0])
+                                    q_dtype=None if query is None else query[0],
+                                    history_acc=hacc, history_score=hsc)
     meta = {}
+    if n_hist is not None and hist_anchors is not None:
+        meta["history_anchors"] = ref.format_id_list(sorted(hist_anchors))
     if first_agent is not None:
         meta["first_agent"] = "true" if first_agent else "false"
     if prompt_pos0 is not None:
@@ -371,10 +451,11 @@ def random_policies(rng, wrng=None, n_gen=0):
 # running the CLI
 # ---------------------------------------------------------------------------
 
-def run_cli(case, spec, out_path, decode=False):
+def run_cli(case, spec, out_path, decode=False, extra=()):
     cmd = [KVRELAYCTL, "compress", "--policy", spec, "--in", case.path, "--out", out_path]
     if decode:
         cmd.append("--decode")
+    cmd += list(extra)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
     return p.returncode, (p.stdout + p.stderr).decode("utf-8", "replace").strip()
 
@@ -404,7 +485,7 @@ def check_meta(errs, ctx, case, refm, meta, pol, quant_packed, decoded=False):
         if str(meta[key]) != str(val):
             errs.append("%s metadata %s=%r, reference %r" % (ctx, key, meta[key], str(val)))
 
-    want("format", "kvrelay.message.v1")
+    want("format", "kvrelay.message.v2")
     if not meta.get("policy"):
         errs.append("%s metadata 'policy' missing or empty" % ctx)
     else:
@@ -416,12 +497,31 @@ def check_meta(errs, ctx, case, refm, meta, pol, quant_packed, decoded=False):
                             "(%r vs %r)" % (ctx, meta["policy"], canon, mine))
         except Exception as e:  # noqa: BLE001
             errs.append("%s metadata policy=%r is not a parsable spec: %s" % (ctx, meta["policy"], e))
-        if pol["selector"].get("window") is not None:
-            want_sel = ref.canonical_selector(pol["selector"])
+        selp = pol["selector"]
+        if (selp.get("window") is not None or selp.get("hist") is not None
+                or selp["name"] == "h2o-auto"):
+            want_sel = ref.canonical_selector(selp)
             got_sel = meta["policy"].split("+")[0]
+            if selp["name"] == "h2o-auto" and got_sel != want_sel:
+                # "The shortest decimal form that reads back as the same
+                # float64": the reference writes it without an exponent
+                # (0.0001); a form with one (1e-04) that is no longer and
+                # reads back the same is accepted too.
+                want_tau = "tau=" + ref.shortest_decimal(selp["tau"])
+                for item in got_sel.split(":", 1)[-1].split(","):
+                    if item.startswith("tau="):
+                        try:
+                            same = (float(item[4:]) == selp["tau"] and len(item) <= len(want_tau)
+                                    and "_" not in item)
+                        except ValueError:
+                            same = False
+                        if same:
+                            got_sel = got_sel.replace(item, want_tau, 1)
+                        break
             if got_sel != want_sel:
-                errs.append("%s metadata policy=%r: selector stage %r, canonical form %r (window= listed "
-                            "when given, after pool)" % (ctx, meta["policy"], got_sel, want_sel))
+                errs.append("%s metadata policy=%r: selector stage %r, canonical form %r (k, sinks, "
+                            "recent, tau (h2o-auto, always, shortest decimal), pool (not 1), window "
+                            "(given), hist (given))" % (ctx, meta["policy"], got_sel, want_sel))
     if meta.get("dtype", "").upper() != turn.dtype:
         errs.append("%s metadata dtype=%r, turn dtype %s" % (ctx, meta.get("dtype"), turn.dtype))
     want("n_history", refm.n_history)
@@ -442,6 +542,35 @@ def check_meta(errs, ctx, case, refm, meta, pol, quant_packed, decoded=False):
     else:
         want("n_anchor", refm.n_anchor)
         want("n_kept", refm.n_kept)
+    # anchor_pos (FORMAT.md step 6): the history's chain anchors plus, for
+    # the first agent, its own anchors (under `full`, those of the n_anchor
+    # split kvrelayctl reports).
+    n_own = refm.n_anchor
+    if pol["selector"]["name"] == "full":
+        try:
+            n_own = int(meta.get("n_anchor"))
+        except (TypeError, ValueError):
+            pass
+    want("anchor_pos", ref.format_id_list(list(turn.history_anchors)
+                                          + [turn.prompt_pos0 + j for j in range(n_own)]))
+    if pol["selector"]["name"] == "h2o-auto":
+        want("granularity", ",".join(refm.granularity))
+        for gr in refm.granularity:
+            STATS["gran_" + gr] += 1
+    elif "granularity" in meta:
+        errs.append("%s metadata granularity=%r on a policy other than h2o-auto" % (ctx, meta["granularity"]))
+    if turn.has_query:
+        ae = meta.get("attention_error")
+        try:
+            ok = ae is not None and math.isfinite(float(ae)) and float(ae) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            errs.append("%s metadata attention_error=%r: want a decimal number >= 0 on a gen.q turn"
+                        % (ctx, ae))
+    elif "attention_error" in meta:
+        errs.append("%s metadata attention_error=%r on a prompt.score turn (no figure there)"
+                    % (ctx, meta["attention_error"]))
     want("full_bytes", refm.full_bytes)
     if decoded:
         dense = turn.L * ref.dense_layer_bytes(turn.H, refm.n, turn.d, turn.dtype)
@@ -476,6 +605,7 @@ def check_names(errs, ctx, case, refm, tensors, packed, pol):
     want = {}
     for l in range(turn.L):
         want["layer.%d.pos" % l] = ("I32", (H, n))
+        want["layer.%d.acc" % l] = ("F32", (H, n))
         if packed:
             q = pol["quant"]
             ng = -(-n // q["group"]) if n else 0
@@ -514,6 +644,117 @@ def check_pos(errs, ctx, refm, tensors, l):
                         "cli=%d ref=%d\n      cli=%s\n      ref=%s"
                         % (ctx, l, h, l, len(bad), bad[0], lay.part[bad[0]], got[h, bad[0]],
                            lay.pos[h, bad[0]], got[h].tolist(), lay.pos[h].tolist()))
+
+
+def check_acc(errs, ctx, case, refm, tensors, l):
+    """layer.{l}.acc (FORMAT.md step 5) against the reference's float64 acc.
+
+    prompt.score turns: every input is an exact float32 (history.acc,
+    history.score, prompt.score) and the float64 sums are exact to ~1e-16,
+    so kvrelay's value must be the float32 rounding of the reference's; one
+    float32 ulp is allowed (a rounding boundary, or another float64 summation
+    order):  |cli - fl32(ref)| <= ulp_f32(fl32(ref)).
+    gen.q turns: the mass part (this agent's attention on the token) carries
+    the relative precision query_eps() of the scores (each weight is within
+    it, and the masses are sums of weights); the received part (history.acc)
+    is exact:  |cli - ref| <= query_eps * mass + ulp_f32(ref) + QUERY_ABS."""
+    lay = refm.layers[l]
+    got = tensors["layer.%d.acc" % l][1].astype(np.float64)
+    want32 = lay.acc.astype(np.float64)
+    if case.turn.has_query:
+        eps = query_eps(case, l)
+        tol = eps * np.abs(lay.acc_mass64) + ref.ulp(lay.acc64, "F32") + QUERY_ABS
+        diff = np.abs(got - lay.acc64)
+        what = "query_eps %.2g * mass + 1 ulp" % eps
+    else:
+        tol = ref.ulp(want32, "F32")
+        diff = np.abs(got - want32)
+        what = "1 float32 ulp of fl32(ref)"
+    bad = ~(diff <= tol)   # NaN counts as bad
+    if got.size:
+        key = "acc_query" if case.turn.has_query else "acc_score"
+        STATS[key + "_values"] += got.size
+        if case.turn.has_query:
+            STATS["acc_query_worst"] = max(STATS["acc_query_worst"], float(np.max(diff / tol)))
+        else:
+            STATS["acc_score_ulp"] += int(np.count_nonzero(diff > 0))
+    for h in range(got.shape[0]):
+        if bad[h].any():
+            idx = np.nonzero(bad[h])[0]
+            lines = ["      %s: cli=%.9g ref=%.12g (fl32 %.9g, mass %.9g) |diff|=%.3g tol=%.3g"
+                     % (row_label(lay, h, t), got[h, t], lay.acc64[h, t], want32[h, t], lay.acc_mass64[h, t],
+                        diff[h, t], tol[h, t]) for t in idx[:MAX_REPORT]]
+            errs.append("%s layer %d head %d tensor layer.%d.acc: %d values beyond %s\n%s"
+                        % (ctx, l, h, l, len(idx), what, "\n".join(lines)))
+
+
+def decimal_quantum(text):
+    """The unit of the last digit of a decimal string ('0.0123' -> 1e-4,
+    '1.5e-03' -> 1e-4, '2' -> 1)."""
+    t = str(text).strip().lower()
+    mant, _, ex = t.partition("e")
+    digits = len(mant.split(".", 1)[1]) if "." in mant else 0
+    return 10.0 ** ((int(ex) if ex else 0) - digits)
+
+
+def fidelity_eps(case, l):
+    """Relative precision assumed of kvrelay's float32 attention weights and
+    outputs in layer l (FORMAT.md "Fidelity": dot products, weights and
+    outputs in float32): 2^-24 * (sqrt(d) * B_l + sqrt(M) + 8), with B_l the
+    logit bound of query_eps() (a float32 logit is off by about sqrt(d) *
+    2^-24 * B_l, and a weight by that relative), M = n_history + n_prompt +
+    n_gen the most keys a step sees (the output's float32 sum of M terms;
+    sqrt(M): rounding errors of a random walk) and 8 for the exponentials
+    and the normalization."""
+    turn = case.turn
+    M = turn.n_history + turn.n_prompt + turn.n_gen
+    return 2.0 ** -24 * (math.sqrt(turn.d) * logit_bound(turn, l) + math.sqrt(M) + 8.0)
+
+
+def check_attention_error(errs, ctx, case, kv, metas, window):
+    """metadata attention_error (FORMAT.md "Fidelity") against the float64
+    figure of the message kvrelayctl wrote (kv: per layer float64 (K, V) as
+    the recipient holds them: the dense tensors, or the --decode ones).
+
+    Tolerance: |cli - ref| <= 1e-4 * ref + F + q/2, q the unit of the last
+    digit printed, and
+        F = mean over layers, score heads and steps of
+            eps_l * ((1 + e_t) * sum_i w_i ||v_i|| (full) + sum_i w_i ||v_i|| (msg)) / ||o_full||
+    with eps_l = fidelity_eps(): a relative error eps of the float32 weights
+    and output sums moves each output by at most eps * sum_i w_i ||v_i||, and
+    e = ||o_msg - o_full|| / ||o_full|| by at most (||d_msg|| + (1 + e)
+    ||d_full||) / ||o_full|| (first order); the mean of the steps' errors moves
+    by at most the mean of these.  1e-4 relative is a margin for float32
+    implementations (vectorized exp, blocked sums) beyond that model: a
+    float32 emulation of the figure (numpy float32 dot products, exp, sums)
+    stayed within 1e-6 relative and 0.003 F of the float64 figure on the
+    random cases of the tests."""
+    info = ref.attention_error(case.turn, kv, window)
+    want = info["figure"]
+    F = 0.0
+    if case.turn.n_gen:
+        for l in range(case.turn.L):
+            nf = info["nfull"][l]
+            term = ((1.0 + info["steps"][l]) * info["sfull"][l] + info["smsg"][l]) / np.where(nf > 0, nf, np.inf)
+            F += fidelity_eps(case, l) * float(np.mean(term))
+        F /= case.turn.L
+    for label, meta in metas:
+        text = meta.get("attention_error")
+        if text is None:
+            continue  # check_meta reports it
+        try:
+            got = float(text)
+        except ValueError:
+            continue
+        tol = 1e-4 * want + F + decimal_quantum(text) / 2
+        STATS["fidelity_checked"] += 1
+        ratio = abs(got - want) / tol if tol > 0 else (0.0 if got == want else np.inf)
+        STATS["fidelity_worst"] = max(STATS["fidelity_worst"], ratio)
+        if not abs(got - want) <= tol:
+            errs.append("%s%s metadata attention_error=%s, reference %.9g (|diff| %.3g > tol %.3g = 1e-4 ref "
+                        "+ F %.3g + last digit/2; layers %s)"
+                        % (ctx, label, text, want, abs(got - want), tol, F,
+                           ", ".join("%.6g" % x for x in info["layers"])))
 
 
 def check_bitexact(errs, ctx, name, l, h, got, want, lay, dtype, rows=None):
@@ -648,9 +889,14 @@ def compare_dense(case, refm, tensors, meta, pol, ctx):
         return errs
     turn = case.turn
     obf = pol["obf"]
+    if turn.has_query:
+        kv = [(ref.to_f64(tensors["layer.%d.k" % l][1], turn.dtype),
+               ref.to_f64(tensors["layer.%d.v" % l][1], turn.dtype)) for l in range(turn.L)]
+        check_attention_error(errs, ctx, case, kv, [("", meta)], pol["selector"].get("window"))
     for l in range(turn.L):
         lay = refm.layers[l]
         check_pos(errs, ctx, refm, tensors, l)
+        check_acc(errs, ctx, case, refm, tensors, l)
         k = tensors["layer.%d.k" % l][1]
         v = tensors["layer.%d.v" % l][1]
         for h in range(turn.H):
@@ -693,6 +939,7 @@ def compare_packed(case, refm, tensors, meta, pol, ctx, xk_all, xv_all):
     for l in range(turn.L):
         lay = refm.layers[l]
         check_pos(errs, ctx, refm, tensors, l)
+        check_acc(errs, ctx, case, refm, tensors, l)
         t = lambda nm: tensors["layer.%d.%s" % (l, nm)][1]  # noqa: E731
         ck = ref.unpack_codes(t("k.codes"), bits, d)
         cv = ref.unpack_codes(t("v.codes"), bits, d)
@@ -797,6 +1044,7 @@ def compare_decoded(case, refm, tensors, meta, pol, ctx, decoded):
     for l in range(turn.L):
         lay = refm.layers[l]
         check_pos(errs, ctx, refm, tensors, l)
+        check_acc(errs, ctx, case, refm, tensors, l)
         yk, yv, ks, kz, vs, vz = decoded[l]
         n = yk.shape[1]
         zk = np.abs(ref.expand_k_stat(kz, n, pol["quant"]["group"]))
@@ -818,7 +1066,10 @@ def compare_decoded(case, refm, tensors, meta, pol, ctx, decoded):
     return errs
 
 
-STATS = {"cli_runs": 0, "policies": 0, "query_policies": 0, "ambiguous_followed": 0}
+STATS = {"cli_runs": 0, "policies": 0, "query_policies": 0, "ambiguous_followed": 0,
+         "hist_policies": 0, "auto_policies": 0, "hist_ambiguous_followed": 0, "gran_ambiguous_followed": 0,
+         "fidelity_checked": 0, "fidelity_worst": 0.0, "acc_query_values": 0, "acc_query_worst": 0.0,
+         "acc_score_values": 0, "acc_score_ulp": 0, "gran_head": 0, "gran_layer": 0}
 
 
 def topk_ambiguity(a, s, n, sel, eps):
@@ -856,30 +1107,173 @@ def plausible_choice(P, s, e, n, k, chosen, eps):
     return lo_in >= hi_out
 
 
-def follow_ambiguous_selection(case, pol, refm, tensors, ctx):
-    """Scores from gen.q: kvrelay computes them in float32 (FORMAT.md step 0),
-    so where the reference's top-k is ambiguous at that precision (the k-th
-    and (k+1)-th largest selection scores differ by less than query_eps()
-    relative) kvrelay may keep another, equally valid set.  Where it did, and
-    its set is a plausible top-k of scores within query_eps() of ours, the
-    reference is recomputed with kvrelay's set for that head (h2o-head) or
-    layer (h2o-layer): its rows are then still compared bit-exactly (OBF within
-    tolerance) against the reference's composition of that set.  Any other
-    difference is left for the comparisons to report."""
+def gran_band(case, l, lay, tau, s):
+    """Half-width of the band around tau where h2o-auto's choice of layer l is
+    ambiguous (FORMAT.md step 3a).  prompt.score turns: 1e-9 relative (the
+    float64 entropy's rounding, and a log() other than ours).  gen.q turns:
+    with every A[h][j] within eps = query_eps() relative, every p_j moves by
+    at most 2 eps relative, e_h = -sum p ln p / ln c by at most
+    2 eps (sum_j p_j |ln p_j + 1|) / ln c <= 2 eps (e_h + 1 / ln c); we use
+    4 eps (1 + 1 / ln c), c >= 2 (c < 2 gives e_h = 1 exactly)."""
+    band = 1e-9 * max(abs(tau), abs(lay.mean_entropy)) + 1e-15
+    c = case.turn.n_prompt - s
+    if case.turn.has_query and c >= 2:
+        band += 4.0 * query_eps(case, l) * (1.0 + 1.0 / math.log(c))
+    return band
+
+
+def hist_key_slack(case, l, lay):
+    """[H, c] uncertainty of the history ranking keys (FORMAT.md step 5a) on
+    a gen.q turn: a candidate's acc is history.acc (exact) plus a mass
+    within query_eps() relative, then rounded to float32 (2 float32 ulps
+    cover the rounding of ours and of kvrelay's); h2o-layer keys add the
+    heads' slacks.  Candidates with no mass (n_gen = 0) are exact, so their
+    ties are true ties (the earlier token)."""
+    eps = query_eps(case, l)
+    H = case.turn.H
+    c = lay.hist_keys.shape[1]
+    u = np.zeros((H, c))
+    for h in range(H):
+        cand = lay.hist_split[h][1]
+        m = lay.hist_mass64[h, cand]
+        u[h] = np.where(m > 0, eps * m + 2 * ref.ulp(lay.hist_acc64[h, cand], "F32") + QUERY_ABS, 0.0)
+    if lay.gran == "layer":
+        u = np.tile(u.sum(axis=0), (H, 1))
+    return u
+
+
+def plausible_hist_choice(keys, slack, split, K, chosen, same_ranks):
+    """Is `chosen` (per head, kept history indices) the anchors plus the K
+    candidates that step 5a keeps for some keys within `slack` of ours
+    (ties to the earlier token)?  Taking every kept key at its top and every
+    dropped one at its bottom satisfies all pairs at once if any keys do, so
+    each kept r and dropped r' must have k_r + u_r > k_r' - u_r', or equal
+    with r < r'.  same_ranks: h2o-layer (the same ranks in every head)."""
+    ranks_all = []
+    for h, (anc, cand) in enumerate(split):
+        ch = list(chosen[h])
+        if ch != sorted(set(ch)) or not set(anc) <= set(ch):
+            return False
+        kc = [i for i in ch if i not in set(anc)]
+        if len(kc) != K or any(i not in set(cand) for i in kc):
+            return False
+        ranks = [cand.index(i) for i in kc]
+        ranks_all.append(ranks)
+        out = [r for r in range(len(cand)) if r not in set(ranks)]
+        for r in ranks:
+            hi = keys[h, r] + slack[h, r]
+            for r2 in out:
+                lo = keys[h, r2] - slack[h, r2]
+                if hi < lo or (hi == lo and r > r2):
+                    return False
+    return not same_ranks or all(r == ranks_all[0] for r in ranks_all)
+
+
+def follow_ambiguous_selection(case, pol, refm, tensors, ctx, meta=None):
+    """Where the reference's choice is ambiguous at kvrelay's precision, follow
+    kvrelayctl's (any other difference is left for the comparisons):
+
+    * h2o-auto granularity (step 3a): a layer whose mean entropy lies within
+      gran_band() of tau may be chosen either way; kvrelayctl's choice
+      (metadata granularity) is followed.
+    * Prompt top-k (gen.q turns only): kvrelay computes the scores in float32
+      (FORMAT.md step 0), so where the reference's top-k is ambiguous at that
+      precision (the k-th and (k+1)-th largest selection scores differ by
+      less than query_eps() relative) kvrelay may keep another, equally valid
+      set.  Where it did, and its set is a plausible top-k of scores within
+      query_eps() of ours, the reference is recomputed with kvrelayctl's set
+      for that head (h2o-head) or layer (h2o-layer).
+    * History budget (hist=K, step 5a).  prompt.score turns: every input is
+      exact, so the only freedom is whether the ranking reads the float32 acc
+      (the reference) or the float64 value before rounding (FORMAT.md says
+      "ranked by their acc after step 5"); kvrelayctl's set is followed when
+      it is the float64 reading's.  gen.q turns: a set that some keys within
+      hist_key_slack() of ours would keep is followed (plausible_hist_choice;
+      exact ties among candidates without mass still go to the earlier
+      token).  Per head (head granularity) or layer.
+    The recomputed reference's rows are still compared bit-exactly (OBF
+    within tolerance) against its composition of the followed sets."""
     turn = case.turn
     sel = pol["selector"]
-    if not turn.has_query or not sel["name"].startswith("h2o-"):
+    if not sel["name"].startswith("h2o-"):
         return refm
-    H, nh, s, nk, n = turn.H, refm.n_history, refm.n_anchor, refm.n_kept, turn.n_prompt
+    H, L = turn.H, turn.L
+    gran_override = {}
+    if sel["name"] == "h2o-auto" and meta is not None:
+        cli_gran = str(meta.get("granularity", "")).split(",")
+        if len(cli_gran) == L:
+            for l, lay in enumerate(refm.layers):
+                if cli_gran[l] != lay.gran and cli_gran[l] in ("head", "layer"):
+                    band = gran_band(case, l, lay, sel["tau"], refm.n_anchor)
+                    if abs(lay.mean_entropy - sel["tau"]) <= band:
+                        gran_override[l] = cli_gran[l]
+                        STATS["gran_ambiguous_followed"] += 1
+                        msg = ("%s layer %d: mean entropy %.12g within %.2g of tau=%r; following "
+                               "kvrelayctl's granularity %s" % (ctx, l, lay.mean_entropy, band, sel["tau"],
+                                                               cli_gran[l]))
+                        if VERBOSE:
+                            print("note:", msg, file=sys.stderr)
+                        note("h2o-auto: some layers with entropy at tau followed kvrelayctl's choice "
+                             "(details with -v)")
+        if gran_override:
+            refm = ref.compress(turn, pol, gran_override=gran_override, with_error=False)
+    nh, s, nk, n = refm.n_history, refm.n_anchor, refm.n_kept, turn.n_prompt
     override = {}
+    hist_override = {}
     for l, lay in enumerate(refm.layers):
         got = tensors.get("layer.%d.pos" % l)
         if got is None or got[1].shape != (H, refm.n):
             return refm  # check_names reports it
+        # History budget.
+        K = sel.get("hist")
+        if K is not None and lay.hist_keys is not None:
+            hpos = turn.arr("layer.%d.history.pos" % l)
+            cli_h = []
+            for h in range(H):
+                where = {int(p): i for i, p in enumerate(hpos[h])}
+                if len(where) != hpos.shape[1]:
+                    cli_h = None  # repeated ids: not followed
+                    break
+                cli_h.append([where.get(int(p), -1) for p in got[1][h, :nh]])
+            if cli_h is not None and any(cli_h[h] != lay.hist_kept[h] for h in range(H)):
+                units = [[h] for h in range(H)] if lay.gran == "head" else [list(range(H))]
+                new = [list(x) for x in lay.hist_kept]
+                if turn.has_query:
+                    slack = hist_key_slack(case, l, lay)
+                    eps = query_eps(case, l)
+                else:
+                    alt = ref.history_budget(lay.hist_keys64, lay.hist_split, K)
+                    eps = 0.0
+                for heads in units:
+                    if all(cli_h[h] == lay.hist_kept[h] for h in heads):
+                        continue
+                    if turn.has_query:
+                        sub_split = [lay.hist_split[h] for h in heads]
+                        if not plausible_hist_choice(lay.hist_keys[heads], slack[heads], sub_split, K,
+                                                     [cli_h[h] for h in heads], lay.gran == "layer"):
+                            continue
+                    elif any(cli_h[h] != alt[h] for h in heads):
+                        continue
+                    for h in heads:
+                        new[h] = cli_h[h]
+                    hist_override[l] = new
+                    STATS["hist_ambiguous_followed"] += 1
+                    msg = ("%s layer %d %s: history ranking ambiguous (query_eps %.2g, or float32 vs float64 "
+                           "acc); following "
+                           "kvrelayctl's kept history %s (reference %s)"
+                           % (ctx, l, "layer" if lay.gran == "layer" else "head %d" % heads[0], eps,
+                              [cli_h[h] for h in heads], [lay.hist_kept[h] for h in heads]))
+                    if VERBOSE:
+                        print("note:", msg, file=sys.stderr)
+                    note("hist=K: some ambiguous history rankings followed kvrelayctl's choice "
+                         "(details with -v)")
+        # Prompt top-k (gen.q turns).
+        if not turn.has_query:
+            continue
         cli = [[int(x) - turn.prompt_pos0 for x in got[1][h, nh + s:nh + s + nk]] for h in range(H)]
         if all(cli[h] == lay.kept[h] for h in range(H)):
             continue
-        units = [(h, lay.A[h], [h]) for h in range(H)] if sel["name"] == "h2o-head" \
+        units = [(h, lay.A[h], [h]) for h in range(H)] if lay.gran == "head" \
             else [(None, lay.A_layer, list(range(H)))]
         new = [list(x) for x in lay.kept]
         for who, a, heads in units:
@@ -908,9 +1302,10 @@ def follow_ambiguous_selection(case, pol, refm, tensors, ctx):
                 print("note:", msg, file=sys.stderr)
             note("gen.q turns: some ambiguous top-k selections followed kvrelayctl's choice "
                  "(details with -v)")
-    if not override:
+    if not override and not hist_override:
         return refm
-    return ref.compress(turn, pol, kept_override=override)
+    return ref.compress(turn, pol, kept_override=override, hist_override=hist_override,
+                        gran_override=gran_override, with_error=False)
 
 
 def run_and_read(case, spec, out, ctx, decode=False):
@@ -929,13 +1324,17 @@ def check_policy(case, spec, tmpdir):
     STATS["policies"] += 1
     if case.turn.has_query:
         STATS["query_policies"] += 1
+    if pol["selector"].get("hist") is not None:
+        STATS["hist_policies"] += 1
+    if pol["selector"]["name"] == "h2o-auto":
+        STATS["auto_policies"] += 1
     out = os.path.join(tmpdir, "msg.safetensors")
     if pol["quant"] is None:
-        refm = ref.compress(case.turn, pol)
+        refm = ref.compress(case.turn, pol, with_error=False)
         got, errs = run_and_read(case, spec, out, ctx)
         if got is None:
             return errs
-        refm = follow_ambiguous_selection(case, pol, refm, got[0], ctx)
+        refm = follow_ambiguous_selection(case, pol, refm, got[0], ctx, got[1])
         return compare_dense(case, refm, got[0], got[1], pol, ctx)
     # Quantized: unquantized run (x), packed run, --decode run.
     base = split_spec(spec)
@@ -945,11 +1344,12 @@ def check_policy(case, spec, tmpdir):
     bt, _ = ref.read_safetensors(out)
     xk = [ref.to_f64(bt["layer.%d.k" % l][1], case.turn.dtype) for l in range(case.turn.L)]
     xv = [ref.to_f64(bt["layer.%d.v" % l][1], case.turn.dtype) for l in range(case.turn.L)]
-    refm = ref.compress(case.turn, pol)
+    refm = ref.compress(case.turn, pol, with_error=False)
     got, errs = run_and_read(case, spec, out, ctx)
     if got is None:
         return errs
-    refm = follow_ambiguous_selection(case, pol, refm, got[0], ctx)
+    refm = follow_ambiguous_selection(case, pol, refm, got[0], ctx, got[1])
+    packed_meta = got[1]
     errs, decoded = compare_packed(case, refm, got[0], got[1], pol, ctx, xk, xv)
     if decoded is None:
         return errs
@@ -957,6 +1357,14 @@ def check_policy(case, spec, tmpdir):
     if got is None:
         return errs + run_errs
     errs += compare_decoded(case, refm, got[0], got[1], pol, ctx + " --decode", decoded)
+    if case.turn.has_query and all(("layer.%d.%s" % (l, x)) in got[0] for l in range(case.turn.L)
+                                   for x in ("k", "v")):
+        # The recipient's keys and values: the codes decoded into the turn's
+        # dtype, i.e. what --decode writes (itself checked against the codes).
+        kv = [(ref.to_f64(got[0]["layer.%d.k" % l][1], case.turn.dtype),
+               ref.to_f64(got[0]["layer.%d.v" % l][1], case.turn.dtype)) for l in range(case.turn.L)]
+        check_attention_error(errs, ctx, case, kv, [(" (packed)", packed_meta), (" --decode", got[1])],
+                              pol["selector"].get("window"))
     return errs
 
 
@@ -1324,6 +1732,420 @@ class QueryScoreCases(CliTestCase):
         self.assert_no_errors(self.run_case(c, ["h2o-head:k=5+obf", "h2o-layer:k=5,pool=3"]))
 
 
+# ---------------------------------------------------------------------------
+# accumulated importance, hist=K, h2o-auto, fidelity (FORMAT.md steps 3a, 5,
+# 5a, 6 and "Fidelity")
+# ---------------------------------------------------------------------------
+
+N_HIST_SEEDS = int(_pop_arg("--hist-seeds", "0")) or max(4, N_SEEDS // 3)
+
+
+def layer_entropies(case, spec):
+    """The reference's mean entropy of every layer (step 3a) under `spec`."""
+    return [lay.mean_entropy for lay in ref.compress(case.turn, spec, with_error=False).layers]
+
+
+def pick_tau(rng, ents):
+    """A tau that splits the layers' mean entropies where it can (a short
+    decimal between two of them), else one near them; now and then 0 or 1."""
+    r = rng.random()
+    if r < 0.1:
+        return "0"
+    if r < 0.2:
+        return "1"
+    srt = sorted(ents)
+    if len(srt) >= 2 and srt[-1] - srt[0] > 2e-3 and rng.random() < 0.7:
+        i = int(rng.integers(0, len(srt) - 1))
+        lo, hi = srt[i], srt[i + 1]
+        if hi - lo > 2e-3:
+            return ref.shortest_decimal(round(float(rng.uniform(lo + 5e-4, hi - 5e-4)), 3))
+    x = float(np.clip(srt[int(rng.integers(0, len(srt)))] + rng.uniform(-0.05, 0.05), 0.0, 1.0))
+    return ref.shortest_decimal(round(x, 3))
+
+
+def random_hist_case(seed):
+    """A random turn with history: chain anchors in it (history_anchors, low
+    ids like a first agent's sinks or random ones), history.acc (random
+    masses with some zeros, or small integers full of ties, or none),
+    history.score on prompt.score turns, gen.q on 4 seeds in 10; GQA groups
+    1 / 4 / 5; F32 / BF16 / F16."""
+    rng = np.random.default_rng(90000 + seed)
+    L = int(rng.integers(1, 4))
+    H = int(rng.integers(1, 5))
+    g = int(rng.choice([1, 4, 5]))
+    d = int(rng.choice([8, 16, 32]))
+    n_prompt = int(rng.integers(8, 61)) if rng.random() > 0.1 else int(rng.integers(0, 6))
+    n_gen = int(rng.integers(1, 9)) if rng.random() > 0.1 else 0
+    nh = int(rng.integers(3, 25)) if rng.random() > 0.1 else int(rng.integers(0, 3))
+    first_agent = bool(rng.random() < 0.4)
+    pos0 = nh + int(rng.integers(0, 300))
+    dtype = str(rng.choice(["F32", "F32", "BF16", "F16"]))
+    na = int(rng.integers(0, min(nh, 4) + 1))
+    if rng.random() < 0.5:
+        anchors = list(range(na))
+    else:
+        anchors = sorted(int(x) for x in rng.choice(max(pos0, nh), na, replace=False))
+    query = None
+    scale = None
+    if rng.random() < 0.4:
+        query = (str(rng.choice(["F32", dtype])), float(rng.uniform(0.5, 2.0)))
+        scale = None if rng.random() < 0.6 else "0.125"
+    acc = [None, "random", "random", "ties"][int(rng.integers(0, 4))]
+    hscore = True if (query is None and rng.random() < 0.6) else None
+    c = build_case("hist_seed%d" % seed, rng, L, H, g, d, n_prompt, n_gen, dtype, nh, first_agent, pos0,
+                   query=query, softmax_scale=scale, hist_anchors=anchors, hist_acc=acc, hist_score=hscore)
+    c.desc = ("L=%d H=%d S=%d d=%d n_prompt=%d n_gen=%d n_hist=%d anchors=%s first_agent=%s prompt_pos0=%d "
+              "dtype=%s history.acc=%s history.score=%s scores=%s"
+              % (L, H, H * g, d, n_prompt, n_gen, nh, anchors, first_agent, pos0, dtype, acc, bool(hscore),
+                 "gen.q(%s, x%.3g) softmax_scale=%s" % (query[0], query[1], scale) if query else "prompt.score"))
+    return c, rng, nh - na
+
+
+def hist_policies(rng, case, n_cand_hist):
+    """full, gen, and h2o-head / h2o-layer / h2o-auto with hist=K (K from 0
+    to a little past the history candidates), k, sinks, recent, pool, window
+    (gen.q), tau (from the layers' entropies), OBF, a quantizer."""
+    turn = case.turn
+    pols = ["full", "gen" if rng.random() < 0.5 else "gen:sinks=%d" % rng.integers(0, 6)]
+    for sel in ("h2o-head", "h2o-layer", "h2o-auto"):
+        params = ["k=%d" % rng.integers(1, 30)]
+        if rng.random() < 0.5:
+            params.append("sinks=%d" % rng.integers(0, 6))
+        if rng.random() < 0.3:
+            params.append("recent=%d" % rng.integers(0, 6))
+        if rng.random() < 0.2:
+            params.append("pool=%d" % rng.choice([3, 5]))
+        if turn.has_query and rng.random() < 0.4:
+            params.append("window=%d" % rng.integers(1, max(2, turn.n_gen + 2)))
+        if rng.random() < 0.85:
+            params.append("hist=%d" % rng.integers(0, max(1, n_cand_hist + 3)))
+        if sel == "h2o-auto":
+            params.append("tau=%s" % pick_tau(rng, layer_entropies(case, sel + ":" + ",".join(params))))
+        rng.shuffle(params)
+        spec = sel + ":" + ",".join(params)
+        pols.append(spec)
+        if rng.random() < 0.6:
+            pols.append(spec + "+" + random_obf(rng))
+        if rng.random() < 0.2:
+            pols.append(spec + "+" + random_quant(rng))
+    return pols
+
+
+class HistorySeeds(CliTestCase):
+    """Random turns with history (FORMAT.md steps 5, 5a, 6): layer.{l}.acc,
+    the kept history under hist=K, anchor_pos, granularity and (gen.q turns)
+    attention_error, with the tolerances of check_acc(), the ambiguity rules
+    of follow_ambiguous_selection() and check_attention_error()."""
+
+    def test_random_hist_seeds(self):
+        errs = []
+        for seed in range(N_HIST_SEEDS):
+            case, rng, ncand = random_hist_case(seed)
+            errs += self.run_case(case, hist_policies(rng, case, ncand))
+        self.assert_no_errors(errs)
+
+
+class HistoryBudget(CliTestCase):
+    """hist=K (step 5a) edge cases."""
+
+    def test_ties_and_zero_acc(self):
+        """acc full of exact ties (small integers, or no history.acc at all:
+        every acc 0 on a prompt.score turn without history.score): ties go to
+        the earlier token."""
+        rng = np.random.default_rng(60)
+        errs = []
+        for acc in ("ties", None):
+            for g in (1, 4):
+                c = build_case("hist_ties_%s_g%d" % (acc, g), rng, 2, 3, g, 8, 20, 3, "F32", n_hist=14,
+                               first_agent=False, prompt_pos0=40, hist_anchors=[0, 1], hist_acc=acc)
+                errs += self.run_case(c, ["h2o-head:k=4,hist=3", "h2o-layer:k=4,hist=5+obf", "h2o-head:hist=0,k=2",
+                                          "h2o-auto:k=4,tau=0.5,hist=7"])
+        self.assert_no_errors(errs)
+
+    def test_anchor_positions_differ_per_head(self):
+        """Random anchor ids: each head holds them at other indices, so
+        h2o-layer's r-th candidates are other tokens in each head."""
+        rng = np.random.default_rng(61)
+        errs = []
+        for dt in ("F32", "BF16", "F16"):
+            c = build_case("hist_anchor_idx_" + dt, rng, 2, 4, 4, 16, 30, 4, dt, n_hist=18, first_agent=False,
+                           prompt_pos0=200, hist_anchors=[17, 60, 121], hist_acc="random", hist_score=True)
+            errs += self.run_case(c, ["h2o-layer:k=6,hist=4", "h2o-head:k=6,hist=4+obf:inject=attn",
+                                      "h2o-layer:k=6,hist=0+int4:group=8", "h2o-layer:k=6,hist=15", "gen"])
+        self.assert_no_errors(errs)
+
+    def test_history_whole_or_only_anchors(self):
+        """hist at or above the candidates keeps the history whole; every
+        history token an anchor (no candidates); no history at all; a turn
+        that is also the first agent (its own anchors join anchor_pos)."""
+        rng = np.random.default_rng(62)
+        errs = []
+        c = build_case("hist_all_anchors", rng, 2, 2, 1, 8, 16, 2, "F32", n_hist=4, first_agent=True,
+                       prompt_pos0=30, hist_anchors=[3, 9, 11, 20], hist_acc="random", hist_score=True)
+        errs += self.run_case(c, ["h2o-head:k=3,hist=0", "h2o-layer:k=3,hist=2+obf", "full"])
+        c = build_case("hist_whole", rng, 2, 2, 5, 8, 16, 2, "BF16", n_hist=9, first_agent=False,
+                       prompt_pos0=30, hist_anchors=[0], hist_acc="random")
+        errs += self.run_case(c, ["h2o-head:k=3,hist=8", "h2o-layer:k=3,hist=9", "h2o-head:k=3,hist=16777216",
+                                  "h2o-head:k=3,hist=7"])
+        c = build_case("hist_none", rng, 2, 2, 1, 8, 16, 2, "F32", first_agent=True)
+        errs += self.run_case(c, ["h2o-head:k=3,hist=0", "h2o-auto:k=3,hist=2,tau=0.7+obf"])
+        c = build_case("hist_no_anchors", rng, 1, 3, 4, 8, 16, 3, "F16", n_hist=10, first_agent=True,
+                       prompt_pos0=12, hist_acc="random", hist_score=True)
+        errs += self.run_case(c, ["h2o-head:k=3,hist=2,sinks=2", "h2o-layer:k=3,hist=2+int8"])
+        self.assert_no_errors(errs)
+
+    def test_history_not_ascending(self):
+        """History ids need not ascend along a head (FORMAT.md only asks them
+        to precede the prompt): candidates are taken "in their order along
+        the head", kept ones keep it, ties go to the earlier token there."""
+        rng = np.random.default_rng(64)
+        errs = []
+        for query in (None, ("F32", 1.0)):
+            c = build_case("hist_shuffled_%s" % ("q" if query else "score"), rng, 2, 3, 4, 8, 20, 3, "F32",
+                           n_hist=12, first_agent=False, prompt_pos0=50, hist_anchors=[5, 7], query=query,
+                           hist_acc="ties", hist_score=None if query else True)
+            for l in range(2):
+                perm = [rng.permutation(12) for _ in range(3)]
+                for nm in ("history.k", "history.v", "history.pos", "history.acc"):
+                    dt, arr = c.tensors["layer.%d.%s" % (l, nm)]
+                    c.tensors["layer.%d.%s" % (l, nm)] = (dt, np.stack([arr[h][perm[h]] for h in range(3)]))
+                if not query:
+                    dt, arr = c.tensors["layer.%d.history.score" % l]
+                    # score rows of group h follow head h's permutation.
+                    c.tensors["layer.%d.history.score" % l] = (dt, np.stack([arr[q][perm[q // 4]]
+                                                                             for q in range(12)]))
+            c.turn = ref.Turn(c.tensors, c.meta)
+            errs += self.run_case(c, ["h2o-head:k=4,hist=3", "h2o-layer:k=4,hist=3+obf", "h2o-layer:k=4,hist=0",
+                                      "h2o-auto:k=4,hist=6,tau=0.6", "full"])
+        self.assert_no_errors(errs)
+
+    def test_query_history_mass(self):
+        """gen.q turns: the history's mass comes from the queries (step 5),
+        also with window=; GQA groups 1 / 4 / 5."""
+        rng = np.random.default_rng(63)
+        errs = []
+        for g, dt in ((1, "F32"), (4, "BF16"), (5, "F16")):
+            c = build_case("hist_q_g%d_%s" % (g, dt), rng, 2, 2, g, 16, 30, 6, dt, n_hist=12, first_agent=False,
+                           prompt_pos0=70, query=("F32", 1.5), hist_anchors=[0, 1, 2, 3],
+                           hist_acc="random" if g != 4 else None)
+            errs += self.run_case(c, ["full", "h2o-head:k=5,hist=3", "h2o-layer:k=5,hist=4,window=2+obf",
+                                      "h2o-head:k=5,hist=2,window=1", "h2o-auto:k=5,hist=3,tau=0.8+int4"])
+        self.assert_no_errors(errs)
+
+
+class AutoGranularity(CliTestCase):
+    """h2o-auto (step 3a): granularity metadata, and the layers selected as
+    the h2o-head / h2o-layer they chose."""
+
+    def _same_as(self, case, spec_auto, spec_other):
+        """kvrelayctl's tensors for spec_auto equal its tensors for spec_other."""
+        case.write(self.tmp)
+        outs = []
+        for spec in (spec_auto, spec_other):
+            out = os.path.join(self.tmp, "same.safetensors")
+            rc, text = run_cli(case, spec, out)
+            STATS["cli_runs"] += 1
+            if rc != 0:
+                return ["[%s] policy=%r: kvrelayctl exited %d: %s" % (case.name, spec, rc, text[-1000:])]
+            outs.append({k: v[1].tobytes() for k, v in ref.read_safetensors(out)[0].items()})
+        if outs[0] != outs[1]:
+            diff = sorted(k for k in set(outs[0]) | set(outs[1]) if outs[0].get(k) != outs[1].get(k))
+            return ["[%s] %r and %r give different tensors: %s" % (case.name, spec_auto, spec_other, diff)]
+        return []
+
+    def test_tau_extremes(self):
+        """tau=0: never below -> h2o-layer in every layer.  tau=1 with
+        concentrated scores (entropy well below 1) -> h2o-head."""
+        rng = np.random.default_rng(64)
+        errs = []
+        for g, dt in ((1, "F32"), (4, "BF16"), (5, "F16")):
+            sc = [(np.asarray(heavy_scores(rng, 3 * g, 40), np.float64) ** 3).astype(np.float32) for _ in range(3)]
+            c = build_case("auto_ext_g%d_%s" % (g, dt), rng, 3, 3, g, 16, 40, 3, dt, n_hist=8, first_agent=True,
+                           prompt_pos0=20, scores=sc, hist_anchors=[1, 2], hist_acc="random", hist_score=True)
+            ents = layer_entropies(c, "h2o-auto:k=6")
+            assert max(ents) < 0.95, ents
+            specs = ["h2o-auto:k=6,tau=0,hist=3", "h2o-auto:k=6,tau=1,hist=3+obf", "h2o-auto:k=6,tau=1,recent=2",
+                     "h2o-auto:k=6,tau=0.0001,pool=3"]
+            errs += self.run_case(c, specs)
+            errs += self._same_as(c, "h2o-auto:k=6,tau=0,hist=3", "h2o-layer:k=6,hist=3")
+            errs += self._same_as(c, "h2o-auto:k=6,tau=1,hist=3+obf", "h2o-head:k=6,hist=3+obf")
+        self.assert_no_errors(errs)
+
+    def test_tau_between_layers(self):
+        """Layers of different concentration and a tau between them: some
+        layers head, some layer, in one message."""
+        rng = np.random.default_rng(65)
+        errs = []
+        for dt, q in (("F32", None), ("BF16", None), ("F32", ("F32", 1.0))):
+            L, H, g, n = 4, 2, 4, 36
+            sc = [(np.asarray(heavy_scores(rng, H * g, n), np.float64) ** (0.3 + l)).astype(np.float32)
+                  for l in range(L)]
+            qs = None
+            if q is not None:
+                qs = [rng.standard_normal((H * g, 5, 16)) * (0.3 + 1.2 * l) for l in range(L)]
+            c = build_case("auto_mix_%s_%s" % (dt, "q" if q else "score"), rng, L, H, g, 16, n, 5, dt, n_hist=6,
+                           first_agent=True, scores=None if q else sc, query=q, queries=qs,
+                           hist_anchors=[0], hist_acc="random", hist_score=None if q else True,
+                           prompt_pos0=10)
+            ents = sorted(layer_entropies(c, "h2o-auto:k=5"))
+            specs = []
+            for i in range(L - 1):
+                if ents[i + 1] - ents[i] > 1e-3:
+                    tau = ref.shortest_decimal(round((ents[i] + ents[i + 1]) / 2, 4))
+                    specs.append("h2o-auto:k=5,tau=%s,hist=2" % tau)
+            specs.append("h2o-auto:k=5,sinks=2,tau=%s+obf:inject=attn" % ref.shortest_decimal(round(ents[1], 3)))
+            specs.append("h2o-auto:k=5" + ("+int4:rotate=hadamard" if dt == "F32" else ""))
+            errs += self.run_case(c, specs)
+        self.assert_no_errors(errs)
+
+    def test_flat_scores(self):
+        """e_h = 1 by definition where T = 0 (all-zero scores) or c < 2
+        (at most one candidate): never below tau=1 -> layer."""
+        rng = np.random.default_rng(66)
+        errs = []
+        zeros = [np.zeros((4, 20), np.float32)] * 2
+        c = build_case("auto_zero", rng, 2, 2, 2, 8, 20, 2, "F32", scores=zeros)
+        errs += self.run_case(c, ["h2o-auto:k=3,tau=1", "h2o-auto:k=3,tau=1+obf"])
+        c = build_case("auto_one_cand", rng, 2, 2, 2, 8, 5, 2, "F32", first_agent=True)
+        errs += self.run_case(c, ["h2o-auto:k=3,sinks=4,tau=1", "h2o-auto:k=1,sinks=5,tau=1"])
+        c = build_case("auto_q_no_gen", rng, 2, 2, 2, 8, 12, 0, "F32", query=("F32", 1.0))
+        errs += self.run_case(c, ["h2o-auto:k=3,tau=1", "h2o-auto:k=3,tau=0.5,recent=2"])
+        self.assert_no_errors(errs)
+
+
+class Fidelity(CliTestCase):
+    """attention_error (FORMAT.md "Fidelity") on gen.q turns, within the
+    tolerance of check_attention_error()."""
+
+    def test_policies_dtypes_groups(self):
+        rng = np.random.default_rng(67)
+        errs = []
+        for g, dt, qd in ((1, "F32", "F32"), (4, "BF16", "BF16"), (5, "F16", "F32"), (4, "F32", "F32")):
+            c = build_case("fid_g%d_%s" % (g, dt), rng, 2, 2, g, 32, 40, 6, dt, n_hist=8, first_agent=True,
+                           prompt_pos0=20, query=(qd, 1.5), hist_anchors=[0, 1, 2, 3])
+            specs = ["full", "gen", "h2o-head:k=8", "h2o-layer:k=8,hist=1+obf", "h2o-auto:k=4,window=2,hist=0",
+                     "h2o-head:k=30+int8", "full+int2:group=8"]
+            if dt == "F32":
+                specs += ["h2o-head:k=8+obf:mode=fast+int4:rotate=hadamard"]
+            errs += self.run_case(c, specs)
+        self.assert_no_errors(errs)
+
+    def test_peaky_and_no_gen(self):
+        """Large logits (near one-hot weights: o_full ~ one value row) and a
+        turn without generated steps (figure 0)."""
+        rng = np.random.default_rng(68)
+        errs = []
+        c = build_case("fid_peaky", rng, 2, 2, 2, 64, 50, 5, "F32", query=("F32", 4.0))
+        errs += self.run_case(c, ["h2o-head:k=4", "h2o-layer:k=10+obf", "gen:sinks=0"])
+        c = build_case("fid_no_gen", rng, 1, 2, 2, 16, 20, 0, "BF16", n_hist=3, query=("BF16", 1.0))
+        errs += self.run_case(c, ["h2o-head:k=4", "full"])
+        self.assert_no_errors(errs)
+
+
+class Determinism(CliTestCase):
+    """FORMAT.md fixes how every number of a message is computed (step 0:
+    float32 dot products and exponentials, float64 sums in ascending t;
+    step 5: float64 sums in fixed orders, one rounding; OBF: sums in
+    ascending row order "whatever the CPU's vector width"), and nothing in it
+    depends on the number of threads or on where the data lies in memory.
+    So the same turn and policy must give the same bytes for --threads 1, 2,
+    4, 8 and for turn files under paths of other lengths (which move the
+    process's memory layout)."""
+
+    def test_same_message_for_any_threads(self):
+        rng = np.random.default_rng(71)
+        c = build_case("determinism", rng, 4, 4, 4, 32, 120, 12, "F32", n_hist=40, first_agent=False,
+                       prompt_pos0=300, query=("F32", 1.0), hist_anchors=[0, 1, 2, 3], hist_acc="random")
+        errs = []
+        for spec in ("full", "h2o-auto:k=20,hist=10,tau=0.8+obf"):
+            seen = {}
+            for threads, name in (("1", "d"), ("2", "d"), ("4", "d"), ("8", "d"), ("1", "determinism_long_name"),
+                                  ("2", "determinism_long_name"), ("2", "x" * 40), ("4", "x" * 40)):
+                c.name = name
+                c.write(self.tmp)
+                out = os.path.join(self.tmp, "det.safetensors")
+                rc, text = run_cli(c, spec, out, extra=("--threads", threads))
+                STATS["cli_runs"] += 1
+                if rc != 0:
+                    errs.append("[determinism] policy=%r --threads %s: exit %d: %s" % (spec, threads, rc, text[-500:]))
+                    break
+                t, meta = ref.read_safetensors(out)
+                key = (tuple((k, t[k][0], t[k][1].tobytes()) for k in sorted(t)), tuple(sorted(meta.items())))
+                seen.setdefault(key, []).append("threads=%s path=%s" % (threads, len(c.path)))
+            if len(seen) > 1:
+                keys = list(seen)
+                base_t, base_m = dict((x[0], x[2]) for x in keys[0][0]), dict(keys[0][1])
+                diffs = []
+                for other in keys[1:]:
+                    ot, om = dict((x[0], x[2]) for x in other[0]), dict(other[1])
+                    diffs.append(sorted(k for k in set(base_t) | set(ot) if base_t.get(k) != ot.get(k))
+                                 + sorted("meta " + k for k in set(base_m) | set(om) if base_m.get(k) != om.get(k)))
+                errs.append("[determinism] policy=%r: %d different messages from the same turn (runs: %s); "
+                            "differing entries against the first: %s" % (spec, len(seen), list(seen.values()), diffs))
+        self.assert_no_errors(errs)
+
+
+class Chains(CliTestCase):
+    """kvrelayctl's message becomes the next turn's history (history.k/v/pos
+    from layer.{l}.k/v/pos, history.acc from layer.{l}.acc, history_anchors
+    from anchor_pos, prompt_pos0 from next_pos): acc accumulates over the
+    chain and the anchors travel (FORMAT.md steps 5, 5a, 6)."""
+
+    def _next_turn(self, rng, name, msg_path, n_prompt, n_gen, query, g, hscore=False, pos_gap=0):
+        tensors, meta = ref.read_safetensors(msg_path)
+        L = 0
+        while ("layer.%d.k" % L) in tensors:
+            L += 1
+        dt, k0 = tensors["layer.0.k"]
+        H, nh, d = k0.shape
+        layers = []
+        for l in range(L):
+            ch = np.exp(0.5 * rng.standard_normal(d))
+            lay = {"pk": rng.standard_normal((H, n_prompt, d)) * ch, "pv": rng.standard_normal((H, n_prompt, d)),
+                   "gk": rng.standard_normal((H, n_gen, d)) * ch, "gv": rng.standard_normal((H, n_gen, d))}
+            if query:
+                lay["q"] = rng.standard_normal((H * g, n_gen, d)) * ch
+            else:
+                lay["score"] = heavy_scores(rng, H * g, n_prompt)
+            layers.append(lay)
+        t = ref.make_turn_tensors(layers, dt, q_dtype="F32" if query else None)
+        for l in range(L):
+            t["layer.%d.history.k" % l] = tensors["layer.%d.k" % l]
+            t["layer.%d.history.v" % l] = tensors["layer.%d.v" % l]
+            t["layer.%d.history.pos" % l] = tensors["layer.%d.pos" % l]
+            t["layer.%d.history.acc" % l] = tensors["layer.%d.acc" % l]
+            if hscore:
+                t["layer.%d.history.score" % l] = ("F32", heavy_scores(rng, H * g, nh))
+        m = {"first_agent": "false", "prompt_pos0": str(int(meta["next_pos"]) + pos_gap)}
+        if meta.get("anchor_pos", "") != "":
+            m["history_anchors"] = meta["anchor_pos"]
+        return Case(name, t, m)
+
+    def test_chain(self):
+        for query in (False, True):
+            rng = np.random.default_rng(69 + query)
+            g = 4 if query else 1
+            errs = []
+            c1 = build_case("chain%d_1" % query, rng, 2, 2, g, 16, 30, 4, "BF16", first_agent=True,
+                            query=("F32", 1.0) if query else None)
+            errs += self.run_case(c1, ["h2o-head:k=6"])
+            if errs:
+                self.assert_no_errors(errs)
+            keep = os.path.join(self.tmp, "chain_msg1.safetensors")
+            os.replace(os.path.join(self.tmp, "msg.safetensors"), keep)
+            c2 = self._next_turn(rng, "chain%d_2" % query, keep, 25, 3, query, g, hscore=not query)
+            errs += self.run_case(c2, ["full", "h2o-layer:k=5,hist=3+obf", "h2o-auto:k=5,hist=0,tau=0.9"])
+            if not errs:
+                # The anchors of turn 1 travel; turn 2's history acc = turn 1's + its mass.
+                errs += self.run_case(c2, ["h2o-head:k=5,hist=4"])
+                keep2 = os.path.join(self.tmp, "chain_msg2.safetensors")
+                os.replace(os.path.join(self.tmp, "msg.safetensors"), keep2)
+                c3 = self._next_turn(rng, "chain%d_3" % query, keep2, 20, 2, query, g, hscore=not query,
+                                     pos_gap=7)
+                errs += self.run_case(c3, ["h2o-head:k=4,hist=2", "h2o-layer:k=4,hist=6+int4", "gen"])
+            self.assert_no_errors(errs)
+
+
 class Rejections(CliTestCase):
     """Invalid specs and turns must fail with a nonzero exit status."""
 
@@ -1406,6 +2228,103 @@ class Rejections(CliTestCase):
                 errs += self._expect_fail_naming(c, spec, why, names)
         self.assert_no_errors(errs)
 
+    def test_history_acc_score_anchors(self):
+        """Turns FORMAT.md refuses for history.acc, history.score and
+        history_anchors: the message must name the tensor or the key."""
+        rng = np.random.default_rng(34)
+
+        def base(name, query=False):
+            # L=2, H=2, S=4, d=8, n_prompt=12, n_gen=3, n_history=6 holding anchors 0, 1.
+            return build_case(name, rng, 2, 2, 2, 8, 12, 3, "F32", n_hist=6, first_agent=False, prompt_pos0=30,
+                              query=("F32", 1.0) if query else None, hist_anchors=[0, 1], hist_acc="random",
+                              hist_score=None if query else True)
+
+        bad = []
+        c = base("hscore_with_q", query=True)
+        for l in range(2):
+            c.tensors["layer.%d.history.score" % l] = ("F32", np.ones((4, 6), np.float32))
+        bad.append((c, "history.score on a gen.q turn", ("history.score",)))
+        for shape, why in (((2, 7), "history.acc [H, n_history + 1]"), ((3, 6), "history.acc [H + 1, n_history]"),
+                           ((12,), "history.acc 1-D"), ((2, 6, 1), "history.acc 3-D")):
+            c = base("hacc_shape")
+            for l in range(2):
+                c.tensors["layer.%d.history.acc" % l] = ("F32", np.ones(shape, np.float32))
+            bad.append((c, why, ("history.acc",)))
+        c = base("hacc_f16")
+        for l in range(2):
+            c.tensors["layer.%d.history.acc" % l] = ("F16", np.ones((2, 6), np.float16))
+        bad.append((c, "history.acc F16", ("history.acc",)))
+        c = base("hacc_one_layer")
+        del c.tensors["layer.1.history.acc"]
+        bad.append((c, "history.acc in layer 0 only", ("layer.1.history.acc", "layer.0.history.acc")))
+        for val, why in ((-1.0, "negative"), (np.nan, "NaN"), (np.inf, "Inf")):
+            c = base("hacc_value")
+            c.tensors["layer.1.history.acc"][1][1, 4] = val
+            bad.append((c, "history.acc " + why, ("layer.1.history.acc",)))
+            c = base("hscore_value")
+            c.tensors["layer.0.history.score"][1][3, 2] = val
+            bad.append((c, "history.score " + why, ("layer.0.history.score",)))
+        c = base("hscore_shape")
+        for l in range(2):
+            c.tensors["layer.%d.history.score" % l] = ("F32", np.ones((4, 7), np.float32))
+        bad.append((c, "history.score [S, n_history + 1]", ("history.score",)))
+        c = base("hscore_one_layer")
+        del c.tensors["layer.0.history.score"]
+        bad.append((c, "history.score in layer 1 only", ("layer.1.history.score", "layer.0.history.score")))
+        c = build_case("hacc_no_history", rng, 2, 2, 2, 8, 12, 3, "F32")
+        for l in range(2):
+            c.tensors["layer.%d.history.acc" % l] = ("F32", np.ones((2, 0), np.float32))
+        bad.append((c, "history.acc without history", ("history.acc", "history.k", "history.pos")))
+        # history_anchors: an id one head lacks, one a head holds twice, not
+        # ascending, without history.
+        c = base("hanch_missing")
+        hp = c.tensors["layer.1.history.pos"][1]
+        free = [x for x in range(30) if x not in set(hp[1].tolist())]
+        c.meta["history_anchors"] = ref.format_id_list(sorted(set([0, 1, free[-1]])))
+        if all(free[-1] in set(c.tensors["layer.%d.history.pos" % l][1][h].tolist()) for l in range(2)
+               for h in range(2)):
+            raise AssertionError("test setup: the id is held everywhere")
+        bad.append((c, "history_anchors with an id some head lacks", ("history_anchors",)))
+        c = base("hanch_twice")
+        hp = c.tensors["layer.0.history.pos"][1]
+        hp[0, 5] = hp[0, 0]          # head 0 of layer 0 holds anchor 0 twice
+        hp[0] = np.sort(hp[0])
+        bad.append((c, "history_anchors id held twice by a head", ("history_anchors",)))
+        c = base("hanch_order")
+        c.meta["history_anchors"] = "1,0"
+        bad.append((c, "history_anchors not ascending", ("history_anchors",)))
+        c = build_case("hanch_no_history", rng, 2, 2, 2, 8, 12, 3, "F32")
+        c.meta["history_anchors"] = "0,1"
+        bad.append((c, "history_anchors without history", ("history_anchors",)))
+        errs = []
+        for c, why, names in bad:
+            for spec in ("full", "h2o-head:k=4,hist=2"):
+                errs += self._expect_fail_naming(c, spec, why, names)
+        self.assert_no_errors(errs)
+
+    def test_hist_tau_specs(self):
+        """hist= outside [0, 2^24] or not an integer, tau= outside [0, 1] or
+        not a number, hist on gen/full, tau on other selectors: refused,
+        naming the parameter."""
+        rng = np.random.default_rng(35)
+        c = build_case("hist_tau_specs", rng, 1, 2, 2, 8, 12, 3, "F32", n_hist=4, prompt_pos0=10)
+        errs = []
+        for spec, why in (("h2o-head:k=4,hist=-1", "hist=-1"), ("h2o-layer:hist=16777217", "hist above 2^24"),
+                          ("h2o-auto:hist=abc", "hist not a number"), ("h2o-head:hist=1.5", "hist not an integer"),
+                          ("h2o-head:hist=", "empty hist")):
+            errs += self._expect_fail_naming(c, spec, why, ("hist=",))
+        for spec, why in (("gen:hist=2", "hist on gen"), ("full:hist=2", "hist on full")):
+            errs += self._expect_fail_naming(c, spec, why, ("hist",))
+        for spec, why in (("h2o-auto:tau=1.5", "tau=1.5"), ("h2o-auto:k=4,tau=1.0000001", "tau just above 1"),
+                          ("h2o-auto:tau=-0.1", "negative tau"), ("h2o-auto:tau=abc", "tau not a number"),
+                          ("h2o-auto:tau=nan", "tau NaN"), ("h2o-auto:tau=inf", "tau Inf"),
+                          ("h2o-auto:tau=", "empty tau")):
+            errs += self._expect_fail_naming(c, spec, why, ("tau=",))
+        for spec, why in (("h2o-head:tau=0.5", "tau on h2o-head"), ("h2o-layer:k=3,tau=0.5", "tau on h2o-layer"),
+                          ("gen:tau=0.5", "tau on gen")):
+            errs += self._expect_fail_naming(c, spec, why, ("tau",))
+        self.assert_no_errors(errs)
+
     def test_window_specs(self):
         """window= outside [1, 2^24], not an integer, on gen/full, or with a
         prompt.score turn (FORMAT.md: InvalidArgument naming window= and the
@@ -1465,6 +2384,17 @@ if __name__ == "__main__":
     print("reference test: %d policies checked (%d on gen.q turns, %d ambiguous top-k sets followed), "
           "%d kvrelayctl runs" % (STATS["policies"], STATS["query_policies"], STATS["ambiguous_followed"],
                                   STATS["cli_runs"]))
+    if STATS["hist_policies"] or STATS["auto_policies"] or STATS["fidelity_checked"]:
+        print("history/auto/fidelity: %d policies with hist=, %d h2o-auto, %d attention_error figures "
+              "checked (worst |diff| / tolerance %.3g), h2o-auto layers checked: %d head, %d layer; followed %d "
+              "ambiguous history rankings and %d granularities at tau"
+              % (STATS["hist_policies"], STATS["auto_policies"], STATS["fidelity_checked"], STATS["fidelity_worst"],
+                 STATS["gran_head"], STATS["gran_layer"], STATS["hist_ambiguous_followed"],
+                 STATS["gran_ambiguous_followed"]))
+    if STATS["acc_score_values"] or STATS["acc_query_values"]:
+        print("acc: %d values on prompt.score turns (%d one float32 ulp off, the rest exact), %d on gen.q turns "
+              "(worst |diff| / tolerance %.3g)" % (STATS["acc_score_values"], STATS["acc_score_ulp"],
+                                                   STATS["acc_query_values"], STATS["acc_query_worst"]))
     for n in NOTES:
         print("note:", n)
     sys.exit(0 if prog.result.wasSuccessful() else 1)
