@@ -86,6 +86,7 @@ absl::Status ComposeOnParent(const Message& parent, Turn* turn) {
     if (!s.ok()) return s;
   }
   turn->history_anchors = parent.anchor_pos;
+  turn->first_agent = false;  // a turn on a parent continues the chain
   return absl::OkStatus();
 }
 

@@ -116,7 +116,8 @@ absl::Status SetHistoryFromMessage(const Message& parent, int l, DType dtype, Tu
 
 // Makes `parent` the history of `turn`, as a relay does for a publish with
 // parent_id: every layer by SetHistoryFromMessage, history_anchors =
-// parent.anchor_pos, and prompt_pos0 = NextPosition(parent) when unset.
+// parent.anchor_pos, first_agent = false (no anchors of its own: the chain
+// has them), and prompt_pos0 = NextPosition(parent) when unset.
 // InvalidArgument when the turn has history of its own or its layers, KV
 // heads, head_dim or dtype differ from the parent's, or an explicit
 // prompt_pos0 is before NextPosition(parent).

@@ -84,7 +84,10 @@ std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, d
   RowMajor keys(m, d), queries(cols, d);
   ColMajor logits(m, block);
   std::vector<double> mass(m);
-  std::vector<float> e(m);
+  // Eigen-aligned: a vectorized exp takes scalar steps up to the first
+  // aligned element, which must not depend on where the heap put the
+  // buffer (the scalar and vector exp differ in the last bit).
+  Eigen::ArrayXf e(m);
   for (int h = 0; h < heads; ++h) {
     ReadCache(layer, h, /*values=*/false, keys.data());
     ReadGroupQueries(layer, h, group, t0, steps, scale, queries);

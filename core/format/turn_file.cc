@@ -620,7 +620,7 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
       tensors.push_back(KvView(LayerName(l, "v"), layer.v));
     }
     tensors.push_back(PosView(LayerName(l, "pos"), layer.pos));
-    if (!layer.acc.empty() || !l0.acc.empty()) {
+    if (!layer.acc.empty() || !l0.acc.empty() || n == 0) {  // n == 0: an empty acc is an acc
       if (layer.acc.size() != static_cast<size_t>(heads) * n) {
         return Invalid(LayerName(l, "acc"), absl::StrCat(layer.acc.size(), " values, expected ", heads * n,
                                                          " ([kv_heads, n], in every layer or none)"));

@@ -184,6 +184,45 @@ def test_chain_with_parent(ctl, turn, turn2):
     check(rc == 0, f"close is idempotent: {rc} {err}")
 
 
+def test_history_budget_chain(ctl):
+    """8 rounds of planner -> critic -> refiner -> judger -> planner in one
+    session with hist=64: the history stops growing, so the bytes per hop
+    stay flat; every delivered message is bit-exact with `kvrelayctl
+    compress --parent` of the offline chain. The relay keeps acc to itself,
+    so the kept history tokens agreeing hop after hop is what shows that its
+    acc is the offline one. Every other turn carries queries (gen.q): those
+    add their mass on the history to acc, the others add none."""
+    policy = "h2o-head:k=16,hist=64+obf:p=4"
+    agents = ["planner", "critic", "refiner", "judger"]
+    geo = ["--layers", "2", "--kv-heads", "2", "--score-heads", "4", "--head-dim", "32",
+           "--prompt", "96", "--gen", "12"]
+    parent_id, offline_prev, sent = "", None, []
+    for i in range(32):
+        frm, to = agents[i % 4], agents[(i + 1) % 4]
+        turn = ctl.path(f"hc-turn-{i}.st")
+        ctl.ok("make-turn", "--out", turn, "--seed", str(100 + i), *geo,
+               *(["--queries"] if i % 2 else []), addr=False)
+        args = ["publish", "--session", "histchain", "--from", frm, "--to", to, "--policy", policy, "--in", turn]
+        r = ctl.ok(*args, *(["--parent", parent_id] if parent_id else []))
+        got = ctl.path(f"hc-got-{i}.st")
+        ctl.ok("fetch", "--session", "histchain", "--agent", to, "--out", got)
+        offline = ctl.path(f"hc-off-{i}.st")
+        ctl.ok("compress", "--policy", policy, "--in", turn, "--out", offline, "--threads", "1",
+               *(["--parent", offline_prev] if offline_prev else []), addr=False)
+        same_tensors(got, offline, f"hist chain hop {i + 1}")
+        meta, tensors = read_st(offline)
+        check("layer.0.acc" in tensors, f"hist chain hop {i + 1}: the offline message has acc")
+        sent.append(int(r.get("sent_bytes", 0)))
+        parent_id, offline_prev = r.get("message_id", "x"), offline
+    m, _ = read_st(ctl.path("hc-got-31.st"))
+    check(m.get("anchor_pos") == "0,1,2,3", f"hist chain: the first agent's anchors travel: {m.get('anchor_pos')}")
+    check(int(m.get("n_history", -1)) == 4 + 64, f"hist chain: history capped at anchors + 64: {m.get('n_history')}")
+    # From the fourth hop on the history is at its cap: flat.
+    check(len(set(sent[3:])) == 1, f"hist chain: sent bytes per hop flat: {sent}")
+    print(f"hist chain: sent bytes per hop {sent}", flush=True)
+    ctl.ok("close", "--session", "histchain")
+
+
 def test_bad_inputs(ctl, turn, turn_hist):
     cases = [
         (["publish", "--session", "bad", "--from", "a", "--to", "b", "--policy", "h2o-head:k=8+bogus",
@@ -385,6 +424,7 @@ def main():
                          ("redelivery", lambda: test_redelivery_and_ack(ctl, turn)),
                          ("idempotent", lambda: test_idempotent_publish(ctl, turn)),
                          ("chain", lambda: test_chain_with_parent(ctl, turn, turn2)),
+                         ("hist chain", lambda: test_history_budget_chain(ctl)),
                          ("bad inputs", lambda: test_bad_inputs(ctl, turn, turn_hist)),
                          ("demo", lambda: test_demo(ctl, not args.full_demo)),
                          ("demo addresses", lambda: test_demo_addresses(ctl)),

@@ -3,7 +3,8 @@
 
 Each agent talks only to its own relay; the relays forward compressed
 messages to each other. Checked against real processes:
-  - a four-agent chain with parents, each agent on its own relay, every
+  - a four-agent chain with parents and a history budget (hist=, so acc
+    travels relay to relay), each agent on its own relay, every
     message bit-exact with what one relay composes (and the first hop with
     kvrelayctl compress of the same turn);
   - fan-out to recipients on two relays and on the same relay;
@@ -154,7 +155,9 @@ def single_relay_chain(ctl, server_bin, work, turns, agents, policy, session):
 
 def test_chain(ctl, mesh, turns, server_bin, work):
     agents = ["planner", "critic", "refiner", "judger"]
-    policy = "h2o-head:k=16"
+    # hist=8: each hop keeps 8 of its history by acc, which therefore has to
+    # travel relay to relay intact for the messages to match one relay's.
+    policy = "h2o-head:k=16,hist=8"
     expect = single_relay_chain(ctl, server_bin, work, turns[:3], agents, policy, "chain")
     parent, sent_total, full_total = None, 0, 0
     for i in range(3):
