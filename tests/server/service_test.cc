@@ -743,6 +743,29 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
   EXPECT_NE(text.find("kvrelay_store_bytes " + std::to_string(retained)), std::string::npos);
 }
 
+// h2o-auto's choice per layer is counted, as the offline compression of the
+// same turn makes it.
+TEST_F(RelayTest, AutoGranularityIsCountedPerLayer) {
+  Turn t = MakeTurn(17);
+  const std::string spec = "h2o-auto:k=8,tau=0.97";
+  absl::StatusOr<Message> offline = (*Pipeline::Create(spec))->Compress(t);
+  ASSERT_TRUE(offline.ok()) << offline.status();
+  int head = 0, layer = 0;
+  for (const MessageLayer& l : offline->layers) {
+    head += l.granularity == Granularity::kHead;
+    layer += l.granularity == Granularity::kLayer;
+  }
+  ASSERT_EQ(head + layer, static_cast<int>(t.layers.size()));
+  auto r = PublishTurn(stub_.get(), Header("auto", "a1", "a", {"b"}, spec, t), t);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  const std::string text = prometheus::TextSerializer().Serialize(server_->metrics()->registry()->Collect());
+  EXPECT_NE(text.find("kvrelay_auto_granularity_layers_total{granularity=\"head\"} " + std::to_string(head)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("kvrelay_auto_granularity_layers_total{granularity=\"layer\"} " + std::to_string(layer)),
+            std::string::npos);
+}
+
 // ---- review fixes ----
 
 grpc::Status Close(v1::Relay::Stub* stub, const std::string& session, uint32_t* messages_freed = nullptr) {

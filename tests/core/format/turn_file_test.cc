@@ -709,6 +709,47 @@ std::string QuantMessage() {
   return MustWriteMessage(Compress(GoodTurn(), "h2o-head:k=8+int4:group=8"));
 }
 
+// A version 1 file (before acc and anchor_pos) reads with acc = 0 and the
+// anchors of its own anchor part; composed on as a parent, its history's
+// acc is 0 and its anchors are kept by a history budget.
+TEST(MessageFileTest, Version1ReadsAsAccZero) {
+  TurnShape s;
+  s.layers = 2;
+  const Turn first = RandomTurn(s, 3);
+  const Message v2 = Compress(first, "h2o-head:k=8");
+  const std::string v1 = Edited(MustWriteMessage(v2), [](std::vector<StTensor>* ts, StMetadata* m, auto*) {
+    (*m)["format"] = "kvrelay.message.v1";
+    m->erase("anchor_pos");
+    for (int l = 0; l < 2; ++l) Drop(ts, absl::StrCat("layer.", l, ".acc"));
+  });
+  absl::StatusOr<Message> old = ReadMessage(AsBytes(v1));
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_TRUE(old->layers[0].acc.empty());
+  EXPECT_EQ(old->anchor_pos, v2.anchor_pos);  // the first agent's own anchors
+  EXPECT_EQ(old->anchor_pos, (std::vector<int32_t>{0, 1, 2, 3}));
+  // acc in a v1 file is refused; a v2 file without acc reads as acc = 0.
+  const std::string bad = Edited(v1, [&](std::vector<StTensor>* ts, auto*, auto*) {
+    StTensor acc = *Named(ts, "layer.0.pos");
+    acc.name = "layer.0.acc";
+    acc.dtype = StDType::kF32;
+    ts->push_back(acc);
+  });
+  EXPECT_THAT(std::string(ReadMessage(AsBytes(bad)).status().message()),
+              HasSubstr("layer.0.acc: unexpected in a kvrelay.message.v1 file"));
+
+  Turn child = RandomTurn(s, 4);
+  ASSERT_TRUE(ComposeOnParent(*old, &child).ok());
+  for (const TurnLayer& l : child.layers) {
+    for (float a : l.history_acc.data) ASSERT_EQ(a, 0.0f);
+  }
+  const Message m = Compress(child, "h2o-head:k=8,hist=2");
+  EXPECT_EQ(m.anchor_pos, (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(m.n_history, 4 + 2);
+  for (int h = 0; h < m.kv_heads; ++h) {
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(m.layers[0].pos.at(h, j), j);  // the anchors, first
+  }
+}
+
 TEST(MessageFileMalformedTest, TurnIsNotAMessage) {
   ExpectMessageInvalid(
       MustWriteTurn(GoodTurn()),
