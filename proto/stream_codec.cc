@@ -266,6 +266,12 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
     }
     s.prompt_pos0 = p;
   }
+  if (g.history_anchors_size() > 0) {
+    s.geo.history_anchors.assign(g.history_anchors().begin(), g.history_anchors().end());
+    if (absl::Status st = CheckAnchorList(s.geo.history_anchors, s.geo.n_history); !st.ok()) {
+      return bad(HeaderError(absl::StrCat(field, ".", st.message())));
+    }
+  }
   // The core's own check, as a backstop (it must agree with the above).
   if (absl::Status st = ValidateGeometry(s.geo); !st.ok()) {
     return bad(HeaderError(absl::StrCat(field, ": ", st.message())));

@@ -90,7 +90,8 @@ std::optional<DType> DTypeFromProto(v1::DType dtype);
 absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
 
 // The geometry of `turn` for a PublishHeader/CompressHeader.
-// InvalidArgument when the turn has no layers or layer 0 is inconsistent.
+// InvalidArgument when the turn has no layers or layer 0 is inconsistent,
+// or it carries history.acc or history.score (not uploaded; named).
 absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn);
 
 // The MessageHeader fields that describe `msg` (FillMessageHeader, and

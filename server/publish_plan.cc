@@ -23,6 +23,15 @@ namespace {
 std::string FieldText(const google::protobuf::Message& m, const google::protobuf::FieldDescriptor* f) {
   if (f->has_presence() && !m.GetReflection()->HasField(m, f)) return "unset";
   std::string out;
+  if (f->is_repeated()) {
+    out = "[";
+    for (int i = 0; i < m.GetReflection()->FieldSize(m, f); ++i) {
+      std::string item;
+      google::protobuf::TextFormat::PrintFieldValueToString(m, f, i, &item);
+      absl::StrAppend(&out, i ? "," : "", item);
+    }
+    return out + "]";
+  }
   google::protobuf::TextFormat::PrintFieldValueToString(m, f, -1, &out);
   return out;
 }

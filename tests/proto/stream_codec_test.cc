@@ -377,6 +377,42 @@ TEST(CheckGeometryTest, UsesTheCoreBounds) {
   EXPECT_EQ(kLayerOverheadBytes, 1024u);
 }
 
+// The chain's anchors in an uploaded history travel in the header; a turn
+// with history.acc or history.score cannot be uploaded and says so.
+TEST(CheckGeometryTest, HistoryAnchorsAndWhatIsNotUploaded) {
+  kvrelay::testing::TurnShape ts;
+  ts.n_history = 6;
+  Turn t = kvrelay::testing::RandomTurn(ts, 2);
+  for (TurnLayer& l : t.layers) {
+    for (int h = 0; h < ts.kv_heads; ++h) l.history_pos.at(h, 0) = 0;
+  }
+  t.history_anchors = {0};
+  absl::StatusOr<v1::TurnGeometry> g = TurnGeometryOf(t);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_EQ(g->history_anchors_size(), 1);
+  auto shape = CheckGeometry(*g, "header.geometry");
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  EXPECT_EQ(shape->geo.history_anchors, std::vector<int32_t>{0});
+  for (auto [anchors, n_history, want] :
+       {std::tuple<std::vector<int32_t>, int, const char*>{
+            {3, 1}, 6, "header.geometry.history_anchors: 1 at index 1, expected ascending distinct position ids >= 0"},
+        {{0}, 0, "header.geometry.history_anchors: 1 position ids, expected none for a turn without history"}}) {
+    v1::TurnGeometry bad = *g;
+    bad.mutable_history_anchors()->Assign(anchors.begin(), anchors.end());
+    bad.set_n_history(n_history);
+    auto r = CheckGeometry(bad, "header.geometry");
+    ASSERT_FALSE(r.ok()) << want;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(), want);
+  }
+  for (TurnLayer& l : t.layers) l.history_acc = ScoreMatrix(ts.kv_heads, 6);
+  absl::StatusOr<v1::TurnGeometry> refused = TurnGeometryOf(t);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("layer.0.history.acc: not carried by Publish or Compress"));
+}
+
 
 // ---------------------------------------------------------------- delivery
 

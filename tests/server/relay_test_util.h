@@ -37,6 +37,7 @@ inline v1::TurnGeometry ProtoGeometry(const Turn& t, bool with_history = true) {
   g.set_n_prompt(l0.prompt_k.tokens());
   g.set_n_gen(l0.gen_k.tokens());
   g.set_n_history(with_history ? l0.history_k.tokens() : 0);
+  if (with_history) g.mutable_history_anchors()->Assign(t.history_anchors.begin(), t.history_anchors.end());
   g.set_first_agent(t.first_agent);
   if (t.prompt_pos0) g.set_prompt_pos0(*t.prompt_pos0);
   return g;

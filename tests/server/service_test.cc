@@ -743,6 +743,47 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
   EXPECT_NE(text.find("kvrelay_store_bytes " + std::to_string(retained)), std::string::npos);
 }
 
+// An uploaded history with the chain's anchors in the header: the budget
+// keeps them, the message equals offline compression, and a retry of the
+// same publish (anchors and all) is a duplicate.
+TEST_F(RelayTest, UploadedHistoryKeepsItsAnchorsUnderABudget) {
+  testing::TurnShape s;
+  s.n_history = 12;
+  s.first_agent = false;
+  Turn t = testing::RandomTurn(s, 23);
+  for (TurnLayer& l : t.layers) {
+    for (int h = 0; h < s.kv_heads; ++h) {
+      l.history_pos.at(h, 0) = 0;
+      l.history_pos.at(h, 1) = 2;
+    }
+  }
+  t.history_anchors = {0, 2};
+  const std::string policy = "h2o-head:k=6,hist=3";
+  auto h = Header("anch", "u1", "a", {"b"}, policy, t);
+  ASSERT_EQ(h.geometry().history_anchors_size(), 2);
+  auto r = PublishTurn(stub_.get(), h, t);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  FetchResult f = DoFetch(stub_.get(), "anch", "b", true);
+  ASSERT_TRUE(f.status.ok());
+  const Message want = Offline(t, policy);
+  EXPECT_EQ(want.n_history, 2 + 3);
+  EXPECT_EQ(f.header.n_history(), 5u);
+  EXPECT_EQ(std::vector<int32_t>(f.header.anchor_pos().begin(), f.header.anchor_pos().end()),
+            (std::vector<int32_t>{0, 2}));
+  ExpectSameMessage(f.msg, want);
+  auto again = PublishTurn(stub_.get(), h, t);
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_TRUE(again.response.duplicate());
+  // The same id with other anchors is another publish: ALREADY_EXISTS naming the field.
+  Turn other = t;
+  other.history_anchors = {0};
+  auto h2 = Header("anch", "u1", "a", {"b"}, policy, other);
+  auto clash = PublishTurn(stub_.get(), h2, other);
+  EXPECT_EQ(clash.status.error_code(), grpc::ALREADY_EXISTS);
+  EXPECT_NE(clash.status.error_message().find("header.geometry.history_anchors [0,2], this publish has [0]"), std::string::npos)
+      << clash.status.error_message();
+}
+
 // h2o-auto's choice per layer is counted, as the offline compression of the
 // same turn makes it.
 TEST_F(RelayTest, AutoGranularityIsCountedPerLayer) {
