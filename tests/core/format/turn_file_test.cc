@@ -737,6 +737,22 @@ TEST(MessageFileTest, Version1ReadsAsAccZero) {
   EXPECT_THAT(std::string(ReadMessage(AsBytes(bad)).status().message()),
               HasSubstr("layer.0.acc: unexpected in a kvrelay.message.v1 file"));
 
+  // A v1 file whose anchor part the other heads or layers do not hold
+  // (found by the fuzzer): no anchors known, and it writes back as v2.
+  const std::string odd = Edited(v1, [](std::vector<StTensor>* ts, auto*, std::deque<std::string>* store) {
+    StTensor* pos = Named(ts, "layer.1.pos");
+    store->emplace_back(reinterpret_cast<const char*>(pos->data.data()), pos->data.size());
+    const int32_t moved = -7;  // head 0 of layer 1 no longer holds anchor 0
+    std::memcpy(store->back().data(), &moved, sizeof moved);
+    pos->data = AsBytes(store->back());
+  });
+  absl::StatusOr<Message> odd_msg = ReadMessage(AsBytes(odd));
+  ASSERT_TRUE(odd_msg.ok()) << odd_msg.status();
+  EXPECT_TRUE(odd_msg->anchor_pos.empty());
+  std::string rewritten;
+  ASSERT_TRUE(WriteMessage(*odd_msg, &rewritten).ok());
+  EXPECT_TRUE(ReadMessage(AsBytes(rewritten)).ok());
+
   Turn child = RandomTurn(s, 4);
   ASSERT_TRUE(ComposeOnParent(*old, &child).ok());
   for (const TurnLayer& l : child.layers) {
