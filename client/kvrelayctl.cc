@@ -416,10 +416,12 @@ std::optional<Failure> Compress(int argc, char** argv) {
 #endif
   absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = Pipeline::Create(policy);
   if (!pipeline.ok() && !addr) return Runtime(pipeline.status());
-  absl::StatusOr<Turn> turn = ReadTurnFile(in);
+  const std::optional<std::string> parent_path = flags.Get("parent");
+  TurnFileOptions read;
+  read.on_parent = parent_path.has_value();
+  absl::StatusOr<Turn> turn = ReadTurnFile(in, read);
   if (!turn.ok()) return Runtime(turn.status());
   const DType dtype = turn->layers[0].prompt_k.dtype();
-  const std::optional<std::string> parent_path = flags.Get("parent");
   if (parent_path) {
     if (addr) return Usage("compress: --parent is for compressing here; a relay composes on a parent by publish");
     absl::StatusOr<Message> parent = ReadMessageFile(*parent_path);
@@ -541,7 +543,9 @@ std::optional<Failure> Inspect(int argc, char** argv) {
       return Runtime(absl::InvalidArgumentError(absl::StrCat(path, ": ", msg.status().message())));
     InspectMessage(path, *msg);
   } else {
-    absl::StatusOr<Turn> turn = TurnFromSafetensors(*file);
+    TurnFileOptions read;
+    read.on_parent = true;  // a turn for a parent may carry history.score alone
+    absl::StatusOr<Turn> turn = TurnFromSafetensors(*file, read);
     if (!turn.ok())
       return Runtime(absl::InvalidArgumentError(absl::StrCat(path, ": ", turn.status().message())));
     InspectTurn(path, *turn);
@@ -716,7 +720,9 @@ std::optional<Failure> Publish(int argc, char** argv) {
   o.parent_id = flags.Get("parent").value_or("");
 
   KVRELAYCTL_DIAL(client, flags, addr);
-  absl::StatusOr<Turn> turn = ReadTurnFile(in);
+  TurnFileOptions read;
+  read.on_parent = !o.parent_id.empty();
+  absl::StatusOr<Turn> turn = ReadTurnFile(in, read);
   if (!turn.ok()) return Runtime(turn.status());
   ProgressLine line("publish");
   o.progress = line.Callback();

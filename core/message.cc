@@ -75,6 +75,14 @@ absl::Status ComposeOnParent(const Message& parent, Turn* turn) {
         DTypeName(parent.dtype), ", expected the turn's ", turn->layers.size(), " x ", l0.prompt_k.heads(), " x ",
         l0.prompt_k.dim(), " ", DTypeName(l0.prompt_k.dtype())));
   }
+  for (size_t l = 0; l < turn->layers.size(); ++l) {
+    const ScoreMatrix& sc = turn->layers[l].history_score;
+    const int n = parent.layers[l].tokens();
+    if ((sc.rows > 0 || sc.cols > 0 || !sc.data.empty()) && sc.cols != n) {
+      return absl::InvalidArgumentError(absl::StrCat("layer.", l, ".history.score: ", sc.cols,
+                                                     " tokens, expected the parent's ", n, " (its tokens per head)"));
+    }
+  }
   const int64_t end = NextPosition(parent);
   if (turn->prompt_pos0 && *turn->prompt_pos0 < end) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_pos0: ", *turn->prompt_pos0, ", expected >= ", end,

@@ -118,9 +118,12 @@ absl::Status SetHistoryFromMessage(const Message& parent, int l, DType dtype, Tu
 // parent_id: every layer by SetHistoryFromMessage, history_anchors =
 // parent.anchor_pos, first_agent = false (no anchors of its own: the chain
 // has them), and prompt_pos0 = NextPosition(parent) when unset.
-// InvalidArgument when the turn has history of its own or its layers, KV
-// heads, head_dim or dtype differ from the parent's, or an explicit
-// prompt_pos0 is before NextPosition(parent).
+// A layer's history_score, when given, covers the parent's tokens: [S,
+// the parent's tokens per head] (the values are checked with the composed
+// turn). InvalidArgument when the turn has history of its own, its layers,
+// KV heads, head_dim or dtype differ from the parent's, a history_score
+// has another number of tokens, or an explicit prompt_pos0 is before
+// NextPosition(parent).
 absl::Status ComposeOnParent(const Message& parent, Turn* turn);
 
 }  // namespace kvrelay

@@ -118,6 +118,11 @@ absl::Status CheckHistoryState(const TurnLayer& layer, int li, const TurnGeometr
                                       "kv heads, n_history"));
   }
   if (geo.history_score) {
+    if (geo.n_history == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Name(li, "history.score"), ": given without history, expected none (or a parent to compose on, whose "
+          "tokens it covers)"));
+    }
     if (geo.queries) {
       return absl::InvalidArgumentError(absl::StrCat(
           Name(li, "history.score"), ": given with gen.q, expected none (the relay computes the mass on the "

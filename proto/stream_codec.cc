@@ -16,9 +16,9 @@ absl::Span<const uint8_t> BytesOf(const std::vector<T>& v) {
   return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T));
 }
 
-constexpr v1::Part kUploadParts[] = {v1::PART_PROMPT_K,   v1::PART_PROMPT_V,  v1::PART_GEN_K,
-                                     v1::PART_GEN_V,      v1::PART_PROMPT_SCORE, v1::PART_HISTORY_K,
-                                     v1::PART_HISTORY_V,  v1::PART_HISTORY_POS};
+constexpr v1::Part kUploadParts[] = {v1::PART_PROMPT_K,     v1::PART_PROMPT_V,        v1::PART_GEN_K,
+                                     v1::PART_GEN_V,        v1::PART_PROMPT_SCORE,    v1::PART_HISTORY_SCORE,
+                                     v1::PART_HISTORY_K,    v1::PART_HISTORY_V,       v1::PART_HISTORY_POS};
 constexpr v1::Part kQueryUploadParts[] = {v1::PART_PROMPT_K,  v1::PART_PROMPT_V,  v1::PART_GEN_K,
                                           v1::PART_GEN_V,     v1::PART_GEN_Q,     v1::PART_HISTORY_K,
                                           v1::PART_HISTORY_V, v1::PART_HISTORY_POS};
@@ -34,6 +34,7 @@ absl::Span<const uint8_t> TurnPartBytes(const TurnLayer& l, v1::Part part) {
     case v1::PART_GEN_V: return l.gen_v.bytes();
     case v1::PART_PROMPT_SCORE: return BytesOf(l.scores.data);
     case v1::PART_GEN_Q: return l.gen_q.bytes();
+    case v1::PART_HISTORY_SCORE: return BytesOf(l.history_score.data);
     case v1::PART_HISTORY_K: return l.history_k.bytes();
     case v1::PART_HISTORY_V: return l.history_v.bytes();
     case v1::PART_HISTORY_POS: return BytesOf(l.history_pos.data);
@@ -59,7 +60,8 @@ absl::Span<const uint8_t> MessagePartBytes(const MessageLayer& l, v1::Part part)
 }
 
 // An uploaded tensor's bytes, from the header's geometry.
-uint64_t UploadPartBytes(const TurnGeometry& g, v1::Part part) {
+uint64_t UploadPartBytes(const UploadShape& s, v1::Part part) {
+  const TurnGeometry& g = s.geo;
   const uint64_t row = static_cast<uint64_t>(g.head_dim) * DTypeSize(g.dtype) * g.kv_heads;
   switch (part) {
     case v1::PART_PROMPT_K:
@@ -68,6 +70,7 @@ uint64_t UploadPartBytes(const TurnGeometry& g, v1::Part part) {
     case v1::PART_GEN_V: return row * g.n_gen;
     case v1::PART_PROMPT_SCORE: return 4ull * g.score_heads * g.n_prompt;
     case v1::PART_GEN_Q: return uint64_t{DTypeSize(g.q_dtype)} * g.score_heads * g.n_gen * g.head_dim;
+    case v1::PART_HISTORY_SCORE: return 4ull * g.score_heads * s.history_score_tokens;
     case v1::PART_HISTORY_K:
     case v1::PART_HISTORY_V: return row * g.n_history;
     case v1::PART_HISTORY_POS: return 4ull * g.kv_heads * g.n_history;
@@ -122,7 +125,8 @@ absl::Status DeliveryStatus(const StreamError& e) {
 }
 
 absl::Span<const v1::Part> UploadParts(bool history, bool queries) {
-  return absl::MakeConstSpan(queries ? kQueryUploadParts : kUploadParts, history ? 8 : 5);
+  absl::Span<const v1::Part> all = queries ? absl::MakeConstSpan(kQueryUploadParts) : absl::MakeConstSpan(kUploadParts);
+  return history ? all : all.first(all.size() - 3);
 }
 
 absl::Span<const v1::Part> DeliveryParts(bool quantized) {
@@ -177,7 +181,7 @@ std::string PartName(v1::Part part) { return v1::Part_Name(part); }
 
 uint64_t UploadShape::LayerUploadBytes() const {
   uint64_t n = 0;
-  for (v1::Part p : UploadParts(true, geo.queries)) n += UploadPartBytes(geo, p);
+  for (v1::Part p : UploadParts(true, geo.queries)) n += UploadPartBytes(*this, p);
   return n;
 }
 
@@ -187,7 +191,7 @@ uint64_t UploadShape::ReserveBytes() const {
   return UploadBytes() + kLayerOverheadBytes * static_cast<uint64_t>(layers);
 }
 
-absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field) {
+absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field, bool with_parent) {
   auto bad = [](const StreamError& e) { return UploadStatus(e); };
   UploadShape s;
   // The core's bounds (core/turn.h), checked before anything is reserved.
@@ -271,6 +275,26 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
     if (absl::Status st = CheckAnchorList(s.geo.history_anchors, s.geo.n_history); !st.ok()) {
       return bad(HeaderError(absl::StrCat(field, ".", st.message())));
     }
+  }
+  if (const uint32_t n = g.history_score_tokens(); n > 0) {
+    if (s.geo.queries) {
+      return bad(HeaderError(absl::StrCat(field, ".history_score_tokens: ", n,
+                                          ", expected 0 with query_dtype (the relay computes the mass on the "
+                                          "history from GEN_Q)")));
+    }
+    if (s.geo.n_history > 0 && static_cast<int>(n) != s.geo.n_history) {
+      return bad(FieldError(field, "history_score_tokens", n,
+                            absl::StrCat("0 or n_history (", s.geo.n_history, ")")));
+    }
+    if (s.geo.n_history == 0 && !with_parent) {
+      return bad(FieldError(field, "history_score_tokens", n,
+                            "0 (no history: n_history is 0 and there is no parent)"));
+    }
+    if (n > static_cast<uint32_t>(kMaxTokensPerPart)) {
+      return bad(FieldError(field, "history_score_tokens", n, absl::StrCat("0..", kMaxTokensPerPart)));
+    }
+    s.history_score_tokens = static_cast<int>(n);
+    s.geo.history_score = true;
   }
   // The core's own check, as a backstop (it must agree with the above).
   if (absl::Status st = ValidateGeometry(s.geo); !st.ok()) {
@@ -374,7 +398,7 @@ std::vector<ChunkSequence::Slot> UploadSlots(const UploadShape& shape) {
   std::vector<ChunkSequence::Slot> out;
   for (int l = 0; l < shape.layers; ++l) {
     for (v1::Part p : UploadParts(true, shape.geo.queries)) {
-      out.push_back({static_cast<uint32_t>(l), p, UploadPartBytes(shape.geo, p)});
+      out.push_back({static_cast<uint32_t>(l), p, UploadPartBytes(shape, p)});
     }
   }
   return out;
@@ -439,6 +463,9 @@ uint8_t* UploadReader::Dest(const ChunkSequence::Slot& s) {
     case v1::PART_GEN_Q:
       if (first) L.gen_q = KvTensor::Uninitialized(g.q_dtype, g.score_heads, g.n_gen, g.head_dim);
       return L.gen_q.mutable_bytes().data();
+    case v1::PART_HISTORY_SCORE:
+      if (first) L.history_score = ScoreMatrix(g.score_heads, shape_.history_score_tokens);
+      return reinterpret_cast<uint8_t*>(L.history_score.data.data());
     case v1::PART_HISTORY_K:
       if (first) L.history_k = KvTensor::Uninitialized(g.dtype, g.kv_heads, g.n_history, g.head_dim);
       return L.history_k.mutable_bytes().data();

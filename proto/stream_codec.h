@@ -102,8 +102,8 @@ absl::Status DeliveryStatus(const StreamError& e);
 
 // ------------------------------------------------------------------ orders
 
-// The parts of one uploaded layer, in upload order (without history: the
-// first five).
+// The parts of one uploaded layer, in upload order (without history: all
+// but the last three, HISTORY_K, HISTORY_V, HISTORY_POS).
 absl::Span<const v1::Part> UploadParts(bool history, bool queries = false);
 
 // The parts of one delivered layer, in delivery order.
@@ -142,6 +142,9 @@ struct UploadShape {
   bool first_agent = true;
   std::optional<int64_t> prompt_pos0;
   std::optional<double> softmax_scale;  // with geo.queries
+  // Columns of every layer's history.score (geo.history_score when > 0):
+  // geo.n_history, or with a parent the parent's tokens per head.
+  int history_score_tokens = 0;
 
   // Tensor bytes the upload carries (every chunk's data, summed).
   uint64_t UploadBytes() const;
@@ -156,8 +159,11 @@ struct UploadShape {
 // kMaxLayers, kMaxKvHeads, kMaxScoreHeads, kMaxHeadDim, kMaxTokensPerPart).
 // UploadStatus of a kHeader error naming the field and the range
 // ("header.geometry.kv_heads: 0, expected 1..1024") otherwise. `field`
-// prefixes field names.
-absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field);
+// prefixes field names. `with_parent`: the upload composes on a parent
+// (history_score_tokens may then be set without n_history; the caller
+// checks it against the parent).
+absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field,
+                                          bool with_parent = false);
 
 // The proto name of a part ("PART_PROMPT_K").
 std::string PartName(v1::Part part);

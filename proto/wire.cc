@@ -106,16 +106,14 @@ absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn) {
   if (geo.queries) g.set_query_dtype(ToProtoDType(geo.q_dtype));
   if (turn.softmax_scale) g.set_softmax_scale(*turn.softmax_scale);
   g.mutable_history_anchors()->Assign(turn.history_anchors.begin(), turn.history_anchors.end());
-  // Publish and Compress carry no history.acc or history.score: refuse
-  // rather than drop them (a relay would compress another turn).
-  for (auto [given, name] : {std::pair<bool, const char*>{geo.history_acc, "history.acc"},
-                             {geo.history_score, "history.score"}}) {
-    if (given) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer.0.", name, ": not carried by Publish or Compress, expected none (publish with parent_id "
-          "to keep the parent's acc, or compress offline with kvrelayctl compress)"));
-    }
+  // Publish and Compress carry no history.acc: refuse rather than drop it
+  // (a relay would compress another turn).
+  if (geo.history_acc) {
+    return absl::InvalidArgumentError(
+        "layer.0.history.acc: not carried by Publish or Compress, expected none (publish with parent_id to keep "
+        "the parent's acc, or compress offline with kvrelayctl compress)");
   }
+  if (geo.history_score) g.set_history_score_tokens(static_cast<uint32_t>(turn.layers[0].history_score.cols));
   return g;
 }
 

@@ -91,7 +91,9 @@ absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
 
 // The geometry of `turn` for a PublishHeader/CompressHeader.
 // InvalidArgument when the turn has no layers or layer 0 is inconsistent,
-// or it carries history.acc or history.score (not uploaded; named).
+// or it carries history.acc (not uploaded; named). history.score sets
+// history_score_tokens to its columns: the history's tokens, or with a
+// parent the parent's (layers[0].tokens() of the message fetched).
 absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn);
 
 // The MessageHeader fields that describe `msg` (FillMessageHeader, and

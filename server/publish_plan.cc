@@ -123,7 +123,8 @@ absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanIn
     plan.duplicate = std::move(prior);
     return plan;
   }
-  KVRELAY_ASSIGN_OR_RETURN(UploadShape shape, CheckGeometry(h.geometry(), "header.geometry"));
+  KVRELAY_ASSIGN_OR_RETURN(UploadShape shape,
+                           CheckGeometry(h.geometry(), "header.geometry", /*with_parent=*/!h.parent_id().empty()));
   KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(h.policy()));
   const std::string& spec = h.policy().empty() ? in.config.PolicyForRole(h.role()) : h.policy();
   absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = Pipeline::Create(spec);
@@ -152,6 +153,11 @@ absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanIn
           "%d x %d x %d %s",
           h.parent_id(), pm.layers.size(), pm.kv_heads, pm.head_dim, std::string(DTypeName(pm.dtype)),
           shape.layers, shape.geo.kv_heads, shape.geo.head_dim, std::string(DTypeName(shape.geo.dtype))));
+    }
+    if (const int n = pm.layers[0].tokens(); shape.geo.history_score && shape.history_score_tokens != n) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "header.geometry.history_score_tokens: ", shape.history_score_tokens, ", expected 0 or ", n,
+          " (the tokens per head of the parent '", h.parent_id(), "', which history.score covers)"));
     }
     if (shape.prompt_pos0 && *shape.prompt_pos0 < parent->msg.next_pos) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -69,7 +69,8 @@ struct PublishPlan {
 //   - with parent_id: n_history 0 and first_agent false (INVALID_ARGUMENT),
 //     the parent delivered to the sender (Store::LookupParent,
 //     FAILED_PRECONDITION) with the geometry's layers, kv_heads, head_dim and
-//     dtype (FAILED_PRECONDITION), prompt_pos0 unset (then the parent's
+//     dtype, and history_score_tokens 0 or the parent's tokens per head
+//     (FAILED_PRECONDITION), prompt_pos0 unset (then the parent's
 //     next_pos, whose ids must fit int32) or >= the parent's next_pos
 //     (INVALID_ARGUMENT);
 //   - the route of each recipient (RouteTable::Resolve: INVALID_ARGUMENT

@@ -290,7 +290,7 @@ uint64_t MessageLayerBytes(const MessageLayer& layer) {
   return kv + 4 * static_cast<uint64_t>(layer.pos.data.size());
 }
 
-absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
+absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file, const TurnFileOptions& options) {
   if (IsMessageFile(file)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "file is a kvrelay message (metadata format=", *file.GetMetadata("format"), "), expected a turn"));
@@ -426,26 +426,43 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file) {
         if (!t.data.empty()) std::memcpy(dst->data.data(), t.data.data(), t.data.size());
       }
     } else {
-      for (absl::string_view name : {"history.acc", "history.score"}) {
-        if (parts.count(name)) return Invalid(LayerName(l, name), "given without history, expected none");
+      if (parts.count("history.acc")) return Invalid(LayerName(l, "history.acc"), "given without history, expected none");
+      if (parts.count("history.score")) {
+        if (!options.on_parent) {
+          return Invalid(LayerName(l, "history.score"),
+                         "given without history, expected none (or a parent to compose on: kvrelayctl compress "
+                         "--parent, or publish --parent)");
+        }
+        const StTensor& t = *parts["history.score"];
+        out.history_score = ScoreMatrix(static_cast<int>(t.shape[0]), static_cast<int>(t.shape[1]));
+        if (!t.data.empty()) std::memcpy(out.history_score.data.data(), t.data.data(), t.data.size());
       }
       out.history_k = KvTensor(*dtype, out.prompt_k.heads(), 0, out.prompt_k.dim());
       out.history_v = KvTensor(*dtype, out.prompt_k.heads(), 0, out.prompt_k.dim());
       out.history_pos = PosTensor(out.prompt_k.heads(), 0);
     }
   }
+  if (history_layer >= 0 || !options.on_parent) {
+    KVRELAY_RETURN_IF_ERROR(ValidateTurn(turn));
+    return turn;
+  }
+  // The history.score of a turn for a parent covers the parent's tokens:
+  // everything else is checked now, its shape when composed.
+  std::vector<ScoreMatrix> scores(turn.layers.size());
+  for (size_t l = 0; l < turn.layers.size(); ++l) std::swap(scores[l], turn.layers[l].history_score);
   KVRELAY_RETURN_IF_ERROR(ValidateTurn(turn));
+  for (size_t l = 0; l < turn.layers.size(); ++l) std::swap(scores[l], turn.layers[l].history_score);
   return turn;
 }
 
-absl::StatusOr<Turn> ReadTurn(absl::Span<const uint8_t> bytes) {
+absl::StatusOr<Turn> ReadTurn(absl::Span<const uint8_t> bytes, const TurnFileOptions& options) {
   KVRELAY_ASSIGN_OR_RETURN(SafetensorsReader file, SafetensorsReader::ParseView(bytes));
-  return TurnFromSafetensors(file);
+  return TurnFromSafetensors(file, options);
 }
 
-absl::StatusOr<Turn> ReadTurnFile(const std::string& path) {
+absl::StatusOr<Turn> ReadTurnFile(const std::string& path, const TurnFileOptions& options) {
   KVRELAY_ASSIGN_OR_RETURN(SafetensorsReader file, SafetensorsReader::ReadFile(path));
-  absl::StatusOr<Turn> turn = TurnFromSafetensors(file);
+  absl::StatusOr<Turn> turn = TurnFromSafetensors(file, options);
   if (!turn.ok()) return PrefixPath(path, turn.status());
   return turn;
 }

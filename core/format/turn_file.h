@@ -48,17 +48,26 @@ bool IsMessageFile(const SafetensorsReader& file);
 
 // ---- Turns ----
 
+struct TurnFileOptions {
+  // The turn is to be composed on a parent (ComposeOnParent, a publish
+  // with parent_id): layer.{l}.history.score may then come without history
+  // tensors. It covers the parent's tokens, [S, the parent's tokens per
+  // head], so its shape and values are checked when composed (every other
+  // rule is checked here).
+  bool on_parent = false;
+};
+
 // Builds a Turn from parsed tensors: enforces the naming rules (layers
 // 0..L-1 without gaps, only known names, history in all layers or none,
 // history.pos with history), the dtype rules (K/V F32/F16/BF16 all alike,
 // score F32, pos I32), the tensor ranks, the metadata (first_agent,
 // prompt_pos0), then ValidateTurn (shapes, finiteness, score signs).
 // A turn without history gets history tensors of shape [H, 0, d] / [H, 0].
-absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file);
+absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file, const TurnFileOptions& options = {});
 // Parses `bytes` (a whole safetensors file) as a turn.
-absl::StatusOr<Turn> ReadTurn(absl::Span<const uint8_t> bytes);
+absl::StatusOr<Turn> ReadTurn(absl::Span<const uint8_t> bytes, const TurnFileOptions& options = {});
 // Reads the file at `path` as a turn.
-absl::StatusOr<Turn> ReadTurnFile(const std::string& path);
+absl::StatusOr<Turn> ReadTurnFile(const std::string& path, const TurnFileOptions& options = {});
 
 // Serializes `turn` into `*out` (replacing its contents). ValidateTurn runs
 // first and its error is returned. History tensors are written only when

@@ -126,6 +126,72 @@ TEST(UploadReaderTest, QueriesTravelInsteadOfScores) {
   }
 }
 
+// history.score travels right after each layer's prompt.score, sized by
+// history_score_tokens: the uploaded history's tokens, or (publish with a
+// parent) the parent's, which the codec cannot know.
+TEST(UploadReaderTest, HistoryScoreTravelsAfterThePromptScore) {
+  for (auto [hist, tokens] : {std::pair<int, int>{6, 6}, {0, 9}}) {
+    SCOPED_TRACE(absl::StrCat("history=", hist, " score tokens=", tokens));
+    kvrelay::testing::TurnShape s;
+    s.layers = 3;
+    s.n_history = hist;
+    s.first_agent = hist == 0 ? false : true;
+    Turn turn = kvrelay::testing::RandomTurn(s, 27);
+    std::mt19937 rng(tokens);
+    for (TurnLayer& l : turn.layers) {
+      l.history_score = ScoreMatrix(l.scores.rows, tokens);
+      for (float& v : l.history_score.data) v = std::uniform_real_distribution<float>(0, 1)(rng);
+    }
+    const v1::TurnGeometry g = testing::ProtoGeometry(turn);
+    absl::StatusOr<v1::TurnGeometry> ours = TurnGeometryOf(turn);
+    ASSERT_TRUE(ours.ok()) << ours.status();
+    EXPECT_EQ(ours->history_score_tokens(), static_cast<uint32_t>(tokens));
+    EXPECT_EQ(ours->SerializeAsString(), g.SerializeAsString());
+    absl::StatusOr<UploadShape> shape = CheckGeometry(g, "header.geometry", /*with_parent=*/hist == 0);
+    ASSERT_TRUE(shape.ok()) << shape.status();
+    EXPECT_TRUE(shape->geo.history_score);
+    EXPECT_EQ(shape->history_score_tokens, tokens);
+    const std::vector<v1::Chunk> chunks = TurnChunks(turn, 100);
+    std::vector<TensorRef> order = TurnUploadOrder(turn);
+    for (size_t i = 0; i + 1 < order.size(); ++i) {
+      if (order[i].part == v1::PART_PROMPT_SCORE) EXPECT_EQ(order[i + 1].part, v1::PART_HISTORY_SCORE);
+    }
+    EXPECT_EQ(TotalBytes(order), shape->UploadBytes());
+    UploadReader r(*shape);
+    int seen = 0;
+    for (const v1::Chunk& c : chunks) {
+      ASSERT_TRUE(r.Accept(c).ok()) << c.layer() << " " << PartName(c.part());
+      for (auto& [l, layer] : r.TakeCompleted()) {
+        ++seen;
+        EXPECT_EQ(layer.history_score.rows, turn.layers[l].history_score.rows);
+        EXPECT_EQ(layer.history_score.cols, tokens);
+        EXPECT_EQ(layer.history_score.data, turn.layers[l].history_score.data);
+      }
+    }
+    EXPECT_EQ(seen, 3);
+    EXPECT_TRUE(r.CheckCommit(testing::TrailerOf(chunks)).ok());
+  }
+  kvrelay::testing::TurnShape s;
+  s.n_history = 6;
+  const v1::TurnGeometry g = testing::ProtoGeometry(kvrelay::testing::RandomTurn(s, 28));
+  auto refused = [&](v1::TurnGeometry bad, bool with_parent, const std::string& want) {
+    auto r = CheckGeometry(bad, "header.geometry", with_parent);
+    ASSERT_FALSE(r.ok()) << want;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(), want);
+  };
+  v1::TurnGeometry other = g;
+  other.set_history_score_tokens(5);
+  refused(other, false, "header.geometry.history_score_tokens: 5, expected 0 or n_history (6)");
+  other.set_n_history(0);
+  refused(other, false, "header.geometry.history_score_tokens: 5, expected 0 (no history: n_history is 0 and there "
+                        "is no parent)");
+  EXPECT_TRUE(CheckGeometry(other, "header.geometry", /*with_parent=*/true).ok());
+  other.set_query_dtype(v1::DTYPE_F32);
+  refused(other, true, "header.geometry.history_score_tokens: 5, expected 0 with query_dtype (the relay computes the "
+                       "mass on the history from GEN_Q)");
+}
+
 TEST(UploadReaderTest, LayerIsReportedAsSoonAsItsLastChunkArrives) {
   Fixture f = Make();
   UploadReader a(f.shape);
@@ -378,7 +444,7 @@ TEST(CheckGeometryTest, UsesTheCoreBounds) {
 }
 
 // The chain's anchors in an uploaded history travel in the header; a turn
-// with history.acc or history.score cannot be uploaded and says so.
+// with history.acc cannot be uploaded and says so.
 TEST(CheckGeometryTest, HistoryAnchorsAndWhatIsNotUploaded) {
   kvrelay::testing::TurnShape ts;
   ts.n_history = 6;
@@ -498,29 +564,31 @@ std::string BytesWithAcc(const Message& m) {
 TEST(UploadOrderTest, PartsAndSizesWithoutHistory) {
   Turn turn = MakeTurn(1);
   std::vector<TensorRef> t = TurnUploadOrder(turn);
-  ASSERT_EQ(t.size(), 3u * 5);
-  const v1::Part parts[] = {v1::PART_PROMPT_K, v1::PART_PROMPT_V, v1::PART_GEN_K, v1::PART_GEN_V,
-                            v1::PART_PROMPT_SCORE};
+  ASSERT_EQ(t.size(), 3u * 6);
+  const v1::Part parts[] = {v1::PART_PROMPT_K, v1::PART_PROMPT_V,     v1::PART_GEN_K,
+                            v1::PART_GEN_V,    v1::PART_PROMPT_SCORE, v1::PART_HISTORY_SCORE};
   for (size_t i = 0; i < t.size(); ++i) {
-    EXPECT_EQ(t[i].layer, i / 5);
-    EXPECT_EQ(t[i].part, parts[i % 5]);
+    EXPECT_EQ(t[i].layer, i / 6);
+    EXPECT_EQ(t[i].part, parts[i % 6]);
   }
   EXPECT_EQ(t[0].data.size(), 2u * 300 * 64 * 2);  // bf16
   EXPECT_EQ(t[2].data.size(), 2u * 9 * 64 * 2);
   EXPECT_EQ(t[4].data.size(), 4u * 300 * 4);       // f32 scores [4, 300]
   EXPECT_EQ(t[4].data.data(), reinterpret_cast<const uint8_t*>(turn.layers[0].scores.data.data()));
+  EXPECT_EQ(t[5].data.size(), 0u);                 // no history.score: no chunk
 }
 
 TEST(UploadOrderTest, HistoryPartsWhenTheTurnHasHistory) {
   Turn turn = MakeTurn(2, /*n_history=*/7);
   std::vector<TensorRef> t = TurnUploadOrder(turn);
-  ASSERT_EQ(t.size(), 3u * 8);
-  EXPECT_EQ(t[5].part, v1::PART_HISTORY_K);
-  EXPECT_EQ(t[6].part, v1::PART_HISTORY_V);
-  EXPECT_EQ(t[7].part, v1::PART_HISTORY_POS);
-  EXPECT_EQ(t[7].data.size(), 2u * 7 * 4);
-  EXPECT_EQ(t[8].part, v1::PART_PROMPT_K);
-  EXPECT_EQ(t[8].layer, 1u);
+  ASSERT_EQ(t.size(), 3u * 9);
+  EXPECT_EQ(t[5].part, v1::PART_HISTORY_SCORE);
+  EXPECT_EQ(t[6].part, v1::PART_HISTORY_K);
+  EXPECT_EQ(t[7].part, v1::PART_HISTORY_V);
+  EXPECT_EQ(t[8].part, v1::PART_HISTORY_POS);
+  EXPECT_EQ(t[8].data.size(), 2u * 7 * 4);
+  EXPECT_EQ(t[9].part, v1::PART_PROMPT_K);
+  EXPECT_EQ(t[9].layer, 1u);
 
   absl::StatusOr<v1::TurnGeometry> g = TurnGeometryOf(turn);
   ASSERT_TRUE(g.ok()) << g.status();

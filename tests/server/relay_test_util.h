@@ -40,6 +40,7 @@ inline v1::TurnGeometry ProtoGeometry(const Turn& t, bool with_history = true) {
   if (with_history) g.mutable_history_anchors()->Assign(t.history_anchors.begin(), t.history_anchors.end());
   g.set_first_agent(t.first_agent);
   if (t.prompt_pos0) g.set_prompt_pos0(*t.prompt_pos0);
+  if (!l0.history_score.data.empty()) g.set_history_score_tokens(l0.history_score.cols);
   return g;
 }
 
@@ -69,6 +70,7 @@ inline std::vector<v1::Chunk> TurnChunks(const Turn& t, size_t chunk_bytes = 1 <
       add(v1::PART_GEN_Q, L.gen_q.bytes().data(), L.gen_q.byte_size());
     } else {
       add(v1::PART_PROMPT_SCORE, L.scores.data.data(), 4 * L.scores.data.size());
+      add(v1::PART_HISTORY_SCORE, L.history_score.data.data(), 4 * L.history_score.data.size());
     }
     if (L.history_k.tokens() > 0) {
       add(v1::PART_HISTORY_K, L.history_k.bytes().data(), L.history_k.byte_size());

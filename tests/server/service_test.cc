@@ -758,9 +758,15 @@ TEST_F(RelayTest, UploadedHistoryKeepsItsAnchorsUnderABudget) {
     }
   }
   t.history_anchors = {0, 2};
+  // This agent's mass on the uploaded history travels too (history.score).
+  for (TurnLayer& l : t.layers) {
+    l.history_score = ScoreMatrix(l.scores.rows, s.n_history);
+    for (size_t i = 0; i < l.history_score.data.size(); ++i) l.history_score.data[i] = 0.1f * (i % 11);
+  }
   const std::string policy = "h2o-head:k=6,hist=3";
   auto h = Header("anch", "u1", "a", {"b"}, policy, t);
   ASSERT_EQ(h.geometry().history_anchors_size(), 2);
+  ASSERT_EQ(h.geometry().history_score_tokens(), 12u);
   auto r = PublishTurn(stub_.get(), h, t);
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   FetchResult f = DoFetch(stub_.get(), "anch", "b", true);
@@ -771,6 +777,9 @@ TEST_F(RelayTest, UploadedHistoryKeepsItsAnchorsUnderABudget) {
   EXPECT_EQ(std::vector<int32_t>(f.header.anchor_pos().begin(), f.header.anchor_pos().end()),
             (std::vector<int32_t>{0, 2}));
   ExpectSameMessage(f.msg, want);
+  MessagePtr stored = server_->store()->Find("anch", "u1");
+  ASSERT_NE(stored, nullptr);
+  EXPECT_EQ(stored->msg.layers[1].acc, want.layers[1].acc);
   auto again = PublishTurn(stub_.get(), h, t);
   ASSERT_TRUE(again.status.ok()) << again.status.error_message();
   EXPECT_TRUE(again.response.duplicate());
@@ -782,6 +791,77 @@ TEST_F(RelayTest, UploadedHistoryKeepsItsAnchorsUnderABudget) {
   EXPECT_EQ(clash.status.error_code(), grpc::ALREADY_EXISTS);
   EXPECT_NE(clash.status.error_message().find("header.geometry.history_anchors [0,2], this publish has [0]"), std::string::npos)
       << clash.status.error_message();
+}
+
+// An agent with scores (no queries) publishing on a parent sends its mass on
+// the parent's tokens (history.score): it adds to their acc, so a history
+// budget keeps what this agent attended to. The stored message (acc
+// included) is bit-exact with ComposeOnParent + offline compression.
+TEST_F(RelayTest, HistoryScoreOnAParentAddsToAcc) {
+  const std::string policy = "h2o-head:k=6,hist=4";
+  Turn t1 = MakeTurn(41, /*first=*/true);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("hs", "m1", "planner", {"critic"}, policy, t1), t1).status.ok());
+  ASSERT_TRUE(DoFetch(stub_.get(), "hs", "critic", true).status.ok());
+  const Message m1 = Offline(t1, policy);
+  const int n1 = m1.layers[0].tokens();
+  const int S = t1.layers[0].scores.rows;
+  Turn t2 = MakeTurn(42, /*first=*/false);
+  std::mt19937 rng(42);
+  std::uniform_real_distribution<float> mass(0.0f, 1.0f);
+  for (TurnLayer& l : t2.layers) {
+    l.history_score = ScoreMatrix(S, n1);
+    // Heavy mass on the last tokens: they displace the parent's own ranking.
+    for (int q = 0; q < S; ++q) {
+      for (int j = 0; j < n1; ++j) l.history_score.at(q, j) = mass(rng) * (j >= n1 - 3 ? 50.0f : 1.0f);
+    }
+  }
+  Turn composed = t2;
+  ASSERT_TRUE(ComposeOnParent(m1, &composed).ok());
+  const Message want = Offline(composed, policy);
+  Turn unscored = t2;
+  for (TurnLayer& l : unscored.layers) l.history_score = ScoreMatrix();
+  ASSERT_TRUE(ComposeOnParent(m1, &unscored).ok());
+  const Message without = Offline(unscored, policy);
+  ASSERT_NE(want.layers[0].pos.data, without.layers[0].pos.data) << "the mass should change what is kept";
+
+  // A count other than the parent's tokens: FAILED_PRECONDITION, from the header.
+  {
+    auto h = Header("hs", "bad", "critic", {"refiner"}, policy, t2);
+    h.set_parent_id("m1");
+    h.mutable_geometry()->set_history_score_tokens(n1 + 1);
+    auto r = PublishTurn(stub_.get(), h, t2);
+    EXPECT_EQ(r.status.error_code(), grpc::FAILED_PRECONDITION);
+    EXPECT_EQ(r.status.error_message(),
+              absl::StrCat("header.geometry.history_score_tokens: ", n1 + 1, ", expected 0 or ", n1,
+                           " (the tokens per head of the parent 'm1', which history.score covers)"));
+  }
+  // A negative mass: INVALID_ARGUMENT naming the tensor; nothing is stored.
+  {
+    Turn neg = t2;
+    neg.layers[1].history_score.at(0, 2) = -1.0f;
+    auto h = Header("hs", "neg", "critic", {"refiner"}, policy, neg);
+    h.set_parent_id("m1");
+    auto r = PublishTurn(stub_.get(), h, neg);
+    EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+    EXPECT_NE(r.status.error_message().find("layer.1.history.score: value -1 at [0,2], expected a finite attention "
+                                            "mass >= 0"),
+              std::string::npos)
+        << r.status.error_message();
+    EXPECT_EQ(server_->store()->Find("hs", "neg"), nullptr);
+  }
+  auto h2 = Header("hs", "m2", "critic", {"refiner"}, policy, t2);
+  h2.set_parent_id("m1");
+  ASSERT_EQ(h2.geometry().history_score_tokens(), static_cast<uint32_t>(n1));
+  auto p2 = PublishTurn(stub_.get(), h2, t2);
+  ASSERT_TRUE(p2.status.ok()) << p2.status.error_message();
+  FetchResult f2 = DoFetch(stub_.get(), "hs", "refiner", true);
+  ASSERT_TRUE(f2.status.ok());
+  ExpectSameMessage(f2.msg, want);
+  MessagePtr stored = server_->store()->Find("hs", "m2");
+  ASSERT_NE(stored, nullptr);
+  for (size_t l = 0; l < want.layers.size(); ++l) {
+    EXPECT_EQ(stored->msg.layers[l].acc, want.layers[l].acc) << "layer " << l;
+  }
 }
 
 // h2o-auto's choice per layer is counted, as the offline compression of the

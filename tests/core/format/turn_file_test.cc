@@ -442,6 +442,64 @@ TEST(TurnFileMalformedTest, PositionsWithoutHistory) {
       "layer.0.history.k: missing, required with history (layer.0.history.pos is present)");
 }
 
+// A turn for a parent carries its mass on the parent's tokens without
+// history of its own: read only when asked (TurnFileOptions::on_parent),
+// its shape checked when composed.
+TEST(TurnFileTest, HistoryScoreForAParent) {
+  TurnShape s;
+  s.layers = 2;
+  s.first_agent = false;
+  const Message parent = Compress(RandomTurn(s, 8), "h2o-head:k=6");
+  const int n = parent.layers[0].tokens();
+  auto with_score = [&](int tokens) {
+    return Edited(MustWriteTurn(RandomTurn(s, 9)), [&](std::vector<StTensor>* ts, auto*, auto* store) {
+      for (int l = 0; l < s.layers; ++l) {
+        StTensor t;
+        t.name = absl::StrCat("layer.", l, ".history.score");
+        t.dtype = StDType::kF32;
+        t.shape = {static_cast<uint64_t>(s.kv_heads * s.group), static_cast<uint64_t>(tokens)};
+        std::string data(4 * t.shape[0] * t.shape[1], '\0');
+        for (size_t i = 0; i < data.size() / 4; ++i) {
+          const float v = 0.25f * static_cast<float>(i % 5);
+          std::memcpy(&data[4 * i], &v, 4);
+        }
+        t.data = Bytes(store, std::move(data));
+        ts->push_back(t);
+      }
+    });
+  };
+  const std::string file = with_score(n);
+  ExpectTurnInvalid(file, "layer.0.history.score: given without history, expected none (or a parent to compose on: "
+                          "kvrelayctl compress --parent, or publish --parent)");
+  TurnFileOptions on_parent;
+  on_parent.on_parent = true;
+  absl::StatusOr<Turn> t = ReadTurn(AsBytes(file), on_parent);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->layers[1].history_score.cols, n);
+  EXPECT_EQ(t->layers[1].history_score.at(0, 1), 0.25f);
+  // Standalone, the turn is not valid: the score needs the history it covers.
+  absl::Status alone = ValidateTurn(*t);
+  EXPECT_EQ(alone.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(alone.message()), HasSubstr("layer.0.history.score: given without history"));
+  ASSERT_TRUE(ComposeOnParent(parent, &*t).ok());
+  EXPECT_TRUE(ValidateTurn(*t).ok());
+  // Covering another number of tokens: refused when composed.
+  absl::StatusOr<Turn> other = ReadTurn(AsBytes(with_score(n + 2)), on_parent);
+  ASSERT_TRUE(other.ok()) << other.status();
+  absl::Status st = ComposeOnParent(parent, &*other);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), absl::StrCat("layer.0.history.score: ", n + 2, " tokens, expected the parent's ", n,
+                                       " (its tokens per head)"));
+  // In every layer or none, as with history: checked on the composed turn.
+  absl::StatusOr<Turn> partial = ReadTurn(
+      AsBytes(Edited(file, [](std::vector<StTensor>* ts, auto*, auto*) { Drop(ts, "layer.1.history.score"); })),
+      on_parent);
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  ASSERT_TRUE(ComposeOnParent(parent, &*partial).ok());
+  EXPECT_EQ(ValidateTurn(*partial).message(),
+            "layer.1.history.score: missing, expected it in every layer or in none (as layer.0)");
+}
+
 TEST(TurnFileMalformedTest, KvDtypeNotFloat) {
   ExpectTurnInvalid(Edited(MustWriteTurn(GoodTurn()),
                            [](std::vector<StTensor>* ts, auto*, auto*) {
