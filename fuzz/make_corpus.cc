@@ -169,8 +169,13 @@ void FormatSeeds() {
 void WireSeeds() {
   const Turn turn = TinyTurn(DType::kBF16, 0, 0, 4);
   const Turn history = TinyTurn(DType::kF16, 3, 0, 5);
+  Turn scored = history;  // with this agent's mass on the history
+  for (TurnLayer& l : scored.layers) {
+    l.history_score = ScoreMatrix(l.scores.rows, l.history_k.tokens());
+    for (size_t j = 0; j < l.history_score.data.size(); ++j) l.history_score.data[j] = 0.125f * (j % 3);
+  }
   int i = 0;
-  for (const Turn* t : {&turn, &history}) {
+  for (const Turn* t : std::initializer_list<const Turn*>{&turn, &history, &scored}) {
     v1::PublishRequest header;
     v1::PublishHeader* h = header.mutable_header();
     h->set_session_id("s1");

@@ -82,7 +82,8 @@ unsigned __int128 ExactMessageBytes(const v1::MessageHeader& h) {
 void FuzzUpload(const std::vector<std::string>& frames, size_t cut, bool fix) {
   v1::PublishRequest first;
   if (!first.ParseFromString(frames[0]) || !first.has_header()) return;
-  absl::StatusOr<UploadShape> shape = CheckGeometry(first.header().geometry(), "header.geometry");
+  absl::StatusOr<UploadShape> shape = CheckGeometry(first.header().geometry(), "header.geometry",
+                                                    /*with_parent=*/!first.header().parent_id().empty());
   if (!shape.ok()) {
     FUZZ_CHECK(shape.status().code() == absl::StatusCode::kInvalidArgument);
     return;
