@@ -27,6 +27,22 @@ int64_t HeldEnd(const Message& msg) {
 
 int64_t NextPosition(const Message& msg) { return std::max(msg.next_pos, HeldEnd(msg)); }
 
+absl::Status CheckMessageAnchors(const Message& msg, absl::string_view field) {
+  if (const int i = FirstUnorderedId(msg.anchor_pos); i >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", msg.anchor_pos[i], " at index ", i,
+                                                   ", expected ascending distinct position ids >= 0"));
+  }
+  for (size_t l = 0; l < msg.layers.size(); ++l) {
+    if (std::optional<AnchorMiss> miss = FindAnchorMiss(msg.layers[l].pos, msg.anchor_pos)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": position ", miss->anchor, " is held ", miss->held,
+                                                     " times by head ", miss->head, " of layer.", l,
+                                                     ".pos, expected exactly once (every head keeps every anchor "
+                                                     "of the chain)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 const char* GranularityName(Granularity g) {
   switch (g) {
     case Granularity::kHead: return "head";

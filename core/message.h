@@ -99,6 +99,12 @@ int64_t HeldEnd(const Message& msg);
 // Where the receiver continues: max(msg.next_pos, HeldEnd(msg)).
 int64_t NextPosition(const Message& msg);
 
+// InvalidArgument unless msg.anchor_pos is ascending distinct ids >= 0,
+// each held exactly once by every head of every layer (FirstUnorderedId,
+// FindAnchorMiss). `field` names the list in the message ("metadata
+// anchor_pos").
+absl::Status CheckMessageAnchors(const Message& msg, absl::string_view field);
+
 // "head" / "layer" / "" for Granularity::kHead / kLayer / kNone.
 const char* GranularityName(Granularity g);
 

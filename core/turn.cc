@@ -131,23 +131,10 @@ absl::Status CheckHistoryState(const TurnLayer& layer, int li, const TurnGeometr
     KVRELAY_RETURN_IF_ERROR(CheckMass(layer.history_score, li, "history.score", geo.score_heads, geo.n_history,
                                       "score heads, n_history"));
   }
-  const std::vector<int32_t>& anchors = geo.history_anchors;
-  if (anchors.empty()) return absl::OkStatus();
-  const PosTensor& pos = layer.history_pos;
-  std::vector<int> held(anchors.size());
-  for (int h = 0; h < pos.heads; ++h) {
-    std::fill(held.begin(), held.end(), 0);
-    for (int t = 0; t < pos.tokens; ++t) {
-      auto it = std::lower_bound(anchors.begin(), anchors.end(), pos.at(h, t));
-      if (it != anchors.end() && *it == pos.at(h, t)) ++held[it - anchors.begin()];
-    }
-    for (size_t a = 0; a < anchors.size(); ++a) {
-      if (held[a] != 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "history_anchors: position ", anchors[a], " is held ", held[a], " times by head ", h, " of ",
-            Name(li, "history.pos"), ", expected exactly once (every head keeps every anchor of the chain)"));
-      }
-    }
+  if (std::optional<AnchorMiss> miss = FindAnchorMiss(layer.history_pos, geo.history_anchors)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "history_anchors: position ", miss->anchor, " is held ", miss->held, " times by head ", miss->head, " of ",
+        Name(li, "history.pos"), ", expected exactly once (every head keeps every anchor of the chain)"));
   }
   return absl::OkStatus();
 }
@@ -263,13 +250,34 @@ absl::Status CheckAnchorList(const std::vector<int32_t>& anchors, int n_history)
     return absl::InvalidArgumentError(absl::StrCat("history_anchors: ", anchors.size(),
                                                    " position ids, expected at most n_history = ", n_history));
   }
-  for (size_t i = 0; i < anchors.size(); ++i) {
-    if (anchors[i] < 0 || (i > 0 && anchors[i] <= anchors[i - 1])) {
-      return absl::InvalidArgumentError(absl::StrCat("history_anchors: ", anchors[i], " at index ", i,
-                                                     ", expected ascending distinct position ids >= 0"));
-    }
+  if (const int i = FirstUnorderedId(anchors); i >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("history_anchors: ", anchors[i], " at index ", i,
+                                                   ", expected ascending distinct position ids >= 0"));
   }
   return absl::OkStatus();
+}
+
+int FirstUnorderedId(absl::Span<const int32_t> ids) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || (i > 0 && ids[i] <= ids[i - 1])) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::optional<AnchorMiss> FindAnchorMiss(const PosTensor& pos, absl::Span<const int32_t> anchors) {
+  if (anchors.empty()) return std::nullopt;
+  std::vector<int> held(anchors.size());
+  for (int h = 0; h < pos.heads; ++h) {
+    std::fill(held.begin(), held.end(), 0);
+    for (int t = 0; t < pos.tokens; ++t) {
+      auto it = std::lower_bound(anchors.begin(), anchors.end(), pos.at(h, t));
+      if (it != anchors.end() && *it == pos.at(h, t)) ++held[it - anchors.begin()];
+    }
+    for (size_t a = 0; a < anchors.size(); ++a) {
+      if (held[a] != 1) return AnchorMiss{h, anchors[a], held[a]};
+    }
+  }
+  return std::nullopt;
 }
 
 absl::Status ValidateGeometry(const TurnGeometry& geo) {

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "core/tensor.h"
 
 namespace kvrelay {
@@ -86,6 +87,24 @@ absl::Status ValidateGeometry(const TurnGeometry& geo);
 // InvalidArgument naming history_anchors unless `anchors` is empty, or
 // ascending distinct ids >= 0, at most n_history of them, with n_history > 0.
 absl::Status CheckAnchorList(const std::vector<int32_t>& anchors, int n_history);
+
+// The rule for every list of a chain's anchors (history_anchors, a
+// message's anchor_pos): ascending distinct position ids >= 0, each held
+// exactly once by every head. These two find the first violation; callers
+// name the list in their own terms.
+//
+// The index of the first id that is < 0 or not above the one before it;
+// -1 when there is none.
+int FirstUnorderedId(absl::Span<const int32_t> ids);
+// The first head of `pos` (and anchor) that does not hold an anchor of
+// `anchors` exactly once, with how many times it does; nullopt when every
+// head holds every anchor once. REQUIRES: FirstUnorderedId(anchors) == -1.
+struct AnchorMiss {
+  int head = 0;
+  int32_t anchor = 0;
+  int held = 0;
+};
+std::optional<AnchorMiss> FindAnchorMiss(const PosTensor& pos, absl::Span<const int32_t> anchors);
 
 struct Turn {
   bool first_agent = true;

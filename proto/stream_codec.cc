@@ -577,11 +577,9 @@ StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* by
   if (static_cast<uint64_t>(h.anchor_pos_size()) > n64) {
     return bad("anchor_pos", h.anchor_pos_size(), absl::StrCat("at most the message's ", n64, " tokens"));
   }
-  for (int i = 0; i < h.anchor_pos_size(); ++i) {
-    if (h.anchor_pos(i) < 0 || (i > 0 && h.anchor_pos(i) <= h.anchor_pos(i - 1))) {
-      return HeaderError(absl::StrCat("header.anchor_pos[", i, "]: ", h.anchor_pos(i),
-                                      ", expected ascending distinct position ids >= 0"));
-    }
+  if (const int i = FirstUnorderedId(h.anchor_pos()); i >= 0) {
+    return HeaderError(absl::StrCat("header.anchor_pos[", i, "]: ", h.anchor_pos(i),
+                                    ", expected ascending distinct position ids >= 0"));
   }
   const uint64_t L = h.layers();
   const uint64_t per_layer = MessageLayerBytes(h) + 4 * uint64_t{h.kv_heads()} * h.acc_tokens();
@@ -679,6 +677,19 @@ StreamError DeliveryReader::Finish(const v1::Trailer& t, Message* out) {
     return StreamError(StreamErrorKind::kValue,
                        absl::StrCat("header.accounting.sent_bytes: ", msg_.sent_bytes, ", expected ", sent,
                                     " (bytes of the delivered tensors)"));
+  }
+  // acc (relay to relay) feeds later selections: a value no relay computes
+  // is refused rather than stored.
+  for (size_t l = 0; l < msg_.layers.size(); ++l) {
+    const std::vector<float>& acc = msg_.layers[l].acc;
+    for (size_t i = 0; i < acc.size(); ++i) {
+      if (!(std::isfinite(acc[i]) && acc[i] >= 0)) {
+        const size_t n = acc.size() / msg_.kv_heads;
+        return StreamError(StreamErrorKind::kValue,
+                           absl::StrCat("layer.", l, ".acc: ", acc[i], " at [", i / n, ",", i % n,
+                                        "], expected a finite accumulated importance >= 0"));
+      }
+    }
   }
   msg_.next_pos = NextPosition(msg_);  // 0 (a relay before the field): from the ids
   done_ = true;

@@ -227,6 +227,9 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     Message suffix;
     if (StreamError e = reader_.Finish(c.trailer(), &suffix); !e.ok()) return Fail(UploadStatus(e));
     Message msg = ancestor_ ? RebuildFromAncestor(ancestor_->msg, std::move(suffix)) : std::move(suffix);
+    // A child composed on this message relies on every head holding the
+    // chain's anchors.
+    if (absl::Status st = CheckMessageAnchors(msg, "header.message.anchor_pos"); !st.ok()) return Fail(st);
     msg.n_history = static_cast<int>(h.message().n_history());
     msg.policy = c.accounting().policy();
     msg.full_bytes = c.accounting().full_bytes();

@@ -82,7 +82,8 @@ uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, const Mes
   const uint64_t tokens = static_cast<uint64_t>(counts.n_history) + counts.n_anchor + counts.n_kept + counts.n_gen;
   const uint64_t row = p.config().quant ? static_cast<uint64_t>(g.head_dim) * p.config().quant->bits / 8
                                         : static_cast<uint64_t>(g.head_dim) * DTypeSize(g.dtype);
-  return RetainedBytes(static_cast<uint64_t>(shape.layers) * g.kv_heads * tokens * (2 * row + 4),
+  // Per token and head: K and V rows, its position id and its acc.
+  return RetainedBytes(static_cast<uint64_t>(shape.layers) * g.kv_heads * tokens * (2 * row + 4 + 4),
                        static_cast<uint64_t>(shape.layers));
 }
 

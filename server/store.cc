@@ -6,8 +6,8 @@
 
 namespace kvrelay {
 
-uint64_t RetainedBytes(uint64_t sent_bytes, uint64_t layers) {
-  return sent_bytes + kMessageOverheadBytes + kLayerOverheadBytes * layers;
+uint64_t RetainedBytes(uint64_t tensor_bytes, uint64_t layers) {
+  return tensor_bytes + kMessageOverheadBytes + kLayerOverheadBytes * layers;
 }
 
 void Store::MergeTrack(RecipientTrack* cur, const RecipientTrack& track) {

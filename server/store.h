@@ -72,10 +72,16 @@ using MessagePtr = std::shared_ptr<const StoredMessage>;
 // and store limits so that a message without tokens is not free.
 constexpr uint64_t kMessageOverheadBytes = 1024;
 
-// What a committed message holds against the limits: its sent bytes plus
-// kMessageOverheadBytes plus kLayerOverheadBytes per layer.
-uint64_t RetainedBytes(uint64_t sent_bytes, uint64_t layers);
-inline uint64_t RetainedBytes(const Message& msg) { return RetainedBytes(msg.sent_bytes, msg.layers.size()); }
+// What a committed message holds against the limits: its tensor bytes
+// (the sent bytes plus its acc, 4 bytes per token and head, which agents
+// never receive) plus kMessageOverheadBytes plus kLayerOverheadBytes per
+// layer.
+uint64_t RetainedBytes(uint64_t tensor_bytes, uint64_t layers);
+inline uint64_t RetainedBytes(const Message& msg) {
+  uint64_t acc = 0;
+  for (const MessageLayer& l : msg.layers) acc += 4 * static_cast<uint64_t>(l.acc.size());
+  return RetainedBytes(msg.sent_bytes + acc, msg.layers.size());
+}
 
 struct StoreLimits {
   uint64_t max_inflight_bytes = 4ull << 30;

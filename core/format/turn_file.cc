@@ -708,45 +708,19 @@ absl::Status WriteMessageFile(const Message& msg, const std::string& path) {
 
 namespace {
 
-// InvalidArgument unless msg->anchor_pos is ascending, >= 0, and every head of
-// every layer holds each id exactly once.
-absl::Status CheckAnchorsHeld(const Message& msg) {
-  const std::vector<int32_t>& anchors = msg.anchor_pos;
-  for (size_t i = 0; i < anchors.size(); ++i) {
-    if (anchors[i] < 0 || (i > 0 && anchors[i] <= anchors[i - 1])) {
-      return absl::InvalidArgumentError(absl::StrCat("metadata anchor_pos: ", anchors[i], " at index ", i,
-                                                     ", expected ascending distinct position ids >= 0"));
-    }
-  }
-  for (size_t l = 0; l < msg.layers.size(); ++l) {
-    const PosTensor& pos = msg.layers[l].pos;
-    for (int h = 0; h < pos.heads; ++h) {
-      const int32_t* row = pos.data.data() + static_cast<size_t>(h) * pos.tokens;
-      for (int32_t p : anchors) {
-        if (std::count(row, row + pos.tokens, p) != 1) {
-          return absl::InvalidArgumentError(absl::StrCat("metadata anchor_pos: position ", p, " is not held once by head ",
-                                                         h, " of ", LayerName(static_cast<int>(l), "pos"),
-                                                         ", expected every head to hold every anchor once"));
-        }
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
 // anchor_pos and granularity. A v1 file has no anchor_pos: its own anchor
 // part's ids, when every head of every layer holds them once (else none).
 absl::Status ReadAnchorsAndGranularity(const SafetensorsReader& file, bool v1, Message* msg) {
   const MessageLayer& l0 = msg->layers[0];
   if (v1) {
     for (int j = 0; j < msg->n_anchor; ++j) msg->anchor_pos.push_back(l0.pos.at(0, msg->n_history + j));
-    if (!CheckAnchorsHeld(*msg).ok()) msg->anchor_pos.clear();
+    if (!CheckMessageAnchors(*msg, "").ok()) msg->anchor_pos.clear();
     return absl::OkStatus();
   }
   std::optional<absl::string_view> a = file.GetMetadata("anchor_pos");
   if (!a) return absl::InvalidArgumentError("metadata anchor_pos: missing, expected comma-separated position ids");
   KVRELAY_ASSIGN_OR_RETURN(msg->anchor_pos, ParsePositionList("anchor_pos", *a));
-  KVRELAY_RETURN_IF_ERROR(CheckAnchorsHeld(*msg));
+  KVRELAY_RETURN_IF_ERROR(CheckMessageAnchors(*msg, "metadata anchor_pos"));
   if (std::optional<absl::string_view> g = file.GetMetadata("granularity")) {
     std::vector<absl::string_view> items = absl::StrSplit(*g, ',');
     if (items.size() != msg->layers.size()) {

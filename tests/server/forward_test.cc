@@ -348,6 +348,54 @@ TEST_F(ForwardTest, AWholeForwardIsCommittedAndFetchedBitExact) {
   WaitInflightZero();
 }
 
+// What later selections rely on is checked on receipt: acc finite and >= 0,
+// and every head holding every anchor once. Nothing is stored otherwise.
+TEST_F(ForwardTest, AnAccOrAnchorsNoRelayWouldSendAreRefused) {
+  Turn t = MakeTurn(5);
+  const Message msg = Offline(t, "h2o-head:k=8");
+  ASSERT_FALSE(msg.anchor_pos.empty());
+  ASSERT_FALSE(msg.layers[1].acc.empty());
+  auto forward = [&](const Message& m, const std::string& id) {
+    v1::ForwardHeader h = FwdHeader("bad", id, "a", {"b"}, m);
+    h.mutable_message()->set_acc_tokens(static_cast<uint32_t>(m.layers[0].tokens()));
+    std::vector<v1::ForwardRequest> reqs;
+    *reqs.emplace_back().mutable_header() = h;
+    const std::vector<v1::Chunk> chunks = ChunksOf(MessageDeliveryOrder(m, /*with_acc=*/true));
+    for (const v1::Chunk& c : chunks) *reqs.emplace_back().mutable_chunk() = c;
+    reqs.push_back(CommitFor(chunks, m));
+    return DoForward(stub_.get(), reqs);
+  };
+  ExpectResults(forward(msg, "good"), {{"b", 0, false}});
+  EXPECT_EQ(server_->store()->Find("bad", "good")->msg.layers[1].acc, msg.layers[1].acc);
+
+  Message nan = msg;
+  const int n = msg.layers[1].tokens();
+  nan.layers[1].acc[static_cast<size_t>(n) + 3] = std::nanf("");
+  ForwardCall r = forward(nan, "nan");
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(), "layer.1.acc: nan at [1,3], expected a finite accumulated importance >= 0");
+  EXPECT_EQ(server_->store()->Find("bad", "nan"), nullptr);
+
+  Message neg = msg;
+  neg.layers[0].acc[0] = -0.5f;
+  r = forward(neg, "neg");
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(), "layer.0.acc: -0.5 at [0,0], expected a finite accumulated importance >= 0");
+
+  Message lost = msg;  // head 1 of layer 2 no longer holds the first anchor
+  const int32_t a0 = msg.anchor_pos[0];
+  for (int j = 0; j < lost.layers[2].tokens(); ++j) {
+    if (lost.layers[2].pos.at(1, j) == a0) lost.layers[2].pos.at(1, j) = 1 << 30;
+  }
+  r = forward(lost, "lost");
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(),
+            absl::StrCat("header.message.anchor_pos: position ", a0, " is held 0 times by head 1 of layer.2.pos, "
+                         "expected exactly once (every head keeps every anchor of the chain)"));
+  EXPECT_EQ(server_->store()->Find("bad", "lost"), nullptr);
+  WaitInflightZero();
+}
+
 // The same forward again is answered from its header alone (no tensor is
 // read: the stream here has none), per recipient, and delivers nothing twice.
 TEST_F(ForwardTest, AForwardAgainIsADuplicateWithoutItsTensors) {
@@ -491,7 +539,7 @@ TEST_F(ForwardTest, AForwardAfterItsAncestorIsRebuiltBitExact) {
   MessagePtr held = server_->store()->Find("s", "m2");
   ASSERT_TRUE(held);
   EXPECT_EQ(held->msg.sent_bytes, child.sent_bytes);
-  EXPECT_EQ(held->bytes, RetainedBytes(child));
+  EXPECT_EQ(held->bytes, RetainedBytes(child.sent_bytes, child.layers.size()));  // forwarded without acc
   WaitInflightZero();
 }
 

@@ -44,6 +44,14 @@ inline v1::TurnGeometry ProtoGeometry(const Turn& t, bool with_history = true) {
   return g;
 }
 
+// The bytes of a message's acc (relay-side, not sent to agents): 4 per
+// token, head and layer.
+inline uint64_t AccBytes(const Message& m) {
+  uint64_t n = 0;
+  for (const MessageLayer& l : m.layers) n += 4 * static_cast<uint64_t>(l.pos.heads) * l.pos.tokens;
+  return n;
+}
+
 // The chunks of a turn in upload order, `chunk_bytes` at most each.
 inline std::vector<v1::Chunk> TurnChunks(const Turn& t, size_t chunk_bytes = 1 << 20) {
   std::vector<v1::Chunk> out;

@@ -729,8 +729,9 @@ TEST_F(RelayTest, MetricsMatchTheAccountingAndStats) {
   EXPECT_EQ(st.sent_bytes(), sent);
   EXPECT_EQ(st.received_bytes(), received);
   EXPECT_EQ(st.mailbox_messages(), 3u);
-  // Each message retains its sent bytes plus its bookkeeping.
-  const uint64_t retained = sent + 3 * (kMessageOverheadBytes + kLayerOverheadBytes * t.layers.size());
+  // Each message retains its sent bytes, its acc and its bookkeeping.
+  const uint64_t retained = sent + 3 * (AccBytes(Offline(t, "h2o-head:k=8")) + kMessageOverheadBytes +
+                                        kLayerOverheadBytes * t.layers.size());
   EXPECT_EQ(st.store_bytes(), retained);
   EXPECT_EQ(st.mailbox_bytes(), retained);
   const std::string text = prometheus::TextSerializer().Serialize(server_->metrics()->registry()->Collect());
@@ -1128,7 +1129,9 @@ TEST_F(RelayTest, ComposedSizeIsCheckedAgainstMailboxesUpFront) {
   auto r = PublishTurn(stub_.get(), h2, t2);
   EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("mailbox of 'refiner'"), std::string::npos) << r.status.error_message();
-  const uint64_t composed = 85536 + kMessageOverheadBytes + kLayerOverheadBytes * t2.layers.size();
+  // K, V and position ids of both turns' tokens, their acc, the bookkeeping.
+  const uint64_t composed = 85536 + AccBytes(Offline(t1, "full")) + AccBytes(Offline(t2, "full")) +
+                            kMessageOverheadBytes + kLayerOverheadBytes * t2.layers.size();
   EXPECT_NE(r.status.error_message().find(absl::StrCat(composed, " bytes")), std::string::npos)
       << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("--max-mailbox-bytes=60000"), std::string::npos);
@@ -1191,7 +1194,8 @@ TEST_F(RelayTest, RetainedBytesAreLimitedPerSessionAndStore) {
   server_->Shutdown();
   ServerConfig cfg;
   Turn t = MakeTurn(27);
-  const uint64_t msg = 42768 + kMessageOverheadBytes + kLayerOverheadBytes * t.layers.size();  // retained
+  const uint64_t msg =  // retained: tensors, acc, bookkeeping
+      42768 + AccBytes(Offline(t, "full")) + kMessageOverheadBytes + kLayerOverheadBytes * t.layers.size();
   cfg.max_session_bytes = 2 * msg;
   cfg.max_store_bytes = 3 * msg;
   StartServer(cfg);
@@ -1242,9 +1246,11 @@ TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
   ASSERT_TRUE(resp.has_header());
   const uint64_t sent = resp.header().accounting().sent_bytes();
   EXPECT_GT(sent, 32u << 20);
-  // The upload's reservation goes, the reply's (its bytes and bookkeeping,
-  // as a retained message counts them) stays while it streams.
-  const uint64_t held = sent + kMessageOverheadBytes + kLayerOverheadBytes * resp.header().layers();
+  // The upload's reservation goes, the reply's (its bytes, its acc and
+  // bookkeeping, as a retained message counts them) stays while it streams.
+  const v1::MessageHeader& mh = resp.header();
+  const uint64_t acc = 4ull * mh.layers() * mh.kv_heads() * (mh.n_history() + mh.n_anchor() + mh.n_kept() + mh.n_gen());
+  const uint64_t held = sent + acc + kMessageOverheadBytes + kLayerOverheadBytes * mh.layers();
   EXPECT_EQ(WaitFor([&] { return server_->store()->inflight_bytes(); }, held), held);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_EQ(server_->store()->inflight_bytes(), held);
