@@ -181,6 +181,8 @@ const UPLOAD_PARTS = [
   ['PART_GEN_V', 'genV', 'gen.v', (g, kv) => g.kvHeads * g.nGen * g.headDim * kv],
 ];
 const SCORE_PART = ['PART_PROMPT_SCORE', 'promptScore', 'prompt.score', (g) => g.scoreHeads * g.nPrompt * 4];
+const HISTORY_SCORE_PART = ['PART_HISTORY_SCORE', 'historyScore', 'history.score',
+                            (g) => g.scoreHeads * g.historyScoreTokens * 4];
 const QUERY_PART = ['PART_GEN_Q', 'genQ', 'gen.q', (g, kv, q) => g.scoreHeads * g.nGen * g.headDim * q];
 const KV_SIZE = { F32: 4, F16: 2, BF16: 2 };
 const HISTORY_PARTS = [
@@ -207,6 +209,16 @@ const HISTORY_PARTS = [
  * [scoreHeads, nGen, headDim] in that dtype, from which the relay computes
  * the scores with softmaxScale as the logit scale (a finite number > 0;
  * unset: 1/sqrt(headDim)). A layer carries exactly one of the two.
+ *
+ * With promptScore, every layer or none may carry historyScore, F32
+ * [scoreHeads, historyScoreTokens]: this agent's attention mass on each
+ * history token (finite, >= 0), in the history's token order per KV head.
+ * historyScoreTokens is the history's tokens per head: nHistory for an
+ * uploaded history (its default then), or with a parentId the parent
+ * message's (its header's nHistory + nAnchor + nKept + nGen; required).
+ * historyAnchors (optional, only with nHistory > 0): the position ids of the
+ * chain's anchors that the uploaded history holds (a fetched message's
+ * header.anchorPos), ascending; a history budget (hist=) never drops them.
  */
 function planUpload(turn) {
   if (turn === null || typeof turn !== 'object') {
@@ -241,8 +253,11 @@ function planUpload(turn) {
     throw invalid(`turn.promptPos0: ${typeof pos0 === 'string' ? JSON.stringify(pos0) : pos0}, ` +
                   'expected an integer >= 0 (or undefined: after the history or the parent)');
   }
+  const anchors = checkAnchors(turn.historyAnchors, g.nHistory);
+  g.historyScoreTokens = checkHistoryScore(turn, queryDtype, g.nHistory);
   const attention = queryDtype ? QUERY_PART : SCORE_PART;
-  const parts = UPLOAD_PARTS.concat([attention], g.nHistory > 0 ? HISTORY_PARTS : []);
+  const parts = UPLOAD_PARTS.concat([attention], g.historyScoreTokens > 0 ? [HISTORY_SCORE_PART] : [],
+                                    g.nHistory > 0 ? HISTORY_PARTS : []);
   const q = queryDtype ? KV_SIZE[queryDtype] : 0;
   const tensors = [];
   turn.layers.forEach((layer, l) => {
@@ -276,7 +291,98 @@ function planUpload(turn) {
   if (pos0 !== undefined) geometry.promptPos0 = pos0;
   if (queryDtype) geometry.queryDtype = `DTYPE_${queryDtype}`;
   if (scale !== undefined) geometry.softmaxScale = scale;
+  if (anchors.length) geometry.historyAnchors = anchors;
+  if (g.historyScoreTokens) geometry.historyScoreTokens = g.historyScoreTokens;
   return { geometry, tensors };
+}
+
+/**
+ * turn.historyAnchors as a fresh array: ascending distinct integer position
+ * ids in [0, 2^31), at most nHistory of them, none without history (unset,
+ * null or []: none). Whether every head holds each is the relay's to check.
+ */
+function checkAnchors(value, nHistory) {
+  if (value == null) return [];
+  if (!Array.isArray(value) && !(ArrayBuffer.isView(value) && !(value instanceof DataView))) {
+    throw invalid(`turn.historyAnchors: ${typeof value === 'string' ? JSON.stringify(value) : typeof value}, ` +
+                  'expected an array of position ids');
+  }
+  const ids = Array.from(value);
+  ids.forEach((id, i) => {
+    if (!Number.isSafeInteger(id) || id < 0 || id >= 2 ** 31) {
+      throw invalid(`turn.historyAnchors[${i}]: ${typeof id === 'string' ? JSON.stringify(id) : id}, ` +
+                    'expected an integer position id in [0, 2^31)');
+    }
+    if (i > 0 && id <= ids[i - 1]) {
+      throw invalid(`turn.historyAnchors[${i}]: ${id} after ${ids[i - 1]}, expected ascending distinct position ids`);
+    }
+  });
+  if (ids.length && nHistory === 0) {
+    throw invalid(`turn.historyAnchors: ${ids.length} position ids, expected none for a turn without history ` +
+                  "(with parentId the relay takes the parent's anchors)");
+  }
+  if (ids.length > nHistory) {
+    throw invalid(`turn.historyAnchors: ${ids.length} position ids, expected at most nHistory = ${nHistory}`);
+  }
+  return ids;
+}
+
+/**
+ * The columns of the layers' historyScore, 0 when they carry none:
+ * turn.historyScoreTokens, by default nHistory. Checks that every layer or
+ * none carries one, never with queries, and that an uploaded history's
+ * score covers nHistory tokens; without uploaded history the columns are
+ * the parent's tokens per head, which only the relay can check. (Each
+ * layer's byte length is checked with the other tensors.)
+ */
+function checkHistoryScore(turn, queryDtype, nHistory) {
+  const given = turn.layers.map((layer) => layer.historyScore != null);
+  const n = turn.historyScoreTokens ?? undefined;
+  if (n !== undefined && !(Number.isSafeInteger(n) && n >= 0 && n <= 0xffffffff)) {
+    throw invalid(`turn.historyScoreTokens: ${typeof n === 'string' ? JSON.stringify(n) : n}, ` +
+                  'expected an integer 0..4294967295');
+  }
+  if (!given.some(Boolean)) {
+    if (n) throw invalid(`turn.historyScoreTokens: ${n}, expected 0 or unset (no layer carries a historyScore)`);
+    return 0;
+  }
+  const missing = given.indexOf(false);
+  if (missing >= 0) {
+    throw invalid(`layer.${missing}.history.score: missing, expected it in every layer or in none ` +
+                  `(layer.${given.indexOf(true)} has one)`);
+  }
+  if (queryDtype) {
+    throw invalid('layer.0.history.score: given with layer.0.gen.q, expected none ' +
+                  '(the relay computes the mass on the history from the queries)');
+  }
+  if (!n && nHistory === 0) {
+    throw invalid(`turn.historyScoreTokens: ${n === undefined ? 'unset' : n}, expected the parent's tokens per ` +
+                  'head (its header\'s nHistory + nAnchor + nKept + nGen) for a historyScore without uploaded history');
+  }
+  if (nHistory > 0 && n && n !== nHistory) {
+    throw invalid(`turn.historyScoreTokens: ${n}, expected nHistory = ${nHistory} (the uploaded history's tokens)`);
+  }
+  return n || nHistory;
+}
+
+/** A historyScore needs a history: uploaded, or the parent's (`parent`: the call has one). */
+function checkHistoryScoreHasHistory(geometry, parent) {
+  if (geometry.historyScoreTokens && !geometry.nHistory && !parent) {
+    throw invalid(`layer.0.history.score: [${geometry.scoreHeads}, ${geometry.historyScoreTokens}] given without ` +
+                  'history, expected none (upload the history, or publish with parentId: its columns are then ' +
+                  "the parent's tokens per head)");
+  }
+}
+
+/**
+ * An Accounting as this client hands it out: attentionError is the
+ * fidelity figure (a number, 0 included) for a turn with queries, null
+ * otherwise; proto-loader's marker of the optional field is dropped.
+ */
+function accountingOf(a) {
+  if (a == null) return a;
+  const { _attentionError: _marker, attentionError, ...rest } = a;
+  return { ...rest, attentionError: typeof attentionError === 'number' ? attentionError : null };
 }
 
 /**
@@ -423,7 +529,7 @@ class Assembler {
         slots.push({ layer, part, name: `layer.${layer}.${suffix}`, dtype: dt, shape, size, data: null, filled: 0 });
       }
     }
-    this.header = h;
+    this.header = { ...h, accounting: accountingOf(h.accounting) };
     this.slots = slots;
     this.total = total;
     this.next = 0;
@@ -561,7 +667,9 @@ class RelayClient {
    * reference (the turn then carries none and is sent with firstAgent =
    * false, whatever it says). `messageId` is the idempotency
    * key (empty or unset: newMessageId()). Resolves to
-   * { messageId, duplicate, accounting }. Rejects with an error that carries
+   * { messageId, duplicate, accounting }; accounting.attentionError is the
+   * fidelity figure for a turn with queries (genQ), null otherwise (also in
+   * a delivered header's accounting). Rejects with an error that carries
    * `messageId`: retry with that id (never a fresh one) when the outcome is
    * unknown, and a committed publish answers duplicate = true.
    */
@@ -595,11 +703,12 @@ class RelayClient {
     }
     recipients.forEach((r, i) => checkId(`recipients[${i}]`, r));
     const { geometry, tensors } = planUpload(turn);
+    checkHistoryScoreHasHistory(geometry, Boolean(parentId));
     // With a parent the turn continues a chain: never the first agent's.
     if (parentId) geometry.firstAgent = false;
     const header = { sessionId, messageId, sender, recipients, role, policy, parentId, geometry };
     const reply = await this.#clientStream('Publish', { header }, tensors, timeoutMs);
-    return { messageId: reply.messageId, duplicate: reply.duplicate, accounting: reply.accounting };
+    return { messageId: reply.messageId, duplicate: reply.duplicate, accounting: accountingOf(reply.accounting) };
   }
 
   /**
@@ -633,6 +742,7 @@ class RelayClient {
       throw invalid(`policy: ${typeof policy === 'string' ? 'empty' : typeof policy}, expected a pipeline spec`);
     }
     const { geometry, tensors } = planUpload(turn);
+    checkHistoryScoreHasHistory(geometry, false);
     const deadline = deadlineAfter(timeoutMs);
     const call = this.#track(this.#stub.Compress({ deadline }));
     // The relay answers after the whole upload; an early error ends the
@@ -727,6 +837,7 @@ module.exports = {
   newMessageId,
   statusName,
   planUpload,
+  accountingOf,
   chunkRequests,
   writeUpload,
   Assembler,

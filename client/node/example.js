@@ -66,8 +66,11 @@ async function run(opts) {
       timeoutMs,
     }));
     const a = published.accounting;
+    // attention_error: the fidelity figure, for a turn with queries only.
+    const figure = a.attentionError === null ? '' : ` attention_error=${a.attentionError}`;
     console.log(`published message_id=${published.messageId} duplicate=${published.duplicate} ` +
-                `policy=${a.policy} full_bytes=${a.fullBytes} sent_bytes=${a.sentBytes} ratio=${a.ratio.toFixed(3)}`);
+                `policy=${a.policy} full_bytes=${a.fullBytes} sent_bytes=${a.sentBytes} ratio=${a.ratio.toFixed(3)}` +
+                figure);
 
     const message = await step('fetch', relay.fetch(opts.session, opts.to, { timeoutMs }));
     // Fetch delivers the oldest unacknowledged message: one left by an earlier

@@ -103,7 +103,11 @@ async function writeSafetensors(path, tensors, metadata) {
  * RelayClient.publish takes. Checks names, dtypes and shapes; the relay
  * checks the values. A file whose layers carry gen.q gives layers with genQ
  * and queryDtype (gen.q's dtype), and its softmax_scale metadata
- * softmaxScale.
+ * softmaxScale. history.score gives layers with historyScore and
+ * historyScoreTokens: nHistory with history, else its columns (a turn for a
+ * parent: publish it with parentId); the history_anchors metadata gives
+ * historyAnchors. history.acc cannot be uploaded: a file with it is
+ * refused, naming it.
  * @param {string} path
  */
 async function readTurnFile(path) {
@@ -133,6 +137,21 @@ async function readTurnFile(path) {
   const nHistory = hasHistory ? get('layer.0.history.k').shape[1] : 0;
   let layers = 0;
   while (tensors.has(`layer.${layers}.prompt.k`)) layers++;
+  // history.score: over the uploaded history, or without one over a parent's
+  // tokens (as many as its columns).
+  const hasHistoryScore = tensors.has('layer.0.history.score');
+  let historyScoreTokens = 0;
+  if (hasHistoryScore) {
+    const hs0 = get('layer.0.history.score');
+    if (queries) {
+      throw bad('layer.0.history.score: given with layer.0.gen.q, expected none ' +
+                '(the relay computes the mass on the history from the queries)');
+    }
+    if (!hasHistory && hs0.shape.length !== 2) {
+      throw bad(`layer.0.history.score: shape [${hs0.shape}], expected [score_heads, tokens]`);
+    }
+    historyScoreTokens = hasHistory ? nHistory : hs0.shape[1];
+  }
 
   const expect = (name, wantDtype, wantShape) => {
     const t = get(name);
@@ -171,16 +190,28 @@ async function readTurnFile(path) {
       layer.historyPos = expect(p + 'history.pos', 'I32', [kvHeads, nHistory]);
       used += 3;
     }
+    if (hasHistoryScore) {
+      layer.historyScore = expect(p + 'history.score', 'F32', [scoreHeads, historyScoreTokens]);
+      used += 1;
+    }
     out.push(layer);
   }
   if (used !== tensors.size) {
     const known = new Set();
     for (let l = 0; l < layers; l++) {
-      for (const s of ['prompt.k', 'prompt.v', 'gen.k', 'gen.v', attention, 'history.k', 'history.v', 'history.pos']) {
+      for (const s of ['prompt.k', 'prompt.v', 'gen.k', 'gen.v', attention, 'history.k', 'history.v', 'history.pos',
+        ...(hasHistoryScore ? ['history.score'] : [])]) {
         known.add(`layer.${l}.${s}`);
       }
     }
     const extra = [...tensors.keys()].find((n) => !known.has(n));
+    if (extra.endsWith('.history.acc')) {
+      throw bad(`${extra}: not carried by Publish or Compress, expected none (publish with parentId to keep the ` +
+                "parent's acc, or compress offline with kvrelayctl compress)");
+    }
+    if (extra.endsWith('.history.score')) {
+      throw bad(`${extra}: given, expected it in every layer or in none (layer.0 has none)`);
+    }
     throw bad(`${extra}: unexpected tensor in a turn of ${layers} layers`);
   }
   const firstAgent = metadata.first_agent ?? 'true';
@@ -203,6 +234,16 @@ async function readTurnFile(path) {
       throw bad(`metadata prompt_pos0: ${JSON.stringify(metadata.prompt_pos0)}, expected a decimal integer >= 0`);
     }
     turn.promptPos0 = Number(metadata.prompt_pos0);
+  }
+  if (hasHistoryScore) turn.historyScoreTokens = historyScoreTokens;
+  if (metadata.history_anchors !== undefined && metadata.history_anchors !== '') {
+    turn.historyAnchors = String(metadata.history_anchors).split(',').map((item, i) => {
+      if (!/^\d+$/.test(item) || Number(item) > 2 ** 31 - 1) {
+        throw bad(`metadata history_anchors: item ${JSON.stringify(item)} of ${i}, expected comma-separated ` +
+                  'position ids (decimal, 0..2^31-1)');
+      }
+      return Number(item);
+    });
   }
   if (queries) turn.queryDtype = attention0.dtype;
   if (metadata.softmax_scale !== undefined) {
@@ -271,6 +312,7 @@ async function writeMessageFile(path, message) {
   meta.ratio = a.ratio.toFixed(6);
   meta.compress_seconds = a.compressSeconds.toFixed(6);
   meta.commit_seconds = a.commitSeconds.toFixed(6);
+  if (typeof a.attentionError === 'number') meta.attention_error = String(a.attentionError); // reads back exactly
   await writeSafetensors(path, message.tensors, meta);
 }
 

@@ -30,7 +30,14 @@ equal `kvrelayctl compress` of the same file bit for bit, and differ from
 the turn's scores and from the default scale (so the client sent GEN_Q,
 query_dtype and softmax_scale); a file with gen.q and prompt.score in one
 layer, a mix across layers, gen.q in a third dtype or a softmax_scale that
-is not a finite decimal > 0 fails before any call, naming it.
+is not a finite decimal > 0 fails before any call, naming it. A turn with
+queries gets the fidelity figure (attention_error) in the publish output and
+the message file, equal to kvrelayctl's; a turn with scores none. A turn
+file's history_anchors metadata and history.score (with an uploaded
+history) are sent: under a history budget (hist=2) every head keeps the
+anchors and the tokens the history.score weighs, and the message equals
+kvrelayctl compress of the same file; an anchor the history does not hold
+is the relay's INVALID_ARGUMENT naming history_anchors.
 
 TLS cases (TlsCases; the driver defines TlsTest as TlsCases +
 unittest.TestCase with LANG, example and BINARIES = (server, kvrelayctl)):
@@ -185,6 +192,32 @@ class Live:
         path = self.path(name + ".safetensors")
         write_st(path, meta, out)
         return path, source
+
+    def history_turn(self, name, anchors, score_columns=None, **flags):
+        """A make-turn turn (2 layers) with an uploaded history of 12 tokens
+        at the even positions 0, 2, ..., 22 in every head (the prompt starts
+        at 24), the metadata history_anchors (a string) and, with
+        score_columns, every layer's history.score [score_heads, 12] putting
+        100 on those columns and 0 elsewhere."""
+        source = self.make_turn(name + "-source", layers=2, history=12, prompt=32, gen=4, **flags)
+        meta, tensors = read_st(source)
+        out = {}
+        for key, t in tensors.items():
+            out[key] = t
+            if key.endswith(".history.pos"):
+                heads = t[1][0]
+                pos = np.broadcast_to(2 * np.arange(12, dtype="<i4"), (heads, 12))
+                out[key] = ("I32", (heads, 12), np.ascontiguousarray(pos).tobytes())
+                if score_columns is not None:
+                    p = key[:-len("history.pos")]
+                    s = tensors[p + "prompt.score"][1][0]
+                    hs = np.zeros((s, 12), "<f4")
+                    hs[:, score_columns] = 100.0
+                    out[p + "history.score"] = ("F32", (s, 12), hs.tobytes())
+        meta = dict(meta, history_anchors=anchors, prompt_pos0="24")
+        path = self.path(name + ".safetensors")
+        write_st(path, meta, out)
+        return path
 
     def stats(self):
         out = check_run([self.kvrelayctl, "stats", "--addr", self.addr]).stdout
@@ -425,6 +458,88 @@ class RelayCases:
         after = live.stats()
         for key in ("messages_committed", "messages_failed"):
             self.assertEqual(after[key], before[key], key)
+
+    def history_sets(self, msg, meta):
+        """Per layer, per head: the set of position ids of the message's history part."""
+        n, nh = sum(int(meta[k]) for k in ("n_history", "n_anchor", "n_kept", "n_gen")), int(meta["n_history"])
+        out = []
+        for key in sorted(k for k in msg if k.endswith(".pos")):
+            dtype, (heads, _), data = msg[key]
+            pos = np.frombuffer(data, "<i4").reshape(heads, n)
+            out.append([set(row[:nh].tolist()) for row in pos])
+        return out
+
+    def test_attention_error_is_reported(self):
+        # A turn with queries: the example prints the relay's fidelity figure
+        # and writes it into the message file, equal to kvrelayctl's for the
+        # same turn; a turn with scores has none.
+        live = self.live
+        turn, source = live.query_turn("ae", "F32", None, dtype="BF16", layers=2, seed=71)
+        policy = "h2o-head:k=8+obf:p=4"
+        for name, path in (("ae-queries", turn), ("ae-scores", source)):
+            with self.subTest(turn=name):
+                out = live.path(f"msg-{name}.safetensors")
+                p = self.example("--in", path, "--out", out, "--session", f"s-{name}", "--policy", policy)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                meta, _ = read_st(out)
+                rmeta, _ = self.offline(meta["policy"], path, name)
+                printed = re.search(r"^published .* attention_error=(\S+)", p.stdout, re.M)
+                if path == turn:
+                    self.assertIn("attention_error", rmeta)
+                    want = float(rmeta["attention_error"])
+                    self.assertGreater(want, 0.0)
+                    self.assertTrue(printed, p.stdout)
+                    self.assertEqual(float(printed.group(1)), want)
+                    self.assertEqual(float(meta["attention_error"]), want)
+                else:
+                    self.assertNotIn("attention_error", rmeta)
+                    self.assertIsNone(printed, p.stdout)
+                    self.assertNotIn("attention_error", meta)
+
+    def test_history_anchors_from_the_turn_file(self):
+        # The file's history_anchors travel in the geometry: under a history
+        # budget every head keeps them, and the message equals kvrelayctl's
+        # for the same file. An anchor the history does not hold (5: the
+        # history holds even positions) is the relay's INVALID_ARGUMENT.
+        live = self.live
+        policy = "h2o-head:k=4,hist=2"
+        turn = live.history_turn("anchors", "6,14", dtype="BF16", seed=72)
+        out, _ = self.publish_fetch("anchors", policy, turn)
+        meta, msg = read_st(out)
+        self.assertEqual((meta["n_history"], meta["anchor_pos"]), ("4", "6,14"))
+        for l, heads in enumerate(self.history_sets(msg, meta)):
+            for h, held in enumerate(heads):
+                self.assertLessEqual({6, 14}, held, f"layer.{l} head {h}")
+        rmeta, rmsg = self.offline(meta["policy"], turn, "anchors")
+        for key in MESSAGE_KEYS:
+            self.assertEqual(meta.get(key), rmeta.get(key), key)
+        self.assert_same_tensors(msg, rmsg, "anchors")
+        bad = live.history_turn("anchors-bad", "0,5", dtype="BF16", seed=72)
+        before = live.stats()
+        p = self.example("--in", bad, "--out", live.path("anchors-never.safetensors"), "--session", "s-anchors-bad",
+                         "--policy", policy)
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertRegex(p.stderr, r"kvrelay-example: publish: INVALID_ARGUMENT: .*history_anchors.*\b5\b")
+        self.assertEqual(live.stats()["messages_committed"], before["messages_committed"])
+
+    def test_history_score_from_the_turn_file(self):
+        # NEEDS a relay that accepts PART_HISTORY_SCORE. The file's
+        # history.score (mass on history tokens 9 and 11: positions 18, 22)
+        # travels after prompt.score: hist=2 keeps those two besides the
+        # anchors, as kvrelayctl does from the same file.
+        live = self.live
+        policy = "h2o-head:k=4,hist=2"
+        turn = live.history_turn("hscore", "0,4", score_columns=[9, 11], dtype="F16", seed=73)
+        out, _ = self.publish_fetch("hscore", policy, turn)
+        meta, msg = read_st(out)
+        self.assertEqual((meta["n_history"], meta["anchor_pos"]), ("4", "0,4"))
+        for l, heads in enumerate(self.history_sets(msg, meta)):
+            for h, held in enumerate(heads):
+                self.assertEqual(held, {0, 4, 18, 22}, f"layer.{l} head {h}")
+        rmeta, rmsg = self.offline(meta["policy"], turn, "hscore")
+        for key in MESSAGE_KEYS:
+            self.assertEqual(meta.get(key), rmeta.get(key), key)
+        self.assert_same_tensors(msg, rmsg, "hscore")
 
     def test_bad_policy_is_invalid_argument(self):
         live = self.live

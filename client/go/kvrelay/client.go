@@ -164,9 +164,24 @@ type PublishOptions struct {
 
 // PublishResult is the relay's answer to a publish.
 type PublishResult struct {
-	MessageID  string
-	Duplicate  bool // the id was already committed; nothing changed
+	MessageID string
+	Duplicate bool // the id was already committed; nothing changed
+	// Accounting: bytes, ratio, policy and, for a turn with queries (GenQ),
+	// Accounting.AttentionError, the fidelity figure (nil for a turn with
+	// PromptScore; see AttentionError).
 	Accounting *pb.Accounting
+}
+
+// AttentionError is the fidelity figure of an accounting (a PublishResult's,
+// or a delivered Message's Header.GetAccounting()): the mean over layers of
+// |o_msg - o_full| / |o_full| of the sender's own attention output, and
+// true, for a turn with queries; 0 and false when the turn had none (0 is a
+// figure, not its absence).
+func AttentionError(a *pb.Accounting) (float64, bool) {
+	if a == nil || a.AttentionError == nil {
+		return 0, false
+	}
+	return *a.AttentionError, true
 }
 
 // PublishError is every error Publish returns: the message id that publish
@@ -206,6 +221,9 @@ func (c *Client) Publish(ctx context.Context, turn *Turn, o PublishOptions) (*Pu
 		return fail(err)
 	}
 	geometry, tensors, err := planUpload(turn)
+	if err == nil {
+		err = checkHistoryScoreHasHistory(geometry, o.ParentID != "")
+	}
 	if err != nil {
 		return fail(err)
 	}
@@ -375,6 +393,9 @@ func (c *Client) Compress(ctx context.Context, turn *Turn, policy string) (*Mess
 			"policy: %q, expected a pipeline spec (non-empty, valid UTF-8)", policy))
 	}
 	geometry, tensors, err := planUpload(turn)
+	if err == nil {
+		err = checkHistoryScoreHasHistory(geometry, false)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("kvrelay: compress: %w", err)
 	}

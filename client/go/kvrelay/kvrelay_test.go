@@ -470,6 +470,7 @@ func TestReadSafetensorsRefusesOverlapsAndNegativeShapes(t *testing.T) {
 type fakeRelay struct {
 	mu        sync.Mutex
 	seen      []string
+	headers   []*pb.PublishHeader
 	committed map[string]bool
 }
 
@@ -504,6 +505,7 @@ func (s *fakePublish) SendMsg(m interface{}) error {
 		s.header = h
 		s.relay.mu.Lock()
 		s.relay.seen = append(s.relay.seen, h.GetMessageId())
+		s.relay.headers = append(s.relay.headers, h)
 		s.relay.mu.Unlock()
 	}
 	return nil
@@ -874,5 +876,303 @@ func TestReadTokenFile(t *testing.T) {
 	}
 	if _, err := ReadTokenFile(filepath.Join(dir, "none")); err == nil {
 		t.Error("missing file: no error")
+	}
+}
+
+// ---- history.score, history_anchors, attention_error --------------------------------
+
+// historyTurn is tinyTurn with an uploaded history of 4 tokens (positions
+// 0..3) and the chain's anchors 0 and 2.
+func historyTurn() *Turn {
+	turn := tinyTurn()
+	turn.NHistory, turn.FirstAgent, turn.HistoryAnchors = 4, false, []int32{0, 2}
+	for l := range turn.Layers {
+		layer := &turn.Layers[l]
+		layer.HistoryK = f32Bytes(0, 1, 2, 3, 4, 5, 6, 7)
+		layer.HistoryV = f32Bytes(0, 1, 2, 3, 4, 5, 6, 7)
+		layer.HistoryPos = []byte{0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0}
+		layer.HistoryScore = f32Bytes(0, 0, 9, 9, 0, 0, 9, float32(l)) // [ScoreHeads 2, NHistory 4]
+	}
+	return turn
+}
+
+func TestPlanUploadHistoryScoreAndAnchors(t *testing.T) {
+	turn := historyTurn()
+	g, tensors, err := planUpload(turn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(g.GetHistoryAnchors()) != "[0 2]" || g.GetHistoryScoreTokens() != 4 || g.GetNHistory() != 4 {
+		t.Errorf("geometry %v", g)
+	}
+	turn.HistoryAnchors[0] = 1 // the geometry holds its own copy
+	if g.GetHistoryAnchors()[0] != 0 {
+		t.Errorf("geometry anchors alias the turn's: %v", g.GetHistoryAnchors())
+	}
+	var order []string
+	for _, x := range tensors {
+		order = append(order, fmt.Sprintf("%d:%v:%d", x.layer, x.part, len(x.data)))
+	}
+	layer := "PART_PROMPT_K:24 %[1]d:PART_PROMPT_V:24 %[1]d:PART_GEN_K:8 %[1]d:PART_GEN_V:8 %[1]d:PART_PROMPT_SCORE:24 " +
+		"%[1]d:PART_HISTORY_SCORE:32 %[1]d:PART_HISTORY_K:32 %[1]d:PART_HISTORY_V:32 %[1]d:PART_HISTORY_POS:16"
+	want := "[0:" + fmt.Sprintf(layer, 0) + " 1:" + fmt.Sprintf(layer, 1) + "]"
+	if fmt.Sprint(order) != want {
+		t.Errorf("order %v\nwant  %s", order, want)
+	}
+	if !bytes.Equal(tensors[14].data, turn.Layers[1].HistoryScore) {
+		t.Errorf("layer 1 history.score bytes %v", tensors[14].data)
+	}
+	// An explicit HistoryScoreTokens equal to NHistory is the same upload.
+	turn.HistoryAnchors[0] = 0
+	turn.HistoryScoreTokens = 4
+	if g2, _, err := planUpload(turn); err != nil || g2.GetHistoryScoreTokens() != 4 {
+		t.Errorf("explicit history_score_tokens: %v, %v", g2, err)
+	}
+	// With a parent (no uploaded history): the parent's tokens per head, given.
+	child := tinyTurn()
+	child.HistoryScoreTokens = 3
+	for l := range child.Layers {
+		child.Layers[l].HistoryScore = f32Bytes(1, 2, 3, 4, 5, 6)
+	}
+	g, tensors, err = planUpload(child)
+	if err != nil || g.GetHistoryScoreTokens() != 3 || g.GetNHistory() != 0 || len(g.GetHistoryAnchors()) != 0 {
+		t.Fatalf("parent-style turn: %v, %v", g, err)
+	}
+	if len(tensors) != 12 || tensors[5].part != pb.Part_PART_HISTORY_SCORE || tensors[4].part != pb.Part_PART_PROMPT_SCORE {
+		t.Errorf("parent-style order: %d tensors, [4] %v, [5] %v", len(tensors), tensors[4].part, tensors[5].part)
+	}
+	// None: neither field nor part.
+	if g, tensors, err := planUpload(tinyTurn()); err != nil || g.GetHistoryScoreTokens() != 0 || g.HistoryAnchors != nil ||
+		len(tensors) != 10 {
+		t.Errorf("plain turn: %v, %d tensors, %v", g, len(tensors), err)
+	}
+}
+
+func TestPlanUploadHistoryErrors(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		edit func(*Turn)
+		want string
+	}{
+		{"anchors descending", func(x *Turn) { x.HistoryAnchors = []int32{2, 1} },
+			"turn.history_anchors[1]: 1, expected ascending distinct position ids >= 0"},
+		{"anchor twice", func(x *Turn) { x.HistoryAnchors = []int32{1, 1} }, "turn.history_anchors[1]: 1, expected ascending"},
+		{"negative anchor", func(x *Turn) { x.HistoryAnchors = []int32{-1} }, "turn.history_anchors[0]: -1, expected"},
+		{"more anchors than history", func(x *Turn) { x.HistoryAnchors = []int32{0, 1, 2, 3, 4} },
+			"turn.history_anchors: 5 position ids, expected at most n_history = 4"},
+		{"anchors without history", func(x *Turn) {
+			x.NHistory = 0
+			for l := range x.Layers {
+				x.Layers[l].HistoryScore = nil
+			}
+		}, "turn.history_anchors: 2 position ids, expected none for a turn without history"},
+		{"score in layer 1 only", func(x *Turn) { x.Layers[0].HistoryScore = nil },
+			"layer.0.history.score: missing, expected it in every layer or in none (layer.1 has one)"},
+		{"score short", func(x *Turn) { x.Layers[1].HistoryScore = x.Layers[1].HistoryScore[4:] },
+			"layer.1.history.score: 28 bytes, expected 32"},
+		{"tokens other than n_history", func(x *Turn) { x.HistoryScoreTokens = 5 },
+			"turn.history_score_tokens: 5, expected n_history = 4 (the uploaded history's tokens)"},
+		{"tokens without a score", func(x *Turn) {
+			x.HistoryScoreTokens = 4
+			for l := range x.Layers {
+				x.Layers[l].HistoryScore = nil
+			}
+		}, "turn.history_score_tokens: 4, expected 0 (no layer carries a history.score)"},
+		{"parent-style without tokens", func(x *Turn) { x.NHistory, x.HistoryAnchors = 0, nil },
+			"turn.history_score_tokens: 0, expected the parent's tokens per head"},
+		{"negative tokens", func(x *Turn) { x.HistoryScoreTokens = -1 }, "turn.history_score_tokens: -1, expected 0..2^32-1"},
+	} {
+		turn := historyTurn()
+		c.edit(turn)
+		_, _, err := planUpload(turn)
+		if Code(err) != codes.InvalidArgument || err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want INVALID_ARGUMENT containing %q", c.name, err, c.want)
+		}
+	}
+	q := queryTurn("F32")
+	for l := range q.Layers {
+		q.Layers[l].HistoryScore = f32Bytes(1, 2)
+	}
+	q.HistoryScoreTokens = 1
+	if _, _, err := planUpload(q); Code(err) != codes.InvalidArgument ||
+		!strings.Contains(err.Error(), "layer.0.history.score: given with layer.0.gen.q, expected none") {
+		t.Errorf("with gen.q: %v", err)
+	}
+
+	// A history.score needs a history: uploaded, or the parent's.
+	relay := &fakeRelay{committed: map[string]bool{}}
+	c := NewClient(relay)
+	orphan := tinyTurn()
+	orphan.HistoryScoreTokens = 3
+	for l := range orphan.Layers {
+		orphan.Layers[l].HistoryScore = f32Bytes(1, 2, 3, 4, 5, 6)
+	}
+	o := PublishOptions{SessionID: "s", Sender: "planner", Recipients: []string{"critic"}, MessageID: "m-orphan"}
+	const noHistory = "layer.0.history.score: [2, 3] given without history, expected none (upload the history, or publish with parent_id"
+	if _, err := c.Publish(context.Background(), orphan, o); Code(err) != codes.InvalidArgument ||
+		!strings.Contains(err.Error(), noHistory) || len(relay.seen) != 0 {
+		t.Errorf("publish without a parent: %v (relay saw %v)", err, relay.seen)
+	}
+	if _, err := c.Compress(context.Background(), orphan, "full"); Code(err) != codes.InvalidArgument ||
+		!strings.Contains(err.Error(), noHistory) {
+		t.Errorf("compress: %v", err)
+	}
+	// With a parent it is sent: history_score_tokens and the parts reach the relay.
+	o.ParentID, o.MessageID = "m-parent", "m-child"
+	relay.committed["m-child"] = true // the stand-in answers at once
+	if _, err := c.Publish(context.Background(), orphan, o); err != nil {
+		t.Fatalf("publish with a parent: %v", err)
+	}
+	if len(relay.headers) != 1 || relay.headers[0].GetGeometry().GetHistoryScoreTokens() != 3 ||
+		relay.headers[0].GetParentId() != "m-parent" || relay.headers[0].GetGeometry().GetFirstAgent() {
+		t.Errorf("headers %v", relay.headers)
+	}
+}
+
+func TestTurnFileWithHistoryScoreAndAnchors(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "turn.safetensors")
+	files := func() []Tensor {
+		var ts []Tensor
+		for l, layer := range historyTurn().Layers {
+			p := fmt.Sprintf("layer.%d.", l)
+			ts = append(ts,
+				Tensor{Name: p + "prompt.k", DType: "F32", Shape: []int{1, 3, 2}, Data: layer.PromptK},
+				Tensor{Name: p + "prompt.v", DType: "F32", Shape: []int{1, 3, 2}, Data: layer.PromptV},
+				Tensor{Name: p + "gen.k", DType: "F32", Shape: []int{1, 1, 2}, Data: layer.GenK},
+				Tensor{Name: p + "gen.v", DType: "F32", Shape: []int{1, 1, 2}, Data: layer.GenV},
+				Tensor{Name: p + "prompt.score", DType: "F32", Shape: []int{2, 3}, Data: layer.PromptScore},
+				Tensor{Name: p + "history.k", DType: "F32", Shape: []int{1, 4, 2}, Data: layer.HistoryK},
+				Tensor{Name: p + "history.v", DType: "F32", Shape: []int{1, 4, 2}, Data: layer.HistoryV},
+				Tensor{Name: p + "history.pos", DType: "I32", Shape: []int{1, 4}, Data: layer.HistoryPos},
+				Tensor{Name: p + "history.score", DType: "F32", Shape: []int{2, 4}, Data: layer.HistoryScore})
+		}
+		return ts
+	}
+	// A turn for a parent: history.score without history tensors.
+	forParent := func() []Tensor {
+		var ts []Tensor
+		for _, x := range files() {
+			if !strings.Contains(x.Name, "history.") || strings.HasSuffix(x.Name, "history.score") {
+				ts = append(ts, x)
+			}
+		}
+		return ts
+	}
+	meta := map[string]string{"first_agent": "false", "history_anchors": "0,2"}
+	if err := writeSafetensors(path, files(), meta); err != nil {
+		t.Fatal(err)
+	}
+	got, err := ReadTurnFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := historyTurn()
+	if fmt.Sprint(got.HistoryAnchors) != "[0 2]" || got.HistoryScoreTokens != 4 || got.NHistory != 4 ||
+		!bytes.Equal(got.Layers[1].HistoryScore, want.Layers[1].HistoryScore) {
+		t.Errorf("read back %+v", got)
+	}
+	if g, _, err := planUpload(got); err != nil || g.GetHistoryScoreTokens() != 4 || fmt.Sprint(g.GetHistoryAnchors()) != "[0 2]" {
+		t.Errorf("geometry %v, %v", g, err)
+	}
+	// Neither: no anchors, no score.
+	if err := writeSafetensors(path, files()[:8], nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := ReadTurnFile(path); err != nil || got.HistoryAnchors != nil || got.HistoryScoreTokens != 0 ||
+		got.Layers[0].HistoryScore != nil {
+		t.Errorf("without: %+v, %v", got, err)
+	}
+	if err := writeSafetensors(path, forParent(), nil); err != nil {
+		t.Fatal(err)
+	}
+	child, err := ReadTurnFile(path)
+	if err != nil || child.NHistory != 0 || child.HistoryScoreTokens != 4 ||
+		!bytes.Equal(child.Layers[1].HistoryScore, want.Layers[1].HistoryScore) {
+		t.Fatalf("for a parent: %+v, %v", child, err)
+	}
+	relay := &fakeRelay{committed: map[string]bool{"m-child": true}}
+	o := PublishOptions{SessionID: "s", Sender: "critic", Recipients: []string{"judge"}, MessageID: "m-child"}
+	if _, err := NewClient(relay).Publish(context.Background(), child, o); Code(err) != codes.InvalidArgument ||
+		!strings.Contains(err.Error(), "layer.0.history.score: [2, 4] given without history") {
+		t.Errorf("publish without a parent: %v", err)
+	}
+	o.ParentID = "m-parent"
+	if _, err := NewClient(relay).Publish(context.Background(), child, o); err != nil ||
+		relay.headers[0].GetGeometry().GetHistoryScoreTokens() != 4 {
+		t.Errorf("publish with a parent: %v, %v", err, relay.headers)
+	}
+	acc := Tensor{Name: "layer.0.history.acc", DType: "F32", Shape: []int{1, 4}, Data: f32Bytes(0, 0, 0, 0)}
+	for _, c := range []struct {
+		name string
+		ts   []Tensor
+		meta string
+		want string
+	}{
+		{"anchor not a number", files(), "0,x", `metadata history_anchors: item "x" of 1, expected comma-separated position ids`},
+		{"negative anchor", files(), "-1", `metadata history_anchors: item "-1" of 0, expected`},
+		{"anchor past int32", files(), "2147483648", `metadata history_anchors: item "2147483648" of 0`},
+		{"empty item", files(), "0,,2", `metadata history_anchors: item "" of 1`},
+		{"score in layer 0 only", files()[:17], "0,2", "layer.1.history.score: missing"},
+		{"score in layer 1 only", append(files()[:8], files()[9:]...), "0,2",
+			"layer.1.history.score: given, expected it in every layer or in none"},
+		{"score shape", func() []Tensor {
+			ts := files()
+			ts[8].Shape = []int{4, 2}
+			return ts
+		}(), "0,2", "layer.0.history.score: F32 [4 2], expected F32 [2 4] (from layer.0)"},
+		{"score without history, widths differ", func() []Tensor {
+			ts := forParent()
+			ts[11].Shape, ts[11].Data = []int{2, 3}, ts[11].Data[:24]
+			return ts
+		}(), "", "layer.1.history.score: F32 [2 3], expected F32 [2 4] (from layer.0)"},
+		{"history.acc", append(files(), acc), "0,2", "layer.0.history.acc: not carried by Publish or Compress"},
+	} {
+		if err := writeSafetensors(path, c.ts, map[string]string{"history_anchors": c.meta}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ReadTurnFile(path); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want %q", c.name, err, c.want)
+		}
+	}
+}
+
+func TestAttentionErrorInTheAccountingAndTheMessageFile(t *testing.T) {
+	if _, ok := AttentionError(nil); ok {
+		t.Error("AttentionError(nil): ok")
+	}
+	if _, ok := AttentionError(&pb.Accounting{Policy: "h2o-head:k=2"}); ok {
+		t.Error("AttentionError of an accounting without the figure: ok")
+	}
+	zero := 0.0
+	if e, ok := AttentionError(&pb.Accounting{AttentionError: &zero}); !ok || e != 0 {
+		t.Errorf("AttentionError(0) = %v, %v; 0 is a figure", e, ok)
+	}
+	dir := t.TempDir()
+	for _, c := range []struct {
+		figure *float64
+		want   string
+	}{{nil, ""}, {func() *float64 { x := 0.1234567890123456789; return &x }(), "0.12345678901234568"},
+		{func() *float64 { x := 3e-7; return &x }(), "3e-07"}} {
+		rs := delivery()
+		rs[0].GetHeader().Accounting.AttentionError = c.figure
+		m, err := assemble(rs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e, ok := AttentionError(m.Header.GetAccounting()); ok != (c.figure != nil) || (ok && e != *c.figure) {
+			t.Errorf("delivered header: %v, %v, want %v", e, ok, c.figure)
+		}
+		path := filepath.Join(dir, "msg.safetensors")
+		if err := WriteMessageFile(path, m); err != nil {
+			t.Fatal(err)
+		}
+		meta, _, err := readSafetensors(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, ok := meta["attention_error"]; got != c.want || ok != (c.want != "") {
+			t.Errorf("metadata attention_error %q (present %v), want %q", got, ok, c.want)
+		}
 	}
 }

@@ -144,10 +144,18 @@ func writeSafetensors(path string, tensors []Tensor, meta map[string]string) err
 // no inf or nan): what a turn file's softmax_scale holds.
 var decimalPattern = regexp.MustCompile(`^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$`)
 
+// digitsPattern is a decimal integer without sign: an item of a turn file's
+// history_anchors.
+var digitsPattern = regexp.MustCompile(`^[0-9]+$`)
+
 // ReadTurnFile reads a turn file (docs/FORMAT.md, "Turn"), checking names,
 // dtypes and shapes; the relay checks the values. A file whose layers carry
 // gen.q gives a Turn with GenQ and QueryDType (gen.q's dtype), and its
-// softmax_scale metadata SoftmaxScale.
+// softmax_scale metadata SoftmaxScale. history.score gives HistoryScore
+// and HistoryScoreTokens: NHistory with history, else its columns (a turn
+// for a parent: publish it with PublishOptions.ParentID); the
+// history_anchors metadata gives HistoryAnchors. history.acc cannot be
+// uploaded: a file with it is refused, naming it.
 func ReadTurnFile(path string) (*Turn, error) {
 	meta, tensors, err := readSafetensors(path)
 	if err != nil {
@@ -199,6 +207,30 @@ func ReadTurnFile(path string) (*Turn, error) {
 	if hasHistory && len(h0.shape) == 3 {
 		t.NHistory = h0.shape[1]
 	}
+	hs0, hasHistoryScore := tensors["layer.0.history.score"]
+	switch {
+	case hasHistoryScore && attention == "gen.q":
+		return nil, fmt.Errorf("%s: layer.0.history.score: given with layer.0.gen.q, expected none "+
+			"(the relay computes the mass on the history from the queries)", path)
+	case hasHistoryScore && hasHistory:
+		t.HistoryScoreTokens = t.NHistory
+	case hasHistoryScore && len(hs0.shape) == 2:
+		// No history: the score covers a parent's tokens (publish with
+		// PublishOptions.ParentID), as many as its columns.
+		t.HistoryScoreTokens = hs0.shape[1]
+	case hasHistoryScore:
+		return nil, fmt.Errorf("%s: layer.0.history.score: shape %v, expected [score_heads, tokens]", path, hs0.shape)
+	}
+	if v, ok := meta["history_anchors"]; ok && v != "" {
+		for i, item := range strings.Split(v, ",") {
+			id, err := strconv.ParseUint(item, 10, 31)
+			if err != nil || !digitsPattern.MatchString(item) {
+				return nil, fmt.Errorf("%s: metadata history_anchors: item %q of %d, expected comma-separated "+
+					"position ids (decimal, 0..2^31-1)", path, item, i)
+			}
+			t.HistoryAnchors = append(t.HistoryAnchors, int32(id))
+		}
+	}
 	if v, ok := meta["first_agent"]; ok {
 		if v != "true" && v != "false" {
 			return nil, fmt.Errorf("%s: metadata first_agent: %q, expected \"true\" or \"false\"", path, v)
@@ -245,6 +277,10 @@ func ReadTurnFile(path string) (*Turn, error) {
 			field{"history.v", t.DType, kv(t.NHistory), func(l *TurnLayer) *[]byte { return &l.HistoryV }},
 			field{"history.pos", "I32", []int{t.KVHeads, t.NHistory}, func(l *TurnLayer) *[]byte { return &l.HistoryPos }})
 	}
+	if hasHistoryScore {
+		fields = append(fields, field{"history.score", "F32", []int{t.ScoreHeads, t.HistoryScoreTokens},
+			func(l *TurnLayer) *[]byte { return &l.HistoryScore }})
+	}
 	seen := map[string]bool{}
 	for l := 0; ; l++ {
 		if _, ok := tensors[fmt.Sprintf("layer.%d.prompt.k", l)]; !ok {
@@ -289,6 +325,14 @@ func ReadTurnFile(path string) (*Turn, error) {
 			}
 		}
 		sort.Strings(names)
+		switch {
+		case strings.HasSuffix(names[0], ".history.acc"):
+			return nil, fmt.Errorf("%s: %s: not carried by Publish or Compress, expected none (publish with "+
+				"parent_id to keep the parent's acc, or compress offline with kvrelayctl compress)", path, names[0])
+		case strings.HasSuffix(names[0], ".history.score"):
+			return nil, fmt.Errorf("%s: %s: given, expected it in every layer or in none (layer.0 has none)",
+				path, names[0])
+		}
 		return nil, fmt.Errorf("%s: %s: unexpected tensor in a turn of %d layers (history: %v)", path, names[0], len(t.Layers), hasHistory)
 	}
 	return t, nil
@@ -340,6 +384,9 @@ func WriteMessageFile(path string, m *Message) error {
 	}
 	if h.GetParentId() != "" {
 		meta["parent_id"] = h.GetParentId()
+	}
+	if e, ok := AttentionError(a); ok {
+		meta["attention_error"] = strconv.FormatFloat(e, 'g', -1, 64) // reads back exactly
 	}
 	return writeSafetensors(path, m.Tensors, meta)
 }

@@ -23,7 +23,9 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // with QueryDType "" the scores (PromptScore, F32 [ScoreHeads, NPrompt],
 // the attention mass on each prompt token), else the generated steps'
 // post-RoPE queries (GenQ, [ScoreHeads, NGen, HeadDim] in QueryDType), from
-// which the relay computes the scores.
+// which the relay computes the scores. With PromptScore a turn may also
+// carry HistoryScore (this agent's attention mass on the history's tokens)
+// and, with an uploaded history, HistoryAnchors.
 type Turn struct {
 	DType      string
 	KVHeads    int
@@ -48,16 +50,34 @@ type Turn struct {
 	// (finite, > 0, checked on every turn); nil: 1/sqrt(HeadDim). The relay
 	// ignores it on a turn with PromptScore.
 	SoftmaxScale *float64
-	Layers       []TurnLayer
+	// HistoryAnchors: position ids of the chain's anchors that the uploaded
+	// history holds (a fetched message's Header.AnchorPos), ascending. Every
+	// head of every layer's history must hold each once (the relay checks),
+	// and a history budget (hist=) never drops them. Only with NHistory > 0;
+	// with PublishOptions.ParentID the relay takes the parent's.
+	HistoryAnchors []int32
+	// HistoryScoreTokens: the columns of every layer's HistoryScore, the
+	// history's tokens per head: NHistory for an uploaded history (0 means
+	// that when the layers carry HistoryScore), or with
+	// PublishOptions.ParentID the parent message's (its header's NHistory +
+	// NAnchor + NKept + NGen), which must then be given.
+	HistoryScoreTokens int
+	Layers             []TurnLayer
 }
 
 // TurnLayer holds one layer's tensors: exactly one of PromptScore and GenQ
 // (Turn.QueryDType says which; the other nil), the History* ones only when
-// NHistory > 0.
+// NHistory > 0. HistoryScore (optional, in every layer or none, only with
+// PromptScore) is this agent's attention mass on each history token, F32
+// [ScoreHeads, HistoryScoreTokens], finite and >= 0, in the history's
+// token order per KV head (GQA: score head q reads KV head
+// q / (ScoreHeads / KVHeads)); it adds to the tokens' accumulated
+// importance, of which a history budget keeps the top.
 type TurnLayer struct {
 	PromptK, PromptV, GenK, GenV, PromptScore []byte
 	HistoryK, HistoryV, HistoryPos            []byte
 	GenQ                                      []byte
+	HistoryScore                              []byte
 }
 
 // Tensor is one delivered tensor, named as in the message file format
@@ -139,6 +159,13 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 	if s := t.SoftmaxScale; s != nil && !(*s > 0 && *s <= math.MaxFloat64) {
 		return nil, nil, invalidf("turn.softmax_scale: %v, expected a finite number > 0 or nil (1/sqrt(head_dim))", *s)
 	}
+	if err := checkAnchors(t); err != nil {
+		return nil, nil, err
+	}
+	historyScore, err := historyScoreTokens(t, qdtype)
+	if err != nil {
+		return nil, nil, err
+	}
 	kv := dtypeSize[t.DType] * t.KVHeads * t.HeadDim
 	type partData struct {
 		part pb.Part
@@ -167,6 +194,10 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 			{pb.Part_PART_GEN_V, "gen.v", layer.GenV, kv * t.NGen},
 			attention,
 		}
+		if historyScore > 0 {
+			parts = append(parts, partData{pb.Part_PART_HISTORY_SCORE, "history.score", layer.HistoryScore,
+				4 * t.ScoreHeads * historyScore})
+		}
 		if t.NHistory > 0 {
 			parts = append(parts, []partData{
 				{pb.Part_PART_HISTORY_K, "history.k", layer.HistoryK, kv * t.NHistory},
@@ -193,7 +224,83 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 		scale := *t.SoftmaxScale
 		g.SoftmaxScale = &scale
 	}
+	if len(t.HistoryAnchors) > 0 {
+		g.HistoryAnchors = append([]int32(nil), t.HistoryAnchors...)
+	}
+	g.HistoryScoreTokens = uint32(historyScore)
 	return g, tensors, nil
+}
+
+// checkAnchors checks t.HistoryAnchors: ascending distinct ids >= 0, at
+// most NHistory of them, none without history. Whether every head holds
+// each is the relay's to check.
+func checkAnchors(t *Turn) error {
+	for i, a := range t.HistoryAnchors {
+		if a < 0 || (i > 0 && a <= t.HistoryAnchors[i-1]) {
+			return invalidf("turn.history_anchors[%d]: %d, expected ascending distinct position ids >= 0", i, a)
+		}
+	}
+	switch n := len(t.HistoryAnchors); {
+	case n > 0 && t.NHistory == 0:
+		return invalidf("turn.history_anchors: %d position ids, expected none for a turn without history "+
+			"(with parent_id the relay takes the parent's anchors)", n)
+	case n > t.NHistory:
+		return invalidf("turn.history_anchors: %d position ids, expected at most n_history = %d", n, t.NHistory)
+	}
+	return nil
+}
+
+// historyScoreTokens is the columns of the layers' HistoryScore, 0 when
+// they carry none: t.HistoryScoreTokens, or NHistory when that is 0. It
+// checks that every layer or none carries one, never with queries, and
+// that an uploaded history's score covers NHistory tokens; without
+// uploaded history the columns are the parent's tokens per head, which
+// only the relay can check.
+func historyScoreTokens(t *Turn, qdtype string) (int, error) {
+	n, given, missing := t.HistoryScoreTokens, -1, -1
+	for l := range t.Layers {
+		if t.Layers[l].HistoryScore != nil {
+			if given < 0 {
+				given = l
+			}
+		} else if missing < 0 {
+			missing = l
+		}
+	}
+	switch {
+	case n < 0 || n > math.MaxUint32:
+		return 0, invalidf("turn.history_score_tokens: %d, expected 0..2^32-1", n)
+	case given < 0 && n != 0:
+		return 0, invalidf("turn.history_score_tokens: %d, expected 0 (no layer carries a history.score)", n)
+	case given < 0:
+		return 0, nil
+	case missing >= 0:
+		return 0, invalidf("layer.%d.history.score: missing, expected it in every layer or in none (layer.%d has one)",
+			missing, given)
+	case qdtype != "":
+		return 0, invalidf("layer.0.history.score: given with layer.0.gen.q, expected none " +
+			"(the relay computes the mass on the history from the queries)")
+	case n == 0 && t.NHistory == 0:
+		return 0, invalidf("turn.history_score_tokens: 0, expected the parent's tokens per head (its header's " +
+			"n_history + n_anchor + n_kept + n_gen) for a history.score without uploaded history")
+	case n == 0:
+		return t.NHistory, nil
+	case t.NHistory > 0 && n != t.NHistory:
+		return 0, invalidf("turn.history_score_tokens: %d, expected n_history = %d (the uploaded history's tokens)",
+			n, t.NHistory)
+	}
+	return n, nil
+}
+
+// checkHistoryScoreHasHistory refuses a history.score without any history:
+// none uploaded and no parent (parent says whether the call has one).
+func checkHistoryScoreHasHistory(g *pb.TurnGeometry, parent bool) error {
+	if g.GetHistoryScoreTokens() > 0 && g.GetNHistory() == 0 && !parent {
+		return invalidf("layer.0.history.score: [%d, %d] given without history, expected none (upload the history, "+
+			"or publish with parent_id: its columns are then the parent's tokens per head)",
+			g.GetScoreHeads(), g.GetHistoryScoreTokens())
+	}
+	return nil
 }
 
 // queryDType is the dtype of the layers' GenQ ("F32" or the K/V dtype), or

@@ -202,7 +202,17 @@ def _geometry(turn):
         if isinstance(sc, bool) or not isinstance(sc, numbers.Real) or not math.isfinite(sc) or sc <= 0:
             raise ValueError(f"turn.softmax_scale: {sc!r}, expected a finite number > 0 or None")
         g.softmax_scale = float(sc)
+    g.history_anchors.extend(turn.anchors())
+    g.history_score_tokens = turn.history_score_tokens()
     return g
+
+
+def _check_history_score(geometry, parent_id):
+    """A history_score needs a history: uploaded, or the parent's."""
+    if geometry.history_score_tokens and not geometry.n_history and not parent_id:
+        raise ValueError(f"layer.0.history.score: [{geometry.score_heads}, {geometry.history_score_tokens}] "
+                         "given without history, expected none (upload the history, or publish with "
+                         "parent_id: its columns are then the parent's tokens per head)")
 
 
 def _upload_tensors(turn):
@@ -218,6 +228,8 @@ def _upload_tensors(turn):
             yield i, pb.PART_GEN_Q, _le_bytes(l.gen_q, DTYPES[qdt])
         else:
             yield i, pb.PART_PROMPT_SCORE, _le_bytes(l.score, np.float32)
+            if l.history_score is not None:
+                yield i, pb.PART_HISTORY_SCORE, _le_bytes(l.history_score, np.float32)
         if l.history_k is not None and np.shape(l.history_k)[1] > 0:
             yield i, pb.PART_HISTORY_K, _le_bytes(l.history_k, kv)
             yield i, pb.PART_HISTORY_V, _le_bytes(l.history_v, kv)
@@ -471,8 +483,10 @@ class Client:
         """Uploads `turn` for `recipients`; returns a PublishResult.
 
         policy: pipeline spec ("" = the relay's default for `role`);
-        parent_id: history by reference (the turn must then carry no history;
-        it is sent with first_agent=False, whatever turn.first_agent says);
+        parent_id: history by reference (the turn must then carry no history
+        nor history_anchors; it is sent with first_agent=False, whatever
+        turn.first_agent says; a history_score then has the parent's tokens
+        per head as columns);
         timeout: seconds per attempt. A re-publish of a committed message_id
         returns the original accounting with duplicate=True. Raises
         PublishError (with .message_id) when the publish fails; ValueError
@@ -501,6 +515,7 @@ class Client:
         if parent_id and geometry.n_history > 0:
             raise ValueError(f"geometry.n_history: {geometry.n_history}, expected 0 with a "
                              "parent (the relay supplies the history of parent_id)")
+        _check_history_score(geometry, parent_id)
         header = pb.PublishHeader(
             session_id=session, message_id=message_id or new_message_id(), sender=sender,
             recipients=recipients, role=role or "", policy=policy or "",
@@ -577,8 +592,9 @@ class Client:
             raise ValueError(f"policy: {policy!r}, expected a non-empty pipeline spec string")
         if not isinstance(turn, Turn):
             raise ValueError("turn: expected a kvrelay.Turn")
-        first = pb.CompressRequest(header=pb.CompressHeader(policy=policy,
-                                                            geometry=_geometry(turn)))
+        geometry = _geometry(turn)
+        _check_history_score(geometry, "")
+        first = pb.CompressRequest(header=pb.CompressHeader(policy=policy, geometry=geometry))
         call = self._stub.Compress(_upload(turn, pb.CompressRequest, first), timeout=timeout,
                                    metadata=self._metadata)
         return _read_delivery(call)

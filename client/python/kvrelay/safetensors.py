@@ -76,9 +76,15 @@ def read(path):
 
 
 def write_turn(path, turn):
-    """Writes a kvrelay.Turn as a turn file (what `kvrelayctl compress --in` reads)."""
+    """Writes a kvrelay.Turn as a turn file (what `kvrelayctl compress --in`
+    reads), with its history_score as layer.{l}.history.score and its
+    history_anchors as metadata. A history_score without history covers a
+    parent's tokens: such a file is read for a parent only (`kvrelayctl
+    compress --parent`, `kvrelayctl publish --parent`)."""
     dtype = turn.geometry()[0]
     qdt = turn.query_dtype()
+    anchors = turn.anchors()
+    turn.history_score_tokens()  # checked like an upload
     tensors, dts = {}, {}
     for i, l in enumerate(turn.layers):
         p = f"layer.{i}."
@@ -96,11 +102,15 @@ def write_turn(path, turn):
             tensors[p + "prompt.score"] = np.asarray(l.score, dtype=np.float32)
         if l.history_k is not None:
             tensors[p + "history.pos"] = np.asarray(l.history_pos, dtype=np.int32)
+        if l.history_score is not None:
+            tensors[p + "history.score"] = np.asarray(l.history_score, dtype=np.float32)
     meta = {"first_agent": "true" if turn.is_first_agent() else "false"}
     if turn.prompt_pos0 is not None:
         meta["prompt_pos0"] = str(int(turn.prompt_pos0))
     if turn.softmax_scale is not None:
         meta["softmax_scale"] = repr(float(turn.softmax_scale))  # reads back exactly
+    if anchors:
+        meta["history_anchors"] = ",".join(str(a) for a in anchors)
     write(path, tensors, meta, dts)
 
 
@@ -134,7 +144,8 @@ def read_message(path):
                      sent_bytes=int(meta.get("sent_bytes", 0)), policy=meta.get("policy", ""),
                      received_bytes=int(meta.get("received_bytes", 0)),
                      compress_seconds=float(meta.get("compress_seconds", 0)),
-                     commit_seconds=float(meta.get("commit_seconds", 0)))
+                     commit_seconds=float(meta.get("commit_seconds", 0)),
+                     attention_error=float(meta["attention_error"]) if "attention_error" in meta else None)
     if acc.sent_bytes:
         acc.ratio = acc.full_bytes / acc.sent_bytes
     # A delivery written by `kvrelayctl fetch --out` also names itself: its id

@@ -5,7 +5,8 @@ float32 for F32, float16 for F16, and for BF16 uint16 arrays holding the
 bfloat16 bit patterns (numpy has no bfloat16; see f32_to_bf16/bf16_to_f32).
 """
 from dataclasses import dataclass, field
-from typing import List, Optional
+import numbers
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -111,7 +112,16 @@ class TurnLayer:
     float32 [score_heads, n_prompt] (attention mass on each prompt token,
     >= 0), or gen_q [score_heads, n_gen, head_dim], the generated steps'
     post-RoPE queries in float32 or the K/V dtype, from which the relay
-    computes the scores (every layer the same one)."""
+    computes the scores (every layer the same one).
+
+    history_score (optional, with score only; every layer or none): float32
+    [score_heads, n_h], this agent's attention mass on each history token
+    (finite, >= 0), added to the tokens' accumulated importance, which a
+    history budget (hist=) keeps the top of. n_h is the history's tokens per
+    head: n_history for an uploaded history, or with parent_id the parent
+    message's (Message.tokens of the message fetched), in that message's
+    token order per KV head (GQA: score head q reads KV head
+    q // (score_heads // kv_heads))."""
     prompt_k: np.ndarray
     prompt_v: np.ndarray
     gen_k: np.ndarray
@@ -121,6 +131,7 @@ class TurnLayer:
     history_v: Optional[np.ndarray] = None
     history_pos: Optional[np.ndarray] = None
     gen_q: Optional[np.ndarray] = None
+    history_score: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -135,6 +146,12 @@ class Turn:
     prompt_pos0: Optional[int] = None  # None: the history length
     # The attention's logit scale for scores from gen_q; None: 1/sqrt(head_dim).
     softmax_scale: Optional[float] = None
+    # Position ids of the chain's anchors that the uploaded history holds (a
+    # fetched message's anchor_pos), ascending: every head of every layer's
+    # history must hold each once (the relay checks), and a history budget
+    # (hist=) never drops them. Only with history; None or []: none. With
+    # parent_id the relay takes the parent's.
+    history_anchors: Optional[Sequence[int]] = None
 
     def kv_dtype(self):
         if self.dtype is not None:
@@ -161,6 +178,69 @@ class Turn:
         if not isinstance(self.first_agent, (bool, np.bool_)):
             raise ValueError(f"turn.first_agent: {self.first_agent!r}, expected True, False or None")
         return bool(self.first_agent)
+
+    def anchors(self):
+        """history_anchors as a list of ints (ValueError naming the field for
+        ids that are not ascending distinct integers in [0, 2^31), more ids
+        than history tokens, or ids without an uploaded history). Whether
+        every head holds each id is the relay's to check."""
+        a = self.history_anchors
+        if a is None:
+            return []
+        if isinstance(a, (str, bytes)) or not hasattr(a, "__iter__"):
+            raise ValueError(f"turn.history_anchors: {a!r}, expected a sequence of position ids or None")
+        ids = list(a)
+        for i, v in enumerate(ids):
+            if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)) or not 0 <= v < 1 << 31:
+                raise ValueError(f"turn.history_anchors[{i}]: {v!r}, expected an integer position id "
+                                 "in [0, 2^31)")
+            if i and v <= ids[i - 1]:
+                raise ValueError(f"turn.history_anchors[{i}]: {v} after {ids[i - 1]}, expected ascending "
+                                 "distinct position ids")
+        if not ids:
+            return []
+        n_hist = self.geometry()[6]
+        if n_hist == 0:
+            raise ValueError(f"turn.history_anchors: {len(ids)} position ids, expected none for a turn "
+                             "without history (with parent_id the relay takes the parent's anchors)")
+        if len(ids) > n_hist:
+            raise ValueError(f"turn.history_anchors: {len(ids)} position ids, expected at most "
+                             f"n_history = {n_hist}")
+        return [int(v) for v in ids]
+
+    def history_score_tokens(self):
+        """Columns of the layers' history_score, 0 when they carry none
+        (ValueError naming the tensor unless every layer or none carries one,
+        float32 [score_heads, n] with n >= 1 the same in every layer, never
+        with gen_q, and n = n_history when the turn uploads history). Without
+        uploaded history n must be the parent's tokens per head, which only
+        the relay can check."""
+        given = [layer.history_score is not None for layer in self.layers]
+        if not any(given):
+            return 0
+        if not all(given):
+            i = given.index(False)
+            raise ValueError(f"layer.{i}.history.score: missing, expected it in every layer or in none "
+                             f"(layer.{given.index(True)} has one)")
+        _, _, s, _, _, _, n_hist = self.geometry()
+        if self.query_dtype():
+            raise ValueError("layer.0.history.score: given with layer.0.gen.q, expected none (the relay "
+                             "computes the mass on the history from the queries)")
+        a0 = self.layers[0].history_score
+        n = n_hist if n_hist else (np.shape(a0)[1] if np.ndim(a0) == 2 else -1)
+        why = "[score_heads, n_history]" if n_hist else "[score_heads, tokens per head of the parent]"
+        for i, layer in enumerate(self.layers):
+            a = layer.history_score
+            if tuple(np.shape(a)) != (s, n):
+                want = f"[{s}, {n}]" if n >= 0 else f"[{s}, n]"
+                raise ValueError(f"layer.{i}.history.score: shape {list(np.shape(a))}, expected {want} "
+                                 f"({why}{', like layer.0' if i and not n_hist else ''})")
+            if np.asarray(a).dtype.newbyteorder("<") != np.dtype("<f4"):
+                raise ValueError(f"layer.{i}.history.score: dtype {np.asarray(a).dtype}, expected float32")
+        if n < 1:
+            raise ValueError(f"layer.0.history.score: shape [{s}, 0], expected at least one column "
+                             "(one per history token)")
+        return n
 
     def query_dtype(self):
         """None when the layers carry scores; else gen_q's dtype, "F32" or the

@@ -12,7 +12,10 @@ DIR/gopath/src/kvrelay/v1 with protoc-gen-go and protoc-gen-go-grpc, links
 client/go in as DIR/gopath/src/kvrelay/client/go, and builds in GOPATH mode
 (GO111MODULE=off, GOPATH=DIR/gopath:/usr/share/gocode, GOPROXY=off). Checks
 gofmt, go vet and the package's unit tests (go test), then starts
-kvrelay-server on 127.0.0.1:0 and a Unix socket and drives cmd/kvrelay-example: publish a turn
+kvrelay-server on 127.0.0.1:0 and a Unix socket, runs the package's live
+tests against it (kvrelay/live_test.go, TestLive*, with KVRELAY_LIVE_ADDR:
+attention_error, history_anchors, history.score over an uploaded history
+and over a parent) and drives cmd/kvrelay-example: publish a turn
 made by `kvrelayctl make-turn`, fetch the message, write it, ack. Checks: the
 fetched message equals `kvrelayctl compress` of the same turn bit for bit
 (every tensor's dtype, shape and bytes, and the accounting metadata) for
@@ -126,6 +129,33 @@ class UnitTest(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertRegex(p.stdout, r"--- PASS: Test")
         self.assertNotIn("--- FAIL", p.stdout)
+
+
+class LiveApiTest(unittest.TestCase):
+    """The package's live tests (kvrelay/live_test.go, TestLive*) against
+    the relay: go test -run with KVRELAY_LIVE_ADDR, one test each."""
+
+    def go_test(self, name):
+        env = dict(GO_ENV, KVRELAY_LIVE_ADDR=LIVE.addr)
+        p = completed([ARGS.go, "test", "-count=1", "-v", "-run", f"^{name}$", "kvrelay/client/go/kvrelay"],
+                      timeout=300, env=env, cwd=ARGS.work_dir)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn(f"--- PASS: {name} ", p.stdout)
+        self.assertNotIn("--- SKIP", p.stdout)
+
+    def test_attention_error(self):
+        self.go_test("TestLiveAttentionError")
+
+    def test_history_anchors(self):
+        self.go_test("TestLiveHistoryAnchors")
+
+    def test_history_score_uploaded(self):
+        # Needs a relay that accepts PART_HISTORY_SCORE.
+        self.go_test("TestLiveHistoryScoreUploaded")
+
+    def test_history_score_with_parent(self):
+        # Needs a relay that accepts PART_HISTORY_SCORE.
+        self.go_test("TestLiveHistoryScoreWithParent")
 
 
 class RelayTest(lang_cases.RelayCases, unittest.TestCase):

@@ -7,8 +7,10 @@
 Installs the client's npm dependencies with `npm ci` (package.json and
 package-lock.json copied into DIR/npm, so the source tree stays clean; the
 client finds them through NODE_PATH), runs the offline unit tests
-(unit.test.js, node:test), then starts kvrelay-server on 127.0.0.1:0 and a Unix socket and
-drives client/node/example.js: publish a turn made by `kvrelayctl
+(unit.test.js, node:test), then starts kvrelay-server on 127.0.0.1:0 and a Unix socket,
+runs the live tests against it (live.test.js with KVRELAY_LIVE_ADDR:
+attentionError, historyAnchors, historyScore over an uploaded history and
+over a parent) and drives client/node/example.js: publish a turn made by `kvrelayctl
 make-turn`, fetch the message, write it, ack. Checks: the fetched message
 equals `kvrelayctl compress` of the same turn bit for bit (every tensor's
 dtype, shape and bytes, and the accounting metadata) for dense, quantized
@@ -106,6 +108,35 @@ class UnitTest(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertRegex(p.stdout, r"# pass [1-9]")
         self.assertIn("# fail 0", p.stdout)
+
+
+class LiveApiTest(unittest.TestCase):
+    """The client's live tests (live.test.js) against the relay: node --test
+    with KVRELAY_LIVE_ADDR, one test each (by name pattern)."""
+
+    def node_test(self, pattern):
+        script = os.path.join(HERE, "live.test.js")
+        env = dict(NODE_ENV, KVRELAY_LIVE_ADDR=LIVE.addr)
+        p = completed([ARGS.node, "--test", f"--test-name-pattern={pattern}", script], env=env)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        # The one matching test passed (the others are reported skipped by name).
+        self.assertIn("# pass 1\n", p.stdout)
+        self.assertIn("# fail 0", p.stdout)
+        self.assertNotIn("KVRELAY_LIVE_ADDR not set", p.stdout)
+
+    def test_attention_error(self):
+        self.node_test("^live attentionError")
+
+    def test_history_anchors(self):
+        self.node_test("^live historyAnchors")
+
+    def test_history_score_uploaded(self):
+        # Needs a relay that accepts PART_HISTORY_SCORE.
+        self.node_test("^live historyScore, uploaded")
+
+    def test_history_score_with_parent(self):
+        # Needs a relay that accepts PART_HISTORY_SCORE.
+        self.node_test("^live historyScore with a parent")
 
 
 class RelayTest(lang_cases.RelayCases, unittest.TestCase):

@@ -12,10 +12,10 @@ const path = require('node:path');
 const dir = process.env.KVRELAY_NODE_CLIENT_DIR || path.resolve(__dirname, '../../../client/node');
 const { crc32c, crc32cCombine } = require(path.join(dir, 'crc32c.js'));
 const { RelayClient, RelayError, MAX_CHUNK_BYTES, loadRelayService, newMessageId, planUpload, chunkRequests,
-        writeUpload, Assembler, readTokenFile } = require(path.join(dir, 'client.js'));
+        writeUpload, Assembler, readTokenFile, accountingOf } = require(path.join(dir, 'client.js'));
 const { EventEmitter } = require('node:events');
 const grpc = require('@grpc/grpc-js');
-const { readSafetensors, writeSafetensors, readTurnFile } = require(path.join(dir, 'safetensors.js'));
+const { readSafetensors, writeSafetensors, readTurnFile, writeMessageFile } = require(path.join(dir, 'safetensors.js'));
 const fs = require('node:fs');
 const os = require('node:os');
 
@@ -743,5 +743,233 @@ test('credentials options: errors name the option, never the token', () => {
     assert.throws(() => readTokenFile(tokenFile), /first line empty, expected the token/);
   } finally {
     fs.rmSync(tmp, { recursive: true, force: true });
+  }
+});
+
+// ---- historyScore, historyAnchors, attentionError ------------------------------------
+
+// tinyTurn with an uploaded history of 4 tokens (positions 0..3), the
+// chain's anchors 0 and 2, and a historyScore [2, 4] per layer.
+function historyTurn(overrides = {}) {
+  const t = tinyTurn({ nHistory: 4, historyAnchors: [0, 2], ...overrides });
+  t.layers.forEach((layer, l) => {
+    layer.historyK = new Float32Array(16);
+    layer.historyV = new Float32Array(16);
+    layer.historyPos = new Int32Array([0, 1, 2, 3]);
+    layer.historyScore = new Float32Array([0, 0, 9, 9, 0, 0, 9, l]);
+  });
+  return t;
+}
+
+test('planUpload: HISTORY_SCORE after PROMPT_SCORE, before the history; historyAnchors and historyScoreTokens', () => {
+  const { geometry, tensors } = planUpload(historyTurn());
+  assert.deepEqual([geometry.historyAnchors, geometry.historyScoreTokens, geometry.nHistory, geometry.firstAgent],
+                   [[0, 2], 4, 4, false]);
+  const layer = (l) => [`${l}:PART_PROMPT_K:48`, `${l}:PART_PROMPT_V:48`, `${l}:PART_GEN_K:16`, `${l}:PART_GEN_V:16`,
+    `${l}:PART_PROMPT_SCORE:24`, `${l}:PART_HISTORY_SCORE:32`, `${l}:PART_HISTORY_K:64`, `${l}:PART_HISTORY_V:64`,
+    `${l}:PART_HISTORY_POS:16`];
+  assert.deepEqual(tensors.map((t) => `${t.layer}:${t.part}:${t.data.length}`), [...layer(0), ...layer(1)]);
+  assert.deepEqual(Buffer.from(tensors[14].data), Buffer.from(new Float32Array([0, 0, 9, 9, 0, 0, 9, 1]).buffer));
+  // The geometry holds its own anchors.
+  const t = historyTurn();
+  const g = planUpload(t).geometry;
+  t.historyAnchors[0] = 1;
+  assert.deepEqual(g.historyAnchors, [0, 2]);
+  assert.equal(planUpload(historyTurn({ historyScoreTokens: 4 })).geometry.historyScoreTokens, 4);
+  // With a parent (no uploaded history): the parent's tokens per head, given.
+  const child = tinyTurn({ historyScoreTokens: 3 });
+  child.layers.forEach((l) => { l.historyScore = new Float32Array(6); });
+  const c = planUpload(child);
+  assert.deepEqual([c.geometry.historyScoreTokens, c.geometry.nHistory, c.geometry.historyAnchors], [3, 0, undefined]);
+  assert.deepEqual(c.tensors.filter((x) => x.layer === 0).map((x) => x.part), ['PART_PROMPT_K', 'PART_PROMPT_V',
+    'PART_GEN_K', 'PART_GEN_V', 'PART_PROMPT_SCORE', 'PART_HISTORY_SCORE']);
+  // None: neither field nor part.
+  const plain = planUpload(tinyTurn({ historyAnchors: [], historyScoreTokens: 0 }));
+  assert.deepEqual([plain.geometry.historyAnchors, plain.geometry.historyScoreTokens], [undefined, undefined]);
+  assert.ok(!plain.tensors.some((x) => x.part === 'PART_HISTORY_SCORE'));
+});
+
+test('planUpload: bad historyAnchors and historyScore name the field before any call', async () => {
+  const invalidArg = (re) => (e) => e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT && re.test(e.details);
+  const noHistory = (t) => { t.nHistory = 0; t.layers.forEach((l) => { delete l.historyK; }); };
+  const cases = [
+    ['descending', (t) => { t.historyAnchors = [2, 1]; },
+     /^turn\.historyAnchors\[1\]: 1 after 2, expected ascending distinct position ids$/],
+    ['twice', (t) => { t.historyAnchors = [1, 1]; }, /^turn\.historyAnchors\[1\]: 1 after 1/],
+    ['negative', (t) => { t.historyAnchors = [-1]; }, /^turn\.historyAnchors\[0\]: -1, expected an integer position id in \[0, 2\^31\)$/],
+    ['fraction', (t) => { t.historyAnchors = [0.5]; }, /^turn\.historyAnchors\[0\]: 0\.5, expected an integer/],
+    ['string id', (t) => { t.historyAnchors = ['1']; }, /^turn\.historyAnchors\[0\]: "1", expected an integer/],
+    ['a string', (t) => { t.historyAnchors = '0,2'; }, /^turn\.historyAnchors: "0,2", expected an array of position ids$/],
+    ['more than the history', (t) => { t.historyAnchors = [0, 1, 2, 3, 4]; },
+     /^turn\.historyAnchors: 5 position ids, expected at most nHistory = 4$/],
+    ['without history', (t) => { noHistory(t); t.layers.forEach((l) => { delete l.historyScore; }); },
+     /^turn\.historyAnchors: 2 position ids, expected none for a turn without history \(with parentId/],
+    ['score in layer 1 only', (t) => { delete t.layers[0].historyScore; },
+     /^layer\.0\.history\.score: missing, expected it in every layer or in none \(layer\.1 has one\)$/],
+    ['score short', (t) => { t.layers[1].historyScore = new Float32Array(7); },
+     /^layer\.1\.history\.score: 28 bytes, expected 32 bytes/],
+    ['tokens other than nHistory', (t) => { t.historyScoreTokens = 5; },
+     /^turn\.historyScoreTokens: 5, expected nHistory = 4 \(the uploaded history's tokens\)$/],
+    ['tokens without a score', (t) => { t.layers.forEach((l) => { delete l.historyScore; }); t.historyScoreTokens = 4; },
+     /^turn\.historyScoreTokens: 4, expected 0 or unset \(no layer carries a historyScore\)$/],
+    ['parent-style without tokens', (t) => { noHistory(t); t.historyAnchors = undefined; },
+     /^turn\.historyScoreTokens: unset, expected the parent's tokens per head/],
+    ['negative tokens', (t) => { t.historyScoreTokens = -1; }, /^turn\.historyScoreTokens: -1, expected an integer/],
+  ];
+  for (const [name, edit, re] of cases) {
+    const t = historyTurn();
+    edit(t);
+    assert.throws(() => planUpload(t), invalidArg(re), name);
+  }
+  const q = queryTurn('F32', { historyScoreTokens: 1 });
+  q.layers.forEach((l) => { l.historyScore = new Float32Array(2); });
+  assert.throws(() => planUpload(q), invalidArg(/^layer\.0\.history\.score: given with layer\.0\.gen\.q, expected none/));
+
+  // A historyScore needs a history: uploaded, or the parent's.
+  const orphan = tinyTurn({ historyScoreTokens: 3 });
+  orphan.layers.forEach((l) => { l.historyScore = new Float32Array(6); });
+  const relay = new RelayClient('127.0.0.1:1');
+  try {
+    const want = invalidArg(/^layer\.0\.history\.score: \[2, 3\] given without history, expected none \(upload the history, or publish with parentId/);
+    await assert.rejects(relay.publish(orphan, { ...route, sessionId: 's' }), want);
+    await assert.rejects(relay.compress(orphan, 'full'), want);
+  } finally {
+    relay.close();
+  }
+});
+
+test('publish: HISTORY_SCORE chunks, historyScoreTokens and historyAnchors reach the relay', async () => {
+  const got = [];
+  const server = new grpc.Server();
+  server.addService(loadRelayService().service, {
+    Publish(call, callback) {
+      const parts = [];
+      let header;
+      call.on('data', (r) => {
+        if (r.header) header = r.header;
+        if (r.chunk) parts.push(`${r.chunk.layer}:${r.chunk.part}`);
+      });
+      call.on('end', () => {
+        got.push({ header, parts });
+        callback(null, { messageId: header.messageId, accounting: { policy: 'p', attentionError: 0 } });
+      });
+    },
+  });
+  const port = await new Promise((resolve, reject) =>
+    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  const relay = new RelayClient(`127.0.0.1:${port}`);
+  let r;
+  try {
+    r = await relay.publish(historyTurn(), { ...route, sessionId: 's', messageId: 'm-h' });
+    const child = tinyTurn({ historyScoreTokens: 3 });
+    child.layers.forEach((l) => { l.historyScore = new Float32Array(6); });
+    await relay.publish(child, { ...route, sessionId: 's', messageId: 'm-c', parentId: 'm-p' });
+  } finally {
+    relay.close();
+    server.forceShutdown();
+  }
+  const [h, c] = got;
+  assert.deepEqual([h.header.geometry.historyAnchors, h.header.geometry.historyScoreTokens], [[0, 2], 4]);
+  assert.deepEqual(h.parts.slice(0, 9), ['0:PART_PROMPT_K', '0:PART_PROMPT_V', '0:PART_GEN_K', '0:PART_GEN_V',
+    '0:PART_PROMPT_SCORE', '0:PART_HISTORY_SCORE', '0:PART_HISTORY_K', '0:PART_HISTORY_V', '0:PART_HISTORY_POS']);
+  assert.deepEqual([c.header.parentId, c.header.geometry.historyScoreTokens, c.header.geometry.firstAgent,
+                    c.header.geometry.historyAnchors], ['m-p', 3, false, []]);
+  assert.equal(c.parts.filter((p) => p.endsWith('HISTORY_SCORE')).length, 2);
+  // A figure of 0 is a figure, not its absence; proto-loader's marker is gone.
+  assert.equal(r.accounting.attentionError, 0);
+  assert.ok(!('_attentionError' in r.accounting));
+});
+
+test('readTurnFile: history.score and history_anchors; a turn for a parent; history.acc is refused', async () => {
+  const file = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'kvrelay-st-')), 'turn.safetensors');
+  const tensorsOf = ({ history = true, score = true } = {}) => historyTurn().layers.flatMap((l, i) => [
+    { name: `layer.${i}.prompt.k`, dtype: 'F32', shape: [1, 3, 4], data: l.promptK },
+    { name: `layer.${i}.prompt.v`, dtype: 'F32', shape: [1, 3, 4], data: l.promptV },
+    { name: `layer.${i}.gen.k`, dtype: 'F32', shape: [1, 1, 4], data: l.genK },
+    { name: `layer.${i}.gen.v`, dtype: 'F32', shape: [1, 1, 4], data: l.genV },
+    { name: `layer.${i}.prompt.score`, dtype: 'F32', shape: [2, 3], data: l.promptScore },
+    ...(history ? [
+      { name: `layer.${i}.history.k`, dtype: 'F32', shape: [1, 4, 4], data: l.historyK },
+      { name: `layer.${i}.history.v`, dtype: 'F32', shape: [1, 4, 4], data: l.historyV },
+      { name: `layer.${i}.history.pos`, dtype: 'I32', shape: [1, 4], data: l.historyPos }] : []),
+    ...(score ? [{ name: `layer.${i}.history.score`, dtype: 'F32', shape: [2, 4], data: l.historyScore }] : []),
+  ]);
+  await writeSafetensors(file, tensorsOf(), { first_agent: 'false', history_anchors: '0,2' });
+  const turn = await readTurnFile(file);
+  assert.deepEqual([turn.historyAnchors, turn.historyScoreTokens, turn.nHistory], [[0, 2], 4, 4]);
+  assert.deepEqual(Buffer.from(turn.layers[1].historyScore),
+                   Buffer.from(new Float32Array([0, 0, 9, 9, 0, 0, 9, 1]).buffer));
+  assert.deepEqual([planUpload(turn).geometry.historyScoreTokens, planUpload(turn).geometry.historyAnchors], [4, [0, 2]]);
+  await writeSafetensors(file, tensorsOf({ score: false }), { history_anchors: '' });
+  const plain = await readTurnFile(file);
+  assert.deepEqual([plain.historyAnchors, plain.historyScoreTokens, plain.layers[0].historyScore],
+                   [undefined, undefined, undefined]);
+  // A turn for a parent: history.score alone, as many columns as it has.
+  await writeSafetensors(file, tensorsOf({ history: false }), { first_agent: 'false' });
+  const child = await readTurnFile(file);
+  assert.deepEqual([child.nHistory, child.historyScoreTokens], [0, 4]);
+  const relay = new RelayClient('127.0.0.1:1');
+  try {
+    await assert.rejects(relay.publish(child, { ...route, sessionId: 's' }), /\[2, 4\] given without history/);
+  } finally {
+    relay.close();
+  }
+
+  const acc = { name: 'layer.0.history.acc', dtype: 'F32', shape: [1, 4], data: new Float32Array(4) };
+  const cases = [
+    ['anchor not a number', tensorsOf(), '0,x', /metadata history_anchors: item "x" of 1, expected comma-separated position ids/],
+    ['negative anchor', tensorsOf(), '-1', /metadata history_anchors: item "-1" of 0/],
+    ['anchor past int32', tensorsOf(), '2147483648', /metadata history_anchors: item "2147483648" of 0/],
+    ['empty item', tensorsOf(), '0,,2', /metadata history_anchors: item "" of 1/],
+    ['score in layer 0 only', tensorsOf().slice(0, 17), '0,2', /layer\.1\.history\.score: missing/],
+    ['score in layer 1 only', tensorsOf().filter((t) => t.name !== 'layer.0.history.score'), '0,2',
+     /layer\.1\.history\.score: given, expected it in every layer or in none/],
+    ['score shape', tensorsOf().map((t) => (t.name === 'layer.0.history.score' ? { ...t, shape: [4, 2] } : t)), '0,2',
+     /layer\.0\.history\.score: F32 \[4,2\], expected F32 \[2,4\] \(from layer\.0\)/],
+    ['widths differ without history', tensorsOf({ history: false }).map((t) => (t.name === 'layer.1.history.score' ?
+      { ...t, shape: [2, 3], data: new Float32Array(6) } : t)), '',
+     /layer\.1\.history\.score: F32 \[2,3\], expected F32 \[2,4\] \(from layer\.0\)/],
+    ['history.acc', [...tensorsOf(), acc], '0,2', /layer\.0\.history\.acc: not carried by Publish or Compress/],
+  ];
+  for (const [name, ts, anchors, re] of cases) {
+    await writeSafetensors(file, ts, { history_anchors: anchors });
+    await assert.rejects(readTurnFile(file), re, name);
+  }
+});
+
+test('attentionError: a number or null in the accounting, delivered headers too, and in the message file', async () => {
+  assert.deepEqual(accountingOf({ policy: 'p', attentionError: 0.25, _attentionError: 'attentionError' }),
+                   { policy: 'p', attentionError: 0.25 });
+  assert.deepEqual(accountingOf({ policy: 'p' }), { policy: 'p', attentionError: null });
+  assert.equal(accountingOf(null), null);
+  // Through the wire as proto-loader decodes it: present (0 too) or absent.
+  const Publish = loadRelayService().service.Publish;
+  const decode = (accounting) => accountingOf(Publish.responseDeserialize(Publish.responseSerialize({ accounting })).accounting);
+  assert.equal(decode({ attentionError: 0 }).attentionError, 0);
+  assert.equal(decode({ attentionError: 3e-7 }).attentionError, 3e-7);
+  assert.equal(decode({}).attentionError, null);
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kvrelay-msg-'));
+  for (const [figure, want] of [[undefined, undefined], [0.12345678901234568, '0.12345678901234568'], [3e-7, '3e-7']]) {
+    const a = new Assembler();
+    const k = new Float32Array([1, 2, 3, 4]);
+    const pos = new Int32Array([0, 1]);
+    const accounting = { sentBytes: 40, policy: 'p', fullBytes: 40, receivedBytes: 0, ratio: 1, compressSeconds: 0,
+                         commitSeconds: 0, ...(figure === undefined ? {} : { attentionError: figure, _attentionError: 'attentionError' }) };
+    a.add({ kind: 'header', header: { messageId: 'm', layers: 1, kvHeads: 1, headDim: 2, dtype: 'DTYPE_F32', nHistory: 0,
+                                      nAnchor: 1, nKept: 0, nGen: 1, quantBits: 0, deliveryAttempt: 1, accounting } });
+    let crc = 0;
+    for (const [part, data] of [['PART_K', k], ['PART_V', k], ['PART_POS', pos]]) {
+      const bytes = Buffer.from(data.buffer);
+      a.add({ kind: 'chunk', chunk: { layer: 0, part, offset: 0, data: bytes, crc32c: crc32c(bytes) } });
+      crc = crc32cCombine(crc, crc32c(bytes), bytes.length);
+    }
+    a.add({ kind: 'trailer', trailer: { chunks: 3, bytes: 40, crc32c: crc } });
+    const m = a.message();
+    assert.equal(m.header.accounting.attentionError, figure === undefined ? null : figure);
+    assert.ok(!('_attentionError' in m.header.accounting));
+    const file = path.join(dir, 'msg.safetensors');
+    await writeMessageFile(file, m);
+    const { metadata } = await readSafetensors(file);
+    assert.equal(metadata.attention_error, want);
   }
 });

@@ -10,7 +10,11 @@ BF16; compressed deliveries against `kvrelayctl compress` offline on the
 same turn written as safetensors (dense: bit-exact; int4/int2: packed bits
 exact, and the Python decode equal to `--decode` in the turn's dtype);
 Compress equal to the delivery; ack and redelivery, auto_ack, duplicate
-re-publish; a parent chain; deadline on an empty mailbox; bad policy;
+re-publish; a parent chain; history_anchors and history_score (offline:
+upload order, geometry, turn files, every refusal; live: anchors kept by a
+history budget, an anchor the history lacks refused, a history_score over
+an uploaded history and over a parent choosing the tokens hist=2 keeps,
+columns that do not fit the parent refused); deadline on an empty mailbox; bad policy;
 stats, health, close; a publish and a fetch over the relay's Unix socket
 (unix:PATH), also published over TCP and fetched over the socket. Against a
 second relay serving TLS with client-certificate verification and a tokens
@@ -81,6 +85,33 @@ def make_turn(seed, dtype="F32", layers=2, H=2, S=4, d=64, n_prompt=40, n_gen=6,
                     gen_v=kv(n_gen), score=rng.random((S, n_prompt)).astype(np.float32))
           for _ in range(layers)]
     return Turn(ls, dtype=dtype, first_agent=first_agent, prompt_pos0=prompt_pos0)
+
+
+def add_history(turn, n_hist, seed, anchors=None):
+    """Gives every layer of `turn` an uploaded history of n_hist tokens at
+    positions 0..n_hist-1 (every head), with the chain's anchors `anchors`."""
+    rng = np.random.default_rng(seed)
+    for layer in turn.layers:
+        H, _, d = layer.prompt_k.shape
+        kv = lambda: from_f32(rng.standard_normal((H, n_hist, d)).astype(np.float32), turn.kv_dtype())  # noqa: E731
+        layer.history_k, layer.history_v = kv(), kv()
+        layer.history_pos = np.broadcast_to(np.arange(n_hist, dtype=np.int32), (H, n_hist)).copy()
+    turn.first_agent = False
+    turn.history_anchors = anchors
+    return turn
+
+
+def mass_on(score_heads, n, columns):
+    """A history_score [score_heads, n]: 100 on `columns` (the same for every
+    head), 0 elsewhere: those tokens outweigh any prompt token's score."""
+    hs = np.zeros((score_heads, n), np.float32)
+    hs[:, columns] = 100.0
+    return hs
+
+
+def history_sets(m):
+    """Per layer and head, the set of position ids of the message's history part."""
+    return [[set(row[:m.n_history].tolist()) for row in layer.pos] for layer in m.layers]
 
 
 def bits(a):
@@ -221,6 +252,120 @@ class OfflineTest(unittest.TestCase):
         x = np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32)
         y = kvrelay.hadamard_f32(kvrelay.hadamard_f32(x))
         self.assertLess(np.abs(y - x).max(), 1e-5)
+
+    def test_history_score_and_anchors_in_the_upload(self):
+        # HISTORY_SCORE right after PROMPT_SCORE, before the HISTORY_K/V/POS
+        # parts; geometry.history_anchors and history_score_tokens.
+        from kvrelay.client import _geometry, _upload_tensors
+        from kvrelay.v1 import relay_pb2 as pb
+        turn = add_history(make_turn(40, layers=2, n_prompt=5, n_gen=2, d=8), 6, 41, anchors=[0, 3])
+        for i, layer in enumerate(turn.layers):
+            layer.history_score = np.arange(4 * 6, dtype=np.float32).reshape(4, 6) + i
+        g = _geometry(turn)
+        self.assertEqual((list(g.history_anchors), g.history_score_tokens, g.n_history), ([0, 3], 6, 6))
+        parts = [(l, p) for l, p, _ in _upload_tensors(turn)]
+        per_layer = [pb.PART_PROMPT_K, pb.PART_PROMPT_V, pb.PART_GEN_K, pb.PART_GEN_V, pb.PART_PROMPT_SCORE,
+                     pb.PART_HISTORY_SCORE, pb.PART_HISTORY_K, pb.PART_HISTORY_V, pb.PART_HISTORY_POS]
+        self.assertEqual(parts, [(l, p) for l in range(2) for p in per_layer])
+        data = {(l, p): d for l, p, d in _upload_tensors(turn)}
+        self.assertEqual(data[(1, pb.PART_HISTORY_SCORE)], turn.layers[1].history_score.astype("<f4").tobytes())
+        # Without history (a publish with parent_id): any width, the parent's tokens per head.
+        child = make_turn(42, layers=2, n_prompt=5, n_gen=2, d=8)
+        for layer in child.layers:
+            layer.history_score = np.ones((4, 11), np.float32)
+        g = _geometry(child)
+        self.assertEqual((list(g.history_anchors), g.history_score_tokens, g.n_history), ([], 11, 0))
+        self.assertEqual([p for l, p, _ in _upload_tensors(child) if l == 0], per_layer[:6])
+        # None: neither field nor part.
+        g = _geometry(make_turn(43))
+        self.assertEqual((list(g.history_anchors), g.history_score_tokens), ([], 0))
+        self.assertNotIn(pb.PART_HISTORY_SCORE, [p for _, p, _ in _upload_tensors(make_turn(43))])
+
+    def test_history_score_and_anchors_refused_before_any_call(self):
+        c = kvrelay.Client("127.0.0.1:1")
+
+        def turn(n_hist=6, anchors=None, hs=(4, 6), layers_with=(0, 1)):
+            t = make_turn(50, n_prompt=5, n_gen=2, d=8)
+            if n_hist:
+                add_history(t, n_hist, 51, anchors)
+            else:
+                t.history_anchors = anchors
+            for i in layers_with:
+                if hs is not None:
+                    t.layers[i].history_score = np.ones(hs, np.float32)
+            return t
+
+        cases = [
+            (turn(anchors=[2, 1]), r"turn\.history_anchors\[1\]: 1 after 2, expected ascending distinct"),
+            (turn(anchors=[0, 0]), r"turn\.history_anchors\[1\]: 0 after 0"),
+            (turn(anchors=[-1]), r"turn\.history_anchors\[0\]: -1, expected an integer position id in \[0, 2\^31\)"),
+            (turn(anchors=[True]), r"turn\.history_anchors\[0\]: True"),
+            (turn(anchors=[1.0]), r"turn\.history_anchors\[0\]: 1\.0"),
+            (turn(anchors="0,1"), r"turn\.history_anchors: '0,1', expected a sequence"),
+            (turn(anchors=list(range(7))), r"turn\.history_anchors: 7 position ids, expected at most n_history = 6"),
+            (turn(n_hist=0, anchors=[0], hs=None),
+             r"turn\.history_anchors: 1 position ids, expected none for a turn without history"),
+            (turn(layers_with=(1,)), r"layer\.0\.history\.score: missing, expected it in every layer or in none"),
+            (turn(hs=(4, 7)), r"layer\.0\.history\.score: shape \[4, 7\], expected \[4, 6\] \(\[score_heads, n_history\]\)"),
+            (turn(hs=(2, 6)), r"layer\.0\.history\.score: shape \[2, 6\], expected \[4, 6\]"),
+            (turn(hs=(4, 6, 1)), r"layer\.0\.history\.score: shape \[4, 6, 1\], expected \[4, 6\]"),
+            (turn(n_hist=0, hs=(4, 0)), r"layer\.0\.history\.score: shape \[4, 0\], expected at least one column"),
+        ]
+        t = turn(n_hist=0, hs=(4, 5))
+        t.layers[1].history_score = np.ones((4, 6), np.float32)
+        cases.append((t, r"layer\.1\.history\.score: shape \[4, 6\], expected \[4, 5\] .*like layer\.0"))
+        t = turn()
+        t.layers[1].history_score = np.ones((4, 6), np.float64)
+        cases.append((t, r"layer\.1\.history\.score: dtype float64, expected float32"))
+        t = turn()
+        for layer in t.layers:
+            layer.score, layer.gen_q = None, np.zeros((4, 2, 8), np.float32)
+        cases.append((t, r"layer\.0\.history\.score: given with layer\.0\.gen\.q, expected none"))
+        for t, msg in cases:
+            with self.subTest(msg=msg):
+                with self.assertRaisesRegex(ValueError, msg):
+                    c.publish(t, "s", "a", ["b"], parent_id="p" if t.geometry()[6] == 0 else "")
+                with self.assertRaisesRegex(ValueError, msg):
+                    c.compress(t, "full")
+        # No history at all: neither uploaded nor a parent's.
+        orphan = turn(n_hist=0, hs=(4, 9))
+        for call in (lambda: c.publish(orphan, "s", "a", ["b"]), lambda: c.compress(orphan, "full")):
+            with self.assertRaisesRegex(ValueError, r"layer\.0\.history\.score: \[4, 9\] given without history, "
+                                                    r"expected none \(upload the history, or publish with parent_id"):
+                call()
+        # With a parent the relay supplies history and anchors: no anchors of the turn's own.
+        with self.assertRaisesRegex(ValueError, r"turn\.history_anchors: .*expected none for a turn without history"):
+            c.publish(turn(n_hist=0, anchors=[0], hs=None), "s", "a", ["b"], parent_id="p")
+        # A turn file takes it (for a parent: kvrelayctl --parent reads it), checked like an upload.
+        path = os.path.join(TMP, "for-a-parent.safetensors")
+        st.write_turn(path, orphan)
+        _, tensors = st.read(path)
+        self.assertEqual(tensors["layer.1.history.score"].shape, (4, 9))
+        self.assertNotIn("layer.1.history.k", tensors)
+        with self.assertRaisesRegex(ValueError, r"layer\.1\.history\.score: shape \[4, 6\], expected \[4, 5\]"):
+            t = turn(n_hist=0, hs=(4, 5))
+            t.layers[1].history_score = np.ones((4, 6), np.float32)
+            st.write_turn(path, t)
+        c.close()
+
+    def test_turn_file_with_history_score_and_anchors(self):
+        # write_turn writes history.score and the history_anchors metadata;
+        # kvrelayctl reads them: under a history budget it keeps the anchors
+        # and the tokens the history_score weighs.
+        turn = add_history(make_turn(60, n_prompt=10, n_gen=3, d=16), 12, 61, anchors=[0, 2])
+        for layer in turn.layers:
+            layer.history_score = mass_on(4, 12, [9, 11])
+        path = os.path.join(TMP, "hist-turn.safetensors")
+        st.write_turn(path, turn)
+        meta, tensors = st.read(path)
+        self.assertEqual(meta["history_anchors"], "0,2")
+        self.assertEqual(tensors["layer.1.history.score"].dtype, np.dtype("<f4"))
+        self.assertTrue(np.array_equal(tensors["layer.1.history.score"], turn.layers[1].history_score))
+        meta, ref = kvrelayctl_compress(turn, "h2o-head:k=4,hist=2", decode=False)
+        self.assertEqual((meta["n_history"], meta["anchor_pos"]), ("4", "0,2"))
+        for li in range(2):
+            for row in ref[f"layer.{li}.pos"]:
+                self.assertEqual(set(row[:4].tolist()), {0, 2, 9, 11}, f"layer.{li}")
 
     def test_corrupt_chunk_is_data_loss(self):
         from kvrelay.client import _Assembler
@@ -448,6 +593,7 @@ class RelayTest(unittest.TestCase):
                 self.assertIsNotNone(r.accounting.attention_error)
                 self.assertEqual(float(meta["attention_error"]), r.accounting.attention_error)
                 self.assertGreater(r.accounting.attention_error, 0.0)
+                self.assertEqual(m.accounting.attention_error, r.accounting.attention_error)
                 for li, ml in enumerate(m.layers):
                     p = f"layer.{li}."
                     self.assertTrue(np.array_equal(ml.pos, ref[p + "pos"]), p + "pos")
@@ -542,6 +688,101 @@ class RelayTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as cm:
             self.c.publish(t2, sess, "judge", ["refiner"], policy="full", parent_id=r1.message_id)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.c.close_session(sess)
+
+    def test_uploaded_history_keeps_its_anchors_under_a_budget(self):
+        # The chain's anchors in the geometry: a history budget (hist=2)
+        # keeps them in every head, as kvrelayctl does from the turn file's
+        # history_anchors; an anchor the history does not hold is the relay's
+        # INVALID_ARGUMENT, and nothing is committed.
+        sess = "anchors"
+        policy = "h2o-head:k=4,hist=2"
+        turn = add_history(make_turn(70, "BF16", n_prompt=12, n_gen=3, d=16), 12, 71, anchors=[3, 7])
+        turn.prompt_pos0 = 30  # history ids 0..11: 20 is one it does not hold
+        r = self.c.publish(turn, sess, "planner", ["critic"], policy=policy)
+        m = self.c.fetch(sess, "critic", timeout=10, auto_ack=True)
+        self.assertEqual((m.message_id, m.n_history, m.anchor_pos), (r.message_id, 4, [3, 7]))
+        for li, heads in enumerate(history_sets(m)):
+            for h, held in enumerate(heads):
+                self.assertLessEqual({3, 7}, held, f"layer.{li} head {h}")
+        meta, ref = kvrelayctl_compress(turn, policy, decode=False)
+        self.assertEqual(meta["anchor_pos"], "3,7")
+        for li, ml in enumerate(m.layers):
+            self.assertTrue(np.array_equal(ml.pos, ref[f"layer.{li}.pos"]), f"layer.{li}.pos")
+            self.assertTrue(np.array_equal(bits(ml.k), bits(ref[f"layer.{li}.k"])), f"layer.{li}.k")
+        before = self.c.stats()
+        turn.history_anchors = [3, 20]
+        with self.assertRaises(kvrelay.PublishError) as cm:
+            self.c.publish(turn, sess, "planner", ["critic"], policy=policy)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertRegex(cm.exception.details(), r"history_anchors.*\b20\b")
+        self.assertEqual(self.c.stats().messages_committed, before.messages_committed)
+        self.c.close_session(sess)
+
+    def test_uploaded_history_score_chooses_the_kept_history(self):
+        # NEEDS the relay to accept PART_HISTORY_SCORE. The agent's mass on
+        # history tokens 9 and 11 (positions 9, 11) makes them the two that
+        # hist=2 keeps besides the anchors; the message equals kvrelayctl's
+        # for the same turn file, and Compress gives the same.
+        sess = "hist-score"
+        policy = "h2o-head:k=4,hist=2"
+        turn = add_history(make_turn(80, "F32", n_prompt=10, n_gen=3, d=16), 12, 81, anchors=[0, 2])
+        for layer in turn.layers:
+            layer.history_score = mass_on(4, 12, [9, 11])
+        r = self.c.publish(turn, sess, "planner", ["critic"], policy=policy)
+        m = self.c.fetch(sess, "critic", timeout=10, auto_ack=True)
+        self.assertEqual((m.message_id, m.n_history, m.anchor_pos), (r.message_id, 4, [0, 2]))
+        for li, heads in enumerate(history_sets(m)):
+            for h, held in enumerate(heads):
+                self.assertEqual(held, {0, 2, 9, 11}, f"layer.{li} head {h}")
+        _, ref = kvrelayctl_compress(turn, policy, decode=False)
+        cm = self.c.compress(turn, policy)
+        for li, (ml, cl) in enumerate(zip(m.layers, cm.layers, strict=True)):
+            self.assertTrue(np.array_equal(ml.pos, ref[f"layer.{li}.pos"]), f"layer.{li}.pos")
+            self.assertTrue(np.array_equal(bits(ml.v), bits(ref[f"layer.{li}.v"])), f"layer.{li}.v")
+            self.assertTrue(np.array_equal(cl.pos, ml.pos), f"compress layer.{li}.pos")
+        self.c.close_session(sess)
+
+    def test_parent_history_score_chooses_the_kept_history(self):
+        # NEEDS the relay to accept PART_HISTORY_SCORE. With parent_id the
+        # history is the parent message (its tokens per head are the
+        # history_score's columns, in the parent's token order per KV
+        # head): mass on each head's last two tokens (the parent's generated
+        # ones, acc 0 otherwise) makes hist=2 keep them besides the chain's
+        # anchors; without the mass it keeps others.
+        sess = "parent-score"
+        t1 = make_turn(90, "BF16", n_prompt=12, n_gen=3, d=16)
+        self.c.publish(t1, sess, "planner", ["critic"], policy="h2o-head:k=4")
+        parent = self.c.fetch(sess, "critic", timeout=10)
+        self.c.ack(sess, "critic", parent.message_id)
+        n = parent.tokens
+        self.assertEqual(parent.anchor_pos, [0, 1, 2, 3])
+        chosen = [[set(row[-2:].tolist()) for row in layer.pos] for layer in parent.layers]
+
+        def child(with_score):
+            t = make_turn(91, "BF16", n_prompt=10, n_gen=2, d=16)
+            for layer in t.layers:
+                layer.history_score = mass_on(4, n, [n - 2, n - 1]) if with_score else None
+            self.c.publish(t, sess, "critic", ["judge"], policy="h2o-head:k=4,hist=2",
+                           parent_id=parent.message_id)
+            return self.c.fetch(sess, "judge", timeout=10, auto_ack=True)
+
+        m = child(True)
+        self.assertEqual((m.parent_id, m.n_history, m.anchor_pos), (parent.message_id, 6, [0, 1, 2, 3]))
+        got = history_sets(m)
+        for li in range(len(m.layers)):
+            for h in range(m.kv_heads):
+                self.assertEqual(got[li][h], {0, 1, 2, 3} | chosen[li][h], f"layer.{li} head {h}")
+        plain = history_sets(child(False))
+        self.assertNotEqual(plain, got, "the history_score changed nothing")
+        # Columns other than the parent's tokens per head: the parent does not fit.
+        t = make_turn(92, "BF16", n_prompt=10, n_gen=2, d=16)
+        for layer in t.layers:
+            layer.history_score = np.ones((4, n + 1), np.float32)
+        with self.assertRaises(kvrelay.PublishError) as cm:
+            self.c.publish(t, sess, "critic", ["judge"], policy="h2o-head:k=4,hist=2", parent_id=parent.message_id)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn(f"history_score_tokens: {n + 1}", cm.exception.details())
         self.c.close_session(sess)
 
     def test_read_message_of_a_fetched_file_names_it(self):

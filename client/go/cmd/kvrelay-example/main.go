@@ -20,9 +20,11 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"strconv"
 	"time"
 
 	"kvrelay/client/go/kvrelay"
+	kvrelayv1 "kvrelay/v1"
 )
 
 type options struct {
@@ -47,6 +49,15 @@ func (e *stepError) Error() string {
 }
 
 func (e *stepError) Unwrap() error { return e.err }
+
+// attentionError is " attention_error=X" (X read back exactly) for an
+// accounting that has the figure (a turn with queries), else "".
+func attentionError(a *kvrelayv1.Accounting) string {
+	if e, ok := kvrelay.AttentionError(a); ok {
+		return " attention_error=" + strconv.FormatFloat(e, 'g', -1, 64)
+	}
+	return ""
+}
 
 func run(o options) error {
 	turn, err := kvrelay.ReadTurnFile(o.in)
@@ -76,8 +87,8 @@ func run(o options) error {
 			return &stepError{"write message", err}
 		}
 		a := m.Header.GetAccounting()
-		fmt.Printf("compressed policy=%s full_bytes=%d sent_bytes=%d ratio=%.3f next_pos=%d out=%s\n",
-			a.GetPolicy(), a.GetFullBytes(), a.GetSentBytes(), a.GetRatio(), m.NextPos(), o.out)
+		fmt.Printf("compressed policy=%s full_bytes=%d sent_bytes=%d ratio=%.3f next_pos=%d out=%s%s\n",
+			a.GetPolicy(), a.GetFullBytes(), a.GetSentBytes(), a.GetRatio(), m.NextPos(), o.out, attentionError(a))
 		return nil
 	}
 
@@ -92,8 +103,8 @@ func run(o options) error {
 		return &stepError{"publish", err}
 	}
 	a := r.Accounting
-	fmt.Printf("published message_id=%s duplicate=%t policy=%s full_bytes=%d sent_bytes=%d ratio=%.3f\n",
-		r.MessageID, r.Duplicate, a.GetPolicy(), a.GetFullBytes(), a.GetSentBytes(), a.GetRatio())
+	fmt.Printf("published message_id=%s duplicate=%t policy=%s full_bytes=%d sent_bytes=%d ratio=%.3f%s\n",
+		r.MessageID, r.Duplicate, a.GetPolicy(), a.GetFullBytes(), a.GetSentBytes(), a.GetRatio(), attentionError(a))
 
 	m, err := c.Fetch(ctx, o.session, o.to, false)
 	if err != nil {
