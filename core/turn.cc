@@ -118,15 +118,15 @@ absl::Status CheckHistoryState(const TurnLayer& layer, int li, const TurnGeometr
                                       "kv heads, n_history"));
   }
   if (geo.history_score) {
-    if (geo.n_history == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          Name(li, "history.score"), ": given without history, expected none (or a parent to compose on, whose "
-          "tokens it covers)"));
-    }
     if (geo.queries) {
       return absl::InvalidArgumentError(absl::StrCat(
           Name(li, "history.score"), ": given with gen.q, expected none (the relay computes the mass on the "
           "history from the queries)"));
+    }
+    if (geo.n_history == 0 && layer.history_score.cols > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Name(li, "history.score"), ": ", layer.history_score.cols, " tokens given without history, expected none "
+          "(or a parent to compose on, whose tokens it covers)"));
     }
     KVRELAY_RETURN_IF_ERROR(CheckMass(layer.history_score, li, "history.score", geo.score_heads, geo.n_history,
                                       "score heads, n_history"));

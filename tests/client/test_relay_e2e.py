@@ -10,6 +10,7 @@ status names. Stdlib only. Exit 77 (skipped) without a server binary.
 """
 import argparse
 import os
+import random
 import re
 import shutil
 import struct
@@ -18,6 +19,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
 from kvrelay_testlib import FAILURES, Ctl, Server, check, read_st  # noqa: E402
+from lang_cases import write_st  # noqa: E402
 
 SKIP = 77
 def kv_line(out):
@@ -190,8 +192,10 @@ def test_history_budget_chain(ctl):
     stay flat; every delivered message is bit-exact with `kvrelayctl
     compress --parent` of the offline chain. The relay keeps acc to itself,
     so the kept history tokens agreeing hop after hop is what shows that its
-    acc is the offline one. Every other turn carries queries (gen.q): those
-    add their mass on the history to acc, the others add none."""
+    acc is the offline one. Every other turn carries queries (gen.q); the
+    others carry scores and, from the second hop on, this agent's mass on
+    the parent's tokens (history.score, as PART_HISTORY_SCORE): both add to
+    acc."""
     policy = "h2o-head:k=16,hist=64+obf:p=4"
     agents = ["planner", "critic", "refiner", "judger"]
     geo = ["--layers", "2", "--kv-heads", "2", "--score-heads", "4", "--head-dim", "32",
@@ -202,6 +206,18 @@ def test_history_budget_chain(ctl):
         turn = ctl.path(f"hc-turn-{i}.st")
         ctl.ok("make-turn", "--out", turn, "--seed", str(100 + i), *geo,
                *(["--queries"] if i % 2 else []), addr=False)
+        if offline_prev and i % 2 == 0:
+            pm, _ = read_st(offline_prev)
+            n = sum(int(pm[k]) for k in ("n_history", "n_anchor", "n_kept", "n_gen"))
+            meta, tensors = read_st(turn)
+            rng = random.Random(i)
+            for layer in range(2):  # heavy on a few tokens, light elsewhere
+                mass = [rng.expovariate(1.0) * (40.0 if rng.random() < 0.1 else 1.0) for _ in range(4 * n)]
+                tensors[f"layer.{layer}.history.score"] = ("F32", (4, n), struct.pack(f"<{4 * n}f", *mass))
+            if i == 4:  # the mass must matter: without it another history is kept
+                bare = ctl.path("hc-bare.st")
+                write_st(bare, meta, {k: v for k, v in tensors.items() if ".history.score" not in k})
+            write_st(turn, meta, tensors)
         args = ["publish", "--session", "histchain", "--from", frm, "--to", to, "--policy", policy, "--in", turn]
         r = ctl.ok(*args, *(["--parent", parent_id] if parent_id else []))
         got = ctl.path(f"hc-got-{i}.st")
@@ -210,6 +226,13 @@ def test_history_budget_chain(ctl):
         ctl.ok("compress", "--policy", policy, "--in", turn, "--out", offline, "--threads", "1",
                *(["--parent", offline_prev] if offline_prev else []), addr=False)
         same_tensors(got, offline, f"hist chain hop {i + 1}")
+        if i == 4:
+            ctl.ok("compress", "--policy", policy, "--in", ctl.path("hc-bare.st"), "--out", ctl.path("hc-bare-off.st"),
+                   "--threads", "1", "--parent", offline_prev, addr=False)
+            _, with_score = read_st(offline)
+            _, without = read_st(ctl.path("hc-bare-off.st"))
+            check(with_score["layer.0.pos"] != without["layer.0.pos"],
+                  "hist chain hop 5: history.score changes the history kept")
         meta, tensors = read_st(offline)
         check("layer.0.acc" in tensors, f"hist chain hop {i + 1}: the offline message has acc")
         sent.append(int(r.get("sent_bytes", 0)))

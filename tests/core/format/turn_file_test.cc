@@ -480,7 +480,7 @@ TEST(TurnFileTest, HistoryScoreForAParent) {
   // Standalone, the turn is not valid: the score needs the history it covers.
   absl::Status alone = ValidateTurn(*t);
   EXPECT_EQ(alone.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(alone.message()), HasSubstr("layer.0.history.score: given without history"));
+  EXPECT_THAT(std::string(alone.message()), HasSubstr(absl::StrCat("layer.0.history.score: ", n, " tokens given without history")));
   ASSERT_TRUE(ComposeOnParent(parent, &*t).ok());
   EXPECT_TRUE(ValidateTurn(*t).ok());
   // Covering another number of tokens: refused when composed.
