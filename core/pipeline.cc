@@ -460,25 +460,56 @@ void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, co
   out.v = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.pos = PosTensor(heads, n_out);
   out.acc.resize(static_cast<size_t>(heads) * n_out);
+  // Per head, the rows to gather in output order, then copied with the
+  // next rows' reads already issued: the kept rows are scattered through a
+  // turn far larger than the caches, so each copy would otherwise wait on
+  // memory.
+  struct Src {
+    const KvTensor* k;
+    const KvTensor* v;
+    int row;
+  };
+  thread_local std::vector<Src> src;
+  using KvPair = std::pair<const KvTensor*, const KvTensor*>;
+  const size_t rb = out.k.row_bytes();
   for (int h = 0; h < heads; ++h) {
+    src.clear();
+    int32_t* pos = out.pos.data.data() + static_cast<size_t>(h) * n_out;
+    float* acc = out.acc.data() + static_cast<size_t>(h) * n_out;
     int t = 0;
-    auto copy = [&](const KvTensor& k, const KvTensor& v, int src, int32_t pos, float acc) {
-      out.k.CopyRow(h, t, k, h, src);
-      out.v.CopyRow(h, t, v, h, src);
-      out.pos.at(h, t) = pos;
-      out.acc[static_cast<size_t>(h) * n_out + t] = acc;
+    auto add = [&](const KvPair& kv, int row, int32_t p, float a) {
+      src.push_back({kv.first, kv.second, row});
+      pos[t] = p;
+      acc[t] = a;
       ++t;
     };
+    const KvPair hist{&layer.history_k, &layer.history_v}, prompt{&layer.prompt_k, &layer.prompt_v},
+        gen{&layer.gen_k, &layer.gen_v};
     const double* a = w->scores.data() + static_cast<size_t>(h) * n_prompt;
     for (int j : kept_hist[h]) {
-      copy(layer.history_k, layer.history_v, j, layer.history_pos.at(h, j),
-           hist_acc[static_cast<size_t>(h) * n_hist + j]);
+      add(hist, j, layer.history_pos.at(h, j), hist_acc[static_cast<size_t>(h) * n_hist + j]);
     }
-    for (int j = 0; j < n_anchor; ++j) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j, static_cast<float>(a[j]));
-    for (int j : w->sel.kept[h]) copy(layer.prompt_k, layer.prompt_v, j, pos0 + j, static_cast<float>(a[j]));
+    for (int j = 0; j < n_anchor; ++j) add(prompt, j, pos0 + j, static_cast<float>(a[j]));
+    for (int j : w->sel.kept[h]) add(prompt, j, pos0 + j, static_cast<float>(a[j]));
     for (int j = 0; j < n_gen; ++j) {
-      copy(layer.gen_k, layer.gen_v, j, pos0 + n_prompt + j,
-           static_cast<float>(gen_mass[static_cast<size_t>(h) * n_gen + j]));
+      add(gen, j, pos0 + n_prompt + j, static_cast<float>(gen_mass[static_cast<size_t>(h) * n_gen + j]));
+    }
+    constexpr size_t kAhead = 8;  // rows in flight
+    auto prefetch = [&](const Src& s) {
+      const uint8_t* k = s.k->row(h, s.row);
+      const uint8_t* v = s.v->row(h, s.row);
+      for (size_t off = 0; off < rb; off += 64) {
+        __builtin_prefetch(k + off);
+        __builtin_prefetch(v + off);
+      }
+    };
+    for (size_t i = 0; i < std::min(kAhead, src.size()); ++i) prefetch(src[i]);
+    uint8_t* kd = out.k.row(h, 0);
+    uint8_t* vd = out.v.row(h, 0);
+    for (size_t i = 0; i < src.size(); ++i) {
+      if (i + kAhead < src.size()) prefetch(src[i + kAhead]);
+      std::memcpy(kd + i * rb, src[i].k->row(h, src[i].row), rb);
+      std::memcpy(vd + i * rb, src[i].v->row(h, src[i].row), rb);
     }
   }
 }

@@ -79,13 +79,9 @@ bool AutoPicksHead(absl::Span<const double> head_scores, int kv_heads, int n_pro
 
 std::vector<std::vector<int>> SelectHistory(absl::Span<const float> acc, const std::vector<bool>& is_anchor,
                                             int kv_heads, int n_history, int hist, bool per_head) {
-  std::vector<std::vector<int>> cand(kv_heads), kept(kv_heads);
-  for (int h = 0; h < kv_heads; ++h) {
-    for (int i = 0; i < n_history; ++i) {
-      if (!is_anchor[static_cast<size_t>(h) * n_history + i]) cand[h].push_back(i);
-    }
-  }
-  const int c = kv_heads > 0 ? static_cast<int>(cand[0].size()) : 0;
+  std::vector<std::vector<int>> kept(kv_heads);
+  int c = 0;  // candidates per head (the same in every head: each holds every anchor once)
+  for (int i = 0; i < n_history; ++i) c += kv_heads > 0 && !is_anchor[i];
   if (hist < 0 || c <= hist) {
     for (auto& k : kept) {
       k.resize(n_history);
@@ -93,28 +89,45 @@ std::vector<std::vector<int>> SelectHistory(absl::Span<const float> acc, const s
     }
     return kept;
   }
-  // Candidate ranks kept per head, ascending.
-  std::vector<std::vector<int>> ranks(kv_heads);
-  std::vector<double> score(c);
-  if (per_head) {
-    for (int h = 0; h < kv_heads; ++h) {
-      for (int r = 0; r < c; ++r) score[r] = acc[static_cast<size_t>(h) * n_history + cand[h][r]];
-      ranks[h] = TopK(score, 0, c, hist);
+  // Per head: its candidates' token indices, ascending, and their scores.
+  thread_local std::vector<int> cand;
+  thread_local std::vector<double> score;
+  cand.resize(static_cast<size_t>(kv_heads) * c);
+  score.assign(c, 0.0);
+  for (int h = 0; h < kv_heads; ++h) {
+    int* row = cand.data() + static_cast<size_t>(h) * c;
+    int r = 0;
+    for (int i = 0; i < n_history; ++i) {
+      if (!is_anchor[static_cast<size_t>(h) * n_history + i]) row[r++] = i;
     }
-  } else {
-    std::fill(score.begin(), score.end(), 0.0);
+  }
+  std::vector<int> shared;
+  if (!per_head) {
     for (int h = 0; h < kv_heads; ++h) {
-      for (int r = 0; r < c; ++r) score[r] += acc[static_cast<size_t>(h) * n_history + cand[h][r]];
+      const int* row = cand.data() + static_cast<size_t>(h) * c;
+      for (int r = 0; r < c; ++r) score[r] += acc[static_cast<size_t>(h) * n_history + row[r]];
     }
-    std::vector<int> shared = TopK(score, 0, c, hist);
-    for (auto& r : ranks) r = shared;
+    shared = TopK(score, 0, c, hist);
   }
   for (int h = 0; h < kv_heads; ++h) {
-    std::vector<bool> keep(n_history, false);
-    for (int i = 0; i < n_history; ++i) keep[i] = is_anchor[static_cast<size_t>(h) * n_history + i];
-    for (int r : ranks[h]) keep[cand[h][r]] = true;
+    const int* row = cand.data() + static_cast<size_t>(h) * c;
+    std::vector<int> ranks;
+    if (per_head) {
+      for (int r = 0; r < c; ++r) score[r] = acc[static_cast<size_t>(h) * n_history + row[r]];
+      ranks = TopK(score, 0, c, hist);
+    }
+    const std::vector<int>& rk = per_head ? ranks : shared;
+    // The anchors and the kept candidates, merged in token order.
+    std::vector<int>& out = kept[h];
+    out.reserve(static_cast<size_t>(n_history - c) + rk.size());
+    size_t next = 0;
     for (int i = 0; i < n_history; ++i) {
-      if (keep[i]) kept[h].push_back(i);
+      if (is_anchor[static_cast<size_t>(h) * n_history + i]) {
+        out.push_back(i);
+      } else if (next < rk.size() && row[rk[next]] == i) {
+        out.push_back(i);
+        ++next;
+      }
     }
   }
   return kept;
