@@ -469,8 +469,8 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
 
     include_history=False (default) leaves the history out of the turn:
     publish it with parent_id=history.message_id and the relay supplies it.
-    include_history=True uploads it (history.k/v/pos; publish without a
-    parent), with history_positions ([layers, kv_heads, n_history]) or the
+    include_history=True uploads it (history.k/v/pos and, with `history`, its
+    anchor_pos as history_anchors; publish without a parent), with history_positions ([layers, kv_heads, n_history]) or the
     history's own positions; prompt_pos0 then defaults to 1 + the largest of
     them (history.next_pos with `history`).
 
@@ -557,9 +557,13 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
             tl.history_v = _to_numpy(v[0, :, :a], f"layer {i} value")
             tl.history_pos = np.ascontiguousarray(hist_pos[i])
         layers.append(tl)
+    # An uploaded relayed history keeps the chain's anchors under a budget.
+    anchors = None
+    if hist_pos is not None and history is not None and history.message is not None:
+        anchors = list(getattr(history.message, "anchor_pos", None) or []) or None
     return Turn(layers, dtype=dtype, first_agent=bool(first_agent),
                 prompt_pos0=None if prompt_pos0 is None else int(prompt_pos0),
-                softmax_scale=softmax_scale)
+                softmax_scale=softmax_scale, history_anchors=anchors)
 
 
 # ---- message -> cache ----------------------------------------------------------

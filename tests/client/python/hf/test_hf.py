@@ -234,6 +234,12 @@ class CacheConversionTest(unittest.TestCase):
         self.assertTrue(np.array_equal(t2.layers[1].history_pos, pos[1].numpy()))
         self.assertTrue(np.array_equal(t2.layers[0].history_k, c[0][0][0, :, :3].numpy()))
         self.assertTrue(np.array_equal(t2.layers[0].prompt_k, c[0][0][0, :, 3:9].numpy()))
+        self.assertIsNone(t2.history_anchors)  # no message: no anchors known
+        # Uploading a fetched message as history carries the chain's anchors.
+        rcm = hf.RelayedCache(cache=None, positions=pos, tokens=3, next_pos=20,
+                              message=types.SimpleNamespace(message_id="m1", anchor_pos=[0, 7]))
+        self.assertEqual(hf.turn_from_cache(c, 6, history=rcm, include_history=True).history_anchors, [0, 7])
+        self.assertIsNone(hf.turn_from_cache(c, 6, history=rcm).history_anchors)  # by parent: the relay's
         # History positions without a RelayedCache: the prompt starts after the
         # largest (the relay refuses history ids at or past prompt_pos0).
         t3 = hf.turn_from_cache(c, 6, include_history=True, n_history=3, history_positions=pos)
