@@ -66,17 +66,19 @@ std::string FixChecksums(const std::string& bytes, Sent* sent) {
 }
 
 // Bytes of the tensors `h` describes, without overflow (0 for a dtype
-// DeliveryReader refuses anyway).
+// DeliveryReader refuses anyway), the acc of relay-to-relay streams
+// (acc_tokens per head) included.
 unsigned __int128 ExactMessageBytes(const v1::MessageHeader& h) {
   using u128 = unsigned __int128;
   const u128 L = h.layers(), H = h.kv_heads(), d = h.head_dim(), bits = h.quant_bits();
   const u128 n = u128{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
+  const u128 acc = 4 * H * h.acc_tokens();
   if (bits != 0) {
     const u128 groups = h.quant_group() ? (n + h.quant_group() - 1) / h.quant_group() : 0;
-    return L * (2 * (H * n * d * bits / 8) + 4 * H * groups * d + 4 * H * n + 4 * H * n);
+    return L * (2 * (H * n * d * bits / 8) + 4 * H * groups * d + 4 * H * n + 4 * H * n + acc);
   }
   absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
-  return L * (2 * H * n * d * (dtype.ok() ? DTypeSize(*dtype) : 0) + 4 * H * n);
+  return L * (2 * H * n * d * (dtype.ok() ? DTypeSize(*dtype) : 0) + 4 * H * n + acc);
 }
 
 void FuzzUpload(const std::vector<std::string>& frames, size_t cut, bool fix) {
