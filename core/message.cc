@@ -94,7 +94,7 @@ absl::Status ComposeOnParent(const Message& parent, Turn* turn) {
   for (size_t l = 0; l < turn->layers.size(); ++l) {
     const ScoreMatrix& sc = turn->layers[l].history_score;
     const int n = parent.layers[l].tokens();
-    if ((sc.rows > 0 || sc.cols > 0 || !sc.data.empty()) && sc.cols != n) {
+    if (sc.given() && sc.cols != n) {
       return absl::InvalidArgumentError(absl::StrCat("layer.", l, ".history.score: ", sc.cols,
                                                      " tokens, expected the parent's ", n, " (its tokens per head)"));
     }

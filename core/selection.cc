@@ -101,30 +101,30 @@ std::vector<std::vector<int>> SelectHistory(absl::Span<const float> acc, const s
       if (!is_anchor[static_cast<size_t>(h) * n_history + i]) row[r++] = i;
     }
   }
-  std::vector<int> shared;
+  // The kept candidates' ranks in ascending order: per head, or one ranking
+  // by the sum over heads that every head shares.
+  std::vector<int> ranks;
   if (!per_head) {
     for (int h = 0; h < kv_heads; ++h) {
       const int* row = cand.data() + static_cast<size_t>(h) * c;
       for (int r = 0; r < c; ++r) score[r] += acc[static_cast<size_t>(h) * n_history + row[r]];
     }
-    shared = TopK(score, 0, c, hist);
+    ranks = TopK(score, 0, c, hist);
   }
   for (int h = 0; h < kv_heads; ++h) {
     const int* row = cand.data() + static_cast<size_t>(h) * c;
-    std::vector<int> ranks;
     if (per_head) {
       for (int r = 0; r < c; ++r) score[r] = acc[static_cast<size_t>(h) * n_history + row[r]];
       ranks = TopK(score, 0, c, hist);
     }
-    const std::vector<int>& rk = per_head ? ranks : shared;
     // The anchors and the kept candidates, merged in token order.
     std::vector<int>& out = kept[h];
-    out.reserve(static_cast<size_t>(n_history - c) + rk.size());
+    out.reserve(static_cast<size_t>(n_history - c) + ranks.size());
     size_t next = 0;
     for (int i = 0; i < n_history; ++i) {
       if (is_anchor[static_cast<size_t>(h) * n_history + i]) {
         out.push_back(i);
-      } else if (next < rk.size() && row[rk[next]] == i) {
+      } else if (next < ranks.size() && row[ranks[next]] == i) {
         out.push_back(i);
         ++next;
       }

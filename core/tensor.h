@@ -132,6 +132,10 @@ struct ScoreMatrix {
   ScoreMatrix(int r, int c) : rows(r), cols(c), data(static_cast<size_t>(r) * c) {}
   float& at(int r, int c) { return data[static_cast<size_t>(r) * cols + c]; }
   float at(int r, int c) const { return data[static_cast<size_t>(r) * cols + c]; }
+
+  // True when the matrix was supplied at all, even with a zero extent
+  // (e.g. [S, 0] scores for an empty history): any extent or any data.
+  bool given() const { return rows > 0 || cols > 0 || !data.empty(); }
 };
 
 }  // namespace kvrelay

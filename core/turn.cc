@@ -42,19 +42,6 @@ size_t FirstAllOnes(const U* p, size_t n, U mask) {
   return n;
 }
 
-// Whether every value is finite and >= 0 (-0.0 included), branch-free so it
-// vectorizes; the caller looks for the offender only when it is not.
-bool AllFiniteNonNegative(const float* p, size_t n) {
-  uint32_t bad = 0;
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, p + i, sizeof u);
-    // Sign clear and exponent not all ones, or exactly -0.0.
-    bad |= static_cast<uint32_t>(u >= 0x7f800000u) & static_cast<uint32_t>(u != 0x80000000u);
-  }
-  return bad == 0;
-}
-
 size_t FirstNonFinite(DType dtype, const uint8_t* data, size_t n) {
   switch (dtype) {
     case DType::kF32:
@@ -106,7 +93,7 @@ absl::Status CheckMass(const ScoreMatrix& sc, int li, absl::string_view part, in
 // The history's optional acc and score, and the anchors it must hold.
 absl::Status CheckHistoryState(const TurnLayer& layer, int li, const TurnGeometry& geo) {
   auto presence = [&](const ScoreMatrix& sc, bool expected, absl::string_view part) -> absl::Status {
-    const bool given = sc.rows > 0 || sc.cols > 0 || !sc.data.empty();
+    const bool given = sc.given();
     if (given == expected) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(Name(li, part), given ? ": given" : ": missing",
                                                    ", expected it in every layer or in none (as layer.0)"));
@@ -142,7 +129,7 @@ absl::Status CheckHistoryState(const TurnLayer& layer, int li, const TurnGeometr
 // The layer's scores, or its queries when geo.queries.
 absl::Status CheckAttentionInput(const TurnLayer& layer, int li, const TurnGeometry& geo, bool check_values) {
   if (geo.queries) {
-    if (layer.scores.rows > 0 || !layer.scores.data.empty()) {
+    if (layer.scores.given()) {
       return absl::InvalidArgumentError(absl::StrCat(Name(li, "prompt.score"), ": given, expected layer.", li,
                                                      ".gen.q like layer.0 (every layer carries the same one, "
                                                      "never both)"));
@@ -180,6 +167,17 @@ absl::Status CheckAttentionInput(const TurnLayer& layer, int li, const TurnGeome
 
 }  // namespace
 
+bool AllFiniteNonNegative(const float* p, size_t n) {
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, p + i, sizeof u);
+    // Sign clear and exponent not all ones, or exactly -0.0.
+    bad |= static_cast<uint32_t>(u >= 0x7f800000u) & static_cast<uint32_t>(u != 0x80000000u);
+  }
+  return bad == 0;
+}
+
 absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_t n, int layer,
                            absl::string_view part, int tokens, int dim) {
   // Non-finite values have an all-ones exponent in every dtype.
@@ -216,10 +214,10 @@ absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
   geo.queries = l0.has_queries();
   geo.q_dtype = l0.gen_q.dtype();
   geo.score_heads = geo.queries ? l0.gen_q.heads() : l0.scores.rows;
-  geo.history_acc = l0.history_acc.rows > 0 || !l0.history_acc.data.empty();
-  geo.history_score = l0.history_score.rows > 0 || !l0.history_score.data.empty();
+  geo.history_acc = l0.history_acc.given();
+  geo.history_score = l0.history_score.given();
   geo.history_anchors = turn.history_anchors;
-  if (geo.queries && l0.scores.rows > 0) {
+  if (geo.queries && l0.scores.given()) {
     return absl::InvalidArgumentError(
         "layer.0.gen.q: given together with layer.0.prompt.score, expected exactly one of the two");
   }

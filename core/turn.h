@@ -88,6 +88,11 @@ absl::Status ValidateGeometry(const TurnGeometry& geo);
 // ascending distinct ids >= 0, at most n_history of them, with n_history > 0.
 absl::Status CheckAnchorList(const std::vector<int32_t>& anchors, int n_history);
 
+// Whether each of the n floats at p is finite and >= 0 (-0.0 included).
+// Branch-free so it vectorizes; a caller that must name the offender looks
+// for it only when this is false.
+bool AllFiniteNonNegative(const float* p, size_t n);
+
 // The rule for every list of a chain's anchors (history_anchors, a
 // message's anchor_pos): ascending distinct position ids >= 0, each held
 // exactly once by every head. These two find the first violation; callers

@@ -20,7 +20,8 @@ Each agent, in turn:
    state back as the next input embedding (LatentMAS "latent thoughts"; the
    paper aligns the hidden state with a training-free linear map W_a, here a
    norm match is enough), with eager attention, accumulating the attention
-   mass each of its prompt tokens receives (kvrelay.hf.PromptAttention);
+   mass each of its prompt and history tokens receives
+   (kvrelay.hf.PromptAttention);
 4. publishes [its prompt; its latent steps] as a turn, with the fetched
    message as parent: the relay composes [history; kept prompt; latent] for
    the next agent, compressing only this agent's prompt with the policy.
@@ -73,7 +74,8 @@ def latent_input(model, hidden):
 
 def run_agent(model, prompt, relayed, latent_steps):
     """Prompt pass plus latent steps on top of `relayed` (None: empty).
-    Returns (cache, n_prompt, scores)."""
+    Returns (cache, n_prompt, scores, history_scores): the attention mass on
+    the prompt, and on the relayed history (None for the first agent)."""
     ids = encode(prompt)
     n_prompt = ids.shape[1]
     past = relayed.cache if relayed else None
@@ -95,7 +97,7 @@ def run_agent(model, prompt, relayed, latent_steps):
                     attention_mask=torch.ones(1, n_hist + n_prompt + s + 1, dtype=torch.long),
                     output_attentions=True, output_hidden_states=True, use_cache=True)
         acc.add(out.attentions)
-    return out.past_key_values, n_prompt, acc.scores()
+    return out.past_key_values, n_prompt, acc.scores(), acc.history_scores() if relayed else None
 
 
 def answer(model, prompt, relayed, max_tokens):
@@ -142,8 +144,10 @@ def main(argv=None):
           f"{'sent_bytes':>12}{'ratio':>8}{'hop_ms':>8}")
     try:
         for i, (me, nxt) in enumerate(zip(AGENTS, AGENTS[1:]), start=1):
-            cache, n_prompt, scores = run_agent(model, PROMPTS[me], relayed, a.latent_steps)
-            turn = hf.turn_from_cache(cache, n_prompt, scores, history=relayed)
+            cache, n_prompt, scores, hist_scores = run_agent(model, PROMPTS[me], relayed, a.latent_steps)
+            # The mass on the history adds to its tokens' accumulated
+            # importance: a history budget (hist=) keeps what agents attend to.
+            turn = hf.turn_from_cache(cache, n_prompt, scores, history=relayed, history_scores=hist_scores)
             t = time.perf_counter()
             r = client.publish(turn, session, me, [nxt], policy=a.policy, role=me,
                                parent_id=relayed.message_id if relayed else "",

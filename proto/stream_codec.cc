@@ -682,6 +682,7 @@ StreamError DeliveryReader::Finish(const v1::Trailer& t, Message* out) {
   // is refused rather than stored.
   for (size_t l = 0; l < msg_.layers.size(); ++l) {
     const std::vector<float>& acc = msg_.layers[l].acc;
+    if (AllFiniteNonNegative(acc.data(), acc.size())) continue;
     for (size_t i = 0; i < acc.size(); ++i) {
       if (!(std::isfinite(acc[i]) && acc[i] >= 0)) {
         const size_t n = acc.size() / msg_.kv_heads;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 #include "absl/strings/numbers.h"
@@ -630,20 +631,41 @@ void SpoolStore::AckAsync(const std::string& session, const std::string& agent, 
 }
 
 Store::CloseResult SpoolStore::CloseSessionAndPeers(const std::string& session) {
-  CloseResult r;
-  if (r.status = Writable(); !r.status.ok()) return r;
-  std::shared_ptr<std::promise<absl::Status>> durable;
-  std::set<uint64_t> freed;  // taken now: a publish that reopens the session adds files of its own
+  std::promise<CloseResult> result;
+  std::future<CloseResult> f = result.get_future();
+  CloseSessionAndPeersAsync(session, [&result](CloseResult r) { result.set_value(std::move(r)); });
+  return f.get();
+}
+
+void SpoolStore::CloseSessionAndPeersAsync(const std::string& session, std::function<void(CloseResult)> done) {
+  CloseResult first;
+  if (first.status = Writable(); !first.status.ok()) return done(std::move(first));
+  // Answered by whichever comes last: the journal's verdict, or this call
+  // leaving commit_mu_ (a failed journal answers at once, inside it).
+  struct Close {
+    CloseResult r;
+    std::function<void(CloseResult)> done;
+    std::atomic<int> parties{2};
+    void Arrive() {
+      if (parties.fetch_sub(1, std::memory_order_acq_rel) == 1) done(std::move(r));
+    }
+  };
+  auto op = std::make_shared<Close>();
+  op->done = std::move(done);
   {
     std::lock_guard<std::mutex> lock(commit_mu_);
-    r = mem_->CloseSessionAndPeers(session);
-    durable = Durable(SessionRecord(false, session));
-    freed = TakeSessionFiles(session);
+    op->r = mem_->CloseSessionAndPeers(session);
+    // The files are taken now: a publish that reopens the session adds files
+    // of its own. Not durable: the files stay (recovery removes what the
+    // journal freed).
+    journal_->Append(SessionRecord(false, session),
+                     [this, op, freed = TakeSessionFiles(session)](const absl::Status& s) {
+                       if (s.ok()) RemoveMessageFiles(freed);
+                       op->r.status = s;
+                       op->Arrive();
+                     });
   }
-  r.status = durable->get_future().get();
-  // Not durable: the files stay (recovery removes what the journal freed).
-  if (r.status.ok()) RemoveMessageFiles(freed);
-  return r;
+  op->Arrive();
 }
 
 void SpoolStore::TrackRecipient(const std::string& session, const std::string& message_id, const std::string& agent,

@@ -157,6 +157,7 @@ class SpoolStore final : public Store {
                                                     const PublishTicket& t) override;
   bool IsClosed(const std::string& session) const override { return mem_->IsClosed(session); }
   CloseResult CloseSessionAndPeers(const std::string& session) override;
+  void CloseSessionAndPeersAsync(const std::string& session, std::function<void(CloseResult)> done) override;
   absl::Status ReserveOutbox(const std::string& target, uint64_t bytes) override {
     return mem_->ReserveOutbox(target, bytes);
   }

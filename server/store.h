@@ -276,6 +276,13 @@ class Store {
   // Frees the session like CloseSession and remembers it as closed for the
   // session TTL (IsClosed).
   virtual CloseResult CloseSessionAndPeers(const std::string& session) = 0;
+  // CloseSessionAndPeers, answered through `done` (called once, maybe on
+  // another thread, never with a lock of the store held; must not block): a
+  // store that makes the close durable answers once it is, without blocking
+  // the caller meanwhile.
+  virtual void CloseSessionAndPeersAsync(const std::string& session, std::function<void(CloseResult)> done) {
+    done(CloseSessionAndPeers(session));
+  }
 
   // The outbox's bounds: reserves `bytes` of messages waiting to be
   // forwarded to `target`. RESOURCE_EXHAUSTED naming

@@ -91,7 +91,6 @@ absl::StatusOr<Caller> RelayService::CheckMayClose(const grpc::CallbackServerCon
 grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext* ctx,
                                                      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
   v1::CloseSessionRequest req;
-  v1::CloseSessionResponse resp;
   absl::Status s = ParseRequest(*request, "close session", &req);
   // Which credentials apply depends on the request (propagated or not); a
   // caller without any still learns nothing of a malformed one.
@@ -101,25 +100,29 @@ grpc::ServerUnaryReactor* RelayService::CloseSession(grpc::CallbackServerContext
   if (s.ok()) s = CheckId("session_id", req.session_id());
   absl::StatusOr<Caller> caller = s.ok() ? CheckMayClose(*ctx, req) : absl::StatusOr<Caller>(s);
   if (s.ok()) s = caller.status();
-  Store::CloseResult r;
-  if (s.ok()) {
-    r = store_->CloseSessionAndPeers(req.session_id());
-    s = r.status;  // a spool that could not record it
-  }
-  if (s.ok()) {
-    // Not passed back to the relay it came from.
-    if (req.propagated() && !caller->identity.empty()) {
-      r.peers.erase(std::remove_if(r.peers.begin(), r.peers.end(),
-                                   [&](const std::string& t) { return caller->PeerIsHost(TargetHost(t)); }),
-                    r.peers.end());
-    }
-    resp.set_messages_freed(r.messages_freed);
-    spdlog::info("session closed session={} messages_freed={} propagated={} passed_on_to={}", req.session_id(),
-                 r.messages_freed, req.propagated(), r.first ? r.peers.size() : 0);
-    // Passed on only the first time this relay closes it: a close cannot loop.
-    if (r.first && forwarder_ && !r.peers.empty()) forwarder_->PropagateClose(req.session_id(), r.peers);
-  }
-  return FinishUnary(this, ctx, "CloseSession", s, resp, response);
+  if (!s.ok()) return FinishUnary(this, ctx, "CloseSession", s, v1::CloseSessionResponse(), response);
+  // A durable store answers once the close is on disk, on its own thread:
+  // the call's reaction does not wait for it.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  store_->CloseSessionAndPeersAsync(
+      req.session_id(), [this, reactor, response, req, caller = *std::move(caller)](Store::CloseResult r) {
+        v1::CloseSessionResponse resp;
+        if (r.status.ok()) {  // not OK: a spool that could not record it
+          // Not passed back to the relay it came from.
+          if (req.propagated() && !caller.identity.empty()) {
+            r.peers.erase(std::remove_if(r.peers.begin(), r.peers.end(),
+                                         [&](const std::string& t) { return caller.PeerIsHost(TargetHost(t)); }),
+                          r.peers.end());
+          }
+          resp.set_messages_freed(r.messages_freed);
+          spdlog::info("session closed session={} messages_freed={} propagated={} passed_on_to={}",
+                       req.session_id(), r.messages_freed, req.propagated(), r.first ? r.peers.size() : 0);
+          // Passed on only the first time this relay closes it: a close cannot loop.
+          if (r.first && forwarder_ && !r.peers.empty()) forwarder_->PropagateClose(req.session_id(), r.peers);
+        }
+        FinishUnaryWith(this, reactor, "CloseSession", r.status, resp, response);
+      });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,

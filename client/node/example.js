@@ -5,8 +5,13 @@
 //
 //   node example.js --addr 127.0.0.1:50051 --in turn.safetensors --out msg.safetensors \
 //       [--policy SPEC] [--session S] [--from planner] [--to critic] [--id MSGID] \
-//       [--timeout SECONDS] [--proto relay.proto] \
+//       [--parent MSGID] [--timeout SECONDS] [--proto relay.proto] \
 //       [--tls-ca FILE [--tls-cert FILE --tls-key FILE]] [--token-file FILE]
+//
+// --parent continues a relayed cache: the turn goes with the parent message's
+// id (of the same session, delivered to --from) in place of a history, and
+// the relay composes it on the message it holds. The turn file may then carry
+// history.score over the parent's tokens.
 //
 // --tls-ca turns TLS on; the token (first line of --token-file, else
 // $KVRELAY_TOKEN) goes with every call as "authorization: Bearer TOKEN".
@@ -20,7 +25,7 @@ const { RelayClient, DEFAULT_PROTO_PATH, newMessageId, readTokenFile, statusName
 const { readTurnFile, writeMessageFile } = require('./safetensors');
 
 const USAGE = 'usage: example.js --addr HOST:PORT --in TURN.safetensors --out MSG.safetensors ' +
-              '[--policy SPEC] [--session S] [--from AGENT] [--to AGENT] [--id MSGID] ' +
+              '[--policy SPEC] [--session S] [--from AGENT] [--to AGENT] [--id MSGID] [--parent MSGID] ' +
               '[--timeout SECONDS] [--proto PATH] [--tls-ca FILE [--tls-cert FILE --tls-key FILE]] ' +
               '[--token-file FILE]';
 
@@ -63,6 +68,7 @@ async function run(opts) {
       recipients: [opts.to],
       messageId: opts.id || newMessageId(),
       policy: opts.policy,
+      parentId: opts.parent,
       timeoutMs,
     }));
     const a = published.accounting;
@@ -105,6 +111,7 @@ async function main() {
         from: { type: 'string', default: 'planner' },
         to: { type: 'string', default: 'critic' },
         id: { type: 'string' },
+        parent: { type: 'string', default: '' },
         timeout: { type: 'string', default: '60' },
         proto: { type: 'string', default: DEFAULT_PROTO_PATH },
         'tls-ca': { type: 'string' },

@@ -541,6 +541,54 @@ class RelayCases:
             self.assertEqual(meta.get(key), rmeta.get(key), key)
         self.assert_same_tensors(msg, rmsg, "hscore")
 
+    def test_parent_from_the_command_line(self):
+        # --parent: the recipient continues the relayed cache. Its turn file
+        # has no history but history.score over the parent's tokens (all
+        # its mass on a generated token, whose acc is 0 so far): the relay
+        # composes the turn on the message it holds, and hist=2 keeps that
+        # token in every head, as kvrelayctl compress --parent does offline
+        # on the same chain.
+        live = self.live
+        policy = "h2o-head:k=4,hist=2"
+        first = live.make_turn("par-1", layers=2, prompt=16, gen=4, dtype="BF16", seed=74)
+        parent_out, parent_id = self.publish_fetch("par", policy, first)
+        pmeta, pmsg = read_st(parent_out)
+        ref_parent = live.path("ref-par.safetensors")
+        check_run([live.kvrelayctl, "compress", "--policy", pmeta["policy"], "--in", first, "--out", ref_parent])
+        source = live.make_turn("par-2-source", layers=2, prompt=8, gen=2, dtype="BF16", seed=75,
+                                first_agent="false")
+        meta, tensors = read_st(source)
+        out, want = {}, []
+        for key, t in tensors.items():
+            out[key] = t
+            if key.endswith(".prompt.score"):
+                p = key[:-len("prompt.score")]
+                heads, n = pmsg[p + "pos"][1]
+                column = n - 2
+                hs = np.zeros((t[1][0], n), "<f4")
+                hs[:, column] = 100.0
+                out[p + "history.score"] = ("F32", (t[1][0], n), hs.tobytes())
+                pos = np.frombuffer(pmsg[p + "pos"][2], "<i4").reshape(heads, n)
+                want.append([int(pos[h, column]) for h in range(heads)])
+        child = live.path("par-2.safetensors")
+        write_st(child, meta, out)
+        got = live.path("msg-par-2.safetensors")
+        p = self.example("--in", child, "--out", got, "--session", "s-par", "--from", "critic", "--to", "judge",
+                         "--policy", policy, "--parent", parent_id)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        cmeta, cmsg = read_st(got)
+        self.assertEqual(cmeta["parent_id"], parent_id)
+        for l, heads in enumerate(self.history_sets(cmsg, cmeta)):
+            for h, held in enumerate(heads):
+                self.assertIn(want[l][h], held, f"layer.{l} head {h}")
+        ref = live.path("ref-par-2.safetensors")
+        check_run([live.kvrelayctl, "compress", "--policy", cmeta["policy"], "--parent", ref_parent,
+                   "--in", child, "--out", ref])
+        rmeta, rmsg = read_st(ref)
+        for key in MESSAGE_KEYS:
+            self.assertEqual(cmeta.get(key), rmeta.get(key), key)
+        self.assert_same_tensors(cmsg, rmsg, "par-2")
+
     def test_bad_policy_is_invalid_argument(self):
         live = self.live
         turn = live.make_turn("bad-policy", seed=21)

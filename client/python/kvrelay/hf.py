@@ -30,7 +30,8 @@ Typical agent step (LatentMAS style; see examples/latentmas_chain.py):
     for step in range(n_latent):                # latent steps, eager attention
         out = model(..., past_key_values=out.past_key_values, output_attentions=True)
         acc.add(out.attentions)                 # tuple over layers [1, q_heads, q_len, kv_len]
-    turn = hf.turn_from_cache(out.past_key_values, n_prompt, acc.scores(), history=relayed)
+    turn = hf.turn_from_cache(out.past_key_values, n_prompt, acc.scores(), history=relayed,
+                              history_scores=acc.history_scores() if relayed else None)
     client.publish(turn, session, me, [nxt], policy="h2o-head:k=32",
                    parent_id=relayed.message_id if relayed else "")
     ...
@@ -252,7 +253,13 @@ class PromptAttention:
     over layers of [batch=1, q_heads, q_len, kv_len] tensors (eager attention,
     output_attentions=True). Feed it the generated steps only, not the prompt
     pass. scores() returns a list over layers of float32 numpy arrays
-    [score_heads, n_prompt], ready for turn_from_cache."""
+    [score_heads, n_prompt], ready for turn_from_cache.
+
+    The columns before the prompt are a relayed history (prompt_start of
+    them): history_scores() returns the same sums over those columns,
+    [score_heads, prompt_start] per layer, ready for turn_from_cache's
+    history_scores (the mass this agent puts on each history token, which a
+    history budget, hist=, adds to the token's accumulated importance)."""
 
     def __init__(self, n_prompt, prompt_start=0, kv_heads=None):
         if int(n_prompt) < 0 or int(prompt_start) < 0:
@@ -263,6 +270,7 @@ class PromptAttention:
         self.kv_heads = None if kv_heads is None else int(kv_heads)
         self.steps = 0
         self._acc = None  # list over layers of float64 tensors [q_heads, n_prompt]
+        self._hist = None  # the same over the history's columns [q_heads, prompt_start]
 
     def add(self, attentions):
         torch = _torch()
@@ -290,22 +298,30 @@ class PromptAttention:
             if self._acc is not None and q != self._acc[i].shape[0]:
                 raise ValueError(f"attentions layer {i}: {q} query heads, expected "
                                  f"{self._acc[i].shape[0]} (as in the earlier steps)")
-            cols = a[0, :, :, lo:hi].detach().to("cpu", torch.float64)
-            sums.append(cols.sum(dim=1))  # over the step's queries -> [q_heads, n_prompt]
+            a = a[0].detach().to("cpu", torch.float64)
+            # Over the step's queries: [q_heads, n_prompt], [q_heads, prompt_start].
+            sums.append((a[:, :, lo:hi].sum(dim=1), a[:, :, :lo].sum(dim=1)))
         if self._acc is None:
-            self._acc = sums
+            self._acc, self._hist = [p for p, _ in sums], [h for _, h in sums]
         else:
-            self._acc = [acc + s for acc, s in zip(self._acc, sums)]
+            self._acc = [acc + p for acc, (p, _) in zip(self._acc, sums)]
+            self._hist = [acc + h for acc, (_, h) in zip(self._hist, sums)]
         self.steps += 1
 
     def scores(self):
-        if self._acc is None:
+        return self._reduce(self._acc)
+
+    def history_scores(self):
+        return self._reduce(self._hist)
+
+    def _reduce(self, sums):
+        if sums is None:
             raise ValueError("PromptAttention: no steps added")
         out = []
-        for i, acc in enumerate(self._acc):
-            q = acc.shape[0]
+        for i, acc in enumerate(sums):
+            q, n = acc.shape
             if self.kv_heads is not None:
-                acc = acc.reshape(self.kv_heads, q // self.kv_heads, self.n_prompt).sum(dim=1)
+                acc = acc.reshape(self.kv_heads, q // self.kv_heads, n).sum(dim=1)
             s = acc.numpy().astype(np.float32)
             if not np.isfinite(s).all():
                 raise ValueError(f"attentions layer {i}: the summed mass is not finite")
@@ -452,7 +468,7 @@ class QueryCapture:
 
 def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=False,
                     n_history=None, history_positions=None, first_agent=None, prompt_pos0=None,
-                    queries=None, softmax_scale=None):
+                    queries=None, softmax_scale=None, history_scores=None):
     """A kvrelay.Turn from an agent's cache.
 
     The cache's token axis holds [history; prompt; generated]: the first
@@ -466,6 +482,11 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
     [score_heads, n_gen, head_dim] post-RoPE queries of the generated steps
     (QueryCapture.queries()), sent as float32 gen.q with `softmax_scale`
     (None: the relay's 1/sqrt(head_dim)); the relay scores from them.
+    history_scores: with scores, a list over layers of [score_heads,
+    n_history] float32 (PromptAttention.history_scores()), this agent's mass
+    on each history token, sent as history.score (with queries the relay
+    computes that mass itself); the cache's history rows are the relayed
+    message's tokens in its order, as history.score wants them.
 
     include_history=False (default) leaves the history out of the turn:
     publish it with parent_id=history.message_id and the relay supplies it.
@@ -517,6 +538,17 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
             prompt_pos0 = int(hist_pos.max()) + 1
     if queries is not None and scores is not None:
         raise ValueError("scores and queries: both given, expected one of them")
+    if history_scores is not None:
+        if queries is not None:
+            raise ValueError("history_scores: given with queries, expected None (the relay computes "
+                             "the mass on the history from the queries)")
+        if not n_history:
+            raise ValueError("history_scores: given without a history, expected None (or a relayed "
+                             "history: history=, or n_history > 0)")
+        history_scores = list(history_scores)
+        if len(history_scores) != len(pairs):
+            raise ValueError(f"history_scores: {len(history_scores)} layers, expected {len(pairs)} "
+                             "(the cache's)")
     if queries is not None:
         queries = list(queries)
         if len(queries) != len(pairs):
@@ -547,11 +579,19 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
                 raise ValueError(f"scores layer {i}: shape {list(s.shape)}, expected [score_heads, "
                                  f"{n_prompt}] with score_heads a multiple of kv_heads={H}")
             score = np.ascontiguousarray(s, dtype=np.float32)
+        hs = None
+        if history_scores is not None:
+            hs = history_scores[i]
+            hs = hs.detach().cpu().numpy() if _is_tensor(hs) else np.asarray(hs)
+            if hs.ndim != 2 or hs.shape != (score.shape[0], n_history):
+                raise ValueError(f"history_scores layer {i}: shape {list(hs.shape)}, expected "
+                                 f"[{score.shape[0]}, {n_history}] (the scores' heads, n_history)")
+            hs = np.ascontiguousarray(hs, dtype=np.float32)
         tl = TurnLayer(prompt_k=_to_numpy(k[0, :, a:b], f"layer {i} key"),
                        prompt_v=_to_numpy(v[0, :, a:b], f"layer {i} value"),
                        gen_k=_to_numpy(k[0, :, b:], f"layer {i} key"),
                        gen_v=_to_numpy(v[0, :, b:], f"layer {i} value"),
-                       score=score, gen_q=gen_q)
+                       score=score, gen_q=gen_q, history_score=hs)
         if hist_pos is not None:
             tl.history_k = _to_numpy(k[0, :, :a], f"layer {i} key")
             tl.history_v = _to_numpy(v[0, :, :a], f"layer {i} value")

@@ -222,10 +222,26 @@ test('readTurnFile: gen.q (F32 or the K/V dtype) and softmax_scale; both, a mix,
   }
 });
 
-test('publish: GEN_Q chunks, query_dtype and softmax_scale reach the relay', async () => {
-  const got = [];
+// Serves `handlers` as the Relay service on a free loopback port and runs
+// fn(address); the server is shut down however fn ends.
+async function withRelayServer(handlers, fn) {
   const server = new grpc.Server();
-  server.addService(loadRelayService().service, {
+  server.addService(loadRelayService().service, handlers);
+  const port = await new Promise((resolve, reject) =>
+    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  try {
+    return await fn(`127.0.0.1:${port}`);
+  } finally {
+    server.forceShutdown();
+  }
+}
+
+// A stand-in relay whose Publish records each stream's header and its chunks
+// as `layer:part:bytes`, and answers reply(header). Runs fn(relay) against it
+// and returns the recorded streams in order.
+async function recordPublishes(reply, fn) {
+  const got = [];
+  await withRelayServer({
     Publish(call, callback) {
       const parts = [];
       let header;
@@ -234,30 +250,34 @@ test('publish: GEN_Q chunks, query_dtype and softmax_scale reach the relay', asy
         if (r.chunk) parts.push(`${r.chunk.layer}:${r.chunk.part}:${r.chunk.data.length}`);
       });
       call.on('end', () => {
-        got.push({ geometry: header.geometry, parts });
-        callback(null, { messageId: header.messageId });
+        got.push({ header, parts });
+        callback(null, reply(header));
       });
     },
+  }, async (addr) => {
+    const relay = new RelayClient(addr);
+    try {
+      await fn(relay);
+    } finally {
+      relay.close();
+    }
   });
-  const port = await new Promise((resolve, reject) =>
-    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
-  const relay = new RelayClient(`127.0.0.1:${port}`);
-  try {
+  return got;
+}
+
+test('publish: GEN_Q chunks, query_dtype and softmax_scale reach the relay', async () => {
+  const [q, s] = await recordPublishes((header) => ({ messageId: header.messageId }), async (relay) => {
     await relay.publish(queryTurn('BF16', { softmaxScale: 0.3 }), { sender: 'planner', recipients: ['critic'], sessionId: 's', messageId: 'm-q' });
     await relay.publish(tinyTurn(), { sender: 'planner', recipients: ['critic'], sessionId: 's', messageId: 'm-s' });
-  } finally {
-    relay.close();
-    server.forceShutdown();
-  }
-  const [q, s] = got;
-  assert.equal(q.geometry.queryDtype, 'DTYPE_BF16');
-  assert.equal(q.geometry.softmaxScale, 0.3);
+  });
+  assert.equal(q.header.geometry.queryDtype, 'DTYPE_BF16');
+  assert.equal(q.header.geometry.softmaxScale, 0.3);
   assert.deepEqual(q.parts.filter((p) => p.includes('GEN_Q')), ['0:PART_GEN_Q:16', '1:PART_GEN_Q:16']);
   assert.ok(!q.parts.some((p) => p.includes('PROMPT_SCORE')));
-  assert.equal(s.geometry.queryDtype, 'DTYPE_UNSPECIFIED');
+  assert.equal(s.header.geometry.queryDtype, 'DTYPE_UNSPECIFIED');
   // Presence on the wire: proto-loader names a set optional field in its synthetic oneof.
-  assert.equal(q.geometry._softmaxScale, 'softmaxScale');
-  assert.equal(s.geometry._softmaxScale, undefined);
+  assert.equal(q.header.geometry._softmaxScale, 'softmaxScale');
+  assert.equal(s.header.geometry._softmaxScale, undefined);
   assert.equal(s.parts.filter((p) => p.includes('PROMPT_SCORE')).length, 2);
 });
 
@@ -519,8 +539,7 @@ test('readSafetensors: tensors sharing bytes or with a bad shape are refused; ga
 async function withFakeRelay(fn) {
   const seen = [];
   const committed = new Set();
-  const server = new grpc.Server();
-  server.addService(loadRelayService().service, {
+  await withRelayServer({
     Fetch(call) { call.on('error', () => {}); }, // never answers: the caller's deadline or cancel ends it
     Publish(call, callback) {
       let header;
@@ -536,16 +555,14 @@ async function withFakeRelay(fn) {
         }
       });
     },
+  }, async (addr) => {
+    const relay = new RelayClient(addr);
+    try {
+      await fn(relay, seen, Number(addr.split(':')[1]));
+    } finally {
+      relay.close();
+    }
   });
-  const port = await new Promise((resolve, reject) =>
-    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
-  const relay = new RelayClient(`127.0.0.1:${port}`);
-  try {
-    await fn(relay, seen, port);
-  } finally {
-    relay.close();
-    server.forceShutdown();
-  }
 }
 
 const route = { sender: 'planner', recipients: ['critic'] };
@@ -665,19 +682,11 @@ async function withAuthRecorder(fn) {
   const seen = {};
   const record = (method, call) => { (seen[method] ??= []).push(...call.metadata.get('authorization')); };
   const refuse = { code: grpc.status.UNAUTHENTICATED, details: 'recorder' };
-  const server = new grpc.Server();
-  server.addService(loadRelayService().service, {
+  await withRelayServer({
     Stats(call, callback) { record('Stats', call); callback(refuse); },
     Fetch(call) { record('Fetch', call); call.emit('error', refuse); },
     Publish(call, callback) { record('Publish', call); call.on('error', () => {}); callback(refuse); },
-  });
-  const port = await new Promise((resolve, reject) =>
-    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
-  try {
-    await fn(`127.0.0.1:${port}`, seen);
-  } finally {
-    server.forceShutdown();
-  }
+  }, (addr) => fn(addr, seen));
 }
 
 test('token: sent as authorization on unary and streaming calls over an insecure channel; env is the default', async () => {
@@ -839,36 +848,14 @@ test('planUpload: bad historyAnchors and historyScore name the field before any 
 });
 
 test('publish: HISTORY_SCORE chunks, historyScoreTokens and historyAnchors reach the relay', async () => {
-  const got = [];
-  const server = new grpc.Server();
-  server.addService(loadRelayService().service, {
-    Publish(call, callback) {
-      const parts = [];
-      let header;
-      call.on('data', (r) => {
-        if (r.header) header = r.header;
-        if (r.chunk) parts.push(`${r.chunk.layer}:${r.chunk.part}`);
-      });
-      call.on('end', () => {
-        got.push({ header, parts });
-        callback(null, { messageId: header.messageId, accounting: { policy: 'p', attentionError: 0 } });
-      });
-    },
-  });
-  const port = await new Promise((resolve, reject) =>
-    server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
-  const relay = new RelayClient(`127.0.0.1:${port}`);
   let r;
-  try {
+  const reply = (header) => ({ messageId: header.messageId, accounting: { policy: 'p', attentionError: 0 } });
+  const [h, c] = (await recordPublishes(reply, async (relay) => {
     r = await relay.publish(historyTurn(), { ...route, sessionId: 's', messageId: 'm-h' });
     const child = tinyTurn({ historyScoreTokens: 3 });
     child.layers.forEach((l) => { l.historyScore = new Float32Array(6); });
     await relay.publish(child, { ...route, sessionId: 's', messageId: 'm-c', parentId: 'm-p' });
-  } finally {
-    relay.close();
-    server.forceShutdown();
-  }
-  const [h, c] = got;
+  })).map(({ header, parts }) => ({ header, parts: parts.map((p) => p.replace(/:\d+$/, '')) }));
   assert.deepEqual([h.header.geometry.historyAnchors, h.header.geometry.historyScoreTokens], [[0, 2], 4]);
   assert.deepEqual(h.parts.slice(0, 9), ['0:PART_PROMPT_K', '0:PART_PROMPT_V', '0:PART_GEN_K', '0:PART_GEN_V',
     '0:PART_PROMPT_SCORE', '0:PART_HISTORY_SCORE', '0:PART_HISTORY_K', '0:PART_HISTORY_V', '0:PART_HISTORY_POS']);

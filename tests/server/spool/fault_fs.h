@@ -9,6 +9,7 @@
 #ifndef KVRELAY_TESTS_SERVER_SPOOL_FAULT_FS_H_
 #define KVRELAY_TESTS_SERVER_SPOOL_FAULT_FS_H_
 
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,6 +36,17 @@ class FaultFs final : public SpoolFs {
     fail_op_ = op;
     fail_path_ = path_part;
     fail_status_ = std::move(status);
+  }
+  // From now until ReleaseSyncs, an fdatasync of a path containing
+  // `path_part` waits (a slow disk); other operations go on.
+  void HoldSyncs(const std::string& path_part) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_path_ = path_part;
+  }
+  void ReleaseSyncs() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_path_.clear();
+    released_.notify_all();
   }
   bool dead() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -165,7 +177,10 @@ class FaultFs final : public SpoolFs {
       return absl::OkStatus();
     }
     absl::Status Sync() override {
-      std::lock_guard<std::mutex> lock(fs_->mu_);
+      std::unique_lock<std::mutex> lock(fs_->mu_);
+      fs_->released_.wait(lock, [this] {
+        return fs_->hold_path_.empty() || path_.find(fs_->hold_path_) == std::string::npos;
+      });
       if (absl::Status s = fs_->StepLocked("fdatasync", path_); !s.ok()) return s;
       node_->durable = node_->data;
       return absl::OkStatus();
@@ -191,7 +206,8 @@ class FaultFs final : public SpoolFs {
 
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Node>> names_, durable_names_;
-  std::string fail_op_, fail_path_;
+  std::condition_variable released_;
+  std::string fail_op_, fail_path_, hold_path_;
   absl::Status fail_status_;
   long crash_in_ = 0;
   bool dead_ = false;

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <map>
 #include <random>
@@ -232,6 +233,36 @@ TEST(SpoolStore, RecoversMessagesDeliveriesAcksAndCloses) {
   absl::StatusOr<std::vector<std::string>> files = fs.List(std::string(kDir) + "/msg");
   ASSERT_TRUE(files.ok());
   EXPECT_EQ(files->size(), 4u);
+}
+
+// A close answers once its record is durable, and its caller (a gRPC
+// reaction) does not wait for the disk meanwhile.
+TEST(SpoolStore, CloseAnswersOnceDurableWithoutBlockingItsCaller) {
+  FaultFs fs;
+  {
+    auto s = OpenOk(Opts(&fs));
+    ASSERT_TRUE(Commit(*s, RealMsg("s", "m", {"b"}, 1)).ok());
+    fs.HoldSyncs("journal");
+    std::promise<Store::CloseResult> answer;
+    std::future<Store::CloseResult> answered = answer.get_future();
+    std::future<void> call = std::async(std::launch::async, [&] {
+      s->CloseSessionAndPeersAsync("s", [&](Store::CloseResult r) { answer.set_value(std::move(r)); });
+    });
+    const bool returned = call.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+    const bool early = answered.wait_for(std::chrono::milliseconds(100)) == std::future_status::ready;
+    fs.ReleaseSyncs();
+    EXPECT_TRUE(returned) << "the caller waited for the journal's sync";
+    EXPECT_FALSE(early) << "answered before the close was durable";
+    const Store::CloseResult r = answered.get();
+    EXPECT_TRUE(r.status.ok()) << r.status;
+    EXPECT_EQ(r.messages_freed, 1u);
+    EXPECT_TRUE(r.first);
+    EXPECT_TRUE(s->IsClosed("s"));
+  }
+  auto s = OpenOk(Opts(&fs));
+  EXPECT_TRUE(s->IsClosed("s"));
+  EXPECT_FALSE(s->Find("s", "m"));
+  EXPECT_TRUE(fs.List(std::string(kDir) + "/msg")->empty());
 }
 
 TEST(SpoolStore, DuplicatesAndRefusedCommitsLeaveNoFile) {

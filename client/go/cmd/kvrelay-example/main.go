@@ -4,8 +4,13 @@
 // and writes its reply (nothing is stored; -policy required).
 //
 //	kvrelay-example -addr 127.0.0.1:50051 -in turn.safetensors -out msg.safetensors \
-//	    [-policy SPEC] [-session S] [-from planner] [-to critic] [-id MSGID] [-timeout 60s] [-compress] \
-//	    [-tls-ca FILE [-tls-cert FILE -tls-key FILE]] [-token-file FILE]
+//	    [-policy SPEC] [-session S] [-from planner] [-to critic] [-id MSGID] [-parent MSGID] [-timeout 60s] \
+//	    [-compress] [-tls-ca FILE [-tls-cert FILE -tls-key FILE]] [-token-file FILE]
+//
+// -parent continues a relayed cache: the turn goes with the parent message's
+// id (of the same session, delivered to -from) in place of a history, and
+// the relay composes it on the message it holds. The turn file may then carry
+// history.score over the parent's tokens.
 //
 // -tls-ca turns TLS on; the token (first line of -token-file, else
 // $KVRELAY_TOKEN) goes with every call as "authorization: Bearer TOKEN".
@@ -28,10 +33,10 @@ import (
 )
 
 type options struct {
-	addr, in, out, policy, session, from, to, id string
-	tlsCA, tlsCert, tlsKey, tokenFile            string
-	timeout                                      time.Duration
-	compress                                     bool
+	addr, in, out, policy, session, from, to, id, parent string
+	tlsCA, tlsCert, tlsKey, tokenFile                    string
+	timeout                                              time.Duration
+	compress                                             bool
 }
 
 // stepError names the step that failed; its message carries the gRPC code
@@ -98,6 +103,7 @@ func run(o options) error {
 	}
 	r, err := c.Publish(ctx, turn, kvrelay.PublishOptions{
 		SessionID: o.session, MessageID: id, Sender: o.from, Recipients: []string{o.to}, Policy: o.policy,
+		ParentID: o.parent,
 	})
 	if err != nil {
 		return &stepError{"publish", err}
@@ -143,6 +149,7 @@ func main() {
 	fs.StringVar(&o.from, "from", "planner", "publishing agent")
 	fs.StringVar(&o.to, "to", "critic", "recipient, who then fetches and acks")
 	fs.StringVar(&o.id, "id", "", "message id (idempotency key); empty: a fresh one")
+	fs.StringVar(&o.parent, "parent", "", "id of the message this turn continues (history by reference)")
 	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "deadline for the whole exchange")
 	fs.BoolVar(&o.compress, "compress", false, "call the stateless Compress instead of publish/fetch/ack")
 	fs.StringVar(&o.tlsCA, "tls-ca", "", "PEM CA file that signs the relay's certificate; turns TLS on")
@@ -168,6 +175,9 @@ func main() {
 	}
 	if o.compress && o.policy == "" {
 		usage("flag -compress needs -policy (Compress has no default policy)")
+	}
+	if o.compress && o.parent != "" {
+		usage("flag -parent: not with -compress (Compress is stateless: it holds no parent message)")
 	}
 	if (o.tlsCert == "") != (o.tlsKey == "") {
 		usage("flags -tls-cert and -tls-key: expected both or neither")

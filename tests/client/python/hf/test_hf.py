@@ -157,6 +157,22 @@ class AttentionMassTest(unittest.TestCase):
                                for q in range(kh * group, (kh + 1) * group)
                                for qi in range(st[l].shape[2]))
                     self.assertAlmostEqual(float(per_kv[l][kh, j]), want, places=5)
+        # The columns before the prompt: the mass on the relayed history.
+        hist_q = hf.PromptAttention(n_prompt, prompt_start=n_hist)
+        hist_kv = hf.PromptAttention(n_prompt, prompt_start=n_hist, kv_heads=kv_heads)
+        for st in steps:
+            hist_q.add(st)
+            hist_kv.add(st)
+        for l in range(2):
+            want = np.zeros((q_heads, n_hist))
+            for st in steps:
+                a = st[l].double().numpy()
+                want += a[0, :, :, :n_hist].sum(axis=1)
+            got_q, got_kv = hist_q.history_scores()[l], hist_kv.history_scores()[l]
+            self.assertEqual((got_q.dtype, got_q.shape, got_kv.shape),
+                             (np.float32, (q_heads, n_hist), (kv_heads, n_hist)))
+            np.testing.assert_allclose(got_q, want, rtol=1e-6)
+            np.testing.assert_allclose(got_kv, want.reshape(kv_heads, group, n_hist).sum(axis=1), rtol=1e-6)
 
     def test_model_attentions(self):
         model = TinyDecoder(seed=1)
@@ -276,6 +292,18 @@ class CacheConversionTest(unittest.TestCase):
             hf.turn_from_cache(c, 4, [np.zeros((2, 4), np.float32)])
         with self.assertRaisesRegex(ValueError, r"cache_format"):
             hf.message_to_cache(kvrelay.Message([], "F32", 1, 1, 0, 0, 0, 0), cache_format="x")
+        s4 = [np.zeros((2, 4), np.float32)] * 2
+        with self.assertRaisesRegex(ValueError, r"history_scores: given without a history, expected None"):
+            hf.turn_from_cache(c, 4, s4, history_scores=[np.zeros((2, 0), np.float32)] * 2)
+        with self.assertRaisesRegex(ValueError, r"history_scores: given with queries, expected None"):
+            hf.turn_from_cache(c, 4, n_history=3, queries=[np.zeros((2, 2, 8), np.float32)] * 2,
+                               history_scores=[np.zeros((2, 3), np.float32)] * 2)
+        with self.assertRaisesRegex(ValueError, r"history_scores: 1 layers, expected 2"):
+            hf.turn_from_cache(c, 4, s4, n_history=3, history_scores=[np.zeros((2, 3), np.float32)])
+        with self.assertRaisesRegex(ValueError, r"history_scores layer 1: shape \[2, 4\], expected \[2, 3\] "
+                                                r"\(the scores' heads, n_history\)"):
+            hf.turn_from_cache(c, 4, s4, n_history=3,
+                               history_scores=[np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32)])
 
     def test_duck_typed_caches(self):
         c = self.cache(torch.bfloat16)
@@ -653,6 +681,51 @@ class RelayTest(unittest.TestCase):
                 self.assertTrue(torch.isfinite(out3.logits).all())
                 self.assertEqual(out3.past_key_values[0][0].shape[2], rc.tokens + 3)
                 self.c.close_session(sess)
+
+    def test_history_scores_steer_the_history_budget(self):
+        # The critic continues the planner's relayed cache with eager
+        # attention and sends its mass on the history (history_scores) with
+        # the parent. Under hist=4 every head keeps the chain's anchors plus
+        # the 4 history tokens of highest accumulated importance: the
+        # planner's prompt mass (the parent's acc; its generated tokens have
+        # none) plus the critic's history mass, summed over each KV head's
+        # query heads. Ties go to the earlier token.
+        k, sinks, hist = 8, 4, 4
+        policy = f"h2o-head:k={k},hist={hist}"
+        model = TinyDecoder(seed=8)
+        cache, n, steps, _, _ = run_turn(model, gen=5)
+        sess = Session.new("hist")
+        s1 = hf.prompt_attention_mass(steps, n)  # per query head, as sent
+        m, _ = self.relay(hf.turn_from_cache(cache, n, s1), policy, sess)
+        rc = hf.message_to_cache(m)
+        cache2, n2, steps2, _, _ = run_turn(model, "Critic: check it.", gen=4, relayed=rc)
+        acc = hf.PromptAttention(n2, prompt_start=rc.tokens)
+        for st in steps2:
+            acc.add(st)
+        hs = acc.history_scores()
+        self.assertEqual(hs[0].shape, (Q_HEADS, rc.tokens))
+        t2 = hf.turn_from_cache(cache2, n2, acc.scores(), history=rc, history_scores=hs)
+        m2, _ = self.relay(t2, policy, sess, parent=m.message_id, sender="critic", to="refiner")
+        self.assertEqual(m2.n_history, sinks + hist)
+        rc2 = hf.message_to_cache(m2)
+        steered = False
+        for l in range(LAYERS):
+            # The planner's mass per KV head (float64 sums, rounded once), as
+            # its prompt tokens' acc; the critic's likewise, added to it.
+            red1 = s1[l].astype(np.float64).reshape(H, Q_HEADS // H, n).sum(axis=1).astype(np.float32)
+            mass = hs[l].astype(np.float64).reshape(H, Q_HEADS // H, rc.tokens).sum(axis=1)
+            for h in range(H):
+                held = rc.positions[l, h].numpy()
+                parent_acc = np.array([red1[h, p] if p < n else 0.0 for p in held], np.float32)
+                total = (parent_acc.astype(np.float64) + mass[h]).astype(np.float32)
+                want = held[topk_kept(total, hist, sinks)]
+                got = rc2.positions[l, h, :sinks + hist].numpy()
+                self.assertTrue(np.array_equal(got, want), f"layer {l} head {h}: {got} != {want}")
+                steered |= not np.array_equal(want, held[topk_kept(parent_acc, hist, sinks)])
+        # The critic's mass changed what some head keeps: without it the test
+        # could not tell a relay that ignores history.score.
+        self.assertTrue(steered)
+        self.c.close_session(sess)
 
     def test_quantized_message(self):
         model = TinyDecoder(seed=6).to(torch.bfloat16)
