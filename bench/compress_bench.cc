@@ -21,6 +21,7 @@
 
 #include "core/pipeline.h"
 #include "core/query_scores.h"
+#include "core/selection.h"
 #include "core/thread_pool.h"
 
 namespace kvrelay {
@@ -201,6 +202,97 @@ void BM_HistoryBudget(benchmark::State& state) {
   state.counters["sent_bytes"] = static_cast<double>(sent);
 }
 BENCHMARK(BM_HistoryBudget)->Arg(0)->Arg(1)->Arg(2)->ArgName("history512")->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The floor under BM_HistoryBudget: only allocating each layer's output and
+// gathering the rows the message of the same argument holds (found once,
+// before the loop), with the same prefetching; no scoring, no selection.
+// Its ratio history512:1 / history512:0 is the least the budget's ratio can
+// be while copying the kept rows is what the time is spent on.
+void BM_HistoryBudgetCopyFloor(benchmark::State& state) {
+  const Turn& turn = state.range(0) ? Qwen14BHistoryTurn() : Qwen14BTurn();
+  auto pipeline = Pipeline::Create("h2o-head:k=32,hist=64");
+  if (!pipeline.ok()) std::abort();
+  auto msg = (*pipeline)->CompressValidated(turn);
+  if (!msg.ok()) std::abort();
+  const TurnLayer& l0 = turn.layers[0];
+  const int heads = l0.prompt_k.heads(), d = l0.prompt_k.dim();
+  const int n_hist = l0.history_k.tokens(), n_prompt = l0.prompt_k.tokens();
+  const int64_t pos0 = turn.prompt_pos0.value_or(n_hist);
+  // Per layer and head, the source rows of the message's tokens in order.
+  struct Src {
+    const KvTensor* k;
+    const KvTensor* v;
+    int row;
+  };
+  std::vector<std::vector<std::vector<Src>>> src(turn.layers.size());
+  for (size_t l = 0; l < turn.layers.size(); ++l) {
+    const TurnLayer& tl = turn.layers[l];
+    const MessageLayer& ml = msg->layers[l];
+    src[l].resize(heads);
+    for (int h = 0; h < heads; ++h) {
+      for (int t = 0; t < ml.pos.tokens; ++t) {
+        const int64_t p = ml.pos.at(h, t);
+        if (p >= pos0 + n_prompt) {
+          src[l][h].push_back({&tl.gen_k, &tl.gen_v, static_cast<int>(p - pos0 - n_prompt)});
+        } else if (p >= pos0) {
+          src[l][h].push_back({&tl.prompt_k, &tl.prompt_v, static_cast<int>(p - pos0)});
+        } else {
+          int j = 0;
+          while (tl.history_pos.at(h, j) != p) ++j;
+          src[l][h].push_back({&tl.history_k, &tl.history_v, j});
+        }
+      }
+    }
+  }
+  const int n_out = msg->layers[0].pos.tokens;
+  for (auto _ : state) {
+    std::vector<std::pair<KvTensor, KvTensor>> out;
+    out.reserve(turn.layers.size());
+    for (size_t l = 0; l < turn.layers.size(); ++l) {
+      out.emplace_back(KvTensor::Uninitialized(l0.prompt_k.dtype(), heads, n_out, d),
+                       KvTensor::Uninitialized(l0.prompt_k.dtype(), heads, n_out, d));
+      const size_t rb = out.back().first.row_bytes();
+      for (int h = 0; h < heads; ++h) {
+        const std::vector<Src>& rows = src[l][h];
+        constexpr size_t kAhead = 8;
+        auto prefetch = [&](const Src& s) {
+          for (size_t off = 0; off < rb; off += 64) {
+            __builtin_prefetch(s.k->row(h, s.row) + off);
+            __builtin_prefetch(s.v->row(h, s.row) + off);
+          }
+        };
+        for (size_t i = 0; i < std::min(kAhead, rows.size()); ++i) prefetch(rows[i]);
+        uint8_t* kd = out.back().first.row(h, 0);
+        uint8_t* vd = out.back().second.row(h, 0);
+        for (size_t i = 0; i < rows.size(); ++i) {
+          if (i + kAhead < rows.size()) prefetch(rows[i + kAhead]);
+          std::memcpy(kd + i * rb, rows[i].k->row(h, rows[i].row), rb);
+          std::memcpy(vd + i * rb, rows[i].v->row(h, rows[i].row), rb);
+        }
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["tokens_per_head"] = n_out;
+}
+BENCHMARK(BM_HistoryBudgetCopyFloor)->Arg(0)->Arg(1)->ArgName("history512")->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// One head's top-k as selection runs it on the Qwen3-14B turn: k=32 of 508
+// heavy-tailed candidate scores (a fresh row each time, from 64 cycled).
+void BM_TopK(benchmark::State& state) {
+  std::mt19937 rng(3);
+  std::lognormal_distribution<double> tail(0.0, 2.0);
+  std::vector<std::vector<double>> rows(64, std::vector<double>(508));
+  for (auto& r : rows) {
+    for (double& x : r) x = tail(rng);
+  }
+  size_t i = 0;
+  for (auto _ : state) {
+    std::vector<int> kept = TopK(rows[i++ % rows.size()], 0, 508, static_cast<int>(state.range(0)));
+    benchmark::DoNotOptimize(kept.data());
+  }
+}
+BENCHMARK(BM_TopK)->Arg(32)->Arg(64)->Unit(benchmark::kMicrosecond);
 
 // Scores from queries (gen.q, bf16) on the Qwen3-14B turn, one thread:
 // every layer's QueryScores. Counters: multiply-adds per second of the

@@ -3,10 +3,60 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <numeric>
 
 namespace kvrelay {
+
+namespace {
+
+// Moves the values of a[0, n) for which pred(x) holds to the front, in no
+// particular order; returns how many there are. Branch-free: every value is
+// swapped into place whether it moves or not, so the loop does not
+// mispredict on scattered scores the way a branching partition does (about
+// every other comparison).
+template <typename Pred>
+size_t PartitionFront(double* a, size_t n, Pred pred) {
+  size_t w = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = a[i];
+    a[i] = a[w];
+    a[w] = x;
+    w += pred(x);
+  }
+  return w;
+}
+
+// The `need`-th largest of a[0, n) (1-based; a is reordered). Quickselect
+// with a median-of-3 pivot and a three-way split (above, equal to, below the
+// pivot), so runs of equal scores end it at once; after 2 log2(n) + 8 rounds
+// (an adversarial order) std::nth_element finishes.
+double KthLargest(double* a, size_t n, size_t need) {
+  int rounds = 8;
+  for (size_t m = n; m > 1; m >>= 1) rounds += 2;
+  while (n > 16 && rounds-- > 0) {
+    double x = a[0], y = a[n / 2], z = a[n - 1];
+    if (x > y) std::swap(x, y);
+    if (y > z) std::swap(y, z);
+    if (x > y) std::swap(x, y);
+    const double pivot = y;
+    const size_t above = PartitionFront(a, n, [pivot](double v) { return v > pivot; });
+    if (need <= above) {
+      n = above;
+      continue;
+    }
+    const size_t equal = PartitionFront(a + above, n - above, [pivot](double v) { return v == pivot; });
+    if (need <= above + equal) return pivot;
+    a += above + equal;
+    n -= above + equal;
+    need -= above + equal;
+  }
+  std::nth_element(a, a + (need - 1), a + n, std::greater<double>());
+  return a[need - 1];
+}
+
+}  // namespace
 
 std::vector<int> TopK(absl::Span<const double> scores, int begin, int end, int k) {
   const int n = std::max(0, end - begin);
@@ -17,13 +67,11 @@ std::vector<int> TopK(absl::Span<const double> scores, int begin, int end, int k
     return idx;
   }
   if (k <= 0) return idx;
-  // The k-th largest value, selected among the values themselves (no
-  // indirection), then one ascending pass: everything above it, and as many
-  // of the values equal to it as fit, lowest positions first.
+  // The k-th largest value, then one ascending pass: everything above it,
+  // and as many of the values equal to it as fit, lowest positions first.
   thread_local std::vector<double> values;
   values.assign(scores.begin() + begin, scores.begin() + end);
-  std::nth_element(values.begin(), values.begin() + (k - 1), values.end(), std::greater<double>());
-  const double kth = values[k - 1];
+  const double kth = KthLargest(values.data(), values.size(), static_cast<size_t>(k));
   int ties = k;
   for (int j = begin; j < end; ++j) ties -= scores[j] > kth;
   idx.reserve(k);

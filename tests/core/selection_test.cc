@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -52,6 +53,31 @@ TEST(TopKTest, MatchesBruteForceOnHeavyTailedScoresWithZeros) {
     for (int j = 0; j < n; ++j) s[j] = (j % 5 == 0) ? ((j % 10 == 0) ? 0.0 : -0.0) : tail(rng);
     const int begin = static_cast<int>(rng() % n);
     for (int k : {1, 8, 32, n / 2, n - begin - 1, n - begin, n + 3}) {
+      ASSERT_EQ(TopK(s, begin, n, k), BruteTopK(s, begin, n, k)) << "seed " << seed << " k " << k;
+    }
+  }
+}
+
+TEST(TopKTest, MatchesBruteForceOnLongRowsOfTiesNegativesAndOutliers) {
+  // Long enough for the radix passes: values from a few distinct levels
+  // (ties straddle every bucket boundary), negatives, infinities, subnormals
+  // and one outlier that puts every other value in a single bucket.
+  const double levels[] = {-std::numeric_limits<double>::infinity(), -3.5, -1e-300, -0.0, 0.0, 4.9e-324,
+                           1e-300, 0.25, 0.5, 0.5000000000000001, 7.0, 1e300,
+                           std::numeric_limits<double>::infinity()};
+  for (int seed = 0; seed < 300; ++seed) {
+    std::mt19937 rng(5000 + seed);
+    const int n = 49 + static_cast<int>(rng() % 700);
+    std::vector<double> s(n);
+    const int distinct = 1 + static_cast<int>(rng() % 13);
+    for (double& x : s) x = levels[rng() % distinct];
+    if (seed % 3 == 0) {
+      std::uniform_real_distribution<double> u(0.0, 1.0);
+      for (double& x : s) x = u(rng);
+      s[rng() % n] = 1e12;
+    }
+    const int begin = static_cast<int>(rng() % 8);
+    for (int k : {1, 2, 32, 48, 49, n / 3, n - begin - 1}) {
       ASSERT_EQ(TopK(s, begin, n, k), BruteTopK(s, begin, n, k)) << "seed " << seed << " k " << k;
     }
   }
