@@ -53,6 +53,8 @@ absl::Status ParseBytes(absl::string_view flag, const std::string& v, uint64_t* 
 // The shortest positive timeout: below it a publish or a session could not
 // outlive the watchdog's own scheduling.
 constexpr double kMinTimeoutSeconds = 0.01;
+// The least journal growth between compactions.
+constexpr uint64_t kMinSpoolCompactBytes = 1ull << 20;
 // The longest (~31 years): durations are kept in int64 nanoseconds, which
 // end at ~292 years.
 constexpr double kMaxTimeoutSeconds = 1e9;
@@ -304,6 +306,14 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
     return absl::OkStatus();
   }
   if (name == "max-spool-bytes") return ParseBytes(name, value, &c->max_spool_bytes);
+  if (name == "spool-compact-bytes") {
+    uint64_t n;
+    KVRELAY_RETURN_IF_ERROR(ParseBytes(name, value, &n));
+    // Below a MiB the journal would be rewritten whole every few records.
+    if (n < kMinSpoolCompactBytes) return Bad(name, value, "a byte count of at least 1MiB");
+    c->spool_compact_bytes = n;
+    return absl::OkStatus();
+  }
   if (name == "health-listen") return ParseAddr(name, value, true, &c->health_listen);
   if (name == "heap-retain-bytes") {
     if (absl::StripAsciiWhitespace(value) == "0") {
@@ -352,6 +362,7 @@ const char* const kEnv[][2] = {
     {"spool-dir", "KVRELAY_SPOOL_DIR"},
     {"fsync", "KVRELAY_FSYNC"},
     {"max-spool-bytes", "KVRELAY_MAX_SPOOL_BYTES"},
+    {"spool-compact-bytes", "KVRELAY_SPOOL_COMPACT_BYTES"},
 };
 
 absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
@@ -620,6 +631,9 @@ std::string ServerUsage() {
                                  only and loses data on a power loss or kernel crash (KVRELAY_FSYNC; always)
   --max-spool-bytes N            message files and journal in --spool-dir, at most; past it RESOURCE_EXHAUSTED
                                  (KVRELAY_MAX_SPOOL_BYTES; 0: up to the disk's free space)
+  --spool-compact-bytes N        rewrite the journal whole (compaction) each time it has grown by N, at least
+                                 1MiB; smaller bounds the journal tighter, at more rewrites
+                                 (KVRELAY_SPOOL_COMPACT_BYTES; 64MiB)
   --log-json                     JSON log lines, the ready line too (its "msg" is the same text)
                                  (KVRELAY_LOG_JSON)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)

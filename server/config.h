@@ -42,6 +42,7 @@
 //   --spool-dir DIR               KVRELAY_SPOOL_DIR                 none  (in memory only)
 //   --fsync always|never          KVRELAY_FSYNC                     always (with --spool-dir)
 //   --max-spool-bytes N           KVRELAY_MAX_SPOOL_BYTES           0 (up to the disk)
+//   --spool-compact-bytes N       KVRELAY_SPOOL_COMPACT_BYTES       64MiB (at least 1MiB)
 //   --config FILE                 KVRELAY_CONFIG                    none
 //
 // Byte sizes accept a plain integer or a KiB/MiB/GiB/TiB suffix ("4GiB");
@@ -125,6 +126,8 @@ struct ServerConfig {
   std::string spool_dir;
   std::string fsync = "always";
   uint64_t max_spool_bytes = 0;  // 0: no limit but the disk's
+  // Journal growth that triggers a compaction (rewriting it whole).
+  uint64_t spool_compact_bytes = 64ull << 20;
   double shutdown_grace_seconds = 10;
   // Freed heap memory kept for reuse rather than returned to the kernel
   // (glibc's trim threshold, per malloc arena: see MallocArenas; the mmap

@@ -145,6 +145,27 @@ TEST(ConfigTest, HeapRetainBytes) {
   }
 }
 
+TEST(ConfigTest, SpoolCompactBytes) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->spool_compact_bytes, 64ull << 20);
+  c = Parse({"--spool-compact-bytes=8MiB"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->spool_compact_bytes, 8ull << 20);
+  c = Parse({}, {{"KVRELAY_SPOOL_COMPACT_BYTES", "1MiB"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->spool_compact_bytes, 1ull << 20);
+  for (const char* v : {"1048575", "0", "-1", "lots"}) {
+    auto bad = Parse({"--spool-compact-bytes", v});
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << v;
+    EXPECT_NE(bad.status().message().find(std::string("--spool-compact-bytes=") + v), std::string::npos)
+        << bad.status();
+  }
+  EXPECT_NE(Parse({"--spool-compact-bytes=1048575"}).status().message().find("at least 1MiB"), std::string::npos);
+  const std::string usage(Parse({"--help"}).status().message());
+  EXPECT_NE(usage.find("KVRELAY_SPOOL_COMPACT_BYTES"), std::string::npos);
+}
+
 // Writes `text` to a fresh file under the test's temp dir and returns its path.
 std::string ConfigFile(const std::string& name, const std::string& text) {
   const std::string path = ::testing::TempDir() + "/" + name;
