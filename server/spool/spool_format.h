@@ -1,7 +1,8 @@
 // The spool's two file formats (docs/SPOOL.md has the byte layout):
 //
 //   message file  "KVRSPMSG" | u32 version | u32 meta bytes | u64 body bytes
-//                 | MessageMeta | body (a message file of docs/FORMAT.md)
+//                 | MessageMeta | body (a message file of docs/FORMAT.md,
+//                 written as kvrelay.message.v2; v1 bodies read with acc 0)
 //                 | u32 CRC32C of everything before it
 //   journal       "KVRSPJNL" | u32 version | u32 0, then records:
 //                 u32 payload bytes | u32 CRC32C of the payload | Record
