@@ -294,6 +294,23 @@ void BM_TopK(benchmark::State& state) {
 }
 BENCHMARK(BM_TopK)->Arg(32)->Arg(64)->Unit(benchmark::kMicrosecond);
 
+// Ordered rows, the quickselect's hard case: ascending (a recency ramp) or
+// descending, with k from a few to most of the row.
+void BM_TopKOrdered(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0)), k = static_cast<int>(state.range(1));
+  std::vector<double> row(n);
+  for (int j = 0; j < n; ++j) row[j] = state.range(2) ? n - j : j;
+  for (auto _ : state) {
+    std::vector<int> kept = TopK(row, 0, n, k);
+    benchmark::DoNotOptimize(kept.data());
+  }
+}
+BENCHMARK(BM_TopKOrdered)
+    ->ArgsProduct({{508}, {32, 254, 381, 500}, {0, 1}})
+    ->Args({4096, 3072, 0})
+    ->ArgNames({"n", "k", "descending"})
+    ->Unit(benchmark::kMicrosecond);
+
 // Scores from queries (gen.q, bf16) on the Qwen3-14B turn, one thread:
 // every layer's QueryScores. Counters: multiply-adds per second of the
 // logits (sum over layers, query heads and steps of keys seen x head_dim)

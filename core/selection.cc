@@ -29,28 +29,30 @@ size_t PartitionFront(double* a, size_t n, Pred pred) {
 }
 
 // The `need`-th largest of a[0, n) (1-based; a is reordered). Quickselect
-// with a median-of-3 pivot and a three-way split (above, equal to, below the
-// pivot), so runs of equal scores end it at once; after 2 log2(n) + 8 rounds
-// (an adversarial order) std::nth_element finishes.
+// with the median of the values at n/4, n/2 and 3n/4 as pivot and a
+// three-way split (above, equal to, below the pivot), so runs of equal
+// scores end it at once. Once two rounds have each kept more than 7/8 of
+// the range (an order the pivots sample badly), std::nth_element finishes.
 double KthLargest(double* a, size_t n, size_t need) {
-  int rounds = 8;
-  for (size_t m = n; m > 1; m >>= 1) rounds += 2;
-  while (n > 16 && rounds-- > 0) {
-    double x = a[0], y = a[n / 2], z = a[n - 1];
+  int bad_rounds = 2;
+  while (n > 16 && bad_rounds > 0) {
+    double x = a[n / 4], y = a[n / 2], z = a[n - 1 - n / 4];
     if (x > y) std::swap(x, y);
     if (y > z) std::swap(y, z);
     if (x > y) std::swap(x, y);
     const double pivot = y;
+    const size_t before = n;
     const size_t above = PartitionFront(a, n, [pivot](double v) { return v > pivot; });
     if (need <= above) {
       n = above;
-      continue;
+    } else {
+      const size_t equal = PartitionFront(a + above, n - above, [pivot](double v) { return v == pivot; });
+      if (need <= above + equal) return pivot;
+      a += above + equal;
+      n -= above + equal;
+      need -= above + equal;
     }
-    const size_t equal = PartitionFront(a + above, n - above, [pivot](double v) { return v == pivot; });
-    if (need <= above + equal) return pivot;
-    a += above + equal;
-    n -= above + equal;
-    need -= above + equal;
+    bad_rounds -= n > before - before / 8;
   }
   std::nth_element(a, a + (need - 1), a + n, std::greater<double>());
   return a[need - 1];

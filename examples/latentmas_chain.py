@@ -87,7 +87,8 @@ def run_agent(model, prompt, relayed, latent_steps):
                 position_ids=torch.arange(pos0, pos0 + n_prompt).unsqueeze(0),
                 attention_mask=torch.ones(1, n_hist + n_prompt, dtype=torch.long),
                 output_hidden_states=True, use_cache=True)
-    # The attention mass on this agent's prompt, from its latent steps only.
+    # The attention mass on this agent's prompt and on the relayed history,
+    # from its latent steps only.
     acc = hf.PromptAttention(n_prompt, prompt_start=n_hist, kv_heads=kv_heads)
     for s in range(latent_steps):
         p = pos0 + n_prompt + s

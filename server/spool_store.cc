@@ -631,9 +631,9 @@ void SpoolStore::AckAsync(const std::string& session, const std::string& agent, 
 }
 
 Store::CloseResult SpoolStore::CloseSessionAndPeers(const std::string& session) {
-  std::promise<CloseResult> result;
-  std::future<CloseResult> f = result.get_future();
-  CloseSessionAndPeersAsync(session, [&result](CloseResult r) { result.set_value(std::move(r)); });
+  auto result = std::make_shared<std::promise<CloseResult>>();
+  std::future<CloseResult> f = result->get_future();
+  CloseSessionAndPeersAsync(session, [result](CloseResult r) { result->set_value(std::move(r)); });
   return f.get();
 }
 

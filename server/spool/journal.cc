@@ -184,7 +184,7 @@ void Journal::Loop() {
       if (p.done) p.done(st);
     }
     lock.lock();
-    if (failed_.ok() && snapshot_ && !compaction_stopped_ && bytes_ > compacted_at_ + opts_.compact_bytes) {
+    if (failed_.ok() && snapshot_ && !compaction_stopped_ && bytes_ - compacted_at_ > opts_.compact_bytes) {
       compacting_ = true;
       lock.unlock();
       if (absl::Status s = Compact(); !s.ok()) spdlog::warn("spool journal: compaction failed: {}", s.ToString());

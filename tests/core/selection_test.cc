@@ -59,25 +59,37 @@ TEST(TopKTest, MatchesBruteForceOnHeavyTailedScoresWithZeros) {
 }
 
 TEST(TopKTest, MatchesBruteForceOnLongRowsOfTiesNegativesAndOutliers) {
-  // Long enough for the radix passes: values from a few distinct levels
-  // (ties straddle every bucket boundary), negatives, infinities, subnormals
-  // and one outlier that puts every other value in a single bucket.
-  const double levels[] = {-std::numeric_limits<double>::infinity(), -3.5, -1e-300, -0.0, 0.0, 4.9e-324,
-                           1e-300, 0.25, 0.5, 0.5000000000000001, 7.0, 1e300,
-                           std::numeric_limits<double>::infinity()};
-  for (int seed = 0; seed < 300; ++seed) {
+  // Rows long enough for the quickselect's rounds: a few distinct levels
+  // (runs of ties at every pivot), negatives, infinities, subnormals, -0.0
+  // beside 0.0, one outlier above uniform values, and ordered rows (a
+  // recency ramp), ascending and descending, whose order the pivots sample.
+  std::vector<double> levels = {-std::numeric_limits<double>::infinity(), -3.5, -1e-300, -0.0, 0.0, 4.9e-324,
+                                1e-300, 0.25, 0.5, 0.5000000000000001, 7.0, 1e300,
+                                std::numeric_limits<double>::infinity()};
+  for (int seed = 0; seed < 400; ++seed) {
     std::mt19937 rng(5000 + seed);
-    const int n = 49 + static_cast<int>(rng() % 700);
+    const int n = 17 + static_cast<int>(rng() % 700);
     std::vector<double> s(n);
-    const int distinct = 1 + static_cast<int>(rng() % 13);
+    std::shuffle(levels.begin(), levels.end(), rng);
+    const int distinct = 1 + static_cast<int>(rng() % levels.size());
     for (double& x : s) x = levels[rng() % distinct];
-    if (seed % 3 == 0) {
-      std::uniform_real_distribution<double> u(0.0, 1.0);
-      for (double& x : s) x = u(rng);
-      s[rng() % n] = 1e12;
+    switch (seed % 4) {
+      case 1: {
+        std::uniform_real_distribution<double> u(0.0, 1.0);
+        for (double& x : s) x = u(rng);
+        s[rng() % n] = 1e12;
+        break;
+      }
+      case 2:
+        for (int j = 0; j < n; ++j) s[j] = j / 3;  // ascending, with ties
+        break;
+      case 3:
+        for (int j = 0; j < n; ++j) s[j] = n - j;  // descending
+        break;
     }
     const int begin = static_cast<int>(rng() % 8);
-    for (int k : {1, 2, 32, 48, 49, n / 3, n - begin - 1}) {
+    const int m = n - begin;
+    for (int k : {1, 2, 32, m / 2, 3 * m / 4, m - 2, m - 1}) {
       ASSERT_EQ(TopK(s, begin, n, k), BruteTopK(s, begin, n, k)) << "seed " << seed << " k " << k;
     }
   }

@@ -235,6 +235,14 @@ TEST(ConfigTest, ConfigFileIsOneObjectAndChecksRolePolicies) {
   std::remove(path.c_str());
 }
 
+TEST(ConfigTest, SpoolCompactBytesFromAConfigFile) {
+  const std::string path = ConfigFile("kvrelay_compact.json", R"({"spool_compact_bytes": "16MiB"})");
+  auto c = Parse({"--config", path.c_str()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->spool_compact_bytes, 16ull << 20);
+  std::remove(path.c_str());
+}
+
 // An empty environment variable is unset; KVRELAY_METRICS_LISTEN="" keeps
 // meaning metrics off, as it always has and as --metrics-listen= does.
 TEST(ConfigTest, EmptyEnvironmentVariablesAreUnset) {

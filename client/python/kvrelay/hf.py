@@ -298,7 +298,7 @@ class PromptAttention:
             if self._acc is not None and q != self._acc[i].shape[0]:
                 raise ValueError(f"attentions layer {i}: {q} query heads, expected "
                                  f"{self._acc[i].shape[0]} (as in the earlier steps)")
-            a = a[0].detach().to("cpu", torch.float64)
+            a = a[0, :, :, :hi].detach().to("cpu", torch.float64)
             # Over the step's queries: [q_heads, n_prompt], [q_heads, prompt_start].
             sums.append((a[:, :, lo:hi].sum(dim=1), a[:, :, :lo].sum(dim=1)))
         if self._acc is None:
@@ -545,6 +545,9 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
         if not n_history:
             raise ValueError("history_scores: given without a history, expected None (or a relayed "
                              "history: history=, or n_history > 0)")
+        if scores is None:
+            raise ValueError("history_scores: given without scores, expected the prompt's scores too "
+                             "(PromptAttention.scores(), with the same heads)")
         history_scores = list(history_scores)
         if len(history_scores) != len(pairs):
             raise ValueError(f"history_scores: {len(history_scores)} layers, expected {len(pairs)} "

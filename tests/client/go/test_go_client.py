@@ -166,6 +166,12 @@ class RelayTest(lang_cases.RelayCases, unittest.TestCase):
     def compress(policy, turn, out):
         return example("-compress", "-policy", policy, "-in", turn, "-out", out)
 
+    def test_parent_with_compress_is_a_usage_error(self):
+        # Compress is stateless: it holds no parent to compose on.
+        p = example("-compress", "-policy", "full", "-parent", "m-1", "-in", "x.safetensors", "-out", "y")
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("flag -parent: not with -compress", p.stderr)
+
 
 class TlsTest(lang_cases.TlsCases, unittest.TestCase):
     """The TLS and token cases of tests/client/lang_cases.py, through

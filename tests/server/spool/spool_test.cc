@@ -235,6 +235,26 @@ TEST(SpoolStore, RecoversMessagesDeliveriesAcksAndCloses) {
   EXPECT_EQ(files->size(), 4u);
 }
 
+// A close whose record cannot be made durable answers UNAVAILABLE, once,
+// and keeps the files (recovery removes what the journal freed).
+TEST(SpoolStore, ACloseThatIsNotDurableIsUnavailableAndKeepsTheFiles) {
+  FaultFs fs;
+  auto s = OpenOk(Opts(&fs));
+  ASSERT_TRUE(Commit(*s, RealMsg("s", "m", {"b"}, 1)).ok());
+  fs.FailOn("fdatasync", "journal", absl::UnavailableError("fdatasync: Input/output error"));
+  std::atomic<int> calls{0};
+  std::promise<Store::CloseResult> answer;
+  s->CloseSessionAndPeersAsync("s", [&](Store::CloseResult r) {
+    if (calls.fetch_add(1) == 0) answer.set_value(std::move(r));
+  });
+  const Store::CloseResult r = answer.get_future().get();
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kUnavailable) << r.status;
+  EXPECT_FALSE(s->health().ok());
+  EXPECT_EQ(fs.List(std::string(kDir) + "/msg")->size(), 1u);
+  s.reset();
+  EXPECT_EQ(calls.load(), 1);
+}
+
 // A close answers once its record is durable, and its caller (a gRPC
 // reaction) does not wait for the disk meanwhile.
 TEST(SpoolStore, CloseAnswersOnceDurableWithoutBlockingItsCaller) {
@@ -250,7 +270,10 @@ TEST(SpoolStore, CloseAnswersOnceDurableWithoutBlockingItsCaller) {
     });
     const bool returned = call.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
     const bool early = answered.wait_for(std::chrono::milliseconds(100)) == std::future_status::ready;
+    // Not durable yet: the message's file is still there.
+    const size_t files_while_held = fs.List(std::string(kDir) + "/msg")->size();
     fs.ReleaseSyncs();
+    EXPECT_EQ(files_while_held, 1u);
     EXPECT_TRUE(returned) << "the caller waited for the journal's sync";
     EXPECT_FALSE(early) << "answered before the close was durable";
     const Store::CloseResult r = answered.get();

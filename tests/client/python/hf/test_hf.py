@@ -298,6 +298,8 @@ class CacheConversionTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, r"history_scores: given with queries, expected None"):
             hf.turn_from_cache(c, 4, n_history=3, queries=[np.zeros((2, 2, 8), np.float32)] * 2,
                                history_scores=[np.zeros((2, 3), np.float32)] * 2)
+        with self.assertRaisesRegex(ValueError, r"history_scores: given without scores, expected the prompt's"):
+            hf.turn_from_cache(c, 4, n_history=3, history_scores=[np.zeros((2, 3), np.float32)] * 2)
         with self.assertRaisesRegex(ValueError, r"history_scores: 1 layers, expected 2"):
             hf.turn_from_cache(c, 4, s4, n_history=3, history_scores=[np.zeros((2, 3), np.float32)])
         with self.assertRaisesRegex(ValueError, r"history_scores layer 1: shape \[2, 4\], expected \[2, 3\] "
