@@ -129,6 +129,7 @@ SpoolStore::~SpoolStore() {
   if (journal_) journal_->StopCompaction();  // a compaction reads mem_
   mem_.reset();                              // its timer may still free a session (and record it)
   journal_.reset();                          // writes what is queued
+  deleter_.reset();                          // removes what the journal freed
   if (lock_fd_ >= 0) ::close(lock_fd_);
 }
 
@@ -371,7 +372,7 @@ absl::Status SpoolStore::Recover() {
     // Under the store's lock: no publish reopens the session before its
     // files are taken.
     journal_->Append(SessionRecord(true, session), [this, seqs = TakeSessionFiles(session)](const absl::Status& s) {
-      if (s.ok()) RemoveMessageFiles(seqs);
+      if (s.ok()) deleter_->Schedule([this, seqs] { RemoveMessageFiles(seqs); });
     });
   });
   mem_->Restore(state);
@@ -660,9 +661,13 @@ void SpoolStore::CloseSessionAndPeersAsync(const std::string& session, std::func
     // journal freed).
     journal_->Append(SessionRecord(false, session),
                      [this, op, freed = TakeSessionFiles(session)](const absl::Status& s) {
-                       if (s.ok()) RemoveMessageFiles(freed);
                        op->r.status = s;
-                       op->Arrive();
+                       if (!s.ok()) return op->Arrive();
+                       // Answered once the files are gone, as a close always was.
+                       deleter_->Schedule([this, op, freed] {
+                         RemoveMessageFiles(freed);
+                         op->Arrive();
+                       });
                      });
   }
   op->Arrive();

@@ -57,6 +57,7 @@
 #include <string>
 #include <vector>
 
+#include "core/thread_pool.h"
 #include "server/memory_store.h"
 #include "server/spool/journal.h"
 #include "server/spool/spool_fs.h"
@@ -213,6 +214,11 @@ class SpoolStore final : public Store {
   const std::string msg_dir_;
   std::unique_ptr<MemoryStore> mem_;
   std::unique_ptr<Journal> journal_;
+  // Removes the files of closed and expired sessions once their record is
+  // durable, off the journal's writer thread (whose next batch would
+  // otherwise wait on the unlinks). Destroyed after the journal, whose
+  // callbacks queue work here.
+  std::unique_ptr<ThreadPool> deleter_ = std::make_unique<ThreadPool>(1);
   int lock_fd_ = -1;
   SpoolRecovery recovery_;
   std::vector<PendingForward> outbox_;

@@ -37,16 +37,22 @@ class FaultFs final : public SpoolFs {
     fail_path_ = path_part;
     fail_status_ = std::move(status);
   }
-  // From now until ReleaseSyncs, an fdatasync of a path containing
-  // `path_part` waits (a slow disk); other operations go on.
-  void HoldSyncs(const std::string& path_part) {
+  // From now until Release, each `op` ("fdatasync" or "unlink") of a path
+  // containing `path_part` waits (a slow disk); other operations go on.
+  void Hold(const std::string& op, const std::string& path_part) {
     std::lock_guard<std::mutex> lock(mu_);
+    hold_op_ = op;
     hold_path_ = path_part;
   }
-  void ReleaseSyncs() {
+  void Release() {
     std::lock_guard<std::mutex> lock(mu_);
-    hold_path_.clear();
+    hold_op_.clear();
     released_.notify_all();
+  }
+  // How many operations are waiting in Hold now.
+  int held() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return held_;
   }
   bool dead() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -111,7 +117,8 @@ class FaultFs final : public SpoolFs {
     return absl::OkStatus();
   }
   absl::Status Remove(const std::string& path) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    WaitWhileHeldLocked(lock, "unlink", path);
     if (absl::Status s = StepLocked("unlink", path); !s.ok()) return s;
     if (!names_.erase(path)) return absl::NotFoundError(absl::StrCat("unlink ", path, ": No such file or directory"));
     return absl::OkStatus();
@@ -178,9 +185,7 @@ class FaultFs final : public SpoolFs {
     }
     absl::Status Sync() override {
       std::unique_lock<std::mutex> lock(fs_->mu_);
-      fs_->released_.wait(lock, [this] {
-        return fs_->hold_path_.empty() || path_.find(fs_->hold_path_) == std::string::npos;
-      });
+      fs_->WaitWhileHeldLocked(lock, "fdatasync", path_);
       if (absl::Status s = fs_->StepLocked("fdatasync", path_); !s.ok()) return s;
       node_->durable = node_->data;
       return absl::OkStatus();
@@ -192,6 +197,14 @@ class FaultFs final : public SpoolFs {
     const std::shared_ptr<Node> node_;
     const std::string path_;
   };
+
+  void WaitWhileHeldLocked(std::unique_lock<std::mutex>& lock, const char* op, const std::string& path) {
+    auto held = [&] { return hold_op_ == op && path.find(hold_path_) != std::string::npos; };
+    if (!held()) return;
+    ++held_;
+    released_.wait(lock, [&] { return !held(); });
+    --held_;
+  }
 
   absl::Status StepLocked(const char* op, const std::string& path) {
     ++ops_;
@@ -207,7 +220,8 @@ class FaultFs final : public SpoolFs {
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Node>> names_, durable_names_;
   std::condition_variable released_;
-  std::string fail_op_, fail_path_, hold_path_;
+  std::string fail_op_, fail_path_, hold_op_, hold_path_;
+  int held_ = 0;
   absl::Status fail_status_;
   long crash_in_ = 0;
   bool dead_ = false;

@@ -235,6 +235,36 @@ TEST(SpoolStore, RecoversMessagesDeliveriesAcksAndCloses) {
   EXPECT_EQ(files->size(), 4u);
 }
 
+// Removing a closed session's files does not hold up the journal: while
+// the unlinks wait (a slow disk), another session's commit is still made
+// durable and answered, and the close answers once its files are gone.
+TEST(SpoolStore, SlowFileRemovalDoesNotHoldUpTheJournal) {
+  FaultFs fs;
+  auto s = OpenOk(Opts(&fs));
+  ASSERT_TRUE(Commit(*s, RealMsg("s", "m", {"b"}, 1)).ok());
+  fs.Hold("unlink", "/msg/");
+  std::promise<Store::CloseResult> answer;
+  std::future<Store::CloseResult> answered = answer.get_future();
+  s->CloseSessionAndPeersAsync("s", [&](Store::CloseResult r) { answer.set_value(std::move(r)); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (fs.held() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const bool unlink_waiting = fs.held() == 1;
+  std::future<absl::Status> other = std::async(std::launch::async, [&] {
+    return Commit(*s, RealMsg("t", "n", {"b"}, 2)).status();
+  });
+  const bool committed = other.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  const bool early = answered.wait_for(std::chrono::milliseconds(0)) == std::future_status::ready;
+  fs.Release();
+  EXPECT_TRUE(unlink_waiting);
+  EXPECT_TRUE(committed) << "a commit waited for another session's file removal";
+  EXPECT_FALSE(early) << "the close answered before its files were removed";
+  EXPECT_TRUE(other.get().ok());
+  EXPECT_TRUE(answered.get().status.ok());
+  EXPECT_EQ(fs.List(std::string(kDir) + "/msg")->size(), 1u);  // t's
+}
+
 // A close whose record cannot be made durable answers UNAVAILABLE, once,
 // and keeps the files (recovery removes what the journal freed).
 TEST(SpoolStore, ACloseThatIsNotDurableIsUnavailableAndKeepsTheFiles) {
@@ -262,7 +292,7 @@ TEST(SpoolStore, CloseAnswersOnceDurableWithoutBlockingItsCaller) {
   {
     auto s = OpenOk(Opts(&fs));
     ASSERT_TRUE(Commit(*s, RealMsg("s", "m", {"b"}, 1)).ok());
-    fs.HoldSyncs("journal");
+    fs.Hold("fdatasync", "journal");
     std::promise<Store::CloseResult> answer;
     std::future<Store::CloseResult> answered = answer.get_future();
     std::future<void> call = std::async(std::launch::async, [&] {
@@ -272,7 +302,7 @@ TEST(SpoolStore, CloseAnswersOnceDurableWithoutBlockingItsCaller) {
     const bool early = answered.wait_for(std::chrono::milliseconds(100)) == std::future_status::ready;
     // Not durable yet: the message's file is still there.
     const size_t files_while_held = fs.List(std::string(kDir) + "/msg")->size();
-    fs.ReleaseSyncs();
+    fs.Release();
     EXPECT_EQ(files_while_held, 1u);
     EXPECT_TRUE(returned) << "the caller waited for the journal's sync";
     EXPECT_FALSE(early) << "answered before the close was durable";
