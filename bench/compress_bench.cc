@@ -16,6 +16,7 @@
 #include "benchmark/benchmark.h"
 #include "core/heap_retain.h"
 #include "core/format/synthetic.h"
+#include "core/internal/gather.h"
 #include "core/internal/gram.h"
 #include <random>
 
@@ -205,7 +206,8 @@ BENCHMARK(BM_HistoryBudget)->Arg(0)->Arg(1)->Arg(2)->ArgName("history512")->Unit
 
 // The floor under BM_HistoryBudget: only allocating each layer's output and
 // gathering the rows the message of the same argument holds (found once,
-// before the loop), with the same prefetching; no scoring, no selection.
+// before the loop) with the pipeline's own GatherHeadRows; no scoring, no
+// selection.
 // Its ratio history512:1 / history512:0 is the least the budget's ratio can
 // be while copying the kept rows is what the time is spent on.
 void BM_HistoryBudgetCopyFloor(benchmark::State& state) {
@@ -219,12 +221,8 @@ void BM_HistoryBudgetCopyFloor(benchmark::State& state) {
   const int n_hist = l0.history_k.tokens(), n_prompt = l0.prompt_k.tokens();
   const int64_t pos0 = turn.prompt_pos0.value_or(n_hist);
   // Per layer and head, the source rows of the message's tokens in order.
-  struct Src {
-    const KvTensor* k;
-    const KvTensor* v;
-    int row;
-  };
-  std::vector<std::vector<std::vector<Src>>> src(turn.layers.size());
+  using internal::RowSource;
+  std::vector<std::vector<std::vector<RowSource>>> src(turn.layers.size());
   for (size_t l = 0; l < turn.layers.size(); ++l) {
     const TurnLayer& tl = turn.layers[l];
     const MessageLayer& ml = msg->layers[l];
@@ -249,27 +247,9 @@ void BM_HistoryBudgetCopyFloor(benchmark::State& state) {
     std::vector<std::pair<KvTensor, KvTensor>> out;
     out.reserve(turn.layers.size());
     for (size_t l = 0; l < turn.layers.size(); ++l) {
-      out.emplace_back(KvTensor::Uninitialized(l0.prompt_k.dtype(), heads, n_out, d),
-                       KvTensor::Uninitialized(l0.prompt_k.dtype(), heads, n_out, d));
-      const size_t rb = out.back().first.row_bytes();
-      for (int h = 0; h < heads; ++h) {
-        const std::vector<Src>& rows = src[l][h];
-        constexpr size_t kAhead = 8;
-        auto prefetch = [&](const Src& s) {
-          for (size_t off = 0; off < rb; off += 64) {
-            __builtin_prefetch(s.k->row(h, s.row) + off);
-            __builtin_prefetch(s.v->row(h, s.row) + off);
-          }
-        };
-        for (size_t i = 0; i < std::min(kAhead, rows.size()); ++i) prefetch(rows[i]);
-        uint8_t* kd = out.back().first.row(h, 0);
-        uint8_t* vd = out.back().second.row(h, 0);
-        for (size_t i = 0; i < rows.size(); ++i) {
-          if (i + kAhead < rows.size()) prefetch(rows[i + kAhead]);
-          std::memcpy(kd + i * rb, rows[i].k->row(h, rows[i].row), rb);
-          std::memcpy(vd + i * rb, rows[i].v->row(h, rows[i].row), rb);
-        }
-      }
+      auto& [k, v] = out.emplace_back(KvTensor::Uninitialized(l0.prompt_k.dtype(), heads, n_out, d),
+                                      KvTensor::Uninitialized(l0.prompt_k.dtype(), heads, n_out, d));
+      for (int h = 0; h < heads; ++h) internal::GatherHeadRows(src[l][h], h, &k, &v);
     }
     benchmark::DoNotOptimize(out.data());
   }

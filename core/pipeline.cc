@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/internal/cpu.h"
+#include "core/internal/gather.h"
 #include "core/internal/gram.h"
 #include "core/query_scores.h"
 #include "core/status_macros.h"
@@ -460,18 +461,9 @@ void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, co
   out.v = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.pos = PosTensor(heads, n_out);
   out.acc.resize(static_cast<size_t>(heads) * n_out);
-  // Per head, the rows to gather in output order, then copied with the
-  // next rows' reads already issued: the kept rows are scattered through a
-  // turn far larger than the caches, so each copy would otherwise wait on
-  // memory.
-  struct Src {
-    const KvTensor* k;
-    const KvTensor* v;
-    int row;
-  };
-  thread_local std::vector<Src> src;
+  // Per head, the rows to gather in output order, then copied.
+  thread_local std::vector<internal::RowSource> src;
   using KvPair = std::pair<const KvTensor*, const KvTensor*>;
-  const size_t rb = out.k.row_bytes();
   for (int h = 0; h < heads; ++h) {
     src.clear();
     int32_t* pos = out.pos.data.data() + static_cast<size_t>(h) * n_out;
@@ -494,23 +486,7 @@ void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, co
     for (int j = 0; j < n_gen; ++j) {
       add(gen, j, pos0 + n_prompt + j, static_cast<float>(gen_mass[static_cast<size_t>(h) * n_gen + j]));
     }
-    constexpr size_t kAhead = 8;  // rows in flight
-    auto prefetch = [&](const Src& s) {
-      const uint8_t* k = s.k->row(h, s.row);
-      const uint8_t* v = s.v->row(h, s.row);
-      for (size_t off = 0; off < rb; off += 64) {
-        __builtin_prefetch(k + off);
-        __builtin_prefetch(v + off);
-      }
-    };
-    for (size_t i = 0; i < std::min(kAhead, src.size()); ++i) prefetch(src[i]);
-    uint8_t* kd = out.k.row(h, 0);
-    uint8_t* vd = out.v.row(h, 0);
-    for (size_t i = 0; i < src.size(); ++i) {
-      if (i + kAhead < src.size()) prefetch(src[i + kAhead]);
-      std::memcpy(kd + i * rb, src[i].k->row(h, src[i].row), rb);
-      std::memcpy(vd + i * rb, src[i].v->row(h, src[i].row), rb);
-    }
+    internal::GatherHeadRows(src, h, &out.k, &out.v);
   }
 }
 
