@@ -269,8 +269,9 @@ class PromptAttention:
         self.n_prompt, self.prompt_start = int(n_prompt), int(prompt_start)
         self.kv_heads = None if kv_heads is None else int(kv_heads)
         self.steps = 0
-        self._acc = None  # list over layers of float64 tensors [q_heads, n_prompt]
-        self._hist = None  # the same over the history's columns [q_heads, prompt_start]
+        # List over layers of float64 tensors [q_heads, prompt_start + n_prompt]:
+        # the history's columns, then the prompt's.
+        self._acc = None
 
     def add(self, attentions):
         torch = _torch()
@@ -283,7 +284,7 @@ class PromptAttention:
         if self._acc is not None and len(attentions) != len(self._acc):
             raise ValueError(f"attentions: {len(attentions)} layers, expected {len(self._acc)} "
                              "(as in the earlier steps)")
-        lo, hi = self.prompt_start, self.prompt_start + self.n_prompt
+        hi = self.prompt_start + self.n_prompt
         sums = []
         for i, a in enumerate(attentions):
             _check_4d(a, f"attentions layer {i}", "[batch=1, q_heads, q_len, kv_len]",
@@ -298,27 +299,27 @@ class PromptAttention:
             if self._acc is not None and q != self._acc[i].shape[0]:
                 raise ValueError(f"attentions layer {i}: {q} query heads, expected "
                                  f"{self._acc[i].shape[0]} (as in the earlier steps)")
-            a = a[0, :, :, :hi].detach().to("cpu", torch.float64)
-            # Over the step's queries: [q_heads, n_prompt], [q_heads, prompt_start].
-            sums.append((a[:, :, lo:hi].sum(dim=1), a[:, :, :lo].sum(dim=1)))
+            cols = a[0, :, :, :hi].detach().to("cpu", torch.float64)
+            sums.append(cols.sum(dim=1))  # over the step's queries -> [q_heads, hi]
         if self._acc is None:
-            self._acc, self._hist = [p for p, _ in sums], [h for _, h in sums]
+            self._acc = sums
         else:
-            self._acc = [acc + p for acc, (p, _) in zip(self._acc, sums)]
-            self._hist = [acc + h for acc, (_, h) in zip(self._hist, sums)]
+            self._acc = [acc + s for acc, s in zip(self._acc, sums)]
         self.steps += 1
 
     def scores(self):
-        return self._reduce(self._acc)
+        return self._reduce(self.prompt_start, self.prompt_start + self.n_prompt)
 
     def history_scores(self):
-        return self._reduce(self._hist)
+        return self._reduce(0, self.prompt_start)
 
-    def _reduce(self, sums):
-        if sums is None:
+    def _reduce(self, lo, hi):
+        """The sums of columns [lo, hi), reduced per KV head when kv_heads is set."""
+        if self._acc is None:
             raise ValueError("PromptAttention: no steps added")
         out = []
-        for i, acc in enumerate(sums):
+        for i, acc in enumerate(self._acc):
+            acc = acc[:, lo:hi]
             q, n = acc.shape
             if self.kv_heads is not None:
                 acc = acc.reshape(self.kv_heads, q // self.kv_heads, n).sum(dim=1)
