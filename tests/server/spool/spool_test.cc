@@ -48,6 +48,30 @@ std::unique_ptr<SpoolStore> OpenOk(const SpoolOptions& o, StoreLimits limits = {
   return s.ok() ? std::move(*s) : nullptr;
 }
 
+// The names in the spool's message folder (temporary files included).
+std::vector<std::string> MessageFiles(FaultFs& fs) {
+  absl::StatusOr<std::vector<std::string>> names = fs.List(std::string(kDir) + "/msg");
+  EXPECT_TRUE(names.ok()) << names.status();
+  return names.ok() ? *std::move(names) : std::vector<std::string>();
+}
+
+// A close started with CloseSessionAndPeersAsync: `answer` holds its first
+// answer, and `answers` counts how many it gave.
+struct AsyncClose {
+  std::promise<Store::CloseResult> promise;
+  std::future<Store::CloseResult> answer = promise.get_future();
+  std::atomic<int> answers{0};
+
+  void Start(SpoolStore& s, const std::string& session) {
+    s.CloseSessionAndPeersAsync(session, [this](Store::CloseResult r) {
+      if (answers.fetch_add(1) == 0) promise.set_value(std::move(r));
+    });
+  }
+  bool answered(std::chrono::milliseconds wait) const {
+    return answer.wait_for(wait) == std::future_status::ready;
+  }
+};
+
 std::string MsgPath(uint64_t seq) {
   char b[64];
   snprintf(b, sizeof(b), "%s/msg/%016llx.kvm", kDir, static_cast<unsigned long long>(seq));
@@ -230,9 +254,7 @@ TEST(SpoolStore, RecoversMessagesDeliveriesAcksAndCloses) {
   EXPECT_EQ(d->msg->message_id, "m0");
   EXPECT_TRUE(s->LookupParent("s1", "m0", "b").ok());
   // The closed session's file is gone; the others are there.
-  absl::StatusOr<std::vector<std::string>> files = fs.List(std::string(kDir) + "/msg");
-  ASSERT_TRUE(files.ok());
-  EXPECT_EQ(files->size(), 4u);
+  EXPECT_EQ(MessageFiles(fs).size(), 4u);
 }
 
 // Removing a closed session's files does not hold up the journal: while
@@ -243,9 +265,8 @@ TEST(SpoolStore, SlowFileRemovalDoesNotHoldUpTheJournal) {
   auto s = OpenOk(Opts(&fs));
   ASSERT_TRUE(Commit(*s, RealMsg("s", "m", {"b"}, 1)).ok());
   fs.Hold("unlink", "/msg/");
-  std::promise<Store::CloseResult> answer;
-  std::future<Store::CloseResult> answered = answer.get_future();
-  s->CloseSessionAndPeersAsync("s", [&](Store::CloseResult r) { answer.set_value(std::move(r)); });
+  AsyncClose close;
+  close.Start(*s, "s");
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (fs.held() == 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -255,14 +276,14 @@ TEST(SpoolStore, SlowFileRemovalDoesNotHoldUpTheJournal) {
     return Commit(*s, RealMsg("t", "n", {"b"}, 2)).status();
   });
   const bool committed = other.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-  const bool early = answered.wait_for(std::chrono::milliseconds(0)) == std::future_status::ready;
+  const bool early = close.answered(std::chrono::milliseconds(0));
   fs.Release();
   EXPECT_TRUE(unlink_waiting);
   EXPECT_TRUE(committed) << "a commit waited for another session's file removal";
   EXPECT_FALSE(early) << "the close answered before its files were removed";
   EXPECT_TRUE(other.get().ok());
-  EXPECT_TRUE(answered.get().status.ok());
-  EXPECT_EQ(fs.List(std::string(kDir) + "/msg")->size(), 1u);  // t's
+  EXPECT_TRUE(close.answer.get().status.ok());
+  EXPECT_EQ(MessageFiles(fs).size(), 1u);  // t's
 }
 
 // A close whose record cannot be made durable answers UNAVAILABLE, once,
@@ -272,17 +293,14 @@ TEST(SpoolStore, ACloseThatIsNotDurableIsUnavailableAndKeepsTheFiles) {
   auto s = OpenOk(Opts(&fs));
   ASSERT_TRUE(Commit(*s, RealMsg("s", "m", {"b"}, 1)).ok());
   fs.FailOn("fdatasync", "journal", absl::UnavailableError("fdatasync: Input/output error"));
-  std::atomic<int> calls{0};
-  std::promise<Store::CloseResult> answer;
-  s->CloseSessionAndPeersAsync("s", [&](Store::CloseResult r) {
-    if (calls.fetch_add(1) == 0) answer.set_value(std::move(r));
-  });
-  const Store::CloseResult r = answer.get_future().get();
+  AsyncClose close;
+  close.Start(*s, "s");
+  const Store::CloseResult r = close.answer.get();
   EXPECT_EQ(r.status.code(), absl::StatusCode::kUnavailable) << r.status;
   EXPECT_FALSE(s->health().ok());
-  EXPECT_EQ(fs.List(std::string(kDir) + "/msg")->size(), 1u);
+  EXPECT_EQ(MessageFiles(fs).size(), 1u);
   s.reset();
-  EXPECT_EQ(calls.load(), 1);
+  EXPECT_EQ(close.answers.load(), 1);
 }
 
 // A close answers once its record is durable, and its caller (a gRPC
@@ -293,20 +311,17 @@ TEST(SpoolStore, CloseAnswersOnceDurableWithoutBlockingItsCaller) {
     auto s = OpenOk(Opts(&fs));
     ASSERT_TRUE(Commit(*s, RealMsg("s", "m", {"b"}, 1)).ok());
     fs.Hold("fdatasync", "journal");
-    std::promise<Store::CloseResult> answer;
-    std::future<Store::CloseResult> answered = answer.get_future();
-    std::future<void> call = std::async(std::launch::async, [&] {
-      s->CloseSessionAndPeersAsync("s", [&](Store::CloseResult r) { answer.set_value(std::move(r)); });
-    });
+    AsyncClose close;
+    std::future<void> call = std::async(std::launch::async, [&] { close.Start(*s, "s"); });
     const bool returned = call.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-    const bool early = answered.wait_for(std::chrono::milliseconds(100)) == std::future_status::ready;
+    const bool early = close.answered(std::chrono::milliseconds(100));
     // Not durable yet: the message's file is still there.
-    const size_t files_while_held = fs.List(std::string(kDir) + "/msg")->size();
+    const size_t files_while_held = MessageFiles(fs).size();
     fs.Release();
     EXPECT_EQ(files_while_held, 1u);
     EXPECT_TRUE(returned) << "the caller waited for the journal's sync";
     EXPECT_FALSE(early) << "answered before the close was durable";
-    const Store::CloseResult r = answered.get();
+    const Store::CloseResult r = close.answer.get();
     EXPECT_TRUE(r.status.ok()) << r.status;
     EXPECT_EQ(r.messages_freed, 1u);
     EXPECT_TRUE(r.first);
@@ -315,7 +330,7 @@ TEST(SpoolStore, CloseAnswersOnceDurableWithoutBlockingItsCaller) {
   auto s = OpenOk(Opts(&fs));
   EXPECT_TRUE(s->IsClosed("s"));
   EXPECT_FALSE(s->Find("s", "m"));
-  EXPECT_TRUE(fs.List(std::string(kDir) + "/msg")->empty());
+  EXPECT_TRUE(MessageFiles(fs).empty());
 }
 
 TEST(SpoolStore, DuplicatesAndRefusedCommitsLeaveNoFile) {
@@ -329,7 +344,7 @@ TEST(SpoolStore, DuplicatesAndRefusedCommitsLeaveNoFile) {
   EXPECT_TRUE(dup->duplicate);
   ASSERT_TRUE(Commit(*s, RealMsg("s", "b", {"b"}, 2)).ok());
   EXPECT_EQ(Commit(*s, RealMsg("s", "c", {"b"}, 3)).status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(fs.List(std::string(kDir) + "/msg")->size(), 2u);
+  EXPECT_EQ(MessageFiles(fs).size(), 2u);
 }
 
 TEST(SpoolStore, ForwardedMessagesTracksPeersAndTheOutboxSurvive) {
@@ -604,7 +619,7 @@ TEST(SpoolStore, IoFaultsGiveTheirCodesAndLeaveNothingVisible) {
     } else {
       // A message file that failed is not visible, and leaves no file.
       EXPECT_FALSE(s->Find("s", "bad"));
-      const std::vector<std::string> names = *fs.List(std::string(kDir) + "/msg");
+      const std::vector<std::string> names = MessageFiles(fs);
       for (const std::string& n : names) EXPECT_EQ(n.find(".tmp"), std::string::npos) << n;
       EXPECT_TRUE(Commit(*s, RealMsg("s", "after", {"b"}, 4)).ok());
     }
