@@ -358,7 +358,7 @@ void BM_QueryScores(benchmark::State& state) {
   const TurnGeometry geo = *GeometryOf(turn);
   const double scale = 1.0 / std::sqrt(128.0);
   for (auto _ : state) {
-    for (const TurnLayer& layer : turn.layers) benchmark::DoNotOptimize(QueryScores(layer, geo, scale, 0));
+    for (const TurnLayer& layer : turn.layers) benchmark::DoNotOptimize(QueryScores(layer, geo, scale, 0).value());
   }
   state.counters["mac_per_s"] = benchmark::Counter(QueryScoreMacs(geo, static_cast<int>(turn.layers.size())) *
                                                        static_cast<double>(state.iterations()),

@@ -344,6 +344,7 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
   }
   const int want = static_cast<int>(lambda.size());
   Eigen::MatrixXd x(n, want);
+  if (want == 0) return x;  // no positive eigenvalue (G = 0, or not finite)
   std::vector<double> dl(n), dd(n), du(n), du2(n);
   std::vector<int> piv(n);
   const double tiny = norm * eps;

@@ -14,6 +14,7 @@
 #include "core/internal/cpu.h"
 #include "core/internal/gather.h"
 #include "core/internal/gram.h"
+#include "core/internal/pipeline_checks.h"
 #include "core/query_scores.h"
 #include "core/status_macros.h"
 
@@ -110,6 +111,32 @@ constexpr int kMaxTokens = 1 << 24;
 // The logit scale for scores from queries: the context's, or 1/sqrt(d).
 double SoftmaxScaleOf(const LayerContext& ctx, int head_dim) {
   return ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
+
+// `s` with "layer.<layer>." before its message (the core's functions name
+// tensors of one layer).
+absl::Status PrefixLayer(const absl::Status& s, int layer) {
+  return absl::Status(s.code(), absl::StrCat("layer.", layer, ".", s.message()));
+}
+
+// InvalidArgument naming the scores a non-finite accumulated importance
+// came from: tokens [0, hist_end) of each head are the history's (its acc
+// plus history.score), [hist_end, prompt_end) the prompt's (prompt.score
+// summed over a group's score heads, or gen.q), the rest the generated
+// tokens' (gen.q). A float32 sum of finite scores can still overflow.
+absl::Status CheckAccFinite(const std::vector<float>& acc, int n, int hist_end, int prompt_end, int layer,
+                            bool queries) {
+  if (!internal::FiniteChecksOn() || AllFiniteNonNegative(acc.data(), acc.size())) return absl::OkStatus();
+  for (size_t i = 0; i < acc.size(); ++i) {
+    if (std::isfinite(acc[i]) && acc[i] >= 0) continue;
+    const int h = static_cast<int>(i / n), t = static_cast<int>(i % n);
+    const char* part = "gen.q";
+    if (!queries) part = t < hist_end ? "history.acc + history.score" : "prompt.score";
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer.", layer, ".", part, ": the accumulated importance of token ", t, " of KV head ", h, " is ", acc[i],
+        " in float32 (the sum over the group's score heads overflows), expected scores whose sums stay below 3.4e38"));
+  }
+  return absl::OkStatus();
 }
 
 bool IsH2o(SelectorKind k) {
@@ -404,8 +431,8 @@ struct Pipeline::LayerWork {
   std::vector<absl::Status> head_status;
 };
 
-void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
-                             LayerWork* w) const {
+absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                                     LayerWork* w) const {
   const int heads = geo.kv_heads, d = geo.head_dim, n_prompt = geo.n_prompt;
   const int n_hist = geo.n_history, n_gen = geo.n_gen;
   // The attention mass on every token of the cache: the prompt's is the
@@ -413,7 +440,9 @@ void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, co
   std::vector<double> hist_mass(static_cast<size_t>(heads) * n_hist, 0.0);
   std::vector<double> gen_mass(static_cast<size_t>(heads) * n_gen, 0.0);
   if (geo.queries) {
-    const std::vector<double> mass = QueryMass(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window);
+    absl::StatusOr<std::vector<double>> all = QueryMass(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window);
+    if (!all.ok()) return PrefixLayer(all.status(), ctx.layer);
+    const std::vector<double>& mass = *all;
     const size_t m = static_cast<size_t>(n_hist) + n_prompt + n_gen;
     w->scores.resize(static_cast<size_t>(heads) * n_prompt);
     for (int h = 0; h < heads; ++h) {
@@ -450,6 +479,17 @@ void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, co
       SelectHistory(hist_acc, is_anchor, heads, n_hist, IsH2o(opts.kind) ? opts.hist : -1,
                     opts.kind == SelectorKind::kH2oHead);
 
+  // Every buffer below is sized from head 0: every head must keep as many.
+  if (internal::InvariantChecksOn()) {
+    for (int h = 1; h < heads; ++h) {
+      if (w->sel.kept[h].size() != w->sel.kept[0].size() || kept_hist[h].size() != kept_hist[0].size()) {
+        return absl::InternalError(absl::StrCat(
+            "layer.", ctx.layer, ": pipeline invariant violated: head ", h, " keeps ", w->sel.kept[h].size(),
+            " prompt and ", kept_hist[h].size(), " history tokens, head 0 keeps ", w->sel.kept[0].size(), " and ",
+            kept_hist[0].size(), "; expected the same count in every head"));
+      }
+    }
+  }
   const int n_anchor = w->sel.n_anchor;
   const int n_hist_out = static_cast<int>(kept_hist[0].size());
   const int n_out = n_hist_out + n_anchor + static_cast<int>(w->sel.kept[0].size()) + n_gen;
@@ -488,6 +528,8 @@ void Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, co
     }
     internal::GatherHeadRows(src, h, &out.k, &out.v);
   }
+  return CheckAccFinite(out.acc, n_out, n_hist_out, n_hist_out + n_anchor + static_cast<int>(w->sel.kept[0].size()),
+                        ctx.layer, geo.queries);
 }
 
 void Pipeline::BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
@@ -548,6 +590,84 @@ absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork
   return absl::OkStatus();
 }
 
+absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, const Message& counts,
+                              int64_t prompt_pos0, int layer) {
+  const int heads = geo.kv_heads, d = geo.head_dim;
+  const int n = counts.n_history + counts.n_anchor + counts.n_kept + counts.n_gen;
+  auto broken = [layer](auto&&... what) {
+    return absl::InternalError(absl::StrCat("layer.", layer, ": pipeline invariant violated: ", what...));
+  };
+  if (out.pos.heads != heads || out.pos.tokens != n || out.pos.data.size() != static_cast<size_t>(heads) * n) {
+    return broken("pos holds [", out.pos.heads, ", ", out.pos.tokens, "] (", out.pos.data.size(),
+                  " ids), expected [", heads, ", ", n, "] (n_history ", counts.n_history, " + n_anchor ",
+                  counts.n_anchor, " + n_kept ", counts.n_kept, " + n_gen ", counts.n_gen, ")");
+  }
+  for (const auto& [name, t] : {std::pair<const char*, const KvTensor*>{"k", &out.k}, {"v", &out.v}}) {
+    if (out.quant ? t->tokens() != 0
+                  : t->dtype() != geo.dtype || t->heads() != heads || t->tokens() != n || t->dim() != d) {
+      return broken(name, " is ", DTypeName(t->dtype()), " [", t->heads(), ", ", t->tokens(), ", ", t->dim(),
+                    "], expected ", out.quant ? "no dense rows (the layer is quantized)" : "",
+                    out.quant ? "" : absl::StrCat(DTypeName(geo.dtype), " [", heads, ", ", n, ", ", d, "]"));
+    }
+  }
+  if (out.quant) {
+    const QuantizedKv& q = *out.quant;
+    const size_t groups = q.group > 0 ? (static_cast<size_t>(n) + q.group - 1) / q.group : 0;
+    for (const auto& [name, t] : {std::pair<const char*, const QuantizedTensor*>{"k", &q.k}, {"v", &q.v}}) {
+      const size_t stats = t == &q.k ? heads * groups * d : static_cast<size_t>(heads) * n;
+      if (q.group < 1 || t->bits != q.bits || t->heads != heads || t->tokens != n || t->dim != d ||
+          t->codes.size() != static_cast<size_t>(heads) * n * d * q.bits / 8 || t->scale.size() != stats ||
+          t->zero.size() != stats) {
+        return broken("quantized ", name, " is ", t->bits, "-bit [", t->heads, ", ", t->tokens, ", ", t->dim, "] with ",
+                      t->codes.size(), " code bytes and ", t->scale.size(), " scales, expected ", q.bits, "-bit [",
+                      heads, ", ", n, ", ", d, "] with ", static_cast<size_t>(heads) * n * d * q.bits / 8,
+                      " code bytes and ", stats, " scales");
+      }
+    }
+  }
+  if (!out.acc.empty()) {
+    if (out.acc.size() != static_cast<size_t>(heads) * n) {
+      return broken("acc holds ", out.acc.size(), " values, expected ", static_cast<size_t>(heads) * n);
+    }
+    if (!AllFiniteNonNegative(out.acc.data(), out.acc.size())) return broken("acc holds a value that is not finite and >= 0");
+  }
+  if (out.attention_error && !std::isfinite(*out.attention_error)) {
+    return broken("the fidelity figure is ", *out.attention_error, ", expected a finite number");
+  }
+  const int64_t gen0 = prompt_pos0 + geo.n_prompt;
+  for (int h = 0; h < heads; ++h) {
+    const int32_t* p = out.pos.data.data() + static_cast<size_t>(h) * n;
+    int t = 0;
+    for (; t < counts.n_history; ++t) {
+      if (p[t] < 0 || p[t] >= prompt_pos0) {
+        return broken("head ", h, " holds history token ", t, " at id ", p[t], ", expected an id in [0, ", prompt_pos0, ")");
+      }
+    }
+    for (int j = 0; j < counts.n_anchor; ++j, ++t) {
+      if (p[t] != prompt_pos0 + j) return broken("head ", h, " holds anchor ", j, " at id ", p[t], ", expected ", prompt_pos0 + j);
+    }
+    int64_t last = prompt_pos0 + counts.n_anchor - 1;
+    for (int j = 0; j < counts.n_kept; ++j, ++t) {
+      if (p[t] <= last || p[t] >= gen0) {
+        return broken("head ", h, " holds kept prompt token ", j, " at id ", p[t], ", expected ascending ids in (",
+                      last, ", ", gen0, ")");
+      }
+      last = p[t];
+    }
+    for (int j = 0; j < counts.n_gen; ++j, ++t) {
+      if (p[t] != gen0 + j) return broken("head ", h, " holds generated token ", j, " at id ", p[t], ", expected ", gen0 + j);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Pipeline::CheckOutput(const TurnGeometry& geo, const LayerContext& ctx, const MessageLayer& out) const {
+  if (!internal::InvariantChecksOn()) return absl::OkStatus();
+  Message counts;
+  CountTokens(geo, ctx.first_agent, &counts);
+  return CheckLayerOutput(out, geo, counts, ctx.prompt_pos0, ctx.layer);
+}
+
 absl::Status Pipeline::CheckWindow(const TurnGeometry& geo) const {
   if (config_.select.window == 0 || geo.queries) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
@@ -561,11 +681,12 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
   KVRELAY_RETURN_IF_ERROR(CheckWindow(geo));
   KVRELAY_RETURN_IF_ERROR(ValidateTurnLayer(layer, ctx.layer, geo, ctx.prompt_pos0, /*check_kv_values=*/false));
   LayerWork w;
-  SelectAndCopy(layer, geo, ctx, &w);
+  KVRELAY_RETURN_IF_ERROR(SelectAndCopy(layer, geo, ctx, &w));
   ParallelFor(pool, config_.obf ? geo.kv_heads : 0,
               [&](size_t h) { BackfillHead(layer, geo, ctx, static_cast<int>(h), &w); });
   KVRELAY_RETURN_IF_ERROR(FinishLayer(geo, ctx.layer, &w));
   KVRELAY_RETURN_IF_ERROR(MeasureFidelity(layer, geo, ctx, &w.out));
+  KVRELAY_RETURN_IF_ERROR(CheckOutput(geo, ctx, w.out));
   return std::move(w.out);
 }
 
@@ -573,7 +694,7 @@ absl::Status Pipeline::MeasureFidelity(const TurnLayer& layer, const TurnGeometr
                                        MessageLayer* out) const {
   if (!geo.queries) return absl::OkStatus();
   absl::StatusOr<double> e = AttentionOutputError(layer, geo, *out, SoftmaxScaleOf(ctx, geo.head_dim));
-  if (!e.ok()) return e.status();
+  if (!e.ok()) return PrefixLayer(e.status(), ctx.layer);
   out->attention_error = *e;
   return absl::OkStatus();
 }
@@ -607,7 +728,7 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
   std::vector<absl::Status> status(n_layers);
   ParallelFor(pool, n_layers, [&](size_t l) {
     status[l] = ValidateTurnLayer(turn.layers[l], ctx[l].layer, geo, ctx[l].prompt_pos0, check_kv_values);
-    if (status[l].ok()) SelectAndCopy(turn.layers[l], geo, ctx[l], &work[l]);
+    if (status[l].ok()) status[l] = SelectAndCopy(turn.layers[l], geo, ctx[l], &work[l]);
   });
   for (const absl::Status& s : status) KVRELAY_RETURN_IF_ERROR(s);
   if (config_.obf) {
@@ -619,6 +740,7 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
   ParallelFor(pool, n_layers, [&](size_t l) {
     status[l] = FinishLayer(geo, static_cast<int>(l), &work[l]);
     if (status[l].ok()) status[l] = MeasureFidelity(turn.layers[l], geo, ctx[l], &work[l].out);
+    if (status[l].ok()) status[l] = CheckOutput(geo, ctx[l], work[l].out);
   });
   for (const absl::Status& s : status) KVRELAY_RETURN_IF_ERROR(s);
 

@@ -141,11 +141,13 @@ class Pipeline {
       : spec_(std::move(spec)), config_(std::move(config)) {}
 
   absl::StatusOr<Message> CompressImpl(const Turn& turn, ThreadPool* pool, bool check_kv_values) const;
-  void SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
-                     LayerWork* w) const;
+  absl::Status SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                             LayerWork* w) const;
   void BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx, int h,
                     LayerWork* w) const;
   absl::Status FinishLayer(const TurnGeometry& geo, int layer, LayerWork* w) const;
+  // CheckLayerOutput of `out` against this pipeline's token counts.
+  absl::Status CheckOutput(const TurnGeometry& geo, const LayerContext& ctx, const MessageLayer& out) const;
   // Sets out->attention_error for a turn with queries.
   absl::Status MeasureFidelity(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                                MessageLayer* out) const;
@@ -153,6 +155,19 @@ class Pipeline {
   std::string spec_;
   PipelineConfig config_;
 };
+
+// The invariants of one layer of a pipeline's output (docs/FORMAT.md,
+// "Message"), whatever the input: K, V (or the quantized codes, scales and
+// zeros), pos and acc have the geometry's heads, head_dim and dtype and
+// exactly `n` = n_history + n_anchor + n_kept + n_gen tokens per head
+// (`counts`, from CountTokens); every head holds its history at ids in
+// [0, prompt_pos0), the anchors at prompt_pos0 + j, the kept prompt tokens
+// at ascending ids in the rest of the prompt, and the generated tokens at
+// prompt_pos0 + n_prompt + j; acc is finite and >= 0. Internal naming the
+// layer and the invariant otherwise: a message that breaks one is never
+// committed, stored, forwarded or written.
+absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, const Message& counts,
+                              int64_t prompt_pos0, int layer);
 
 // The chain's anchors a message of a turn of geometry `geo` holds: the
 // history's (geo.history_anchors) and the turn's own `n_anchor` from

@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "Eigen/Core"
+#include "absl/strings/str_cat.h"
+#include "core/internal/pipeline_checks.h"
 #include "core/quant.h"
 
 namespace kvrelay {
@@ -63,9 +65,18 @@ Eigen::Index BlockColumns(Eigen::Index m, Eigen::Index cols) {
   return std::max<Eigen::Index>(1, std::min(cols, kMaxBlockFloats / std::max<Eigen::Index>(m, 1)));
 }
 
+// The error for a step whose attention overflows float32.
+absl::Status LogitOverflow(int score_head, int step) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "gen.q: the attention of score head ", score_head, " at generated step ", step,
+      " overflows float32 (a logit q.k*softmax_scale or an output beyond +-3.4e38), expected keys, values and "
+      "queries of a model's range"));
+}
+
 }  // namespace
 
-std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window) {
+absl::StatusOr<std::vector<double>> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale,
+                                              int window) {
   using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using ColMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
   const int heads = geo.kv_heads, d = geo.head_dim;
@@ -102,7 +113,11 @@ std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, d
         const auto z = logits.col(c - c0).head(seen).array();
         Eigen::Map<Eigen::ArrayXf> ez(e.data(), seen);
         ez = (z - z.maxCoeff()).exp();  // Eigen's vectorized expf
-        const double inv = 1.0 / SumAsDouble(e.data(), seen);
+        const double sum = SumAsDouble(e.data(), seen);
+        // An infinite logit makes z - max NaN (a NaN one propagates): the sum
+        // is finite (>= 1) exactly when no logit overflowed upwards.
+        if (!std::isfinite(sum) && internal::FiniteChecksOn()) return LogitOverflow(h * group + static_cast<int>(c / steps), t0 + s);
+        const double inv = 1.0 / sum;
         for (int i = 0; i < seen; ++i) mass[i] += e[i] * inv;
         // The score head's last step: its mass joins the group's sum.
         if (s == steps - 1) {
@@ -114,10 +129,13 @@ std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, d
   return out;
 }
 
-std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window) {
+absl::StatusOr<std::vector<double>> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale,
+                                                int window) {
   const int heads = geo.kv_heads, n_prompt = geo.n_prompt;
   const size_t m = static_cast<size_t>(geo.n_history) + n_prompt + geo.n_gen;
-  const std::vector<double> mass = QueryMass(layer, geo, scale, window);
+  absl::StatusOr<std::vector<double>> all = QueryMass(layer, geo, scale, window);
+  if (!all.ok()) return all.status();
+  const std::vector<double>& mass = *all;
   std::vector<double> out(static_cast<size_t>(heads) * n_prompt);
   for (int h = 0; h < heads; ++h) {
     std::copy_n(mass.begin() + h * m + geo.n_history, n_prompt, out.begin() + static_cast<size_t>(h) * n_prompt);
@@ -172,6 +190,11 @@ absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGe
           const double a = of(i, c), b = om(i, c);
           full += a * a;
           diff += (b - a) * (b - a);
+        }
+        // NaN or infinite: a logit (of the turn's keys or the message's) or
+        // an output overflowed float32.
+        if ((!std::isfinite(full) || !std::isfinite(diff)) && internal::FiniteChecksOn()) {
+          return LogitOverflow(h * group + static_cast<int>((c0 + c) / n_gen), static_cast<int>((c0 + c) % n_gen));
         }
         total += full > 0 ? std::sqrt(diff / full) : (diff > 0 ? 1.0 : 0.0);
       }

@@ -23,17 +23,22 @@ namespace kvrelay {
 // q / (S/H)), with logits (q_t . k_i) * scale; summed over t in ascending
 // order, then over the group's score heads in ascending order. `window` 0
 // takes every step, otherwise the last `window`. Dot products and
-// exponentials in float32, sums in float64.
+// exponentials in float32, sums in float64. InvalidArgument naming `gen.q`,
+// the score head and the step when a step's float32 logits overflow (an
+// infinite logit; docs/FORMAT.md, "Scores from queries"): the result is
+// then never NaN or infinite.
 // REQUIRES: geo.queries, ValidateTurnLayer(layer, ..., geo, ...) is OK,
 // scale finite and > 0, window >= 0.
-std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window);
+absl::StatusOr<std::vector<double>> QueryScores(const TurnLayer& layer, const TurnGeometry& geo, double scale,
+                                                int window);
 
 // As QueryScores, for every key of the layer: [kv_heads, m] with m =
 // n_history + n_prompt + n_gen, row h at h * m, columns in the cache's
 // order (history, prompt, generated). Generated token j gets the weights of
 // the steps in the window that see it (t >= j); QueryScores is the prompt's
-// columns. Same REQUIRES.
-std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window);
+// columns. Same errors and REQUIRES.
+absl::StatusOr<std::vector<double>> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale,
+                                              int window);
 
 // The fidelity figure of one compressed layer (docs/FORMAT.md, "Fidelity"):
 // the mean over score heads and generated steps of |o_msg - o_full| /
@@ -44,7 +49,9 @@ std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, d
 // message's keys and values as the recipient holds them: OBF's values, and
 // quantized ones decoded into the turn's dtype. A step with o_full = 0
 // counts 0 when o_msg = 0 too, else 1. Float32 dot products and outputs,
-// float64 norms and mean. 0 when n_gen = 0.
+// float64 norms and mean. 0 when n_gen = 0. InvalidArgument naming `gen.q`,
+// the score head and the step when a logit or an output overflows float32,
+// so the figure is always finite.
 // REQUIRES: geo.queries, ValidateTurnLayer(layer, ...) is OK, `msg` is the
 // pipeline's output for `layer`, scale finite and > 0.
 absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGeometry& geo,

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <numeric>
 
 namespace kvrelay {
@@ -71,14 +72,19 @@ std::vector<int> TopK(absl::Span<const double> scores, int begin, int end, int k
   if (k <= 0) return idx;
   // The k-th largest value, then one ascending pass: everything above it,
   // and as many of the values equal to it as fit, lowest positions first.
+  // A NaN (which callers never pass) ranks as -infinity, so the result
+  // holds exactly k indices whatever the scores.
+  auto rank = [](double x) { return x == x ? x : -std::numeric_limits<double>::infinity(); };
   thread_local std::vector<double> values;
-  values.assign(scores.begin() + begin, scores.begin() + end);
+  values.resize(n);
+  for (int j = begin; j < end; ++j) values[j - begin] = rank(scores[j]);
   const double kth = KthLargest(values.data(), values.size(), static_cast<size_t>(k));
   int ties = k;
-  for (int j = begin; j < end; ++j) ties -= scores[j] > kth;
+  for (int j = begin; j < end; ++j) ties -= rank(scores[j]) > kth;
   idx.reserve(k);
   for (int j = begin; j < end; ++j) {
-    if (scores[j] > kth || (scores[j] == kth && ties-- > 0)) idx.push_back(j);
+    const double x = rank(scores[j]);
+    if (x > kth || (x == kth && ties-- > 0)) idx.push_back(j);
   }
   return idx;
 }

@@ -32,8 +32,8 @@ struct Selection {
 };
 
 // Indices of the `k` largest of scores[begin, end), ties to the lower index,
-// returned ascending. All of [begin, end) when k >= end - begin. REQUIRES: no
-// NaN in scores[begin, end).
+// returned ascending. All of [begin, end) when k >= end - begin, else
+// exactly max(k, 0) indices; a NaN ranks as -infinity.
 std::vector<int> TopK(absl::Span<const double> scores, int begin, int end, int k);
 
 // scores with every entry j in [begin, end) replaced by the maximum of

@@ -192,6 +192,12 @@ absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_
       static_cast<int>(bad / d / tok), static_cast<int>(bad / d % tok), static_cast<int>(bad % d)));
 }
 
+absl::Status CheckSoftmaxScale(double scale, absl::string_view field) {
+  if (scale >= kMinSoftmaxScale && scale <= kMaxSoftmaxScale) return absl::OkStatus();  // false for NaN
+  return absl::InvalidArgumentError(
+      absl::StrFormat("%s: %g, expected a finite number in [%g, %g]", field, scale, kMinSoftmaxScale, kMaxSoftmaxScale));
+}
+
 double Turn::SoftmaxScale(int head_dim) const {
   return softmax_scale.has_value() ? *softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
 }
@@ -229,11 +235,7 @@ absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
     return absl::InvalidArgumentError(
         absl::StrCat("turn: ", turn.layers.size(), " layers, expected at most ", kMaxLayers));
   }
-  if (turn.softmax_scale.has_value() &&
-      !(std::isfinite(*turn.softmax_scale) && *turn.softmax_scale > 0)) {
-    return absl::InvalidArgumentError(absl::StrFormat("softmax_scale: %g, expected a finite number > 0",
-                                                      *turn.softmax_scale));
-  }
+  if (turn.softmax_scale.has_value()) KVRELAY_RETURN_IF_ERROR(CheckSoftmaxScale(*turn.softmax_scale, "softmax_scale"));
   KVRELAY_RETURN_IF_ERROR(ValidateGeometry(geo));
   return geo;
 }

@@ -79,6 +79,17 @@ inline constexpr int kMaxTokensPerPart = 1 << 24;
 // steps): 2^36, some 600 times a Qwen3-14B turn's layer. Attention is
 // quadratic in the tokens, so a small upload could otherwise ask for hours.
 inline constexpr double kMaxQueryScoreWork = 68719476736.0;
+// The range of softmax_scale (the logit scale of scores from queries).
+// Models use 1/sqrt(head_dim) (1/32 to 1 for head_dim 1024 to 1) or a
+// configured multiplier of the same order; a scale outside [1e-6, 1e3] is
+// no model's, and a huge one overflows the float32 logits.
+inline constexpr double kMinSoftmaxScale = 1e-6;
+inline constexpr double kMaxSoftmaxScale = 1e3;
+
+// InvalidArgument naming `field` unless `scale` is a finite number in
+// [kMinSoftmaxScale, kMaxSoftmaxScale]. The one check of softmax_scale for
+// turn files, turns and the wire.
+absl::Status CheckSoftmaxScale(double scale, absl::string_view field);
 
 // InvalidArgument naming the field when `geo` is out of the bounds above,
 // score_heads is not a positive multiple of kv_heads, or a count is negative.
@@ -116,7 +127,7 @@ struct Turn {
   // Position id of the first prompt token. When unset, n_history is used.
   std::optional<int64_t> prompt_pos0;
   // The attention's logit scale, for scores from gen_q. When unset,
-  // 1/sqrt(head_dim). Finite and > 0 (ValidateTurn).
+  // 1/sqrt(head_dim). In [kMinSoftmaxScale, kMaxSoftmaxScale] (GeometryOf).
   std::optional<double> softmax_scale;
   // Position ids of the chain's anchors in the history (TurnGeometry).
   std::vector<int32_t> history_anchors;

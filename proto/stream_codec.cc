@@ -251,9 +251,8 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
     s.geo.q_dtype = *q;
   }
   if (g.has_softmax_scale()) {
-    if (!(std::isfinite(g.softmax_scale()) && g.softmax_scale() > 0)) {
-      return bad(HeaderError(
-          absl::StrCat(field, ".softmax_scale: ", g.softmax_scale(), ", expected a finite number > 0")));
+    if (absl::Status st = CheckSoftmaxScale(g.softmax_scale(), absl::StrCat(field, ".softmax_scale")); !st.ok()) {
+      return bad(HeaderError(std::string(st.message())));
     }
     s.softmax_scale = g.softmax_scale();
   }

@@ -387,9 +387,9 @@ absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file, const Tu
   }
   if (std::optional<absl::string_view> v = file.GetMetadata("softmax_scale")) {
     double scale;
-    if (!absl::SimpleAtod(*v, &scale) || !std::isfinite(scale) || scale <= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("metadata softmax_scale: ", Quote(*v), ", expected a finite decimal number > 0"));
+    if (!absl::SimpleAtod(*v, &scale) || !CheckSoftmaxScale(scale, "").ok()) {
+      return absl::InvalidArgumentError(absl::StrFormat("metadata softmax_scale: %s, expected a finite decimal number in [%g, %g]",
+                                                        Quote(*v), kMinSoftmaxScale, kMaxSoftmaxScale));
     }
     turn.softmax_scale = scale;
   }

@@ -144,7 +144,7 @@ TEST(Acc, FromQueriesIsTheMassOnEveryKey) {
   const Message m = MustCompress(turn, "h2o-head:k=4,window=4");
   absl::StatusOr<TurnGeometry> geo = GeometryOf(turn);
   ASSERT_TRUE(geo.ok());
-  const std::vector<double> mass = QueryMass(turn.layers[0], *geo, turn.SoftmaxScale(16), 4);
+  const std::vector<double> mass = QueryMass(turn.layers[0], *geo, turn.SoftmaxScale(16), 4).value();
   const int m_keys = 5 + 17 + 6, n = m.layers[0].tokens();
   ASSERT_EQ(n, 5 + 4 + 6);
   for (int h = 0; h < 2; ++h) {

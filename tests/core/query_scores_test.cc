@@ -121,7 +121,7 @@ TEST(QueryMass, MatchesTheFloat64DefinitionOnEveryKey) {
       ASSERT_TRUE(geo.ok()) << geo.status();
       SCOPED_TRACE(absl::StrCat("group=", group, " window=", window, " seed=", seed));
       const double scale = 0.21;
-      const std::vector<double> got = QueryMass(turn.layers[0], *geo, scale, window);
+      const std::vector<double> got = QueryMass(turn.layers[0], *geo, scale, window).value();
       std::vector<double> bound;
       const std::vector<double> want = ReferenceMass(turn.layers[0], *geo, scale, window, &bound);
       ASSERT_EQ(got.size(), want.size());
@@ -167,7 +167,7 @@ TEST(QueryScores, MatchTheFloat64Definition) {
           for (double scale : {1.0 / std::sqrt(32.0), 0.37}) {
             SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " group=", group, " history=", history, " window=", window,
                                       " scale=", scale, " seed=", seed));
-            const std::vector<double> got = QueryScores(turn.layers[0], *geo, scale, window);
+            const std::vector<double> got = QueryScores(turn.layers[0], *geo, scale, window).value();
             std::vector<double> bound;
             const std::vector<double> want = Reference(turn.layers[0], *geo, scale, window, &bound);
             ASSERT_EQ(got.size(), want.size());
@@ -195,12 +195,12 @@ TEST(QueryScores, AWindowPastTheStepsIsEveryStepAndNoStepsIsZero) {
   Turn turn = RandomTurn(s, 5);
   const TurnGeometry geo = *GeometryOf(turn);
   const double scale = 0.25;
-  EXPECT_EQ(QueryScores(turn.layers[0], geo, scale, s.n_gen), QueryScores(turn.layers[0], geo, scale, 0));
-  EXPECT_EQ(QueryScores(turn.layers[0], geo, scale, 1 << 24), QueryScores(turn.layers[0], geo, scale, 0));
-  EXPECT_NE(QueryScores(turn.layers[0], geo, scale, 1), QueryScores(turn.layers[0], geo, scale, 0));
+  EXPECT_EQ(QueryScores(turn.layers[0], geo, scale, s.n_gen).value(), QueryScores(turn.layers[0], geo, scale, 0).value());
+  EXPECT_EQ(QueryScores(turn.layers[0], geo, scale, 1 << 24).value(), QueryScores(turn.layers[0], geo, scale, 0).value());
+  EXPECT_NE(QueryScores(turn.layers[0], geo, scale, 1).value(), QueryScores(turn.layers[0], geo, scale, 0).value());
   s.n_gen = 0;
   turn = RandomTurn(s, 6);
-  const std::vector<double> zero = QueryScores(turn.layers[0], *GeometryOf(turn), scale, 0);
+  const std::vector<double> zero = QueryScores(turn.layers[0], *GeometryOf(turn), scale, 0).value();
   EXPECT_EQ(zero, std::vector<double>(static_cast<size_t>(s.kv_heads) * s.n_prompt, 0.0));
 }
 
@@ -218,7 +218,7 @@ TEST(QueryScores, BlocksOfColumnsGiveTheSameMass) {
   s.queries = true;
   const Turn turn = RandomTurn(s, 77);
   const TurnGeometry geo = *GeometryOf(turn);
-  const std::vector<double> both = QueryScores(turn.layers[0], geo, 0.1, 0);
+  const std::vector<double> both = QueryScores(turn.layers[0], geo, 0.1, 0).value();
   std::vector<double> sum(both.size(), 0.0);
   for (int g = 0; g < 2; ++g) {
     Turn one = turn;
@@ -226,7 +226,7 @@ TEST(QueryScores, BlocksOfColumnsGiveTheSameMass) {
     for (int t = 0; t < s.n_gen; ++t) one.layers[0].gen_q.CopyRow(0, t, turn.layers[0].gen_q, g, t);
     TurnGeometry g1 = geo;
     g1.score_heads = 1;
-    const std::vector<double> m = QueryScores(one.layers[0], g1, 0.1, 0);
+    const std::vector<double> m = QueryScores(one.layers[0], g1, 0.1, 0).value();
     for (size_t j = 0; j < m.size(); ++j) sum[j] += m[j];
   }
   // The GEMMs differ in shape, so the float32 logits may round differently.
@@ -253,7 +253,10 @@ TEST(QueryScores, PipelineUsesTheTurnsSoftmaxScale) {
   turn.softmax_scale = -1.0;
   EXPECT_EQ((*p)->Compress(turn).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string((*p)->Compress(turn).status().message()),
-              HasSubstr("softmax_scale: -1, expected a finite number > 0"));
+              HasSubstr("softmax_scale: -1, expected a finite number in [1e-06, 1000]"));
+  turn.softmax_scale = 1e300;
+  EXPECT_THAT(std::string((*p)->Compress(turn).status().message()),
+              HasSubstr("softmax_scale: 1e+300, expected a finite number in [1e-06, 1000]"));
 }
 
 TEST(QueryScores, FullAndGenIgnoreTheQueries) {

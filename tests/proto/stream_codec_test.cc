@@ -373,8 +373,9 @@ TEST(UploadReaderTest, BadGeometry) {
        "header.geometry.query_dtype: DTYPE_F16, expected DTYPE_UNSPECIFIED (the layers send PROMPT_SCORE) or "
        "DTYPE_F32 (the layers send GEN_Q; the K/V dtype or F32)"},
       {[](auto* g) { g->set_query_dtype(static_cast<v1::DType>(9)); }, "header.geometry.query_dtype: 9, expected"},
-      {[](auto* g) { g->set_softmax_scale(-1); }, "header.geometry.softmax_scale: -1, expected a finite number > 0"},
-      {[](auto* g) { g->set_softmax_scale(0); }, "header.geometry.softmax_scale: 0, expected a finite number > 0"},
+      {[](auto* g) { g->set_softmax_scale(-1); }, "header.geometry.softmax_scale: -1, expected a finite number in [1e-06, 1000]"},
+      {[](auto* g) { g->set_softmax_scale(0); }, "header.geometry.softmax_scale: 0, expected a finite number in [1e-06, 1000]"},
+      {[](auto* g) { g->set_softmax_scale(1e300); }, "header.geometry.softmax_scale: 1e+300, expected a finite number in [1e-06, 1000]"},
       {[](auto* g) { g->set_softmax_scale(std::nan("")); }, "header.geometry.softmax_scale: nan, expected"},
   };
   for (const auto& tc : cases) {
