@@ -9,11 +9,15 @@
 // nothing cut, and the records written again (JournalHeader() +
 // AppendJournalRecord) scan back to the same records.
 //
-// Open: fails exactly when ScanJournal does, with its code; otherwise it
-// cuts the same torn bytes, leaves the journal's intact prefix in place, and
-// serves exactly what the journal's replay says: s/m (intact, equal to the
-// seed) when the replayed state gives seq 1 to s/m, and no other message
-// the journal commits (their files are missing).
+// Open: refuses (FAILED_PRECONDITION, the journal and the message file
+// untouched) exactly when ScanJournal fails or finds an intact record after
+// the damaged one (damage in the middle); otherwise it cuts the same torn
+// bytes, leaves the journal's intact prefix in place, and serves exactly
+// what the journal's replay says: s/m (intact, equal to the seed) when the
+// replayed state gives seq 1 to s/m, and no other message the journal
+// commits (their files are missing). After a tail that is more than one
+// record cut short, a seq 1 that no intact commit names is moved to
+// quarantine/ unchanged, not removed.
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -105,10 +109,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kFailedPrecondition);
     FUZZ_CHECK((code == absl::StatusCode::kDataLoss) ==
                (size < kJournalHeaderBytes || input.compare(0, 8, kJournalMagic) != 0));
-    // Open refuses the spool with the same code and leaves the journal alone.
+  }
+  if (!scan.ok() || scan->intact_after > 0) {
+    // Open refuses the spool and leaves the journal and the file alone.
     FUZZ_CHECK(!store.ok());
-    FUZZ_CHECK(store.status().code() == code);
+    FUZZ_CHECK(store.status().code() == absl::StatusCode::kFailedPrecondition);
     FUZZ_CHECK(fs.Peek(fuzz::kSpoolJournal) == input);
+    FUZZ_CHECK(fs.Peek(fuzz::SpoolMsgPath(1)) == *g_file);
     return 0;
   }
 
@@ -170,5 +177,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // is quarantined, never served; with no holder the file is an orphan.
   FUZZ_CHECK(s.recovery().quarantined == (holder && !seed_served ? 1u : 0u));
   FUZZ_CHECK(fs.Peek(fuzz::SpoolMsgPath(1)).empty() == !seed_served);
+  bool named = false;
+  for (const Record& r : scan->records) named |= r.kind_case() == Record::kCommit && r.commit().seq() == 1;
+  const bool unproven = scan->torn_bytes > 0 && !scan->cut_short && !named;
+  FUZZ_CHECK(s.recovery().unproven == (unproven ? 1u : 0u));
+  FUZZ_CHECK(fs.Peek(fuzz::SpoolMsgPath(1, "/spool/quarantine")) == (unproven ? *g_file : std::string()) ||
+             s.recovery().quarantined == 1);
   return 0;
 }

@@ -314,6 +314,7 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
     c->spool_compact_bytes = n;
     return absl::OkStatus();
   }
+  if (name == "spool-salvage") return ParseBool(name, value, &c->spool_salvage);
   if (name == "health-listen") return ParseAddr(name, value, true, &c->health_listen);
   if (name == "heap-retain-bytes") {
     if (absl::StripAsciiWhitespace(value) == "0") {
@@ -328,7 +329,9 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   return absl::InvalidArgumentError(absl::StrCat("--", name, ": unknown flag (see --help)"));
 }
 
-bool IsBoolFlag(const std::string& name) { return name == "log-json" || name == "insecure"; }
+bool IsBoolFlag(const std::string& name) {
+  return name == "log-json" || name == "insecure" || name == "spool-salvage";
+}
 
 const char* const kEnv[][2] = {
     {"metrics-listen", "KVRELAY_METRICS_LISTEN"},
@@ -363,6 +366,7 @@ const char* const kEnv[][2] = {
     {"fsync", "KVRELAY_FSYNC"},
     {"max-spool-bytes", "KVRELAY_MAX_SPOOL_BYTES"},
     {"spool-compact-bytes", "KVRELAY_SPOOL_COMPACT_BYTES"},
+    {"spool-salvage", "KVRELAY_SPOOL_SALVAGE"},
 };
 
 absl::Status ApplyConfigFile(const std::string& path, ServerConfig* c) {
@@ -634,6 +638,9 @@ std::string ServerUsage() {
   --spool-compact-bytes N        rewrite the journal whole (compaction) each time it has grown by N, at least
                                  1MiB; smaller bounds the journal tighter, at more rewrites
                                  (KVRELAY_SPOOL_COMPACT_BYTES; 64MiB)
+  --spool-salvage                start on a journal damaged in the middle, with a damaged header, or missing
+                                 beside message files (refused otherwise): keep its intact records, move every
+                                 message file they do not name to DIR/quarantine/ (KVRELAY_SPOOL_SALVAGE)
   --log-json                     JSON log lines, the ready line too (its "msg" is the same text)
                                  (KVRELAY_LOG_JSON)
   --shutdown-grace-seconds S     drain time on SIGTERM/SIGINT (KVRELAY_SHUTDOWN_GRACE_SECONDS; 10)

@@ -43,6 +43,7 @@
 //   --fsync always|never          KVRELAY_FSYNC                     always (with --spool-dir)
 //   --max-spool-bytes N           KVRELAY_MAX_SPOOL_BYTES           0 (up to the disk)
 //   --spool-compact-bytes N       KVRELAY_SPOOL_COMPACT_BYTES       64MiB (at least 1MiB)
+//   --spool-salvage               KVRELAY_SPOOL_SALVAGE (1/true)    off   (start on a damaged journal)
 //   --config FILE                 KVRELAY_CONFIG                    none
 //
 // Byte sizes accept a plain integer or a KiB/MiB/GiB/TiB suffix ("4GiB");
@@ -128,6 +129,9 @@ struct ServerConfig {
   uint64_t max_spool_bytes = 0;  // 0: no limit but the disk's
   // Journal growth that triggers a compaction (rewriting it whole).
   uint64_t spool_compact_bytes = 64ull << 20;
+  // Start on a journal damaged beyond a torn tail, or missing beside message
+  // files, by salvaging (SpoolOptions::salvage) instead of refusing.
+  bool spool_salvage = false;
   double shutdown_grace_seconds = 10;
   // Freed heap memory kept for reuse rather than returned to the kernel
   // (glibc's trim threshold, per malloc arena: see MallocArenas; the mmap

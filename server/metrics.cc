@@ -237,10 +237,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   }
   spool_quarantined_ = &BuildCounter()
                             .Name("kvrelay_spool_quarantined_total")
-                            .Help("Damaged spool files moved to DIR/quarantine (message_file, journal), and messages "
+                            .Help("Damaged spool files moved to DIR/quarantine (message_file, journal), message "
+                                  "files a damaged or missing journal does not name (unproven), and messages "
                                   "the journal names whose file is gone (missing). Never served.")
                             .Register(*registry_);
-  for (const char* w : {"message_file", "journal", "missing"}) spool_quarantined_->Add({{"what", w}});
+  for (const char* w : {"message_file", "journal", "unproven", "missing"}) spool_quarantined_->Add({{"what", w}});
   BuildGauge()
       .Name("kvrelay_build_info")
       .Help("Build information; the value is always 1.")

@@ -40,7 +40,8 @@
 //   kvrelay_spool_recovery_crc_seconds           the CRC32C checks of the message files
 //   kvrelay_spool_recovered{what}                what it found: messages, sessions, closed, outbox,
 //                                                orphans, torn_bytes
-//   kvrelay_spool_quarantined_total{what}        files moved to DIR/quarantine (message_file, journal)
+//   kvrelay_spool_quarantined_total{what}        files moved to DIR/quarantine (message_file, journal,
+//                                                unproven: not named by a damaged or missing journal)
 //                                                and messages the journal names without a file (missing)
 //   kvrelay_build_info{version}                  1
 //

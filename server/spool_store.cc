@@ -159,21 +159,49 @@ absl::Status SpoolStore::Recover() {
     }
   }
   KVRELAY_RETURN_IF_ERROR(fs_->CreateDir(msg_dir_));
-  KVRELAY_RETURN_IF_ERROR(fs_->CreateDir(options_.dir + "/quarantine"));
+  const std::string quarantine_dir = options_.dir + "/quarantine";
+  KVRELAY_RETURN_IF_ERROR(fs_->CreateDir(quarantine_dir));
 
+  // Message files without a journal: only the journal proves them
+  // committed, so a missing one is not a new spool.
+  bool any_message_file = false;
+  {
+    KVRELAY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->List(msg_dir_));
+    for (const std::string& name : names) {
+      uint64_t seq;
+      bool temp;
+      if (ParseFileName(name, &seq, &temp) && !temp) any_message_file = true;
+    }
+  }
   JournalOptions jo;
   jo.sync = options_.fsync;
   jo.sync_dir = options_.sync_dir;
   jo.compact_bytes = options_.compact_bytes;
+  jo.salvage = options_.salvage;
+  jo.create = options_.salvage || !any_message_file;
+  jo.before_repair = [this](const std::vector<Record>& intact) { return QuarantineUnproven(intact); };
   if (metrics_) jo.on_sync = [m = metrics_](double seconds) { m->ObserveSpoolFsync(seconds); };
   JournalRecovery jr;
   KVRELAY_ASSIGN_OR_RETURN(journal_, Journal::Open(fs_, options_.dir, jo, &jr));
   recovery_.torn_bytes = jr.torn_bytes;
   recovery_.torn_why = jr.torn_why;
-  if (jr.torn_bytes > 0) {
-    spdlog::warn("spool: cut {} bytes off the journal's end ({}){}", jr.torn_bytes, jr.torn_why,
-                 jr.quarantined.empty() ? "" : absl::StrCat("; the damaged journal is kept as ", jr.quarantined));
-    if (!jr.quarantined.empty() && metrics_) metrics_->AddSpoolQuarantined("journal");
+  recovery_.salvaged = jr.salvaged;
+  if (!jr.quarantined.empty() && metrics_) metrics_->AddSpoolQuarantined("journal");
+  const std::string kept_as =
+      jr.quarantined.empty() ? "" : absl::StrCat("; the damaged journal is kept as ", jr.quarantined);
+  if (jr.salvaged) {
+    spdlog::error("spool: salvaged a damaged journal ({}; {} bytes cut): kept its {} intact records, moved {} "
+                  "message files they do not name to quarantine/{}; deliveries, acks and closes recorded after "
+                  "the damage are lost",
+                  jr.torn_why, jr.torn_bytes, jr.records.size(), recovery_.unproven, kept_as);
+  } else if (jr.created && recovery_.unproven > 0) {
+    spdlog::error("spool: no journal: started a new one and moved {} message files to quarantine/", recovery_.unproven);
+  } else if (jr.torn_bytes > 0) {
+    spdlog::warn("spool: cut {} bytes off the journal's end ({}){}{}", jr.torn_bytes, jr.torn_why, kept_as,
+                 recovery_.unproven == 0
+                     ? ""
+                     : absl::StrCat("; moved ", recovery_.unproven,
+                                    " message files no intact record names to quarantine/"));
   }
 
   // Replay the journal into what each session holds.
@@ -365,6 +393,13 @@ absl::Status SpoolStore::Recover() {
     }
   }
   state.closed.assign(closed.begin(), closed.end());
+  // A new file never takes the name of a quarantined one.
+  KVRELAY_ASSIGN_OR_RETURN(std::vector<std::string> quarantined, fs_->List(quarantine_dir));
+  for (const std::string& name : quarantined) {
+    uint64_t seq;
+    bool temp;
+    if (ParseFileName(name, &seq, &temp)) max_seq = std::max(max_seq, seq);
+  }
   if (recovery_.orphans > 0 && options_.fsync && options_.sync_dir) KVRELAY_RETURN_IF_ERROR(fs_->SyncDir(msg_dir_));
 
   mem_->SetEraseListener([this](const std::string& session, bool expired) {
@@ -396,17 +431,55 @@ absl::Status SpoolStore::Recover() {
     metrics_->SetSpoolBytes(static_cast<double>(recovery_.bytes));
   }
   spdlog::info("spool: recovered {} in {:.3f} s (CRC32C checks {:.3f} s, eager): {} messages in {} sessions, {} "
-               "closed sessions, {} forwards to resume, {} bytes; removed {} orphaned files, quarantined {}, "
-               "missing {}, cut {} journal bytes; fsync={}",
+               "closed sessions, {} forwards to resume, {} bytes; removed {} orphaned files, quarantined {} "
+               "(+{} unproven), missing {}, cut {} journal bytes; fsync={}",
                options_.dir, recovery_.seconds, recovery_.crc_seconds, recovery_.messages, recovery_.sessions,
                recovery_.closed, recovery_.outbox, recovery_.bytes, recovery_.orphans, recovery_.quarantined,
-               recovery_.missing, recovery_.torn_bytes, options_.fsync ? "always" : "never");
+               recovery_.unproven, recovery_.missing, recovery_.torn_bytes, options_.fsync ? "always" : "never");
   journal_->Start([this] { return Snapshot(); },
                   [this](const absl::Status& s) {
                     failed_ = true;
                     if (metrics_) metrics_->SetSpoolFailed(true);
                     if (on_failure_) on_failure_(s);
                   });
+  return absl::OkStatus();
+}
+
+absl::Status SpoolStore::QuarantineUnproven(const std::vector<Record>& intact) {
+  std::set<uint64_t> named;
+  for (const Record& r : intact) {
+    if (r.kind_case() == Record::kCommit) named.insert(r.commit().seq());
+  }
+  const std::string quarantine_dir = options_.dir + "/quarantine";
+  KVRELAY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->List(msg_dir_));
+  KVRELAY_ASSIGN_OR_RETURN(std::vector<std::string> held, fs_->List(quarantine_dir));
+  std::set<std::string> taken(held.begin(), held.end());
+  uint64_t moved = 0;
+  for (const std::string& name : names) {
+    uint64_t seq;
+    bool temp;
+    if (!ParseFileName(name, &seq, &temp) || temp || named.count(seq)) continue;
+    std::string to = name;
+    for (int n = 1; taken.count(to); ++n) to = absl::StrCat(name, ".", n);
+    const std::string from = absl::StrCat(msg_dir_, "/", name);
+    const std::string q = absl::StrCat(quarantine_dir, "/", to);
+    if (absl::Status s = fs_->Rename(from, q); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("moving ", from, ", which the damaged journal may have committed, "
+                                                 "to quarantine/: ", s.message(), "; the journal is left as it was"));
+    }
+    taken.insert(to);
+    ++moved;
+    spdlog::error("spool: {}: no intact journal record names it, yet its commit may have been acknowledged; moved to "
+                  "{} unchanged, never served",
+                  from, q);
+  }
+  recovery_.unproven += moved;
+  if (moved == 0) return absl::OkStatus();
+  if (metrics_) metrics_->AddSpoolQuarantined("unproven", static_cast<double>(moved));
+  if (options_.fsync && options_.sync_dir) {
+    KVRELAY_RETURN_IF_ERROR(fs_->SyncDir(quarantine_dir));
+    KVRELAY_RETURN_IF_ERROR(fs_->SyncDir(msg_dir_));
+  }
   return absl::OkStatus();
 }
 

@@ -72,6 +72,10 @@ struct SpoolOptions {
   bool fsync = true;
   uint64_t max_spool_bytes = 0;  // 0: no limit but the disk's
   uint64_t compact_bytes = 64 << 20;
+  // --spool-salvage: start on a journal damaged beyond a torn tail (see
+  // Open) by keeping its intact records and moving every message file they
+  // do not name to quarantine/, instead of refusing to start.
+  bool salvage = false;
   // Tests only: the file layer (null: the real file system), and a negative
   // control that leaves out every directory sync.
   SpoolFs* fs = nullptr;
@@ -84,6 +88,11 @@ struct SpoolRecovery {
   uint64_t messages = 0, sessions = 0, closed = 0, outbox = 0;
   uint64_t bytes = 0;        // message files and journal
   uint64_t orphans = 0;      // files removed: temporaries, never committed, or of freed sessions
+  // Message files no intact journal record names, found when the journal
+  // was damaged, salvaged or missing: their commit may have been
+  // acknowledged, so they were moved to quarantine/ unchanged, not removed.
+  uint64_t unproven = 0;
+  bool salvaged = false;     // the journal's damage was salvaged (SpoolOptions::salvage)
   uint64_t quarantined = 0;  // message files whose check failed (moved to quarantine/)
   uint64_t missing = 0;      // messages the journal names whose file is gone
   uint64_t torn_bytes = 0;   // cut off the journal's end
@@ -96,6 +105,17 @@ class SpoolStore final : public Store {
   // options.dir. FAILED_PRECONDITION when another process holds it or it
   // has a format version this relay does not know (nothing is changed);
   // the I/O error otherwise. `metrics` may be null and must outlive the store.
+  //
+  // A CRC-valid message file whose commit may have been acknowledged is
+  // never removed. A torn journal tail (damage after which no intact record
+  // follows) is cut off; if it was more than one record cut short by the end
+  // of the file, the message files no intact record names go to quarantine/
+  // rather than being removed as never committed. A journal damaged in the
+  // middle (an intact record after the damaged one), one whose header is
+  // not a journal's, or a missing journal while msg/ holds message files is
+  // FAILED_PRECONDITION with nothing changed, naming --spool-salvage; with
+  // options.salvage the intact records are recovered and every message file
+  // they do not name is moved to quarantine/ (SpoolRecovery::unproven).
   static absl::StatusOr<std::unique_ptr<SpoolStore>> Open(const StoreLimits& limits, const SpoolOptions& options,
                                                           Metrics* metrics);
   ~SpoolStore() override;
@@ -183,6 +203,10 @@ class SpoolStore final : public Store {
  private:
   SpoolStore(const StoreLimits& limits, const SpoolOptions& options, Metrics* metrics);
   absl::Status Recover();
+  // Moves every message file that no commit in `intact` names to
+  // quarantine/ (under a name not taken there) and syncs both folders: the
+  // journal is about to lose records that may have committed them.
+  absl::Status QuarantineUnproven(const std::vector<spool::v1::Record>& intact);
   // Writes `m`'s file under its temporary name and syncs it; returns its seq.
   absl::StatusOr<uint64_t> WriteTemp(const StoredMessage& m);
   // Renames the temporary file into place and syncs the directory.

@@ -1,14 +1,71 @@
 #include "server/spool/journal.h"
 
+#include <algorithm>
 #include <chrono>
 #include <future>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "server/spool/crash_point.h"
 #include "spdlog/spdlog.h"
 
 namespace kvrelay {
+
+namespace {
+
+constexpr char kRefusal[] =
+    "; refusing to start with nothing changed, so that no acknowledged message is lost. To start anyway, "
+    "start once with --spool-salvage: it keeps the journal's intact records and moves every message file "
+    "they do not name to quarantine/";
+
+// Writes `bytes` as DIR/journal whole: under a temporary name, synced, then
+// renamed into place, so that a crash leaves either file, never part of one.
+absl::Status WriteWhole(SpoolFs* fs, const std::string& dir, const JournalOptions& opts, const std::string& bytes) {
+  const std::string tmp = dir + "/journal.tmp";
+  absl::StatusOr<std::unique_ptr<SpoolFile>> f = fs->NewFile(tmp);
+  if (!f.ok()) return f.status();
+  if (absl::Status s = (*f)->Append(bytes); !s.ok()) return s;
+  if (opts.sync) {
+    if (absl::Status s = (*f)->Sync(); !s.ok()) return s;
+  }
+  if (absl::Status s = (*f)->Close(); !s.ok()) return s;
+  if (absl::Status s = fs->Rename(tmp, dir + "/journal"); !s.ok()) return s;
+  if (opts.sync && opts.sync_dir) return fs->SyncDir(dir);
+  return absl::OkStatus();
+}
+
+// A synced copy of a damaged journal in DIR/quarantine/ ("" if it failed).
+std::string Quarantine(SpoolFs* fs, const std::string& dir, const std::string& bytes) {
+  const std::string q =
+      absl::StrCat(dir, "/quarantine/journal.", std::chrono::system_clock::now().time_since_epoch().count());
+  absl::StatusOr<std::unique_ptr<SpoolFile>> f = fs->NewFile(q);
+  if (f.ok() && (*f)->Append(bytes).ok() && (*f)->Sync().ok() && (*f)->Close().ok()) return q;
+  return "";
+}
+
+// What a journal's bytes hold, or why they are refused (nothing changed
+// yet). `*bad_header`: salvaged past a header that is not a journal's.
+absl::StatusOr<JournalScan> Judge(const std::string& path, const std::string& bytes, const JournalOptions& opts,
+                                  bool* bad_header) {
+  absl::StatusOr<JournalScan> scan = ScanJournal(bytes);
+  *bad_header = absl::IsDataLoss(scan.status());
+  if (!scan.ok() && !*bad_header) {
+    return absl::Status(scan.status().code(), absl::StrCat(path, ": ", scan.status().message()));
+  }
+  if (*bad_header && !opts.salvage) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": ", scan.status().message(), kRefusal));
+  }
+  if (*bad_header) return ScanJournalRecords(bytes);
+  if (scan->intact_after > 0 && !opts.salvage) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": damaged in the middle: ", scan->torn_why,
+                                                      ", then intact records again from offset ", scan->intact_after,
+                                                      " (of ", bytes.size(), " bytes)", kRefusal));
+  }
+  return scan;
+}
+
+}  // namespace
 
 Journal::Journal(SpoolFs* fs, std::string dir, const JournalOptions& opts)
     : fs_(fs), dir_(std::move(dir)), path_(dir_ + "/journal"), opts_(opts) {}
@@ -17,59 +74,65 @@ absl::StatusOr<std::unique_ptr<Journal>> Journal::Open(SpoolFs* fs, const std::s
                                                        const JournalOptions& opts, JournalRecovery* recovery) {
   std::unique_ptr<Journal> j(new Journal(fs, dir, opts));
   *recovery = JournalRecovery();
+  absl::StatusOr<std::string> bytes = fs->ReadFile(j->path_);
+  if (!bytes.ok() && !absl::IsNotFound(bytes.status())) return bytes.status();
+  if (!bytes.ok() && !opts.create) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(j->path_, ": missing, while message files are present that only it proves committed",
+                     kRefusal));
+  }
+  JournalScan scan;
+  bool bad_header = false;
+  if (bytes.ok()) {
+    KVRELAY_ASSIGN_OR_RETURN(scan, Judge(j->path_, *bytes, opts, &bad_header));
+  }
   const std::string tmp = dir + "/journal.tmp";
   if (absl::Status s = fs->Remove(tmp); !s.ok() && !absl::IsNotFound(s)) return s;
-  absl::StatusOr<std::string> bytes = fs->ReadFile(j->path_);
-  if (absl::IsNotFound(bytes.status())) {
-    // A new spool: the header goes in under a temporary name, so that a
-    // crash never leaves a journal without one.
-    absl::StatusOr<std::unique_ptr<SpoolFile>> f = fs->NewFile(tmp);
-    if (!f.ok()) return f.status();
-    if (absl::Status s = (*f)->Append(JournalHeader()); !s.ok()) return s;
-    if (opts.sync) {
-      if (absl::Status s = (*f)->Sync(); !s.ok()) return s;
-    }
-    if (absl::Status s = (*f)->Close(); !s.ok()) return s;
-    if (absl::Status s = fs->Rename(tmp, j->path_); !s.ok()) return s;
-    if (opts.sync && opts.sync_dir) {
-      if (absl::Status s = fs->SyncDir(dir); !s.ok()) return s;
-    }
+  if (!bytes.ok()) {
+    // No journal: nothing is proven. The header goes in under a temporary
+    // name, so that a crash never leaves a journal without one.
+    recovery->created = true;
+    recovery->complete = false;
+    if (opts.before_repair) KVRELAY_RETURN_IF_ERROR(opts.before_repair({}));
+    KVRELAY_RETURN_IF_ERROR(WriteWhole(fs, dir, opts, JournalHeader()));
     recovery->bytes = kJournalHeaderBytes;
-  } else if (!bytes.ok()) {
-    return bytes.status();
   } else {
-    absl::StatusOr<JournalScan> scan = ScanJournal(*bytes);
-    if (!scan.ok()) {
-      return absl::Status(scan.status().code(), absl::StrCat(j->path_, ": ", scan.status().message()));
-    }
-    recovery->records = std::move(scan->records);
-    recovery->bytes = scan->valid_bytes;
-    recovery->torn_bytes = scan->torn_bytes;
-    recovery->torn_why = scan->torn_why;
-    if (scan->torn_bytes > 0) {
-      // A partial last record is what a crash mid-append leaves; anything
-      // more is damage, kept for a post-mortem before it is cut off.
-      const bool partial_tail = scan->torn_bytes < kRecordHeaderBytes ||
-                                absl::StrContains(scan->torn_why, "cut short");
-      if (!partial_tail) {
-        const std::string q = absl::StrCat(dir, "/quarantine/journal.",
-                                           std::chrono::system_clock::now().time_since_epoch().count());
-        absl::StatusOr<std::unique_ptr<SpoolFile>> f = fs->NewFile(q);
-        if (f.ok() && (*f)->Append(*bytes).ok() && (*f)->Sync().ok() && (*f)->Close().ok()) {
-          recovery->quarantined = q;
-        }
-      }
-      if (absl::Status s = fs->Truncate(j->path_, scan->valid_bytes); !s.ok()) return s;
-    }
+    KVRELAY_RETURN_IF_ERROR(j->Repair(*bytes, std::move(scan), bad_header, recovery));
   }
-  absl::StatusOr<std::unique_ptr<SpoolFile>> f = fs->AppendFile(j->path_);
-  if (!f.ok()) return f.status();
-  j->file_ = std::move(*f);
-  if (recovery->torn_bytes > 0 && opts.sync) {
-    if (absl::Status s = j->file_->Sync(); !s.ok()) return s;
-  }
+  KVRELAY_ASSIGN_OR_RETURN(j->file_, fs->AppendFile(j->path_));
+  if (recovery->torn_bytes > 0 && opts.sync) KVRELAY_RETURN_IF_ERROR(j->file_->Sync());
   j->bytes_ = j->compacted_at_ = recovery->bytes;
   return j;
+}
+
+absl::Status Journal::Repair(const std::string& bytes, JournalScan scan, bool bad_header,
+                             JournalRecovery* recovery) {
+  recovery->salvaged = bad_header || scan.intact_after > 0;
+  // A record cut short by the end of the file is what a crash during an
+  // append leaves, never acknowledged; anything more may have been.
+  recovery->complete = !bad_header && (scan.torn_bytes == 0 || scan.cut_short);
+  recovery->records = std::move(scan.records);
+  recovery->torn_bytes = scan.torn_bytes;
+  recovery->torn_why = scan.torn_why;
+  if (bad_header) {
+    recovery->torn_why = absl::StrCat("a damaged header", scan.torn_why.empty() ? "" : "; ", scan.torn_why);
+  }
+  if (!recovery->complete) {
+    // Kept for a post-mortem, and the message files the intact records do
+    // not name put out of the way, before anything is cut.
+    recovery->quarantined = Quarantine(fs_, dir_, bytes);
+    if (opts_.before_repair) KVRELAY_RETURN_IF_ERROR(opts_.before_repair(recovery->records));
+  }
+  if (bad_header) {
+    const size_t from = std::min<size_t>(bytes.size(), kJournalHeaderBytes);
+    const std::string fresh = JournalHeader() + bytes.substr(from, scan.valid_bytes - from);
+    KVRELAY_RETURN_IF_ERROR(WriteWhole(fs_, dir_, opts_, fresh));
+    recovery->bytes = fresh.size();
+    return absl::OkStatus();
+  }
+  recovery->bytes = scan.valid_bytes;
+  if (scan.torn_bytes > 0) KVRELAY_RETURN_IF_ERROR(fs_->Truncate(path_, scan.valid_bytes));
+  return absl::OkStatus();
 }
 
 Journal::~Journal() {

@@ -47,6 +47,19 @@ struct JournalOptions {
   bool sync_dir = true;               // fsync the directory after a rename; false only in tests (a negative control)
   uint64_t compact_bytes = 64 << 20;  // growth that triggers a compaction
   std::function<void(double seconds)> on_sync;  // told how long each batch's fdatasync took
+  // Damage that is not a torn tail (below): false refuses it, true salvages.
+  bool salvage = false;
+  // Whether Open may write a new journal where there is none; false makes a
+  // missing journal FAILED_PRECONDITION (the spool holds message files that
+  // only a journal proves committed).
+  bool create = true;
+  // Called by Open before it changes the journal, when the journal does not
+  // prove every commit that may have been acknowledged
+  // (JournalRecovery::complete is false), with the intact records. The spool
+  // moves the message files they do not name to quarantine/ here, so that
+  // no crash after the journal is repaired can make those files look never
+  // committed. An error fails Open and leaves the journal as it was.
+  std::function<absl::Status(const std::vector<spool::v1::Record>& intact)> before_repair;
 };
 
 // What opening the journal found.
@@ -56,6 +69,13 @@ struct JournalRecovery {
   uint64_t torn_bytes = 0;                 // cut off the end (a torn or damaged tail)
   std::string torn_why;
   std::string quarantined;                 // where the damaged journal was copied ("": nowhere)
+  // Every record that may have been acknowledged is in `records`: the file
+  // ended cleanly or in one record cut short by its end (an append a crash
+  // interrupted, never acknowledged). False when a damaged record was cut
+  // off, damage was salvaged, or there was no journal.
+  bool complete = true;
+  bool created = false;   // there was no journal: a new one was written
+  bool salvaged = false;  // damage in the middle or a damaged header, salvaged
 };
 
 class Journal {
@@ -64,12 +84,24 @@ class Journal {
   using Snapshot = std::function<std::vector<spool::v1::Record>()>;
   using OnFailure = std::function<void(const absl::Status&)>;
 
-  // Opens DIR/journal, creating it when missing, and reads it into
-  // `*recovery`. A torn tail is cut off (after copying the whole damaged
-  // file to DIR/quarantine/ when more than a partial last record is lost);
-  // a leftover DIR/journal.tmp is removed. FAILED_PRECONDITION for a
-  // journal of an unknown format version (left untouched); DATA_LOSS for a
-  // file that is not a journal.
+  // Opens DIR/journal, creating it when missing (and opts.create), and
+  // reads it into `*recovery`; a leftover DIR/journal.tmp is removed.
+  //
+  // A torn tail, damage after which no intact record follows, is cut off
+  // (after copying the whole damaged file to DIR/quarantine/ and calling
+  // opts.before_repair when more than one record cut short by the end of
+  // the file is lost).
+  //
+  // Damage in the middle (a damaged record followed by an intact one), a
+  // header that is not a journal's, and a missing journal without
+  // opts.create are FAILED_PRECONDITION, the file left untouched, unless
+  // opts.salvage: then the file is copied to DIR/quarantine/,
+  // opts.before_repair is called with the intact prefix (the records before
+  // the damage; for a damaged header, those after it; none for a missing
+  // journal), and the journal is rewritten to hold just those records.
+  //
+  // FAILED_PRECONDITION for a journal of an unknown format version (left
+  // untouched, salvage or not).
   // REQUIRES: DIR and DIR/quarantine exist. `fs` outlives the journal.
   static absl::StatusOr<std::unique_ptr<Journal>> Open(SpoolFs* fs, const std::string& dir,
                                                        const JournalOptions& opts, JournalRecovery* recovery);
@@ -99,6 +131,10 @@ class Journal {
 
  private:
   Journal(SpoolFs* fs, std::string dir, const JournalOptions& opts);
+  // Fills `*recovery` from the scan of the journal's `bytes` and cuts what
+  // it lost (rewriting the file whole when `bad_header`), calling
+  // before_repair first when that may be acknowledged records.
+  absl::Status Repair(const std::string& bytes, JournalScan scan, bool bad_header, JournalRecovery* recovery);
   void Loop();
   absl::Status WriteBatch(const std::string& bytes);
   // Rewrites the journal from the snapshot; an error before the rename

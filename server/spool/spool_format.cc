@@ -163,17 +163,33 @@ void AppendJournalRecord(const spool::v1::Record& record, std::string* out) {
   out->append(payload);
 }
 
-absl::StatusOr<JournalScan> ScanJournal(absl::string_view bytes) {
-  if (bytes.size() < kJournalHeaderBytes || std::memcmp(bytes.data(), kJournalMagic, 8) != 0) {
-    return absl::DataLossError(absl::StrCat("journal: ", bytes.size(), " bytes without the journal header (KVRSPJNL)"));
-  }
-  if (absl::Status s = CheckVersion("journal", GetU32(bytes.data() + 8)); !s.ok()) return s;
+namespace {
+
+// Whether an intact record (as ScanJournalRecords accepts it) starts at `at`.
+bool IntactRecordAt(absl::string_view bytes, size_t at) {
+  if (bytes.size() - at < kRecordHeaderBytes) return false;
+  const uint32_t len = GetU32(bytes.data() + at);
+  if (len > kMaxRecordBytes || len > bytes.size() - at - kRecordHeaderBytes) return false;
+  const char* payload = bytes.data() + at + kRecordHeaderBytes;
+  if (Crc32c(payload, len) != GetU32(bytes.data() + at + 4)) return false;
+  spool::v1::Record r;
+  return r.ParseFromArray(payload, static_cast<int>(len)) && r.kind_case() != spool::v1::Record::KIND_NOT_SET;
+}
+
+}  // namespace
+
+JournalScan ScanJournalRecords(absl::string_view bytes) {
   JournalScan scan;
+  if (bytes.size() < kJournalHeaderBytes) {
+    scan.valid_bytes = bytes.size();
+    return scan;
+  }
   size_t at = kJournalHeaderBytes;
   while (at < bytes.size()) {
     const size_t left = bytes.size() - at;
     if (left < kRecordHeaderBytes) {
       scan.torn_why = absl::StrCat("a record header cut short (", left, " bytes)");
+      scan.cut_short = true;
       break;
     }
     const uint32_t len = GetU32(bytes.data() + at);
@@ -184,6 +200,7 @@ absl::StatusOr<JournalScan> ScanJournal(absl::string_view bytes) {
     }
     if (len > left - kRecordHeaderBytes) {
       scan.torn_why = absl::StrCat("a record of ", len, " bytes cut short at ", left - kRecordHeaderBytes);
+      scan.cut_short = true;
       break;
     }
     const char* payload = bytes.data() + at + kRecordHeaderBytes;
@@ -201,7 +218,25 @@ absl::StatusOr<JournalScan> ScanJournal(absl::string_view bytes) {
   }
   scan.valid_bytes = at;
   scan.torn_bytes = bytes.size() - at;
+  // A damaged length hides where the next record starts: look at every
+  // offset. A CRC32C and a parse make a false find as good as impossible.
+  for (size_t next = at + 1; scan.torn_bytes > 0 && next < bytes.size(); ++next) {
+    if (IntactRecordAt(bytes, next)) {
+      scan.intact_after = next;
+      // A length that runs past the end is then damage too, not a cut.
+      scan.cut_short = false;
+      break;
+    }
+  }
   return scan;
+}
+
+absl::StatusOr<JournalScan> ScanJournal(absl::string_view bytes) {
+  if (bytes.size() < kJournalHeaderBytes || std::memcmp(bytes.data(), kJournalMagic, 8) != 0) {
+    return absl::DataLossError(absl::StrCat("journal: ", bytes.size(), " bytes without the journal header (KVRSPJNL)"));
+  }
+  if (absl::Status s = CheckVersion("journal", GetU32(bytes.data() + 8)); !s.ok()) return s;
+  return ScanJournalRecords(bytes);
 }
 
 }  // namespace kvrelay

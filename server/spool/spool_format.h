@@ -108,14 +108,26 @@ struct JournalScan {
   // scan stopped there ("" when it did not).
   uint64_t torn_bytes = 0;
   std::string torn_why;
+  // The tail is one record cut short by the end of the file (or a record
+  // header shorter than 8 bytes): what a crash during an append leaves.
+  bool cut_short = false;
+  // Where the first intact record after the damaged spot starts (0: none).
+  // Nonzero means damage in the middle, not a torn tail: records written
+  // after the damaged one are still there.
+  uint64_t intact_after = 0;
 };
 
 // Reads a journal file. FAILED_PRECONDITION for a version other than
 // kSpoolFormatVersion; DATA_LOSS when the header itself is not a journal's.
 // A record that is cut short, over kMaxRecordBytes, fails its CRC or does
 // not parse ends the intact prefix: it and everything after it are the torn
-// tail.
+// tail, which is then searched, byte by byte, for an intact record.
 absl::StatusOr<JournalScan> ScanJournal(absl::string_view bytes);
+// The records after the first kJournalHeaderBytes, as ScanJournal reads
+// them, without looking at the header (to salvage a journal whose header is
+// damaged). A file shorter than the header has no records and valid_bytes
+// equal to its size.
+JournalScan ScanJournalRecords(absl::string_view bytes);
 
 }  // namespace kvrelay
 

@@ -577,6 +577,279 @@ TEST(SpoolStore, AnUnknownFormatVersionIsRefusedAndLeftAlone) {
   }
 }
 
+// ---- A damaged journal ----
+//
+// In each case the three messages of MakeThree were acknowledged (their
+// Commit returned OK), so none of their files may be lost: each is either
+// served whole, or sits in quarantine/ byte for byte, or the relay refuses
+// to start and leaves it in place.
+
+constexpr char kJournal[] = "/spool/journal";
+constexpr char kQuarantine[] = "/spool/quarantine";
+
+// Where each record of `journal` starts.
+std::vector<size_t> RecordStarts(const std::string& journal) {
+  std::vector<size_t> starts;
+  for (size_t at = kJournalHeaderBytes; at + kRecordHeaderBytes <= journal.size();) {
+    starts.push_back(at);
+    uint32_t len = 0;
+    for (int i = 3; i >= 0; --i) len = (len << 8) | static_cast<uint8_t>(journal[at + i]);
+    at += kRecordHeaderBytes + len;
+  }
+  return starts;
+}
+
+// seq -> the bytes of msg/<seq>.kvm, for seqs 1..3 (m0..m2).
+std::map<uint64_t, std::string> AcknowledgedFiles(FaultFs& fs) {
+  std::map<uint64_t, std::string> files;
+  for (uint64_t seq = 1; seq <= 3; ++seq) {
+    files[seq] = fs.Peek(MsgPath(seq));
+    EXPECT_TRUE(MessageFileCrcOk(files[seq])) << seq;
+  }
+  return files;
+}
+
+// The bytes of every message file in quarantine/ (the journal's copies left out).
+std::set<std::string> QuarantinedMessageFiles(FaultFs& fs) {
+  std::set<std::string> out;
+  absl::StatusOr<std::vector<std::string>> names = fs.List(kQuarantine);
+  EXPECT_TRUE(names.ok()) << names.status();
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
+    if (name.rfind("journal", 0) != 0) out.insert(fs.Peek(std::string(kQuarantine) + "/" + name));
+  }
+  return out;
+}
+
+// Refused with FAILED_PRECONDITION naming the way out, and nothing changed.
+void ExpectRefusedUnchanged(FaultFs& fs, const std::map<uint64_t, std::string>& files, bool journal_exists) {
+  const std::string journal = fs.Peek(kJournal);
+  absl::StatusOr<std::unique_ptr<SpoolStore>> s = SpoolStore::Open({}, Opts(&fs), nullptr);
+  ASSERT_FALSE(s.ok()) << "started on a journal that does not prove its acknowledged commits";
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  EXPECT_NE(s.status().message().find("--spool-salvage"), std::string::npos) << s.status();
+  for (const auto& [seq, bytes] : files) EXPECT_EQ(fs.Peek(MsgPath(seq)), bytes) << seq;
+  EXPECT_EQ(fs.Peek(kJournal), journal);
+  EXPECT_EQ(fs.List(kDir)->size(), journal_exists ? 1u : 0u);  // no journal.tmp either
+  EXPECT_EQ(MessageFiles(fs).size(), files.size());
+  EXPECT_TRUE(QuarantinedMessageFiles(fs).empty());
+}
+
+// Each acknowledged message is served whole when `served` names it, and is
+// otherwise in quarantine/ unchanged (and not in msg/).
+void ExpectNoneLost(FaultFs& fs, SpoolStore& s, const std::map<uint64_t, std::string>& files,
+                    const std::set<std::string>& served) {
+  const std::set<std::string> quarantined = QuarantinedMessageFiles(fs);
+  for (const auto& [seq, bytes] : files) {
+    const std::string id = "m" + std::to_string(seq - 1);
+    SCOPED_TRACE(id);
+    if (served.count(id)) {
+      MessagePtr m = s.Find("s", id);
+      ASSERT_TRUE(m);
+      EXPECT_EQ(Fingerprint(*m), Fingerprint(*RealMsg("s", id, {"b"}, 40 + static_cast<uint32_t>(seq) - 1)));
+      EXPECT_EQ(fs.Peek(MsgPath(seq)), bytes);
+    } else {
+      EXPECT_FALSE(s.Find("s", id));
+      EXPECT_TRUE(quarantined.count(bytes)) << "its file is neither served nor in quarantine/";
+      EXPECT_TRUE(fs.Peek(MsgPath(seq)).empty());
+    }
+  }
+}
+
+SpoolOptions Salvage(FaultFs* fs) {
+  SpoolOptions o = Opts(fs);
+  o.salvage = true;
+  return o;
+}
+
+TEST(SpoolFormat, JournalScanTellsATornTailFromDamageInTheMiddle) {
+  std::string j = JournalHeader();
+  std::vector<size_t> starts;
+  for (int i = 0; i < 4; ++i) {
+    starts.push_back(j.size());
+    AppendJournalRecord(CommitRecord("s", "m" + std::to_string(i), i + 1, {"b"}), &j);
+  }
+  // Cut short by the end of the file: a torn tail.
+  absl::StatusOr<JournalScan> s = ScanJournal(absl::string_view(j).substr(0, j.size() - 3));
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->cut_short);
+  EXPECT_EQ(s->intact_after, 0u);
+  // A flipped payload byte, a length too long, a length past the end: the
+  // records after it are found again.
+  for (uint32_t len : {0u, 0xfffffff0u, static_cast<uint32_t>(j.size())}) {
+    std::string bad = j;
+    if (len == 0) {
+      bad[starts[1] + kRecordHeaderBytes + 2] ^= 0x40;
+    } else {
+      for (int i = 0; i < 4; ++i) bad[starts[1] + i] = static_cast<char>((len >> (8 * i)) & 0xff);
+    }
+    s = ScanJournal(bad);
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s->records.size(), 1u) << len;
+    EXPECT_FALSE(s->cut_short) << len;
+    EXPECT_EQ(s->intact_after, starts[2]) << len;
+  }
+  // The last record damaged, nothing after it: a torn tail, not cut short.
+  std::string last = j;
+  last[j.size() - 2] ^= 0x40;
+  s = ScanJournal(last);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->records.size(), 3u);
+  EXPECT_FALSE(s->cut_short);
+  EXPECT_EQ(s->intact_after, 0u);
+}
+
+TEST(SpoolStore, AFlippedByteMidJournalIsRefusedThenSalvagedIntoQuarantine) {
+  FaultFs fs;
+  MakeThree(&fs);  // commit m0, commit m1, commit m2, delivered m0, acked m0
+  const std::map<uint64_t, std::string> files = AcknowledgedFiles(fs);
+  std::string j = fs.Peek(kJournal);
+  const std::vector<size_t> starts = RecordStarts(j);
+  ASSERT_EQ(starts.size(), 5u);
+  j[(starts[1] + starts[2]) / 2] ^= 0x20;  // inside the commit of m1
+  fs.Poke(kJournal, j);
+
+  ExpectRefusedUnchanged(fs, files, true);
+
+  {
+    auto s = OpenOk(Salvage(&fs));
+    ASSERT_TRUE(s);
+    EXPECT_TRUE(s->recovery().salvaged);
+    EXPECT_EQ(s->recovery().unproven, 2u);
+    EXPECT_GT(s->recovery().torn_bytes, 0u);
+    ExpectNoneLost(fs, *s, files, {"m0"});
+    // The damaged journal is kept beside them.
+    EXPECT_EQ(fs.List(kQuarantine)->size(), 3u);
+  }
+  // Repaired: the next start needs no salvage, and quarantine/ is left alone.
+  auto s = OpenOk(Opts(&fs));
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->recovery().unproven, 0u);
+  ExpectNoneLost(fs, *s, files, {"m0"});
+  ASSERT_TRUE(Commit(*s, RealMsg("s", "m9", {"b"}, 9)).ok());
+  EXPECT_FALSE(fs.Peek(MsgPath(4)).empty()) << "a new file should not take a quarantined one's name";
+}
+
+TEST(SpoolStore, ABadFirstRecordLengthIsRefusedThenSalvagedIntoQuarantine) {
+  for (const bool too_long : {true, false}) {
+    SCOPED_TRACE(too_long ? "over 1 MiB" : "past the end of the file");
+    FaultFs fs;
+    MakeThree(&fs);
+    const std::map<uint64_t, std::string> files = AcknowledgedFiles(fs);
+    std::string j = fs.Peek(kJournal);
+    const uint32_t len = too_long ? 0xfffffff0u : static_cast<uint32_t>(j.size());
+    for (int i = 0; i < 4; ++i) j[kJournalHeaderBytes + i] = static_cast<char>((len >> (8 * i)) & 0xff);
+    fs.Poke(kJournal, j);
+
+    ExpectRefusedUnchanged(fs, files, true);
+
+    auto s = OpenOk(Salvage(&fs));
+    ASSERT_TRUE(s);
+    EXPECT_EQ(s->recovery().unproven, 3u);
+    EXPECT_EQ(s->recovery().messages, 0u);
+    ExpectNoneLost(fs, *s, files, {});
+  }
+}
+
+TEST(SpoolStore, AMissingJournalIsRefusedThenSalvagedIntoQuarantine) {
+  FaultFs fs;
+  MakeThree(&fs);
+  const std::map<uint64_t, std::string> files = AcknowledgedFiles(fs);
+  ASSERT_TRUE(fs.Remove(kJournal).ok());
+
+  ExpectRefusedUnchanged(fs, files, false);
+  EXPECT_TRUE(fs.Peek(kJournal).empty()) << "a refused start wrote a journal";
+
+  {
+    auto s = OpenOk(Salvage(&fs));
+    ASSERT_TRUE(s);
+    EXPECT_EQ(s->recovery().unproven, 3u);
+    ExpectNoneLost(fs, *s, files, {});
+  }
+  auto s = OpenOk(Opts(&fs));  // a new journal, and no message files left
+  ASSERT_TRUE(s);
+  ExpectNoneLost(fs, *s, files, {});
+}
+
+TEST(SpoolStore, ADamagedJournalHeaderIsRefusedThenSalvaged) {
+  FaultFs fs;
+  MakeThree(&fs);
+  const std::map<uint64_t, std::string> files = AcknowledgedFiles(fs);
+  std::string j = fs.Peek(kJournal);
+  j[2] ^= 0x01;  // the magic
+  fs.Poke(kJournal, j);
+
+  ExpectRefusedUnchanged(fs, files, true);
+
+  {
+    // The records after the header are intact: everything is recovered.
+    auto s = OpenOk(Salvage(&fs));
+    ASSERT_TRUE(s);
+    EXPECT_TRUE(s->recovery().salvaged);
+    EXPECT_EQ(s->recovery().unproven, 0u);
+    ExpectNoneLost(fs, *s, files, {"m0", "m1", "m2"});
+    auto d = TryFetch(*s, "s", "b");  // m0 stays acked
+    ASSERT_TRUE(d);
+    EXPECT_EQ(d->msg->message_id, "m1");
+  }
+  auto s = OpenOk(Opts(&fs));
+  ASSERT_TRUE(s);
+  ExpectNoneLost(fs, *s, files, {"m0", "m1", "m2"});
+}
+
+// A torn tail keeps its recovery: cut off, and the file of the publish whose
+// commit record it cut (never acknowledged) removed as an orphan.
+TEST(SpoolStore, ATornTailIsCutAndTheUnacknowledgedFileRemoved) {
+  FaultFs fs;
+  MakeThree(&fs);
+  const std::map<uint64_t, std::string> files = AcknowledgedFiles(fs);
+  auto m3 = RealMsg("s", "m3", {"b"}, 43);
+  spool::v1::MessageMeta meta;
+  meta.set_session_id("s");
+  meta.set_message_id("m3");
+  meta.add_recipients("b");
+  std::string file;
+  ASSERT_TRUE(EncodeMessageFile(meta, m3->msg, &file).ok());
+  {
+    auto f = fs.NewFile(MsgPath(4));
+    ASSERT_TRUE(f.ok() && (*f)->Append(file).ok() && (*f)->Sync().ok() && (*f)->Close().ok());
+  }
+  std::string rec;
+  AppendJournalRecord(CommitRecord("s", "m3", 4, {"b"}), &rec);
+  fs.Poke(kJournal, fs.Peek(kJournal) + rec.substr(0, rec.size() - 4));
+
+  auto s = OpenOk(Opts(&fs));
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->recovery().torn_bytes, rec.size() - 4);
+  EXPECT_EQ(s->recovery().orphans, 1u);
+  EXPECT_EQ(s->recovery().unproven, 0u);
+  EXPECT_FALSE(s->recovery().salvaged);
+  EXPECT_TRUE(fs.Peek(MsgPath(4)).empty());
+  ExpectNoneLost(fs, *s, files, {"m0", "m1", "m2"});
+  EXPECT_TRUE(fs.List(kQuarantine)->empty());
+}
+
+// A last record that is whole but fails its CRC is cut off like a torn tail
+// (nothing intact follows it), but it may be an acknowledged commit hit by
+// bit rot: the file it named goes to quarantine/, not away.
+TEST(SpoolStore, ADamagedLastRecordIsCutAndTheFileItNamedQuarantined) {
+  FaultFs fs;
+  {
+    auto s = OpenOk(Opts(&fs));
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(Commit(*s, RealMsg("s", "m" + std::to_string(i), {"b"}, 40 + i)).ok());
+  }
+  const std::map<uint64_t, std::string> files = AcknowledgedFiles(fs);
+  std::string j = fs.Peek(kJournal);
+  j[j.size() - 3] ^= 0x08;  // inside the commit of m2
+  fs.Poke(kJournal, j);
+
+  auto s = OpenOk(Opts(&fs));
+  ASSERT_TRUE(s);
+  EXPECT_GT(s->recovery().torn_bytes, 0u);
+  EXPECT_FALSE(s->recovery().salvaged);
+  EXPECT_EQ(s->recovery().unproven, 1u);
+  ExpectNoneLost(fs, *s, files, {"m0", "m1"});
+}
+
 // ---- I/O faults ----
 
 TEST(SpoolStore, IoFaultsGiveTheirCodesAndLeaveNothingVisible) {
