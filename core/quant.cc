@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/dtype.h"
 #include "core/status_macros.h"
@@ -31,7 +32,7 @@ namespace {
 constexpr uint16_t kF16MinSubnormal = 0x0001;
 constexpr int kValueBlockRows = 32;  // value rows whose statistics are made together
 
-bool IsPowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
+bool IsPowerOfTwo(int64_t n) { return n > 0 && (n & (n - 1)) == 0; }
 
 // ---------------------------------------------------------------------------
 // Row conversions: the shared (F16C-accelerated) ones from core/dtype.h.
@@ -656,32 +657,52 @@ void HadamardTransform(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] *= norm;
 }
 
-absl::Status ValidateQuantOptions(const QuantOptions& opts, int head_dim) {
-  if (opts.bits != 2 && opts.bits != 4 && opts.bits != 8) {
+namespace {
+
+// What the quantization rules call each option in their messages.
+struct QuantFieldNames {
+  absl::string_view prefix, bits, group, rotate, head_dim;
+};
+
+// The one set of quantization rules, on values wide enough for any source.
+absl::Status CheckQuant(int64_t bits, int64_t group, bool rotate, int64_t head_dim, const QuantFieldNames& f) {
+  auto bad = [&f](absl::string_view name, int64_t v, absl::string_view expected) {
+    return absl::InvalidArgumentError(absl::StrCat(f.prefix, name, ": ", v, ", expected ", expected));
+  };
+  if (bits != 2 && bits != 4 && bits != 8) return bad(f.bits, bits, "2, 4 or 8");
+  if (group < 1 || group > kMaxQuantGroup) return bad(f.group, group, absl::StrCat("1..", kMaxQuantGroup));
+  if (head_dim < 1) return bad(f.head_dim, head_dim, ">= 1");
+  if (rotate && bits == 8) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("quant: bits must be 2, 4 or 8, got %d", opts.bits));
+        absl::StrCat(f.prefix, f.rotate, "=hadamard needs 4 or 2 bits, got ", f.bits, "=8"));
   }
-  if (opts.group < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("quant: group must be >= 1, got %d", opts.group));
+  if (rotate && !IsPowerOfTwo(head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(f.prefix, f.rotate, "=hadamard needs a power-of-two head_dim, got ",
+                                                   f.head_dim, "=", head_dim));
   }
-  if (head_dim < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("quant: head_dim must be >= 1, got %d", head_dim));
-  }
-  if (opts.rotate && opts.bits == 8) {
-    return absl::InvalidArgumentError("quant: rotate=hadamard needs 4 or 2 bits, got bits=8");
-  }
-  if (opts.rotate && !IsPowerOfTwo(head_dim)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "quant: rotate=hadamard needs a power-of-two head_dim, got head_dim=%d", head_dim));
-  }
-  if ((static_cast<int64_t>(head_dim) * opts.bits) % 8 != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "quant: head_dim*bits must be a multiple of 8, got head_dim=%d bits=%d", head_dim,
-        opts.bits));
+  if (head_dim * bits % 8 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(f.prefix, f.head_dim, "*", f.bits, " must be a multiple of 8, got ",
+                                                   f.head_dim, "=", head_dim, " ", f.bits, "=", bits));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateQuantOptions(const QuantOptions& opts, int head_dim) {
+  return CheckQuant(opts.bits, opts.group, opts.rotate, head_dim, {"quant: ", "bits", "group", "rotate", "head_dim"});
+}
+
+absl::StatusOr<QuantOptions> QuantOptionsFromHeader(uint32_t bits, uint32_t group, bool rotate, uint32_t head_dim,
+                                                    absl::string_view field) {
+  const std::string quant_bits = absl::StrCat(field, "quant_bits"), quant_group = absl::StrCat(field, "quant_group"),
+                    quant_rotate = absl::StrCat(field, "quant_rotate"), dim = absl::StrCat(field, "head_dim");
+  KVRELAY_RETURN_IF_ERROR(CheckQuant(bits, group, rotate, head_dim, {"", quant_bits, quant_group, quant_rotate, dim}));
+  QuantOptions o;
+  o.bits = static_cast<int>(bits);
+  o.group = static_cast<int>(group);
+  o.rotate = rotate;
+  return o;
 }
 
 absl::StatusOr<QuantizedKv> QuantizeKv(const KvTensor& k, const KvTensor& v,

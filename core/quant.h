@@ -17,24 +17,40 @@
 #ifndef KVRELAY_CORE_QUANT_H_
 #define KVRELAY_CORE_QUANT_H_
 
+#include <cstdint>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/message.h"
 #include "core/tensor.h"
 
 namespace kvrelay {
 
+// The largest key token group: as many tokens as a part may hold.
+inline constexpr int kMaxQuantGroup = 1 << 24;
+
 struct QuantOptions {
   int bits = 4;       // 8, 4 or 2
-  int group = 32;     // key token group size, >= 1
+  int group = 32;     // key token group size, 1..kMaxQuantGroup
   bool rotate = false;  // only with 4 or 2 bits; REQUIRES power-of-two head_dim
 };
 
 // InvalidArgument naming the option when `opts` cannot apply to rows of
-// `head_dim` channels: bits not in {2,4,8}, group < 1, head_dim < 1, rotate
-// with 8 bits, rotate with a head_dim that is not a power of two, or
-// head_dim*bits not a multiple of 8.
+// `head_dim` channels: bits not in {2,4,8}, group outside 1..kMaxQuantGroup,
+// head_dim < 1, rotate with 8 bits, rotate with a head_dim that is not a
+// power of two, or head_dim*bits not a multiple of 8. The message starts
+// "quant: " and names the option ("quant: group: 0, expected 1..16777216").
 absl::Status ValidateQuantOptions(const QuantOptions& opts, int head_dim);
+
+// The quantization a message header carries on the wire (relay.proto
+// MessageHeader: quant_bits != 0, quant_group, quant_rotate, head_dim),
+// checked by the rules of ValidateQuantOptions on the unsigned values, before
+// anything is narrowed to int. InvalidArgument naming the field as `field`
+// followed by quant_bits, quant_group, quant_rotate or head_dim
+// ("header.quant_group: 4294967295, expected 1..16777216").
+absl::StatusOr<QuantOptions> QuantOptionsFromHeader(uint32_t bits, uint32_t group, bool rotate, uint32_t head_dim,
+                                                    absl::string_view field);
 
 // Quantizes a layer's keys and values ([heads, tokens, dim] each, any
 // dtype; the result records k's dtype). InvalidArgument if options are bad,

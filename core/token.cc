@@ -18,15 +18,21 @@ std::string Sha256Hex(absl::string_view data) {
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
 }
 
+absl::Status RandomBytes(void* out, size_t n) {
+  char* p = static_cast<char*>(out);
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = getrandom(p + got, n - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(r < 0 ? errno : EIO)));
+    got += static_cast<size_t>(r);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> NewToken() {
   char raw[32];
-  size_t got = 0;
-  while (got < sizeof(raw)) {
-    const ssize_t n = getrandom(raw + got, sizeof(raw) - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
-    got += static_cast<size_t>(n);
-  }
+  if (absl::Status s = RandomBytes(raw, sizeof(raw)); !s.ok()) return s;
   return absl::WebSafeBase64Escape(absl::string_view(raw, sizeof(raw)));
 }
 

@@ -5,8 +5,10 @@
 #ifndef KVRELAY_CORE_TOKEN_H_
 #define KVRELAY_CORE_TOKEN_H_
 
+#include <cstddef>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -15,7 +17,12 @@ namespace kvrelay {
 // Lowercase hex SHA-256 of `data` (64 characters).
 std::string Sha256Hex(absl::string_view data);
 
-// A fresh token: 32 bytes from getrandom(2), URL-safe base64 without
+// Fills `out[0, n)` from the kernel's CSPRNG (getrandom(2)), retrying on
+// EINTR and short reads. INTERNAL naming the errno when the kernel gives no
+// randomness; `out` is then not to be used. Thread-safe.
+absl::Status RandomBytes(void* out, size_t n);
+
+// A fresh token: 32 bytes from RandomBytes, URL-safe base64 without
 // padding (43 characters of [A-Za-z0-9_-]). INTERNAL when the kernel gives
 // no randomness.
 absl::StatusOr<std::string> NewToken();

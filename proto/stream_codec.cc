@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
+#include "core/quant.h"
 
 namespace kvrelay {
 namespace {
@@ -562,12 +563,15 @@ StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* by
   }
   const uint32_t bits = h.quant_bits();
   const bool quant = bits != 0;
+  // The quantization passes the rules a publish's policy passes
+  // (ValidateQuantOptions): one set of rules, ranges included.
   if (quant) {
-    if (bits != 2 && bits != 4 && bits != 8) return bad("quant_bits", bits, "0, 2, 4 or 8");
-    if (h.quant_group() < 1) return bad("quant_group", h.quant_group(), ">= 1 when quantized");
-    if ((uint64_t{h.head_dim()} * bits) % 8 != 0) {
-      return bad("head_dim", h.head_dim(), "head_dim*quant_bits a multiple of 8");
-    }
+    absl::StatusOr<QuantOptions> q =
+        QuantOptionsFromHeader(bits, h.quant_group(), h.quant_rotate(), h.head_dim(), "header.");
+    if (!q.ok()) return HeaderError(std::string(q.status().message()));
+  } else if (h.quant_group() != 0 || h.quant_rotate()) {
+    return HeaderError(absl::StrCat("header.quant_group: ", h.quant_group(), ", quant_rotate: ", h.quant_rotate(),
+                                    ", expected 0 and false without quantization (quant_bits 0)"));
   }
   if (h.acc_tokens() >= (uint64_t{1} << 31)) return bad("acc_tokens", h.acc_tokens(), "< 2^31");
   if (h.acc_tokens() != 0 && h.acc_tokens() < n64) {

@@ -145,6 +145,14 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     if (m.role().size() > 128) {
       return absl::InvalidArgumentError(absl::StrCat("header.message.role: ", m.role().size(), " bytes, expected at most 128"));
     }
+    // What a publish's header passes, the forward's passes too: the turn's
+    // geometry (CheckGeometry) and the requested policy's length; the
+    // message header's fields below (DeliveryReader::CheckHeader).
+    if (h.has_geometry()) {
+      KVRELAY_RETURN_IF_ERROR(CheckGeometry(h.geometry(), "header.geometry", !m.parent_id().empty()).status());
+    }
+    KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(h.requested_policy(), "header.requested_policy"));
+    KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(m.accounting().policy(), "header.message.accounting.policy"));
     if (h.recipients_size() == 0 || h.recipients_size() > kMaxRecipients) {
       return absl::InvalidArgumentError(
           absl::StrCat("header.recipients: ", h.recipients_size(), " agents, expected 1..", kMaxRecipients));

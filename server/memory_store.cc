@@ -131,21 +131,18 @@ absl::StatusOr<MessagePtr> MemoryStore::LookupParent(const std::string& session,
                                                const std::string& sender) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto s = sessions_.find(session);
-  if (s == sessions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id, "': session '",
-                                                      session, "' holds no messages (closed or expired?)"));
+  const MessagePtr* m = nullptr;
+  if (s != sessions_.end()) {
+    auto it = s->second.messages.find(parent_id);
+    if (it != s->second.messages.end()) m = &it->second;
   }
-  auto m = s->second.messages.find(parent_id);
-  if (m == s->second.messages.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id,
-                                                      "': no such message in session '", session, "'"));
-  }
+  if (!m || !MaySee(**m, sender)) return NotVisibleError("header.parent_id", session, parent_id, sender);
   if (!s->second.delivered.count({parent_id, sender})) {
     return absl::FailedPreconditionError(absl::StrCat("header.parent_id: '", parent_id,
                                                       "': expected a message delivered to the sender '",
                                                       sender, "'"));
   }
-  return m->second;
+  return *m;
 }
 
 absl::Status MemoryStore::CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,

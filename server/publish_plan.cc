@@ -115,7 +115,10 @@ absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanIn
   }
   if (!h.parent_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.parent_id", h.parent_id()));
   if (!h.has_geometry()) return absl::InvalidArgumentError("header.geometry: missing, expected the turn's geometry");
-  if (plan.header.message_id().empty()) plan.header.set_message_id(in.new_message_id());
+  if (plan.header.message_id().empty()) {
+    KVRELAY_ASSIGN_OR_RETURN(std::string id, in.new_message_id());
+    plan.header.set_message_id(std::move(id));
+  }
 
   // Idempotency: a committed id answers with the original accounting, if
   // this is a retry of the same publish.

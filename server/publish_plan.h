@@ -31,8 +31,9 @@ class RouteTable;
 struct PlanInputs {
   const ServerConfig& config;  // the roles' default policies
   const Store& store;          // Find, LookupParent, CheckCanPublish
-  // A fresh message id; called once, for a header without message_id.
-  std::function<std::string()> new_message_id;
+  // A fresh message id; called once, for a header without message_id. Its
+  // error fails the publish (nothing is uploaded).
+  std::function<absl::StatusOr<std::string>()> new_message_id;
   // Where recipients' mailboxes are (null: all here).
   const RouteTable* routes = nullptr;
 };
@@ -67,9 +68,10 @@ struct PublishPlan {
 //   - geometry (CheckGeometry), policy (its length, its spec, its
 //     quantization against head_dim): INVALID_ARGUMENT naming the field;
 //   - with parent_id: n_history 0 and first_agent false (INVALID_ARGUMENT),
-//     the parent delivered to the sender (Store::LookupParent,
-//     FAILED_PRECONDITION) with the geometry's layers, kv_heads, head_dim and
-//     dtype, and history_score_tokens 0 or the parent's tokens per head
+//     the parent: NOT_FOUND when it does not exist or the sender may not see
+//     it (the same answer for both: Store::LookupParent, NotVisibleError),
+//     delivered to the sender (FAILED_PRECONDITION), with the geometry's
+//     layers, kv_heads, head_dim and dtype, and history_score_tokens 0 or the parent's tokens per head
 //     (FAILED_PRECONDITION), prompt_pos0 unset (then the parent's
 //     next_pos, whose ids must fit int32) or >= the parent's next_pos
 //     (INVALID_ARGUMENT);

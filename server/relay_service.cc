@@ -1,15 +1,13 @@
 #include "server/relay_service.h"
 
-#include <chrono>
-#include <random>
-
-#include "absl/strings/str_format.h"
+#include "absl/strings/str_cat.h"
 #include "proto/status_util.h"
 #include "server/auth.h"
 #include "server/compress_reactor.h"
 #include "server/fetch_reactor.h"
 #include "server/forward_reactor.h"
 #include "server/internal/call_util.h"
+#include "server/message_id.h"
 #include "server/publish_reactor.h"
 #include "server/request_checks.h"
 
@@ -37,12 +35,9 @@ RelayService::RelayService(const ServerConfig& config, Store* store, ThreadPool*
                            Forwarder* forwarder, const RouteTable* routes, const Authenticator* auth)
     : config_(config), store_(store), pool_(pool), metrics_(metrics), forwarder_(forwarder), routes_(routes),
       auth_(auth),
-      id_salt_(std::random_device{}() * 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count())),
       watchdog_(config.upload_idle_timeout_seconds) {}
 
-std::string RelayService::NewMessageId() {
-  return absl::StrFormat("m-%016x-%d", id_salt_, id_counter_.fetch_add(1) + 1);
-}
+absl::StatusOr<std::string> RelayService::NewMessageId() { return kvrelay::NewMessageId(); }
 
 void RelayService::CountRpc(const char* method, const grpc::Status& s) const {
   if (metrics_) metrics_->AddRpc(method, s.error_code());

@@ -12,7 +12,6 @@
 #ifndef KVRELAY_SERVER_RELAY_SERVICE_H_
 #define KVRELAY_SERVER_RELAY_SERVICE_H_
 
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -102,7 +101,9 @@ class RelayService final : public RelayCallbackBase {
   // Counts a failed RPC in kvrelay_errors_total.
   // Counts a finished RPC in the metrics (kvrelay_rpcs_total, kvrelay_errors_total).
   void CountRpc(const char* method, const grpc::Status& s) const;
-  std::string NewMessageId();
+  // A relay-assigned message id (server/message_id.h); INTERNAL when the
+  // CSPRNG fails.
+  absl::StatusOr<std::string> NewMessageId();
   UploadWatchdog* watchdog() { return &watchdog_; }
 
   // Sees, for every upload that starts from now on, its count of queued or
@@ -116,8 +117,10 @@ class RelayService final : public RelayCallbackBase {
  private:
   absl::StatusOr<Caller> CheckMayClose(const grpc::CallbackServerContext& ctx,
                                        const v1::CloseSessionRequest& req) const;
-  absl::Status CheckMayReadStatus(const grpc::CallbackServerContext& ctx, const Caller& caller,
-                                  const v1::MessageStatusRequest& req) const;
+  // OK when `caller` may read the status of the message: any caller without
+  // tokens, an agent when MaySee. NotVisibleError otherwise, the same for a
+  // message that exists and one that does not.
+  absl::Status CheckMayReadStatus(const Caller& caller, const v1::MessageStatusRequest& req) const;
 
   const ServerConfig config_;
   Store* const store_;
@@ -126,8 +129,6 @@ class RelayService final : public RelayCallbackBase {
   Forwarder* const forwarder_;
   const RouteTable* const routes_;
   const Authenticator* const auth_;
-  std::atomic<uint64_t> id_counter_{0};
-  const uint64_t id_salt_;
   UploadWatchdog watchdog_;
   mutable std::mutex observer_mu_;
   std::function<void(int)> layer_observer_;  // guarded by observer_mu_

@@ -6,10 +6,10 @@
 
 namespace kvrelay {
 
-absl::Status CheckPolicyLength(const std::string& policy) {
+absl::Status CheckPolicyLength(const std::string& policy, const std::string& field) {
   if (policy.size() <= kMaxSpecBytes) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat("header.policy: ", policy.size(), " bytes, expected at most ", kMaxSpecBytes));
+      absl::StrCat(field, ": ", policy.size(), " bytes, expected at most ", kMaxSpecBytes));
 }
 
 absl::Status CheckId(const std::string& field, const std::string& v) {

@@ -21,7 +21,8 @@ absl::Status CheckId(const std::string& field, const std::string& value);
 // names the header field. Specs are tens of bytes; the bound keeps error
 // messages (which quote the spec) and log lines small, and under the 8 KiB of
 // trailing metadata gRPC clients accept by default.
-absl::Status CheckPolicyLength(const std::string& policy);
+// `field` names the policy in the error.
+absl::Status CheckPolicyLength(const std::string& policy, const std::string& field = "header.policy");
 
 // The policy against the geometry: its quantization options against
 // head_dim, and `window` only with queries. The error is prefixed by `field`.

@@ -2,9 +2,20 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "proto/stream_codec.h"
 
 namespace kvrelay {
+
+bool MaySee(const StoredMessage& m, absl::string_view agent) {
+  return m.sender == agent || std::find(m.recipients.begin(), m.recipients.end(), agent) != m.recipients.end();
+}
+
+absl::Status NotVisibleError(absl::string_view field, absl::string_view session, absl::string_view message_id,
+                             absl::string_view agent) {
+  return absl::NotFoundError(absl::StrCat(field, ": no message '", message_id, "' visible to agent \"", agent,
+                                          "\" in session '", session, "'"));
+}
 
 uint64_t RetainedBytes(uint64_t tensor_bytes, uint64_t layers) {
   return tensor_bytes + kMessageOverheadBytes + kLayerOverheadBytes * layers;

@@ -67,6 +67,18 @@ struct StoredMessage {
 };
 using MessagePtr = std::shared_ptr<const StoredMessage>;
 
+// Who may learn that a message exists (read its status, name it as a
+// parent): its sender and its recipients.
+bool MaySee(const StoredMessage& m, absl::string_view agent);
+
+// The one answer to `agent` about message `message_id` of `session` when it
+// may not see it (MaySee is false) or the message does not exist: the same
+// code and words either way, so that no call tells an outsider whether an id
+// exists. NOT_FOUND "FIELD: no message 'ID' visible to agent \"AGENT\" in
+// session 'SESSION'".
+absl::Status NotVisibleError(absl::string_view field, absl::string_view session, absl::string_view message_id,
+                             absl::string_view agent);
+
 // Bookkeeping a retained message holds beyond its tensors (ids, routing, the
 // layer objects' headers), counted with them against the mailbox, session
 // and store limits so that a message without tokens is not free.
@@ -124,7 +136,9 @@ class Store {
   virtual MessagePtr Find(const std::string& session, const std::string& message_id) const = 0;
 
   // The parent named by a publish of `sender`: a message of `session` that
-  // was delivered to `sender`. FAILED_PRECONDITION otherwise.
+  // was delivered to `sender`. NotVisibleError (NOT_FOUND) when there is no
+  // such message or `sender` may not see it (MaySee); FAILED_PRECONDITION
+  // when it may, but the message was not delivered to it (yet).
   virtual absl::StatusOr<MessagePtr> LookupParent(const std::string& session, const std::string& parent_id,
                                                   const std::string& sender) const = 0;
 

@@ -151,18 +151,11 @@ grpc::ServerUnaryReactor* RelayService::Stats(grpc::CallbackServerContext* ctx, 
 }
 
 // An agent may read the status of a message it sent or is a recipient of.
-absl::Status RelayService::CheckMayReadStatus(const grpc::CallbackServerContext& ctx, const Caller& caller,
-                                              const v1::MessageStatusRequest& req) const {
+absl::Status RelayService::CheckMayReadStatus(const Caller& caller, const v1::MessageStatusRequest& req) const {
   if (caller.kind != Caller::Kind::kAgent) return absl::OkStatus();
   MessagePtr m = store_->Find(req.session_id(), req.message_id());
-  if (!m) return absl::OkStatus();  // NOT_FOUND follows, as for anyone
-  if (m->sender == caller.agent ||
-      std::find(m->recipients.begin(), m->recipients.end(), caller.agent) != m->recipients.end()) {
-    return absl::OkStatus();
-  }
-  return Forbid(ctx, "message status",
-                absl::StrCat("message_id: caller is ", caller.Describe(), ", neither the sender nor a recipient of "
-                             "message '", req.message_id(), "'"));
+  if (m && MaySee(*m, caller.agent)) return absl::OkStatus();
+  return NotVisibleError("message_id", req.session_id(), req.message_id(), caller.agent);
 }
 
 grpc::ServerUnaryReactor* RelayService::MessageStatus(grpc::CallbackServerContext* ctx,
@@ -173,7 +166,7 @@ grpc::ServerUnaryReactor* RelayService::MessageStatus(grpc::CallbackServerContex
   if (s.ok()) s = ParseRequest(*request, "message status", &req);
   if (s.ok()) s = CheckId("session_id", req.session_id());
   if (s.ok()) s = CheckId("message_id", req.message_id());
-  if (s.ok()) s = CheckMayReadStatus(*ctx, *caller, req);
+  if (s.ok()) s = CheckMayReadStatus(*caller, req);
   v1::MessageStatusResponse resp;
   if (s.ok()) {
     absl::StatusOr<v1::MessageStatusResponse> r = store_->MessageStatus(req.session_id(), req.message_id());

@@ -588,16 +588,16 @@ class RelayCases:
         for key in MESSAGE_KEYS:
             self.assertEqual(cmeta.get(key), rmeta.get(key), key)
         self.assert_same_tensors(cmsg, rmsg, "par-2")
-        # A parent the session does not hold, or one not delivered to the
-        # sender, is the relay's FAILED_PRECONDITION naming header.parent_id;
-        # nothing is committed.
+        # A parent the session does not hold, or one the sender may not see
+        # (neither its sender nor a recipient), is the relay's NOT_FOUND with
+        # the same words for both; nothing is committed.
         before = live.stats()
         for name, parent, sender in (("par-none", "m-nosuch", "critic"), ("par-other", parent_id, "judge")):
             p = self.example("--in", child, "--out", live.path(f"{name}.safetensors"), "--session", "s-par",
                              "--from", sender, "--to", "critic", "--policy", policy, "--parent", parent)
             self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
-            self.assertRegex(p.stderr, rf"kvrelay-example: publish: FAILED_PRECONDITION: header\.parent_id: "
-                                       rf"'{parent}'")
+            self.assertRegex(p.stderr, rf"kvrelay-example: publish: NOT_FOUND: header\.parent_id: no message "
+                                       rf"'{parent}' visible to agent \"{sender}\" in session 's-par'")
         self.assertEqual(live.stats()["messages_committed"], before["messages_committed"])
 
     def test_bad_policy_is_invalid_argument(self):

@@ -173,13 +173,14 @@ def test_chain_with_parent(ctl, turn, turn2):
     m3, _ = read_st(ctl.path("c3"))
     check(bool(r3.get("message_id")) and m3.get("n_anchor") == "0",
           f"chain: first_agent file with --parent: {m3.get('n_anchor')} anchors")
-    # A parent that was not delivered to the sender: FAILED_PRECONDITION.
+    # A parent the sender may not see (neither its sender nor a recipient)
+    # and one that does not exist: the same NOT_FOUND.
     rc, _, err = ctl.run("publish", "--session", "chain", "--from", "judger", "--to", "x",
                          "--parent", r1.get("message_id", "x"), "--in", turn2)
-    check(rc == 1 and "FAILED_PRECONDITION" in err, f"chain: foreign parent: {rc} {err}")
+    check(rc == 1 and "NOT_FOUND" in err and "visible to agent" in err, f"chain: foreign parent: {rc} {err}")
     rc, _, err = ctl.run("publish", "--session", "chain", "--from", "critic", "--to", "x",
                          "--parent", "no-such-parent", "--in", turn2)
-    check(rc == 1 and "FAILED_PRECONDITION" in err, f"chain: unknown parent: {rc} {err}")
+    check(rc == 1 and "NOT_FOUND" in err and "visible to agent" in err, f"chain: unknown parent: {rc} {err}")
     rc, out, err = ctl.run("close", "--session", "chain")
     check(rc == 0 and "messages_freed=" in out, f"close: {rc} {out} {err}")
     rc, out, err = ctl.run("close", "--session", "chain")

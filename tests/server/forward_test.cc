@@ -3,6 +3,8 @@
 // commit, idempotency, ancestor elision, CRC, broken streams, closed
 // sessions), MessageStatus and ReportRecipient.
 #include <algorithm>
+#include <functional>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -650,6 +652,58 @@ TEST_F(ForwardTest, AStreamCutBeforeTheCommitLeavesNothing) {
   ASSERT_TRUE(f.status.ok()) << f.status.error_message();
   ExpectSameMessage(f.msg, msg);
   ExpectNothingFor("s", "b");
+}
+
+// A forward's message header passes the rules a publish's header passes
+// (ValidateQuantOptions, CheckGeometry), ranges included: a quant_group past
+// int's range is refused at the header, not stored as a negative group.
+// Groups of 64 over at most 64 tokens per head: the stream of a message with
+// any larger group has the same sizes, so only the header check refuses it.
+TEST_F(ForwardTest, QuantizationAndGeometryOutOfRangeAreRefusedAtTheHeader) {
+  const Message msg = Offline(MakeTurn(14), "h2o-head:k=8+int4:group=64");
+  ASSERT_TRUE(msg.layers[0].quant.has_value());
+  ASSERT_LE(msg.layers[0].tokens(), 64);
+  const struct {
+    std::function<void(v1::ForwardHeader*)> edit;
+    std::string says;
+  } cases[] = {
+      {[](auto* h) { h->mutable_message()->set_quant_group(uint32_t{1} << 31); },
+       "header.quant_group: 2147483648, expected 1..16777216"},
+      {[](auto* h) { h->mutable_message()->set_quant_group(std::numeric_limits<uint32_t>::max()); },
+       "header.quant_group: 4294967295, expected 1..16777216"},
+      {[](auto* h) { h->mutable_message()->set_quant_group((1u << 24) + 1); },
+       "header.quant_group: 16777217, expected 1..16777216"},
+      {[](auto* h) { h->mutable_message()->set_quant_group(0); }, "header.quant_group: 0, expected 1..16777216"},
+      {[](auto* h) { h->mutable_message()->set_quant_bits(3); }, "header.quant_bits: 3, expected 2, 4 or 8"},
+      {[](auto* h) {
+         h->mutable_message()->set_quant_bits(8);
+         h->mutable_message()->set_quant_rotate(true);
+       },
+       "header.quant_rotate=hadamard needs 4 or 2 bits, got header.quant_bits=8"},
+      {[](auto* h) { h->mutable_geometry()->set_head_dim(4096); },
+       "header.geometry.head_dim: 4096, expected 1..1024"},
+      {[](auto* h) { h->set_requested_policy(std::string(2000, 'x')); },
+       "header.requested_policy: 2000 bytes, expected at most 1024"},
+  };
+  for (const auto& c : cases) {
+    v1::ForwardHeader h = FwdHeader("s", "m1", "a", {"b"}, msg);
+    *h.mutable_geometry() = ProtoGeometry(MakeTurn(14));
+    c.edit(&h);
+    ForwardCall r = DoForward(stub_.get(), WholeForward(h, msg));
+    EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT) << c.says << ": " << r.status.error_message();
+    EXPECT_EQ(r.status.error_message(), c.says);
+  }
+  EXPECT_EQ(server_->store()->Find("s", "m1"), nullptr);
+  EXPECT_EQ(server_->store()->Stats().sessions, 0u);
+  ExpectNothingFor("s", "b");
+  // The same forward, in range: committed and delivered with its group.
+  v1::ForwardHeader h = FwdHeader("s", "m1", "a", {"b"}, msg);
+  *h.mutable_geometry() = ProtoGeometry(MakeTurn(14));
+  ExpectResults(DoForward(stub_.get(), WholeForward(h, msg)), {{"b", 0, false}});
+  FetchResult f = DoFetch(stub_.get(), "s", "b", /*auto_ack=*/true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  EXPECT_EQ(f.header.quant_bits(), 4u);
+  EXPECT_EQ(f.header.quant_group(), 64u);
 }
 
 TEST_F(ForwardTest, AForwardOfASessionClosedHereIsFailedPrecondition) {

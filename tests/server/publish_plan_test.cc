@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "relay_test_util.h"
 #include "server/memory_store.h"
+#include "server/message_id.h"
 #include "server/request_checks.h"
 #include "tests/core/test_util.h"
 
@@ -328,14 +329,47 @@ TEST_F(PlanPublishTest, AChildCarriesNoHistoryAndNoAnchors) {
 }
 
 TEST_F(PlanPublishTest, TheParentMustBeAMessageDeliveredToTheSender) {
-  ExpectError(Plan(Child()), absl::StatusCode::kFailedPrecondition,
-              "header.parent_id: 'p': session 's' holds no messages");
+  ExpectError(Plan(Child()), absl::StatusCode::kNotFound,
+              "header.parent_id: no message 'p' visible to agent \"b\" in session 's'");
   CommitParent(/*delivered=*/false);
   ExpectError(Plan(Child()), absl::StatusCode::kFailedPrecondition,
               "header.parent_id: 'p': expected a message delivered to the sender 'b'");
   v1::PublishHeader h = Child();
   h.set_parent_id("q");
-  ExpectError(Plan(h), absl::StatusCode::kFailedPrecondition, "header.parent_id: 'q': no such message in session 's'");
+  ExpectError(Plan(h), absl::StatusCode::kNotFound,
+              "header.parent_id: no message 'q' visible to agent \"b\" in session 's'");
+}
+
+// An agent that is neither the sender nor a recipient of a message learns
+// nothing of it from parent_id: the same answer as for an id that is not
+// there.
+TEST_F(PlanPublishTest, AParentTheSenderMayNotSeeReadsAsMissing) {
+  CommitParent();  // "p" from a to b, delivered
+  v1::PublishHeader h = Header("s", "c", "x", {"a"}, "h2o-head:k=8", child_turn_);
+  h.set_parent_id("p");
+  absl::StatusOr<PublishPlan> hidden = Plan(h);
+  h.set_parent_id("q");
+  absl::StatusOr<PublishPlan> missing = Plan(h);
+  ASSERT_FALSE(hidden.ok());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(hidden.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(hidden.status().message(), "header.parent_id: no message 'p' visible to agent \"x\" in session 's'");
+  EXPECT_EQ(missing.status().message(), "header.parent_id: no message 'q' visible to agent \"x\" in session 's'");
+}
+
+// A relay-assigned id that cannot be made (the CSPRNG failed) fails the
+// publish; no weaker id is used in its place.
+TEST_F(PlanPublishTest, AnIdThatCannotBeAssignedFailsThePublish) {
+  v1::PublishHeader h = Fresh();
+  h.clear_message_id();
+  PlanInputs in{config_, store_, [] { return NewMessageId([](void*, size_t) { return absl::InternalError("getrandom: EIO"); }); }};
+  absl::StatusOr<PublishPlan> r = PlanPublish(h, in);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+  EXPECT_TRUE(absl::StartsWith(r.status().message(), "header.message_id: empty, and the relay could not assign one"))
+      << r.status();
+  EXPECT_EQ(store_.Stats().sessions, 0u);
 }
 
 TEST_F(PlanPublishTest, TheParentMustHaveTheChildsGeometry) {

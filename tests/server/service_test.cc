@@ -2,6 +2,7 @@
 // generated stub.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <future>
@@ -9,6 +10,9 @@
 #include <thread>
 
 #include "core/pipeline.h"
+#include "core/token.h"
+#include "grpcpp/support/client_interceptor.h"
+#include "grpcpp/create_channel.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/support/sync_stream.h"
 #include "gtest/gtest.h"
@@ -19,6 +23,7 @@
 #include "proto/stream_codec.h"
 #include "server/pending.h"
 #include "server/relay_service.h"
+#include "server/request_checks.h"
 #include "server/server.h"
 #include "tests/core/test_util.h"
 
@@ -264,10 +269,10 @@ TEST_F(RelayTest, ParentChainComposesHistoryLikeTheCoreLibrary) {
   EXPECT_EQ(early.status.error_code(), grpc::FAILED_PRECONDITION) << early.status.error_message();
   FetchResult f1 = DoFetch(stub_.get(), "chain", "critic", true);
   ASSERT_TRUE(f1.status.ok());
-  // Another agent may not use it.
+  // Another agent may not use it, nor learn that it exists.
   auto h_bad = Header("chain", "mx", "judger", {"refiner"}, policy, t2);
   h_bad.set_parent_id("m1");
-  EXPECT_EQ(PublishTurn(stub_.get(), h_bad, t2).status.error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_EQ(PublishTurn(stub_.get(), h_bad, t2).status.error_code(), grpc::NOT_FOUND);
   auto p2 = PublishTurn(stub_.get(), h2, t2);
   ASSERT_TRUE(p2.status.ok()) << p2.status.error_message();
   FetchResult f2 = DoFetch(stub_.get(), "chain", "refiner", true);
@@ -558,7 +563,7 @@ TEST_F(RelayTest, BadInputsTable) {
       {"shape mismatch", with_header([](auto* h) { h->mutable_geometry()->set_head_dim(16); }), grpc::INVALID_ARGUMENT, "chunk"},
       {"missing geometry", with_header([](auto* h) { h->clear_geometry(); }), grpc::INVALID_ARGUMENT, "header.geometry"},
       {"bad parent", with_header([](auto* h) { h->set_parent_id("nope"); h->mutable_geometry()->set_first_agent(false); }),
-       grpc::FAILED_PRECONDITION, "header.parent_id"},
+       grpc::NOT_FOUND, "header.parent_id"},
       {"out of order", with_chunks([](auto* c) { std::swap((*c)[0], (*c)[1]); }), grpc::INVALID_ARGUMENT, "expected layer 0"},
       {"duplicate chunk", with_chunks([](auto* c) { c->insert(c->begin() + 3, (*c)[2]); }), grpc::INVALID_ARGUMENT, "offset"},
       {"bad chunk crc", with_chunks([](auto* c) { (*c)[5].set_crc32c(1); }), grpc::DATA_LOSS, "chunk.crc32c"},
@@ -1651,6 +1656,168 @@ TEST_F(BackpressureTest, IdleWatchdogIgnoresPauses) {
   ASSERT_TRUE(f.status.ok()) << f.status.error_message();
   ExpectSameMessage(f.msg, want);
   WaitInflightZero();
+}
+
+
+// An agent that saw the id the relay assigned to its own publish cannot
+// claim the next ones in another session: the ids it would guess (the next
+// counter values, or the next numbers) are not the ones the relay assigns,
+// so another agent's publish without an id still commits.
+TEST_F(RelayTest, RelayAssignedIdsCannotBeClaimedAhead) {
+  Turn t = MakeTurn(60);
+  const std::string policy = "h2o-head:k=8";
+  auto own = PublishTurn(stub_.get(), Header("own", "", "mallory", {"mallory"}, policy, t), t);
+  ASSERT_TRUE(own.status.ok()) << own.status.error_message();
+  const std::string seen = own.response.message_id();
+  ASSERT_TRUE(CheckId("message_id", seen).ok()) << seen;
+  // The guesses: the id with its last number (after the last '-') plus 1..8,
+  // and its hex digits as a number plus 1..8.
+  std::vector<std::string> guesses;
+  const size_t dash = seen.rfind('-');
+  const std::string head = seen.substr(0, dash + 1), tail = seen.substr(dash + 1);
+  for (uint64_t k = 1; k <= 8; ++k) {
+    if (!tail.empty() && tail.size() <= 18 && tail.find_first_not_of("0123456789") == std::string::npos) {
+      guesses.push_back(head + std::to_string(std::stoull(tail) + k));
+    }
+    if (tail.size() >= 16 && tail.find_first_not_of("0123456789abcdef") == std::string::npos) {
+      const uint64_t low = std::stoull(tail.substr(tail.size() - 16), nullptr, 16);
+      char hex[17];
+      std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(low + k));
+      guesses.push_back(head + tail.substr(0, tail.size() - 16) + hex);
+    }
+  }
+  ASSERT_FALSE(guesses.empty()) << seen;
+  for (const std::string& g : guesses) {
+    auto claim = PublishTurn(stub_.get(), Header("victim", g, "mallory", {"mallory"}, policy, t), t);
+    ASSERT_TRUE(claim.status.ok()) << g << ": " << claim.status.error_message();
+  }
+  auto victim = PublishTurn(stub_.get(), Header("victim", "", "alice", {"bob"}, policy, t), t);
+  ASSERT_TRUE(victim.status.ok()) << victim.status.error_code() << ": " << victim.status.error_message();
+  EXPECT_EQ(victim.response.message_id().size(), 34u) << victim.response.message_id();
+  EXPECT_EQ(victim.response.message_id().substr(0, 2), "m-");
+  EXPECT_EQ(std::find(guesses.begin(), guesses.end(), victim.response.message_id()), guesses.end());
+  MessagePtr m = server_->store()->Find("victim", victim.response.message_id());
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(m->sender, "alice");
+}
+
+// Adds "authorization: Bearer TOKEN" to every call of a channel.
+class BearerInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerInterceptor(std::string token) : token_(std::move(token)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    if (m->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      m->GetSendInitialMetadata()->insert({"authorization", "Bearer " + token_});
+    }
+    m->Proceed();
+  }
+
+ private:
+  std::string token_;
+};
+
+class BearerInterceptorFactory : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerInterceptorFactory(std::string token) : token_(std::move(token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo*) override {
+    return new BearerInterceptor(token_);
+  }
+
+ private:
+  std::string token_;
+};
+
+// A relay with a tokens file: planner, critic and judge, each with a stub
+// that carries its token.
+class TokenRelayTest : public RelayTest {
+ protected:
+  void SetUp() override {
+    tokens_path_ = ::testing::TempDir() + "kvrelay_service_test_tokens_" + std::to_string(::getpid());
+    std::string content;
+    for (const char* agent : {"planner", "critic", "judge"}) {
+      content += std::string(agent) + " sha256:" + Sha256Hex(std::string("token-of-") + agent) + "\n";
+    }
+    FILE* f = std::fopen(tokens_path_.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(content.data(), 1, content.size(), f), content.size());
+    ASSERT_EQ(std::fclose(f), 0);
+    ServerConfig cfg;
+    cfg.tokens_file = tokens_path_;
+    StartServer(cfg);
+  }
+  void TearDown() override {
+    RelayTest::TearDown();
+    std::remove(tokens_path_.c_str());
+  }
+
+  std::unique_ptr<v1::Relay::Stub> StubOf(const std::string& agent) {
+    std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> creators;
+    creators.push_back(std::make_unique<BearerInterceptorFactory>("token-of-" + agent));
+    return v1::Relay::NewStub(grpc::experimental::CreateCustomChannelWithInterceptors(
+        server_->grpc_address(), grpc::InsecureChannelCredentials(), grpc::ChannelArguments(), std::move(creators)));
+  }
+
+  static grpc::Status StatusOf(v1::Relay::Stub* stub, const std::string& session, const std::string& id) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(10));
+    v1::MessageStatusRequest req;
+    req.set_session_id(session);
+    req.set_message_id(id);
+    v1::MessageStatusResponse resp;
+    return stub->MessageStatus(&ctx, req, &resp);
+  }
+
+  std::string tokens_path_;
+};
+
+// MessageStatus: to an agent that is neither the sender nor a recipient, a
+// message that exists and one that does not get the same code and words.
+TEST_F(TokenRelayTest, MessageStatusOfAHiddenMessageReadsAsMissing) {
+  auto planner = StubOf("planner"), critic = StubOf("critic"), judge = StubOf("judge");
+  Turn t = MakeTurn(61);
+  auto pub = PublishTurn(planner.get(), Header("s", "m1", "planner", {"critic"}, "h2o-head:k=8", t), t);
+  ASSERT_TRUE(pub.status.ok()) << pub.status.error_message();
+  EXPECT_TRUE(StatusOf(planner.get(), "s", "m1").ok());
+  EXPECT_TRUE(StatusOf(critic.get(), "s", "m1").ok());
+  const grpc::Status hidden = StatusOf(judge.get(), "s", "m1");
+  const grpc::Status missing = StatusOf(judge.get(), "s", "m2");
+  EXPECT_EQ(hidden.error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(missing.error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(hidden.error_message(), "message_id: no message 'm1' visible to agent \"judge\" in session 's'");
+  EXPECT_EQ(missing.error_message(), "message_id: no message 'm2' visible to agent \"judge\" in session 's'");
+  const grpc::Status other_session = StatusOf(judge.get(), "t", "m1");
+  EXPECT_EQ(other_session.error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(other_session.error_message(), "message_id: no message 'm1' visible to agent \"judge\" in session 't'");
+}
+
+// parent_id: the same rule. A publish naming a parent the sender may not see
+// fails as one naming a parent that does not exist, and commits nothing.
+TEST_F(TokenRelayTest, AParentTheSenderMayNotSeeReadsAsMissing) {
+  auto planner = StubOf("planner"), critic = StubOf("critic"), judge = StubOf("judge");
+  const std::string policy = "h2o-head:k=8";
+  Turn t1 = MakeTurn(62);
+  ASSERT_TRUE(PublishTurn(planner.get(), Header("s", "m1", "planner", {"critic"}, policy, t1), t1).status.ok());
+  FetchResult f = DoFetch(critic.get(), "s", "critic", /*auto_ack=*/true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  Turn t2 = MakeTurn(63, /*first=*/false);
+  auto child = [&](const std::string& id, const std::string& from, const std::string& parent) {
+    auto h = Header("s", id, from, {"planner"}, policy, t2);
+    h.set_parent_id(parent);
+    return h;
+  };
+  const PublishResult hidden = PublishTurn(judge.get(), child("j1", "judge", "m1"), t2);
+  const PublishResult missing = PublishTurn(judge.get(), child("j2", "judge", "m9"), t2);
+  EXPECT_EQ(hidden.status.error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(missing.status.error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(hidden.status.error_message(),
+            "header.parent_id: no message 'm1' visible to agent \"judge\" in session 's'");
+  EXPECT_EQ(missing.status.error_message(),
+            "header.parent_id: no message 'm9' visible to agent \"judge\" in session 's'");
+  EXPECT_EQ(server_->store()->Find("s", "j1"), nullptr);
+  EXPECT_EQ(server_->store()->Find("s", "j2"), nullptr);
+  // The recipient it was delivered to composes on it.
+  const PublishResult ok = PublishTurn(critic.get(), child("c1", "critic", "m1"), t2);
+  EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
 }
 
 }  // namespace

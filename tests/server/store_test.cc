@@ -112,17 +112,21 @@ TEST(StoreTest, DuplicateCommitKeepsTheOriginal) {
   EXPECT_EQ(s.Stats().mailbox_messages, 1u);
 }
 
+// A parent must be delivered to the sender. To an agent that may not see it
+// (neither its sender nor a recipient), a parent that exists and one that
+// does not get the same NOT_FOUND.
 TEST(StoreTest, ParentMustBeDeliveredToTheSender) {
   MemoryStore impl(StoreLimits{}, nullptr);
   Store& s = impl;
-  EXPECT_EQ(s.LookupParent("s", "m1", "b").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.LookupParent("s", "m1", "b").status(), NotVisibleError("header.parent_id", "s", "m1", "b"));
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   EXPECT_EQ(s.LookupParent("s", "m1", "b").status().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(TryFetch(s, "s", "b"));
   EXPECT_TRUE(s.LookupParent("s", "m1", "b").ok());
-  EXPECT_EQ(s.LookupParent("s", "m1", "c").status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(s.LookupParent("other", "m1", "b").status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(s.LookupParent("s", "m2", "b").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.LookupParent("s", "m1", "c").status(), NotVisibleError("header.parent_id", "s", "m1", "c"));
+  EXPECT_EQ(s.LookupParent("other", "m1", "b").status(), NotVisibleError("header.parent_id", "other", "m1", "b"));
+  EXPECT_EQ(s.LookupParent("s", "m2", "b").status(), NotVisibleError("header.parent_id", "s", "m2", "b"));
+  EXPECT_EQ(NotVisibleError("f", "s", "m2", "b").code(), absl::StatusCode::kNotFound);
 }
 
 TEST(StoreTest, LimitsAreResourceExhausted) {

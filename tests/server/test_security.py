@@ -341,9 +341,13 @@ class SecurityTest(unittest.TestCase):
             self.assert_refused(PD, lambda: a1.close_session(sess), "sent or received no message")
             self.assert_refused(PD, lambda: a1.ack(sess, "a6", r.message_id), 'not "a6"')
             st = self.stub("a")
-            self.assert_refused(PD, lambda: st.MessageStatus(
-                pb.MessageStatusRequest(session_id=sess, message_id=r.message_id), timeout=5,
-                metadata=[("authorization", "Bearer " + self.tokens["a1"])]), "neither the sender nor a recipient")
+            # Another agent's message reads as missing: the same answer as an
+            # id that does not exist.
+            for mid in (r.message_id, "m-nosuch"):
+                self.assert_refused(grpc.StatusCode.NOT_FOUND, lambda: st.MessageStatus(
+                    pb.MessageStatusRequest(session_id=sess, message_id=mid), timeout=5,
+                    metadata=[("authorization", "Bearer " + self.tokens["a1"])]),
+                    f"message_id: no message '{mid}' visible to agent \"a1\" in session '{sess}'")
             self.assertEqual(self.visible("a", "a1"), before)
             # Nothing happened to a6's message: it is fetched and acked by a6.
             m = pod.fetch(sess, "a6", timeout=5)
