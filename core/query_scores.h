@@ -8,6 +8,7 @@
 #ifndef KVRELAY_CORE_QUERY_SCORES_H_
 #define KVRELAY_CORE_QUERY_SCORES_H_
 
+#include <atomic>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -32,8 +33,11 @@ std::vector<double> QueryScores(const TurnLayer& layer, const TurnGeometry& geo,
 // n_history + n_prompt + n_gen, row h at h * m, columns in the cache's
 // order (history, prompt, generated). Generated token j gets the weights of
 // the steps in the window that see it (t >= j); QueryScores is the prompt's
-// columns. Same REQUIRES.
-std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window);
+// columns. Same REQUIRES. When `cancelled` (may be null) becomes true, it
+// returns early, between heads or GEMM column blocks, with an unspecified
+// result: the caller checks the flag and discards it.
+std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale, int window,
+                              const std::atomic<bool>* cancelled = nullptr);
 
 // The fidelity figure of one compressed layer (docs/FORMAT.md, "Fidelity"):
 // the mean over score heads and generated steps of |o_msg - o_full| /
@@ -46,9 +50,12 @@ std::vector<double> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, d
 // counts 0 when o_msg = 0 too, else 1. Float32 dot products and outputs,
 // float64 norms and mean. 0 when n_gen = 0.
 // REQUIRES: geo.queries, ValidateTurnLayer(layer, ...) is OK, `msg` is the
-// pipeline's output for `layer`, scale finite and > 0.
+// pipeline's output for `layer`, scale finite and > 0. CancelledError once
+// `cancelled` (may be null) is true, checked between heads and GEMM column
+// blocks.
 absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGeometry& geo,
-                                            const MessageLayer& msg, double scale);
+                                            const MessageLayer& msg, double scale,
+                                            const std::atomic<bool>* cancelled = nullptr);
 
 }  // namespace kvrelay
 
