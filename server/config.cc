@@ -588,8 +588,8 @@ std::string ServerUsage() {
   --max-store-bytes N            bytes of every retained message, all sessions (KVRELAY_MAX_STORE_BYTES; 16GiB)
   --max-upload-work N            multiply-adds one Publish or Compress may ask for, estimated from its header
                                  (scoring from gen.q, the fidelity figure, obf); past it RESOURCE_EXHAUSTED before
-                                 any chunk is read (KVRELAY_MAX_UPLOAD_WORK; 4e12, four Qwen3-14B turns of 4096
-                                 prompt tokens and 256 steps with gen.q)
+                                 any chunk is read (KVRELAY_MAX_UPLOAD_WORK; 4.5e12, four Qwen3-14B turns of
+                                 4096 prompt tokens and 256 steps with gen.q)
   --upload-idle-timeout-seconds S  a Publish or Compress upload that sends nothing for S seconds fails with
                                  DEADLINE_EXCEEDED and frees its memory; a Fetch or Compress reply the client
                                  does not read for S seconds is cancelled (KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS; 60;

@@ -26,13 +26,13 @@ absl::Status CheckPolicyLength(const std::string& policy);
 // An estimate of the multiply-adds compressing `layers` layers of geometry
 // `geo` (n_history: the history each layer's compression holds, a parent's
 // included) with `p` takes, from the header alone: with queries, scoring
-// (score heads x the window's steps x every key x (head_dim + 64)) and the
+// (score heads x the window's steps x every key x (head_dim + 96)) and the
 // fidelity figure (score heads x n_gen x (every key + the message's keys) x
-// (2 head_dim + 64)); with OBF, per KV head n_cand x head_dim^2 + head_dim^3.
-// A softmax weight counts as 64 multiply-adds (what it costs on one core,
+// (2 head_dim + 96)); with OBF, per KV head n_cand x head_dim^2 + head_dim^3.
+// A softmax weight counts as 96 multiply-adds (what it costs on one core,
 // so that head_dim 1 is not cheap). Selection, copies and quantization are
-// linear in the upload's bytes and not counted. About 2.8e10 a second on
-// one core of the 2-core VM of README's figures.
+// linear in the upload's bytes and not counted. One core does some 2e10 a
+// second (README, "Compute per upload").
 double UploadWork(const Pipeline& p, const TurnGeometry& geo, int layers, bool first_agent);
 
 // RESOURCE_EXHAUSTED naming the estimate (UploadWork), the limit and

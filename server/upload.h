@@ -38,12 +38,12 @@ class Upload {
  public:
   explicit Upload(RelayService* svc) : svc_(svc) {}
 
-  // Starts after a checked header.
-  // Refuses an upload whose compression would take more than
-  // --max-upload-work multiply-adds (CheckUploadWork, RESOURCE_EXHAUSTED),
-  // before anything is reserved or read. Reserves shape.ReserveBytes() plus, with a parent, the parent's dense
-  // (decoded) size: every layer's compression holds the parent's layer as
-  // dense history while it runs.
+  // Starts after a checked header. Refuses an upload whose compression
+  // would take more than --max-upload-work multiply-adds (CheckUploadWork,
+  // RESOURCE_EXHAUSTED) before anything is reserved or read. Reserves
+  // shape.ReserveBytes() plus, with a parent, the parent's dense (decoded)
+  // size: every layer's compression holds the parent's layer as dense
+  // history while it runs.
   // `observer` (may be empty) sees each layer once compressed.
   absl::Status Start(const UploadShape& shape, std::shared_ptr<const Pipeline> pipeline, MessagePtr parent,
                      int64_t prompt_pos0, PendingCompression::LayerObserver observer = nullptr) {
