@@ -108,6 +108,16 @@ class Params {
 
 constexpr int kMaxTokens = 1 << 24;
 
+// Whether the layer's caller has gone (LayerContext::cancelled).
+bool IsCancelled(const LayerContext& ctx) {
+  return ctx.cancelled != nullptr && ctx.cancelled->load(std::memory_order_relaxed);
+}
+
+absl::Status CheckCancelled(const LayerContext& ctx) {
+  if (!IsCancelled(ctx)) return absl::OkStatus();
+  return absl::CancelledError(absl::StrCat("layer ", ctx.layer, ": cancelled"));
+}
+
 // The logit scale for scores from queries: the context's, or 1/sqrt(d).
 double SoftmaxScaleOf(const LayerContext& ctx, int head_dim) {
   return ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
@@ -440,7 +450,8 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
   std::vector<double> hist_mass(static_cast<size_t>(heads) * n_hist, 0.0);
   std::vector<double> gen_mass(static_cast<size_t>(heads) * n_gen, 0.0);
   if (geo.queries) {
-    absl::StatusOr<std::vector<double>> all = QueryMass(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window);
+    absl::StatusOr<std::vector<double>> all =
+        QueryMass(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window, ctx.cancelled);
     if (!all.ok()) return PrefixLayer(all.status(), ctx.layer);
     const std::vector<double>& mass = *all;
     const size_t m = static_cast<size_t>(n_hist) + n_prompt + n_gen;
@@ -682,8 +693,11 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
   KVRELAY_RETURN_IF_ERROR(ValidateTurnLayer(layer, ctx.layer, geo, ctx.prompt_pos0, /*check_kv_values=*/false));
   LayerWork w;
   KVRELAY_RETURN_IF_ERROR(SelectAndCopy(layer, geo, ctx, &w));
-  ParallelFor(pool, config_.obf ? geo.kv_heads : 0,
-              [&](size_t h) { BackfillHead(layer, geo, ctx, static_cast<int>(h), &w); });
+  KVRELAY_RETURN_IF_ERROR(CheckCancelled(ctx));
+  ParallelFor(pool, config_.obf ? geo.kv_heads : 0, [&](size_t h) {
+    if (!IsCancelled(ctx)) BackfillHead(layer, geo, ctx, static_cast<int>(h), &w);
+  });
+  KVRELAY_RETURN_IF_ERROR(CheckCancelled(ctx));
   KVRELAY_RETURN_IF_ERROR(FinishLayer(geo, ctx.layer, &w));
   KVRELAY_RETURN_IF_ERROR(MeasureFidelity(layer, geo, ctx, &w.out));
   KVRELAY_RETURN_IF_ERROR(CheckOutput(geo, ctx, w.out));
@@ -693,7 +707,8 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
 absl::Status Pipeline::MeasureFidelity(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                                        MessageLayer* out) const {
   if (!geo.queries) return absl::OkStatus();
-  absl::StatusOr<double> e = AttentionOutputError(layer, geo, *out, SoftmaxScaleOf(ctx, geo.head_dim));
+  absl::StatusOr<double> e =
+      AttentionOutputError(layer, geo, *out, SoftmaxScaleOf(ctx, geo.head_dim), ctx.cancelled);
   if (!e.ok()) return PrefixLayer(e.status(), ctx.layer);
   out->attention_error = *e;
   return absl::OkStatus();

@@ -10,6 +10,7 @@
 #ifndef KVRELAY_CORE_PIPELINE_H_
 #define KVRELAY_CORE_PIPELINE_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <optional>
@@ -83,6 +84,9 @@ struct LayerContext {
   // Logit scale for scores from queries (Turn::SoftmaxScale); 0 means
   // 1/sqrt(head_dim).
   double softmax_scale = 0;
+  // When set and it becomes true, CompressLayer stops between heads and
+  // between GEMM column blocks and returns CancelledError (null: never).
+  const std::atomic<bool>* cancelled = nullptr;
 };
 
 class Pipeline {
@@ -112,6 +116,8 @@ class Pipeline {
   // Checks shapes, scores and positions (InvalidArgument) but not the K/V
   // values: REQUIRES the caller to have checked those (ValidateTurnLayer).
   // A selector with `window` on a turn without queries is InvalidArgument.
+  // CancelledError once *ctx.cancelled is true (checked between heads and
+  // between GEMM column blocks, so a layer stops within about one block).
   absl::StatusOr<MessageLayer> CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
                                              const LayerContext& ctx,
                                              ThreadPool* pool = nullptr) const;

@@ -59,10 +59,21 @@ void ReadGroupQueries(const TurnLayer& layer, int h, int group, int first, int s
 }
 
 // Columns per GEMM block: all `cols` when m * cols floats fit
-// kMaxBlockFloats (64 MiB), else as many as fit, at least 1.
+// kMaxBlockFloats (64 MiB) and the block's work fits kMaxBlockWork, else as
+// many as fit, at least 1. The work of a logit is head_dim multiply-adds
+// plus its exponential, counted as 16; kMaxBlockWork (2^26) is a few
+// milliseconds of one core, the most a cancelled caller waits for the next
+// check of its flag.
 constexpr Eigen::Index kMaxBlockFloats = Eigen::Index{1} << 24;
-Eigen::Index BlockColumns(Eigen::Index m, Eigen::Index cols) {
-  return std::max<Eigen::Index>(1, std::min(cols, kMaxBlockFloats / std::max<Eigen::Index>(m, 1)));
+constexpr Eigen::Index kMaxBlockWork = Eigen::Index{1} << 26;
+Eigen::Index BlockColumns(Eigen::Index m, Eigen::Index d, Eigen::Index cols) {
+  m = std::max<Eigen::Index>(m, 1);
+  const Eigen::Index by_memory = kMaxBlockFloats / m, by_work = kMaxBlockWork / (m * (d + 16));
+  return std::max<Eigen::Index>(1, std::min({cols, by_memory, by_work}));
+}
+
+bool IsCancelled(const std::atomic<bool>* cancelled) {
+  return cancelled != nullptr && cancelled->load(std::memory_order_relaxed);
 }
 
 // The error for a step whose attention overflows float32.
@@ -76,7 +87,7 @@ absl::Status LogitOverflow(int score_head, int step) {
 }  // namespace
 
 absl::StatusOr<std::vector<double>> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale,
-                                              int window) {
+                                              int window, const std::atomic<bool>* cancelled) {
   using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using ColMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
   const int heads = geo.kv_heads, d = geo.head_dim;
@@ -88,10 +99,10 @@ absl::StatusOr<std::vector<double>> QueryMass(const TurnLayer& layer, const Turn
   std::vector<double> out(static_cast<size_t>(heads) * m, 0.0);
   if (steps == 0 || m == 0) return out;
   // The columns of one KV head are (score head g, step s) at g * steps + s:
-  // a GEMM covers a block of them, the whole group when the logits fit
-  // kMaxBlockFloats (the turn's bound on the work keeps the rest finite).
+  // a GEMM covers a block of them (BlockColumns), the whole group when it
+  // is small; the cancel flag is checked between blocks.
   const Eigen::Index cols = static_cast<Eigen::Index>(group) * steps;
-  const Eigen::Index block = BlockColumns(m, cols);
+  const Eigen::Index block = BlockColumns(m, d, cols);
   RowMajor keys(m, d), queries(cols, d);
   ColMajor logits(m, block);
   std::vector<double> mass(m);
@@ -104,6 +115,7 @@ absl::StatusOr<std::vector<double>> QueryMass(const TurnLayer& layer, const Turn
     ReadGroupQueries(layer, h, group, t0, steps, scale, queries);
     double* dst = out.data() + static_cast<size_t>(h) * m;
     for (Eigen::Index c0 = 0; c0 < cols; c0 += block) {
+      if (IsCancelled(cancelled)) return absl::CancelledError("gen.q: scoring cancelled");
       const Eigen::Index nb = std::min(block, cols - c0);
       logits.leftCols(nb).noalias() = keys * queries.middleRows(c0, nb).transpose();
       for (Eigen::Index c = c0; c < c0 + nb; ++c) {
@@ -144,7 +156,8 @@ absl::StatusOr<std::vector<double>> QueryScores(const TurnLayer& layer, const Tu
 }
 
 absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGeometry& geo,
-                                            const MessageLayer& msg, double scale) {
+                                            const MessageLayer& msg, double scale,
+                                            const std::atomic<bool>* cancelled) {
   using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using ColMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
   const int heads = geo.kv_heads, d = geo.head_dim;
@@ -163,7 +176,7 @@ absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGe
   const int before_gen = m_msg - n_gen;  // the message's tokens every step sees
   // As in QueryScores: columns (g, t) at g * n_gen + t, in GEMM blocks.
   const Eigen::Index cols = static_cast<Eigen::Index>(group) * n_gen;
-  const Eigen::Index block = BlockColumns(m_full, cols);
+  const Eigen::Index block = BlockColumns(m_full, d, cols);
   RowMajor kf(m_full, d), vf(m_full, d), km(m_msg, d), vm(m_msg, d), q(cols, d);
   ColMajor wf(m_full, block), wm(m_msg, block), of(d, block), om(d, block);
   double total = 0;
@@ -174,6 +187,7 @@ absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGe
     mv->ReadRows(h, 0, m_msg, vm.data());
     ReadGroupQueries(layer, h, group, 0, n_gen, scale, q);
     for (Eigen::Index c0 = 0; c0 < cols; c0 += block) {
+      if (IsCancelled(cancelled)) return absl::CancelledError("fidelity: cancelled");
       const Eigen::Index nb = std::min(block, cols - c0);
       wf.leftCols(nb).noalias() = kf * q.middleRows(c0, nb).transpose();
       wm.leftCols(nb).noalias() = km * q.middleRows(c0, nb).transpose();

@@ -8,6 +8,7 @@
 #ifndef KVRELAY_CORE_QUERY_SCORES_H_
 #define KVRELAY_CORE_QUERY_SCORES_H_
 
+#include <atomic>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -36,9 +37,10 @@ absl::StatusOr<std::vector<double>> QueryScores(const TurnLayer& layer, const Tu
 // n_history + n_prompt + n_gen, row h at h * m, columns in the cache's
 // order (history, prompt, generated). Generated token j gets the weights of
 // the steps in the window that see it (t >= j); QueryScores is the prompt's
-// columns. Same errors and REQUIRES.
+// columns. Same errors and REQUIRES. CancelledError once `cancelled` (may
+// be null) is true, checked between heads and GEMM column blocks.
 absl::StatusOr<std::vector<double>> QueryMass(const TurnLayer& layer, const TurnGeometry& geo, double scale,
-                                              int window);
+                                              int window, const std::atomic<bool>* cancelled = nullptr);
 
 // The fidelity figure of one compressed layer (docs/FORMAT.md, "Fidelity"):
 // the mean over score heads and generated steps of |o_msg - o_full| /
@@ -53,9 +55,12 @@ absl::StatusOr<std::vector<double>> QueryMass(const TurnLayer& layer, const Turn
 // the score head and the step when a logit or an output overflows float32,
 // so the figure is always finite.
 // REQUIRES: geo.queries, ValidateTurnLayer(layer, ...) is OK, `msg` is the
-// pipeline's output for `layer`, scale finite and > 0.
+// pipeline's output for `layer`, scale finite and > 0. CancelledError once
+// `cancelled` (may be null) is true, checked between heads and GEMM column
+// blocks.
 absl::StatusOr<double> AttentionOutputError(const TurnLayer& layer, const TurnGeometry& geo,
-                                            const MessageLayer& msg, double scale);
+                                            const MessageLayer& msg, double scale,
+                                            const std::atomic<bool>* cancelled = nullptr);
 
 }  // namespace kvrelay
 

@@ -2,11 +2,25 @@
 
 #include <atomic>
 #include <exception>
+#include <limits>
 #include <memory>
 
 namespace kvrelay {
 
-ThreadPool::ThreadPool(int threads) {
+class ThreadPool::Lane {
+ public:
+  explicit Lane(int max_running) : max_running(max_running < 1 ? 1 : max_running) {}
+
+ private:
+  friend class ThreadPool;
+  const int max_running;
+  // Guarded by the pool's mu_.
+  std::deque<std::function<void()>> tasks;
+  int running = 0;
+  bool in_ring = false;  // queued in ring_ (exactly when tasks is not empty)
+};
+
+ThreadPool::ThreadPool(int threads) : default_lane_(new Lane(std::numeric_limits<int>::max())) {
   if (threads < 1) threads = 1;
   workers_.reserve(threads);
   for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
@@ -21,25 +35,67 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::Schedule(std::function<void()> fn) {
+std::shared_ptr<ThreadPool::Lane> ThreadPool::NewLane(int max_running) {
+  return std::shared_ptr<Lane>(new Lane(max_running));
+}
+
+void ThreadPool::Schedule(std::function<void()> fn) { Schedule(default_lane_, std::move(fn)); }
+
+void ThreadPool::Schedule(const std::shared_ptr<Lane>& lane, std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(fn));
+    lane->tasks.push_back(std::move(fn));
+    if (!lane->in_ring) {
+      lane->in_ring = true;
+      ring_.push_back(lane);
+    }
   }
   cv_.notify_one();
 }
 
-void ThreadPool::WorkerLoop() {
-  for (;;) {
-    std::function<void()> fn;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      fn = std::move(queue_.front());
-      queue_.pop_front();
+std::shared_ptr<ThreadPool::Lane> ThreadPool::NextLane() {
+  for (auto it = ring_.begin(); it != ring_.end(); ++it) {
+    if ((*it)->running < (*it)->max_running) {
+      std::shared_ptr<Lane> lane = std::move(*it);
+      ring_.erase(it);
+      return lane;
     }
+  }
+  return nullptr;
+}
+
+bool ThreadPool::IdleLocked() const { return running_ == 0 && ring_.empty(); }
+
+bool ThreadPool::WaitIdle(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_cv_.wait_for(lock, timeout, [this] { return IdleLocked(); });
+}
+
+void ThreadPool::WorkerLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    std::shared_ptr<Lane> lane;
+    // A lane at its limit waits for one of its tasks to finish (which
+    // notifies), not for stop_: destruction drains every queued task.
+    cv_.wait(lock, [&] { return (lane = NextLane()) != nullptr || (stop_ && ring_.empty()); });
+    if (!lane) return;
+    std::function<void()> fn = std::move(lane->tasks.front());
+    lane->tasks.pop_front();
+    if (lane->tasks.empty()) {
+      lane->in_ring = false;
+    } else {
+      ring_.push_back(lane);  // its next task waits for the other lanes' turns
+    }
+    ++lane->running;
+    ++running_;
+    lock.unlock();
     fn();
+    fn = nullptr;  // the task's captures go before the lane is released
+    lock.lock();
+    --running_;
+    // A lane that was at its limit may start its next task now.
+    if (lane->running-- == lane->max_running && lane->in_ring) cv_.notify_one();
+    if (IdleLocked()) idle_cv_.notify_all();
   }
 }
 

@@ -248,6 +248,14 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   }
   if (name == "max-session-bytes") return ParseBytes(name, value, &c->max_session_bytes);
   if (name == "max-store-bytes") return ParseBytes(name, value, &c->max_store_bytes);
+  if (name == "max-upload-work") {
+    double w;
+    if (!absl::SimpleAtod(value, &w) || !std::isfinite(w) || w < 1) {
+      return Bad(name, value, "a positive count of multiply-adds, e.g. 4e12");
+    }
+    c->max_upload_work = w;
+    return absl::OkStatus();
+  }
   if (name == "upload-idle-timeout-seconds") {
     return ParseSeconds(name, value, false, &c->upload_idle_timeout_seconds);
   }
@@ -341,6 +349,7 @@ const char* const kEnv[][2] = {
     {"max-session-messages", "KVRELAY_MAX_SESSION_MESSAGES"},
     {"max-session-bytes", "KVRELAY_MAX_SESSION_BYTES"},
     {"max-store-bytes", "KVRELAY_MAX_STORE_BYTES"},
+    {"max-upload-work", "KVRELAY_MAX_UPLOAD_WORK"},
     {"heap-retain-bytes", "KVRELAY_HEAP_RETAIN_BYTES"},
     {"upload-idle-timeout-seconds", "KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS"},
     {"session-ttl-seconds", "KVRELAY_SESSION_TTL_SECONDS"},
@@ -581,6 +590,10 @@ std::string ServerUsage() {
                                  as potential parents until the session closes or expires)
                                  (KVRELAY_MAX_SESSION_BYTES; 8GiB)
   --max-store-bytes N            bytes of every retained message, all sessions (KVRELAY_MAX_STORE_BYTES; 16GiB)
+  --max-upload-work N            multiply-adds one Publish or Compress may ask for, estimated from its header
+                                 (scoring from gen.q, the fidelity figure, obf); past it RESOURCE_EXHAUSTED before
+                                 any chunk is read (KVRELAY_MAX_UPLOAD_WORK; 4.5e12, four Qwen3-14B turns of
+                                 4096 prompt tokens and 256 steps with gen.q)
   --upload-idle-timeout-seconds S  a Publish or Compress upload that sends nothing for S seconds fails with
                                  DEADLINE_EXCEEDED and frees its memory; a Fetch or Compress reply the client
                                  does not read for S seconds is cancelled (KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS; 60;

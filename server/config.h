@@ -14,6 +14,7 @@
 //   --max-session-messages N      KVRELAY_MAX_SESSION_MESSAGES      1024
 //   --max-session-bytes N         KVRELAY_MAX_SESSION_BYTES         8GiB  (retained messages, acked too)
 //   --max-store-bytes N           KVRELAY_MAX_STORE_BYTES           16GiB (retained messages, all sessions)
+//   --max-upload-work N           KVRELAY_MAX_UPLOAD_WORK           4.5e12 (multiply-adds one upload's compression may take)
 //   --upload-idle-timeout-seconds S  KVRELAY_UPLOAD_IDLE_TIMEOUT_SECONDS  60 (Publish/Compress silent that long fail)
 //   --session-ttl-seconds S       KVRELAY_SESSION_TTL_SECONDS       3600  (idle time; fractions allowed)
 //   --default-policy SPEC         KVRELAY_DEFAULT_POLICY            h2o-head:k=32+obf:p=8,mode=fast
@@ -81,6 +82,12 @@
 
 namespace kvrelay {
 
+// --max-upload-work's default: four turns of Qwen3-14B (40 layers, 40 query
+// heads over 8 KV heads, head_dim 128) with a 4096-token prompt, 256
+// generated steps and gen.q under the default policy (1.09e12 each by
+// UploadWork), or one of 8192 + 512 (4.31e12); some 200 s of one core.
+inline constexpr double kDefaultMaxUploadWork = 4.5e12;
+
 struct ServerConfig {
   // gRPC addresses in the order given, no two alike: HOST:PORT (PORT 0..65535,
   // 0 picks a free port) or unix:PATH (a Unix domain socket; PATH of 1..107
@@ -93,6 +100,10 @@ struct ServerConfig {
   uint32_t max_session_messages = 1024;
   uint64_t max_session_bytes = 8ull << 30;
   uint64_t max_store_bytes = 16ull << 30;
+  // The multiply-adds one Publish or Compress may ask for, estimated from
+  // its header (UploadWork in server/request_checks.h); past it the upload
+  // is refused before any chunk is read.
+  double max_upload_work = kDefaultMaxUploadWork;
   double upload_idle_timeout_seconds = 60;
   double session_ttl_seconds = 3600;
   std::string default_policy = "h2o-head:k=32+obf:p=8,mode=fast";

@@ -18,6 +18,7 @@ PendingCompression::PendingCompression(std::shared_ptr<const Pipeline> pipeline,
       softmax_scale_(shape.softmax_scale.value_or(0)),
       parent_(std::move(parent)),
       pool_(pool),
+      lane_(pool->NewLane(std::max(1, pool->size() - 1))),
       store_(store),
       reserved_(reserved),
       out_(shape.layers) {
@@ -39,7 +40,7 @@ void PendingCompression::Submit(int l, TurnLayer layer) {
   auto self = shared_from_this();
   // std::function needs a copyable callable: hold the layer by shared_ptr.
   auto holder = std::make_shared<TurnLayer>(std::move(layer));
-  pool_->Schedule([self, l, holder]() mutable {
+  pool_->Schedule(lane_, [self, l, holder]() mutable {
     TurnLayer local = std::move(*holder);
     holder.reset();
     self->RunLayer(l, std::move(local));
@@ -70,6 +71,7 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
       ctx.first_agent = first_agent_;
       ctx.prompt_pos0 = prompt_pos0_;
       ctx.softmax_scale = softmax_scale_;
+      ctx.cancelled = &cancelled_;
       absl::StatusOr<MessageLayer> r = pipeline_->CompressLayer(layer, geo_, ctx, /*pool=*/nullptr);
       if (r.ok()) result = std::move(*r);
       else st = r.status();
@@ -82,7 +84,10 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     seconds_ += secs;
-    if (!st.ok() && status_.ok()) status_ = st;
+    if (!st.ok() && status_.ok()) {
+      status_ = st;
+      cancelled_ = true;  // the upload has failed: its other layers stop
+    }
     if (result) {
       out_[l] = std::move(result);
       // Under mu_: TakeMessage cannot move the layer while it is observed.

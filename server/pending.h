@@ -6,6 +6,12 @@
 // layer (decoded when the parent is quantized), so the result is
 // [parent; anchors if first agent; kept prompt; generated].
 //
+// Layers run in the upload's own lane of the pool (ThreadPool::NewLane):
+// lanes are served in turn, and one upload compresses at most
+// max(1, workers - 1) layers at once, so a large upload leaves a worker to
+// the others' layers. Cancel (or the first failed layer) stops the layers
+// running within about one GEMM block (LayerContext::cancelled).
+//
 // Thread-safe. Holds the upload's in-flight reservation and releases it on
 // destruction, i.e. once the reactor and every queued layer let go of it.
 #ifndef KVRELAY_SERVER_PENDING_H_
@@ -47,7 +53,8 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   // Validates (K/V values included) and compresses layer `l` on the pool.
   void Submit(int l, TurnLayer layer);
 
-  // Skips layers not yet started.
+  // Skips layers not yet started and stops those running (they fail with
+  // CancelledError at their next check, between heads or GEMM blocks).
   void Cancel() { cancelled_ = true; }
 
   // The first error of any layer so far.
@@ -95,6 +102,7 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   const double softmax_scale_;  // 0: 1/sqrt(head_dim)
   const MessagePtr parent_;
   ThreadPool* const pool_;
+  const std::shared_ptr<ThreadPool::Lane> lane_;  // this upload's layers
   Store* const store_;
   const uint64_t reserved_;
   std::atomic<bool> cancelled_{false};

@@ -24,6 +24,24 @@ absl::Status CheckId(const std::string& field, const std::string& value);
 // `field` names the policy in the error.
 absl::Status CheckPolicyLength(const std::string& policy, const std::string& field = "header.policy");
 
+// An estimate of the multiply-adds compressing `layers` layers of geometry
+// `geo` (n_history: the history each layer's compression holds, a parent's
+// included) with `p` takes, from the header alone: with queries, scoring
+// (score heads x the window's steps x every key x (head_dim + 96)) and the
+// fidelity figure (score heads x n_gen x (every key + the message's keys) x
+// (2 head_dim + 96)); with OBF, per KV head n_cand x head_dim^2 + head_dim^3.
+// A softmax weight counts as 96 multiply-adds (what it costs on one core,
+// so that head_dim 1 is not cheap). Selection, copies and quantization are
+// linear in the upload's bytes and not counted. One core does some 2e10 a
+// second (README, "Compute per upload").
+double UploadWork(const Pipeline& p, const TurnGeometry& geo, int layers, bool first_agent);
+
+// RESOURCE_EXHAUSTED naming the estimate (UploadWork), the limit and
+// --max-upload-work when the estimate is over `limit`; the one check of
+// Publish and Compress, made on the header before any chunk is accepted.
+absl::Status CheckUploadWork(const Pipeline& p, const TurnGeometry& geo, int layers, bool first_agent,
+                             double limit);
+
 // The policy against the geometry: its quantization options against
 // head_dim, and `window` only with queries. The error is prefixed by `field`.
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field);

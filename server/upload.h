@@ -22,6 +22,7 @@
 #include "proto/stream_codec.h"
 #include "server/pending.h"
 #include "server/relay_service.h"
+#include "server/request_checks.h"
 #include "server/store.h"
 #include "server/watchdog.h"
 
@@ -37,13 +38,19 @@ class Upload {
  public:
   explicit Upload(RelayService* svc) : svc_(svc) {}
 
-  // Starts after a checked header.
-  // Reserves shape.ReserveBytes() plus, with a parent, the parent's dense
-  // (decoded) size: every layer's compression holds the parent's layer as
-  // dense history while it runs.
+  // Starts after a checked header. Refuses an upload whose compression
+  // would take more than --max-upload-work multiply-adds (CheckUploadWork,
+  // RESOURCE_EXHAUSTED) before anything is reserved or read. Reserves
+  // shape.ReserveBytes() plus, with a parent, the parent's dense (decoded)
+  // size: every layer's compression holds the parent's layer as dense
+  // history while it runs.
   // `observer` (may be empty) sees each layer once compressed.
   absl::Status Start(const UploadShape& shape, std::shared_ptr<const Pipeline> pipeline, MessagePtr parent,
                      int64_t prompt_pos0, PendingCompression::LayerObserver observer = nullptr) {
+    TurnGeometry geo = shape.geo;  // as each layer's compression sees it
+    if (parent) SetHistoryGeometry(parent->msg, &geo);
+    KVRELAY_RETURN_IF_ERROR(
+        CheckUploadWork(*pipeline, geo, shape.layers, shape.first_agent, svc_->config().max_upload_work));
     const uint64_t history = parent ? DenseHistoryBytes(shape, *parent) : 0;
     const uint64_t bytes = shape.ReserveBytes() + history;
     KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(

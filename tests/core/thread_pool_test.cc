@@ -1,7 +1,12 @@
 #include "core/thread_pool.h"
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -45,6 +50,78 @@ TEST(ThreadPoolTest, ExceptionsReachTheCallerAfterEveryIndexRan) {
   std::atomic<int> n{0};
   pool.ParallelFor(10, [&](size_t) { ++n; });
   EXPECT_EQ(n.load(), 10);
+}
+
+// A lane at its limit leaves the other workers to the other lanes: a task
+// queued behind a blocked lane's backlog starts at once.
+TEST(ThreadPoolTest, LaneLimitLeavesWorkersToOtherLanes) {
+  ThreadPool pool(2);
+  auto a = pool.NewLane(1), b = pool.NewLane(2);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  int a_running = 0, a_peak = 0, a_done = 0;
+  for (int i = 0; i < 5; ++i) {
+    pool.Schedule(a, [&] {
+      std::unique_lock<std::mutex> lock(mu);
+      a_peak = std::max(a_peak, ++a_running);
+      cv.wait(lock, [&] { return release; });
+      --a_running;
+      ++a_done;
+    });
+  }
+  std::promise<void> b_ran;
+  pool.Schedule(b, [&] { b_ran.set_value(); });
+  ASSERT_EQ(b_ran.get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_FALSE(pool.WaitIdle(std::chrono::milliseconds(0)));  // a's first task holds a worker
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(a_running, 1);
+    release = true;
+  }
+  cv.notify_all();
+  ASSERT_TRUE(pool.WaitIdle(std::chrono::seconds(10)));
+  EXPECT_EQ(a_peak, 1);
+  EXPECT_EQ(a_done, 5);
+}
+
+// Lanes with queued tasks are served in turn, one task each, in FIFO order
+// within a lane.
+TEST(ThreadPoolTest, LanesAreServedRoundRobin) {
+  ThreadPool pool(1);
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  pool.Schedule([open] { open.wait(); });  // holds the worker while the lanes fill
+  auto a = pool.NewLane(4), b = pool.NewLane(4);
+  std::mutex mu;
+  std::string order;
+  for (int i = 0; i < 3; ++i) {
+    pool.Schedule(a, [&, i] {
+      std::lock_guard<std::mutex> lock(mu);
+      order += "a" + std::to_string(i);
+    });
+  }
+  for (int i = 0; i < 3; ++i) {
+    pool.Schedule(b, [&, i] {
+      std::lock_guard<std::mutex> lock(mu);
+      order += "b" + std::to_string(i);
+    });
+  }
+  gate.set_value();
+  ASSERT_TRUE(pool.WaitIdle(std::chrono::seconds(10)));
+  EXPECT_EQ(order, "a0b0a1b1a2b2");
+}
+
+// Destruction runs every queued task, those of lanes at their limit too.
+TEST(ThreadPoolTest, DestructionDrainsEveryLane) {
+  std::atomic<int> ran{0};
+  {
+    ThreadPool pool(3);
+    auto a = pool.NewLane(1);
+    for (int i = 0; i < 20; ++i) pool.Schedule(a, [&] { ++ran; });
+    for (int i = 0; i < 20; ++i) pool.Schedule([&] { ++ran; });
+  }
+  EXPECT_EQ(ran.load(), 40);
 }
 
 TEST(ThreadPoolTest, NullPoolRunsInline) {

@@ -124,6 +124,34 @@ TEST(ConfigTest, StoreByteLimitsAndUploadIdleTimeout) {
   }
 }
 
+// The bound on one upload's compression work: flag, environment, file.
+TEST(ConfigTest, MaxUploadWork) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->max_upload_work, kDefaultMaxUploadWork);
+  c = Parse({"--max-upload-work=1e9"}, {{"KVRELAY_MAX_UPLOAD_WORK", "5e9"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->max_upload_work, 1e9);
+  c = Parse({}, {{"KVRELAY_MAX_UPLOAD_WORK", "5000000000"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->max_upload_work, 5e9);
+  const std::string path = ::testing::TempDir() + "/max_upload_work.json";
+  std::ofstream(path) << R"({"max_upload_work": 2e10})";
+  c = Parse({"--config", path.c_str()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->max_upload_work, 2e10);
+  std::remove(path.c_str());
+  for (const char* bad : {"--max-upload-work=0", "--max-upload-work=-5", "--max-upload-work=lots",
+                          "--max-upload-work=inf", "--max-upload-work=nan"}) {
+    auto r = Parse({bad});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("--max-upload-work="), std::string::npos) << r.status();
+  }
+  const std::string usage(Parse({"--help"}).status().message());
+  EXPECT_NE(usage.find("--max-upload-work"), std::string::npos);
+  EXPECT_NE(usage.find("KVRELAY_MAX_UPLOAD_WORK"), std::string::npos);
+}
+
 TEST(ConfigTest, HeapRetainBytes) {
   auto c = Parse({});
   ASSERT_TRUE(c.ok());

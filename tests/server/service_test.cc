@@ -1820,5 +1820,153 @@ TEST_F(TokenRelayTest, AParentTheSenderMayNotSeeReadsAsMissing) {
   EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
 }
 
+// The bound on an upload's compression work (--max-upload-work) is checked
+// on the header, for Publish and Compress alike: past it RESOURCE_EXHAUSTED
+// naming the flag, before any chunk is read or anything reserved.
+TEST_F(RelayTest, UploadWorkPastTheLimitIsRefusedAtTheHeader) {
+  ServerConfig cfg;
+  cfg.max_upload_work = 1e6;
+  server_->Shutdown();
+  StartServer(cfg);
+  TurnShape s;
+  s.layers = 3;
+  s.kv_heads = 2;
+  s.group = 2;
+  s.head_dim = 32;
+  s.n_prompt = 48;
+  s.n_gen = 6;
+  s.queries = true;
+  const Turn t = RandomTurn(s, 51);
+  const std::string policy = "h2o-head:k=8";
+  auto p = Pipeline::Create(policy);
+  ASSERT_TRUE(p.ok());
+  TurnGeometry geo;
+  geo.kv_heads = 2, geo.score_heads = 4, geo.head_dim = 32, geo.n_prompt = 48, geo.n_gen = 6, geo.queries = true;
+  ASSERT_GT(UploadWork(**p, geo, 3, true), 1e6);
+  PublishResult r = PublishTurn(stub_.get(), Header("work", "m", "a", {"b"}, policy, t), t);
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("expected at most --max-upload-work=1e+06"), std::string::npos)
+      << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("header.geometry: compressing 3 layers"), std::string::npos)
+      << r.status.error_message();
+  const FetchResult c = DoCompress(stub_.get(), t, policy);
+  EXPECT_EQ(c.status.error_code(), grpc::RESOURCE_EXHAUSTED) << c.status.error_message();
+  EXPECT_NE(c.status.error_message().find("--max-upload-work"), std::string::npos) << c.status.error_message();
+  EXPECT_EQ(server_->store()->Stats().received_bytes, 0u);  // refused on the header
+  EXPECT_EQ(server_->store()->inflight_bytes(), 0u);
+  ExpectNothingFor("work", "b");
+  // Scores instead of queries, with obf: within the bound (obf's Gram and
+  // eigenvectors, under 2 x (48 x 32^2 + 32^3) per layer).
+  const Turn scored = MakeTurn(52);
+  r = PublishTurn(stub_.get(), Header("work", "m2", "a", {"b"}, "h2o-head:k=8+obf:p=4", scored), scored);
+  EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+}
+
+// A large upload scoring from queries, 2 workers: layers of 1024 score
+// heads, head_dim 1, 64 steps over 65,536 prompt tokens (each one is
+// seconds of one core), as many as the default --max-upload-work allows.
+class LargeUploadTest : public RelayTest {
+ protected:
+  static constexpr const char* kPolicy = "h2o-head:k=32";
+  void SetUp() override {
+    StartServer();  // 2 workers, the default bound
+    server_->service()->SetLayerObserver([this](int outstanding) {
+      int peak = peak_.load();
+      while (peak < outstanding && !peak_.compare_exchange_weak(peak, outstanding)) {
+      }
+    });
+  }
+  static TurnShape LayerShape() {
+    TurnShape s;
+    s.layers = 3;  // uploaded; the header declares Layers()
+    s.kv_heads = 1;
+    s.group = 1024;
+    s.head_dim = 1;
+    s.n_prompt = 65536;
+    s.n_gen = 64;
+    s.dtype = DType::kBF16;
+    s.queries = true;
+    return s;
+  }
+  // The most layers of LayerShape() the default bound allows.
+  static int Layers() {
+    const TurnShape s = LayerShape();
+    TurnGeometry geo;
+    geo.kv_heads = s.kv_heads, geo.score_heads = s.kv_heads * s.group, geo.head_dim = s.head_dim;
+    geo.n_prompt = s.n_prompt, geo.n_gen = s.n_gen, geo.queries = true;
+    auto p = Pipeline::Create(kPolicy);
+    EXPECT_TRUE(p.ok());
+    return static_cast<int>(kDefaultMaxUploadWork / UploadWork(**p, geo, 1, true));
+  }
+  // Opens the large publish with its first layers' chunks and waits until
+  // its layers fill the upload's share of the pool (2 queued or running).
+  std::unique_ptr<OpenPublish> StartLargeUpload() {
+    const Turn t = RandomTurn(LayerShape(), 61);
+    v1::PublishHeader h = Header("large", "big", "a", {"b"}, kPolicy, t);
+    h.mutable_geometry()->set_layers(Layers());
+    const auto chunks = TurnChunks(t);
+    auto open = std::make_unique<OpenPublish>(stub_.get(), h, chunks, chunks.size());
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (peak_.load() < 2 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(peak_.load(), 2);
+    return open;
+  }
+  ThreadPool* pool() { return server_->service()->pool(); }
+  std::atomic<int> peak_{0};
+};
+
+TEST_F(LargeUploadTest, TheLargestAllowedUploadIsRefusedOneLayerLater) {
+  const int layers = Layers();
+  ASSERT_GE(layers, 2);
+  const Turn t = RandomTurn([] { TurnShape s = LayerShape(); s.layers = 1; return s; }(), 62);
+  v1::PublishHeader h = Header("large", "over", "a", {"b"}, kPolicy, t);
+  h.mutable_geometry()->set_layers(layers + 1);
+  PublishResult r = DoPublish(stub_.get(), {[&] { v1::PublishRequest q; *q.mutable_header() = h; return q; }()});
+  EXPECT_EQ(r.status.error_code(), grpc::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_EQ(server_->store()->Stats().received_bytes, 0u);
+}
+
+// A cancelled upload's running layer stops within about a GEMM block: its
+// worker is free well before the layer would have finished (seconds).
+TEST_F(LargeUploadTest, CancelledUploadFreesItsWorkerPromptly) {
+  std::unique_ptr<OpenPublish> big = StartLargeUpload();
+  ASSERT_FALSE(pool()->WaitIdle(std::chrono::milliseconds(200)));  // a layer is compressing
+  const auto t0 = std::chrono::steady_clock::now();
+  big->ctx.TryCancel();
+  const bool idle = pool()->WaitIdle(std::chrono::milliseconds(1000));
+  const double freed_s = Seconds(t0);
+  EXPECT_TRUE(idle) << "the pool still works on the cancelled upload " << freed_s << " s after the cancel";
+  std::printf("cancel to an idle pool: %.1f ms\n", 1e3 * freed_s);
+  EXPECT_EQ(big->w->Finish().error_code(), grpc::CANCELLED);
+  WaitInflightZero();
+  EXPECT_EQ(server_->store()->Stats().committed, 0u);
+}
+
+// While the largest upload the default bound allows compresses, a small
+// publish is not queued behind it: the upload runs at most workers - 1
+// layers at once and the lanes are served in turn.
+TEST_F(LargeUploadTest, SmallPublishCompletesWhileALargeUploadRuns) {
+  std::unique_ptr<OpenPublish> big = StartLargeUpload();
+  ASSERT_FALSE(pool()->WaitIdle(std::chrono::milliseconds(100)));  // a layer is compressing
+  const Turn small = MakeTurn(63);
+  double worst = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    PublishResult r =
+        PublishTurn(stub_.get(), Header("small", "m" + std::to_string(i), "a", {"b"}, "h2o-head:k=8", small), small);
+    worst = std::max(worst, Seconds(t0));
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  std::printf("small publish while a large upload runs, worst of 3: %.1f ms\n", 1e3 * worst);
+  // Alone it takes milliseconds; a layer of the large upload takes seconds.
+  EXPECT_LT(worst, 1.0);
+  ASSERT_FALSE(pool()->WaitIdle(std::chrono::milliseconds(0)));  // the large upload still runs
+  EXPECT_EQ(big->Cut().error_code(), grpc::CANCELLED);
+  EXPECT_TRUE(pool()->WaitIdle(std::chrono::milliseconds(5000)));
+  WaitInflightZero();
+}
+
 }  // namespace
 }  // namespace kvrelay
