@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <limits>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -121,6 +122,15 @@ absl::Status CheckCancelled(const LayerContext& ctx) {
 // The logit scale for scores from queries: the context's, or 1/sqrt(d).
 double SoftmaxScaleOf(const LayerContext& ctx, int head_dim) {
   return ctx.softmax_scale > 0 ? ctx.softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
+
+constexpr char kInvariantPayload[] = "type.kvrelay.dev/pipeline-invariant";
+
+// Internal with `message`, marked as a broken invariant.
+absl::Status Broken(std::string message) {
+  absl::Status s = absl::InternalError(message);
+  s.SetPayload(kInvariantPayload, absl::Cord("1"));
+  return s;
 }
 
 // `s` with "layer.<layer>." before its message (the core's functions name
@@ -494,7 +504,7 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
   if (internal::InvariantChecksOn()) {
     for (int h = 1; h < heads; ++h) {
       if (w->sel.kept[h].size() != w->sel.kept[0].size() || kept_hist[h].size() != kept_hist[0].size()) {
-        return absl::InternalError(absl::StrCat(
+        return Broken(absl::StrCat(
             "layer.", ctx.layer, ": pipeline invariant violated: head ", h, " keeps ", w->sel.kept[h].size(),
             " prompt and ", kept_hist[h].size(), " history tokens, head 0 keeps ", w->sel.kept[0].size(), " and ",
             kept_hist[0].size(), "; expected the same count in every head"));
@@ -606,7 +616,7 @@ absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, 
   const int heads = geo.kv_heads, d = geo.head_dim;
   const int n = counts.n_history + counts.n_anchor + counts.n_kept + counts.n_gen;
   auto broken = [layer](auto&&... what) {
-    return absl::InternalError(absl::StrCat("layer.", layer, ": pipeline invariant violated: ", what...));
+    return Broken(absl::StrCat("layer.", layer, ": pipeline invariant violated: ", what...));
   };
   if (out.pos.heads != heads || out.pos.tokens != n || out.pos.data.size() != static_cast<size_t>(heads) * n) {
     return broken("pos holds [", out.pos.heads, ", ", out.pos.tokens, "] (", out.pos.data.size(),
@@ -670,6 +680,10 @@ absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, 
     }
   }
   return absl::OkStatus();
+}
+
+bool IsInvariantViolation(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kInternal && s.GetPayload(kInvariantPayload).has_value();
 }
 
 absl::Status Pipeline::CheckOutput(const TurnGeometry& geo, const LayerContext& ctx, const MessageLayer& out) const {

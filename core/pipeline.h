@@ -175,6 +175,11 @@ class Pipeline {
 absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, const Message& counts,
                               int64_t prompt_pos0, int layer);
 
+// Whether `s` is a broken invariant of the pipeline's output (the Internal
+// errors of CheckLayerOutput and of the per-head counts), which a relay
+// logs as an error and counts.
+bool IsInvariantViolation(const absl::Status& s);
+
 // The chain's anchors a message of a turn of geometry `geo` holds: the
 // history's (geo.history_anchors) and the turn's own `n_anchor` from
 // prompt_pos0 on, ascending.

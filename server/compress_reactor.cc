@@ -102,6 +102,7 @@ class CompressReactor final
 
   void Fail(const absl::Status& s) {
     CancelUpload();
+    svc_->NoteUploadFailure("compress", s);
     DropUpload();
     FinishOnce(ToGrpcStatus(s));
   }

@@ -151,6 +151,12 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                              "message and destination relay, when the destination commits it.")
                        .Register(*registry_)
                        .Add({});
+  invariant_violations_ = &BuildCounter()
+                              .Name("kvrelay_pipeline_invariant_violations_total")
+                              .Help("Uploads refused as INTERNAL because the compression pipeline's output broke an "
+                                    "invariant (token counts, positions, sizes, finite acc); nothing was committed.")
+                              .Register(*registry_)
+                              .Add({});
   forward_elided_ = &BuildCounter()
                          .Name("kvrelay_forward_elided_bytes_total")
                          .Help("Bytes of forwarded messages not sent because the destination relay holds the "

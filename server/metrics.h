@@ -9,6 +9,8 @@
 //   kvrelay_rpcs_total{method, code}             finished RPCs by method and gRPC code name (OK too)
 //   kvrelay_errors_total{code}                   failed RPCs by gRPC code name
 //   kvrelay_compress_seconds                     worker seconds per message
+//   kvrelay_pipeline_invariant_violations_total  uploads refused as INTERNAL because the pipeline's
+//                                                output broke an invariant (CheckLayerOutput)
 //   kvrelay_attention_output_relative_error{family}  fidelity figure per committed message whose
 //                                                turn carried queries (gen.q)
 //   kvrelay_publish_visible_seconds              first request to visibility
@@ -123,6 +125,7 @@ class Metrics {
   void AddForwardFull(uint64_t bytes) { forward_full_->Increment(static_cast<double>(bytes)); }
   // Bytes that ancestor elision did not send.
   void AddForwardElided(uint64_t bytes) { forward_elided_->Increment(static_cast<double>(bytes)); }
+  void AddInvariantViolation() { invariant_violations_->Increment(); }
   // REQUIRES: `outcome` is one of committed, duplicate, retry, whole,
   // dead_letter.
   void AddForwardOutcome(const std::string& outcome) { forwards_->Add({{"outcome", outcome}}).Increment(); }
@@ -161,6 +164,7 @@ class Metrics {
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Counter* received_;
+  prometheus::Counter* invariant_violations_;
   prometheus::Family<prometheus::Counter>* full_;
   prometheus::Family<prometheus::Counter>* sent_;
   prometheus::Family<prometheus::Counter>* saved_;

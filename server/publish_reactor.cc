@@ -188,6 +188,7 @@ class PublishReactor final
   void Fail(const absl::Status& s) {
     if (source_) source_->Resolve(nullptr);  // the forwards are cancelled: nothing reaches a destination
     CancelUpload();
+    svc_->NoteUploadFailure("publish", s);
     // A refusal (counted and logged as one) is no failed message.
     if (s.code() != absl::StatusCode::kPermissionDenied) {
       svc_->store()->AddFailed();

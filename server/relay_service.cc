@@ -1,6 +1,7 @@
 #include "server/relay_service.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/pipeline.h"
 #include "proto/status_util.h"
 #include "server/auth.h"
 #include "server/compress_reactor.h"
@@ -10,6 +11,7 @@
 #include "server/message_id.h"
 #include "server/publish_reactor.h"
 #include "server/request_checks.h"
+#include "spdlog/spdlog.h"
 
 namespace kvrelay {
 namespace {
@@ -41,6 +43,12 @@ absl::StatusOr<std::string> RelayService::NewMessageId() { return kvrelay::NewMe
 
 void RelayService::CountRpc(const char* method, const grpc::Status& s) const {
   if (metrics_) metrics_->AddRpc(method, s.error_code());
+}
+
+void RelayService::NoteUploadFailure(const char* rpc, const absl::Status& s) const {
+  if (!IsInvariantViolation(s)) return;
+  spdlog::error("{}: nothing committed, the compression pipeline broke an invariant: {}", rpc, std::string(s.message()));
+  if (metrics_) metrics_->AddInvariantViolation();
 }
 
 void RelayService::SetLayerObserver(std::function<void(int outstanding)> observe) {

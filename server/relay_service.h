@@ -101,6 +101,9 @@ class RelayService final : public RelayCallbackBase {
   // Counts a failed RPC in kvrelay_errors_total.
   // Counts a finished RPC in the metrics (kvrelay_rpcs_total, kvrelay_errors_total).
   void CountRpc(const char* method, const grpc::Status& s) const;
+  // An upload failed with `s`: a broken pipeline invariant is logged as an
+  // error and counted (kvrelay_pipeline_invariant_violations_total).
+  void NoteUploadFailure(const char* rpc, const absl::Status& s) const;
   // A relay-assigned message id (server/message_id.h); INTERNAL when the
   // CSPRNG fails.
   absl::StatusOr<std::string> NewMessageId();

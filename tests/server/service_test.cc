@@ -9,6 +9,7 @@
 #include <map>
 #include <thread>
 
+#include "core/internal/pipeline_checks.h"
 #include "core/pipeline.h"
 #include "core/token.h"
 #include "grpcpp/support/client_interceptor.h"
@@ -1966,6 +1967,115 @@ TEST_F(LargeUploadTest, SmallPublishCompletesWhileALargeUploadRuns) {
   EXPECT_EQ(big->Cut().error_code(), grpc::CANCELLED);
   EXPECT_TRUE(pool()->WaitIdle(std::chrono::milliseconds(5000)));
   WaitInflightZero();
+}
+
+
+// A turn with queries whose keys and queries are finite but whose products
+// q.k overflow float32 (the attention mass was NaN, and h2o-head kept
+// different counts per head: a heap overflow in the relay).
+Turn OverflowingQueryTurn(uint64_t seed) {
+  TurnShape s;
+  s.layers = 3;
+  s.kv_heads = 2;
+  s.group = 2;
+  s.head_dim = 32;
+  s.n_prompt = 48;
+  s.n_gen = 6;
+  s.dtype = DType::kBF16;
+  s.queries = true;
+  Turn t = RandomTurn(s, seed);
+  std::vector<float> row(s.head_dim);
+  for (TurnLayer& l : t.layers) {
+    for (KvTensor* x : {&l.prompt_k, &l.gen_k, &l.gen_q}) {
+      for (int h = 0; h < x->heads(); ++h) {
+        for (int j = 0; j < x->tokens(); ++j) {
+          x->ReadRow(h, j, row.data());
+          for (float& v : row) v *= 1e20f;
+          x->WriteRow(h, j, row.data());
+        }
+      }
+    }
+  }
+  return t;
+}
+
+std::string MetricsText(RelayServer* server) {
+  return prometheus::TextSerializer().Serialize(server->metrics()->registry()->Collect());
+}
+
+// Hostile numbers are INVALID_ARGUMENT naming the tensor, nothing is
+// committed, the relay keeps serving, and a good message published after
+// them is the first the recipient fetches.
+TEST_F(RelayTest, OverflowingNumbersAreRefusedAndTheMailboxStaysReadable) {
+  const Turn bad = OverflowingQueryTurn(71);
+  int i = 0;
+  for (const char* policy : {"h2o-head:k=8", "h2o-layer:k=8", "h2o-auto:k=8+obf:p=2", "full"}) {
+    SCOPED_TRACE(policy);
+    auto r = PublishTurn(stub_.get(), Header("hn", "bad" + std::to_string(i++), "a", {"b"}, policy, bad), bad);
+    EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT) << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find(".gen.q: the attention of score head"), std::string::npos)
+        << r.status.error_message();
+  }
+  // softmax_scale past the documented range is refused from the header.
+  Turn scaled = MakeTurn(72);
+  auto h = Header("hn", "bad-scale", "a", {"b"}, "h2o-head:k=8", scaled);
+  h.mutable_geometry()->set_softmax_scale(1e300);
+  auto r = PublishTurn(stub_.get(), h, scaled);
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(r.status.error_message().find("softmax_scale: 1e+300, expected a finite number in [1e-06, 1000]"),
+            std::string::npos)
+      << r.status.error_message();
+
+  const Turn good = MakeTurn(73);
+  auto ok = PublishTurn(stub_.get(), Header("hn", "good", "a", {"b"}, "h2o-head:k=8", good), good);
+  ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+  FetchResult f = DoFetch(stub_.get(), "hn", "b", true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  EXPECT_EQ(f.header.message_id(), "good");
+  ExpectSameMessage(f.msg, Offline(good, "h2o-head:k=8"));
+  grpc::ClientContext ctx;
+  v1::StatsResponse st;
+  ASSERT_TRUE(stub_->Stats(&ctx, v1::StatsRequest(), &st).ok());
+  EXPECT_EQ(st.messages_committed(), 1u);
+  WaitInflightZero();
+}
+
+// With the finite checks off (tests only), the pipeline's own output check
+// stops the same turn: INTERNAL, logged and counted, nothing committed in
+// the memory store or in the spool, and the mailbox stays readable.
+class InvariantRelayTest : public RelayTest {
+ protected:
+  void SetUp() override {}
+};
+
+TEST_F(InvariantRelayTest, ABrokenInvariantIsInternalCountedAndNothingIsCommitted) {
+  for (bool spool : {false, true}) {
+    SCOPED_TRACE(spool ? "spool" : "memory");
+    char dir[] = "/tmp/kvrelay_invariant_XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    ServerConfig cfg;
+    if (spool) cfg.spool_dir = std::string(dir) + "/spool";
+    StartServer(cfg);
+    const Turn bad = OverflowingQueryTurn(74);
+    internal::PipelineChecksForTesting().finite = false;
+    auto r = PublishTurn(stub_.get(), Header("inv", "bad", "a", {"b"}, "h2o-head:k=8", bad), bad);
+    internal::PipelineChecksForTesting().finite = true;
+    EXPECT_EQ(r.status.error_code(), grpc::INTERNAL) << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find("pipeline invariant violated"), std::string::npos)
+        << r.status.error_message();
+    EXPECT_NE(MetricsText(server_.get()).find("kvrelay_pipeline_invariant_violations_total 1"), std::string::npos);
+    EXPECT_EQ(server_->store()->Find("inv", "bad"), nullptr);
+    const Turn good = MakeTurn(75);
+    auto ok = PublishTurn(stub_.get(), Header("inv", "good", "a", {"b"}, "h2o-head:k=8", good), good);
+    ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+    FetchResult f = DoFetch(stub_.get(), "inv", "b", true);
+    ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+    EXPECT_EQ(f.header.message_id(), "good");
+    WaitInflightZero();
+    server_->Shutdown();
+    server_.reset();
+    std::system((std::string("rm -rf ") + dir).c_str());
+  }
 }
 
 }  // namespace
