@@ -207,7 +207,7 @@ const HISTORY_PARTS = [
  * scores, promptScore F32 [scoreHeads, nPrompt]; with queryDtype ('F32' or
  * the K/V dtype) the generated steps' post-RoPE queries instead, genQ
  * [scoreHeads, nGen, headDim] in that dtype, from which the relay computes
- * the scores with softmaxScale as the logit scale (a finite number > 0;
+ * the scores with softmaxScale as the logit scale (a number in [1e-6, 1e3];
  * unset: 1/sqrt(headDim)). A layer carries exactly one of the two.
  *
  * With promptScore, every layer or none may carry historyScore, F32
@@ -231,9 +231,9 @@ function planUpload(turn) {
   }
   const queryDtype = checkAttentionInput(turn);
   const scale = turn.softmaxScale ?? undefined;
-  if (scale !== undefined && !(typeof scale === 'number' && Number.isFinite(scale) && scale > 0)) {
+  if (scale !== undefined && !(typeof scale === 'number' && scale >= 1e-6 && scale <= 1e3)) {
     throw invalid(`turn.softmaxScale: ${typeof scale === 'string' ? JSON.stringify(scale) : scale}, ` +
-                  'expected a finite number > 0 or undefined (1/sqrt(headDim))');
+                  'expected a finite number in [1e-06, 1000] or undefined (1/sqrt(headDim))');
   }
   // `undefined` or `null` take the defaults too (a spread would keep them).
   // firstAgent unset: the chain's first agent exactly when no history is

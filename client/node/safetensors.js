@@ -250,8 +250,8 @@ async function readTurnFile(path) {
     const v = metadata.softmax_scale;
     const scale = Number(v);
     const decimal = typeof v === 'string' && /^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$/.test(v);
-    if (!decimal || !Number.isFinite(scale) || !(scale > 0)) {
-      throw bad(`metadata softmax_scale: ${JSON.stringify(v)}, expected a finite decimal number > 0`);
+    if (!decimal || !(scale >= 1e-6 && scale <= 1e3)) {
+      throw bad(`metadata softmax_scale: ${JSON.stringify(v)}, expected a finite decimal number in [1e-06, 1000]`);
     }
     turn.softmaxScale = scale;
   }

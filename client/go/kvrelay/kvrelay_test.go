@@ -179,8 +179,9 @@ func TestPlanUploadQueryErrors(t *testing.T) {
 		{"missing in layer 1", func(x *Turn) { x.Layers[1].GenQ = nil },
 			"layer.1.gen.q: missing, expected 32 bytes like layer.0"},
 		{"negative scale", func(x *Turn) { x.SoftmaxScale = scale(-1) },
-			"turn.softmax_scale: -1, expected a finite number > 0 or nil"},
-		{"zero scale", func(x *Turn) { x.SoftmaxScale = scale(0) }, "turn.softmax_scale: 0, expected a finite number > 0"},
+			"turn.softmax_scale: -1, expected a finite number in [1e-06, 1000] or nil"},
+		{"zero scale", func(x *Turn) { x.SoftmaxScale = scale(0) }, "turn.softmax_scale: 0, expected a finite number in [1e-06, 1000]"},
+		{"huge scale", func(x *Turn) { x.SoftmaxScale = scale(1e300) }, "turn.softmax_scale: 1e+300, expected"},
 		{"NaN scale", func(x *Turn) { x.SoftmaxScale = scale(math.NaN()) }, "turn.softmax_scale: NaN, expected"},
 		{"infinite scale", func(x *Turn) { x.SoftmaxScale = scale(math.Inf(1)) }, "turn.softmax_scale: +Inf, expected"},
 	} {
@@ -410,7 +411,8 @@ func TestTurnFileWithQueries(t *testing.T) {
 			ts[9].Shape = []int{2, 1, 4}
 			return ts
 		}, nil, "layer.1.gen.q: F32 [2 1 4], expected F32 [2 2 2] (from layer.0)"},
-		{"scale 0", nil, map[string]string{"softmax_scale": "0"}, `metadata softmax_scale: "0", expected a finite decimal number > 0`},
+		{"scale 0", nil, map[string]string{"softmax_scale": "0"}, `metadata softmax_scale: "0", expected a finite decimal number in [1e-06, 1000]`},
+		{"scale 1e300", nil, map[string]string{"softmax_scale": "1e300"}, `metadata softmax_scale: "1e300", expected`},
 		{"scale -1", nil, map[string]string{"softmax_scale": "-1"}, `metadata softmax_scale: "-1", expected`},
 		{"scale inf", nil, map[string]string{"softmax_scale": "inf"}, `metadata softmax_scale: "inf", expected`},
 		{"scale nan", nil, map[string]string{"softmax_scale": "NaN"}, `metadata softmax_scale: "NaN", expected`},

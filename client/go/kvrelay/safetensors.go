@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
-	"math"
 	"os"
 	"regexp"
 	"sort"
@@ -246,8 +245,8 @@ func ReadTurnFile(path string) (*Turn, error) {
 	}
 	if v, ok := meta["softmax_scale"]; ok {
 		scale, err := strconv.ParseFloat(v, 64)
-		if err != nil || !decimalPattern.MatchString(v) || !(scale > 0 && scale <= math.MaxFloat64) {
-			return nil, fmt.Errorf("%s: metadata softmax_scale: %q, expected a finite decimal number > 0", path, v)
+		if err != nil || !decimalPattern.MatchString(v) || !(scale >= 1e-6 && scale <= 1e3) {
+			return nil, fmt.Errorf("%s: metadata softmax_scale: %q, expected a finite decimal number in [1e-06, 1000]", path, v)
 		}
 		t.SoftmaxScale = &scale
 	}

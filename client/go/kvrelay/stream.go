@@ -156,8 +156,8 @@ func planUpload(t *Turn) (*pb.TurnGeometry, []uploadTensor, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	if s := t.SoftmaxScale; s != nil && !(*s > 0 && *s <= math.MaxFloat64) {
-		return nil, nil, invalidf("turn.softmax_scale: %v, expected a finite number > 0 or nil (1/sqrt(head_dim))", *s)
+	if s := t.SoftmaxScale; s != nil && !(*s >= 1e-6 && *s <= 1e3) {
+		return nil, nil, invalidf("turn.softmax_scale: %v, expected a finite number in [1e-06, 1000] or nil (1/sqrt(head_dim))", *s)
 	}
 	if err := checkAnchors(t); err != nil {
 		return nil, nil, err

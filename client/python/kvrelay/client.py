@@ -199,8 +199,8 @@ def _geometry(turn):
         g.query_dtype = _DTYPE_TO_PB[qdt]
     if turn.softmax_scale is not None:
         sc = turn.softmax_scale
-        if isinstance(sc, bool) or not isinstance(sc, numbers.Real) or not math.isfinite(sc) or sc <= 0:
-            raise ValueError(f"turn.softmax_scale: {sc!r}, expected a finite number > 0 or None")
+        if isinstance(sc, bool) or not isinstance(sc, numbers.Real) or not 1e-6 <= sc <= 1e3:
+            raise ValueError(f"turn.softmax_scale: {sc!r}, expected a finite number in [1e-06, 1000] or None")
         g.softmax_scale = float(sc)
     g.history_anchors.extend(turn.anchors())
     g.history_score_tokens = turn.history_score_tokens()

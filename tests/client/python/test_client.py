@@ -615,7 +615,7 @@ class RelayTest(unittest.TestCase):
         for layer in turn.layers:
             layer.gen_q = np.zeros((4, 6, 64), np.float32)
         turn.softmax_scale = -1.0
-        with self.assertRaisesRegex(ValueError, r"turn\.softmax_scale: -1\.0, expected a finite number > 0"):
+        with self.assertRaisesRegex(ValueError, r"turn\.softmax_scale: -1\.0, expected a finite number in \[1e-06, 1000\]"):
             self.c.publish(turn, "q-bad", "planner", ["critic"])
 
     def test_ack_redelivery_duplicate(self):
@@ -684,10 +684,11 @@ class RelayTest(unittest.TestCase):
             kept = b.pos[:, nh:nh + 8]
             self.assertTrue((np.diff(kept, axis=1) > 0).all())
         self.assertEqual(m2.next_pos, m1.next_pos + 35)
-        # A parent that was never delivered to the publisher.
+        # A parent the publisher is neither the sender nor a recipient of
+        # reads as missing (NOT_FOUND), like an unknown id.
         with self.assertRaises(grpc.RpcError) as cm:
             self.c.publish(t2, sess, "judge", ["refiner"], policy="full", parent_id=r1.message_id)
-        self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
         self.c.close_session(sess)
 
     def test_uploaded_history_keeps_its_anchors_under_a_budget(self):
