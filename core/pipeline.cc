@@ -501,7 +501,8 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
                     opts.kind == SelectorKind::kH2oHead);
 
   // Every buffer below is sized from head 0: every head must keep as many.
-  if (internal::InvariantChecksOn()) {
+  // Never switched off: this is what keeps the copy inside the buffers.
+  {
     for (int h = 1; h < heads; ++h) {
       if (w->sel.kept[h].size() != w->sel.kept[0].size() || kept_hist[h].size() != kept_hist[0].size()) {
         return Broken(absl::StrCat(

@@ -88,6 +88,9 @@ void ThreadPool::WorkerLoop() {
     }
     ++lane->running;
     ++running_;
+    // Stopping and nothing left to start: the waiting workers may exit (the
+    // predicate above just became true for them without a notification).
+    if (stop_ && ring_.empty()) cv_.notify_all();
     lock.unlock();
     fn();
     fn = nullptr;  // the task's captures go before the lane is released
@@ -95,6 +98,7 @@ void ThreadPool::WorkerLoop() {
     --running_;
     // A lane that was at its limit may start its next task now.
     if (lane->running-- == lane->max_running && lane->in_ring) cv_.notify_one();
+    if (stop_ && ring_.empty()) cv_.notify_all();
     if (IdleLocked()) idle_cv_.notify_all();
   }
 }

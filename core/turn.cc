@@ -145,15 +145,7 @@ absl::Status CheckAttentionInput(const TurnLayer& layer, int li, const TurnGeome
           Name(li, "gen.q"), ": shape ", Shape({q.heads(), q.tokens(), q.dim()}), ", expected ",
           Shape({geo.score_heads, geo.n_gen, geo.head_dim}), " (score heads, n_gen, head_dim)"));
     }
-    const double steps = geo.n_gen;
-    const double work = static_cast<double>(geo.score_heads) * geo.head_dim *
-                        (steps * (geo.n_history + geo.n_prompt) + steps * (steps + 1) / 2);
-    if (work > kMaxQueryScoreWork) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: scoring from these queries takes %.4g multiply-adds per layer (score heads x head_dim x the keys "
-          "each generated step sees), expected at most 2^36; send prompt.score instead",
-          Name(li, "gen.q"), work));
-    }
+    KVRELAY_RETURN_IF_ERROR(CheckQueryScoreWork(geo, Name(li, "gen.q")));
     if (!check_values) return absl::OkStatus();
     return CheckKvFinite(q.dtype(), q.bytes().data(), 0, q.elements(), li, "gen.q", q.tokens(), q.dim());
   }
@@ -196,6 +188,18 @@ absl::Status CheckSoftmaxScale(double scale, absl::string_view field) {
   if (scale >= kMinSoftmaxScale && scale <= kMaxSoftmaxScale) return absl::OkStatus();  // false for NaN
   return absl::InvalidArgumentError(
       absl::StrFormat("%s: %g, expected a finite number in [%g, %g]", field, scale, kMinSoftmaxScale, kMaxSoftmaxScale));
+}
+
+absl::Status CheckQueryScoreWork(const TurnGeometry& geo, absl::string_view field) {
+  if (!geo.queries) return absl::OkStatus();
+  const double steps = geo.n_gen;
+  const double work = static_cast<double>(geo.score_heads) * geo.head_dim *
+                      (steps * (static_cast<double>(geo.n_history) + geo.n_prompt) + steps * (steps + 1) / 2);
+  if (work <= kMaxQueryScoreWork) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s: scoring from these queries takes %.4g multiply-adds per layer (score heads x head_dim x the keys "
+      "each generated step sees), expected at most 2^36; send prompt.score instead",
+      field, work));
 }
 
 double Turn::SoftmaxScale(int head_dim) const {

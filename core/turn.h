@@ -79,6 +79,12 @@ inline constexpr int kMaxTokensPerPart = 1 << 24;
 // steps): 2^36, some 600 times a Qwen3-14B turn's layer. Attention is
 // quadratic in the tokens, so a small upload could otherwise ask for hours.
 inline constexpr double kMaxQueryScoreWork = 68719476736.0;
+// InvalidArgument naming `field` when scoring one layer of geometry `geo`
+// from queries takes more than kMaxQueryScoreWork multiply-adds (OK for a
+// turn with scores). Checked per layer, and by a relay on the header before
+// any tensor arrives.
+absl::Status CheckQueryScoreWork(const TurnGeometry& geo, absl::string_view field);
+
 // The range of softmax_scale (the logit scale of scores from queries).
 // Models use 1/sqrt(head_dim) (1/32 to 1 for head_dim 1024 to 1) or a
 // configured multiplier of the same order; a scale outside [1e-6, 1e3] is

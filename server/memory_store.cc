@@ -274,14 +274,11 @@ absl::Status MemoryStore::Ack(const std::string& session, const std::string& age
   if (s == sessions_.end()) {
     return NoSession(session);
   }
-  auto m = s->second.messages.find(message_id);
-  if (m == s->second.messages.end()) {
-    return NoMessage(session, message_id);
-  }
+  // A message the agent is no recipient of reads as missing: an ack tells
+  // no one whether an id exists.
   auto here = s->second.local.find(message_id);
-  if (here == s->second.local.end() || !here->second.count(agent)) {
-    return absl::NotFoundError(absl::StrCat("agent: '", agent, "': not a recipient of message '", message_id,
-                                            "'"));
+  if (!s->second.messages.count(message_id) || here == s->second.local.end() || !here->second.count(agent)) {
+    return NotVisibleError("message_id", session, message_id, agent);
   }
   if (!s->second.delivered.count({message_id, agent})) {
     return absl::FailedPreconditionError(absl::StrCat("message_id: '", message_id, "': not delivered to '", agent,

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/quant.h"
+#include "core/status_macros.h"
 
 namespace kvrelay {
 
@@ -68,6 +69,7 @@ double UploadWork(const Pipeline& p, const TurnGeometry& geo, int layers, bool f
 
 absl::Status CheckUploadWork(const Pipeline& p, const TurnGeometry& geo, int layers, bool first_agent,
                              double limit) {
+  KVRELAY_RETURN_IF_ERROR(CheckQueryScoreWork(geo, "layer.0.gen.q"));
   const double work = UploadWork(p, geo, layers, first_agent);
   if (work <= limit) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrFormat(

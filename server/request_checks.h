@@ -36,9 +36,12 @@ absl::Status CheckPolicyLength(const std::string& policy, const std::string& fie
 // second (README, "Compute per upload").
 double UploadWork(const Pipeline& p, const TurnGeometry& geo, int layers, bool first_agent);
 
-// RESOURCE_EXHAUSTED naming the estimate (UploadWork), the limit and
-// --max-upload-work when the estimate is over `limit`; the one check of
-// Publish and Compress, made on the header before any chunk is accepted.
+// INVALID_ARGUMENT when one layer's scoring from queries is past the core's
+// per-layer bound (CheckQueryScoreWork, naming layer.0.gen.q: every layer
+// has the header's geometry); else RESOURCE_EXHAUSTED naming the estimate
+// (UploadWork), the limit and --max-upload-work when the estimate is over
+// `limit`. The one check of Publish and Compress, made on the header before
+// any chunk is accepted.
 absl::Status CheckUploadWork(const Pipeline& p, const TurnGeometry& geo, int layers, bool first_agent,
                              double limit);
 

@@ -213,8 +213,9 @@ class Store {
   virtual bool CancelWaiter(uint64_t waiter) = 0;
 
   // Removes `message_id` from `agent`'s mailbox. OK when already acked.
-  // NOT_FOUND when the session, the message, or the agent as one of its
-  // recipients is unknown; FAILED_PRECONDITION when it was never delivered
+  // NOT_FOUND when the session is unknown, and NotVisibleError (NOT_FOUND,
+  // the same words for both) when the message is unknown or `agent` is not
+  // one of its recipients here; FAILED_PRECONDITION when it was never delivered
   // to `agent` (an ack cannot skip a message unseen).
   virtual absl::Status Ack(const std::string& session, const std::string& agent,
                            const std::string& message_id) = 0;

@@ -5,10 +5,10 @@
 //  - finite: every quantity computed from a turn (attention mass, the
 //    fidelity figure, accumulated importance) is finite, or the layer is
 //    InvalidArgument naming the tensor.
-//  - invariants: every head of a layer keeps the same number of tokens
-//    before any buffer is sized from one of them, and the layer's output
-//    matches the message's geometry (CheckLayerOutput); a violation is
-//    Internal.
+//  - invariants: the layer's output matches the message's geometry
+//    (CheckLayerOutput); a violation is Internal. (The check that every
+//    head keeps the same number of tokens before buffers are sized from
+//    head 0 is never switched off.)
 //
 // Thread-safe (relaxed atomics).
 #ifndef KVRELAY_CORE_INTERNAL_PIPELINE_CHECKS_H_

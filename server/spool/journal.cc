@@ -109,8 +109,11 @@ absl::Status Journal::Repair(const std::string& bytes, JournalScan scan, bool ba
                              JournalRecovery* recovery) {
   recovery->salvaged = bad_header || scan.intact_after > 0;
   // A record cut short by the end of the file is what a crash during an
-  // append leaves, never acknowledged; anything more may have been.
-  recovery->complete = !bad_header && (scan.torn_bytes == 0 || scan.cut_short);
+  // append leaves, never acknowledged; but bit rot in the length of a whole,
+  // acknowledged last record reads the same. So any cut tail counts as
+  // incomplete: the files no intact record names go to quarantine/, never
+  // away.
+  recovery->complete = !bad_header && scan.torn_bytes == 0;
   recovery->records = std::move(scan.records);
   recovery->torn_bytes = scan.torn_bytes;
   recovery->torn_why = scan.torn_why;

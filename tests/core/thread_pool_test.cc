@@ -4,6 +4,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <future>
+#include <thread>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -65,10 +67,16 @@ TEST(ThreadPoolTest, LaneLimitLeavesWorkersToOtherLanes) {
     pool.Schedule(a, [&] {
       std::unique_lock<std::mutex> lock(mu);
       a_peak = std::max(a_peak, ++a_running);
+      cv.notify_all();
       cv.wait(lock, [&] { return release; });
       --a_running;
       ++a_done;
     });
+  }
+  {
+    // a's first task holds a worker before b arrives.
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return a_running == 1; }));
   }
   std::promise<void> b_ran;
   pool.Schedule(b, [&] { b_ran.set_value(); });
@@ -122,6 +130,36 @@ TEST(ThreadPoolTest, DestructionDrainsEveryLane) {
     for (int i = 0; i < 20; ++i) pool.Schedule([&] { ++ran; });
   }
   EXPECT_EQ(ran.load(), 40);
+}
+
+// Destruction while a lane at its limit still has a queued task: once that
+// task is taken the ring is empty, and every waiting worker must wake to
+// exit (no task finishing on them notifies them).
+TEST(ThreadPoolTest, DestructionWakesEveryWaitingWorker) {
+  for (int round = 0; round < 20; ++round) {
+    auto pool = std::make_unique<ThreadPool>(3);
+    auto lane = pool->NewLane(1);
+    std::promise<void> gate, started;
+    std::shared_future<void> open = gate.get_future().share();
+    pool->Schedule(lane, [open, &started] {
+      started.set_value();
+      open.wait();
+    });
+    pool->Schedule(lane, [] {});
+    started.get_future().wait();  // t0 holds a worker; the other two wait on the lane's limit
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> destroyed = done->get_future();
+    std::thread destroyer([p = pool.release(), done] {
+      delete p;
+      done->set_value();
+    });
+    gate.set_value();  // t0 ends during or before the destruction
+    if (destroyed.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      destroyer.detach();
+      FAIL() << "the pool's destructor did not return (round " << round << ")";
+    }
+    destroyer.join();
+  }
 }
 
 TEST(ThreadPoolTest, NullPoolRunsInline) {

@@ -1863,6 +1863,31 @@ TEST_F(RelayTest, UploadWorkPastTheLimitIsRefusedAtTheHeader) {
   EXPECT_TRUE(r.status.ok()) << r.status.error_message();
 }
 
+// The core's per-layer bound on scoring from queries (2^36 multiply-adds)
+// is checked on the header too: INVALID_ARGUMENT before a chunk is read.
+TEST_F(RelayTest, PerLayerScoringWorkPastTheBoundIsRefusedAtTheHeader) {
+  const Turn small = MakeTurn(53);
+  v1::PublishHeader h = Header("lw", "m", "a", {"b"}, "h2o-head:k=8", small);
+  v1::TurnGeometry* g = h.mutable_geometry();
+  g->set_kv_heads(1);
+  g->set_score_heads(1);
+  g->set_head_dim(1);
+  g->set_n_prompt(1 << 20);
+  g->set_n_gen(1 << 17);
+  g->set_query_dtype(v1::DTYPE_F32);
+  g->set_layers(1);
+  std::vector<v1::PublishRequest> reqs(1);
+  *reqs[0].mutable_header() = h;
+  const PublishResult r = DoPublish(stub_.get(), reqs);
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find(
+                "layer.0.gen.q: scoring from these queries takes 1.46e+11 multiply-adds per layer"),
+            std::string::npos)
+      << r.status.error_message();
+  EXPECT_EQ(server_->store()->Stats().received_bytes, 0u);
+  EXPECT_EQ(server_->store()->inflight_bytes(), 0u);
+}
+
 // A large upload scoring from queries, 2 workers: layers of 1024 score
 // heads, head_dim 1, 64 steps over 65,536 prompt tokens (each one is
 // seconds of one core), as many as the default --max-upload-work allows.

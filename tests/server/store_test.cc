@@ -43,6 +43,10 @@ TEST(StoreTest, AckUnknownIsNotFound) {
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   EXPECT_EQ(s.Ack("s", "b", "nope").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(s.Ack("s", "c", "m1").code(), absl::StatusCode::kNotFound);
+  // An agent that is no recipient cannot tell an existing id from a missing
+  // one by acking it.
+  EXPECT_EQ(s.Ack("s", "c", "m1"), NotVisibleError("message_id", "s", "m1", "c"));
+  EXPECT_EQ(s.Ack("s", "c", "m9"), NotVisibleError("message_id", "s", "m9", "c"));
 }
 
 // An ack names a message the agent fetched: acking one still queued would

@@ -798,7 +798,7 @@ TEST(SpoolStore, ADamagedJournalHeaderIsRefusedThenSalvaged) {
 
 // A torn tail keeps its recovery: cut off, and the file of the publish whose
 // commit record it cut (never acknowledged) removed as an orphan.
-TEST(SpoolStore, ATornTailIsCutAndTheUnacknowledgedFileRemoved) {
+TEST(SpoolStore, ATornTailIsCutAndTheFileItNamedQuarantined) {
   FaultFs fs;
   MakeThree(&fs);
   const std::map<uint64_t, std::string> files = AcknowledgedFiles(fs);
@@ -820,12 +820,38 @@ TEST(SpoolStore, ATornTailIsCutAndTheUnacknowledgedFileRemoved) {
   auto s = OpenOk(Opts(&fs));
   ASSERT_TRUE(s);
   EXPECT_EQ(s->recovery().torn_bytes, rec.size() - 4);
-  EXPECT_EQ(s->recovery().orphans, 1u);
-  EXPECT_EQ(s->recovery().unproven, 0u);
+  EXPECT_EQ(s->recovery().orphans, 0u);
+  EXPECT_EQ(s->recovery().unproven, 1u);
   EXPECT_FALSE(s->recovery().salvaged);
   EXPECT_TRUE(fs.Peek(MsgPath(4)).empty());
   ExpectNoneLost(fs, *s, files, {"m0", "m1", "m2"});
-  EXPECT_TRUE(fs.List(kQuarantine)->empty());
+  // The cut record may have been whole with a rotten length: its file is
+  // kept, unchanged and never served.
+  EXPECT_EQ(fs.Peek(std::string(kQuarantine) + "/0000000000000004.kvm"), file);
+  EXPECT_EQ(s->Find("s", "m3"), nullptr);
+}
+
+// Bit rot in the length of the last, acknowledged commit record makes it
+// run past the end of the file like a torn tail: its message file goes to
+// quarantine/, not away.
+TEST(SpoolStore, ARottenLengthOfTheLastRecordKeepsItsFile) {
+  FaultFs fs;
+  {
+    auto s = OpenOk(Opts(&fs));
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(Commit(*s, RealMsg("s", "m" + std::to_string(i), {"b"}, 40 + i)).ok());
+  }
+  const std::map<uint64_t, std::string> files = AcknowledgedFiles(fs);
+  std::string j = fs.Peek(kJournal);
+  const std::vector<size_t> starts = RecordStarts(j);
+  ASSERT_GE(starts.size(), 3u);
+  j[starts.back() + 1] = static_cast<char>(j[starts.back() + 1] ^ 0x08);  // the length grows by 2048
+  fs.Poke(kJournal, j);
+  auto s = OpenOk(Opts(&fs));
+  ASSERT_TRUE(s);
+  EXPECT_GT(s->recovery().torn_bytes, 0u);
+  EXPECT_EQ(s->recovery().orphans, 0u);
+  EXPECT_EQ(s->recovery().unproven, 1u);
+  ExpectNoneLost(fs, *s, files, {"m0", "m1"});
 }
 
 // A last record that is whole but fails its CRC is cut off like a torn tail
