@@ -1,6 +1,7 @@
 #include "server/peer_channels.h"
 
 #include <utility>
+#include <vector>
 
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -9,8 +10,28 @@
 
 namespace kvrelay {
 
+struct PeerChannels::AsyncCall {
+  grpc::ClientContext ctx;
+  grpc::ByteBuffer req, resp;
+  std::shared_ptr<grpc::Channel> channel;
+  std::function<void(const grpc::Status&)> done;
+};
+
 PeerChannels::PeerChannels(std::shared_ptr<grpc::ChannelCredentials> credentials)
     : credentials_(credentials ? std::move(credentials) : grpc::InsecureChannelCredentials()) {}
+
+PeerChannels::~PeerChannels() {
+  std::unique_lock<std::recursive_mutex> lock(calls_mu_);
+  // From here on a callback leaves its call to this destructor: a call's
+  // callback may run inside its TryCancel below (on this thread, while
+  // gRPC still uses the context), and none releases the last reference to
+  // a channel on a gRPC thread.
+  stopping_ = true;
+  const std::vector<AsyncCall*> pending(calls_.begin(), calls_.end());
+  for (AsyncCall* call : pending) call->ctx.TryCancel();
+  calls_done_.wait(lock, [this] { return calls_.empty(); });
+  for (AsyncCall* call : finished_) delete call;
+}
 
 std::shared_ptr<grpc::Channel> PeerChannels::Get(const std::string& target) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -39,21 +60,26 @@ void PeerChannels::Reset(const std::string& target, const std::shared_ptr<grpc::
 void PeerChannels::CallAsync(const std::string& target, const std::string& method,
                              const google::protobuf::MessageLite& req, std::chrono::milliseconds timeout,
                              std::function<void(const grpc::Status&)> done) {
-  struct Call {
-    grpc::ClientContext ctx;
-    grpc::ByteBuffer req, resp;
-    std::shared_ptr<grpc::Channel> channel;
-    std::function<void(const grpc::Status&)> done;
-  };
-  auto* call = new Call;
+  auto* call = new AsyncCall;
   call->channel = Get(target);
   call->req = EncodeProto(req);
   call->done = std::move(done);
   call->ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  {
+    std::lock_guard<std::recursive_mutex> lock(calls_mu_);
+    calls_.insert(call);
+  }
   grpc::GenericStub stub(call->channel);
-  stub.UnaryCall(&call->ctx, method, grpc::StubOptions(), &call->req, &call->resp, [call](grpc::Status s) {
+  stub.UnaryCall(&call->ctx, method, grpc::StubOptions(), &call->req, &call->resp, [this, call](grpc::Status s) {
     if (call->done) call->done(s);
-    delete call;
+    std::lock_guard<std::recursive_mutex> lock(calls_mu_);
+    calls_.erase(call);
+    if (stopping_) {
+      finished_.push_back(call);  // the destructor deletes it
+      if (calls_.empty()) calls_done_.notify_all();
+    } else {
+      delete call;
+    }
   });
 }
 

@@ -12,6 +12,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <vector>
 #include <string>
 
 #include "google/protobuf/message_lite.h"
@@ -30,6 +32,9 @@ class PeerChannels {
   // Dials with `credentials` (null: plaintext). Channels are kept and
   // reused, so a forward pays no TLS handshake but the first to a peer.
   explicit PeerChannels(std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
+  // Cancels the CallAsync calls in flight and waits until their callbacks
+  // have run: none outlives the channels or this object.
+  ~PeerChannels();
   PeerChannels(const PeerChannels&) = delete;
   PeerChannels& operator=(const PeerChannels&) = delete;
 
@@ -43,14 +48,24 @@ class PeerChannels {
 
   // A unary call of `method` ("/kvrelay.v1.Relay/ReportRecipient") to
   // `target` that nobody waits for: `done` (may be empty) runs on a gRPC
-  // thread with the status. Gives up after `timeout`.
+  // thread with the status. Gives up after `timeout`, or when this object
+  // is destroyed (CANCELLED).
   void CallAsync(const std::string& target, const std::string& method, const google::protobuf::MessageLite& req,
                  std::chrono::milliseconds timeout, std::function<void(const grpc::Status&)> done);
 
  private:
+  struct AsyncCall;
+
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
+  // The CallAsync calls in flight. Recursive: cancelling one in the
+  // destructor may run its callback (which removes it) on the same thread.
+  std::recursive_mutex calls_mu_;
+  std::condition_variable_any calls_done_;
+  std::set<AsyncCall*> calls_;  // guarded by calls_mu_
+  bool stopping_ = false;       // guarded by calls_mu_: the destructor has begun
+  std::vector<AsyncCall*> finished_;  // guarded by calls_mu_: done while stopping
 };
 
 // A streaming call on gRPC's generic callback API, driven by one blocking
