@@ -15,9 +15,10 @@
 // bytes, leaves the journal's intact prefix in place, and serves exactly
 // what the journal's replay says: s/m (intact, equal to the seed) when the
 // replayed state gives seq 1 to s/m, and no other message the journal
-// commits (their files are missing). After a tail that is more than one
-// record cut short, a seq 1 that no intact commit names is moved to
-// quarantine/ unchanged, not removed.
+// commits (their files are missing). After any cut tail (a record cut
+// short by the end of the file included: a rotten length reads the same),
+// a seq 1 that no intact commit names is moved to quarantine/ unchanged,
+// not removed.
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -179,7 +180,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(fs.Peek(fuzz::SpoolMsgPath(1)).empty() == !seed_served);
   bool named = false;
   for (const Record& r : scan->records) named |= r.kind_case() == Record::kCommit && r.commit().seq() == 1;
-  const bool unproven = scan->torn_bytes > 0 && !scan->cut_short && !named;
+  const bool unproven = scan->torn_bytes > 0 && !named;
   FUZZ_CHECK(s.recovery().unproven == (unproven ? 1u : 0u));
   FUZZ_CHECK(fs.Peek(fuzz::SpoolMsgPath(1, "/spool/quarantine")) == (unproven ? *g_file : std::string()) ||
              s.recovery().quarantined == 1);
