@@ -51,6 +51,7 @@
 
 #include "absl/status/status.h"
 #include "client/relay_client.h"
+#include "core/message_id.h"
 #endif
 
 namespace kvrelay {
@@ -976,7 +977,7 @@ std::optional<Failure> Demo(int argc, char** argv) {
   // Empty --policy: the relay's default for each agent's role.
   const std::string policy = flags.Get("policy").value_or("h2o-head:k=32+obf:p=8,mode=fast");
   const std::string session_base =
-      flags.Get("session").value_or(absl::StrCat("demo-", RelayClient::NewMessageId().substr(2, 8)));
+      flags.Get("session").value_or(absl::StrCat("demo-", NewMessageId().value_or("m-00000000").substr(2, 8)));
 
   // One client per distinct relay, in chain order; agent i uses relay_of[i].
   std::vector<std::string> relays;

@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -15,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/message_id.h"
 #include "core/status_macros.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -311,16 +311,6 @@ void RelayClient::Prepare(grpc::ClientContext* ctx, std::chrono::milliseconds de
   if (!authorization_.empty()) ctx->AddMetadata("authorization", authorization_);
 }
 
-std::string RelayClient::NewMessageId() {
-  thread_local std::mt19937_64 rng([] {
-    std::random_device rd;
-    std::seed_seq seq{rd(), rd(), rd(), rd()};
-    return std::mt19937_64(seq);
-  }());
-  const uint64_t a = rng(), b = rng();
-  return absl::StrFormat("m-%016x%08x", a, static_cast<uint32_t>(b));
-}
-
 absl::StatusOr<PublishResult> RelayClient::Publish(const Turn& turn, const PublishOptions& opts) {
   return PublishImpl(turn, nullptr, opts);
 }
@@ -355,7 +345,11 @@ absl::StatusOr<PublishResult> RelayClient::PublishImpl(const Turn& turn, std::sh
   if (!opts.parent_id.empty()) geometry.set_first_agent(false);
   v1::PublishHeader header;
   header.set_session_id(opts.session);
-  header.set_message_id(opts.message_id.empty() ? NewMessageId() : opts.message_id);
+  std::string message_id = opts.message_id;
+  if (message_id.empty()) {
+    KVRELAY_ASSIGN_OR_RETURN(message_id, NewMessageId());
+  }
+  header.set_message_id(message_id);
   header.set_sender(opts.sender);
   for (const std::string& r : opts.recipients) header.add_recipients(r);
   header.set_role(opts.role);

@@ -82,7 +82,7 @@ struct Accounting {
 
 struct PublishOptions {
   std::string session;                  // required
-  std::string message_id;               // empty: a fresh random id is generated
+  std::string message_id;               // empty: a fresh random id (core/message_id.h)
   std::string sender;                   // required
   std::vector<std::string> recipients;  // >= 1
   std::string role;                     // optional
@@ -294,9 +294,6 @@ class RelayClient {
   [[nodiscard]] absl::StatusOr<HealthStatus> Health(
       const std::string& service = "",
       std::chrono::milliseconds deadline = std::chrono::seconds(5));
-
-  // A fresh message id: "m-" and 24 random hex digits.
-  static std::string NewMessageId();
 
  private:
   // `hold`: non-null when `turn` is owned by it (sent without a copy).

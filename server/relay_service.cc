@@ -8,7 +8,7 @@
 #include "server/fetch_reactor.h"
 #include "server/forward_reactor.h"
 #include "server/internal/call_util.h"
-#include "server/message_id.h"
+#include "core/message_id.h"
 #include "server/publish_reactor.h"
 #include "server/request_checks.h"
 #include "spdlog/spdlog.h"

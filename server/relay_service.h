@@ -104,7 +104,7 @@ class RelayService final : public RelayCallbackBase {
   // An upload failed with `s`: a broken pipeline invariant is logged as an
   // error and counted (kvrelay_pipeline_invariant_violations_total).
   void NoteUploadFailure(const char* rpc, const absl::Status& s) const;
-  // A relay-assigned message id (server/message_id.h); INTERNAL when the
+  // A relay-assigned message id (core/message_id.h); INTERNAL when the
   // CSPRNG fails.
   absl::StatusOr<std::string> NewMessageId();
   UploadWatchdog* watchdog() { return &watchdog_; }

@@ -5,6 +5,7 @@
 // is exercised by tests/client/test_relay_e2e.py, and over TLS with tokens by
 // tests/client/test_kvrelayctl.py.
 #include "client/relay_client.h"
+#include "core/message_id.h"
 
 #include <atomic>
 #include <cstdio>
@@ -351,7 +352,9 @@ TEST_F(RelayClientTest, PublishFetchAckRoundTripIsBitExact) {
     };
     absl::StatusOr<PublishResult> r = client_->Publish(turn_, opts_);
     ASSERT_TRUE(r.ok()) << r.status();
+    // A fresh id from the CSPRNG (core/message_id.h): "m-" and 32 hex digits.
     EXPECT_EQ(r->message_id.rfind("m-", 0), 0u) << r->message_id;
+    EXPECT_EQ(r->message_id.size(), kMessageIdLength) << r->message_id;
     EXPECT_EQ(r->attempts, 1);
     EXPECT_EQ(last_done, total);
     EXPECT_GT(total, 2u << 20);
@@ -824,7 +827,7 @@ TEST(RelayClientNoServer, UnavailableAndUniqueIds) {
   auto c = RelayClient::Connect("127.0.0.1:1");
   EXPECT_EQ(c->Health("", std::chrono::seconds(2)).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(c->MessageStatus("s", "m", std::chrono::seconds(2)).status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_NE(RelayClient::NewMessageId(), RelayClient::NewMessageId());
+  EXPECT_NE(NewMessageId().value(), NewMessageId().value());
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // Relay-assigned message ids: their form, their randomness, and that one id
 // tells nothing about the next.
-#include "server/message_id.h"
+#include "core/message_id.h"
 
 #include <array>
 #include <cstdint>
@@ -87,7 +87,7 @@ TEST(MessageIdTest, AFailingSourceIsInternal) {
   ASSERT_FALSE(id.ok());
   EXPECT_EQ(id.status().code(), absl::StatusCode::kInternal);
   EXPECT_EQ(id.status().message(),
-            "header.message_id: empty, and the relay could not assign one (getrandom: Function not implemented); "
+            "header.message_id: empty, and no random id could be made for it (getrandom: Function not implemented); "
             "retry, or set a message id of your own");
 }
 

@@ -13,7 +13,7 @@
 #include "gtest/gtest.h"
 #include "relay_test_util.h"
 #include "server/memory_store.h"
-#include "server/message_id.h"
+#include "core/message_id.h"
 #include "server/request_checks.h"
 #include "tests/core/test_util.h"
 
@@ -367,7 +367,7 @@ TEST_F(PlanPublishTest, AnIdThatCannotBeAssignedFailsThePublish) {
   absl::StatusOr<PublishPlan> r = PlanPublish(h, in);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
-  EXPECT_TRUE(absl::StartsWith(r.status().message(), "header.message_id: empty, and the relay could not assign one"))
+  EXPECT_TRUE(absl::StartsWith(r.status().message(), "header.message_id: empty, and no random id could be made for it"))
       << r.status();
   EXPECT_EQ(store_.Stats().sessions, 0u);
 }

@@ -1,11 +1,13 @@
-// Message ids the relay assigns to a publish that names none.
+// Message ids made for a publish that names none: by the relay, and by the
+// C++ client (RelayClient::Publish without PublishOptions::message_id).
 //
 // An id is "m-" and 32 lowercase hex digits: 128 bits from the kernel's
 // CSPRNG, and nothing else (no counter, salt or clock), so the ids an agent
 // has seen tell nothing about the next one, and no agent can take another's
-// id in advance. The form passes CheckId ([A-Za-z0-9._:-]{1,128}).
-#ifndef KVRELAY_SERVER_MESSAGE_ID_H_
-#define KVRELAY_SERVER_MESSAGE_ID_H_
+// id in advance. The form passes the relay's id check
+// ([A-Za-z0-9._:-]{1,128}).
+#ifndef KVRELAY_CORE_MESSAGE_ID_H_
+#define KVRELAY_CORE_MESSAGE_ID_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -17,7 +19,7 @@
 
 namespace kvrelay {
 
-// Random bytes in a relay-assigned id, and the id's length ("m-" + hex).
+// Random bytes in an id, and the id's length ("m-" + hex).
 inline constexpr size_t kMessageIdRandomBytes = 16;
 inline constexpr size_t kMessageIdLength = 2 + 2 * kMessageIdRandomBytes;
 
@@ -32,4 +34,4 @@ using RandomFill = absl::FunctionRef<absl::Status(void* out, size_t n)>;
 
 }  // namespace kvrelay
 
-#endif  // KVRELAY_SERVER_MESSAGE_ID_H_
+#endif  // KVRELAY_CORE_MESSAGE_ID_H_

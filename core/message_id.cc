@@ -1,4 +1,4 @@
-#include "server/message_id.h"
+#include "core/message_id.h"
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -11,7 +11,7 @@ absl::StatusOr<std::string> NewMessageId() { return NewMessageId(RandomBytes); }
 absl::StatusOr<std::string> NewMessageId(RandomFill fill) {
   char raw[kMessageIdRandomBytes];
   if (absl::Status s = fill(raw, sizeof(raw)); !s.ok()) {
-    return absl::InternalError(absl::StrCat("header.message_id: empty, and the relay could not assign one (",
+    return absl::InternalError(absl::StrCat("header.message_id: empty, and no random id could be made for it (",
                                             s.message(), "); retry, or set a message id of your own"));
   }
   return absl::StrCat("m-", absl::BytesToHexString(absl::string_view(raw, sizeof(raw))));
