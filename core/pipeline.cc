@@ -140,18 +140,19 @@ absl::Status PrefixLayer(const absl::Status& s, int layer) {
 }
 
 // InvalidArgument naming the scores a non-finite accumulated importance
-// came from: tokens [0, hist_end) of each head are the history's (its acc
-// plus history.score), [hist_end, prompt_end) the prompt's (prompt.score
-// summed over a group's score heads, or gen.q), the rest the generated
-// tokens' (gen.q). A float32 sum of finite scores can still overflow.
+// came from: tokens [0, hist_end) of each head are the history's (its
+// history.acc plus history.score, or plus the mass from gen.q),
+// [hist_end, prompt_end) the prompt's (prompt.score summed over a group's
+// score heads, or gen.q), the rest the generated tokens' (gen.q). A float32
+// sum of finite scores can still overflow.
 absl::Status CheckAccFinite(const std::vector<float>& acc, int n, int hist_end, int prompt_end, int layer,
                             bool queries) {
   if (!internal::FiniteChecksOn() || AllFiniteNonNegative(acc.data(), acc.size())) return absl::OkStatus();
   for (size_t i = 0; i < acc.size(); ++i) {
     if (std::isfinite(acc[i]) && acc[i] >= 0) continue;
     const int h = static_cast<int>(i / n), t = static_cast<int>(i % n);
-    const char* part = "gen.q";
-    if (!queries) part = t < hist_end ? "history.acc + history.score" : "prompt.score";
+    const char* part = queries ? "gen.q" : "prompt.score";
+    if (t < hist_end) part = queries ? "history.acc" : "history.acc + history.score";
     return absl::InvalidArgumentError(absl::StrCat(
         "layer.", layer, ".", part, ": the accumulated importance of token ", t, " of KV head ", h, " is ", acc[i],
         " in float32 (the sum over the group's score heads overflows), expected scores whose sums stay below 3.4e38"));
@@ -502,14 +503,12 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
 
   // Every buffer below is sized from head 0: every head must keep as many.
   // Never switched off: this is what keeps the copy inside the buffers.
-  {
-    for (int h = 1; h < heads; ++h) {
-      if (w->sel.kept[h].size() != w->sel.kept[0].size() || kept_hist[h].size() != kept_hist[0].size()) {
-        return Broken(absl::StrCat(
-            "layer.", ctx.layer, ": pipeline invariant violated: head ", h, " keeps ", w->sel.kept[h].size(),
-            " prompt and ", kept_hist[h].size(), " history tokens, head 0 keeps ", w->sel.kept[0].size(), " and ",
-            kept_hist[0].size(), "; expected the same count in every head"));
-      }
+  for (int h = 1; h < heads; ++h) {
+    if (w->sel.kept[h].size() != w->sel.kept[0].size() || kept_hist[h].size() != kept_hist[0].size()) {
+      return Broken(absl::StrCat(
+          "layer.", ctx.layer, ": pipeline invariant violated: head ", h, " keeps ", w->sel.kept[h].size(),
+          " prompt and ", kept_hist[h].size(), " history tokens, head 0 keeps ", w->sel.kept[0].size(), " and ",
+          kept_hist[0].size(), "; expected the same count in every head"));
     }
   }
   const int n_anchor = w->sel.n_anchor;
