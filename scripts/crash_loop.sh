@@ -15,6 +15,6 @@ export PYTHONPATH="client/python:$BUILD_DIR/client/python/gen" PYTHONDONTWRITEBY
 BIN=$(mktemp -d /tmp/kvrelay-crash-bin-XXXXXX)
 trap 'rm -rf "$BIN"' EXIT
 cp "$BUILD_DIR/bin/kvrelay-server" "$BUILD_DIR/bin/kvrelayctl" "$BIN/"
-/usr/bin/python3 tests/server/test_spool_crash.py --server "$BIN/kvrelay-server" \
+.venv/bin/python tests/server/test_spool_crash.py --server "$BIN/kvrelay-server" \
   --kvrelayctl "$BIN/kvrelayctl" --iterations "${1:-1600}" --mesh-iterations "${2:-400}" \
   --point-runs "${3:-5}"

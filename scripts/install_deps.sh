@@ -11,18 +11,18 @@ PACKAGES=(
   libabsl-dev libeigen3-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libssl-dev
 )
-# What running the test suite needs on top: Python (Debian's, with numpy and
-# grpcio), promtool and Prometheus, the Go and Node clients, torch for the HF
-# adapter test, matplotlib for the dashboard picture, kubectl for kustomize,
+# What running the test suite needs on top: Debian's Python with venv (the
+# project's virtual environment .venv gets numpy, grpcio, torch, transformers
+# and matplotlib from PyPI: scripts/install_python.sh), promtool and
+# Prometheus, the Go and Node clients, kubectl for kustomize,
 # clang and its sanitizer/libFuzzer runtimes for scripts/fuzz.sh, libfiu
 # (fiu-run, fiu-ctrl and its POSIX preload) for the spool's I/O-fault test.
 # `--build-only` (scripts/run.sh, the Dockerfile) skips these.
 if [[ "${1:-}" != "--build-only" ]]; then
   PACKAGES+=(
-    python3 python3-numpy python3-grpcio
+    python3 python3-venv
     prometheus
     golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
-    python3-torch python3-matplotlib
     iproute2 openssl
     clang libclang-rt-14-dev
     fiu-utils libfiu-dev
@@ -48,4 +48,8 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
   echo "install_deps: all packages present"
+fi
+
+if [[ "${1:-}" != "--build-only" ]]; then
+  bash "$(dirname "$0")/install_python.sh"
 fi

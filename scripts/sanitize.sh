@@ -17,7 +17,7 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 for disable in 0 1; do
   echo "sanitize: core_test and reference test, KVRELAY_DISABLE_AVX512=$disable"
   KVRELAY_DISABLE_AVX512=$disable "$DIR/bin/core_test" --gtest_brief=1
-  KVRELAY_DISABLE_AVX512=$disable /usr/bin/python3 tests/reference/test_reference.py \
+  KVRELAY_DISABLE_AVX512=$disable .venv/bin/python tests/reference/test_reference.py \
     --kvrelayctl "$DIR/bin/kvrelayctl"
 done
 echo "sanitize: clean"

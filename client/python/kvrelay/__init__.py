@@ -7,20 +7,16 @@
     m = c.fetch("s1", "critic", timeout=30)
     c.ack("s1", "critic", m.message_id)
 
-The generated stubs live in the subpackage kvrelay.v1, which may sit in
-another sys.path entry (the build tree); pkgutil.extend_path finds it. The
-client (and grpc) is imported on first use of Client and its companions, so
-offline use (Turn, safetensors, dequantize_layer, ...) needs neither.
+The generated stubs are the subpackage kvrelay.v1. The client (and grpc) is
+imported on first use of Client and its companions, so offline use (Turn,
+safetensors, dequantize_layer, ...) needs neither; nothing here imports torch
+(kvrelay.hf does, when imported).
 """
-import pkgutil
-
-__path__ = pkgutil.extend_path(__path__, __name__)
-
-from kvrelay._crc32c import crc32c, crc32c_combine  # noqa: E402
-from kvrelay.types import (Accounting, Message, MessageLayer, PublishResult,  # noqa: E402
+from kvrelay._crc32c import crc32c, crc32c_combine
+from kvrelay.types import (Accounting, Message, MessageLayer, PublishResult,
                            QuantizedLayer, Stats, Turn, TurnLayer, bf16_to_f32,
                            dequantize_layer, f32_to_bf16, hadamard_f32)
-from kvrelay import safetensors  # noqa: E402
+from kvrelay import safetensors
 
 _CLIENT_NAMES = ("Client", "RelayError", "PublishError", "MAX_CHUNK_BYTES", "new_message_id", "TOKEN_ENV")
 

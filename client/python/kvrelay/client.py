@@ -37,16 +37,8 @@ from kvrelay._crc32c import crc32c, crc32c_combine
 from kvrelay.types import (DTYPES, Accounting, Message, MessageLayer, PublishResult,
                            QuantizedLayer, Stats, Turn, dequantize_layer)
 
-try:
-    from kvrelay.v1 import relay_pb2 as pb
-    from kvrelay.v1 import relay_pb2_grpc as pb_grpc
-except ImportError as e:  # pragma: no cover
-    raise ImportError(
-        "kvrelay: the generated gRPC stubs (kvrelay/v1/relay_pb2.py) are not on sys.path. "
-        "Build them (the kvrelay_python_stubs target writes BUILD/client/python/gen) or run "
-        "`protoc -I proto --python_out=OUT --grpc_out=OUT "
-        "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin kvrelay/v1/relay.proto` "
-        "and add OUT to PYTHONPATH") from e
+from kvrelay.v1 import relay_pb2 as pb
+from kvrelay.v1 import relay_pb2_grpc as pb_grpc
 
 __all__ = ["Client", "RelayError", "PublishError", "MAX_CHUNK_BYTES", "new_message_id",
            "TOKEN_ENV"]

@@ -44,7 +44,8 @@ def f32_to_bf16(x):
         u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rounded)
+    # ascontiguousarray makes a 0-d input 1-d: give back the input's shape.
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rounded).reshape(a.shape)
 
 
 def bf16_to_f32(bits):
