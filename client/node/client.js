@@ -1,8 +1,9 @@
 'use strict';
 // Node.js client of the kvrelay.v1.Relay service (proto/kvrelay/v1/relay.proto),
 // with @grpc/grpc-js and @grpc/proto-loader (the .proto is loaded at run time).
+// Declarations: client.d.ts.
 //
-//   const { RelayClient } = require('./client');
+//   const { RelayClient } = require('kvrelay-client');
 //   const relay = new RelayClient('127.0.0.1:50051');
 //   // or TLS with a token: new RelayClient('relay:50051', { tlsCa: 'ca.pem', token })
 //   const r = await relay.publish(turn, { sessionId: 's1', sender: 'planner',
@@ -34,8 +35,14 @@ const protoLoader = require('@grpc/proto-loader');
 const { crc32c, crc32cCombine } = require('./crc32c');
 const { DTYPE_SIZE, nextPos } = require('./safetensors');
 
-/** The contract, as laid out in this repository. */
-const DEFAULT_PROTO_PATH = path.resolve(__dirname, '../../proto/kvrelay/v1/relay.proto');
+/**
+ * The contract: the package's copy (`npm pack` puts the repository's
+ * relay.proto there), or in the source tree, which has no copy, the
+ * repository's own.
+ */
+const PACKAGED_PROTO_PATH = path.join(__dirname, 'proto', 'kvrelay', 'v1', 'relay.proto');
+const DEFAULT_PROTO_PATH = fs.existsSync(PACKAGED_PROTO_PATH) ?
+  PACKAGED_PROTO_PATH : path.resolve(__dirname, '../../proto/kvrelay/v1/relay.proto');
 /** relay.proto: a Chunk carries 1 .. 1 MiB of tensor bytes. */
 const MAX_CHUNK_BYTES = 1 << 20;
 const ID_PATTERN = /^[A-Za-z0-9._:-]{1,128}$/;
