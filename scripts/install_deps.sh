@@ -51,5 +51,15 @@ else
 fi
 
 if [[ "${1:-}" != "--build-only" ]]; then
-  bash "$(dirname "$0")/install_python.sh"
+  cd "$(dirname "$0")/.."
+  bash scripts/install_python.sh
+  # npm's cache for tests/client/node: the locked packages (npm ci) and what
+  # `npm install` of the packed client resolves (its dependencies without the
+  # dev ones), so the test installs from the cache.
+  node_tmp=$(mktemp -d)
+  cp client/node/package.json client/node/package-lock.json "$node_tmp"/
+  (cd "$node_tmp" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error \
+    && rm -rf node_modules package-lock.json && npm pkg delete devDependencies \
+    && npm install --ignore-scripts --no-audit --no-fund --package-lock=false --loglevel=error)
+  rm -rf "$node_tmp"
 fi
