@@ -27,6 +27,9 @@
 // Simplest: choose the id up front with NewMessageID.
 package kvrelay
 
+// The stubs in kvrelay/v1 come from proto/ through generate.sh.
+//go:generate bash ../generate.sh
+
 import (
 	"context"
 	"crypto/rand"
@@ -41,7 +44,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	pb "kvrelay/v1"
+	pb "github.com/kvrelay/kvrelay/client/go/kvrelay/v1"
 )
 
 // MaxChunkBytes is the most tensor bytes one Chunk carries (relay.proto).
