@@ -27,6 +27,9 @@
 // Simplest: choose the id up front with NewMessageID.
 package kvrelay
 
+// The stubs in kvrelay/v1 come from proto/ through generate.sh.
+//go:generate bash ../generate.sh
+
 import (
 	"context"
 	"crypto/rand"
@@ -41,7 +44,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	pb "kvrelay/v1"
+	pb "github.com/kvrelay/kvrelay/client/go/kvrelay/v1"
 )
 
 // MaxChunkBytes is the most tensor bytes one Chunk carries (relay.proto).
@@ -54,9 +57,6 @@ type Client struct {
 	conn  *grpc.ClientConn // nil when built by NewClient
 	relay pb.RelayClient
 }
-
-// callOpts go with every call (see protoCodec).
-var callOpts = []grpc.CallOption{grpc.ForceCodec(protoCodec{})}
 
 // Dial connects to the relay at addr ("HOST:PORT" or "unix:PATH"). Without
 // options it uses Security{}.DialOptions(): a plaintext channel that sends
@@ -270,7 +270,7 @@ func checkPublish(o PublishOptions) error {
 func (c *Client) publish(ctx context.Context, header *pb.PublishHeader, tensors []uploadTensor) (*pb.PublishResponse, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stream, err := c.relay.Publish(ctx, callOpts...)
+	stream, err := c.relay.Publish(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -317,7 +317,7 @@ func (c *Client) Fetch(ctx context.Context, session, agent string, autoAck bool)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // also cancels the call when the delivery is malformed
-	stream, err := c.relay.Fetch(ctx, &pb.FetchRequest{SessionId: session, Agent: agent, AutoAck: autoAck}, callOpts...)
+	stream, err := c.relay.Fetch(ctx, &pb.FetchRequest{SessionId: session, Agent: agent, AutoAck: autoAck})
 	if err != nil {
 		return nil, fmt.Errorf("kvrelay: fetch %s/%s: %w", session, agent, err)
 	}
@@ -355,7 +355,7 @@ func (c *Client) Ack(ctx context.Context, session, agent, messageID string) erro
 			return fmt.Errorf("kvrelay: ack: %w", err)
 		}
 	}
-	_, err := c.relay.Ack(ctx, &pb.AckRequest{SessionId: session, Agent: agent, MessageId: messageID}, callOpts...)
+	_, err := c.relay.Ack(ctx, &pb.AckRequest{SessionId: session, Agent: agent, MessageId: messageID})
 	if err != nil {
 		return fmt.Errorf("kvrelay: ack %s for %s/%s: %w", messageID, session, agent, err)
 	}
@@ -367,7 +367,7 @@ func (c *Client) CloseSession(ctx context.Context, session string) (uint32, erro
 	if err := checkID("session_id", session, true); err != nil {
 		return 0, fmt.Errorf("kvrelay: close session: %w", err)
 	}
-	r, err := c.relay.CloseSession(ctx, &pb.CloseSessionRequest{SessionId: session}, callOpts...)
+	r, err := c.relay.CloseSession(ctx, &pb.CloseSessionRequest{SessionId: session})
 	if err != nil {
 		return 0, fmt.Errorf("kvrelay: close session %s: %w", session, err)
 	}
@@ -377,7 +377,7 @@ func (c *Client) CloseSession(ctx context.Context, session string) (uint32, erro
 // Stats returns the relay's counters since it started and what it holds now
 // (relay.proto, StatsResponse).
 func (c *Client) Stats(ctx context.Context) (*pb.StatsResponse, error) {
-	r, err := c.relay.Stats(ctx, &pb.StatsRequest{}, callOpts...)
+	r, err := c.relay.Stats(ctx, &pb.StatsRequest{})
 	if err != nil {
 		return nil, fmt.Errorf("kvrelay: stats: %w", err)
 	}
@@ -401,7 +401,7 @@ func (c *Client) Compress(ctx context.Context, turn *Turn, policy string) (*Mess
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // also cancels the call when the reply is malformed
-	stream, err := c.relay.Compress(ctx, callOpts...)
+	stream, err := c.relay.Compress(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("kvrelay: compress: %w", err)
 	}

@@ -23,7 +23,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
-	pb "kvrelay/v1"
+	pb "github.com/kvrelay/kvrelay/client/go/kvrelay/v1"
 )
 
 func f32Bytes(xs ...float32) []byte {

@@ -10,6 +10,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 )
 
 // TokenEnv is the environment variable a token is taken from when
@@ -50,7 +51,7 @@ func (s Security) DialOptions() ([]grpc.DialOption, error) {
 		if s.ServerName != "" {
 			return nil, fmt.Errorf("kvrelay: tls server name: given without a CA file, expected a CA file too")
 		}
-		opts = append(opts, grpc.WithInsecure())
+		opts = append(opts, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	} else {
 		cfg, err := s.tlsConfig()
 		if err != nil {

@@ -9,7 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	pb "kvrelay/v1"
+	pb "github.com/kvrelay/kvrelay/client/go/kvrelay/v1"
 )
 
 // castagnoli is the CRC32C table (hardware-accelerated where the CPU has it).

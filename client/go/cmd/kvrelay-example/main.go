@@ -28,8 +28,8 @@ import (
 	"strconv"
 	"time"
 
-	"kvrelay/client/go/kvrelay"
-	kvrelayv1 "kvrelay/v1"
+	"github.com/kvrelay/kvrelay/client/go/kvrelay"
+	kvrelayv1 "github.com/kvrelay/kvrelay/client/go/kvrelay/v1"
 )
 
 type options struct {
