@@ -14,7 +14,7 @@ PACKAGES=(
 # What running the test suite needs on top: Debian's Python with venv (the
 # project's virtual environment .venv gets numpy, grpcio, torch, transformers
 # and matplotlib from PyPI: scripts/install_python.sh), promtool and
-# Prometheus, the Go and Node clients, kubectl for kustomize,
+# Prometheus, Node for its client, kubectl for kustomize,
 # clang and its sanitizer/libFuzzer runtimes for scripts/fuzz.sh, libfiu
 # (fiu-run, fiu-ctrl and its POSIX preload) for the spool's I/O-fault test.
 # `--build-only` (scripts/run.sh, the Dockerfile) skips these.
@@ -22,7 +22,6 @@ if [[ "${1:-}" != "--build-only" ]]; then
   PACKAGES+=(
     python3 python3-venv
     prometheus
-    golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
     iproute2 openssl
     clang libclang-rt-14-dev
     fiu-utils libfiu-dev
@@ -53,6 +52,9 @@ fi
 if [[ "${1:-}" != "--build-only" ]]; then
   cd "$(dirname "$0")/.."
   bash scripts/install_python.sh
+  # Go 1.25+ is the machine's (Go 1.26 in /usr/local/go); the Go client's
+  # module cache and its pinned protoc plugins.
+  bash scripts/install_go_tools.sh
   # npm's cache for tests/client/node: the locked packages (npm ci) and what
   # `npm install` of the packed client resolves (its dependencies without the
   # dev ones), so the test installs from the cache.
