@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Soak with the spool: chain traffic through two relays for --minutes, with
 each relay's RSS, open file descriptors and spool bytes sampled over time.
 
@@ -34,10 +34,10 @@ to --png (matplotlib: RSS, descriptors, spool bytes, chains/s over time).
 Exit 0 when flat, 1 when not, 2 for a run that broke (a relay died, no chain
 completed, too many errors).
 
-    /usr/bin/python3 bench/soak.py [--build build] [--minutes 10] [--interval 5]
+    .venv/bin/python bench/soak.py [--build build] [--minutes 10] [--interval 5]
         [--threads 3] [--policy SPEC] [--session-ttl-seconds 20] [--expire-every 8]
         [--json docs/soak_spool.json] [--png docs/soak_spool.png] [--keep]
-    /usr/bin/python3 bench/soak.py --plot-only docs/soak_spool.json   # redraw the PNG
+    .venv/bin/python bench/soak.py --plot-only docs/soak_spool.json   # redraw the PNG
 
 Traffic goes to 127.0.0.1 only. Every loop is bounded in time and count, a
 watchdog ends everything past --minutes + 5 min, and the relays are stopped
