@@ -1,26 +1,37 @@
 """kvrelay.hf: HF transformers caches <-> kvrelay turns and messages.
 
 Optional module: it needs torch (imported lazily, inside the functions, so
-`import kvrelay` never does) and works WITHOUT transformers. Caches are
-duck-typed, so any of these is accepted wherever a cache is expected:
+`import kvrelay` never does); transformers is optional. Tested on
+transformers' own LlamaForCausalLM and Qwen3ForCausalLM (GQA, Qwen3's q/k
+norms) with transformers 5.25 (models take `cache=`, caches hold
+`.layers[i].keys/.values`) and 4.53 (`past_key_values=`,
+`DynamicCache.key_cache/.value_cache`), float32 and bfloat16, eager and SDPA
+attention (tests/client/python/hf/test_hf_transformers.py). A cache is any
+of:
 
-- a legacy tuple cache: a tuple (or list) over layers of (key, value) tensors,
-  each [batch=1, kv_heads, tokens, head_dim];
-- a transformers `DynamicCache`: newer versions (`.layers[i].keys/.values`),
-  older ones (`.key_cache` / `.value_cache` lists), or anything with
-  `to_legacy_cache()`.
+- a transformers `DynamicCache` (either API above, or anything with
+  `to_legacy_cache()`);
+- a legacy tuple cache: a tuple (or list) over layers of (key, value)
+  tensors [batch, kv_heads, tokens, head_dim].
 
-Every token of such a cache must be in its tensors. When the cache has
-`get_seq_length()`, each layer's token count must equal it: pre-allocated
-caches (`StaticCache`: keys of length max_cache_len, zero padding past the
-tokens seen) and quantized ones (`QuantizedCache`: only the unquantized
-residual tokens are tensors) fail with a ValueError instead of uploading
-padding as generated tokens or losing the quantized part; so do
-sliding-window layers. Convert those to a `DynamicCache` (or its legacy
-tuples) first.
+A turn is one sequence: turn_from_cache takes batch 1, turns_from_batch a
+padded batch (one turn per row, its padding dropped by the attention mask).
+
+What is refused, with a ValueError naming the layer or field:
+- sliding-window layers: a 5.x DynamicCache's sliding layers, and with
+  `config=` (turn_from_cache, message_to_cache) any configuration whose
+  `layer_types` is not all "full_attention" (4.53 keeps every token of a
+  sliding layer but masks them, so only the config tells): tokens outside
+  the window are gone or unseen, the cache is not the sequence;
+- caches whose tensors are not the tokens: a StaticCache (max_cache_len
+  rows, zero padding) or a QuantizedCache (the tokens quantized, only a
+  residual as tensors). Every layer's token count must equal
+  `get_seq_length()`. Convert to a DynamicCache (or legacy tuples) first;
+- with `config=`: a model of another geometry (layers, KV heads, head_dim).
 
 What comes back (`message_to_cache`) is a `DynamicCache` when transformers is
-importable, else the legacy tuple (`cache_format=` picks one explicitly).
+importable, else the legacy tuple (`cache_format=` picks one explicitly);
+`messages_to_batch` makes one left-padded batched cache of several messages.
 
 Typical agent step (LatentMAS style; see examples/latentmas_chain.py):
 
@@ -31,11 +42,14 @@ Typical agent step (LatentMAS style; see examples/latentmas_chain.py):
         out = model(..., past_key_values=out.past_key_values, output_attentions=True)
         acc.add(out.attentions)                 # tuple over layers [1, q_heads, q_len, kv_len]
     turn = hf.turn_from_cache(out.past_key_values, n_prompt, acc.scores(), history=relayed,
-                              history_scores=acc.history_scores() if relayed else None)
+                              history_scores=acc.history_scores() if relayed else None,
+                              config=model.config)
     client.publish(turn, session, me, [nxt], policy="h2o-head:k=32",
                    parent_id=relayed.message_id if relayed else "")
     ...
-    relayed = hf.message_to_cache(client.fetch(session, nxt))
+    relayed = hf.message_to_cache(client.fetch(session, nxt), config=model.config)
+
+(transformers 5.x: `cache=` and `out.cache` for `past_key_values`.)
 
 How a model consumes a relayed cache (`RelayedCache`):
 
@@ -44,22 +58,30 @@ How a model consumes a relayed cache (`RelayedCache`):
   which original position each cached row had. After h2o-head selection the
   rows of different heads (and layers) hold different positions, and the
   token axis is only a storage index: attention is order-free, it only needs
-  every cached row to be visible.
+  every cached row to be visible. The logits then equal the original
+  model's with the evicted rows masked out per head (float32: within 1e-5).
 - New tokens continue at `next_pos`, where the relayed turn ended (the
   original sequence length: 1 + the largest position held, or later when
-  the turn's last tokens were evicted), NOT at the number of cached tokens: pass
-  `position_ids=relayed.position_ids(q_len)` explicitly. HF models otherwise
-  derive position ids from `cache_position` (= the cache length), which is
-  wrong for a compressed cache.
+  the turn's last tokens were evicted), NOT at the number of cached tokens:
+  pass `position_ids=relayed.position_ids(q_len)` explicitly. HF models
+  otherwise derive position ids from the cache length (or the attention
+  mask's count), which is wrong for a compressed cache; model.generate
+  does so at every step, so use `hf.generate(model, relayed, input_ids,
+  **generate_kwargs)`, which sets each step's position ids from next_pos.
 - The attention mask covers every cached row plus the new tokens:
   `attention_mask=relayed.attention_mask(q_len)` (all ones, length
-  tokens + q_len); models taking `cache_position` want
-  `relayed.cache_position(q_len)` (storage indices tokens .. tokens+q_len-1).
+  tokens + q_len); models taking `cache_position` (4.x) want
+  `relayed.cache_position(q_len)` (storage indices tokens .. tokens+q_len-1),
+  or leave it out (the cache's length gives the same).
+- A RelayedBatch (messages_to_batch) has the same helpers, per sequence:
+  position_ids from each row's next_pos, attention_mask zero on each row's
+  left padding.
 - Attention scores for the relay come either from eager attention
   (`PromptAttention`: `attn_implementation="eager"`, `output_attentions=True`)
   or, with any attention kernel (SDPA, flash attention), from the generated
   steps' queries (`QueryCapture`): the turn then carries gen.q and the relay
-  computes the attention mass itself, exactly as eager attention would:
+  computes the attention mass itself, exactly as eager attention would
+  (float32: within 1e-5 of the eager mass):
 
       cap = hf.QueryCapture(model)            # hooks every attention module
       out = model(prompt_ids, ...)            # the prompt pass: not captured
@@ -133,7 +155,7 @@ def cache_layers(cache):
         for name, t in (("key", k), ("value", v)):
             _check_4d(t, f"cache layer {i} {name}", "[batch=1, kv_heads, tokens, head_dim]",
                       "a torch.Tensor (layer not initialised?)",
-                      " (a turn is one sequence; split the batch first)")
+                      " (a turn is one sequence; turns_from_batch splits a batch)")
             if _dtype_name(t) not in DTYPE_NAMES:
                 raise ValueError(f"cache layer {i} {name}: dtype {t.dtype}, expected "
                                  "torch.float32, torch.float16 or torch.bfloat16")
@@ -192,7 +214,7 @@ def _check_seq_length(cache, pairs):
                 f"{type(cache).__name__}.get_seq_length({i}) is {want}; expected them equal "
                 "(a pre-allocated cache such as StaticCache pads with zeros, a quantized one "
                 "holds only its residual tokens as tensors): publish from a DynamicCache, or "
-                "its to_legacy_cache() tuples, holding every token")
+                "legacy (key, value) tuples, holding every token")
 
 
 def _raw_pairs(cache):

@@ -403,7 +403,7 @@ class CacheConversionTest(unittest.TestCase):
                 with self.assertRaisesRegex(ValueError, msg) as cm:
                     hf.turn_from_cache(cache, 5)
                 self.assertIn("DynamicCache", str(cm.exception))
-                self.assertIn("to_legacy_cache()", str(cm.exception))
+                self.assertIn("legacy (key, value) tuples", str(cm.exception))
 
         # A layer other than 0 disagreeing is named.
         skewed = StaticCache()

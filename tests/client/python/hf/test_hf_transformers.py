@@ -529,6 +529,21 @@ class LimitsTest(RelayCase):
                                                 r"StaticCache\.get_seq_length\(0\) is 8"):
             hf.turn_from_cache(sc, 8)
 
+    def test_quantized_cache(self):
+        # transformers >= 5 quantizes to fp8 without an extra backend: its
+        # layers keep the tokens in _quantized_keys, the key tensor is empty.
+        # (4.53's QuantizedCache needs quanto or hqq, not installed: its
+        # stand-in is test_hf.py's.)
+        if not hasattr(transformers, "QuantizedCache") or TV < (5, 0):
+            self.skipTest(f"transformers {transformers.__version__}: no backend-free QuantizedCache")
+        m = model("llama")
+        qc = transformers.QuantizedCache(backend="fp8", config=m.config)
+        fwd(m, prompt_ids(8, 1), qc)
+        fwd(m, prompt_ids(1, 2), qc)
+        with self.assertRaisesRegex(ValueError, r"cache layer 0: 0 tokens in its key tensor, but "
+                                                r"QuantizedCache\.get_seq_length\(0\) is 9"):
+            hf.turn_from_cache(qc, 8)
+
     def test_other_geometry(self):
         cache, n, _, _, _ = run_agent(model("llama"))
         msg = self.c.compress(hf.turn_from_cache(cache, n), "full")
