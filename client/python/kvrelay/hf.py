@@ -564,6 +564,8 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
     the problem (bad shapes, batch > 1 (see turns_from_batch), dtypes
     differing across layers, n_prompt beyond the cache, scores of the wrong
     shape, a sliding-window configuration)."""
+    if config is not None:  # the layer types first: a sliding layer also has another shape
+        check_config(config)
     pairs = cache_layers(cache)
     k0 = pairs[0][0]
     H, T = int(k0.shape[1]), int(k0.shape[2])
