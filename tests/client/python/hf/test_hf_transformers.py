@@ -30,10 +30,12 @@ Properties, and how exactly each holds (asserted as stated):
    keeps the same rows from either.
 5. hf.generate on a relayed h2o-head cache: greedy tokens identical to a
    hand loop with explicit position_ids (relayed.position_ids) and the
-   logits bit for bit; without the position protection (positions at the
-   number of cached rows, what model.generate does by itself) the logits
-   differ. KVRELAY_HF_TEST_UNPROTECTED=1 runs the main assertion without
-   the protection, to show that the test catches it.
+   logits bit for bit (a cache continued by hand first: the same tokens,
+   logits within 1e-5); without the position protection (positions at the
+   number of cached rows) the logits differ, and equal those of a plain
+   model.generate on the relayed cache bit for bit (what transformers does
+   by itself). KVRELAY_HF_TEST_UNPROTECTED=1 runs the main assertions
+   without the protection, to show that the test catches it.
 6. Batches: turns_from_batch on a left-padded batched cache equals the
    one-by-one turns within 1e-5 (float32; the batched matmuls round
    otherwise, measured up to 3e-6); messages_to_batch of messages of
@@ -431,9 +433,29 @@ class GenerateTest(RelayCase):
                     self.assertTrue(torch.equal(logits, want_logits),
                                     f"max diff per step {(logits - want_logits).abs().amax((0, 2)).tolist()}")
                     self.assertEqual(int(rc.cache.get_seq_length()), rc.tokens + ids.shape[1] + self.NEW - 1)
+                    # A cache continued by hand first (rows past the relayed ones):
+                    # generate goes on from there, the same tokens (logits within
+                    # 1e-5: the first token went through a forward of its own).
+                    rc = hf.message_to_cache(msg)
+                    fwd(m, ids[:, :1], rc.cache, position_ids=rc.position_ids(1),
+                        attention_mask=rc.attention_mask(1))
+                    seq_c, logits_c = self.generate(m, rc, ids[:, 1:], protect=not UNPROTECTED)
+                    self.assertEqual(seq_c.tolist(), want_seq[:, 1:].tolist())
+                    close(self, logits_c, want_logits, torch.float32, "continued cache")
                     # Without the protection the logits differ: the test can tell.
                     seq_u, logits_u = self.generate(m, hf.message_to_cache(msg), ids, protect=False)
                     self.assertGreater((logits_u - want_logits).abs().max().item(), 1e-3)
+                    # ... and the stand-in is what a plain model.generate on the
+                    # relayed cache does (placeholder ids for the cached rows).
+                    rc = hf.message_to_cache(msg)
+                    with torch.no_grad():
+                        plain = m.generate(torch.cat([torch.zeros(1, rc.tokens, dtype=torch.long), ids], 1),
+                                           attention_mask=rc.attention_mask(ids.shape[1]),
+                                           **{CACHE_KW: rc.cache}, max_new_tokens=self.NEW,
+                                           do_sample=False, return_dict_in_generate=True,
+                                           output_logits=True)
+                    self.assertTrue(torch.equal(torch.stack(plain.logits, 1), logits_u))
+                    self.assertEqual(plain.sequences[:, rc.tokens:].tolist(), seq_u.tolist())
 
 
 # ---- 6 --------------------------------------------------------------------------
