@@ -139,10 +139,12 @@ def prompt_ids(n, seed):
     return torch.randint(2, VOCAB, (1, n), generator=g)
 
 
-def run_agent(m, n_prompt=12, gen=4, seed=0, attentions=False):
-    """Prompt pass + `gen` greedy steps. Returns (cache, n_prompt, per-step
-    attentions (with attentions=True), next token [1, 1], next position)."""
-    ids = prompt_ids(n_prompt, seed)
+def run_agent(m, n_prompt=12, gen=4, seed=0, attentions=False, ids=None):
+    """Prompt pass (`ids`, or n_prompt random ids) + `gen` greedy steps.
+    Returns (cache, n_prompt, per-step attentions (with attentions=True),
+    next token [1, 1], next position)."""
+    ids = prompt_ids(n_prompt, seed) if ids is None else ids
+    n_prompt = ids.shape[1]
     out = fwd(m, ids)
     steps = []
     for s in range(gen):
@@ -486,7 +488,7 @@ class BatchTest(RelayCase):
                                                 list(self.LENS), config=m.config)
                     singles, kv_diff = [], 0.0
                     for p, t in zip(prompts, turns):
-                        c1, n1, _, _, _ = run_agent_ids(m, p, gen)
+                        c1, n1, _, _, _ = run_agent(m, gen=gen, ids=p)
                         t1 = hf.turn_from_cache(c1, n1)
                         singles.append(t1)
                         self.assertEqual(t.geometry(), t1.geometry())
@@ -520,15 +522,6 @@ class BatchTest(RelayCase):
                             one = hf.generate(m, hf.message_to_cache(msg), new[b:b + 1],
                                               max_new_tokens=4, do_sample=False)
                             self.assertEqual(seq[b].tolist(), one[0].tolist())
-
-
-def run_agent_ids(m, ids, gen):
-    n = ids.shape[1]
-    out = fwd(m, ids)
-    for s in range(gen):
-        tok = out.logits[:, -1:].argmax(-1)
-        out = fwd(m, tok, out_cache(out), position_ids=torch.tensor([[n + s]]))
-    return out_cache(out), n, None, None, n + gen
 
 
 # ---- 7 --------------------------------------------------------------------------
