@@ -42,9 +42,12 @@ Properties, and how exactly each holds (asserted as stated):
    different lengths (full and h2o-head) gives the one-by-one logits within
    1e-5 (measured up to 4e-6), and hf.generate on the batch the one-by-one
    greedy tokens; eager and SDPA.
-7. Limits: a sliding-window configuration, a StaticCache, a configuration
-   of another geometry, and misuse of hf.generate are ValueErrors naming
-   the thing.
+7. Limits: a sliding-window configuration (by config under both
+   transformers, by the cache's own sliding layers under 5.x), a
+   StaticCache, a quantized cache (5.x's fp8 QuantizedCache; 4.53's needs
+   quanto or hqq), a configuration of another geometry, a batch given to
+   turn_from_cache, bad turns_from_batch masks and misuse of hf.generate
+   are ValueErrors naming the thing.
 The whole run is bounded (watchdog) and the server is always stopped.
 """
 import argparse
@@ -577,6 +580,24 @@ class LimitsTest(RelayCase):
             hf.message_to_cache(msg, config=config("llama", num_key_value_heads=4))
         with self.assertRaisesRegex(ValueError, r"config\.num_hidden_layers: 3, expected 2"):
             hf.turn_from_cache(cache, n, config=config("llama", num_hidden_layers=3))
+
+    def test_batch_errors(self):
+        m = model("llama")
+        out = fwd(m, torch.cat([prompt_ids(6, 1), prompt_ids(6, 2)]))
+        cache = out_cache(out)
+        with self.assertRaisesRegex(ValueError, r"cache layer 0 key: batch 2, expected 1 \(a turn is one "
+                                                r"sequence; turns_from_batch splits a batch\)"):
+            hf.turn_from_cache(cache, 6)
+        with self.assertRaisesRegex(ValueError, r"attention_mask: shape \[2, 5\], expected \[2, 6\]"):
+            hf.turns_from_batch(cache, torch.ones(2, 5), 6)
+        with self.assertRaisesRegex(ValueError, r"n_prompt: 3 rows, expected 2"):
+            hf.turns_from_batch(cache, torch.ones(2, 6), [6, 6, 6])
+        mask = torch.tensor([[1] * 6, [0, 0] + [1] * 4])
+        with self.assertRaisesRegex(ValueError, r"row 1: n_history \+ n_prompt: 0 \+ 6 = 6, expected <= "
+                                                r"the cache's 4 tokens"):
+            hf.turns_from_batch(cache, mask, 6)
+        t = hf.turns_from_batch(cache, mask, [6, 4])
+        self.assertEqual([x.geometry()[4] for x in t], [6, 4])
 
     def test_generate_misuse(self):
         cache, n, _, tok, _ = run_agent(model("llama"))
