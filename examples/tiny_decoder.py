@@ -53,6 +53,17 @@ def decode(ids):
     return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
+def _legacy(cache):
+    """A transformers DynamicCache's (key, value) per layer: `.layers[i].keys
+    /.values` (transformers >= 4.56), `.key_cache/.value_cache` (older)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return tuple((l.keys, l.values) for l in layers)
+    if hasattr(cache, "key_cache"):
+        return tuple(zip(cache.key_cache, cache.value_cache))
+    return cache.to_legacy_cache()
+
+
 @dataclass
 class DecoderOutput:
     logits: torch.Tensor
@@ -170,7 +181,7 @@ class TinyDecoder(torch.nn.Module):
         b, q, _ = x.shape
         past = past_key_values
         if past is not None and not isinstance(past, (tuple, list)):
-            past = past.to_legacy_cache()  # a DynamicCache
+            past = _legacy(past)  # a transformers DynamicCache
         n = 0 if not past else past[0][0].shape[2]
         if position_ids is None:
             position_ids = torch.arange(n, n + q).unsqueeze(0)

@@ -1,26 +1,37 @@
 """kvrelay.hf: HF transformers caches <-> kvrelay turns and messages.
 
 Optional module: it needs torch (imported lazily, inside the functions, so
-`import kvrelay` never does) and works WITHOUT transformers. Caches are
-duck-typed, so any of these is accepted wherever a cache is expected:
+`import kvrelay` never does); transformers is optional. Tested on
+transformers' own LlamaForCausalLM and Qwen3ForCausalLM (GQA, Qwen3's q/k
+norms) with transformers 5.25 (models take `cache=`, caches hold
+`.layers[i].keys/.values`) and 4.53 (`past_key_values=`,
+`DynamicCache.key_cache/.value_cache`), float32 and bfloat16, eager and SDPA
+attention (tests/client/python/hf/test_hf_transformers.py). A cache is any
+of:
 
-- a legacy tuple cache: a tuple (or list) over layers of (key, value) tensors,
-  each [batch=1, kv_heads, tokens, head_dim];
-- a transformers `DynamicCache`: newer versions (`.layers[i].keys/.values`),
-  older ones (`.key_cache` / `.value_cache` lists), or anything with
-  `to_legacy_cache()`.
+- a transformers `DynamicCache` (either API above, or anything with
+  `to_legacy_cache()`);
+- a legacy tuple cache: a tuple (or list) over layers of (key, value)
+  tensors [batch, kv_heads, tokens, head_dim].
 
-Every token of such a cache must be in its tensors. When the cache has
-`get_seq_length()`, each layer's token count must equal it: pre-allocated
-caches (`StaticCache`: keys of length max_cache_len, zero padding past the
-tokens seen) and quantized ones (`QuantizedCache`: only the unquantized
-residual tokens are tensors) fail with a ValueError instead of uploading
-padding as generated tokens or losing the quantized part; so do
-sliding-window layers. Convert those to a `DynamicCache` (or its legacy
-tuples) first.
+A turn is one sequence: turn_from_cache takes batch 1, turns_from_batch a
+padded batch (one turn per row, its padding dropped by the attention mask).
+
+What is refused, with a ValueError naming the layer or field:
+- sliding-window layers: a 5.x DynamicCache's sliding layers, and with
+  `config=` (turn_from_cache, message_to_cache) any configuration whose
+  `layer_types` is not all "full_attention" (4.53 keeps every token of a
+  sliding layer but masks them, so only the config tells): tokens outside
+  the window are gone or unseen, the cache is not the sequence;
+- caches whose tensors are not the tokens: a StaticCache (max_cache_len
+  rows, zero padding) or a QuantizedCache (the tokens quantized, only a
+  residual as tensors). Every layer's token count must equal
+  `get_seq_length()`. Convert to a DynamicCache (or legacy tuples) first;
+- with `config=`: a model of another geometry (layers, KV heads, head_dim).
 
 What comes back (`message_to_cache`) is a `DynamicCache` when transformers is
-importable, else the legacy tuple (`cache_format=` picks one explicitly).
+importable, else the legacy tuple (`cache_format=` picks one explicitly);
+`messages_to_batch` makes one left-padded batched cache of several messages.
 
 Typical agent step (LatentMAS style; see examples/latentmas_chain.py):
 
@@ -31,11 +42,14 @@ Typical agent step (LatentMAS style; see examples/latentmas_chain.py):
         out = model(..., past_key_values=out.past_key_values, output_attentions=True)
         acc.add(out.attentions)                 # tuple over layers [1, q_heads, q_len, kv_len]
     turn = hf.turn_from_cache(out.past_key_values, n_prompt, acc.scores(), history=relayed,
-                              history_scores=acc.history_scores() if relayed else None)
+                              history_scores=acc.history_scores() if relayed else None,
+                              config=model.config)
     client.publish(turn, session, me, [nxt], policy="h2o-head:k=32",
                    parent_id=relayed.message_id if relayed else "")
     ...
-    relayed = hf.message_to_cache(client.fetch(session, nxt))
+    relayed = hf.message_to_cache(client.fetch(session, nxt), config=model.config)
+
+(transformers 5.x: `cache=` and `out.cache` for `past_key_values`.)
 
 How a model consumes a relayed cache (`RelayedCache`):
 
@@ -44,22 +58,30 @@ How a model consumes a relayed cache (`RelayedCache`):
   which original position each cached row had. After h2o-head selection the
   rows of different heads (and layers) hold different positions, and the
   token axis is only a storage index: attention is order-free, it only needs
-  every cached row to be visible.
+  every cached row to be visible. The logits then equal the original
+  model's with the evicted rows masked out per head (float32: within 1e-5).
 - New tokens continue at `next_pos`, where the relayed turn ended (the
   original sequence length: 1 + the largest position held, or later when
-  the turn's last tokens were evicted), NOT at the number of cached tokens: pass
-  `position_ids=relayed.position_ids(q_len)` explicitly. HF models otherwise
-  derive position ids from `cache_position` (= the cache length), which is
-  wrong for a compressed cache.
+  the turn's last tokens were evicted), NOT at the number of cached tokens:
+  pass `position_ids=relayed.position_ids(q_len)` explicitly. HF models
+  otherwise derive position ids from the cache length (or the attention
+  mask's count), which is wrong for a compressed cache; model.generate
+  does so at every step, so use `hf.generate(model, relayed, input_ids,
+  **generate_kwargs)`, which sets each step's position ids from next_pos.
 - The attention mask covers every cached row plus the new tokens:
   `attention_mask=relayed.attention_mask(q_len)` (all ones, length
-  tokens + q_len); models taking `cache_position` want
-  `relayed.cache_position(q_len)` (storage indices tokens .. tokens+q_len-1).
+  tokens + q_len); models taking `cache_position` (4.x) want
+  `relayed.cache_position(q_len)` (storage indices tokens .. tokens+q_len-1),
+  or leave it out (the cache's length gives the same).
+- A RelayedBatch (messages_to_batch) has the same helpers, per sequence:
+  position_ids from each row's next_pos, attention_mask zero on each row's
+  left padding.
 - Attention scores for the relay come either from eager attention
   (`PromptAttention`: `attn_implementation="eager"`, `output_attentions=True`)
   or, with any attention kernel (SDPA, flash attention), from the generated
   steps' queries (`QueryCapture`): the turn then carries gen.q and the relay
-  computes the attention mass itself, exactly as eager attention would:
+  computes the attention mass itself, exactly as eager attention would
+  (float32: within 1e-5 of the eager mass):
 
       cap = hf.QueryCapture(model)            # hooks every attention module
       out = model(prompt_ids, ...)            # the prompt pass: not captured
@@ -76,8 +98,9 @@ import numpy as np
 
 from kvrelay.types import Turn, TurnLayer
 
-__all__ = ["DTYPE_NAMES", "RelayedCache", "PromptAttention", "QueryCapture", "cache_layers",
-           "prompt_attention_mass", "turn_from_cache", "message_to_cache"]
+__all__ = ["DTYPE_NAMES", "RelayedCache", "RelayedBatch", "PromptAttention", "QueryCapture",
+           "cache_layers", "check_config", "prompt_attention_mass", "turn_from_cache",
+           "turns_from_batch", "message_to_cache", "messages_to_batch", "generate"]
 
 # torch dtype name -> kvrelay dtype name
 DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -132,7 +155,7 @@ def cache_layers(cache):
         for name, t in (("key", k), ("value", v)):
             _check_4d(t, f"cache layer {i} {name}", "[batch=1, kv_heads, tokens, head_dim]",
                       "a torch.Tensor (layer not initialised?)",
-                      " (a turn is one sequence; split the batch first)")
+                      " (a turn is one sequence; turns_from_batch splits a batch)")
             if _dtype_name(t) not in DTYPE_NAMES:
                 raise ValueError(f"cache layer {i} {name}: dtype {t.dtype}, expected "
                                  "torch.float32, torch.float16 or torch.bfloat16")
@@ -191,7 +214,7 @@ def _check_seq_length(cache, pairs):
                 f"{type(cache).__name__}.get_seq_length({i}) is {want}; expected them equal "
                 "(a pre-allocated cache such as StaticCache pads with zeros, a quantized one "
                 "holds only its residual tokens as tensors): publish from a DynamicCache, or "
-                "its to_legacy_cache() tuples, holding every token")
+                "legacy (key, value) tuples, holding every token")
 
 
 def _raw_pairs(cache):
@@ -218,6 +241,44 @@ def _raw_pairs(cache):
         return list(cache.to_legacy_cache())
     raise ValueError(f"cache: {type(cache).__name__}, expected a legacy tuple cache "
                      "((k, v) per layer) or a DynamicCache")
+
+
+def check_config(config, layers=None, kv_heads=None, head_dim=None):
+    """Checks that a transformers model configuration can send or take a
+    relayed cache: every layer full attention (no sliding window: such a
+    layer drops, or masks away, the tokens outside its window, so its cache
+    is not the sequence the relay selects from), and, where given, the
+    number of layers, KV heads and head_dim of a cache or message. Raises
+    ValueError naming the field, the value found and the value expected.
+    Accepts the model's `config` (or a composite config with a text config,
+    whose decoder part is checked)."""
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            config = get_text(decoder=True)
+        except TypeError:  # pragma: no cover - older signatures
+            config = get_text()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        for i, t in enumerate(layer_types):
+            if t != "full_attention":
+                raise ValueError(f"config.layer_types[{i}]: {t!r}, expected 'full_attention' (a "
+                                 "sliding-window or other non-full layer does not keep, or does not "
+                                 "attend to, every token; kvrelay relays full-attention caches)")
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError(f"config.sliding_window: {config.sliding_window}, expected None (every "
+                         "layer full attention; kvrelay relays full-attention caches)")
+    want = (("num_hidden_layers", layers), ("num_key_value_heads", kv_heads), ("head_dim", head_dim))
+    for field, v in want:
+        if v is None:
+            continue
+        have = getattr(config, field, None)
+        if field == "num_key_value_heads" and have is None:
+            have = getattr(config, "num_attention_heads", None)
+        if field == "head_dim" and have is None and getattr(config, "hidden_size", None):
+            have = config.hidden_size // config.num_attention_heads
+        if have is not None and int(have) != int(v):
+            raise ValueError(f"config.{field}: {have}, expected {v} (the cache's)")
 
 
 def _to_numpy(t, name):
@@ -469,7 +530,7 @@ class QueryCapture:
 
 def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=False,
                     n_history=None, history_positions=None, first_agent=None, prompt_pos0=None,
-                    queries=None, softmax_scale=None, history_scores=None):
+                    queries=None, softmax_scale=None, history_scores=None, config=None):
     """A kvrelay.Turn from an agent's cache.
 
     The cache's token axis holds [history; prompt; generated]: the first
@@ -497,12 +558,19 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
     them (history.next_pos with `history`).
 
     K/V keep the cache's dtype (float32 -> F32, float16 -> F16,
-    bfloat16 -> BF16); tensors are copied to host memory. ValueError names the
-    problem (bad shapes, batch > 1, dtypes differing across layers, n_prompt
-    beyond the cache, scores of the wrong shape)."""
+    bfloat16 -> BF16); tensors are copied to host memory. config: the
+    model's configuration, checked with check_config (no sliding-window
+    layers; layers, KV heads and head_dim as in the cache). ValueError names
+    the problem (bad shapes, batch > 1 (see turns_from_batch), dtypes
+    differing across layers, n_prompt beyond the cache, scores of the wrong
+    shape, a sliding-window configuration)."""
+    if config is not None:  # the layer types first: a sliding layer also has another shape
+        check_config(config)
     pairs = cache_layers(cache)
     k0 = pairs[0][0]
     H, T = int(k0.shape[1]), int(k0.shape[2])
+    if config is not None:
+        check_config(config, len(pairs), H, int(k0.shape[3]))
     dtype = DTYPE_NAMES[_dtype_name(k0)]
     if history is not None:
         if n_history is None:
@@ -610,6 +678,75 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
                 softmax_scale=softmax_scale, history_anchors=anchors)
 
 
+def turns_from_batch(cache, attention_mask, n_prompt, scores=None, queries=None,
+                     softmax_scale=None, history=None, config=None):
+    """One kvrelay.Turn per sequence of a batched cache.
+
+    cache: a DynamicCache or legacy tuple of [batch, kv_heads, T, head_dim]
+    tensors; attention_mask: [batch, T] (1 = a token of the sequence, 0 =
+    padding), the mask the model ran with over the cached rows, e.g. left
+    padding: zeros, then the sequence. Row b's tokens are its cached rows
+    where the mask is 1, in order: [history; prompt; generated], as
+    turn_from_cache wants them. n_prompt: an int (every row) or one per row.
+    scores / queries: None, or one entry per row, each as turn_from_cache
+    takes them for that row (its own n_prompt). history: None, or the
+    RelayedBatch (or a list of RelayedCache, one per row) the batch
+    continued from; each row's history is that row's relayed message.
+    Returns the list of turns, row order. ValueError names the row and the
+    problem (a mask of the wrong shape, rows with fewer tokens than their
+    history + prompt)."""
+    torch = _torch()
+    pairs = _raw_pairs(cache)
+    if not pairs:
+        raise ValueError("cache: no layers, expected at least one (key, value) pair")
+    _check_seq_length(cache, pairs)
+    k0 = pairs[0][0] if isinstance(pairs[0], (tuple, list)) else None
+    if not _is_tensor(k0) or k0.dim() != 4:
+        raise ValueError(f"cache layer 0 key: "
+                         f"{list(k0.shape) if _is_tensor(k0) else type(k0).__name__}, expected a "
+                         "4-D tensor [batch, kv_heads, tokens, head_dim]")
+    B, T = int(k0.shape[0]), int(k0.shape[2])
+    mask = torch.as_tensor(attention_mask)
+    if mask.dim() != 2 or tuple(mask.shape) != (B, T):
+        raise ValueError(f"attention_mask: shape {list(mask.shape)}, expected [{B}, {T}] "
+                         "(batch, the cache's tokens)")
+    mask = mask.to("cpu") != 0
+
+    def per_row(x, name):
+        if x is None:
+            return [None] * B
+        x = list(x)
+        if len(x) != B:
+            raise ValueError(f"{name}: {len(x)} rows, expected {B} (the batch)")
+        return x
+
+    n_prompt = [int(n_prompt)] * B if isinstance(n_prompt, int) else per_row(n_prompt, "n_prompt")
+    scores, queries = per_row(scores, "scores"), per_row(queries, "queries")
+    if isinstance(history, RelayedBatch):
+        history = history.rows
+    history = per_row(history, "history")
+    turns = []
+    for b in range(B):
+        idx = mask[b].nonzero().flatten().to(k0.device)
+        row = []
+        for i, kv in enumerate(pairs):
+            if not isinstance(kv, (tuple, list)) or len(kv) < 2:
+                raise ValueError(f"cache layer {i}: {type(kv).__name__}, expected a (key, value) pair")
+            k, v = kv[0], kv[1]
+            if not _is_tensor(k) or k.dim() != 4 or k.shape[0] != B or k.shape[2] != T:
+                raise ValueError(f"cache layer {i} key: "
+                                 f"{list(k.shape) if _is_tensor(k) else type(k).__name__}, "
+                                 f"expected [{B}, kv_heads, {T}, head_dim] (layer 0's batch and tokens)")
+            row.append((k[b:b + 1].index_select(2, idx), v[b:b + 1].index_select(2, idx)))
+        try:
+            turns.append(turn_from_cache(tuple(row), n_prompt[b], scores[b], history=history[b],
+                                         queries=queries[b], softmax_scale=softmax_scale,
+                                         config=config))
+        except ValueError as e:
+            raise ValueError(f"row {b}: {e}") from e
+    return turns
+
+
 # ---- message -> cache ----------------------------------------------------------
 
 @dataclass
@@ -649,6 +786,75 @@ class RelayedCache:
         torch = _torch()
         return torch.arange(self.tokens, self.tokens + q_len, device=device)
 
+    @property
+    def batch_size(self):
+        return 1
+
+    def next_pos_tensor(self, device=None):
+        """[1] int64: next_pos, as RelayedBatch.next_pos_tensor."""
+        return _torch().tensor([self.next_pos], device=device)
+
+    def padding_mask(self, device=None):
+        """[1, tokens] all ones: no cached row is padding."""
+        return _torch().ones(1, self.tokens, dtype=_torch().long, device=device)
+
+
+@dataclass
+class RelayedBatch:
+    """Several fetched messages as one batched model cache (messages_to_batch).
+
+    cache: a DynamicCache (or legacy tuple) of [batch, kv_heads, tokens,
+    head_dim] per layer, each row's rows LEFT-padded with zeros to the
+    longest message (tokens rows per head); rows: one RelayedCache per
+    sequence (its own positions, next_pos and message; its cache is None:
+    the rows live in `cache`); lengths: each sequence's rows (tokens -
+    lengths[b] padding rows lead row b). The helpers give each sequence
+    its own positions: position_ids(q_len) [batch, q_len] from each row's
+    next_pos, attention_mask(q_len) [batch, tokens + q_len] zero on the
+    padding. Its K/V rows are the messages' bit for bit."""
+    cache: Any
+    rows: list
+    lengths: list
+    tokens: int
+
+    @property
+    def batch_size(self):
+        return len(self.rows)
+
+    @property
+    def next_pos(self):
+        return [r.next_pos for r in self.rows]
+
+    @property
+    def message_ids(self):
+        return [r.message_id for r in self.rows]
+
+    def next_pos_tensor(self, device=None):
+        """[batch] int64: each sequence's next_pos."""
+        return _torch().tensor(self.next_pos, device=device)
+
+    def padding_mask(self, device=None):
+        """[batch, tokens] long: 0 on each row's leading padding, 1 on its cached rows."""
+        torch = _torch()
+        ar = torch.arange(self.tokens, device=device)
+        lens = torch.tensor(self.lengths, device=device)
+        return (ar.unsqueeze(0) >= (self.tokens - lens).unsqueeze(1)).long()
+
+    def position_ids(self, q_len=1, device=None):
+        """[batch, q_len]: row b's next tokens at next_pos[b], next_pos[b]+1, ..."""
+        torch = _torch()
+        return self.next_pos_tensor(device).unsqueeze(1) + torch.arange(q_len, device=device)
+
+    def attention_mask(self, q_len=1, device=None):
+        """[batch, tokens + q_len]: the padding mask, then ones for the new tokens."""
+        torch = _torch()
+        return torch.cat([self.padding_mask(device),
+                          torch.ones(self.batch_size, q_len, dtype=torch.long, device=device)], dim=1)
+
+    def cache_position(self, q_len=1, device=None):
+        """[q_len] storage indices of the next tokens (tokens, tokens+1, ...)."""
+        return _torch().arange(self.tokens, self.tokens + q_len, device=device)
+
 
 def _from_numpy(a, msg_dtype, want, name):
     torch = _torch()
@@ -662,7 +868,7 @@ def _from_numpy(a, msg_dtype, want, name):
     return t if want is None else t.to(want)
 
 
-def message_to_cache(message, dtype=None, device=None, cache_format="auto"):
+def message_to_cache(message, dtype=None, device=None, cache_format="auto", config=None):
     """A RelayedCache from a fetched (or Compress'ed) kvrelay.Message.
 
     dtype: torch dtype of the returned K/V; None: the message's dtype (F32,
@@ -670,7 +876,10 @@ def message_to_cache(message, dtype=None, device=None, cache_format="auto"):
     to it, bit-identical to `kvrelayctl compress --decode`). cache_format:
     "auto" (a transformers DynamicCache when transformers is importable,
     else the legacy tuple), "legacy" or "dynamic" (ImportError without
-    transformers)."""
+    transformers). config: the receiving model's configuration, checked
+    with check_config (full-attention layers only; layers, KV heads and
+    head_dim as in the message): a ValueError instead of a cache the model
+    would misread."""
     torch = _torch()
     if cache_format not in ("auto", "legacy", "dynamic"):
         raise ValueError(f"cache_format: {cache_format!r}, expected 'auto', 'legacy' or 'dynamic'")
@@ -701,6 +910,8 @@ def message_to_cache(message, dtype=None, device=None, cache_format="auto"):
         pos.append(torch.from_numpy(p.astype(np.int64)))
     positions = torch.stack(pos)
     tokens = int(shape[1])
+    if config is not None:
+        check_config(config, len(pairs), int(shape[0]), int(shape[2]))
     # Where the relayed turn ended (past its evicted tail) when the message
     # says (kvrelay.Message.next_pos), at least past every position held.
     next_pos = int(positions.max()) + 1 if tokens else 0
@@ -725,3 +936,172 @@ def _wrap(legacy, cache_format):
     for i, (k, v) in enumerate(legacy):
         c.update(k, v, i)
     return c
+
+
+def messages_to_batch(messages, dtype=None, device=None, cache_format="auto", config=None):
+    """A RelayedBatch from several fetched messages (or RelayedCaches, e.g.
+    from message_to_cache), one sequence each, in order.
+
+    Every message must have the same layers, KV heads, head_dim and dtype
+    (after `dtype`); their token counts may differ: each row is left-padded
+    with zero K/V to the longest, and the batch's attention_mask(q_len)
+    hides the padding, so each sequence attends to its own rows only.
+    dtype, device, cache_format, config: as message_to_cache. ValueError
+    names the message that differs."""
+    torch = _torch()
+    messages = list(messages)
+    if not messages:
+        raise ValueError("messages: empty, expected at least one message")
+    rows = []
+    for i, m in enumerate(messages):
+        rc = m if isinstance(m, RelayedCache) else message_to_cache(
+            m, dtype=dtype, device=device, cache_format="legacy", config=config)
+        rows.append(rc)
+    per_row = []
+    for i, rc in enumerate(rows):
+        pairs = cache_layers(rc.cache)
+        if dtype is not None or device is not None:
+            pairs = [(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
+                     for k, v in pairs]
+        if i:
+            k, k0 = pairs[0][0], per_row[0][0][0]
+            if len(pairs) != len(per_row[0]):
+                raise ValueError(f"messages[{i}]: {len(pairs)} layers, expected {len(per_row[0])} "
+                                 "(messages[0]'s)")
+            if (k.shape[1], k.shape[3]) != (k0.shape[1], k0.shape[3]) or k.dtype != k0.dtype:
+                raise ValueError(f"messages[{i}]: kv_heads {k.shape[1]}, head_dim {k.shape[3]}, "
+                                 f"dtype {k.dtype}, expected {k0.shape[1]}, {k0.shape[3]}, "
+                                 f"{k0.dtype} (messages[0]'s)")
+        per_row.append(pairs)
+    lengths = [int(p[0][0].shape[2]) for p in per_row]
+    T = max(lengths)
+    batched = []
+    for l in range(len(per_row[0])):
+        ks, vs = [], []
+        for pairs, n in zip(per_row, lengths):
+            k, v = pairs[l]
+            pad = (0, 0, T - n, 0)  # left padding on the token axis
+            ks.append(torch.nn.functional.pad(k, pad))
+            vs.append(torch.nn.functional.pad(v, pad))
+        batched.append((torch.cat(ks), torch.cat(vs)))
+    rows = [RelayedCache(cache=None, positions=rc.positions, tokens=rc.tokens,
+                         next_pos=rc.next_pos, message=rc.message) for rc in rows]
+    return RelayedBatch(cache=_wrap(tuple(batched), cache_format), rows=rows, lengths=lengths,
+                        tokens=T)
+
+
+# ---- generate -------------------------------------------------------------------
+
+def _relayed_position_ids(next_pos, tail_mask, q_len):
+    """Position ids [batch, q_len] of a forward call's q_len new tokens on a
+    relayed cache: each sequence continues at its next_pos ([batch]),
+    counting only the visible tokens appended after the relayed rows
+    (tail_mask: [batch, n] of the attention mask past the relayed rows, the
+    call's tokens last)."""
+    torch = _torch()
+    counted = tail_mask.long().cumsum(-1) - 1
+    pos = next_pos.to(tail_mask.device).unsqueeze(1) + counted.clamp(min=0)
+    return pos[:, -q_len:]
+
+
+def _cache_kwarg(model):
+    """The forward argument a model takes its cache as: "cache" (transformers
+    >= 5.x) or "past_key_values" (older)."""
+    import inspect
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def generate(model, relayed, input_ids, attention_mask=None, **kwargs):
+    """model.generate(...) continuing a relayed cache, in one call.
+
+    model: a transformers causal LM; relayed: a RelayedCache
+    (message_to_cache) or RelayedBatch (messages_to_batch) whose cache is a
+    DynamicCache; input_ids: [batch, q] the new tokens (not the relayed
+    ones, which the recipient does not have); attention_mask: [batch, q]
+    for them (default all ones); kwargs: generate's (max_new_tokens,
+    do_sample, ...), but neither a cache, position_ids nor cache_position.
+
+    What a plain model.generate(past_key_values=relayed.cache) gets wrong,
+    supplied here: it derives the new tokens' positions from the number of
+    cached rows (or the attention mask's count), while a compressed cache's
+    sequence continues at next_pos (each row's own, in a batch). For the
+    call, a forward pre-hook on `model` sets every forward's position_ids
+    to next_pos + the visible tokens appended since the relayed rows; it is
+    removed on return. generate also wants input_ids covering the cached
+    rows: placeholder ids (pad_token_id, else 0; never embedded, generate
+    slices the cached part off) stand in for them, with the relayed cache's
+    attention mask (padding zeros in a batch).
+
+    Returns what model.generate returns, with the placeholders removed:
+    sequences [batch, q + new tokens] (input_ids, then the generated
+    tokens); a generate output object keeps its other fields. The cache
+    grows in place, as with model.generate (deep-copy relayed.cache first
+    to reuse it). Greedy decoding gives the tokens of a hand loop calling
+    model(..., position_ids=relayed.position_ids(...),
+    attention_mask=relayed.attention_mask(...)) step by step."""
+    torch = _torch()
+    cache = relayed.cache
+    if cache is None or isinstance(cache, (tuple, list)):
+        raise ValueError(f"relayed.cache: {type(cache).__name__}, expected a transformers Cache "
+                         "(message_to_cache(..., cache_format='dynamic'))")
+    for k in ("past_key_values", "cache", "position_ids", "cache_position"):
+        if k in kwargs:
+            raise ValueError(f"{k}: given, expected none (hf.generate supplies it from `relayed`)")
+    input_ids = torch.as_tensor(input_ids)
+    B = relayed.batch_size
+    if input_ids.dim() != 2 or input_ids.shape[0] != B:
+        raise ValueError(f"input_ids: shape {list(input_ids.shape)}, expected [{B}, q] "
+                         "(the relayed batch, the new tokens)")
+    device = input_ids.device
+    q = int(input_ids.shape[1])
+    if attention_mask is None:
+        attention_mask = torch.ones(B, q, dtype=torch.long, device=device)
+    attention_mask = torch.as_tensor(attention_mask, device=device)
+    if tuple(attention_mask.shape) != (B, q):
+        raise ValueError(f"attention_mask: shape {list(attention_mask.shape)}, expected [{B}, {q}] "
+                         "(the new tokens' mask; the relayed rows' comes from `relayed`)")
+    held = int(cache.get_seq_length())
+    if held < relayed.tokens:
+        raise ValueError(f"relayed.cache: {held} rows, expected at least relayed.tokens = "
+                         f"{relayed.tokens}")
+    # Rows appended after the relayed ones (an earlier continuation) are visible tokens.
+    past_mask = torch.cat([relayed.padding_mask(device),
+                           torch.ones(B, held - relayed.tokens, dtype=torch.long, device=device)], 1)
+    fill = kwargs.get("pad_token_id")
+    if fill is None:
+        fill = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    fill = 0 if fill is None else int(fill if not isinstance(fill, (list, tuple)) else fill[0])
+    full_ids = torch.cat([torch.full((B, held), fill, dtype=input_ids.dtype, device=device),
+                          input_ids], dim=1)
+    full_mask = torch.cat([past_mask, attention_mask.to(past_mask.dtype)], dim=1)
+    next_pos = relayed.next_pos_tensor(device)
+    n_relayed = relayed.tokens
+
+    def hook(module, args, kw):
+        ids = kw.get("input_ids", args[0] if args else None)
+        emb = kw.get("inputs_embeds")
+        q_len = int(emb.shape[1] if emb is not None else ids.shape[1])
+        mask = kw.get("attention_mask")
+        if _is_tensor(mask) and mask.dim() == 2:
+            tail = mask[:, n_relayed:]
+        else:  # no 2-D mask: every appended row is visible
+            c = kw.get("cache", kw.get("past_key_values", cache))
+            seen = int(c.get_seq_length())
+            tail = torch.ones(B, seen - n_relayed + q_len, dtype=torch.long, device=device)
+        kw["position_ids"] = _relayed_position_ids(next_pos, tail, q_len)
+        return args, kw
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        out = model.generate(full_ids, attention_mask=full_mask, **{_cache_kwarg(model): cache},
+                             **kwargs)
+    finally:
+        handle.remove()
+    if _is_tensor(out):
+        return out[:, held:]
+    out.sequences = out.sequences[:, held:]
+    return out

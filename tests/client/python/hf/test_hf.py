@@ -4,9 +4,11 @@ against a real kvrelay-server.
 
     /usr/bin/python3 test_hf.py --server BIN [--example examples/latentmas_chain.py]
 
-PYTHONPATH must hold client/python and the generated stubs dir (the ctest
-registration sets both). Needs torch (Debian python3-torch), not
-transformers. The model is examples/tiny_decoder.py: a randomly initialised
+Runs in the project venv against the installed kvrelay package (ctest's
+fixture kvrelay_python_package). Needs torch; transformers is used only for
+the DynamicCache checks (the real models are test_hf_transformers.py's).
+Relayed caches are taken as legacy tuples (cache_format="legacy"), the
+tiny decoder's own format. The model is examples/tiny_decoder.py: a randomly initialised
 Llama/Qwen-style decoder (RoPE, GQA with 4 query / 2 KV heads, RMSNorm,
 SwiGLU, 3 layers) taking a legacy tuple cache and explicit position ids.
 
@@ -25,8 +27,9 @@ Checks:
 - Errors: wrong dims, batch > 1, dtypes differing across layers, and more,
   each a ValueError naming the problem.
 - Duck-typed caches (key_cache/value_cache, .layers[i].keys/.values,
-  to_legacy_cache) and the DynamicCache wrapping with a stand-in
-  transformers module; stand-ins of a pre-allocated StaticCache (zero
+  to_legacy_cache); message_to_cache gives a real DynamicCache, the legacy
+  tuple without transformers, and wraps with stand-in transformers
+  modules (from_legacy_cache, update()); stand-ins of a pre-allocated StaticCache (zero
   padding past get_seq_length()) and a QuantizedCache (only the residual as
   tensors) are refused with a ValueError naming the mismatch.
 - examples/latentmas_chain.py runs once against the live relay.
@@ -400,7 +403,7 @@ class CacheConversionTest(unittest.TestCase):
                 with self.assertRaisesRegex(ValueError, msg) as cm:
                     hf.turn_from_cache(cache, 5)
                 self.assertIn("DynamicCache", str(cm.exception))
-                self.assertIn("to_legacy_cache()", str(cm.exception))
+                self.assertIn("legacy (key, value) tuples", str(cm.exception))
 
         # A layer other than 0 disagreeing is named.
         skewed = StaticCache()
@@ -434,16 +437,29 @@ class CacheConversionTest(unittest.TestCase):
             k=np.ones((H, 3, 8), np.float32), v=np.zeros((H, 3, 8), np.float32),
             pos=np.array([[0, 1, 5], [0, 2, 5]], np.int32))] * 2,
             dtype="F32", kv_heads=H, head_dim=8, n_history=0, n_anchor=3, n_kept=0, n_gen=0)
-        self.assertNotIn("transformers", sys.modules)
-        rc = hf.message_to_cache(m)
-        self.assertIsInstance(rc.cache, tuple)  # no transformers: the legacy tuple
+        # transformers importable: a real DynamicCache holding the message's rows.
+        from transformers import DynamicCache
+        got = hf.message_to_cache(m).cache
+        self.assertIsInstance(got, DynamicCache)
+        self.assertEqual(int(got.get_seq_length()), 3)
+        for (k, v), ml in zip(hf.cache_layers(got), m.layers):
+            self.assertTrue(torch.equal(k[0], torch.from_numpy(ml.k)))
+            self.assertTrue(torch.equal(v[0], torch.from_numpy(ml.v)))
+        # transformers not importable (None in sys.modules makes the import fail).
+        saved = sys.modules.get("transformers")
+        sys.modules["transformers"] = None
+        try:
+            rc = hf.message_to_cache(m)
+            self.assertIsInstance(rc.cache, tuple)  # no transformers: the legacy tuple
+            with self.assertRaisesRegex(ImportError, "needs transformers"):
+                hf.message_to_cache(m, cache_format="dynamic")
+        finally:
+            sys.modules["transformers"] = saved
         self.assertEqual((rc.tokens, rc.next_pos), (3, 6))
         self.assertEqual(list(rc.positions.shape), [2, H, 3])
         self.assertEqual(rc.position_ids(2).tolist(), [[6, 7]])
         self.assertEqual(rc.attention_mask(2).shape, (1, 5))
         self.assertEqual(rc.cache_position(2).tolist(), [3, 4])
-        with self.assertRaisesRegex(ImportError, "needs transformers"):
-            hf.message_to_cache(m, cache_format="dynamic")
 
         # A stand-in transformers module: with from_legacy_cache (<= 4.5x) and
         # without it (update() per layer).
@@ -474,7 +490,7 @@ class CacheConversionTest(unittest.TestCase):
                 self.assertEqual(list(pairs[0][0].shape), [1, H, 3, 8])
                 self.assertIsInstance(hf.message_to_cache(m, cache_format="legacy").cache, tuple)
             finally:
-                del sys.modules["transformers"]
+                sys.modules["transformers"] = saved
 
     def test_import_kvrelay_does_not_import_torch(self):
         code = ("import sys, kvrelay; assert 'torch' not in sys.modules; "
@@ -590,7 +606,7 @@ class RelayTest(unittest.TestCase):
                 sess = Session.new("full")
                 m, r = self.relay(turn, "full", sess)
                 self.assertEqual(r.accounting.full_bytes, r.accounting.sent_bytes)
-                rc = hf.message_to_cache(m)
+                rc = hf.message_to_cache(m, cache_format="legacy")
                 self.assertIsInstance(rc.cache, tuple)
                 T = cache[0][0].shape[2]
                 self.assertEqual((rc.tokens, rc.next_pos, nxt), (T, T, T))
@@ -619,7 +635,7 @@ class RelayTest(unittest.TestCase):
                 t3 = hf.turn_from_cache(cache2, n2, scores2, history=rc, include_history=True)
                 m3 = self.c.compress(t3, "full")
                 for mm in (m2, m3):
-                    rc2 = hf.message_to_cache(mm)
+                    rc2 = hf.message_to_cache(mm, cache_format="legacy")
                     T2 = cache2[0][0].shape[2]
                     self.assertEqual((rc2.tokens, rc2.next_pos, nxt2), (T2, T2, T2))
                     self.assertTrue(torch.equal(rc2.positions,
@@ -647,7 +663,7 @@ class RelayTest(unittest.TestCase):
                 m, r = self.relay(hf.turn_from_cache(cache, n, scores), f"h2o-head:k={k}", sess)
                 self.assertLess(r.accounting.sent_bytes, r.accounting.full_bytes)
                 self.assertEqual((m.n_anchor, m.n_kept, m.n_gen), (sinks, k, n_gen))
-                rc = hf.message_to_cache(m)
+                rc = hf.message_to_cache(m, cache_format="legacy")
                 self.assertEqual((rc.tokens, rc.next_pos), (sinks + k + n_gen, T))
                 gathered = []
                 for l in range(LAYERS):
@@ -699,7 +715,7 @@ class RelayTest(unittest.TestCase):
         sess = Session.new("hist")
         s1 = hf.prompt_attention_mass(steps, n)  # per query head, as sent
         m, _ = self.relay(hf.turn_from_cache(cache, n, s1), policy, sess)
-        rc = hf.message_to_cache(m)
+        rc = hf.message_to_cache(m, cache_format="legacy")
         cache2, n2, steps2, _, _ = run_turn(model, "Critic: check it.", gen=4, relayed=rc)
         acc = hf.PromptAttention(n2, prompt_start=rc.tokens)
         for st in steps2:
@@ -709,7 +725,7 @@ class RelayTest(unittest.TestCase):
         t2 = hf.turn_from_cache(cache2, n2, acc.scores(), history=rc, history_scores=hs)
         m2, _ = self.relay(t2, policy, sess, parent=m.message_id, sender="critic", to="refiner")
         self.assertEqual(m2.n_history, sinks + hist)
-        rc2 = hf.message_to_cache(m2)
+        rc2 = hf.message_to_cache(m2, cache_format="legacy")
         steered = False
         for l in range(LAYERS):
             # The planner's mass per KV head (float64 sums, rounded once), as
@@ -735,12 +751,12 @@ class RelayTest(unittest.TestCase):
         turn = hf.turn_from_cache(cache, n, hf.prompt_attention_mass(steps, n, kv_heads=H))
         m = self.c.compress(turn, "h2o-head:k=8+obf:p=4+int8")
         self.assertEqual(m.quant_bits, 8)
-        rc = hf.message_to_cache(m)
+        rc = hf.message_to_cache(m, cache_format="legacy")
         self.assertEqual(rc.cache[0][0].dtype, torch.bfloat16)
         out = model(input_ids=tok, past_key_values=rc.cache, position_ids=rc.position_ids(1),
                     attention_mask=rc.attention_mask(1))
         self.assertTrue(torch.isfinite(out.logits).all())
-        rc32 = hf.message_to_cache(m, dtype=torch.float32)
+        rc32 = hf.message_to_cache(m, dtype=torch.float32, cache_format="legacy")
         self.assertTrue(torch.equal(rc32.cache[0][0], torch.from_numpy(m.layers[0].k).unsqueeze(0)))
 
     def test_example_chain(self):
