@@ -311,9 +311,11 @@ class PromptAttention:
     query heads (query head q -> KV head q // group), as the relay would.
 
     add(attentions) takes one forward call's `outputs.attentions`: a sequence
-    over layers of [batch=1, q_heads, q_len, kv_len] tensors (eager attention,
+    over layers of [batch, q_heads, q_len, kv_len] tensors (eager attention,
     output_attentions=True). Feed it the generated steps only, not the prompt
-    pass. scores() returns a list over layers of float32 numpy arrays
+    pass. In a batch, `row` picks the sequence and `offset` is the number of
+    padding columns before its first token (left padding: the row's zeros in
+    the attention mask); batch() makes one accumulator per row from the mask. scores() returns a list over layers of float32 numpy arrays
     [score_heads, n_prompt], ready for turn_from_cache.
 
     The columns before the prompt are a relayed history (prompt_start of
@@ -322,13 +324,19 @@ class PromptAttention:
     history_scores (the mass this agent puts on each history token, which a
     history budget, hist=, adds to the token's accumulated importance)."""
 
-    def __init__(self, n_prompt, prompt_start=0, kv_heads=None):
+    def __init__(self, n_prompt, prompt_start=0, kv_heads=None, row=0, offset=0):
         if int(n_prompt) < 0 or int(prompt_start) < 0:
             raise ValueError(f"n_prompt {n_prompt}, prompt_start {prompt_start}: expected >= 0")
         if kv_heads is not None and int(kv_heads) < 1:
             raise ValueError(f"kv_heads: {kv_heads}, expected >= 1 or None")
+        if int(row) < 0 or int(offset) < 0:
+            raise ValueError(f"row {row}, offset {offset}: expected >= 0")
         self.n_prompt, self.prompt_start = int(n_prompt), int(prompt_start)
         self.kv_heads = None if kv_heads is None else int(kv_heads)
+        self.row, self.offset = int(row), int(offset)
+        # A row of a batch (row or offset given, or made by batch()) takes
+        # attentions of any batch size; a lone accumulator wants batch 1.
+        self._batched = self.row > 0 or self.offset > 0
         self.steps = 0
         # List over layers of float64 tensors [q_heads, prompt_start + n_prompt]:
         # the history's columns, then the prompt's.
@@ -346,13 +354,19 @@ class PromptAttention:
             raise ValueError(f"attentions: {len(attentions)} layers, expected {len(self._acc)} "
                              "(as in the earlier steps)")
         hi = self.prompt_start + self.n_prompt
+        lo, top = self.offset, self.offset + hi
         sums = []
         for i, a in enumerate(attentions):
-            _check_4d(a, f"attentions layer {i}", "[batch=1, q_heads, q_len, kv_len]",
-                      "a tensor (None: the model ran without eager attention?)")
-            if a.shape[3] < hi:
-                raise ValueError(f"attentions layer {i}: kv_len {a.shape[3]}, expected >= "
-                                 f"prompt_start + n_prompt = {hi}")
+            if not self._batched:
+                _check_4d(a, f"attentions layer {i}", "[batch=1, q_heads, q_len, kv_len]",
+                          "a tensor (None: the model ran without eager attention?)")
+            elif not _is_tensor(a) or a.dim() != 4 or a.shape[0] <= self.row:
+                raise ValueError(f"attentions layer {i}: "
+                                 f"{list(a.shape) if _is_tensor(a) else type(a).__name__}, expected "
+                                 f"[batch > row={self.row}, q_heads, q_len, kv_len]")
+            if a.shape[3] < top:
+                what = "offset + prompt_start + n_prompt" if self.offset else "prompt_start + n_prompt"
+                raise ValueError(f"attentions layer {i}: kv_len {a.shape[3]}, expected >= {what} = {top}")
             q = a.shape[1]
             if self.kv_heads is not None and q % self.kv_heads:
                 raise ValueError(f"attentions layer {i}: {q} query heads, expected a multiple "
@@ -360,13 +374,47 @@ class PromptAttention:
             if self._acc is not None and q != self._acc[i].shape[0]:
                 raise ValueError(f"attentions layer {i}: {q} query heads, expected "
                                  f"{self._acc[i].shape[0]} (as in the earlier steps)")
-            cols = a[0, :, :, :hi].detach().to("cpu", torch.float64)
+            cols = a[self.row, :, :, lo:top].detach().to("cpu", torch.float64)
             sums.append(cols.sum(dim=1))  # over the step's queries -> [q_heads, hi]
         if self._acc is None:
             self._acc = sums
         else:
             self._acc = [acc + s for acc, s in zip(self._acc, sums)]
         self.steps += 1
+
+    @classmethod
+    def batch(cls, attention_mask, n_prompt, prompt_start=0, kv_heads=None):
+        """One PromptAttention per row of a left-padded batch: attention_mask
+        [batch, kv_len] over the keys as the model saw them (0 = padding,
+        before the row's tokens); n_prompt and prompt_start: an int (every
+        row) or one per row. The rows' scores() are what each sequence alone
+        would give (the padding columns carry no mass)."""
+        torch = _torch()
+        mask = torch.as_tensor(attention_mask)
+        if mask.dim() != 2:
+            raise ValueError(f"attention_mask: shape {list(mask.shape)}, expected [batch, kv_len]")
+        B = int(mask.shape[0])
+
+        def per_row(x, name):
+            if isinstance(x, int):
+                return [x] * B
+            x = [int(v) for v in x]
+            if len(x) != B:
+                raise ValueError(f"{name}: {len(x)} rows, expected {B} (the batch)")
+            return x
+
+        n_prompt, prompt_start = per_row(n_prompt, "n_prompt"), per_row(prompt_start, "prompt_start")
+        out = []
+        for b in range(B):
+            valid = (mask[b] != 0).nonzero().flatten()
+            offset = int(valid[0]) if len(valid) else int(mask.shape[1])
+            if len(valid) and int(valid[-1]) - offset + 1 != len(valid):
+                raise ValueError(f"attention_mask row {b}: padding inside the sequence, expected "
+                                 "left padding (zeros, then ones)")
+            acc = cls(n_prompt[b], prompt_start[b], kv_heads, row=b, offset=offset)
+            acc._batched = True
+            out.append(acc)
+        return out
 
     def scores(self):
         return self._reduce(self.prompt_start, self.prompt_start + self.n_prompt)

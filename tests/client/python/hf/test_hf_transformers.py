@@ -36,7 +36,9 @@ Properties, and how exactly each holds (asserted as stated):
    model.generate on the relayed cache bit for bit (what transformers does
    by itself). KVRELAY_HF_TEST_UNPROTECTED=1 runs the main assertions
    without the protection, to show that the test catches it.
-6. Batches: turns_from_batch on a left-padded batched cache equals the
+6. Batches: PromptAttention.batch gives each row its own eager mass (within
+   1e-5; an offset of 0 instead of the row's padding fails it), and
+   turns_from_batch on a left-padded batched cache equals the
    one-by-one turns within 1e-5 (float32; the batched matmuls round
    otherwise, measured up to 3e-6); messages_to_batch of messages of
    different lengths (full and h2o-head) gives the one-by-one logits within
@@ -482,17 +484,27 @@ class BatchTest(RelayCase):
                                                                 (T0 - p.shape[1], 0)) for p in prompts])
                     pos = (mask.cumsum(-1) - 1).clamp(min=0)
                     out = fwd(m, ids, attention_mask=mask, position_ids=pos)
+                    eager = attn == "eager"
+                    acc = hf.PromptAttention.batch(mask, list(self.LENS), kv_heads=H) if eager else None
                     for s in range(gen):
                         tok = out.logits[:, -1:].argmax(-1)
                         mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
                         out = fwd(m, tok, out_cache(out), attention_mask=mask,
-                                  position_ids=pos[:, -1:] + s + 1)
-                    turns = hf.turns_from_batch(out_cache(out), mask,
-                                                list(self.LENS), config=m.config)
+                                  position_ids=pos[:, -1:] + s + 1, output_attentions=eager)
+                        for a in acc or ():
+                            a.add(out.attentions)
+                    turns = hf.turns_from_batch(out_cache(out), mask, list(self.LENS),
+                                                scores=[a.scores() for a in acc] if eager else None,
+                                                config=m.config)
                     singles, kv_diff = [], 0.0
                     for p, t in zip(prompts, turns):
-                        c1, n1, _, _, _ = run_agent(m, gen=gen, ids=p)
-                        t1 = hf.turn_from_cache(c1, n1)
+                        c1, n1, steps1, _, _ = run_agent(m, gen=gen, ids=p, attentions=eager)
+                        t1 = hf.turn_from_cache(
+                            c1, n1, hf.prompt_attention_mass(steps1, n1, kv_heads=H) if eager else None)
+                        if eager:  # the batch's per-row mass is each sequence's own
+                            for la, lb in zip(t.layers, t1.layers):
+                                np.testing.assert_allclose(la.score, lb.score, rtol=0, atol=F32_ATOL,
+                                                           err_msg="score")
                         singles.append(t1)
                         self.assertEqual(t.geometry(), t1.geometry())
                         for la, lb in zip(t.layers, t1.layers):
