@@ -4,7 +4,7 @@ agents hand each other their KV cache through a kvrelay relay, on a real
 pretrained model.
 
     .venv/bin/python examples/latentmas_chain.py --addr 127.0.0.1:50051 \
-        [--policy full --policy h2o-head:k=32+obf:p=8,mode=fast] [--latent-steps 8] \
+        [--policy full --policy h2o-head:k=8+obf:p=8,mode=fast] [--latent-steps 8] \
         [--question "..."] [--model smollm2|tiny]
 
 The model is SmolLM2-135M-Instruct, shipped inside the PyPI package
@@ -239,7 +239,7 @@ def main(argv=None):
     ap.add_argument("--addr", default="127.0.0.1:50051", help="relay HOST:PORT")
     ap.add_argument("--policy", action="append", default=None,
                     help="pipeline spec (docs/FORMAT.md); repeat for several runs "
-                         "(default: full, then h2o-head:k=32+obf:p=8,mode=fast)")
+                         "(default: full, then h2o-head:k=8+obf:p=8,mode=fast)")
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--question", default=QUESTION)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="f32",
@@ -252,7 +252,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     torch.set_num_threads(a.threads)
-    policies = a.policy or ["full", "h2o-head:k=32+obf:p=8,mode=fast"]
+    policies = a.policy or ["full", "h2o-head:k=8+obf:p=8,mode=fast"]
     t0 = time.perf_counter()
     cm = ChatModel(a.model, a.dtype, a.question, a.seed)
     print(f"model {a.model} dtype {a.dtype} loaded in {time.perf_counter() - t0:.1f} s; "

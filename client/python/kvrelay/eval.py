@@ -253,7 +253,22 @@ def gap_closed(s_p, s_full, s_gen):
 
 # ---- the run -------------------------------------------------------------------------
 
-def run(a, log=print, on_task=None):
+def _rows(policies, scores, ratios):
+    n = len(scores["full"])
+    rows = {}
+    for p in policies:
+        r, se = gap_closed(scores[p], scores["full"], scores["gen"])
+        rows[p] = {"bytes_vs_full_bf16": float(np.mean(ratios[p])),
+                   "score": float(np.mean(scores[p])),
+                   "score_se": float(np.std(scores[p], ddof=1) / math.sqrt(n)) if n > 1 else None,
+                   "gap_closed": r, "gap_closed_se": se, "per_sample": scores[p]}
+    return rows
+
+
+def run(a, log=print, on_progress=None):
+    """Runs the tasks with their samples interleaved (sample i of every task,
+    then sample i + 1), so that a run cut short has measured every task
+    alike; on_progress(res) after every 5th round and the last."""
     import torch
     from kvrelay import hf, models
     torch.set_num_threads(a.threads)
@@ -262,26 +277,25 @@ def run(a, log=print, on_task=None):
     kv_heads = model.config.num_key_value_heads
     log(f"model loaded in {time.perf_counter() - t0:.1f} s")
     relay = LiveRelay(a.addr) if a.addr else OfflineRelay(a.kvrelayctl, a.threads)
-    res = {"policies": a.policies, "tasks": {}}
+    res = {"policies": a.policies, "samples_asked": a.samples, "tasks": {}}
+    data, state = {}, {}
+    for task in a.tasks:
+        data[task] = (continuation_samples(tok, a.samples, a.prompt_tokens, a.cont_tokens, a.seed)
+                      if task == "continuation" else
+                      retrieval_samples(tok, a.samples, a.facts, a.seed, a.digits))
+        state[task] = ({p: [] for p in a.policies}, {p: [] for p in a.policies}, [], [0.0])
     try:
-        for task in a.tasks:
-            t_task = time.perf_counter()
-            if task == "continuation":
-                samples = continuation_samples(tok, a.samples, a.prompt_tokens, a.cont_tokens, a.seed)
-            else:
-                samples = retrieval_samples(tok, a.samples, a.facts, a.seed, a.digits)
-            scores = {p: [] for p in a.policies}
-            ratios = {p: [] for p in a.policies}
-            prompt_lens = []
-            for i, s in enumerate(samples):
+        for i in range(a.samples):
+            for task in a.tasks:
+                s, (scores, ratios, prompt_lens, secs) = data[task][i], state[task]
+                t_s = time.perf_counter()
                 with torch.no_grad():
-                    turn, gen = agent_a(model, torch, hf, s[0], a.gen, kv_heads)
+                    turn, _ = agent_a(model, torch, hf, s[0], a.gen, kv_heads)
                     prompt_lens.append(len(s[0]))
                     relay.load(turn)
                     for p in a.policies:
                         m = relay.compress(p)
-                        acc = m.accounting
-                        ratios[p].append(acc.sent_bytes / acc.full_bytes)
+                        ratios[p].append(m.accounting.sent_bytes / m.accounting.full_bytes)
                         relayed = float32_cache(torch, hf, hf.message_to_cache(m))
                         if task == "continuation":
                             logits = agent_b(model, torch, relayed, s[1])
@@ -289,22 +303,15 @@ def run(a, log=print, on_task=None):
                         else:
                             logits = agent_b(model, torch, relayed, s[1] + s[2][:-1])
                             scores[p].append(score_retrieval(torch, logits, s[1], s[2]))
-                if (i + 1) % 10 == 0 or i + 1 == len(samples):
-                    log(f"{task}: {i + 1}/{len(samples)} samples, "
-                        f"{time.perf_counter() - t_task:.0f} s")
-            rows = {}
-            for p in a.policies:
-                r, se = gap_closed(scores[p], scores["full"], scores["gen"])
-                rows[p] = {"bytes_vs_full_bf16": float(np.mean(ratios[p])),
-                           "score": float(np.mean(scores[p])),
-                           "score_se": float(np.std(scores[p], ddof=1) / math.sqrt(len(samples)))
-                           if len(samples) > 1 else None,
-                           "gap_closed": r, "gap_closed_se": se, "per_sample": scores[p]}
-            res["tasks"][task] = {"samples": len(samples), "seconds": time.perf_counter() - t_task,
-                                  "mean_prompt_tokens": float(np.mean(prompt_lens)), "rows": rows}
+                secs[0] += time.perf_counter() - t_s
+                res["tasks"][task] = {"samples": i + 1, "seconds": secs[0],
+                                      "mean_prompt_tokens": float(np.mean(prompt_lens)),
+                                      "rows": _rows(a.policies, scores, ratios)}
             res["seconds"] = time.perf_counter() - t0
-            if on_task:
-                on_task(res)
+            if (i + 1) % 5 == 0 or i + 1 == a.samples:
+                log(f"{i + 1}/{a.samples} samples per task, {res['seconds']:.0f} s")
+                if on_progress:
+                    on_progress(res)
     finally:
         relay.close()
     res["seconds"] = time.perf_counter() - t0
@@ -335,6 +342,10 @@ def write_outputs(res, a, cmd):
              f"Command: `{cmd}`; {meta['date']}; {meta['machine']}; Python {meta['python']}; "
              f"ran {res['seconds'] / 60:.1f} min.",
              ""]
+    done = min(t["samples"] for t in res["tasks"].values())
+    if done < res["samples_asked"]:
+        lines += [f"**Partial:** {done} of the {res['samples_asked']} samples per task asked for "
+                  "(the run was cut; the figures are those of the samples done).", ""]
     for t in tasks:
         tr = res["tasks"][t]
         what = ("minus the mean next-token loss (nats) of B on the continuation"
@@ -434,8 +445,8 @@ def main(argv=None):
         return 2
     cmd = " ".join(["python -m kvrelay.eval"] + [x if re.fullmatch(r"[\w./:=,+-]+", x) else repr(x)
                                                  for x in (argv if argv is not None else sys.argv[1:])])
-    # The outputs are rewritten after each task, so a cut run leaves what it measured.
-    run(a, log=lambda s: print(s, flush=True), on_task=lambda res: write_outputs(res, a, cmd))
+    # The outputs are rewritten as the run goes, so a cut run leaves what it measured.
+    run(a, log=lambda s: print(s, flush=True), on_progress=lambda res: write_outputs(res, a, cmd))
     print(open(os.path.join(a.out, "fidelity.md")).read())
     return 0
 
