@@ -370,32 +370,34 @@ def write_outputs(res, a, cmd):
 
 
 def plot(res, path):
+    """Gap closed against bytes, one point per policy and task, each point
+    numbered by its policy's row in the legend below the axes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    policies = res["policies"]
+    fig, ax = plt.subplots(figsize=(9, 6.5))
     for t, marker in zip(res["tasks"], ("o", "s")):
         rows = res["tasks"][t]["rows"]
-        xs, ys, es, names = [], [], [], []
-        for p in res["policies"]:
-            r = rows[p]
-            if r["gap_closed"] is None:
-                continue
-            xs.append(r["bytes_vs_full_bf16"] * 100)
-            ys.append(r["gap_closed"])
-            es.append(r["gap_closed_se"] or 0.0)
-            names.append(p)
-        ax.errorbar(xs, ys, yerr=es, fmt=marker, capsize=3, label=t)
-        for x, y, n in zip(xs, ys, names):
-            ax.annotate(n, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        pts = [(policies.index(p) + 1, rows[p]) for p in policies if rows[p]["gap_closed"] is not None]
+        ax.errorbar([r["bytes_vs_full_bf16"] * 100 for _, r in pts], [r["gap_closed"] for _, r in pts],
+                    yerr=[r["gap_closed_se"] or 0.0 for _, r in pts], fmt=marker, capsize=3,
+                    label=f"{t} ({res['tasks'][t]['samples']} samples)")
+        for n, r in pts:
+            ax.annotate(str(n), (r["bytes_vs_full_bf16"] * 100, r["gap_closed"]), fontsize=7,
+                        xytext=(4, 3 if marker == "o" else -9), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent, % of full in bf16 (log)")
     ax.set_ylabel("share of the Full-to-Gen gap closed (1 = Full, 0 = Gen)")
     ax.axhline(1, color="grey", lw=0.5)
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_title("SmolLM2-135M-Instruct: what the next agent keeps, per policy", fontsize=10)
-    ax.legend()
-    fig.tight_layout()
+    ax.legend(loc="center right")
+    key = [f"{i + 1}: {p}" for i, p in enumerate(policies)]
+    half = (len(key) + 1) // 2
+    fig.text(0.02, 0.01, "\n".join(key[:half]), fontsize=7, family="monospace", va="bottom")
+    fig.text(0.5, 0.01, "\n".join(key[half:]), fontsize=7, family="monospace", va="bottom")
+    fig.subplots_adjust(bottom=0.1 + 0.022 * half, top=0.94)
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
