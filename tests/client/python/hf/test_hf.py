@@ -2,7 +2,7 @@
 """kvrelay.hf (the HF transformers adapter) with a tiny torch decoder
 against a real kvrelay-server.
 
-    /usr/bin/python3 test_hf.py --server BIN [--example examples/latentmas_chain.py]
+    .venv/bin/python test_hf.py --server BIN [--example examples/latentmas_chain.py]
 
 Runs in the project venv against the installed kvrelay package (ctest's
 fixture kvrelay_python_package). Needs torch; transformers is used only for
@@ -762,7 +762,7 @@ class RelayTest(unittest.TestCase):
     def test_example_chain(self):
         if not ARGS.example:
             self.skipTest("--example not given")
-        cmd = [sys.executable, ARGS.example, "--addr", ADDR, "--latent-steps", "4",
+        cmd = [sys.executable, ARGS.example, "--addr", ADDR, "--model", "tiny", "--latent-steps", "4",
                "--answer-tokens", "3", "--policy", "h2o-head:k=8+obf:p=4"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=os.environ)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
