@@ -126,7 +126,8 @@ def run_agent(cm, agent, relayed, latent_steps):
     past = relayed.cache if relayed else None
     n_hist = relayed.tokens if relayed else 0
     pos0 = relayed.next_pos if relayed else 0
-    out = model(input_ids=ids, past_key_values=past,
+    kw = hf.cache_kwarg(model)   # "cache" on transformers 5.x, "past_key_values" before
+    out = model(input_ids=ids, **{kw: past},
                 position_ids=torch.arange(pos0, pos0 + n_prompt).unsqueeze(0),
                 attention_mask=torch.ones(1, n_hist + n_prompt, dtype=torch.long),
                 output_hidden_states=True, use_cache=True)
@@ -134,12 +135,12 @@ def run_agent(cm, agent, relayed, latent_steps):
     for s in range(latent_steps):
         p = pos0 + n_prompt + s
         out = model(inputs_embeds=latent_input(model, out.hidden_states[-1]),
-                    past_key_values=out.past_key_values,
+                    **{kw: hf.output_cache(out)},
                     position_ids=torch.tensor([[p]]),
                     attention_mask=torch.ones(1, n_hist + n_prompt + s + 1, dtype=torch.long),
                     output_attentions=True, output_hidden_states=True, use_cache=True)
         acc.add(out.attentions)
-    return out.past_key_values, n_prompt, acc.scores(), acc.history_scores() if relayed else None
+    return hf.output_cache(out), n_prompt, acc.scores(), acc.history_scores() if relayed else None
 
 
 @torch.no_grad()
@@ -151,11 +152,11 @@ def answer(cm, relayed, max_tokens):
     past, pos, n = relayed.cache, relayed.next_pos, relayed.tokens
     toks = []
     for _ in range(max_tokens):
-        out = model(input_ids=ids, past_key_values=past,
+        out = model(input_ids=ids, **{hf.cache_kwarg(model): past},
                     position_ids=torch.arange(pos, pos + ids.shape[1]).unsqueeze(0),
                     attention_mask=torch.ones(1, n + ids.shape[1], dtype=torch.long),
                     use_cache=True)
-        past, pos, n = out.past_key_values, pos + ids.shape[1], n + ids.shape[1]
+        past, pos, n = hf.output_cache(out), pos + ids.shape[1], n + ids.shape[1]
         if not torch.isfinite(out.logits).all():
             raise RuntimeError("judger: non-finite logits")
         nxt = int(out.logits[0, -1].argmax())

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${KVRELAY_BUILD_DIR:-build}
-export PYTHONPATH="client/python:$BUILD_DIR/client/python/gen" PYTHONDONTWRITEBYTECODE=1
+export PYTHONDONTWRITEBYTECODE=1   # kvrelay: the package installed in .venv (scripts/install_python.sh)
 # Copies of the binaries: a rebuild during the hour-long run does not pull
 # them from under it.
 BIN=$(mktemp -d /tmp/kvrelay-crash-bin-XXXXXX)

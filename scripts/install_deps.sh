@@ -52,9 +52,6 @@ fi
 if [[ "${1:-}" != "--build-only" ]]; then
   cd "$(dirname "$0")/.."
   bash scripts/install_python.sh
-  # Go 1.25+ is the machine's (Go 1.26 in /usr/local/go); the Go client's
-  # module cache and its pinned protoc plugins.
-  bash scripts/install_go_tools.sh
   # npm's cache for tests/client/node: the locked packages (npm ci) and what
   # `npm install` of the packed client resolves (its dependencies without the
   # dev ones), so the test installs from the cache.
@@ -64,4 +61,9 @@ if [[ "${1:-}" != "--build-only" ]]; then
     && rm -rf node_modules package-lock.json && npm pkg delete devDependencies \
     && npm install --ignore-scripts --no-audit --no-fund --package-lock=false --loglevel=error)
   rm -rf "$node_tmp"
+  # The Go client's module cache and its pinned protoc plugins. Go itself
+  # (1.25 or newer; Debian 12's golang-go is 1.19) is the machine's: the
+  # project's machines have Go 1.26 in /usr/local/go. The script says so and
+  # fails when it is missing or older.
+  bash scripts/install_go_tools.sh
 fi

@@ -4,8 +4,9 @@
 # python/requirements.lock, installed with --no-deps so that nothing outside the
 # lock comes in; then an older transformers (python/requirements-hf-old.lock)
 # into .venv/hf-old for the adapter's test of the older cache API; then the
-# client package itself (pip install ./client/python).
-# Skips the installs when the lock files are unchanged since the last run.
+# client package itself (pip install of a copy of client/python).
+# Skips the installs when the lock files are unchanged since the last run;
+# when they changed, makes the venv anew, so nothing outside the lock stays.
 # usage: scripts/install_python.sh            install or update .venv
 #        scripts/install_python.sh --relock   rewrite python/requirements.lock from
 #                                             python/requirements.in (newest versions)
@@ -42,7 +43,9 @@ if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; t
   echo "install_python: $VENV matches $LOCK"
 else
   start=$(date +%s)
-  [[ -x "$VENV/bin/python" ]] || "$BASE_PY" -m venv "$VENV"
+  case "$VENV" in ""|/|.|..) echo "install_python: refusing to replace KVRELAY_VENV=$VENV" >&2; exit 1;; esac
+  rm -rf "$VENV"
+  "$BASE_PY" -m venv "$VENV"
   "$VENV/bin/python" "${PIP[@]}" install "$(grep '^pip==' "$LOCK")"
   "$VENV/bin/python" "${PIP[@]}" install --no-deps -r "$LOCK"
   rm -rf "$VENV/hf-old"
@@ -50,5 +53,6 @@ else
   echo "$want" > "$stamp"
   echo "install_python: $VENV installed from $LOCK in $(( $(date +%s) - start )) s"
 fi
-# The client package, as a user installs it (its dependencies are in the lock).
-"$VENV/bin/python" "${PIP[@]}" install --no-deps --no-build-isolation --force-reinstall ./client/python
+# The client package, as a user installs it (its dependencies are in the lock),
+# built from a copy so that nothing is built into the source tree.
+"$VENV/bin/python" tests/client/python/install_package.py --source client/python

