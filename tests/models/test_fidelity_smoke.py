@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from model_common import require_model  # the script's own folder is on sys.path
+
 
 def check(cond, what):
     if not cond:
@@ -38,14 +40,7 @@ def main():
     ap.add_argument("--kvrelayctl", required=True)
     ap.add_argument("--samples", type=int, default=3)
     a = ap.parse_args()
-    from kvrelay import models
-    try:
-        models.gguf_path("smollm2")
-    except models.ModelNotInstalled as e:
-        if os.environ.get("CI") == "true":
-            sys.exit(f"FAIL: under CI=true the model must be installed: {e}")
-        print(f"SKIPPED: {e}", flush=True)
-        sys.exit(77)
+    require_model()
     policies = ["full", "gen", "full+int8"]
     with tempfile.TemporaryDirectory(prefix="kvrelay-fidelity-") as out:
         cmd = [sys.executable, "-m", "kvrelay.eval", "--kvrelayctl", a.kvrelayctl,

@@ -32,22 +32,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "tests", "testlib"))
 from kvrelay_testlib import Server, unittest_main  # noqa: E402
+from model_common import require_model  # noqa: E402
 
 ARGS = None
 WATCHDOG_S = 240
 COMPRESSED = "h2o-head:k=8+obf:p=8,mode=fast"
-
-
-def require_model():
-    """Exits 77 (SKIPPED) when the model's package is absent; fails under CI=true."""
-    from kvrelay import models
-    try:
-        models.gguf_path("smollm2")
-    except models.ModelNotInstalled as e:
-        if os.environ.get("CI") == "true":
-            sys.exit(f"FAIL: under CI=true the model must be installed: {e}")
-        print(f"SKIPPED: {e}", flush=True)
-        sys.exit(77)
 
 
 def is_real_text(text):
