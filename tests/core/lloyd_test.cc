@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "core/budget.h"
 #include "core/dtype.h"
 #include "core/format/synthetic.h"
 #include "core/format/turn_file.h"
@@ -279,6 +281,81 @@ TEST(LloydFileTest, MessageFilesRoundTrip) {
       EXPECT_EQ(a->layers[l].pos.data, b->layers[l].pos.data);
     }
   }
+}
+
+}  // namespace
+}  // namespace kvrelay
+
+namespace kvrelay {
+namespace {
+
+// auto:budget=F never exceeds F of the bf16 bytes of full, picks exactly
+// the setting ChooseBudget names, and a larger budget never gives a larger
+// estimated error.
+TEST(BudgetTest, FitsTheBudgetAndMoreBudgetNeverEstimatesWorse) {
+  std::mt19937_64 rng(2026);
+  for (int trial = 0; trial < 6; ++trial) {
+    SyntheticTurnOptions o;
+    o.layers = 2;
+    o.kv_heads = 2;
+    o.head_dim = trial % 2 ? 64 : 32;
+    o.n_prompt = 40 + static_cast<int>(rng() % 200);
+    o.n_gen = 1 + static_cast<int>(rng() % 8);
+    o.seed = rng();
+    o.queries = trial % 3 == 0;
+    o.first_agent = trial != 4;
+    absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
+    ASSERT_TRUE(turn.ok()) << turn.status();
+    absl::StatusOr<std::vector<BudgetCandidate>> grid = BudgetCandidates(*turn);
+    ASSERT_TRUE(grid.ok()) << grid.status();
+    double last_error = 2;
+    std::uniform_real_distribution<double> u(0.03, 1.0);
+    std::vector<double> budgets = {u(rng), u(rng), u(rng), u(rng), 0.1, 1.0};
+    std::sort(budgets.begin(), budgets.end());
+    for (double f : budgets) {
+      const std::string spec = absl::StrCat("auto:budget=", f);
+      absl::StatusOr<Message> m = (*Pipeline::Create(spec))->Compress(*turn);
+      const uint64_t full = m.ok() ? m->full_bytes : 0;
+      absl::StatusOr<BudgetCandidate> best = ChooseBudget(*grid, full ? full : 1, f);
+      if (!m.ok()) {
+        EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << spec;
+        EXPECT_THAT(m.status().message(), HasSubstr("expected budget >= ")) << spec;
+        continue;
+      }
+      ASSERT_TRUE(best.ok()) << spec;
+      EXPECT_LE(static_cast<double>(m->sent_bytes), f * static_cast<double>(m->full_bytes)) << spec;
+      EXPECT_EQ(m->sent_bytes, best->bytes) << spec << " chose " << best->Spec();
+      EXPECT_EQ(m->policy, (*Pipeline::Create(best->Spec()))->spec()) << spec;
+      EXPECT_LE(best->error, last_error) << spec;
+      last_error = best->error;
+    }
+  }
+}
+
+TEST(BudgetTest, ABudgetBelowTheSmallestSettingNamesTheMinimum) {
+  const Turn turn = SmallTurn(1);
+  absl::StatusOr<Message> m = (*Pipeline::Create("auto:budget=0.001"))->Compress(turn);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("budget=0.001 is below the smallest setting"));
+  EXPECT_THAT(m.status().message(), HasSubstr("expected budget >= 0.0"));
+}
+
+TEST(BudgetTest, SpecRulesAndLayerwiseRefusal) {
+  for (const auto& [spec, what] : std::vector<std::pair<std::string, std::string>>{
+           {"auto", "budget: missing"},
+           {"auto:budget=0", "budget=0: expected a decimal number in [1e-06, 1]"},
+           {"auto:budget=1.5", "budget=1.5"},
+           {"auto:budget=0.1+lloyd:bits=2", "give auto:budget=F alone"},
+           {"auto:budget=0.1,k=3", "unknown parameter 'k'"}}) {
+    absl::StatusOr<std::unique_ptr<Pipeline>> p = Pipeline::Create(spec);
+    ASSERT_FALSE(p.ok()) << spec;
+    EXPECT_THAT(p.status().message(), HasSubstr(what)) << spec;
+  }
+  std::unique_ptr<Pipeline> p = *Pipeline::Create("auto:budget=0.25");
+  EXPECT_EQ(p->spec(), "auto:budget=0.25");
+  EXPECT_EQ(p->CheckLayerwise().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*Pipeline::Create("h2o-head:k=4+demote+lloyd"))->CheckLayerwise().ok());
 }
 
 }  // namespace
