@@ -131,6 +131,10 @@ const (
 	// Relay to relay only (Forward, MessageHeader.acc_tokens > 0): the
 	// accumulated importance of every token, after PART_POS.
 	Part_PART_ACC Part = 29 // layer.{l}.acc  f32 [kv_heads, acc_tokens]
+	// Relay to relay only (ForwardHeader.wire_codec = WIRE_CODEC_RANS): one
+	// whole layer's tensors, in delivery order, coded as one blob (docs/FORMAT.md,
+	// "Wire codec").
+	Part_PART_WIRE_LAYER Part = 40
 )
 
 // Enum value maps for Part.
@@ -157,6 +161,7 @@ var (
 		27: "PART_V_SCALE",
 		28: "PART_V_ZERO",
 		29: "PART_ACC",
+		40: "PART_WIRE_LAYER",
 	}
 	Part_value = map[string]int32{
 		"PART_UNSPECIFIED":   0,
@@ -180,6 +185,7 @@ var (
 		"PART_V_SCALE":       27,
 		"PART_V_ZERO":        28,
 		"PART_ACC":           29,
+		"PART_WIRE_LAYER":    40,
 	}
 )
 
@@ -266,6 +272,61 @@ func (x RecipientState) Number() protoreflect.EnumNumber {
 // Deprecated: Use RecipientState.Descriptor instead.
 func (RecipientState) EnumDescriptor() ([]byte, []int) {
 	return file_kvrelay_v1_relay_proto_rawDescGZIP(), []int{2}
+}
+
+// Describes a forwarded message. `message` is the header Fetch would send
+// (ids, sender, role, parent_id, shape, quantization, next_pos) without
+// delivery_attempt; its accounting comes with the commit.
+// How a forward's tensors cross the wire (ForwardHeader.wire_codec).
+type WireCodec int32
+
+const (
+	WireCodec_WIRE_CODEC_NONE WireCodec = 0 // each tensor as its own chunks, as Fetch sends them
+	// Each layer as one PART_WIRE_LAYER blob (docs/FORMAT.md, "Wire codec"):
+	// its tensors entropy-coded (rANS order 0), decoded by the destination
+	// back to the exact bytes before it stores or delivers the message. A
+	// blob declares its own size in its first 16 bytes; its chunks carry
+	// contiguous offsets from 0 like any tensor's.
+	WireCodec_WIRE_CODEC_RANS WireCodec = 1
+)
+
+// Enum value maps for WireCodec.
+var (
+	WireCodec_name = map[int32]string{
+		0: "WIRE_CODEC_NONE",
+		1: "WIRE_CODEC_RANS",
+	}
+	WireCodec_value = map[string]int32{
+		"WIRE_CODEC_NONE": 0,
+		"WIRE_CODEC_RANS": 1,
+	}
+)
+
+func (x WireCodec) Enum() *WireCodec {
+	p := new(WireCodec)
+	*p = x
+	return p
+}
+
+func (x WireCodec) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (WireCodec) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvrelay_v1_relay_proto_enumTypes[3].Descriptor()
+}
+
+func (WireCodec) Type() protoreflect.EnumType {
+	return &file_kvrelay_v1_relay_proto_enumTypes[3]
+}
+
+func (x WireCodec) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use WireCodec.Descriptor instead.
+func (WireCodec) EnumDescriptor() ([]byte, []int) {
+	return file_kvrelay_v1_relay_proto_rawDescGZIP(), []int{3}
 }
 
 // The shape of an uploaded turn (docs/FORMAT.md, "Turn").
@@ -2147,12 +2208,13 @@ func (x *MessageStatusResponse) GetForwardedBy() string {
 	return ""
 }
 
-// Describes a forwarded message. `message` is the header Fetch would send
-// (ids, sender, role, parent_id, shape, quantization, next_pos) without
-// delivery_attempt; its accounting comes with the commit.
+// Versions: 1 (tensors as Fetch sends them), 2 (adds wire_codec). A relay
+// answers a version it does not speak with FAILED_PRECONDITION naming
+// header.protocol_version; the forwarding relay then retries at once with
+// version 1 and keeps to it for that peer for a while.
 type ForwardHeader struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
-	ProtocolVersion uint32                 `protobuf:"varint,1,opt,name=protocol_version,json=protocolVersion,proto3" json:"protocol_version,omitempty"` // 1 (the only version so far)
+	ProtocolVersion uint32                 `protobuf:"varint,1,opt,name=protocol_version,json=protocolVersion,proto3" json:"protocol_version,omitempty"` // 1 or 2
 	Origin          string                 `protobuf:"bytes,2,opt,name=origin,proto3" json:"origin,omitempty"`                                           // the forwarding relay's --advertise target ("": none)
 	Message         *MessageHeader         `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
 	Recipients      []string               `protobuf:"bytes,4,rep,name=recipients,proto3" json:"recipients,omitempty"`                                  // the recipients on the destination relay: 1..64 distinct agents
@@ -2166,8 +2228,13 @@ type ForwardHeader struct {
 	// rebuilds the whole message.
 	AncestorId     string `protobuf:"bytes,7,opt,name=ancestor_id,json=ancestorId,proto3" json:"ancestor_id,omitempty"`
 	AncestorTokens uint32 `protobuf:"varint,8,opt,name=ancestor_tokens,json=ancestorTokens,proto3" json:"ancestor_tokens,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Version 2 only (version 1: NONE). With RANS the stream carries, per
+	// layer, one PART_WIRE_LAYER tensor instead of the layer's tensors (the
+	// tokens after the ancestor's with elision), and the chunk and trailer
+	// CRC32C cover those coded bytes.
+	WireCodec     WireCodec `protobuf:"varint,9,opt,name=wire_codec,json=wireCodec,proto3,enum=kvrelay.v1.WireCodec" json:"wire_codec,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ForwardHeader) Reset() {
@@ -2254,6 +2321,13 @@ func (x *ForwardHeader) GetAncestorTokens() uint32 {
 		return x.AncestorTokens
 	}
 	return 0
+}
+
+func (x *ForwardHeader) GetWireCodec() WireCodec {
+	if x != nil {
+		return x.WireCodec
+	}
+	return WireCodec_WIRE_CODEC_NONE
 }
 
 type ForwardCommit struct {
@@ -2820,7 +2894,7 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\n" +
 	"recipients\x18\x02 \x03(\v2\x1b.kvrelay.v1.RecipientStatusR\n" +
 	"recipients\x12!\n" +
-	"\fforwarded_by\x18\x03 \x01(\tR\vforwardedBy\"\xd2\x02\n" +
+	"\fforwarded_by\x18\x03 \x01(\tR\vforwardedBy\"\x88\x03\n" +
 	"\rForwardHeader\x12)\n" +
 	"\x10protocol_version\x18\x01 \x01(\rR\x0fprotocolVersion\x12\x16\n" +
 	"\x06origin\x18\x02 \x01(\tR\x06origin\x123\n" +
@@ -2832,7 +2906,9 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\bgeometry\x18\x06 \x01(\v2\x18.kvrelay.v1.TurnGeometryR\bgeometry\x12\x1f\n" +
 	"\vancestor_id\x18\a \x01(\tR\n" +
 	"ancestorId\x12'\n" +
-	"\x0fancestor_tokens\x18\b \x01(\rR\x0eancestorTokens\"\x91\x01\n" +
+	"\x0fancestor_tokens\x18\b \x01(\rR\x0eancestorTokens\x124\n" +
+	"\n" +
+	"wire_codec\x18\t \x01(\x0e2\x15.kvrelay.v1.WireCodecR\twireCodec\"\x91\x01\n" +
 	"\rForwardCommit\x12-\n" +
 	"\atrailer\x18\x01 \x01(\v2\x13.kvrelay.v1.TrailerR\atrailer\x126\n" +
 	"\n" +
@@ -2865,7 +2941,7 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\tDTYPE_F32\x10\x01\x12\r\n" +
 	"\tDTYPE_F16\x10\x02\x12\x0e\n" +
 	"\n" +
-	"DTYPE_BF16\x10\x03*\xfd\x02\n" +
+	"DTYPE_BF16\x10\x03*\x92\x03\n" +
 	"\x04Part\x12\x14\n" +
 	"\x10PART_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rPART_PROMPT_K\x10\x01\x12\x11\n" +
@@ -2893,14 +2969,18 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\fPART_V_CODES\x10\x1a\x12\x10\n" +
 	"\fPART_V_SCALE\x10\x1b\x12\x0f\n" +
 	"\vPART_V_ZERO\x10\x1c\x12\f\n" +
-	"\bPART_ACC\x10\x1d*\xc9\x01\n" +
+	"\bPART_ACC\x10\x1d\x12\x13\n" +
+	"\x0fPART_WIRE_LAYER\x10(*\xc9\x01\n" +
 	"\x0eRecipientState\x12\x1f\n" +
 	"\x1bRECIPIENT_STATE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16RECIPIENT_STATE_QUEUED\x10\x01\x12\x1d\n" +
 	"\x19RECIPIENT_STATE_COMMITTED\x10\x02\x12\x1d\n" +
 	"\x19RECIPIENT_STATE_DELIVERED\x10\x03\x12\x19\n" +
 	"\x15RECIPIENT_STATE_ACKED\x10\x04\x12!\n" +
-	"\x1dRECIPIENT_STATE_DEAD_LETTERED\x10\x052\x99\x05\n" +
+	"\x1dRECIPIENT_STATE_DEAD_LETTERED\x10\x05*5\n" +
+	"\tWireCodec\x12\x13\n" +
+	"\x0fWIRE_CODEC_NONE\x10\x00\x12\x13\n" +
+	"\x0fWIRE_CODEC_RANS\x10\x012\x99\x05\n" +
 	"\x05Relay\x12D\n" +
 	"\aPublish\x12\x1a.kvrelay.v1.PublishRequest\x1a\x1b.kvrelay.v1.PublishResponse(\x01\x12>\n" +
 	"\x05Fetch\x12\x18.kvrelay.v1.FetchRequest\x1a\x19.kvrelay.v1.FetchResponse0\x01\x126\n" +
@@ -2924,97 +3004,99 @@ func file_kvrelay_v1_relay_proto_rawDescGZIP() []byte {
 	return file_kvrelay_v1_relay_proto_rawDescData
 }
 
-var file_kvrelay_v1_relay_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_kvrelay_v1_relay_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
 var file_kvrelay_v1_relay_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
 var file_kvrelay_v1_relay_proto_goTypes = []any{
 	(DType)(0),                      // 0: kvrelay.v1.DType
 	(Part)(0),                       // 1: kvrelay.v1.Part
 	(RecipientState)(0),             // 2: kvrelay.v1.RecipientState
-	(*TurnGeometry)(nil),            // 3: kvrelay.v1.TurnGeometry
-	(*PublishHeader)(nil),           // 4: kvrelay.v1.PublishHeader
-	(*Chunk)(nil),                   // 5: kvrelay.v1.Chunk
-	(*Trailer)(nil),                 // 6: kvrelay.v1.Trailer
-	(*PublishRequest)(nil),          // 7: kvrelay.v1.PublishRequest
-	(*Accounting)(nil),              // 8: kvrelay.v1.Accounting
-	(*PublishResponse)(nil),         // 9: kvrelay.v1.PublishResponse
-	(*FetchRequest)(nil),            // 10: kvrelay.v1.FetchRequest
-	(*MessageHeader)(nil),           // 11: kvrelay.v1.MessageHeader
-	(*FetchResponse)(nil),           // 12: kvrelay.v1.FetchResponse
-	(*AckRequest)(nil),              // 13: kvrelay.v1.AckRequest
-	(*AckResponse)(nil),             // 14: kvrelay.v1.AckResponse
-	(*CloseSessionRequest)(nil),     // 15: kvrelay.v1.CloseSessionRequest
-	(*CloseSessionResponse)(nil),    // 16: kvrelay.v1.CloseSessionResponse
-	(*StatsRequest)(nil),            // 17: kvrelay.v1.StatsRequest
-	(*StatsResponse)(nil),           // 18: kvrelay.v1.StatsResponse
-	(*CompressHeader)(nil),          // 19: kvrelay.v1.CompressHeader
-	(*CompressRequest)(nil),         // 20: kvrelay.v1.CompressRequest
-	(*CompressResponse)(nil),        // 21: kvrelay.v1.CompressResponse
-	(*MessageStatusRequest)(nil),    // 22: kvrelay.v1.MessageStatusRequest
-	(*RecipientStatus)(nil),         // 23: kvrelay.v1.RecipientStatus
-	(*MessageStatusResponse)(nil),   // 24: kvrelay.v1.MessageStatusResponse
-	(*ForwardHeader)(nil),           // 25: kvrelay.v1.ForwardHeader
-	(*ForwardCommit)(nil),           // 26: kvrelay.v1.ForwardCommit
-	(*ForwardRequest)(nil),          // 27: kvrelay.v1.ForwardRequest
-	(*ForwardResult)(nil),           // 28: kvrelay.v1.ForwardResult
-	(*ForwardResponse)(nil),         // 29: kvrelay.v1.ForwardResponse
-	(*ReportRecipientRequest)(nil),  // 30: kvrelay.v1.ReportRecipientRequest
-	(*ReportRecipientResponse)(nil), // 31: kvrelay.v1.ReportRecipientResponse
+	(WireCodec)(0),                  // 3: kvrelay.v1.WireCodec
+	(*TurnGeometry)(nil),            // 4: kvrelay.v1.TurnGeometry
+	(*PublishHeader)(nil),           // 5: kvrelay.v1.PublishHeader
+	(*Chunk)(nil),                   // 6: kvrelay.v1.Chunk
+	(*Trailer)(nil),                 // 7: kvrelay.v1.Trailer
+	(*PublishRequest)(nil),          // 8: kvrelay.v1.PublishRequest
+	(*Accounting)(nil),              // 9: kvrelay.v1.Accounting
+	(*PublishResponse)(nil),         // 10: kvrelay.v1.PublishResponse
+	(*FetchRequest)(nil),            // 11: kvrelay.v1.FetchRequest
+	(*MessageHeader)(nil),           // 12: kvrelay.v1.MessageHeader
+	(*FetchResponse)(nil),           // 13: kvrelay.v1.FetchResponse
+	(*AckRequest)(nil),              // 14: kvrelay.v1.AckRequest
+	(*AckResponse)(nil),             // 15: kvrelay.v1.AckResponse
+	(*CloseSessionRequest)(nil),     // 16: kvrelay.v1.CloseSessionRequest
+	(*CloseSessionResponse)(nil),    // 17: kvrelay.v1.CloseSessionResponse
+	(*StatsRequest)(nil),            // 18: kvrelay.v1.StatsRequest
+	(*StatsResponse)(nil),           // 19: kvrelay.v1.StatsResponse
+	(*CompressHeader)(nil),          // 20: kvrelay.v1.CompressHeader
+	(*CompressRequest)(nil),         // 21: kvrelay.v1.CompressRequest
+	(*CompressResponse)(nil),        // 22: kvrelay.v1.CompressResponse
+	(*MessageStatusRequest)(nil),    // 23: kvrelay.v1.MessageStatusRequest
+	(*RecipientStatus)(nil),         // 24: kvrelay.v1.RecipientStatus
+	(*MessageStatusResponse)(nil),   // 25: kvrelay.v1.MessageStatusResponse
+	(*ForwardHeader)(nil),           // 26: kvrelay.v1.ForwardHeader
+	(*ForwardCommit)(nil),           // 27: kvrelay.v1.ForwardCommit
+	(*ForwardRequest)(nil),          // 28: kvrelay.v1.ForwardRequest
+	(*ForwardResult)(nil),           // 29: kvrelay.v1.ForwardResult
+	(*ForwardResponse)(nil),         // 30: kvrelay.v1.ForwardResponse
+	(*ReportRecipientRequest)(nil),  // 31: kvrelay.v1.ReportRecipientRequest
+	(*ReportRecipientResponse)(nil), // 32: kvrelay.v1.ReportRecipientResponse
 }
 var file_kvrelay_v1_relay_proto_depIdxs = []int32{
 	0,  // 0: kvrelay.v1.TurnGeometry.dtype:type_name -> kvrelay.v1.DType
 	0,  // 1: kvrelay.v1.TurnGeometry.query_dtype:type_name -> kvrelay.v1.DType
-	3,  // 2: kvrelay.v1.PublishHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	4,  // 2: kvrelay.v1.PublishHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
 	1,  // 3: kvrelay.v1.Chunk.part:type_name -> kvrelay.v1.Part
-	4,  // 4: kvrelay.v1.PublishRequest.header:type_name -> kvrelay.v1.PublishHeader
-	5,  // 5: kvrelay.v1.PublishRequest.chunk:type_name -> kvrelay.v1.Chunk
-	6,  // 6: kvrelay.v1.PublishRequest.commit:type_name -> kvrelay.v1.Trailer
-	8,  // 7: kvrelay.v1.PublishResponse.accounting:type_name -> kvrelay.v1.Accounting
+	5,  // 4: kvrelay.v1.PublishRequest.header:type_name -> kvrelay.v1.PublishHeader
+	6,  // 5: kvrelay.v1.PublishRequest.chunk:type_name -> kvrelay.v1.Chunk
+	7,  // 6: kvrelay.v1.PublishRequest.commit:type_name -> kvrelay.v1.Trailer
+	9,  // 7: kvrelay.v1.PublishResponse.accounting:type_name -> kvrelay.v1.Accounting
 	0,  // 8: kvrelay.v1.MessageHeader.dtype:type_name -> kvrelay.v1.DType
-	8,  // 9: kvrelay.v1.MessageHeader.accounting:type_name -> kvrelay.v1.Accounting
-	11, // 10: kvrelay.v1.FetchResponse.header:type_name -> kvrelay.v1.MessageHeader
-	5,  // 11: kvrelay.v1.FetchResponse.chunk:type_name -> kvrelay.v1.Chunk
-	6,  // 12: kvrelay.v1.FetchResponse.trailer:type_name -> kvrelay.v1.Trailer
-	3,  // 13: kvrelay.v1.CompressHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
-	19, // 14: kvrelay.v1.CompressRequest.header:type_name -> kvrelay.v1.CompressHeader
-	5,  // 15: kvrelay.v1.CompressRequest.chunk:type_name -> kvrelay.v1.Chunk
-	6,  // 16: kvrelay.v1.CompressRequest.commit:type_name -> kvrelay.v1.Trailer
-	11, // 17: kvrelay.v1.CompressResponse.header:type_name -> kvrelay.v1.MessageHeader
-	5,  // 18: kvrelay.v1.CompressResponse.chunk:type_name -> kvrelay.v1.Chunk
-	6,  // 19: kvrelay.v1.CompressResponse.trailer:type_name -> kvrelay.v1.Trailer
+	9,  // 9: kvrelay.v1.MessageHeader.accounting:type_name -> kvrelay.v1.Accounting
+	12, // 10: kvrelay.v1.FetchResponse.header:type_name -> kvrelay.v1.MessageHeader
+	6,  // 11: kvrelay.v1.FetchResponse.chunk:type_name -> kvrelay.v1.Chunk
+	7,  // 12: kvrelay.v1.FetchResponse.trailer:type_name -> kvrelay.v1.Trailer
+	4,  // 13: kvrelay.v1.CompressHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	20, // 14: kvrelay.v1.CompressRequest.header:type_name -> kvrelay.v1.CompressHeader
+	6,  // 15: kvrelay.v1.CompressRequest.chunk:type_name -> kvrelay.v1.Chunk
+	7,  // 16: kvrelay.v1.CompressRequest.commit:type_name -> kvrelay.v1.Trailer
+	12, // 17: kvrelay.v1.CompressResponse.header:type_name -> kvrelay.v1.MessageHeader
+	6,  // 18: kvrelay.v1.CompressResponse.chunk:type_name -> kvrelay.v1.Chunk
+	7,  // 19: kvrelay.v1.CompressResponse.trailer:type_name -> kvrelay.v1.Trailer
 	2,  // 20: kvrelay.v1.RecipientStatus.state:type_name -> kvrelay.v1.RecipientState
-	23, // 21: kvrelay.v1.MessageStatusResponse.recipients:type_name -> kvrelay.v1.RecipientStatus
-	11, // 22: kvrelay.v1.ForwardHeader.message:type_name -> kvrelay.v1.MessageHeader
-	3,  // 23: kvrelay.v1.ForwardHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
-	6,  // 24: kvrelay.v1.ForwardCommit.trailer:type_name -> kvrelay.v1.Trailer
-	8,  // 25: kvrelay.v1.ForwardCommit.accounting:type_name -> kvrelay.v1.Accounting
-	25, // 26: kvrelay.v1.ForwardRequest.header:type_name -> kvrelay.v1.ForwardHeader
-	5,  // 27: kvrelay.v1.ForwardRequest.chunk:type_name -> kvrelay.v1.Chunk
-	26, // 28: kvrelay.v1.ForwardRequest.commit:type_name -> kvrelay.v1.ForwardCommit
-	28, // 29: kvrelay.v1.ForwardResponse.results:type_name -> kvrelay.v1.ForwardResult
-	2,  // 30: kvrelay.v1.ReportRecipientRequest.state:type_name -> kvrelay.v1.RecipientState
-	7,  // 31: kvrelay.v1.Relay.Publish:input_type -> kvrelay.v1.PublishRequest
-	10, // 32: kvrelay.v1.Relay.Fetch:input_type -> kvrelay.v1.FetchRequest
-	13, // 33: kvrelay.v1.Relay.Ack:input_type -> kvrelay.v1.AckRequest
-	15, // 34: kvrelay.v1.Relay.CloseSession:input_type -> kvrelay.v1.CloseSessionRequest
-	20, // 35: kvrelay.v1.Relay.Compress:input_type -> kvrelay.v1.CompressRequest
-	17, // 36: kvrelay.v1.Relay.Stats:input_type -> kvrelay.v1.StatsRequest
-	22, // 37: kvrelay.v1.Relay.MessageStatus:input_type -> kvrelay.v1.MessageStatusRequest
-	27, // 38: kvrelay.v1.Relay.Forward:input_type -> kvrelay.v1.ForwardRequest
-	30, // 39: kvrelay.v1.Relay.ReportRecipient:input_type -> kvrelay.v1.ReportRecipientRequest
-	9,  // 40: kvrelay.v1.Relay.Publish:output_type -> kvrelay.v1.PublishResponse
-	12, // 41: kvrelay.v1.Relay.Fetch:output_type -> kvrelay.v1.FetchResponse
-	14, // 42: kvrelay.v1.Relay.Ack:output_type -> kvrelay.v1.AckResponse
-	16, // 43: kvrelay.v1.Relay.CloseSession:output_type -> kvrelay.v1.CloseSessionResponse
-	21, // 44: kvrelay.v1.Relay.Compress:output_type -> kvrelay.v1.CompressResponse
-	18, // 45: kvrelay.v1.Relay.Stats:output_type -> kvrelay.v1.StatsResponse
-	24, // 46: kvrelay.v1.Relay.MessageStatus:output_type -> kvrelay.v1.MessageStatusResponse
-	29, // 47: kvrelay.v1.Relay.Forward:output_type -> kvrelay.v1.ForwardResponse
-	31, // 48: kvrelay.v1.Relay.ReportRecipient:output_type -> kvrelay.v1.ReportRecipientResponse
-	40, // [40:49] is the sub-list for method output_type
-	31, // [31:40] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	24, // 21: kvrelay.v1.MessageStatusResponse.recipients:type_name -> kvrelay.v1.RecipientStatus
+	12, // 22: kvrelay.v1.ForwardHeader.message:type_name -> kvrelay.v1.MessageHeader
+	4,  // 23: kvrelay.v1.ForwardHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	3,  // 24: kvrelay.v1.ForwardHeader.wire_codec:type_name -> kvrelay.v1.WireCodec
+	7,  // 25: kvrelay.v1.ForwardCommit.trailer:type_name -> kvrelay.v1.Trailer
+	9,  // 26: kvrelay.v1.ForwardCommit.accounting:type_name -> kvrelay.v1.Accounting
+	26, // 27: kvrelay.v1.ForwardRequest.header:type_name -> kvrelay.v1.ForwardHeader
+	6,  // 28: kvrelay.v1.ForwardRequest.chunk:type_name -> kvrelay.v1.Chunk
+	27, // 29: kvrelay.v1.ForwardRequest.commit:type_name -> kvrelay.v1.ForwardCommit
+	29, // 30: kvrelay.v1.ForwardResponse.results:type_name -> kvrelay.v1.ForwardResult
+	2,  // 31: kvrelay.v1.ReportRecipientRequest.state:type_name -> kvrelay.v1.RecipientState
+	8,  // 32: kvrelay.v1.Relay.Publish:input_type -> kvrelay.v1.PublishRequest
+	11, // 33: kvrelay.v1.Relay.Fetch:input_type -> kvrelay.v1.FetchRequest
+	14, // 34: kvrelay.v1.Relay.Ack:input_type -> kvrelay.v1.AckRequest
+	16, // 35: kvrelay.v1.Relay.CloseSession:input_type -> kvrelay.v1.CloseSessionRequest
+	21, // 36: kvrelay.v1.Relay.Compress:input_type -> kvrelay.v1.CompressRequest
+	18, // 37: kvrelay.v1.Relay.Stats:input_type -> kvrelay.v1.StatsRequest
+	23, // 38: kvrelay.v1.Relay.MessageStatus:input_type -> kvrelay.v1.MessageStatusRequest
+	28, // 39: kvrelay.v1.Relay.Forward:input_type -> kvrelay.v1.ForwardRequest
+	31, // 40: kvrelay.v1.Relay.ReportRecipient:input_type -> kvrelay.v1.ReportRecipientRequest
+	10, // 41: kvrelay.v1.Relay.Publish:output_type -> kvrelay.v1.PublishResponse
+	13, // 42: kvrelay.v1.Relay.Fetch:output_type -> kvrelay.v1.FetchResponse
+	15, // 43: kvrelay.v1.Relay.Ack:output_type -> kvrelay.v1.AckResponse
+	17, // 44: kvrelay.v1.Relay.CloseSession:output_type -> kvrelay.v1.CloseSessionResponse
+	22, // 45: kvrelay.v1.Relay.Compress:output_type -> kvrelay.v1.CompressResponse
+	19, // 46: kvrelay.v1.Relay.Stats:output_type -> kvrelay.v1.StatsResponse
+	25, // 47: kvrelay.v1.Relay.MessageStatus:output_type -> kvrelay.v1.MessageStatusResponse
+	30, // 48: kvrelay.v1.Relay.Forward:output_type -> kvrelay.v1.ForwardResponse
+	32, // 49: kvrelay.v1.Relay.ReportRecipient:output_type -> kvrelay.v1.ReportRecipientResponse
+	41, // [41:50] is the sub-list for method output_type
+	32, // [32:41] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_kvrelay_v1_relay_proto_init() }
@@ -3054,7 +3136,7 @@ func file_kvrelay_v1_relay_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvrelay_v1_relay_proto_rawDesc), len(file_kvrelay_v1_relay_proto_rawDesc)),
-			NumEnums:      3,
+			NumEnums:      4,
 			NumMessages:   29,
 			NumExtensions: 0,
 			NumServices:   1,
