@@ -13,9 +13,14 @@ namespace kvrelay {
 namespace {
 
 constexpr char kMagic[4] = {'K', 'V', 'W', '1'};
-// rANS order byte of an order-0 block: plain, or stored by the library.
+// rANS order bytes of the blocks written: order 0, 32-way interleaved
+// (RANS_ORDER_X32: htscodecs picks its AVX2/AVX-512/SSE4 code at run time),
+// or stored by the library itself (RANS_ORDER_CAT). 4-way order 0 (0x00) is
+// read too.
 constexpr uint8_t kRansPlain = 0x00;
-constexpr uint8_t kRansCat = 0x20;
+constexpr uint8_t kRansX32 = RANS_ORDER_X32;
+constexpr uint8_t kRansCat = RANS_ORDER_CAT;
+bool KnownOrderByte(uint8_t b) { return b == kRansPlain || b == kRansX32 || b == kRansCat || b == (kRansCat | kRansX32); }
 // Planes larger than this are stored: htscodecs counts in unsigned int.
 constexpr uint64_t kMaxPlaneBytes = uint64_t{1} << 30;
 
@@ -85,14 +90,14 @@ void UndoPosDeltas(uint8_t* data, size_t size, uint64_t row) {
 bool RansPlanes(const std::vector<uint8_t>& in, int planes, std::vector<uint8_t>* out) {
   const size_t n = in.size() / planes;
   if (n == 0 || n > kMaxPlaneBytes) return false;
-  std::vector<uint8_t> block(rans_compress_bound_4x16(static_cast<unsigned int>(n), 0));
+  std::vector<uint8_t> block(rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32));
   for (int p = 0; p < planes; ++p) {
     unsigned int block_size = static_cast<unsigned int>(block.size());
     // The library reads its input only; its API takes it non-const.
     unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(in.data() + p * n), static_cast<unsigned int>(n),
-                                             block.data(), &block_size, 0);
+                                             block.data(), &block_size, kRansX32);
     if (r == nullptr || block_size == 0 || block_size > block.size()) return false;
-    if (block[0] != kRansPlain && block[0] != kRansCat) return false;
+    if (!KnownOrderByte(block[0])) return false;
     PutU32(out, block_size);
     out->insert(out->end(), block.begin(), block.begin() + block_size);
   }
@@ -116,8 +121,8 @@ absl::Status UnRansPlanes(absl::Span<const uint8_t> payload, int planes, uint8_t
       return Bad(absl::StrCat(field, ".plane[", p, "]: ", len, " coded bytes, expected 1..", payload.size() - at));
     }
     const uint8_t order = payload[at];
-    if (order != kRansPlain && order != kRansCat) {
-      return Bad(absl::StrCat(field, ".plane[", p, "]: rANS order byte ", int{order}, ", expected 0 or 32"));
+    if (!KnownOrderByte(order)) {
+      return Bad(absl::StrCat(field, ".plane[", p, "]: rANS order byte ", int{order}, ", expected 0, 4, 32 or 36"));
     }
     unsigned int out_size = static_cast<unsigned int>(n);
     unsigned char* dst = out + p * n;

@@ -15,7 +15,8 @@
 //   kRaw        anything else (a part this codec does not know): stored.
 //
 // Each plane is coded with rANS order 0 (htscodecs' rans_compress_to_4x16,
-// the Debian library libhtscodecs-dev), which writes its own frequency
+// the Debian library libhtscodecs-dev, 32-way interleaved: RANS_ORDER_X32,
+// whose SIMD decoder it picks at run time), which writes its own frequency
 // table in-band: one table per plane of each stream of each layer. A stream
 // whose coding does not shrink it is stored raw.
 //
@@ -33,8 +34,10 @@
 // (param = planes 1, 2 or 4, raw_bytes a multiple of it); kRansPosDelta
 // (param = row length in elements >= 1, raw_bytes a multiple of 4). A rANS
 // payload is, per plane, coded length u32 then that many bytes of one
-// rans_compress_to_4x16 order-0 block, whose order byte is 0x00 or 0x20
-// (plain or stored by rANS itself); nothing else is accepted.
+// rans_compress_to_4x16 order-0 block, whose order byte is 0x00, 0x04
+// (X32), 0x20 or 0x24 (stored by rANS itself); nothing else is accepted, so
+// the library's RLE, bit-packing and striping paths (which allocate by
+// sizes the input declares) are never reached.
 //
 // Decoding trusts nothing: the caller states the parts and sizes the layer
 // must hold (from the message header), and every record, length, plane and
