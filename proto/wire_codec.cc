@@ -20,7 +20,9 @@ constexpr char kMagic[4] = {'K', 'V', 'W', '1'};
 constexpr uint8_t kRansPlain = 0x00;
 constexpr uint8_t kRansX32 = RANS_ORDER_X32;
 constexpr uint8_t kRansCat = RANS_ORDER_CAT;
-bool KnownOrderByte(uint8_t b) { return b == kRansPlain || b == kRansX32 || b == kRansCat || b == (kRansCat | kRansX32); }
+bool KnownOrderByte(uint8_t b) {
+  return b == kRansPlain || b == kRansX32 || b == kRansCat || b == (kRansCat | kRansX32);
+}
 // Planes larger than this are stored: htscodecs counts in unsigned int.
 constexpr uint64_t kMaxPlaneBytes = uint64_t{1} << 30;
 
@@ -94,8 +96,8 @@ bool RansPlanes(const std::vector<uint8_t>& in, int planes, std::vector<uint8_t>
   for (int p = 0; p < planes; ++p) {
     unsigned int block_size = static_cast<unsigned int>(block.size());
     // The library reads its input only; its API takes it non-const.
-    unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(in.data() + p * n), static_cast<unsigned int>(n),
-                                             block.data(), &block_size, kRansX32);
+    unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(in.data() + p * n),
+                                             static_cast<unsigned int>(n), block.data(), &block_size, kRansX32);
     if (r == nullptr || block_size == 0 || block_size > block.size()) return false;
     if (!KnownOrderByte(block[0])) return false;
     PutU32(out, block_size);
@@ -193,7 +195,8 @@ std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const 
         if (t.data.size() % 4 == 0) {
           const uint64_t elems = t.data.size() / 4;
           const uint64_t row = opts.kv_heads > 0 && elems % opts.kv_heads == 0 ? elems / opts.kv_heads : elems;
-          if (row <= std::numeric_limits<uint32_t>::max() && RansPlanes(ToPlanes(PosDeltas(t.data, row), 4), 4, &coded)) {
+          if (row <= std::numeric_limits<uint32_t>::max() &&
+              RansPlanes(ToPlanes(PosDeltas(t.data, row), 4), 4, &coded)) {
             r.method = static_cast<uint8_t>(WireMethod::kRansPosDelta);
             r.param = static_cast<uint32_t>(row);
             ok = true;
@@ -311,7 +314,8 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<con
         break;
       case WireMethod::kRansPlanes:
         if ((r.param != 1 && r.param != 2 && r.param != 4) || r.raw % r.param != 0) {
-          return Bad(absl::StrCat(field, ".param: ", r.param, " planes for ", r.raw, " bytes, expected 1, 2 or 4 dividing it"));
+          return Bad(absl::StrCat(field, ".param: ", r.param, " planes for ", r.raw,
+                                  " bytes, expected 1, 2 or 4 dividing it"));
         }
         break;
       case WireMethod::kRansPosDelta:
@@ -347,9 +351,8 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<con
           if (absl::Status s = UnRansPlanes(payload, 1, out[i].data(), r.raw, field); !s.ok()) return s;
         } else {
           scratch.resize(r.raw);
-          if (absl::Status s = UnRansPlanes(payload, static_cast<int>(r.param), scratch.data(), r.raw, field); !s.ok()) {
-            return s;
-          }
+          absl::Status s = UnRansPlanes(payload, static_cast<int>(r.param), scratch.data(), r.raw, field);
+          if (!s.ok()) return s;
           FromPlanes(scratch.data(), r.raw, static_cast<int>(r.param), out[i].data());
         }
         break;
@@ -361,7 +364,8 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<con
         break;
     }
     if (Crc32c(out[i].data(), out[i].size()) != r.crc) {
-      return absl::DataLossError(absl::StrCat("wire layer: ", field, ": decoded bytes do not match the record's crc32c"));
+      return absl::DataLossError(
+          absl::StrCat("wire layer: ", field, ": decoded bytes do not match the record's crc32c"));
     }
   }
   return out;

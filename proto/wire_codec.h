@@ -45,8 +45,9 @@
 // buffers are the expected sizes, allocated before decoding; a blob that
 // disagrees is an error, never a crash, an over-read or a larger
 // allocation; decoded bytes whose CRC32C differs from their record's are
-// DATA_LOSS (a payload flip is found even where the coder absorbs it). htscodecs' decoder is given the exact output size and writes
-// at most that.
+// DATA_LOSS (a payload flip is found even where the coder absorbs it).
+// htscodecs' decoder is given the exact output size and writes at most
+// that.
 //
 // Thread-safe: the functions are pure.
 #ifndef KVRELAY_PROTO_WIRE_CODEC_H_

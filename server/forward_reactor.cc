@@ -142,9 +142,10 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     if (h.wire_codec() != v1::WIRE_CODEC_NONE &&
         (h.protocol_version() == kForwardProtocolVersionV1 || h.wire_codec() != v1::WIRE_CODEC_RANS)) {
+      const bool v1 = h.protocol_version() == kForwardProtocolVersionV1;
       return absl::InvalidArgumentError(absl::StrCat("header.wire_codec: ", h.wire_codec(), " with protocol_version ",
                                                      h.protocol_version(), ", expected NONE (0)",
-                                                     h.protocol_version() == kForwardProtocolVersionV1 ? "" : " or RANS (1)"));
+                                                     v1 ? "" : " or RANS (1)"));
     }
     const v1::MessageHeader& m = h.message();
     KVRELAY_RETURN_IF_ERROR(CheckId("header.message.session_id", m.session_id()));
