@@ -11,7 +11,7 @@ RUN bash scripts/install_deps.sh --build-only && \
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends \
-      libabsl20220623 libc-ares2 libcivetweb1 libfmt9 libgrpc++1.51 libgrpc29 \
+      libabsl20220623 libc-ares2 libcivetweb1 libfmt9 libgrpc++1.51 libgrpc29 libhtscodecs2 \
       libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libprotobuf32 libre2-9 \
       libspdlog1.10 libssl3 zlib1g ca-certificates && \
     rm -rf /var/lib/apt/lists/*

@@ -6,6 +6,7 @@
 //   build-fuzz/bin/fuzz_make_corpus fuzz/corpus
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -20,6 +21,7 @@
 #include "fuzz/spool_fuzz.h"
 #include "proto/raw_chunk.h"
 #include "proto/stream_codec.h"
+#include "proto/wire_codec.h"
 #include "proto/wire.h"
 
 namespace kvrelay {
@@ -398,6 +400,45 @@ void SpoolSeeds() {
 }  // namespace
 }  // namespace kvrelay
 
+namespace kvrelay {
+namespace {
+
+// wire_codec_fuzzer.cc's input: flags, streams, (part index, size - 1) per
+// stream, then the blob. Parts as that fuzzer's kParts lists them.
+void WireCodecSeeds() {
+  const v1::Part parts[] = {v1::PART_K,       v1::PART_V,      v1::PART_POS,     v1::PART_K_CODES,
+                            v1::PART_K_SCALE, v1::PART_K_ZERO, v1::PART_V_CODES, v1::PART_V_SCALE,
+                            v1::PART_V_ZERO,  v1::PART_ACC};
+  const Turn history = TinyTurn(DType::kF16, 3, 0, 5);
+  int i = 0;
+  for (const char* spec : {"h2o-head:k=4", "h2o-head:k=4+int4:group=8", "gen:sinks=2+int2", "full+int8"}) {
+    const Message m = Compress(history, spec);
+    std::vector<TensorRef> tensors;
+    for (const TensorRef& t : LayerDeliveryOrder(m.layers[0], 0)) {
+      if (!t.data.empty() && t.data.size() <= 65536) tensors.push_back(t);
+    }
+    if (tensors.empty() || tensors.size() > 8) Die("wire_codec seed: layer of " + std::to_string(tensors.size()));
+    std::string prefix(1, '\0');
+    prefix += static_cast<char>(tensors.size() - 1);
+    for (const TensorRef& t : tensors) {
+      const auto* at = std::find(std::begin(parts), std::end(parts), t.part);
+      prefix += static_cast<char>(at - std::begin(parts));
+      prefix += static_cast<char>((t.data.size() - 1) & 0xff);
+      prefix += static_cast<char>((t.data.size() - 1) >> 8);
+    }
+    const std::vector<uint8_t> blob = EncodeWireLayer(tensors, {m.kv_heads, 2});
+    const std::string b(blob.begin(), blob.end());
+    WriteVariants("wire_codec", "layer" + std::to_string(i), prefix + b, prefix.size() + 20);
+    std::string round_trip = prefix + b;
+    round_trip[0] = 1;
+    Write("wire_codec", "round_trip" + std::to_string(i), round_trip);
+    ++i;
+  }
+}
+
+}  // namespace
+}  // namespace kvrelay
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: fuzz_make_corpus DIR\n");
@@ -408,5 +449,6 @@ int main(int argc, char** argv) {
   kvrelay::WireSeeds();
   kvrelay::TextSeeds();
   kvrelay::SpoolSeeds();
+  kvrelay::WireCodecSeeds();
   return 0;
 }

@@ -213,6 +213,8 @@ class ChunkSequence {
   uint64_t offset() const { return offset_; }  // within current()
   uint64_t bytes_received() const { return bytes_; }
   uint64_t bytes_expected() const { return expected_; }
+  // The non-empty slots, in stream order.
+  const std::vector<Slot>& slots() const { return slots_; }
 
  private:
   std::vector<Slot> slots_;  // non-empty, in stream order
@@ -311,6 +313,11 @@ class DeliveryReader {
   bool done() const { return done_; }
   uint64_t bytes_received() const { return seq_ ? seq_->bytes_received() : 0; }
   uint64_t bytes_expected() const { return seq_ ? seq_->bytes_expected() : 0; }
+  // The tensors the message holds (non-empty, delivery order); empty before
+  // Start.
+  absl::Span<const ChunkSequence::Slot> slots() const {
+    return seq_ ? absl::Span<const ChunkSequence::Slot>(seq_->slots()) : absl::Span<const ChunkSequence::Slot>();
+  }
 
  private:
   Message msg_;

@@ -14,7 +14,7 @@ shift || true
 DIR=${KVRELAY_FUZZ_DIR:-build-fuzz}
 JOBS=${KVRELAY_JOBS:-$(nproc)}
 CXX=${KVRELAY_FUZZ_CXX:-clang++-14}
-ALL=(safetensors turn_file message_file raw_chunk stream_codec policy_spec pipeline server_config route_file
+ALL=(safetensors turn_file message_file raw_chunk stream_codec wire_codec policy_spec pipeline server_config route_file
   tokens_file spool_journal spool_message_file)
 TARGETS=("$@")
 ((${#TARGETS[@]})) || TARGETS=("${ALL[@]}")

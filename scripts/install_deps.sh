@@ -8,7 +8,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates curl
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libeigen3-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
+  libabsl-dev libeigen3-dev libspdlog-dev libfmt-dev prometheus-cpp-dev libhtscodecs-dev
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libssl-dev
 )
 # What running the test suite needs on top: Debian's Python with venv (the

@@ -282,6 +282,11 @@ absl::Status Apply(const std::string& name, const std::string& value, ServerConf
   }
   if (name == "forward-timeout-seconds") return ParseSeconds(name, value, false, &c->forward_timeout_seconds);
   if (name == "forward-stall-seconds") return ParseSeconds(name, value, false, &c->forward_stall_seconds);
+  if (name == "wire-codec") {
+    if (value != "rans" && value != "none") return Bad(name, value, "rans or none");
+    c->wire_codec_rans = value == "rans";
+    return absl::OkStatus();
+  }
   if (name == "max-outbox-bytes") return ParseBytes(name, value, &c->max_outbox_bytes);
   if (name == "max-outbox-bytes-per-destination") {
     return ParseBytes(name, value, &c->max_outbox_bytes_per_destination);
@@ -361,6 +366,7 @@ const char* const kEnv[][2] = {
     {"advertise", "KVRELAY_ADVERTISE"},
     {"forward-timeout-seconds", "KVRELAY_FORWARD_TIMEOUT_SECONDS"},
     {"forward-stall-seconds", "KVRELAY_FORWARD_STALL_SECONDS"},
+    {"wire-codec", "KVRELAY_WIRE_CODEC"},
     {"max-outbox-bytes", "KVRELAY_MAX_OUTBOX_BYTES"},
     {"max-outbox-bytes-per-destination", "KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION"},
     {"tls-cert", "KVRELAY_TLS_CERT"},
@@ -615,6 +621,9 @@ std::string ServerUsage() {
                                  (KVRELAY_FORWARD_TIMEOUT_SECONDS; 300; >= 0.01)
   --forward-stall-seconds S      a forward without progress for S seconds is cancelled and retried
                                  (KVRELAY_FORWARD_STALL_SECONDS; 10; >= 0.01)
+  --wire-codec rans|none         how forwards sent from here carry tensors: rans entropy-codes each layer
+                                 losslessly (a peer that does not speak it gets none); none sends them as
+                                 Fetch does (KVRELAY_WIRE_CODEC; rans)
   --max-outbox-bytes N           bytes of messages waiting to be forwarded, all destinations
                                  (KVRELAY_MAX_OUTBOX_BYTES; 4GiB)
   --max-outbox-bytes-per-destination N  the same per destination relay, at most --max-outbox-bytes

@@ -25,6 +25,7 @@
 //   --advertise TARGET            KVRELAY_ADVERTISE                 none
 //   --forward-timeout-seconds S   KVRELAY_FORWARD_TIMEOUT_SECONDS   300
 //   --forward-stall-seconds S     KVRELAY_FORWARD_STALL_SECONDS     10
+//   --wire-codec rans|none        KVRELAY_WIRE_CODEC                rans  (forwards sent from here)
 //   --max-outbox-bytes N          KVRELAY_MAX_OUTBOX_BYTES          4GiB
 //   --max-outbox-bytes-per-destination N  KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION  1GiB (<= --max-outbox-bytes)
 //   --local-listen ADDR           KVRELAY_LOCAL_LISTEN (',')        none  repeatable; loopback HOST:PORT or unix:PATH
@@ -117,6 +118,9 @@ struct ServerConfig {
   std::string advertise;                       // this relay's target as peers reach it; empty: none
   double forward_timeout_seconds = 300;        // retrying a forward, then dead-lettered
   double forward_stall_seconds = 10;           // a forward without progress that long is cancelled
+  // Forwards sent from here code each layer with the wire codec
+  // (proto/wire_codec.h); false: tensors as Fetch sends them (protocol 1).
+  bool wire_codec_rans = true;
   uint64_t max_outbox_bytes = 4ull << 30;      // messages waiting to be forwarded, all destinations
   uint64_t max_outbox_bytes_per_destination = 1ull << 30;  // <= max_outbox_bytes
   // Plaintext listeners for the pod's own agents: loopback HOST:PORT or

@@ -2,6 +2,7 @@
 
 #include "server/routing.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -13,10 +14,12 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
 #include "core/status_macros.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
 #include "proto/stream_codec.h"
+#include "proto/wire_codec.h"
 #include "server/forwarder.h"
 #include "server/metrics.h"
 #include "server/relay_service.h"
@@ -132,9 +135,17 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   absl::Status OnHeader(const v1::ForwardHeader& h) {
     header_ = h;
-    if (h.protocol_version() != kForwardProtocolVersion) {
+    if (h.protocol_version() != kForwardProtocolVersionV1 && h.protocol_version() != kForwardProtocolVersion) {
       return absl::FailedPreconditionError(absl::StrCat("header.protocol_version: ", h.protocol_version(),
-                                                        ", this relay speaks ", kForwardProtocolVersion));
+                                                        ", this relay speaks ", kForwardProtocolVersionV1, " and ",
+                                                        kForwardProtocolVersion));
+    }
+    if (h.wire_codec() != v1::WIRE_CODEC_NONE &&
+        (h.protocol_version() == kForwardProtocolVersionV1 || h.wire_codec() != v1::WIRE_CODEC_RANS)) {
+      const bool v1 = h.protocol_version() == kForwardProtocolVersionV1;
+      return absl::InvalidArgumentError(absl::StrCat("header.wire_codec: ", h.wire_codec(), " with protocol_version ",
+                                                     h.protocol_version(), ", expected NONE (0)",
+                                                     v1 ? "" : " or RANS (1)"));
     }
     const v1::MessageHeader& m = h.message();
     KVRELAY_RETURN_IF_ERROR(CheckId("header.message.session_id", m.session_id()));
@@ -221,20 +232,120 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     KVRELAY_RETURN_IF_ERROR(svc_->store()->ReserveInflight(bytes, absl::StrCat("forward of ", bytes, " bytes")));
     reserved_ = bytes;
     KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Start(wire)));
+    if (h.wire_codec() == v1::WIRE_CODEC_RANS) {
+      coded_.emplace();
+      coded_->layers.resize(wire.layers());
+      for (const ChunkSequence::Slot& slot : reader_.slots()) {
+        coded_->layers[slot.layer].push_back({slot.part, slot.size});
+      }
+    }
     return absl::OkStatus();
   }
 
   absl::Status OnChunk(const ChunkView& c) {
     if (!started()) return absl::InvalidArgumentError("chunk: before the header, expected the header first");
-    KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Add(c)));
+    if (coded_) {
+      KVRELAY_RETURN_IF_ERROR(OnCodedChunk(c));
+    } else {
+      KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Add(c)));
+    }
     received_ += c.size;
+    return absl::OkStatus();
+  }
+
+  // A chunk of layer `coded_->layer`'s blob (WIRE_CODEC_RANS): in order and
+  // within the largest blob the layer can take; once the blob is whole, its
+  // decoded tensors go to reader_ as the chunks an uncoded forward sends.
+  absl::Status OnCodedChunk(const ChunkView& c) {
+    CodedState& w = *coded_;
+    const std::string name = absl::StrCat("chunk (layer ", c.layer, ", ", PartName(c.part), ", offset ", c.offset, ")");
+    if (w.layer >= w.layers.size()) {
+      return UploadStatus(StreamError(StreamErrorKind::kExtraChunk, absl::StrCat(name, ": after every layer")));
+    }
+    if (c.layer != w.layer || c.part != v1::PART_WIRE_LAYER || c.offset != w.blob.size()) {
+      return UploadStatus(StreamError(
+          StreamErrorKind::kOrder, absl::StrCat(name, ", expected (layer ", w.layer, ", PART_WIRE_LAYER, offset ",
+                                                w.blob.size(), ")")));
+    }
+    const uint64_t max = w.blob_bytes ? w.blob_bytes : MaxWireLayerBytes(w.layers[w.layer]);
+    if (c.size < 1 || c.size > kMaxChunkBytes || c.size > max - w.blob.size()) {
+      return UploadStatus(StreamError(StreamErrorKind::kChunkSize,
+                                      absl::StrCat(name, ": ", c.size, " bytes, expected 1..",
+                                                   std::min<uint64_t>(kMaxChunkBytes, max - w.blob.size()))));
+    }
+    const size_t at = w.blob.size();
+    w.blob.resize(at + c.size);
+    if (c.CopyTo(w.blob.data() + at) != c.crc32c) {
+      w.blob.resize(at);
+      return UploadStatus(StreamError(StreamErrorKind::kChunkCrc, absl::StrCat(name, ": crc32c mismatch")));
+    }
+    w.trailer.Add(c.crc32c, c.size);
+    if (w.blob_bytes == 0 && w.blob.size() >= kWireBlobHeaderBytes) {
+      absl::StatusOr<uint64_t> n = WireLayerBlobBytes(w.blob, MaxWireLayerBytes(w.layers[w.layer]));
+      if (!n.ok()) return absl::InvalidArgumentError(absl::StrCat("layer ", w.layer, " ", n.status().message()));
+      if (w.blob.size() > *n) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": runs past the layer's blob of ", *n, " bytes"));
+      }
+      w.blob_bytes = *n;
+    }
+    if (w.blob_bytes == 0 || w.blob.size() < w.blob_bytes) return absl::OkStatus();
+    // The layer's blob is whole.
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> tensors = DecodeWireLayer(w.blob, w.layers[w.layer]);
+    if (!tensors.ok()) {
+      return absl::Status(tensors.status().code(), absl::StrCat("layer ", w.layer, " ", tensors.status().message()));
+    }
+    for (size_t i = 0; i < tensors->size(); ++i) {
+      const std::vector<uint8_t>& t = (*tensors)[i];
+      for (uint64_t off = 0; off < t.size(); off += kMaxChunkBytes) {
+        ChunkView d;
+        d.layer = w.layer;
+        d.part = w.layers[w.layer][i].part;
+        d.offset = off;
+        d.size = std::min<uint64_t>(kMaxChunkBytes, t.size() - off);
+        d.pieces.push_back(absl::Span<const uint8_t>(t.data() + off, d.size));
+        d.crc32c = Crc32c(t.data() + off, d.size);
+        w.decoded.Add(d.crc32c, d.size);
+        KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Add(d)));
+      }
+    }
+    ++w.layer;
+    w.blob.clear();
+    w.blob.shrink_to_fit();
+    w.blob_bytes = 0;
+    return absl::OkStatus();
+  }
+
+  // The commit's trailer against the coded chunks that arrived; OK for an
+  // uncoded forward (reader_ checks it).
+  absl::Status CheckCodedTrailer(const v1::Trailer& t) const {
+    if (!coded_) return absl::OkStatus();
+    const CodedState& w = *coded_;
+    if (w.layer < w.layers.size()) {
+      return UploadStatus(StreamError(StreamErrorKind::kIncomplete,
+                                      absl::StrCat("commit: before layer ", w.layer, "'s blob was complete (",
+                                                   w.blob.size(), " bytes of it arrived)")));
+    }
+    const v1::Trailer got = w.trailer.Build();
+    if (t.chunks() != got.chunks() || t.bytes() != got.bytes()) {
+      return UploadStatus(StreamError(StreamErrorKind::kTrailerCount,
+                                      absl::StrCat("commit.trailer: ", t.chunks(), " chunks of ", t.bytes(),
+                                                   " bytes, ", got.chunks(), " chunks of ", got.bytes(), " arrived")));
+    }
+    if (t.crc32c() != got.crc32c()) {
+      return UploadStatus(StreamError(StreamErrorKind::kTrailerCrc,
+                                      absl::StrCat("commit.trailer.crc32c: ", t.crc32c(), ", the chunks that arrived have ",
+                                                   got.crc32c())));
+    }
     return absl::OkStatus();
   }
 
   void OnCommit(const v1::ForwardCommit& c) {
     const v1::ForwardHeader& h = *header_;
     Message suffix;
-    if (StreamError e = reader_.Finish(c.trailer(), &suffix); !e.ok()) return Fail(UploadStatus(e));
+    if (absl::Status st = CheckCodedTrailer(c.trailer()); !st.ok()) return Fail(st);
+    const v1::Trailer trailer = coded_ ? coded_->decoded.Build() : c.trailer();
+    if (StreamError e = reader_.Finish(trailer, &suffix); !e.ok()) return Fail(UploadStatus(e));
     Message msg = ancestor_ ? RebuildFromAncestor(ancestor_->msg, std::move(suffix)) : std::move(suffix);
     // A child composed on this message relies on every head holding the
     // chain's anchors.
@@ -347,6 +458,17 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   std::vector<std::string> recipients_;
   MessagePtr ancestor_;
   DeliveryReader reader_;
+  // A WIRE_CODEC_RANS forward: the blob of the layer arriving, and what
+  // each layer must decode to.
+  struct CodedState {
+    std::vector<std::vector<WireTensor>> layers;  // expected tensors per layer
+    uint32_t layer = 0;                           // the layer whose blob arrives
+    std::vector<uint8_t> blob;                    // its bytes so far
+    uint64_t blob_bytes = 0;                      // its size, once its header is in (0: not yet)
+    TrailerBuilder trailer;                       // of the coded chunks that arrived
+    TrailerBuilder decoded;                       // of the decoded chunks given to reader_
+  };
+  std::optional<CodedState> coded_;
   uint64_t reserved_ = 0, received_ = 0;
   v1::ForwardResponse resp_;
   std::atomic<bool> finished_{false};

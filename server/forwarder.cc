@@ -10,6 +10,7 @@
 #include "core/crc32c.h"
 #include "proto/raw_chunk.h"
 #include "proto/stream_codec.h"
+#include "proto/wire_codec.h"
 #include "server/metrics.h"
 #include "server/routing.h"
 #include "server/spool/crash_point.h"
@@ -305,6 +306,21 @@ void Forwarder::DeadLetter(const std::shared_ptr<Job>& job, const std::vector<st
   }
 }
 
+bool Forwarder::UseWireCodec(const std::string& target) {
+  if (!opts_.wire_codec_rans) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = legacy_until_.find(target);
+  if (it == legacy_until_.end()) return true;
+  if (Clock::now() < it->second) return false;
+  legacy_until_.erase(it);
+  return true;
+}
+
+void Forwarder::NoteLegacyPeer(const std::string& target) {
+  std::lock_guard<std::mutex> lock(mu_);
+  legacy_until_[target] = Clock::now() + kLegacyPeerRecheck;
+}
+
 void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   // A retry of a message this relay no longer holds (its session was closed
   // or expired here) is dropped. The first attempt starts before the commit.
@@ -340,6 +356,11 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   v1::ForwardRequest req;
   v1::ForwardHeader* h = req.mutable_header();
   *h = job->header;
+  const bool coded = UseWireCodec(job->target);
+  h->set_protocol_version(coded ? kForwardProtocolVersion : kForwardProtocolVersionV1);
+  h->set_wire_codec(coded ? v1::WIRE_CODEC_RANS : v1::WIRE_CODEC_NONE);
+  const int elem_bytes = h->message().quant_bits() == 0 && h->message().dtype() == v1::DTYPE_F32 ? 4 : 2;
+  const WireEncodeOptions wire_opts{static_cast<int>(h->message().kv_heads()), elem_bytes};
   h->clear_recipients();
   for (const std::string& r : job->recipients) h->add_recipients(r);
   if (ancestor) {
@@ -373,7 +394,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   BlockingStream stream(channel, kForwardMethod, &ctx);
   bool ok = stream.Write(EncodeProto(req), stall);
   TrailerBuilder trailer;
-  uint64_t sent = 0, elided = 0;
+  uint64_t sent = 0, wire = 0, elided = 0;
   bool publish_failed = false, mismatch = false;
   for (int l = 0; ok && l < job->source->layers(); ++l) {
     ForwardSource::LayerView v;
@@ -395,12 +416,19 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
       elided += TotalBytes(v.wire) - TotalBytes(tensors);
       hold = std::make_shared<std::pair<std::shared_ptr<const void>, std::shared_ptr<const void>>>(suffix, hold);
     }
+    if (coded) {
+      sent += TotalBytes(tensors);  // what is carried, elided or not, as one blob
+      auto blob = std::make_shared<std::vector<uint8_t>>(EncodeWireLayer(tensors, wire_opts));
+      tensors = {TensorRef{static_cast<uint32_t>(l), v1::PART_WIRE_LAYER, *blob}};
+      hold = std::make_shared<std::pair<std::shared_ptr<const void>, std::shared_ptr<const void>>>(blob, hold);
+    }
     ChunkCursor cursor(std::move(tensors));
     ChunkCursor::Piece p;
     while (ok && cursor.Next(&p)) {
       const uint32_t crc = Crc32c(p.data.data(), p.data.size());
       trailer.Add(crc, p.data.size());
-      sent += p.data.size();
+      wire += p.data.size();
+      if (!coded) sent += p.data.size();
       ok = stream.Write(EncodeChunkNoCopy(v1::ForwardRequest::kChunkFieldNumber, p.layer, p.part, p.offset, p.data,
                                           crc, hold),
                         stall);
@@ -430,7 +458,10 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
     std::lock_guard<std::mutex> lock(mu_);
     job->ctx = nullptr;
   }
-  if (metrics_) metrics_->AddForwardBytes(sent);
+  if (metrics_) {
+    metrics_->AddForwardBytes(sent);
+    metrics_->AddWireBytes(PolicyFamily(job->header.message().accounting().policy()), wire);
+  }
   if (stream.stalled()) peers_.Reset(job->target, channel);
   // Nothing is recorded, and no retry scheduled, before the publish's
   // outcome: a message that is not committed here forwards nothing.
@@ -465,6 +496,15 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
                           absl::StrCat("no progress for ", opts_.stall_seconds, " s (--forward-stall-seconds)"));
   }
 
+  if (coded && status.error_code() == grpc::FAILED_PRECONDITION &&
+      status.error_message().find("header.protocol_version") != std::string::npos) {
+    spdlog::info("forward session={} message={} destination={}: it does not speak protocol {} ({}), sending "
+                 "protocol {} (--wire-codec none) to it for {} min",
+                 job->session(), job->id(), job->target, kForwardProtocolVersion, status.error_message(),
+                 kForwardProtocolVersionV1, kLegacyPeerRecheck.count());
+    NoteLegacyPeer(job->target);
+    return Schedule(job, Clock::now());
+  }
   if (status.ok() && resp.ancestor_missing()) {
     spdlog::info("forward session={} message={} destination={}: it no longer holds ancestor {}, sending it whole",
                  job->session(), job->id(), job->target, ancestor ? ancestor->message_id : std::string("?"));

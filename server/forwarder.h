@@ -18,6 +18,12 @@
 // Retries keep the message id, so the destination's idempotent commit
 // cannot duplicate.
 //
+// Wire codec (--wire-codec rans): each layer goes as one PART_WIRE_LAYER
+// blob (proto/wire_codec.h) in a protocol 2 forward. A destination that
+// answers FAILED_PRECONDITION naming header.protocol_version does not speak
+// it: the forward is retried at once with protocol 1, and that peer gets
+// protocol 1 for kLegacyPeerRecheck.
+//
 // Ancestor elision: when the destination holds an ancestor of the message
 // (one forwarded to it, or received from it, in the same session) whose
 // tokens are exactly the message's leading tokens (dense messages and
@@ -122,8 +128,14 @@ class ForwardSource {
 // forwards sent): for the forwards a restart resumes.
 v1::ForwardHeader ForwardHeaderOf(const StoredMessage& m);
 
-// The Forward protocol version this relay speaks (ForwardHeader).
-inline constexpr uint32_t kForwardProtocolVersion = 1;
+// The Forward protocol versions this relay speaks (ForwardHeader): 2 adds
+// the wire codec; 1 is what relays without it speak.
+inline constexpr uint32_t kForwardProtocolVersion = 2;
+inline constexpr uint32_t kForwardProtocolVersionV1 = 1;
+
+// How long a peer that refused protocol 2 is sent protocol 1 before it is
+// tried with 2 again (it may have been upgraded).
+inline constexpr std::chrono::minutes kLegacyPeerRecheck{10};
 
 struct ForwarderOptions {
   std::string advertise;               // this relay's own target, sent as the forward's origin
@@ -137,6 +149,9 @@ struct ForwarderOptions {
   // How the peers are dialled: mTLS (auth.h, PeerChannelCredentials) once
   // TLS is configured; null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // Code each layer with the wire codec (protocol 2, WIRE_CODEC_RANS);
+  // false: protocol 1, tensors as Fetch sends them.
+  bool wire_codec_rans = true;
 };
 
 class Forwarder {
@@ -177,6 +192,10 @@ class Forwarder {
   void EndJob(const std::shared_ptr<Job>& job);
   void DeadLetter(const std::shared_ptr<Job>& job, const std::vector<std::string>& agents, grpc::StatusCode code,
                   const std::string& reason);
+  // Whether forwards to `target` use the wire codec now.
+  bool UseWireCodec(const std::string& target);
+  // `target` refused protocol 2: protocol 1 for kLegacyPeerRecheck.
+  void NoteLegacyPeer(const std::string& target);
 
   const ForwarderOptions opts_;
   Store* const store_;
@@ -189,6 +208,8 @@ class Forwarder {
   std::multimap<Clock::time_point, std::shared_ptr<Job>> queue_;
   std::vector<std::shared_ptr<Job>> running_;
   bool stop_ = false;  // no new attempts (Drain, the destructor)
+  // Peers that refused protocol 2, until when they get protocol 1.
+  std::map<std::string, Clock::time_point> legacy_until_;
   std::vector<std::thread> threads_;
 };
 

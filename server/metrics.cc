@@ -68,6 +68,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                .Name("kvrelay_sent_bytes_total")
                .Help("Bytes the committed messages send, after compression.")
                .Register(*registry_);
+  wire_ = &BuildCounter()
+               .Name("kvrelay_wire_bytes_total")
+               .Help("Bytes that crossed the network on relay-to-relay forwards sent from here, every attempt's "
+                     "chunk data after the wire codec (--wire-codec).")
+               .Register(*registry_);
   saved_ = &BuildCounter()
                 .Name("kvrelay_saved_bytes_total")
                 .Help("Bytes saved by compression (full minus sent).")
@@ -294,7 +299,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 }
 
 void Metrics::DeclareFamily(const std::string& family) {
-  for (auto* f : {full_, sent_, saved_}) f->Add({{"family", family}});
+  for (auto* f : {full_, sent_, saved_, wire_}) f->Add({{"family", family}});
   attention_error_->Add({{"family", family}}, AttentionErrorBuckets());
 }
 
@@ -311,6 +316,10 @@ void Metrics::AddCommitted(const std::string& family, uint64_t full, uint64_t se
   full_->Add({{"family", family}}).Increment(static_cast<double>(full));
   sent_->Add({{"family", family}}).Increment(static_cast<double>(sent));
   saved_->Add({{"family", family}}).Increment(full > sent ? static_cast<double>(full - sent) : 0.0);
+}
+
+void Metrics::AddWireBytes(const std::string& family, uint64_t bytes) {
+  wire_->Add({{"family", family}}).Increment(static_cast<double>(bytes));
 }
 
 void Metrics::AddOutcome(const std::string& outcome, double n) {

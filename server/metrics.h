@@ -3,6 +3,8 @@
 //   kvrelay_received_bytes_total                 tensor bytes uploaded (Publish + Compress)
 //   kvrelay_full_bytes_total{family}             what `full` would send, per committed message
 //   kvrelay_sent_bytes_total{family}             what the committed messages send
+//   kvrelay_wire_bytes_total{family}             what crossed the network on forwards sent from
+//                                                here (every attempt's chunk data, wire-coded)
 //   kvrelay_saved_bytes_total{family}            full - sent
 //   kvrelay_messages_total{outcome}              committed, duplicate, failed, delivered, acked, expired,
 //                                                closed
@@ -120,6 +122,9 @@ class Metrics {
   // Relay-to-relay forwarding, as the sending relay sees it.
   // Chunk bytes of one forward attempt as they are sent (retries count again).
   void AddForwardBytes(uint64_t bytes) { forward_bytes_->Increment(static_cast<double>(bytes)); }
+  // The same attempt's bytes as they crossed the network (after the wire
+  // codec; equal to the tensor bytes with --wire-codec none).
+  void AddWireBytes(const std::string& family, uint64_t bytes);
   // What `full` (dense, unquantized) would have sent for a message, once per
   // message and destination, when the destination commits it.
   void AddForwardFull(uint64_t bytes) { forward_full_->Increment(static_cast<double>(bytes)); }
@@ -167,6 +172,7 @@ class Metrics {
   prometheus::Counter* invariant_violations_;
   prometheus::Family<prometheus::Counter>* full_;
   prometheus::Family<prometheus::Counter>* sent_;
+  prometheus::Family<prometheus::Counter>* wire_;
   prometheus::Family<prometheus::Counter>* saved_;
   prometheus::Family<prometheus::Counter>* messages_;
   prometheus::Family<prometheus::Counter>* errors_;

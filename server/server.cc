@@ -254,6 +254,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   fo.advertise = config.advertise;
   fo.forward_timeout_seconds = config.forward_timeout_seconds;
   fo.stall_seconds = config.forward_stall_seconds;
+  fo.wire_codec_rans = config.wire_codec_rans;
   if (tls) fo.credentials = PeerChannelCredentials(tls_files, kCertRefreshSeconds, config.peer_identities, s->metrics_.get());
   s->forwarder_ = std::make_unique<Forwarder>(fo, s->store_.get(), s->routes_.get(), s->metrics_.get());
   if (spool) ResumeForwards(*spool, s->forwarder_.get());

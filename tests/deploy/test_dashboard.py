@@ -311,6 +311,8 @@ def check_network_row(dash, panels, unit):
                   lambda e: "rate(kvrelay_forward_bytes_total{" in e, ("Bps", "binBps", "decBps")):
         check(any("rate(kvrelay_forward_full_bytes_total{" in e for e in exprs(p)),
               f"panel {p['title']!r}: forwarded bytes without what full KV would have sent beside them")
+        check(any("rate(kvrelay_wire_bytes_total{" in e for e in exprs(p)),
+              f"panel {p['title']!r}: forwarded bytes without the wire-coded bytes beside them")
     need("elided bytes", lambda e: "rate(kvrelay_forward_elided_bytes_total{" in e, ("Bps", "binBps", "decBps"))
     for p in need("forward latency", lambda e: re.search(
             r"histogram_quantile\(0\.\d+,sumby\(le\)\(rate\(kvrelay_forward_seconds_bucket\{", e), ("s",)):

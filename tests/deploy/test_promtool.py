@@ -181,6 +181,7 @@ def main():
         "bytes saved by family": lambda e: "sum by (family)" in e and "kvrelay_saved_bytes_total" in e,
         "failed RPC ratio by method": lambda e: "kvrelay_rpcs_total" in e and "code!~" in e,
         "bytes on the network": lambda e: "kvrelay_forward_bytes_total" in e,
+        "wire-coded bytes": lambda e: "kvrelay_wire_bytes_total" in e,
         "what full KV would have sent": lambda e: "kvrelay_forward_full_bytes_total" in e,
         "elided bytes": lambda e: "kvrelay_forward_elided_bytes_total" in e,
         "forward latency": lambda e: "kvrelay_forward_seconds_bucket" in e,

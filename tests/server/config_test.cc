@@ -378,12 +378,14 @@ TEST(ConfigTest, MeshDefaults) {
   EXPECT_EQ(c->advertise, "");
   EXPECT_EQ(c->forward_timeout_seconds, 300);
   EXPECT_EQ(c->forward_stall_seconds, 10);
+  EXPECT_TRUE(c->wire_codec_rans);
   EXPECT_EQ(c->max_outbox_bytes, 4ull << 30);
   EXPECT_EQ(c->max_outbox_bytes_per_destination, 1ull << 30);
   const std::string usage(Parse({"--help"}).status().message());
   for (const char* s : {"--route AGENT=TARGET", "KVRELAY_ROUTE:", "--route-file", "KVRELAY_ROUTE_FILE", "--route-template",
                         "KVRELAY_ROUTE_TEMPLATE", "--advertise", "KVRELAY_ADVERTISE", "--forward-timeout-seconds",
                         "KVRELAY_FORWARD_TIMEOUT_SECONDS", "--forward-stall-seconds", "KVRELAY_FORWARD_STALL_SECONDS",
+                        "--wire-codec rans|none", "KVRELAY_WIRE_CODEC",
                         "--max-outbox-bytes", "KVRELAY_MAX_OUTBOX_BYTES", "--max-outbox-bytes-per-destination",
                         "KVRELAY_MAX_OUTBOX_BYTES_PER_DESTINATION", "unix:PATH", "127.0.0.1:50051"}) {
     EXPECT_NE(usage.find(s), std::string::npos) << s;
@@ -398,8 +400,9 @@ TEST(ConfigTest, MeshFlagsEnvAndFile) {
                   "--forward-timeout-seconds", "12.5", "--max-outbox-bytes-per-destination", "512MiB"},
                  {{"KVRELAY_ROUTE", "planner=ipv4:10.0.0.3:50051; refiner=[::1]:50051"},
                   {"KVRELAY_ROUTE_TEMPLATE", "{agent}.env:50051"}, {"KVRELAY_ROUTE_FILE", "/etc/kvrelay/routes.json"},
-                  {"KVRELAY_FORWARD_STALL_SECONDS", "4"}});
+                  {"KVRELAY_FORWARD_STALL_SECONDS", "4"}, {"KVRELAY_WIRE_CODEC", "none"}});
   ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->wire_codec_rans);
   const std::map<std::string, std::string> want = {{"planner", "ipv4:10.0.0.3:50051"},
                                                    {"critic", "dns:///critic.agents:50051"},
                                                    {"refiner", "[::1]:50051"},
@@ -457,6 +460,8 @@ TEST(ConfigTest, BadMeshFlagsNameTheFlag) {
       {{"--forward-timeout-seconds", "-1"}, {}, "--forward-timeout-seconds=-1"},
       {{"--forward-stall-seconds", "0"}, {}, "--forward-stall-seconds=0: expected seconds in [0.01, 1e9]"},
       {{}, {{"KVRELAY_FORWARD_STALL_SECONDS", "nan"}}, "KVRELAY_FORWARD_STALL_SECONDS: --forward-stall-seconds=nan"},
+      {{"--wire-codec", "zstd"}, {}, "--wire-codec=zstd: expected rans or none"},
+      {{}, {{"KVRELAY_WIRE_CODEC", "RANS"}}, "KVRELAY_WIRE_CODEC: --wire-codec=RANS: expected rans or none"},
       {{"--max-outbox-bytes", "0"}, {}, "--max-outbox-bytes=0: expected a positive byte count"},
       {{"--max-outbox-bytes-per-destination", "lots"}, {}, "--max-outbox-bytes-per-destination=lots"},
       {{"--max-outbox-bytes", "1073741823"}, {},

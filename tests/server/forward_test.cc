@@ -12,6 +12,7 @@
 #include "core/pipeline.h"
 #include "gtest/gtest.h"
 #include "proto/stream_codec.h"
+#include "proto/wire_codec.h"
 #include "proto/wire.h"
 #include "relay_test_util.h"
 #include "server/forward_reactor.h"
@@ -112,6 +113,29 @@ std::vector<v1::ForwardRequest> WholeForward(const v1::ForwardHeader& h, const M
   std::vector<v1::ForwardRequest> reqs;
   *reqs.emplace_back().mutable_header() = h;
   const std::vector<v1::Chunk> chunks = ChunksOf(MessageDeliveryOrder(msg));
+  for (const v1::Chunk& c : chunks) *reqs.emplace_back().mutable_chunk() = c;
+  reqs.push_back(CommitFor(chunks, msg));
+  return reqs;
+}
+
+// A WIRE_CODEC_RANS forward of `msg` (every tensor of each layer as one
+// blob; with `a` > 0 the tokens after the first `a`, acc as given).
+std::vector<v1::ForwardRequest> CodedForward(v1::ForwardHeader h, const Message& msg, const Message& carried,
+                                             size_t chunk_bytes = 1000) {
+  h.set_protocol_version(kForwardProtocolVersion);
+  h.set_wire_codec(v1::WIRE_CODEC_RANS);
+  std::vector<v1::ForwardRequest> reqs;
+  *reqs.emplace_back().mutable_header() = h;
+  std::vector<std::vector<uint8_t>> blobs;  // ChunksOf copies them
+  blobs.reserve(carried.layers.size());
+  std::vector<TensorRef> wire;
+  for (size_t l = 0; l < carried.layers.size(); ++l) {
+    const std::vector<TensorRef> t = LayerDeliveryOrder(carried.layers[l], static_cast<uint32_t>(l),
+                                                        h.message().acc_tokens() > 0);
+    blobs.push_back(EncodeWireLayer(t, {carried.kv_heads, msg.dtype == DType::kF32 ? 4 : 2}));
+    wire.push_back({static_cast<uint32_t>(l), v1::PART_WIRE_LAYER, blobs.back()});
+  }
+  const std::vector<v1::Chunk> chunks = ChunksOf(wire, chunk_bytes);
   for (const v1::Chunk& c : chunks) *reqs.emplace_back().mutable_chunk() = c;
   reqs.push_back(CommitFor(chunks, msg));
   return reqs;
@@ -252,12 +276,12 @@ class ForwardTest : public ::testing::Test {
 TEST_F(ForwardTest, AnUnknownProtocolVersionIsFailedPreconditionNamingTheOneSpoken) {
   const Message msg = Offline(MakeTurn(1), "full");
   v1::ForwardHeader h = FwdHeader("s", "m1", "a", {"b"}, msg);
-  for (uint32_t version : {0u, 2u, 1000u}) {
+  for (uint32_t version : {0u, 3u, 1000u}) {
     h.set_protocol_version(version);
     ForwardCall r = DoForward(stub_.get(), WholeForward(h, msg));
     EXPECT_EQ(r.status.error_code(), grpc::FAILED_PRECONDITION) << version << ": " << r.status.error_message();
     EXPECT_EQ(r.status.error_message(),
-              "header.protocol_version: " + std::to_string(version) + ", this relay speaks 1");
+              "header.protocol_version: " + std::to_string(version) + ", this relay speaks 1 and 2");
   }
   EXPECT_FALSE(server_->store()->Find("s", "m1"));
   ExpectNothingFor("s", "b");
@@ -543,6 +567,85 @@ TEST_F(ForwardTest, AForwardAfterItsAncestorIsRebuiltBitExact) {
   EXPECT_EQ(held->msg.sent_bytes, child.sent_bytes);
   EXPECT_EQ(held->bytes, RetainedBytes(child.sent_bytes, child.layers.size()));  // forwarded without acc
   WaitInflightZero();
+}
+
+TEST_F(ForwardTest, ARansForwardIsCommittedAndFetchedBitExact) {
+  int i = 0;
+  for (const char* policy : {"full", "h2o-head:k=8+obf:p=4,mode=fast", "h2o-layer:k=8+obf:p=4+int4:rotate=hadamard",
+                             "full+int8"}) {
+    SCOPED_TRACE(policy);
+    const std::string session = "rans" + std::to_string(i++);
+    const Message msg = Offline(MakeTurn(3 + i), policy);
+    ForwardCall r = DoForward(stub_.get(), CodedForward(FwdHeader(session, "m1", "a", {"b"}, msg), msg, msg));
+    ExpectResults(r, {{"b", 0, false}});
+    FetchResult f = DoFetch(stub_.get(), session, "b", /*auto_ack=*/true);
+    ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+    EXPECT_TRUE(f.trailer_ok);
+    EXPECT_EQ(f.header.accounting().sent_bytes(), msg.sent_bytes);
+    ExpectSameMessage(f.msg, msg);
+  }
+  WaitInflightZero();
+}
+
+TEST_F(ForwardTest, ARansForwardAfterItsAncestorIsRebuiltBitExact) {
+  const Message parent = Offline(MakeTurn(9), "full");
+  const Message child = Offline(WithHistory(MakeTurn(10, false), parent), "full");
+  const int a = parent.layers[0].tokens();
+  ExpectResults(DoForward(stub_.get(), CodedForward(FwdHeader("s", "m1", "a", {"b"}, parent), parent, parent)),
+                {{"b", 0, false}});
+  v1::ForwardHeader h = FwdHeader("s", "m2", "b", {"c"}, child, "m1");
+  h.set_ancestor_id("m1");
+  h.set_ancestor_tokens(a);
+  ExpectResults(DoForward(stub_.get(), CodedForward(h, child, SuffixOf(child, a))), {{"c", 0, false}});
+  FetchResult f = DoFetch(stub_.get(), "s", "c", /*auto_ack=*/true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  ExpectSameMessage(f.msg, child);
+  WaitInflightZero();
+}
+
+TEST_F(ForwardTest, AHostileRansForwardIsRefusedAndLeavesNothing) {
+  const Message msg = Offline(MakeTurn(11), "h2o-head:k=8+int4");
+  const v1::ForwardHeader h = FwdHeader("s", "m1", "a", {"b"}, msg);
+  // A blob byte changed under matching chunk CRCs and trailer: the blob's
+  // own checks refuse it.
+  for (size_t at : {size_t{2}, size_t{7}, size_t{20}, size_t{400}, size_t{900}}) {
+    std::vector<v1::ForwardRequest> reqs = CodedForward(h, msg, msg, 1 << 20);
+    v1::Chunk* c = reqs[1].mutable_chunk();
+    std::string data = c->data();
+    ASSERT_LT(at, data.size());
+    data[at] ^= 0x11;
+    c->set_data(data);
+    c->set_crc32c(Crc32c(data.data(), data.size()));
+    std::vector<v1::Chunk> chunks;
+    for (size_t j = 1; j + 1 < reqs.size(); ++j) chunks.push_back(reqs[j].chunk());
+    *reqs.back().mutable_commit()->mutable_trailer() = TrailerOf(chunks);
+    ForwardCall r = DoForward(stub_.get(), reqs);
+    EXPECT_FALSE(r.status.ok()) << at;
+    EXPECT_TRUE(r.status.error_code() == grpc::INVALID_ARGUMENT || r.status.error_code() == grpc::DATA_LOSS)
+        << at << ": " << r.status.error_message();
+  }
+  // A chunk cut short, the trailer matching what was sent.
+  {
+    std::vector<v1::ForwardRequest> reqs = CodedForward(h, msg, msg, 1 << 20);
+    reqs.erase(reqs.begin() + 2);
+    std::vector<v1::Chunk> chunks;
+    for (size_t j = 1; j + 1 < reqs.size(); ++j) chunks.push_back(reqs[j].chunk());
+    *reqs.back().mutable_commit()->mutable_trailer() = TrailerOf(chunks);
+    EXPECT_FALSE(DoForward(stub_.get(), reqs).status.ok());
+  }
+  // RANS with protocol 1, and an unknown codec.
+  {
+    std::vector<v1::ForwardRequest> reqs = CodedForward(h, msg, msg);
+    reqs[0].mutable_header()->set_protocol_version(kForwardProtocolVersionV1);
+    EXPECT_EQ(DoForward(stub_.get(), reqs).status.error_code(), grpc::INVALID_ARGUMENT);
+    reqs[0].mutable_header()->set_protocol_version(kForwardProtocolVersion);
+    reqs[0].mutable_header()->set_wire_codec(static_cast<v1::WireCodec>(7));
+    EXPECT_EQ(DoForward(stub_.get(), reqs).status.error_code(), grpc::INVALID_ARGUMENT);
+  }
+  EXPECT_FALSE(server_->store()->Find("s", "m1"));
+  ExpectNothingFor("s", "b");
+  WaitInflightZero();
+  ExpectResults(DoForward(stub_.get(), CodedForward(h, msg, msg)), {{"b", 0, false}});
 }
 
 // RebuildFromAncestor against a row-by-row concatenation, on random dense

@@ -91,6 +91,8 @@ TEST(MetricsTest, ForwardMethodsMoveTheirSeries) {
   Metrics m;
   m.AddForwardBytes(1000);
   m.AddForwardBytes(24);
+  m.AddWireBytes("h2o-head", 300);
+  m.AddWireBytes("h2o-head", 10);
   m.AddForwardFull(4096);
   m.AddForwardElided(512);
   m.AddForwardOutcome("retry");
@@ -104,6 +106,7 @@ TEST(MetricsTest, ForwardMethodsMoveTheirSeries) {
   m.AddForwardReceived("refused");
 
   EXPECT_EQ(Unlabelled(m, "kvrelay_forward_bytes_total"), 1024.0);
+  EXPECT_EQ(ByLabel(m, "kvrelay_wire_bytes_total", "family"), (std::map<std::string, double>{{"h2o-head", 310}}));
   EXPECT_EQ(Unlabelled(m, "kvrelay_forward_full_bytes_total"), 4096.0);
   EXPECT_EQ(Unlabelled(m, "kvrelay_forward_elided_bytes_total"), 512.0);
   EXPECT_EQ(Unlabelled(m, "kvrelay_outbox_messages"), 3.0);

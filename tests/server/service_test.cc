@@ -1452,7 +1452,8 @@ TEST_F(RelayTest, CountersExistFromTheStart) {
     }
   }
   for (const char* family : {"h2o-layer+int4", "gen"}) {
-    for (const char* name : {"kvrelay_full_bytes_total", "kvrelay_sent_bytes_total", "kvrelay_saved_bytes_total"}) {
+    for (const char* name : {"kvrelay_full_bytes_total", "kvrelay_sent_bytes_total", "kvrelay_saved_bytes_total",
+                             "kvrelay_wire_bytes_total"}) {
       EXPECT_EQ(CounterValue(server_.get(), name, {{"family", family}}), 0.0) << name << " " << family;
     }
   }

@@ -138,6 +138,10 @@ const (
 	Part_PART_DEMOTED_K_NORM  Part = 31 // layer.{l}.demoted.k.norm   f16 [kv_heads, n_demoted]
 	Part_PART_DEMOTED_V_CODES Part = 32 // layer.{l}.demoted.v.codes
 	Part_PART_DEMOTED_V_NORM  Part = 33 // layer.{l}.demoted.v.norm
+	// Relay to relay only (ForwardHeader.wire_codec = WIRE_CODEC_RANS): one
+	// whole layer's tensors, in delivery order, coded as one blob (docs/FORMAT.md,
+	// "Wire codec").
+	Part_PART_WIRE_LAYER Part = 40
 )
 
 // Enum value maps for Part.
@@ -168,6 +172,7 @@ var (
 		31: "PART_DEMOTED_K_NORM",
 		32: "PART_DEMOTED_V_CODES",
 		33: "PART_DEMOTED_V_NORM",
+		40: "PART_WIRE_LAYER",
 	}
 	Part_value = map[string]int32{
 		"PART_UNSPECIFIED":     0,
@@ -195,6 +200,7 @@ var (
 		"PART_DEMOTED_K_NORM":  31,
 		"PART_DEMOTED_V_CODES": 32,
 		"PART_DEMOTED_V_NORM":  33,
+		"PART_WIRE_LAYER":      40,
 	}
 )
 
@@ -328,6 +334,61 @@ func (x RecipientState) Number() protoreflect.EnumNumber {
 // Deprecated: Use RecipientState.Descriptor instead.
 func (RecipientState) EnumDescriptor() ([]byte, []int) {
 	return file_kvrelay_v1_relay_proto_rawDescGZIP(), []int{3}
+}
+
+// Describes a forwarded message. `message` is the header Fetch would send
+// (ids, sender, role, parent_id, shape, quantization, next_pos) without
+// delivery_attempt; its accounting comes with the commit.
+// How a forward's tensors cross the wire (ForwardHeader.wire_codec).
+type WireCodec int32
+
+const (
+	WireCodec_WIRE_CODEC_NONE WireCodec = 0 // each tensor as its own chunks, as Fetch sends them
+	// Each layer as one PART_WIRE_LAYER blob (docs/FORMAT.md, "Wire codec"):
+	// its tensors entropy-coded (rANS order 0), decoded by the destination
+	// back to the exact bytes before it stores or delivers the message. A
+	// blob declares its own size in its first 16 bytes; its chunks carry
+	// contiguous offsets from 0 like any tensor's.
+	WireCodec_WIRE_CODEC_RANS WireCodec = 1
+)
+
+// Enum value maps for WireCodec.
+var (
+	WireCodec_name = map[int32]string{
+		0: "WIRE_CODEC_NONE",
+		1: "WIRE_CODEC_RANS",
+	}
+	WireCodec_value = map[string]int32{
+		"WIRE_CODEC_NONE": 0,
+		"WIRE_CODEC_RANS": 1,
+	}
+)
+
+func (x WireCodec) Enum() *WireCodec {
+	p := new(WireCodec)
+	*p = x
+	return p
+}
+
+func (x WireCodec) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (WireCodec) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvrelay_v1_relay_proto_enumTypes[4].Descriptor()
+}
+
+func (WireCodec) Type() protoreflect.EnumType {
+	return &file_kvrelay_v1_relay_proto_enumTypes[4]
+}
+
+func (x WireCodec) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use WireCodec.Descriptor instead.
+func (WireCodec) EnumDescriptor() ([]byte, []int) {
+	return file_kvrelay_v1_relay_proto_rawDescGZIP(), []int{4}
 }
 
 // The shape of an uploaded turn (docs/FORMAT.md, "Turn").
@@ -2252,12 +2313,13 @@ func (x *MessageStatusResponse) GetForwardedBy() string {
 	return ""
 }
 
-// Describes a forwarded message. `message` is the header Fetch would send
-// (ids, sender, role, parent_id, shape, quantization, next_pos) without
-// delivery_attempt; its accounting comes with the commit.
+// Versions: 1 (tensors as Fetch sends them), 2 (adds wire_codec). A relay
+// answers a version it does not speak with FAILED_PRECONDITION naming
+// header.protocol_version; the forwarding relay then retries at once with
+// version 1 and keeps to it for that peer for a while.
 type ForwardHeader struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
-	ProtocolVersion uint32                 `protobuf:"varint,1,opt,name=protocol_version,json=protocolVersion,proto3" json:"protocol_version,omitempty"` // 1 (the only version so far)
+	ProtocolVersion uint32                 `protobuf:"varint,1,opt,name=protocol_version,json=protocolVersion,proto3" json:"protocol_version,omitempty"` // 1 or 2
 	Origin          string                 `protobuf:"bytes,2,opt,name=origin,proto3" json:"origin,omitempty"`                                           // the forwarding relay's --advertise target ("": none)
 	Message         *MessageHeader         `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
 	Recipients      []string               `protobuf:"bytes,4,rep,name=recipients,proto3" json:"recipients,omitempty"`                                  // the recipients on the destination relay: 1..64 distinct agents
@@ -2271,8 +2333,13 @@ type ForwardHeader struct {
 	// rebuilds the whole message.
 	AncestorId     string `protobuf:"bytes,7,opt,name=ancestor_id,json=ancestorId,proto3" json:"ancestor_id,omitempty"`
 	AncestorTokens uint32 `protobuf:"varint,8,opt,name=ancestor_tokens,json=ancestorTokens,proto3" json:"ancestor_tokens,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Version 2 only (version 1: NONE). With RANS the stream carries, per
+	// layer, one PART_WIRE_LAYER tensor instead of the layer's tensors (the
+	// tokens after the ancestor's with elision), and the chunk and trailer
+	// CRC32C cover those coded bytes.
+	WireCodec     WireCodec `protobuf:"varint,9,opt,name=wire_codec,json=wireCodec,proto3,enum=kvrelay.v1.WireCodec" json:"wire_codec,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ForwardHeader) Reset() {
@@ -2359,6 +2426,13 @@ func (x *ForwardHeader) GetAncestorTokens() uint32 {
 		return x.AncestorTokens
 	}
 	return 0
+}
+
+func (x *ForwardHeader) GetWireCodec() WireCodec {
+	if x != nil {
+		return x.WireCodec
+	}
+	return WireCodec_WIRE_CODEC_NONE
 }
 
 type ForwardCommit struct {
@@ -2932,7 +3006,7 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\n" +
 	"recipients\x18\x02 \x03(\v2\x1b.kvrelay.v1.RecipientStatusR\n" +
 	"recipients\x12!\n" +
-	"\fforwarded_by\x18\x03 \x01(\tR\vforwardedBy\"\xd2\x02\n" +
+	"\fforwarded_by\x18\x03 \x01(\tR\vforwardedBy\"\x88\x03\n" +
 	"\rForwardHeader\x12)\n" +
 	"\x10protocol_version\x18\x01 \x01(\rR\x0fprotocolVersion\x12\x16\n" +
 	"\x06origin\x18\x02 \x01(\tR\x06origin\x123\n" +
@@ -2944,7 +3018,9 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\bgeometry\x18\x06 \x01(\v2\x18.kvrelay.v1.TurnGeometryR\bgeometry\x12\x1f\n" +
 	"\vancestor_id\x18\a \x01(\tR\n" +
 	"ancestorId\x12'\n" +
-	"\x0fancestor_tokens\x18\b \x01(\rR\x0eancestorTokens\"\x91\x01\n" +
+	"\x0fancestor_tokens\x18\b \x01(\rR\x0eancestorTokens\x124\n" +
+	"\n" +
+	"wire_codec\x18\t \x01(\x0e2\x15.kvrelay.v1.WireCodecR\twireCodec\"\x91\x01\n" +
 	"\rForwardCommit\x12-\n" +
 	"\atrailer\x18\x01 \x01(\v2\x13.kvrelay.v1.TrailerR\atrailer\x126\n" +
 	"\n" +
@@ -2977,7 +3053,7 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\tDTYPE_F32\x10\x01\x12\r\n" +
 	"\tDTYPE_F16\x10\x02\x12\x0e\n" +
 	"\n" +
-	"DTYPE_BF16\x10\x03*\xe3\x03\n" +
+	"DTYPE_BF16\x10\x03*\xf8\x03\n" +
 	"\x04Part\x12\x14\n" +
 	"\x10PART_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rPART_PROMPT_K\x10\x01\x12\x11\n" +
@@ -3009,7 +3085,8 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\x14PART_DEMOTED_K_CODES\x10\x1e\x12\x17\n" +
 	"\x13PART_DEMOTED_K_NORM\x10\x1f\x12\x18\n" +
 	"\x14PART_DEMOTED_V_CODES\x10 \x12\x17\n" +
-	"\x13PART_DEMOTED_V_NORM\x10!*;\n" +
+	"\x13PART_DEMOTED_V_NORM\x10!\x12\x13\n" +
+	"\x0fPART_WIRE_LAYER\x10(*;\n" +
 	"\vQuantScheme\x12\x14\n" +
 	"\x10QUANT_SCHEME_INT\x10\x00\x12\x16\n" +
 	"\x12QUANT_SCHEME_LLOYD\x10\x01*\xc9\x01\n" +
@@ -3019,7 +3096,10 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\x19RECIPIENT_STATE_COMMITTED\x10\x02\x12\x1d\n" +
 	"\x19RECIPIENT_STATE_DELIVERED\x10\x03\x12\x19\n" +
 	"\x15RECIPIENT_STATE_ACKED\x10\x04\x12!\n" +
-	"\x1dRECIPIENT_STATE_DEAD_LETTERED\x10\x052\x99\x05\n" +
+	"\x1dRECIPIENT_STATE_DEAD_LETTERED\x10\x05*5\n" +
+	"\tWireCodec\x12\x13\n" +
+	"\x0fWIRE_CODEC_NONE\x10\x00\x12\x13\n" +
+	"\x0fWIRE_CODEC_RANS\x10\x012\x99\x05\n" +
 	"\x05Relay\x12D\n" +
 	"\aPublish\x12\x1a.kvrelay.v1.PublishRequest\x1a\x1b.kvrelay.v1.PublishResponse(\x01\x12>\n" +
 	"\x05Fetch\x12\x18.kvrelay.v1.FetchRequest\x1a\x19.kvrelay.v1.FetchResponse0\x01\x126\n" +
@@ -3043,99 +3123,101 @@ func file_kvrelay_v1_relay_proto_rawDescGZIP() []byte {
 	return file_kvrelay_v1_relay_proto_rawDescData
 }
 
-var file_kvrelay_v1_relay_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_kvrelay_v1_relay_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
 var file_kvrelay_v1_relay_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
 var file_kvrelay_v1_relay_proto_goTypes = []any{
 	(DType)(0),                      // 0: kvrelay.v1.DType
 	(Part)(0),                       // 1: kvrelay.v1.Part
 	(QuantScheme)(0),                // 2: kvrelay.v1.QuantScheme
 	(RecipientState)(0),             // 3: kvrelay.v1.RecipientState
-	(*TurnGeometry)(nil),            // 4: kvrelay.v1.TurnGeometry
-	(*PublishHeader)(nil),           // 5: kvrelay.v1.PublishHeader
-	(*Chunk)(nil),                   // 6: kvrelay.v1.Chunk
-	(*Trailer)(nil),                 // 7: kvrelay.v1.Trailer
-	(*PublishRequest)(nil),          // 8: kvrelay.v1.PublishRequest
-	(*Accounting)(nil),              // 9: kvrelay.v1.Accounting
-	(*PublishResponse)(nil),         // 10: kvrelay.v1.PublishResponse
-	(*FetchRequest)(nil),            // 11: kvrelay.v1.FetchRequest
-	(*MessageHeader)(nil),           // 12: kvrelay.v1.MessageHeader
-	(*FetchResponse)(nil),           // 13: kvrelay.v1.FetchResponse
-	(*AckRequest)(nil),              // 14: kvrelay.v1.AckRequest
-	(*AckResponse)(nil),             // 15: kvrelay.v1.AckResponse
-	(*CloseSessionRequest)(nil),     // 16: kvrelay.v1.CloseSessionRequest
-	(*CloseSessionResponse)(nil),    // 17: kvrelay.v1.CloseSessionResponse
-	(*StatsRequest)(nil),            // 18: kvrelay.v1.StatsRequest
-	(*StatsResponse)(nil),           // 19: kvrelay.v1.StatsResponse
-	(*CompressHeader)(nil),          // 20: kvrelay.v1.CompressHeader
-	(*CompressRequest)(nil),         // 21: kvrelay.v1.CompressRequest
-	(*CompressResponse)(nil),        // 22: kvrelay.v1.CompressResponse
-	(*MessageStatusRequest)(nil),    // 23: kvrelay.v1.MessageStatusRequest
-	(*RecipientStatus)(nil),         // 24: kvrelay.v1.RecipientStatus
-	(*MessageStatusResponse)(nil),   // 25: kvrelay.v1.MessageStatusResponse
-	(*ForwardHeader)(nil),           // 26: kvrelay.v1.ForwardHeader
-	(*ForwardCommit)(nil),           // 27: kvrelay.v1.ForwardCommit
-	(*ForwardRequest)(nil),          // 28: kvrelay.v1.ForwardRequest
-	(*ForwardResult)(nil),           // 29: kvrelay.v1.ForwardResult
-	(*ForwardResponse)(nil),         // 30: kvrelay.v1.ForwardResponse
-	(*ReportRecipientRequest)(nil),  // 31: kvrelay.v1.ReportRecipientRequest
-	(*ReportRecipientResponse)(nil), // 32: kvrelay.v1.ReportRecipientResponse
+	(WireCodec)(0),                  // 4: kvrelay.v1.WireCodec
+	(*TurnGeometry)(nil),            // 5: kvrelay.v1.TurnGeometry
+	(*PublishHeader)(nil),           // 6: kvrelay.v1.PublishHeader
+	(*Chunk)(nil),                   // 7: kvrelay.v1.Chunk
+	(*Trailer)(nil),                 // 8: kvrelay.v1.Trailer
+	(*PublishRequest)(nil),          // 9: kvrelay.v1.PublishRequest
+	(*Accounting)(nil),              // 10: kvrelay.v1.Accounting
+	(*PublishResponse)(nil),         // 11: kvrelay.v1.PublishResponse
+	(*FetchRequest)(nil),            // 12: kvrelay.v1.FetchRequest
+	(*MessageHeader)(nil),           // 13: kvrelay.v1.MessageHeader
+	(*FetchResponse)(nil),           // 14: kvrelay.v1.FetchResponse
+	(*AckRequest)(nil),              // 15: kvrelay.v1.AckRequest
+	(*AckResponse)(nil),             // 16: kvrelay.v1.AckResponse
+	(*CloseSessionRequest)(nil),     // 17: kvrelay.v1.CloseSessionRequest
+	(*CloseSessionResponse)(nil),    // 18: kvrelay.v1.CloseSessionResponse
+	(*StatsRequest)(nil),            // 19: kvrelay.v1.StatsRequest
+	(*StatsResponse)(nil),           // 20: kvrelay.v1.StatsResponse
+	(*CompressHeader)(nil),          // 21: kvrelay.v1.CompressHeader
+	(*CompressRequest)(nil),         // 22: kvrelay.v1.CompressRequest
+	(*CompressResponse)(nil),        // 23: kvrelay.v1.CompressResponse
+	(*MessageStatusRequest)(nil),    // 24: kvrelay.v1.MessageStatusRequest
+	(*RecipientStatus)(nil),         // 25: kvrelay.v1.RecipientStatus
+	(*MessageStatusResponse)(nil),   // 26: kvrelay.v1.MessageStatusResponse
+	(*ForwardHeader)(nil),           // 27: kvrelay.v1.ForwardHeader
+	(*ForwardCommit)(nil),           // 28: kvrelay.v1.ForwardCommit
+	(*ForwardRequest)(nil),          // 29: kvrelay.v1.ForwardRequest
+	(*ForwardResult)(nil),           // 30: kvrelay.v1.ForwardResult
+	(*ForwardResponse)(nil),         // 31: kvrelay.v1.ForwardResponse
+	(*ReportRecipientRequest)(nil),  // 32: kvrelay.v1.ReportRecipientRequest
+	(*ReportRecipientResponse)(nil), // 33: kvrelay.v1.ReportRecipientResponse
 }
 var file_kvrelay_v1_relay_proto_depIdxs = []int32{
 	0,  // 0: kvrelay.v1.TurnGeometry.dtype:type_name -> kvrelay.v1.DType
 	0,  // 1: kvrelay.v1.TurnGeometry.query_dtype:type_name -> kvrelay.v1.DType
-	4,  // 2: kvrelay.v1.PublishHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	5,  // 2: kvrelay.v1.PublishHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
 	1,  // 3: kvrelay.v1.Chunk.part:type_name -> kvrelay.v1.Part
-	5,  // 4: kvrelay.v1.PublishRequest.header:type_name -> kvrelay.v1.PublishHeader
-	6,  // 5: kvrelay.v1.PublishRequest.chunk:type_name -> kvrelay.v1.Chunk
-	7,  // 6: kvrelay.v1.PublishRequest.commit:type_name -> kvrelay.v1.Trailer
-	9,  // 7: kvrelay.v1.PublishResponse.accounting:type_name -> kvrelay.v1.Accounting
+	6,  // 4: kvrelay.v1.PublishRequest.header:type_name -> kvrelay.v1.PublishHeader
+	7,  // 5: kvrelay.v1.PublishRequest.chunk:type_name -> kvrelay.v1.Chunk
+	8,  // 6: kvrelay.v1.PublishRequest.commit:type_name -> kvrelay.v1.Trailer
+	10, // 7: kvrelay.v1.PublishResponse.accounting:type_name -> kvrelay.v1.Accounting
 	0,  // 8: kvrelay.v1.MessageHeader.dtype:type_name -> kvrelay.v1.DType
-	9,  // 9: kvrelay.v1.MessageHeader.accounting:type_name -> kvrelay.v1.Accounting
+	10, // 9: kvrelay.v1.MessageHeader.accounting:type_name -> kvrelay.v1.Accounting
 	2,  // 10: kvrelay.v1.MessageHeader.quant_scheme:type_name -> kvrelay.v1.QuantScheme
-	12, // 11: kvrelay.v1.FetchResponse.header:type_name -> kvrelay.v1.MessageHeader
-	6,  // 12: kvrelay.v1.FetchResponse.chunk:type_name -> kvrelay.v1.Chunk
-	7,  // 13: kvrelay.v1.FetchResponse.trailer:type_name -> kvrelay.v1.Trailer
-	4,  // 14: kvrelay.v1.CompressHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
-	20, // 15: kvrelay.v1.CompressRequest.header:type_name -> kvrelay.v1.CompressHeader
-	6,  // 16: kvrelay.v1.CompressRequest.chunk:type_name -> kvrelay.v1.Chunk
-	7,  // 17: kvrelay.v1.CompressRequest.commit:type_name -> kvrelay.v1.Trailer
-	12, // 18: kvrelay.v1.CompressResponse.header:type_name -> kvrelay.v1.MessageHeader
-	6,  // 19: kvrelay.v1.CompressResponse.chunk:type_name -> kvrelay.v1.Chunk
-	7,  // 20: kvrelay.v1.CompressResponse.trailer:type_name -> kvrelay.v1.Trailer
+	13, // 11: kvrelay.v1.FetchResponse.header:type_name -> kvrelay.v1.MessageHeader
+	7,  // 12: kvrelay.v1.FetchResponse.chunk:type_name -> kvrelay.v1.Chunk
+	8,  // 13: kvrelay.v1.FetchResponse.trailer:type_name -> kvrelay.v1.Trailer
+	5,  // 14: kvrelay.v1.CompressHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	21, // 15: kvrelay.v1.CompressRequest.header:type_name -> kvrelay.v1.CompressHeader
+	7,  // 16: kvrelay.v1.CompressRequest.chunk:type_name -> kvrelay.v1.Chunk
+	8,  // 17: kvrelay.v1.CompressRequest.commit:type_name -> kvrelay.v1.Trailer
+	13, // 18: kvrelay.v1.CompressResponse.header:type_name -> kvrelay.v1.MessageHeader
+	7,  // 19: kvrelay.v1.CompressResponse.chunk:type_name -> kvrelay.v1.Chunk
+	8,  // 20: kvrelay.v1.CompressResponse.trailer:type_name -> kvrelay.v1.Trailer
 	3,  // 21: kvrelay.v1.RecipientStatus.state:type_name -> kvrelay.v1.RecipientState
-	24, // 22: kvrelay.v1.MessageStatusResponse.recipients:type_name -> kvrelay.v1.RecipientStatus
-	12, // 23: kvrelay.v1.ForwardHeader.message:type_name -> kvrelay.v1.MessageHeader
-	4,  // 24: kvrelay.v1.ForwardHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
-	7,  // 25: kvrelay.v1.ForwardCommit.trailer:type_name -> kvrelay.v1.Trailer
-	9,  // 26: kvrelay.v1.ForwardCommit.accounting:type_name -> kvrelay.v1.Accounting
-	26, // 27: kvrelay.v1.ForwardRequest.header:type_name -> kvrelay.v1.ForwardHeader
-	6,  // 28: kvrelay.v1.ForwardRequest.chunk:type_name -> kvrelay.v1.Chunk
-	27, // 29: kvrelay.v1.ForwardRequest.commit:type_name -> kvrelay.v1.ForwardCommit
-	29, // 30: kvrelay.v1.ForwardResponse.results:type_name -> kvrelay.v1.ForwardResult
-	3,  // 31: kvrelay.v1.ReportRecipientRequest.state:type_name -> kvrelay.v1.RecipientState
-	8,  // 32: kvrelay.v1.Relay.Publish:input_type -> kvrelay.v1.PublishRequest
-	11, // 33: kvrelay.v1.Relay.Fetch:input_type -> kvrelay.v1.FetchRequest
-	14, // 34: kvrelay.v1.Relay.Ack:input_type -> kvrelay.v1.AckRequest
-	16, // 35: kvrelay.v1.Relay.CloseSession:input_type -> kvrelay.v1.CloseSessionRequest
-	21, // 36: kvrelay.v1.Relay.Compress:input_type -> kvrelay.v1.CompressRequest
-	18, // 37: kvrelay.v1.Relay.Stats:input_type -> kvrelay.v1.StatsRequest
-	23, // 38: kvrelay.v1.Relay.MessageStatus:input_type -> kvrelay.v1.MessageStatusRequest
-	28, // 39: kvrelay.v1.Relay.Forward:input_type -> kvrelay.v1.ForwardRequest
-	31, // 40: kvrelay.v1.Relay.ReportRecipient:input_type -> kvrelay.v1.ReportRecipientRequest
-	10, // 41: kvrelay.v1.Relay.Publish:output_type -> kvrelay.v1.PublishResponse
-	13, // 42: kvrelay.v1.Relay.Fetch:output_type -> kvrelay.v1.FetchResponse
-	15, // 43: kvrelay.v1.Relay.Ack:output_type -> kvrelay.v1.AckResponse
-	17, // 44: kvrelay.v1.Relay.CloseSession:output_type -> kvrelay.v1.CloseSessionResponse
-	22, // 45: kvrelay.v1.Relay.Compress:output_type -> kvrelay.v1.CompressResponse
-	19, // 46: kvrelay.v1.Relay.Stats:output_type -> kvrelay.v1.StatsResponse
-	25, // 47: kvrelay.v1.Relay.MessageStatus:output_type -> kvrelay.v1.MessageStatusResponse
-	30, // 48: kvrelay.v1.Relay.Forward:output_type -> kvrelay.v1.ForwardResponse
-	32, // 49: kvrelay.v1.Relay.ReportRecipient:output_type -> kvrelay.v1.ReportRecipientResponse
-	41, // [41:50] is the sub-list for method output_type
-	32, // [32:41] is the sub-list for method input_type
-	32, // [32:32] is the sub-list for extension type_name
-	32, // [32:32] is the sub-list for extension extendee
-	0,  // [0:32] is the sub-list for field type_name
+	25, // 22: kvrelay.v1.MessageStatusResponse.recipients:type_name -> kvrelay.v1.RecipientStatus
+	13, // 23: kvrelay.v1.ForwardHeader.message:type_name -> kvrelay.v1.MessageHeader
+	5,  // 24: kvrelay.v1.ForwardHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	4,  // 25: kvrelay.v1.ForwardHeader.wire_codec:type_name -> kvrelay.v1.WireCodec
+	8,  // 26: kvrelay.v1.ForwardCommit.trailer:type_name -> kvrelay.v1.Trailer
+	10, // 27: kvrelay.v1.ForwardCommit.accounting:type_name -> kvrelay.v1.Accounting
+	27, // 28: kvrelay.v1.ForwardRequest.header:type_name -> kvrelay.v1.ForwardHeader
+	7,  // 29: kvrelay.v1.ForwardRequest.chunk:type_name -> kvrelay.v1.Chunk
+	28, // 30: kvrelay.v1.ForwardRequest.commit:type_name -> kvrelay.v1.ForwardCommit
+	30, // 31: kvrelay.v1.ForwardResponse.results:type_name -> kvrelay.v1.ForwardResult
+	3,  // 32: kvrelay.v1.ReportRecipientRequest.state:type_name -> kvrelay.v1.RecipientState
+	9,  // 33: kvrelay.v1.Relay.Publish:input_type -> kvrelay.v1.PublishRequest
+	12, // 34: kvrelay.v1.Relay.Fetch:input_type -> kvrelay.v1.FetchRequest
+	15, // 35: kvrelay.v1.Relay.Ack:input_type -> kvrelay.v1.AckRequest
+	17, // 36: kvrelay.v1.Relay.CloseSession:input_type -> kvrelay.v1.CloseSessionRequest
+	22, // 37: kvrelay.v1.Relay.Compress:input_type -> kvrelay.v1.CompressRequest
+	19, // 38: kvrelay.v1.Relay.Stats:input_type -> kvrelay.v1.StatsRequest
+	24, // 39: kvrelay.v1.Relay.MessageStatus:input_type -> kvrelay.v1.MessageStatusRequest
+	29, // 40: kvrelay.v1.Relay.Forward:input_type -> kvrelay.v1.ForwardRequest
+	32, // 41: kvrelay.v1.Relay.ReportRecipient:input_type -> kvrelay.v1.ReportRecipientRequest
+	11, // 42: kvrelay.v1.Relay.Publish:output_type -> kvrelay.v1.PublishResponse
+	14, // 43: kvrelay.v1.Relay.Fetch:output_type -> kvrelay.v1.FetchResponse
+	16, // 44: kvrelay.v1.Relay.Ack:output_type -> kvrelay.v1.AckResponse
+	18, // 45: kvrelay.v1.Relay.CloseSession:output_type -> kvrelay.v1.CloseSessionResponse
+	23, // 46: kvrelay.v1.Relay.Compress:output_type -> kvrelay.v1.CompressResponse
+	20, // 47: kvrelay.v1.Relay.Stats:output_type -> kvrelay.v1.StatsResponse
+	26, // 48: kvrelay.v1.Relay.MessageStatus:output_type -> kvrelay.v1.MessageStatusResponse
+	31, // 49: kvrelay.v1.Relay.Forward:output_type -> kvrelay.v1.ForwardResponse
+	33, // 50: kvrelay.v1.Relay.ReportRecipient:output_type -> kvrelay.v1.ReportRecipientResponse
+	42, // [42:51] is the sub-list for method output_type
+	33, // [33:42] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_kvrelay_v1_relay_proto_init() }
@@ -3175,7 +3257,7 @@ func file_kvrelay_v1_relay_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvrelay_v1_relay_proto_rawDesc), len(file_kvrelay_v1_relay_proto_rawDesc)),
-			NumEnums:      4,
+			NumEnums:      5,
 			NumMessages:   29,
 			NumExtensions: 0,
 			NumServices:   1,

@@ -123,7 +123,10 @@ type RelayClient interface {
 	// compressed message, never the turn) to the relay of some of its
 	// recipients. The stream is: one ForwardRequest.header, the chunks of every
 	// tensor in the delivery order of Fetch (with ancestor elision: of the
-	// tokens after the ancestor's), one ForwardRequest.commit. The destination
+	// tokens after the ancestor's; with ForwardHeader.wire_codec = RANS each
+	// layer's tensors as one coded PART_WIRE_LAYER blob, which the
+	// destination decodes to the same bytes before anything else), one
+	// ForwardRequest.commit. The destination
 	// commits the message into its local recipients' mailboxes once the
 	// commit checks out, and answers per recipient; a stream that breaks
 	// leaves nothing. A forwarded message is delivered locally and never
@@ -139,8 +142,9 @@ type RelayClient interface {
 	//
 	// Errors: FAILED_PRECONDITION for a protocol_version this relay does not
 	// speak (the message lists those it does) or a session closed here;
-	// INVALID_ARGUMENT for a malformed header or stream; DATA_LOSS for a
-	// CRC32C mismatch; RESOURCE_EXHAUSTED when the upload cannot be held in
+	// INVALID_ARGUMENT for a malformed header or stream (a wire blob that does
+	// not hold what the header says the layer holds included); DATA_LOSS for
+	// a CRC32C mismatch or a wire blob that does not decode; RESOURCE_EXHAUSTED when the upload cannot be held in
 	// flight (per-recipient limits are answered in ForwardResponse.results).
 	Forward(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[ForwardRequest, ForwardResponse], error)
 	// Relay to relay, best effort: the relay of a forwarded message's
@@ -330,7 +334,10 @@ type RelayServer interface {
 	// compressed message, never the turn) to the relay of some of its
 	// recipients. The stream is: one ForwardRequest.header, the chunks of every
 	// tensor in the delivery order of Fetch (with ancestor elision: of the
-	// tokens after the ancestor's), one ForwardRequest.commit. The destination
+	// tokens after the ancestor's; with ForwardHeader.wire_codec = RANS each
+	// layer's tensors as one coded PART_WIRE_LAYER blob, which the
+	// destination decodes to the same bytes before anything else), one
+	// ForwardRequest.commit. The destination
 	// commits the message into its local recipients' mailboxes once the
 	// commit checks out, and answers per recipient; a stream that breaks
 	// leaves nothing. A forwarded message is delivered locally and never
@@ -346,8 +353,9 @@ type RelayServer interface {
 	//
 	// Errors: FAILED_PRECONDITION for a protocol_version this relay does not
 	// speak (the message lists those it does) or a session closed here;
-	// INVALID_ARGUMENT for a malformed header or stream; DATA_LOSS for a
-	// CRC32C mismatch; RESOURCE_EXHAUSTED when the upload cannot be held in
+	// INVALID_ARGUMENT for a malformed header or stream (a wire blob that does
+	// not hold what the header says the layer holds included); DATA_LOSS for
+	// a CRC32C mismatch or a wire blob that does not decode; RESOURCE_EXHAUSTED when the upload cannot be held in
 	// flight (per-recipient limits are answered in ForwardResponse.results).
 	Forward(grpc.ClientStreamingServer[ForwardRequest, ForwardResponse]) error
 	// Relay to relay, best effort: the relay of a forwarded message's

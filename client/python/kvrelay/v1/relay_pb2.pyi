@@ -41,6 +41,7 @@ class Part(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PART_DEMOTED_K_NORM: _ClassVar[Part]
     PART_DEMOTED_V_CODES: _ClassVar[Part]
     PART_DEMOTED_V_NORM: _ClassVar[Part]
+    PART_WIRE_LAYER: _ClassVar[Part]
 
 class QuantScheme(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +56,11 @@ class RecipientState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECIPIENT_STATE_DELIVERED: _ClassVar[RecipientState]
     RECIPIENT_STATE_ACKED: _ClassVar[RecipientState]
     RECIPIENT_STATE_DEAD_LETTERED: _ClassVar[RecipientState]
+
+class WireCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_CODEC_NONE: _ClassVar[WireCodec]
+    WIRE_CODEC_RANS: _ClassVar[WireCodec]
 DTYPE_UNSPECIFIED: DType
 DTYPE_F32: DType
 DTYPE_F16: DType
@@ -84,6 +90,7 @@ PART_DEMOTED_K_CODES: Part
 PART_DEMOTED_K_NORM: Part
 PART_DEMOTED_V_CODES: Part
 PART_DEMOTED_V_NORM: Part
+PART_WIRE_LAYER: Part
 QUANT_SCHEME_INT: QuantScheme
 QUANT_SCHEME_LLOYD: QuantScheme
 RECIPIENT_STATE_UNSPECIFIED: RecipientState
@@ -92,6 +99,8 @@ RECIPIENT_STATE_COMMITTED: RecipientState
 RECIPIENT_STATE_DELIVERED: RecipientState
 RECIPIENT_STATE_ACKED: RecipientState
 RECIPIENT_STATE_DEAD_LETTERED: RecipientState
+WIRE_CODEC_NONE: WireCodec
+WIRE_CODEC_RANS: WireCodec
 
 class TurnGeometry(_message.Message):
     __slots__ = ("layers", "kv_heads", "score_heads", "head_dim", "dtype", "n_prompt", "n_gen", "n_history", "first_agent", "prompt_pos0", "query_dtype", "softmax_scale", "history_anchors", "history_score_tokens")
@@ -408,7 +417,7 @@ class MessageStatusResponse(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., recipients: _Optional[_Iterable[_Union[RecipientStatus, _Mapping]]] = ..., forwarded_by: _Optional[str] = ...) -> None: ...
 
 class ForwardHeader(_message.Message):
-    __slots__ = ("protocol_version", "origin", "message", "recipients", "requested_policy", "geometry", "ancestor_id", "ancestor_tokens")
+    __slots__ = ("protocol_version", "origin", "message", "recipients", "requested_policy", "geometry", "ancestor_id", "ancestor_tokens", "wire_codec")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +426,7 @@ class ForwardHeader(_message.Message):
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     ANCESTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ANCESTOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_CODEC_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     origin: str
     message: MessageHeader
@@ -425,7 +435,8 @@ class ForwardHeader(_message.Message):
     geometry: TurnGeometry
     ancestor_id: str
     ancestor_tokens: int
-    def __init__(self, protocol_version: _Optional[int] = ..., origin: _Optional[str] = ..., message: _Optional[_Union[MessageHeader, _Mapping]] = ..., recipients: _Optional[_Iterable[str]] = ..., requested_policy: _Optional[str] = ..., geometry: _Optional[_Union[TurnGeometry, _Mapping]] = ..., ancestor_id: _Optional[str] = ..., ancestor_tokens: _Optional[int] = ...) -> None: ...
+    wire_codec: WireCodec
+    def __init__(self, protocol_version: _Optional[int] = ..., origin: _Optional[str] = ..., message: _Optional[_Union[MessageHeader, _Mapping]] = ..., recipients: _Optional[_Iterable[str]] = ..., requested_policy: _Optional[str] = ..., geometry: _Optional[_Union[TurnGeometry, _Mapping]] = ..., ancestor_id: _Optional[str] = ..., ancestor_tokens: _Optional[int] = ..., wire_codec: _Optional[_Union[WireCodec, str]] = ...) -> None: ...
 
 class ForwardCommit(_message.Message):
     __slots__ = ("trailer", "accounting", "next_pos")

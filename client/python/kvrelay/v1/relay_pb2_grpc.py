@@ -181,7 +181,10 @@ class RelayServicer:
         compressed message, never the turn) to the relay of some of its
         recipients. The stream is: one ForwardRequest.header, the chunks of every
         tensor in the delivery order of Fetch (with ancestor elision: of the
-        tokens after the ancestor's), one ForwardRequest.commit. The destination
+        tokens after the ancestor's; with ForwardHeader.wire_codec = RANS each
+        layer's tensors as one coded PART_WIRE_LAYER blob, which the
+        destination decodes to the same bytes before anything else), one
+        ForwardRequest.commit. The destination
         commits the message into its local recipients' mailboxes once the
         commit checks out, and answers per recipient; a stream that breaks
         leaves nothing. A forwarded message is delivered locally and never
@@ -197,8 +200,9 @@ class RelayServicer:
 
         Errors: FAILED_PRECONDITION for a protocol_version this relay does not
         speak (the message lists those it does) or a session closed here;
-        INVALID_ARGUMENT for a malformed header or stream; DATA_LOSS for a
-        CRC32C mismatch; RESOURCE_EXHAUSTED when the upload cannot be held in
+        INVALID_ARGUMENT for a malformed header or stream (a wire blob that does
+        not hold what the header says the layer holds included); DATA_LOSS for
+        a CRC32C mismatch or a wire blob that does not decode; RESOURCE_EXHAUSTED when the upload cannot be held in
         flight (per-recipient limits are answered in ForwardResponse.results).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

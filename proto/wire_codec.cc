@@ -1,0 +1,378 @@
+#include "proto/wire_codec.h"
+
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
+#include "htscodecs/rANS_static4x16.h"
+#include "proto/stream_codec.h"
+
+namespace kvrelay {
+namespace {
+
+constexpr char kMagic[4] = {'K', 'V', 'W', '1'};
+// rANS order bytes of the blocks written: order 0, 32-way interleaved
+// (RANS_ORDER_X32: htscodecs picks its AVX2/AVX-512/SSE4 code at run time),
+// or stored by the library itself (RANS_ORDER_CAT). 4-way order 0 (0x00) is
+// read too.
+constexpr uint8_t kRansPlain = 0x00;
+constexpr uint8_t kRansX32 = RANS_ORDER_X32;
+constexpr uint8_t kRansCat = RANS_ORDER_CAT;
+bool KnownOrderByte(uint8_t b) {
+  return b == kRansPlain || b == kRansX32 || b == kRansCat || b == (kRansCat | kRansX32);
+}
+// Planes larger than this are stored: htscodecs counts in unsigned int.
+constexpr uint64_t kMaxPlaneBytes = uint64_t{1} << 30;
+
+void PutU32(std::vector<uint8_t>* out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out->push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+uint32_t GetU32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{p[i]} << (8 * i);
+  return v;
+}
+uint64_t GetU64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t{p[i]} << (8 * i);
+  return v;
+}
+
+// Splits `in` (elements of `planes` bytes) into byte planes, one after the
+// other.
+std::vector<uint8_t> ToPlanes(absl::Span<const uint8_t> in, int planes) {
+  std::vector<uint8_t> out(in.size());
+  const size_t n = in.size() / planes;
+  for (size_t i = 0; i < n; ++i) {
+    for (int p = 0; p < planes; ++p) out[p * n + i] = in[i * planes + p];
+  }
+  return out;
+}
+
+void FromPlanes(const uint8_t* in, size_t size, int planes, uint8_t* out) {
+  const size_t n = size / planes;
+  for (size_t i = 0; i < n; ++i) {
+    for (int p = 0; p < planes; ++p) out[i * planes + p] = in[p * n + i];
+  }
+}
+
+// Per-row deltas of int32 elements, zigzagged, as little-endian u32.
+std::vector<uint8_t> PosDeltas(absl::Span<const uint8_t> in, uint64_t row) {
+  std::vector<uint8_t> out(in.size());
+  const size_t n = in.size() / 4;
+  uint32_t prev = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (i % row == 0) prev = 0;
+    const uint32_t x = GetU32(in.data() + 4 * i);
+    const uint32_t d = x - prev;
+    const uint32_t z = (d << 1) ^ (0u - (d >> 31));
+    prev = x;
+    for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<uint8_t>(z >> (8 * b));
+  }
+  return out;
+}
+
+void UndoPosDeltas(uint8_t* data, size_t size, uint64_t row) {
+  const size_t n = size / 4;
+  uint32_t prev = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (i % row == 0) prev = 0;
+    const uint32_t z = GetU32(data + 4 * i);
+    const uint32_t d = (z >> 1) ^ (0u - (z & 1));
+    const uint32_t x = prev + d;
+    prev = x;
+    for (int b = 0; b < 4; ++b) data[4 * i + b] = static_cast<uint8_t>(x >> (8 * b));
+  }
+}
+
+// rANS order 0 of each of `planes` equal planes of `in`, each as coded
+// length u32 then the block; false when a block cannot be made.
+bool RansPlanes(const std::vector<uint8_t>& in, int planes, std::vector<uint8_t>* out) {
+  const size_t n = in.size() / planes;
+  if (n == 0 || n > kMaxPlaneBytes) return false;
+  std::vector<uint8_t> block(rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32));
+  for (int p = 0; p < planes; ++p) {
+    unsigned int block_size = static_cast<unsigned int>(block.size());
+    // The library reads its input only; its API takes it non-const.
+    unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(in.data() + p * n),
+                                             static_cast<unsigned int>(n), block.data(), &block_size, kRansX32);
+    if (r == nullptr || block_size == 0 || block_size > block.size()) return false;
+    if (!KnownOrderByte(block[0])) return false;
+    PutU32(out, block_size);
+    out->insert(out->end(), block.begin(), block.begin() + block_size);
+  }
+  return true;
+}
+
+absl::Status Bad(absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat("wire layer: ", what)); }
+
+// Decodes the rANS planes of `payload` into `out` (`size` bytes, `planes`
+// equal planes, one after the other).
+absl::Status UnRansPlanes(absl::Span<const uint8_t> payload, int planes, uint8_t* out, uint64_t size,
+                          const std::string& field) {
+  const uint64_t n = size / planes;
+  if (n == 0 || n > kMaxPlaneBytes) return Bad(absl::StrCat(field, ": plane of ", n, " bytes, expected 1..2^30"));
+  size_t at = 0;
+  for (int p = 0; p < planes; ++p) {
+    if (payload.size() - at < 4) return Bad(absl::StrCat(field, ".plane[", p, "]: truncated length"));
+    const uint32_t len = GetU32(payload.data() + at);
+    at += 4;
+    if (len < 1 || len > payload.size() - at) {
+      return Bad(absl::StrCat(field, ".plane[", p, "]: ", len, " coded bytes, expected 1..", payload.size() - at));
+    }
+    const uint8_t order = payload[at];
+    if (!KnownOrderByte(order)) {
+      return Bad(absl::StrCat(field, ".plane[", p, "]: rANS order byte ", int{order}, ", expected 0, 4, 32 or 36"));
+    }
+    unsigned int out_size = static_cast<unsigned int>(n);
+    unsigned char* dst = out + p * n;
+    unsigned char* r = rans_uncompress_to_4x16(const_cast<unsigned char*>(payload.data() + at), len, dst, &out_size);
+    if (r != dst || out_size != n) {
+      return absl::DataLossError(absl::StrCat("wire layer: ", field, ".plane[", p, "]: rANS block does not decode to ",
+                                              n, " bytes"));
+    }
+    at += len;
+  }
+  if (at != payload.size()) {
+    return Bad(absl::StrCat(field, ": ", payload.size() - at, " bytes after the last plane"));
+  }
+  return absl::OkStatus();
+}
+
+struct Record {
+  uint32_t part;
+  uint8_t method;
+  uint32_t param;
+  uint64_t raw;
+  uint64_t coded;
+  uint32_t crc;
+};
+
+}  // namespace
+
+WireStreamKind WireStreamKindOf(v1::Part part, int dense_elem_bytes) {
+  switch (part) {
+    case v1::PART_POS:
+    case v1::PART_HISTORY_POS:
+      return WireStreamKind::kPositions;
+    case v1::PART_K_SCALE:
+    case v1::PART_K_ZERO:
+    case v1::PART_V_SCALE:
+    case v1::PART_V_ZERO:
+    case v1::PART_DEMOTED_K_NORM:
+    case v1::PART_DEMOTED_V_NORM:
+      return WireStreamKind::kHalf;
+    case v1::PART_K:
+    case v1::PART_V:
+      return dense_elem_bytes == 2 ? WireStreamKind::kHalf : WireStreamKind::kFloat32;
+    case v1::PART_ACC:
+      return WireStreamKind::kFloat32;
+    case v1::PART_K_CODES:
+    case v1::PART_V_CODES:
+    case v1::PART_DEMOTED_K_CODES:
+    case v1::PART_DEMOTED_V_CODES:
+      return WireStreamKind::kBytes;
+    default:
+      return WireStreamKind::kRaw;
+  }
+}
+
+uint64_t MaxWireLayerBytes(absl::Span<const WireTensor> expected) {
+  uint64_t n = kWireBlobHeaderBytes;
+  for (const WireTensor& t : expected) n += kWireRecordBytes + t.size;
+  return n;
+}
+
+std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const WireEncodeOptions& opts) {
+  std::vector<Record> records;
+  std::vector<std::vector<uint8_t>> payloads;
+  for (const TensorRef& t : tensors) {
+    if (t.data.empty()) continue;
+    Record r{static_cast<uint32_t>(t.part), static_cast<uint8_t>(WireMethod::kStored), 0, t.data.size(), 0,
+             Crc32c(t.data.data(), t.data.size())};
+    std::vector<uint8_t> coded;
+    bool ok = false;
+    switch (WireStreamKindOf(t.part, opts.dense_elem_bytes)) {
+      case WireStreamKind::kPositions:
+        if (t.data.size() % 4 == 0) {
+          const uint64_t elems = t.data.size() / 4;
+          const uint64_t row = opts.kv_heads > 0 && elems % opts.kv_heads == 0 ? elems / opts.kv_heads : elems;
+          if (row <= std::numeric_limits<uint32_t>::max() &&
+              RansPlanes(ToPlanes(PosDeltas(t.data, row), 4), 4, &coded)) {
+            r.method = static_cast<uint8_t>(WireMethod::kRansPosDelta);
+            r.param = static_cast<uint32_t>(row);
+            ok = true;
+          }
+        }
+        break;
+      case WireStreamKind::kHalf:
+      case WireStreamKind::kFloat32:
+      case WireStreamKind::kBytes: {
+        const WireStreamKind k = WireStreamKindOf(t.part, opts.dense_elem_bytes);
+        const int planes = k == WireStreamKind::kHalf ? 2 : k == WireStreamKind::kFloat32 ? 4 : 1;
+        if (t.data.size() % planes == 0) {
+          const std::vector<uint8_t> in = planes == 1 ? std::vector<uint8_t>(t.data.begin(), t.data.end())
+                                                      : ToPlanes(t.data, planes);
+          if (RansPlanes(in, planes, &coded)) {
+            r.method = static_cast<uint8_t>(WireMethod::kRansPlanes);
+            r.param = static_cast<uint32_t>(planes);
+            ok = true;
+          }
+        }
+        break;
+      }
+      case WireStreamKind::kRaw:
+        break;
+    }
+    // Stored whenever coding does not shrink the stream.
+    if (!ok || coded.size() >= t.data.size()) {
+      r.method = static_cast<uint8_t>(WireMethod::kStored);
+      r.param = 0;
+      coded.assign(t.data.begin(), t.data.end());
+    }
+    r.coded = coded.size();
+    records.push_back(r);
+    payloads.push_back(std::move(coded));
+  }
+  uint64_t total = kWireBlobHeaderBytes + kWireRecordBytes * records.size();
+  for (const auto& p : payloads) total += p.size();
+  std::vector<uint8_t> out(total);
+  uint8_t* p = out.data();
+  auto put = [&p](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) *p++ = static_cast<uint8_t>(v >> (8 * i));
+  };
+  std::memcpy(p, kMagic, 4);
+  p += 4;
+  put(total, 8);
+  put(records.size(), 4);
+  for (const Record& r : records) {
+    put(r.part, 4);
+    put(r.method, 1);
+    put(r.param, 4);
+    put(r.raw, 8);
+    put(r.coded, 8);
+    put(r.crc, 4);
+  }
+  for (const auto& c : payloads) {
+    if (!c.empty()) std::memcpy(p, c.data(), c.size());
+    p += c.size();
+  }
+  return out;
+}
+
+absl::StatusOr<uint64_t> WireLayerBlobBytes(absl::Span<const uint8_t> prefix, uint64_t max_bytes) {
+  if (prefix.size() < kWireBlobHeaderBytes) {
+    return Bad(absl::StrCat("header: ", prefix.size(), " bytes, expected ", kWireBlobHeaderBytes));
+  }
+  if (std::memcmp(prefix.data(), kMagic, 4) != 0) return Bad("magic: not \"KVW1\"");
+  const uint64_t n = GetU64(prefix.data() + 4);
+  if (n < kWireBlobHeaderBytes || n > max_bytes) {
+    return Bad(absl::StrCat("blob_bytes: ", n, ", expected ", kWireBlobHeaderBytes, "..", max_bytes,
+                            " (what the layer can hold)"));
+  }
+  return n;
+}
+
+absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<const uint8_t> blob,
+                                                                 absl::Span<const WireTensor> expected) {
+  absl::StatusOr<uint64_t> declared = WireLayerBlobBytes(blob, MaxWireLayerBytes(expected));
+  if (!declared.ok()) return declared.status();
+  if (*declared != blob.size()) {
+    return Bad(absl::StrCat("blob_bytes: ", *declared, ", but the blob has ", blob.size()));
+  }
+  const uint32_t streams = GetU32(blob.data() + 12);
+  if (streams != expected.size()) {
+    return Bad(absl::StrCat("streams: ", streams, ", expected ", expected.size()));
+  }
+  const uint64_t records_end = kWireBlobHeaderBytes + uint64_t{kWireRecordBytes} * streams;
+  if (records_end > blob.size()) return Bad(absl::StrCat("records: truncated at ", blob.size(), " bytes"));
+  std::vector<Record> records(streams);
+  uint64_t payload_total = 0;
+  for (uint32_t i = 0; i < streams; ++i) {
+    const uint8_t* p = blob.data() + kWireBlobHeaderBytes + uint64_t{kWireRecordBytes} * i;
+    Record& r = records[i];
+    r.part = GetU32(p);
+    r.method = p[4];
+    r.param = GetU32(p + 5);
+    r.raw = GetU64(p + 9);
+    r.coded = GetU64(p + 17);
+    r.crc = GetU32(p + 25);
+    const std::string field = absl::StrCat("stream[", i, "]");
+    if (r.part != static_cast<uint32_t>(expected[i].part)) {
+      return Bad(absl::StrCat(field, ".part: ", r.part, ", expected ", PartName(expected[i].part)));
+    }
+    if (r.raw != expected[i].size) {
+      return Bad(absl::StrCat(field, ".raw_bytes: ", r.raw, ", expected ", expected[i].size));
+    }
+    if (r.coded > r.raw || r.coded > blob.size()) {
+      return Bad(absl::StrCat(field, ".coded_bytes: ", r.coded, ", expected at most ", r.raw));
+    }
+    switch (static_cast<WireMethod>(r.method)) {
+      case WireMethod::kStored:
+        if (r.param != 0 || r.coded != r.raw) {
+          return Bad(absl::StrCat(field, ": stored with param ", r.param, " and ", r.coded,
+                                  " coded bytes, expected 0 and raw_bytes"));
+        }
+        break;
+      case WireMethod::kRansPlanes:
+        if ((r.param != 1 && r.param != 2 && r.param != 4) || r.raw % r.param != 0) {
+          return Bad(absl::StrCat(field, ".param: ", r.param, " planes for ", r.raw,
+                                  " bytes, expected 1, 2 or 4 dividing it"));
+        }
+        break;
+      case WireMethod::kRansPosDelta:
+        if (r.param < 1 || r.raw % 4 != 0) {
+          return Bad(absl::StrCat(field, ": positions with row ", r.param, " over ", r.raw,
+                                  " bytes, expected a row >= 1 and whole int32s"));
+        }
+        break;
+      default:
+        return Bad(absl::StrCat(field, ".method: ", int{r.method}, ", expected 0, 1 or 2"));
+    }
+    payload_total += r.coded;
+  }
+  if (records_end + payload_total != blob.size()) {
+    return Bad(absl::StrCat("payloads: ", payload_total, " bytes recorded, the blob has ", blob.size() - records_end));
+  }
+  // Every size is checked: allocate the expected tensors and decode.
+  std::vector<std::vector<uint8_t>> out(streams);
+  uint64_t at = records_end;
+  std::vector<uint8_t> scratch;
+  for (uint32_t i = 0; i < streams; ++i) {
+    const Record& r = records[i];
+    const std::string field = absl::StrCat("stream[", i, "]");
+    absl::Span<const uint8_t> payload = blob.subspan(at, r.coded);
+    at += r.coded;
+    out[i].resize(r.raw);
+    switch (static_cast<WireMethod>(r.method)) {
+      case WireMethod::kStored:
+        std::memcpy(out[i].data(), payload.data(), r.raw);
+        break;
+      case WireMethod::kRansPlanes:
+        if (r.param == 1) {
+          if (absl::Status s = UnRansPlanes(payload, 1, out[i].data(), r.raw, field); !s.ok()) return s;
+        } else {
+          scratch.resize(r.raw);
+          absl::Status s = UnRansPlanes(payload, static_cast<int>(r.param), scratch.data(), r.raw, field);
+          if (!s.ok()) return s;
+          FromPlanes(scratch.data(), r.raw, static_cast<int>(r.param), out[i].data());
+        }
+        break;
+      case WireMethod::kRansPosDelta:
+        scratch.resize(r.raw);
+        if (absl::Status s = UnRansPlanes(payload, 4, scratch.data(), r.raw, field); !s.ok()) return s;
+        FromPlanes(scratch.data(), r.raw, 4, out[i].data());
+        UndoPosDeltas(out[i].data(), r.raw, r.param);
+        break;
+    }
+    if (Crc32c(out[i].data(), out[i].size()) != r.crc) {
+      return absl::DataLossError(
+          absl::StrCat("wire layer: ", field, ": decoded bytes do not match the record's crc32c"));
+    }
+  }
+  return out;
+}
+
+}  // namespace kvrelay
