@@ -42,6 +42,9 @@
 #ifdef KVRELAYCTL_WITH_RELAY
 #include <unistd.h>
 
+#include "proto/stream_codec.h"
+#include "proto/wire_codec.h"
+
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -459,6 +462,21 @@ std::optional<Failure> Compress(int argc, char** argv) {
   // What the relay sends; with --decode the file itself holds dense tensors
   // and its metadata describes those.
   const uint64_t sent_bytes = msg->sent_bytes;
+  // What a forward with --wire-codec rans puts on the network for the
+  // message's tensors (its acc, relay-side state, aside).
+  std::string wire;
+#ifdef KVRELAYCTL_WITH_RELAY
+  {
+    uint64_t wire_bytes = 0;
+    WireEncodeOptions wo;
+    wo.kv_heads = msg->kv_heads;
+    wo.dense_elem_bytes = static_cast<int>(DTypeSize(msg->dtype));
+    for (size_t l = 0; l < msg->layers.size(); ++l) {
+      wire_bytes += EncodeWireLayer(LayerDeliveryOrder(msg->layers[l], static_cast<uint32_t>(l)), wo).size();
+    }
+    wire = absl::StrCat(" wire_bytes=", wire_bytes);
+  }
+#endif
   if (decode) {
     absl::Status s = DequantizeMessage(&*msg, dtype);
     if (!s.ok()) return Runtime(s);
@@ -467,9 +485,9 @@ std::optional<Failure> Compress(int argc, char** argv) {
   if (!s.ok()) return Runtime(s);
   // threads: this process's workers; a relay's are its own.
   std::printf("policy=%s layers=%zu history=%d anchor=%d kept=%d gen=%d full_bytes=%" PRIu64
-              " sent_bytes=%" PRIu64 " ratio=%s compress_ms=%.3f %s%s\n",
+              " sent_bytes=%" PRIu64 "%s ratio=%s compress_ms=%.3f %s%s\n",
               msg->policy.c_str(), msg->layers.size(), msg->n_history, msg->n_anchor, msg->n_kept,
-              msg->n_gen, msg->full_bytes, sent_bytes, Ratio(msg->full_bytes, sent_bytes).c_str(), ms,
+              msg->n_gen, msg->full_bytes, sent_bytes, wire.c_str(), Ratio(msg->full_bytes, sent_bytes).c_str(), ms,
               addr ? "relay=true" : absl::StrCat("threads=", threads).c_str(), decode ? " decoded=true" : "");
   return std::nullopt;
 }

@@ -130,6 +130,7 @@ class OfflineRelay:
     def __init__(self, kvrelayctl, threads):
         self.bin, self.threads = kvrelayctl, threads
         self.dir = tempfile.mkdtemp(prefix="kvrelay-eval-")
+        self.last_wire = None
 
     def load(self, turn):
         from kvrelay import safetensors
@@ -153,6 +154,10 @@ class OfflineRelay:
             raise RuntimeError(f"kvrelayctl compress --policy {policy}: no accounting in "
                                f"{p.stdout.strip()!r}")
         m.accounting.full_bytes, m.accounting.sent_bytes = int(acc.group(1)), int(acc.group(2))
+        # What a relay-to-relay forward with the rANS wire codec sends
+        # (kvrelayctl built with the relay prints it).
+        wire = re.search(r" wire_bytes=(\d+)", p.stdout)
+        self.last_wire = int(wire.group(1)) if wire else None
         return m
 
     def close(self):
@@ -161,6 +166,8 @@ class OfflineRelay:
 
 class LiveRelay:
     """A relay's stateless Compress call."""
+
+    last_wire = None  # a relay's Compress reports no wire size
 
     def __init__(self, addr):
         import kvrelay
@@ -254,12 +261,13 @@ def gap_closed(s_p, s_full, s_gen):
 
 # ---- the run -------------------------------------------------------------------------
 
-def _rows(policies, scores, ratios):
+def _rows(policies, scores, ratios, wires):
     n = len(scores["full"])
     rows = {}
     for p in policies:
         r, se = gap_closed(scores[p], scores["full"], scores["gen"])
         rows[p] = {"bytes_vs_full_bf16": float(np.mean(ratios[p])),
+                   "wire_vs_full_bf16": float(np.mean(wires[p])) if wires[p] else None,
                    "score": float(np.mean(scores[p])),
                    "score_se": float(np.std(scores[p], ddof=1) / math.sqrt(n)) if n > 1 else None,
                    "gap_closed": r, "gap_closed_se": se, "per_sample": scores[p]}
@@ -284,11 +292,12 @@ def run(a, log=print, on_progress=None):
         data[task] = (continuation_samples(tok, a.samples, a.prompt_tokens, a.cont_tokens, a.seed)
                       if task == "continuation" else
                       retrieval_samples(tok, a.samples, a.facts, a.seed, a.digits))
-        state[task] = ({p: [] for p in a.policies}, {p: [] for p in a.policies}, [], [0.0])
+        state[task] = ({p: [] for p in a.policies}, {p: [] for p in a.policies}, [], [0.0],
+                       {p: [] for p in a.policies})
     try:
         for i in range(a.samples):
             for task in a.tasks:
-                s, (scores, ratios, prompt_lens, secs) = data[task][i], state[task]
+                s, (scores, ratios, prompt_lens, secs, wires) = data[task][i], state[task]
                 t_s = time.perf_counter()
                 with torch.no_grad():
                     turn, _ = agent_a(model, torch, hf, s[0], a.gen, kv_heads)
@@ -297,6 +306,8 @@ def run(a, log=print, on_progress=None):
                     for p in a.policies:
                         m = relay.compress(p)
                         ratios[p].append(m.accounting.sent_bytes / m.accounting.full_bytes)
+                        if relay.last_wire is not None:
+                            wires[p].append(relay.last_wire / m.accounting.full_bytes)
                         relayed = float32_cache(torch, hf, hf.message_to_cache(m))
                         if task == "continuation":
                             logits = agent_b(model, torch, relayed, s[1])
@@ -307,7 +318,7 @@ def run(a, log=print, on_progress=None):
                 secs[0] += time.perf_counter() - t_s
                 res["tasks"][task] = {"samples": i + 1, "seconds": secs[0],
                                       "mean_prompt_tokens": float(np.mean(prompt_lens)),
-                                      "rows": _rows(a.policies, scores, ratios)}
+                                      "rows": _rows(a.policies, scores, ratios, wires)}
             res["seconds"] = time.perf_counter() - t0
             if (i + 1) % 5 == 0 or i + 1 == a.samples:
                 log(f"{i + 1}/{a.samples} samples per task, {res['seconds']:.0f} s")
@@ -356,16 +367,22 @@ def write_outputs(res, a, cmd):
         lines.append(f"- {t}: {tr['samples']} samples, mean prompt {tr['mean_prompt_tokens']:.0f} "
                      f"tokens, score = {what}; Full {tr['rows']['full']['score']:.3f}, "
                      f"Gen {tr['rows']['gen']['score']:.3f}.")
-    lines += ["", "Bytes: sent over `full` in bf16. Gap closed: (S_P - S_gen) / (S_full - S_gen), "
+    wire = all(r.get("wire_vs_full_bf16") is not None for t in tasks for r in res["tasks"][t]["rows"].values())
+    lines += ["", "Bytes: the message's packed bytes over `full` in bf16" +
+              ("; wire: what a relay-to-relay forward with the rANS wire codec sends for them" if wire else "") +
+              ". Gap closed: (S_P - S_gen) / (S_full - S_gen), "
               "1 = Full, 0 = Gen, ± one standard error over the samples.", ""]
-    head = "| policy |" + "".join(f" {t} bytes | {t} score | {t} gap closed |" for t in tasks)
-    lines += [head, "|---|" + "---:|---:|---:|" * len(tasks)]
+    head = "| policy |" + "".join(f" {t} bytes |" + (f" {t} wire |" if wire else "") +
+                                  f" {t} score | {t} gap closed |" for t in tasks)
+    lines += [head, "|---|" + ("---:|---:|---:|---:|" if wire else "---:|---:|---:|") * len(tasks)]
     for p in res["policies"]:
         row = f"| `{p}` |"
         for t in tasks:
             r = res["tasks"][t]["rows"][p]
-            row += (f" {r['bytes_vs_full_bf16'] * 100:.1f}% | {_fmt(r['score'], r['score_se'])} |"
-                    f" {_fmt(r['gap_closed'], r['gap_closed_se'], 2)} |")
+            row += f" {r['bytes_vs_full_bf16'] * 100:.1f}% |"
+            if wire:
+                row += f" {r['wire_vs_full_bf16'] * 100:.1f}% |"
+            row += f" {_fmt(r['score'], r['score_se'])} | {_fmt(r['gap_closed'], r['gap_closed_se'], 2)} |"
         lines.append(row)
     with open(os.path.join(a.out, "fidelity.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -379,18 +396,22 @@ def plot(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     policies = res["policies"]
+    # x: the wire bytes (after the rANS wire codec) where the run measured
+    # them, else the packed bytes.
+    wire = all(r.get("wire_vs_full_bf16") is not None for t in res["tasks"] for r in res["tasks"][t]["rows"].values())
+    xkey = "wire_vs_full_bf16" if wire else "bytes_vs_full_bf16"
     fig, ax = plt.subplots(figsize=(9, 6.5))
     for t, marker in zip(res["tasks"], ("o", "s")):
         rows = res["tasks"][t]["rows"]
         pts = [(policies.index(p) + 1, rows[p]) for p in policies if rows[p]["gap_closed"] is not None]
-        ax.errorbar([r["bytes_vs_full_bf16"] * 100 for _, r in pts], [r["gap_closed"] for _, r in pts],
+        ax.errorbar([r[xkey] * 100 for _, r in pts], [r["gap_closed"] for _, r in pts],
                     yerr=[r["gap_closed_se"] or 0.0 for _, r in pts], fmt=marker, capsize=3,
                     label=f"{t} ({res['tasks'][t]['samples']} samples)")
         for n, r in pts:
-            ax.annotate(str(n), (r["bytes_vs_full_bf16"] * 100, r["gap_closed"]), fontsize=7,
+            ax.annotate(str(n), (r[xkey] * 100, r["gap_closed"]), fontsize=7,
                         xytext=(4, 3 if marker == "o" else -9), textcoords="offset points")
     ax.set_xscale("log")
-    ax.set_xlabel("bytes sent, % of full in bf16 (log)")
+    ax.set_xlabel(("wire bytes (rANS), " if wire else "bytes sent, ") + "% of full in bf16 (log)")
     ax.set_ylabel("share of the Full-to-Gen gap closed (1 = Full, 0 = Gen)")
     ax.axhline(1, color="grey", lw=0.5)
     ax.axhline(0, color="grey", lw=0.5)
