@@ -1051,6 +1051,14 @@ def compress(turn, policy, kept_override=None, hist_override=None, gran_override
         lay.k, lay.v, lay.pos = K, V, pos
         lay.n_main = ntot
         lay.dem_idx, lay.dem_k, lay.dem_v, lay.dem_pos = dem, dem_k, dem_v, dem_pos
+        # Steps 6a and 7b fail the compression on a norm past fp16's range.
+        lay.lloyd = lay.dem_q = None
+        if quant is not None and quant["scheme"] == "lloyd":
+            lay.lloyd = lloyd_quantize_layer(to_f64(K, dt), to_f64(V, dt), quant, "layer.%d" % l)
+        if pol.get("demote") is not None:
+            lay.dem_q = {x: lloyd_quantize_rows(to_f64(arr, dt), pol["demote"]["bits"], message_seed(pol),
+                                                "layer.%d.demoted.%s" % (l, x))
+                         for x, arr in (("k", dem_k), ("v", dem_v))}
         # layer.{l}.acc covers the main part, then the demoted tokens.
         acc64 = np.concatenate([acc64, dem_acc64], axis=1)
         accq = np.concatenate([accq, dem_acc64], axis=1)
@@ -1107,7 +1115,7 @@ def decode_layer(msg, lay):
     if q is None:
         return k64, v64
     if q["scheme"] == "lloyd":
-        r = lloyd_quantize_layer(k64, v64, q)
+        r = lay.lloyd
         yk, yv = lloyd_dequantize_layer(r["codes_k"], r["codes_v"], r["k_scale"], r["k_zero"],
                                         r["v_scale"], q)
     else:
@@ -1122,8 +1130,8 @@ def decode_demoted(msg, lay):
     into the turn's dtype (row form, the demotion's bits, the message's seed)."""
     bits = msg.policy["demote"]["bits"]
     out = []
-    for x in (lay.dem_k, lay.dem_v):
-        r = lloyd_quantize_rows(to_f64(x, msg.dtype), bits, msg.seed)
+    for x in ("k", "v"):
+        r = lay.dem_q[x]
         out.append(decode_into(lloyd_dequantize_rows(r["codes"], r["norm"], bits, msg.seed), msg.dtype))
     return tuple(out)
 
@@ -1170,7 +1178,7 @@ def message_tensors(msg, decode=False):
             k64, v64 = to_f64(lay.k, msg.dtype), to_f64(lay.v, msg.dtype)
             bits = q["bits"]
             if q["scheme"] == "lloyd":
-                r = lloyd_quantize_layer(k64, v64, q)
+                r = lay.lloyd
             else:
                 r = quantize_layer(k64, v64, bits, q["group"], q["rotate"])
                 out["layer.%d.v.zero" % l] = ("F16", r["v_zero"])
@@ -1181,8 +1189,8 @@ def message_tensors(msg, decode=False):
             if r["k_zero"] is not None:
                 out["layer.%d.k.zero" % l] = ("F16", r["k_zero"])
         if dm is not None and not decode:
-            for x, arr in (("k", lay.dem_k), ("v", lay.dem_v)):
-                r = lloyd_quantize_rows(to_f64(arr, msg.dtype), dm["bits"], msg.seed)
+            for x in ("k", "v"):
+                r = lay.dem_q[x]
                 out["layer.%d.demoted.%s.codes" % (l, x)] = ("U8", pack_codes(r["codes"], dm["bits"]))
                 out["layer.%d.demoted.%s.norm" % (l, x)] = ("F16", r["norm"])
             out["layer.%d.demoted.pos" % l] = ("I32", lay.dem_pos.astype(np.int32))
@@ -2495,6 +2503,17 @@ def _selftest_lloyd_demote(rng):
                 n_checks += 1
             n_checks += 2
         n_checks += 3
+    # compress() refuses a norm past fp16's range, naming the tensor.
+    tb = _hist_turn(rng, 2, 1, 16, 12, 2, first=True)
+    for l in range(tb.L):
+        tb.tensors["layer.%d.prompt.v" % l] = ("F32", np.full((2, 12, 16), 3.0e4, np.float32))
+    for spec, name in (("full+lloyd", "layer.0.v"), ("h2o-head:k=2+demote", "layer.0.demoted.v")):
+        try:
+            compress(tb, spec)
+            _check(False, "norm past fp16 accepted by %s" % spec)
+        except ValueError as e:
+            _check(name in str(e), "refusal names %s: %s" % (name, e))
+        n_checks += 1
     # A main lloyd stage and the demoted part share the message's seed.
     t = _hist_turn(rng, 2, 1, 16, 30, 2, first=True)
     m = compress(t, "h2o-head:k=5+demote:bits=4+lloyd:bits=4,seed=77")
