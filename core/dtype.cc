@@ -152,4 +152,14 @@ void FromFloat(DType dtype, const float* src, void* dst, size_t n) {
   }
 }
 
+void FromFloatSaturating(DType dtype, float* src, void* dst, size_t n) {
+  float limit = 0;
+  if (dtype == DType::kF16) limit = 65504.0f;
+  if (dtype == DType::kBF16) limit = 0x1.fep127f;  // largest finite BF16
+  if (limit > 0) {
+    for (size_t i = 0; i < n; ++i) src[i] = src[i] < -limit ? -limit : (src[i] > limit ? limit : src[i]);
+  }
+  FromFloat(dtype, src, dst, n);
+}
+
 }  // namespace kvrelay

@@ -40,6 +40,10 @@ float F16ToFloat(uint16_t h);
 void ToFloat(DType dtype, const void* src, float* dst, size_t n);
 // Converts `n` f32 values to `dtype` at `dst`, rounding as described above.
 void FromFloat(DType dtype, const float* src, void* dst, size_t n);
+// As FromFloat, but first clamps src[0..n) in place to the dtype's finite
+// range, so that a decoded value just past it (within a quantization cell)
+// becomes the largest finite value instead of an infinity.
+void FromFloatSaturating(DType dtype, float* src, void* dst, size_t n);
 
 }  // namespace kvrelay
 

@@ -1,9 +1,12 @@
 #include "core/message.h"
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/quant.h"
+#include "core/status_macros.h"
 
 namespace kvrelay {
 
@@ -14,6 +17,7 @@ uint64_t MessageLayer::SentBytes() const {
   } else {
     payload = static_cast<uint64_t>(k.byte_size()) + v.byte_size();
   }
+  if (demoted.has_value()) payload += demoted->k.ByteSize() + demoted->v.ByteSize();
   return payload + 4 * static_cast<uint64_t>(pos.data.size());
 }
 
@@ -58,18 +62,89 @@ void SetHistoryGeometry(const Message& parent, TurnGeometry* geo) {
   geo->history_acc = true;
 }
 
-absl::Status SetHistoryFromMessage(const Message& parent, int l, DType dtype, TurnLayer* layer) {
-  const MessageLayer& p = parent.layers[l];
-  layer->history_pos = p.pos;
+absl::Status DecodeLayer(const MessageLayer& p, int l, const Message& msg, DType dtype, MessageLayer* out) {
+  const int heads = p.pos.heads, total = p.pos.tokens, nd = p.demoted_tokens(), n = total - nd;
+  KvTensor k, v;
   if (p.quant) {
-    absl::Status s = DequantizeKv(*p.quant, dtype, &layer->history_k, &layer->history_v);
-    if (!s.ok()) return s;
+    if (absl::Status s = DequantizeKv(*p.quant, dtype, &k, &v); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("layer.", l, ": ", s.message()));
+    }
+  } else if (p.k.dtype() == dtype) {
+    k = p.k;
+    v = p.v;
   } else {
-    layer->history_k = p.k;
-    layer->history_v = p.v;
+    k = KvTensor::Uninitialized(dtype, p.k.heads(), p.k.tokens(), p.k.dim());
+    v = KvTensor::Uninitialized(dtype, p.v.heads(), p.v.tokens(), p.v.dim());
+    std::vector<float> row(p.k.dim());
+    for (int h = 0; h < p.k.heads(); ++h) {
+      for (int t = 0; t < p.k.tokens(); ++t) {
+        p.k.ReadRow(h, t, row.data());
+        k.WriteRow(h, t, row.data());
+        p.v.ReadRow(h, t, row.data());
+        v.WriteRow(h, t, row.data());
+      }
+    }
   }
-  layer->history_acc = ScoreMatrix(p.pos.heads, p.pos.tokens);
-  if (!p.acc.empty()) layer->history_acc.data = p.acc;
+  MessageLayer d;
+  d.granularity = p.granularity;
+  d.attention_error = p.attention_error;
+  if (nd == 0) {
+    d.k = std::move(k);
+    d.v = std::move(v);
+    d.pos = p.pos;
+    d.acc = p.acc;
+    *out = std::move(d);
+    return absl::OkStatus();
+  }
+  KvTensor dk, dv;
+  if (absl::Status s = DequantizeKv(*p.demoted, dtype, &dk, &dv); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("layer.", l, ".demoted: ", s.message()));
+  }
+  const int dim = msg.head_dim;
+  d.k = KvTensor::Uninitialized(dtype, heads, total, dim);
+  d.v = KvTensor::Uninitialized(dtype, heads, total, dim);
+  d.pos = PosTensor(heads, total);
+  if (!p.acc.empty()) d.acc.resize(p.acc.size());
+  const int kept0 = msg.n_history + msg.n_anchor, kept1 = kept0 + msg.n_kept;
+  const size_t row_bytes = static_cast<size_t>(dim) * DTypeSize(dtype);
+  for (int h = 0; h < heads; ++h) {
+    const int32_t* pos = p.pos.data.data() + static_cast<size_t>(h) * total;
+    int32_t* opos = d.pos.data.data() + static_cast<size_t>(h) * total;
+    int t = 0;
+    auto put = [&](const KvTensor& sk, const KvTensor& sv, int row, int src_index) {
+      std::memcpy(d.k.row(h, t), sk.row(h, row), row_bytes);
+      std::memcpy(d.v.row(h, t), sv.row(h, row), row_bytes);
+      opos[t] = pos[src_index];
+      if (!p.acc.empty()) {
+        d.acc[static_cast<size_t>(h) * total + t] = p.acc[static_cast<size_t>(h) * total + src_index];
+      }
+      ++t;
+    };
+    for (int i = 0; i < kept0; ++i) put(k, v, i, i);
+    int a = kept0, b = 0;  // merge kept [kept0, kept1) with demoted [0, nd)
+    while (a < kept1 || b < nd) {
+      if (b >= nd || (a < kept1 && pos[a] < pos[n + b])) {
+        put(k, v, a, a);
+        ++a;
+      } else {
+        put(dk, dv, b, n + b);
+        ++b;
+      }
+    }
+    for (int i = kept1; i < n; ++i) put(k, v, i, i);
+  }
+  *out = std::move(d);
+  return absl::OkStatus();
+}
+
+absl::Status SetHistoryFromMessage(const Message& parent, int l, DType dtype, TurnLayer* layer) {
+  MessageLayer p;
+  KVRELAY_RETURN_IF_ERROR(DecodeLayer(parent.layers[l], l, parent, dtype, &p));
+  layer->history_pos = std::move(p.pos);
+  layer->history_k = std::move(p.k);
+  layer->history_v = std::move(p.v);
+  layer->history_acc = ScoreMatrix(layer->history_pos.heads, layer->history_pos.tokens);
+  if (!p.acc.empty()) layer->history_acc.data = std::move(p.acc);
   return absl::OkStatus();
 }
 

@@ -18,15 +18,21 @@
 
 namespace kvrelay {
 
-// One K or V tensor after min-max quantization (see core/quant.h).
+// How codes map to values: min-max (core/quant.h) or rotated Lloyd-Max
+// (core/lloyd.h).
+enum class QuantScheme : uint8_t { kInt, kLloyd };
+
+// One K or V tensor after quantization (see core/quant.h, core/lloyd.h).
 struct QuantizedTensor {
-  int bits = 0;             // 8, 4 or 2
+  int bits = 0;             // int: 8, 4 or 2; lloyd: 1 to 4
   int heads = 0, tokens = 0, dim = 0;
   // Codes of row (h, t) packed little-endian, element i of a row in bits
   // [i*bits, (i+1)*bits) of the row's dim*bits/8 bytes. [heads, tokens, dim*bits/8]
   std::vector<uint8_t> codes;
-  // fp16 bit patterns. Keys: [heads, groups, dim] (per channel, per token
-  // group). Values: [heads, tokens] (per token, over channels).
+  // fp16 bit patterns. int keys: [heads, groups, dim] (per channel, per
+  // token group); int values: [heads, tokens] (per token, over channels).
+  // lloyd rows: scale = the norms [heads, tokens], zero empty; lloyd
+  // keys_channel: rms and mean, [heads, groups, dim].
   std::vector<uint16_t> scale;
   std::vector<uint16_t> zero;
 
@@ -34,9 +40,12 @@ struct QuantizedTensor {
 };
 
 struct QuantizedKv {
+  QuantScheme scheme = QuantScheme::kInt;
   int bits = 0;
   int group = 0;        // token group size of the key statistics
-  bool rotate = false;  // Walsh-Hadamard rotation along head_dim before quantization
+  bool rotate = false;  // int: Walsh-Hadamard rotation along head_dim before quantization
+  bool keys_channel = false;  // lloyd: keys in channel form
+  uint64_t seed = 0;          // lloyd: the rotation's seed
   DType dtype = DType::kBF16;  // dtype that decoding restores by default
   QuantizedTensor k, v;
 };
@@ -46,7 +55,9 @@ enum class Granularity : uint8_t { kNone, kHead, kLayer };
 
 struct MessageLayer {
   KvTensor k, v;  // [kv_heads, n, head_dim]; empty (0 elements) when quantized
-  PosTensor pos;  // [kv_heads, n]
+  // [kv_heads, n + n_demoted]: the main part's n tokens, then the demoted
+  // ones (docs/FORMAT.md, step 6a).
+  PosTensor pos;
   // Accumulated importance of every token, [kv_heads, n] row-major
   // (docs/FORMAT.md, step 5); empty means 0 everywhere (a message read from
   // a file or stream without it). Relay-side state: not sent to agents,
@@ -54,13 +65,18 @@ struct MessageLayer {
   std::vector<float> acc;
   Granularity granularity = Granularity::kNone;  // set by h2o-auto only
   std::optional<QuantizedKv> quant;
+  // The demoted tokens' K and V ([kv_heads, n_demoted, head_dim], lloyd row
+  // form), when the policy demotes.
+  std::optional<QuantizedKv> demoted;
   // The layer's fidelity figure (AttentionOutputError), for turns with
   // queries; never sent itself (the message's mean is).
   std::optional<double> attention_error;
 
+  // Every token the layer holds, demoted ones included.
   int tokens() const { return pos.tokens; }
-  // Bytes this layer sends: K/V payload (dense, or codes + scales + zeros)
-  // plus 4 bytes per position id.
+  int demoted_tokens() const { return demoted ? demoted->k.tokens : 0; }
+  // Bytes this layer sends: K/V payload (dense, or codes + scales + zeros),
+  // the demoted tokens' codes and norms, plus 4 bytes per position id.
   uint64_t SentBytes() const;
 };
 
@@ -70,6 +86,9 @@ struct Message {
   int kv_heads = 0;
   int head_dim = 0;
   int n_history = 0, n_anchor = 0, n_kept = 0, n_gen = 0;  // tokens per head, per layer
+  // Demoted tokens per head, per layer, after the others, and their bits
+  // (0: none).
+  int n_demoted = 0, demote_bits = 0;
   // Bytes `full` would send for the same turn (dense K/V in the turn's dtype
   // plus position ids), and bytes this message sends.
   uint64_t full_bytes = 0;
@@ -91,6 +110,14 @@ struct Message {
 
   double Ratio() const { return sent_bytes ? static_cast<double>(full_bytes) / sent_bytes : 0.0; }
 };
+
+// `layer` (index `l`) of a message with the token counts and head_dim of
+// `msg` decoded to dense K/V of `dtype` in `*out`, the
+// demoted tokens merged into each head's kept prompt tokens by ascending
+// position (with their pos and acc): what an agent receives. A dense layer
+// without demoted tokens is copied. InvalidArgument naming the layer when
+// the codes do not decode. (`layer` need not be one of msg.layers.)
+absl::Status DecodeLayer(const MessageLayer& layer, int l, const Message& msg, DType dtype, MessageLayer* out);
 
 // 1 + the largest position id held in any layer and head; 0 for a message
 // that holds no token.

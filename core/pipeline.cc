@@ -16,6 +16,7 @@
 #include "core/internal/gather.h"
 #include "core/internal/gram.h"
 #include "core/internal/pipeline_checks.h"
+#include "core/lloyd.h"
 #include "core/query_scores.h"
 #include "core/status_macros.h"
 
@@ -49,6 +50,18 @@ class Params {
     int x;
     if (!absl::SimpleAtoi(*v, &x) || x < lo || x > hi || x % 2 == 0) {
       return BadStage(st_, absl::StrCat(key, "=", *v, ": expected an odd integer in [", lo, ", ", hi, "]"));
+    }
+    *out = x;
+    return absl::OkStatus();
+  }
+
+  // A decimal uint64.
+  absl::Status Uint64(absl::string_view key, uint64_t* out) {
+    const std::string* v = Find(key);
+    if (v == nullptr) return absl::OkStatus();
+    uint64_t x;
+    if (!absl::SimpleAtoi(*v, &x) || v->empty() || (*v)[0] == '+' || (*v)[0] == '-') {
+      return BadStage(st_, absl::StrCat(key, "=", *v, ": expected an integer in [0, 18446744073709551615]"));
     }
     *out = x;
     return absl::OkStatus();
@@ -221,6 +234,32 @@ absl::Status ApplyObf(const StageSpec& st, PipelineConfig* cfg) {
   return absl::OkStatus();
 }
 
+absl::Status ApplyDemote(const StageSpec& st, PipelineConfig* cfg) {
+  int bits = 2;
+  Params p(st);
+  KVRELAY_RETURN_IF_ERROR(p.Int("bits", 1, 4, &bits));
+  KVRELAY_RETURN_IF_ERROR(p.Done());
+  cfg->demote_bits = bits;
+  return absl::OkStatus();
+}
+
+absl::Status ApplyLloyd(const StageSpec& st, PipelineConfig* cfg) {
+  QuantOptions o;
+  o.scheme = QuantScheme::kLloyd;
+  o.bits = 4;
+  o.seed = kDefaultLloydSeed;
+  Params p(st);
+  KVRELAY_RETURN_IF_ERROR(p.Int("bits", 1, 4, &o.bits));
+  KVRELAY_RETURN_IF_ERROR(p.Enum("keys", {{"row", false}, {"channel", true}}, &o.keys_channel));
+  const bool has_group = std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "group"; });
+  KVRELAY_RETURN_IF_ERROR(p.Int("group", 1, kMaxTokens, &o.group));
+  KVRELAY_RETURN_IF_ERROR(p.Uint64("seed", &o.seed));
+  KVRELAY_RETURN_IF_ERROR(p.Done());
+  if (has_group && !o.keys_channel) return BadStage(st, "group: applies to keys=channel only, expected keys=channel or no group");
+  cfg->quant = o;
+  return absl::OkStatus();
+}
+
 absl::Status ApplyQuant(int bits, const StageSpec& st, PipelineConfig* cfg) {
   QuantOptions o;
   o.bits = bits;
@@ -268,7 +307,12 @@ std::string CanonicalSpec(const PipelineConfig& c) {
                     kScale[static_cast<int>(o.scale)]);
     if (o.mode == ObfMode::kFast) absl::StrAppend(&out, ",iters=", o.iters, ",oversample=", o.oversample);
   }
-  if (c.quant) {
+  if (c.demote_bits) absl::StrAppend(&out, "+demote:bits=", *c.demote_bits);
+  if (c.quant && c.quant->scheme == QuantScheme::kLloyd) {
+    absl::StrAppend(&out, "+lloyd:bits=", c.quant->bits, ",keys=", c.quant->keys_channel ? "channel" : "row");
+    if (c.quant->keys_channel) absl::StrAppend(&out, ",group=", c.quant->group);
+    absl::StrAppend(&out, ",seed=", c.quant->seed);
+  } else if (c.quant) {
     absl::StrAppend(&out, "+int", c.quant->bits, ":group=", c.quant->group,
                     ",rotate=", c.quant->rotate ? "hadamard" : "none");
   }
@@ -366,6 +410,8 @@ absl::Status RegisterBuiltins(Registry* r) {
     }));
   }
   KVRELAY_RETURN_IF_ERROR(r->Register("obf", K::kTransform, ApplyObf));
+  KVRELAY_RETURN_IF_ERROR(r->Register("demote", K::kTransform, ApplyDemote));
+  KVRELAY_RETURN_IF_ERROR(r->Register("lloyd", K::kQuantizer, ApplyLloyd));
   for (int bits : {8, 4, 2}) {
     KVRELAY_RETURN_IF_ERROR(r->Register(absl::StrCat("int", bits), K::kQuantizer,
                                         [bits](const StageSpec& st, PipelineConfig* c) {
@@ -396,11 +442,19 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Pipeline::Create(absl::string_view spe
       return BadStage(st, "must follow a selector (full, gen, h2o-layer, h2o-head, h2o-auto)");
     }
     if (kind == Registry::Kind::kTransform) {
-      if (cfg.obf) return BadStage(st, "given twice");
+      if (cfg.obf || cfg.demote_bits) {
+        const bool same = st.name == (cfg.obf ? "obf" : "demote");
+        if (same) return BadStage(st, "given twice");
+        return BadStage(st, "obf and demote exclude each other: obf backfills what the selector evicts, demote "
+                            "evicts nothing (keep one)");
+      }
       if (cfg.quant) return BadStage(st, "must come before the quantizer");
       if (!IsH2o(cfg.select.kind)) {
-        return BadStage(st, "needs h2o-layer, h2o-head or h2o-auto before it (full and gen delete no candidate "
-                            "to backfill)");
+        return BadStage(st, st.name == "obf"
+                                ? "needs h2o-layer, h2o-head or h2o-auto before it (full and gen delete no "
+                                  "candidate to backfill)"
+                                : "needs h2o-layer, h2o-head or h2o-auto before it (full and gen select no "
+                                  "candidates to demote)");
       }
     }
     if (kind == Registry::Kind::kQuantizer && cfg.quant) {
@@ -410,6 +464,10 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Pipeline::Create(absl::string_view spe
   }
   std::string canonical = CanonicalSpec(cfg);
   return std::unique_ptr<Pipeline>(new Pipeline(std::move(canonical), std::move(cfg)));
+}
+
+uint64_t PipelineConfig::LloydSeed() const {
+  return quant && quant->scheme == QuantScheme::kLloyd ? quant->seed : kDefaultLloydSeed;
 }
 
 std::vector<int32_t> AnchorPositions(const TurnGeometry& geo, int n_anchor, int64_t prompt_pos0) {
@@ -441,6 +499,8 @@ void Pipeline::CountTokens(const TurnGeometry& geo, bool first_agent, Message* m
       msg->n_kept = std::min(s.k, n_cand - recent) + recent;
     }
   }
+  msg->n_demoted = config_.demote_bits ? n_cand - msg->n_kept : 0;
+  msg->demote_bits = msg->n_demoted > 0 ? *config_.demote_bits : 0;
 }
 
 // One layer in flight: what selection decided, and the output being built.
@@ -449,6 +509,7 @@ struct Pipeline::LayerWork {
   Selection sel;
   int kept_begin = 0;          // token index of the first kept candidate in `out`
   MessageLayer out;
+  KvTensor demoted_k, demoted_v;  // the demoted candidates' rows, dense, until FinishLayer
   std::vector<absl::Status> head_status;
 };
 
@@ -514,21 +575,29 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
   const int n_anchor = w->sel.n_anchor;
   const int n_hist_out = static_cast<int>(kept_hist[0].size());
   const int n_out = n_hist_out + n_anchor + static_cast<int>(w->sel.kept[0].size()) + n_gen;
+  // Demotion keeps the candidates the selection drops: the same count in
+  // every head, since every head keeps as many.
+  const int n_dem = config_.demote_bits ? n_prompt - n_anchor - static_cast<int>(w->sel.kept[0].size()) : 0;
+  const int n_total = n_out + n_dem;
   const int32_t pos0 = static_cast<int32_t>(ctx.prompt_pos0);
   w->kept_begin = n_hist_out + n_anchor;
   w->head_status.assign(heads, absl::OkStatus());
   MessageLayer& out = w->out;
   out.k = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
   out.v = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
-  out.pos = PosTensor(heads, n_out);
-  out.acc.resize(static_cast<size_t>(heads) * n_out);
+  out.pos = PosTensor(heads, n_total);
+  out.acc.resize(static_cast<size_t>(heads) * n_total);
+  if (n_dem > 0) {
+    w->demoted_k = KvTensor::Uninitialized(geo.dtype, heads, n_dem, d);
+    w->demoted_v = KvTensor::Uninitialized(geo.dtype, heads, n_dem, d);
+  }
   // Per head, the rows to gather in output order, then copied.
   thread_local std::vector<internal::RowSource> src;
   using KvPair = std::pair<const KvTensor*, const KvTensor*>;
   for (int h = 0; h < heads; ++h) {
     src.clear();
-    int32_t* pos = out.pos.data.data() + static_cast<size_t>(h) * n_out;
-    float* acc = out.acc.data() + static_cast<size_t>(h) * n_out;
+    int32_t* pos = out.pos.data.data() + static_cast<size_t>(h) * n_total;
+    float* acc = out.acc.data() + static_cast<size_t>(h) * n_total;
     int t = 0;
     auto add = [&](const KvPair& kv, int row, int32_t p, float a) {
       src.push_back({kv.first, kv.second, row});
@@ -548,8 +617,25 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
       add(gen, j, pos0 + n_prompt + j, static_cast<float>(gen_mass[static_cast<size_t>(h) * n_gen + j]));
     }
     internal::GatherHeadRows(src, h, &out.k, &out.v);
+    if (n_dem > 0) {
+      src.clear();
+      const std::vector<int>& kept = w->sel.kept[h];
+      size_t next_kept = 0;
+      for (int j = n_anchor; j < n_prompt; ++j) {
+        if (next_kept < kept.size() && kept[next_kept] == j) {
+          ++next_kept;
+          continue;
+        }
+        add(prompt, j, pos0 + j, static_cast<float>(a[j]));
+      }
+      if (t != n_total) {
+        return Broken(absl::StrCat("layer.", ctx.layer, ": pipeline invariant violated: head ", h, " demotes ",
+                                   t - n_out, " tokens, expected ", n_dem));
+      }
+      internal::GatherHeadRows(src, h, &w->demoted_k, &w->demoted_v);
+    }
   }
-  return CheckAccFinite(out.acc, n_out, n_hist_out, n_hist_out + n_anchor + static_cast<int>(w->sel.kept[0].size()),
+  return CheckAccFinite(out.acc, n_total, n_hist_out, n_hist_out + n_anchor + static_cast<int>(w->sel.kept[0].size()),
                         ctx.layer, geo.queries);
 }
 
@@ -608,6 +694,21 @@ absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork
     w->out.k = KvTensor(geo.dtype, 0, 0, geo.head_dim);
     w->out.v = KvTensor(geo.dtype, 0, 0, geo.head_dim);
   }
+  if (w->demoted_k.tokens() > 0) {
+    QuantOptions o;
+    o.scheme = QuantScheme::kLloyd;
+    o.bits = *config_.demote_bits;
+    o.seed = config_.LloydSeed();
+    absl::StatusOr<QuantizedKv> quantized = QuantizeKv(w->demoted_k, w->demoted_v, o);
+    if (!quantized.ok()) {
+      return absl::Status(quantized.status().code(),
+                          absl::StrCat("layer ", layer, ": demoted ", quantized.status().message()));
+    }
+    w->out.demoted = *std::move(quantized);
+    w->out.demoted->dtype = geo.dtype;
+    w->demoted_k = KvTensor();
+    w->demoted_v = KvTensor();
+  }
   return absl::OkStatus();
 }
 
@@ -618,10 +719,12 @@ absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, 
   auto broken = [layer](auto&&... what) {
     return Broken(absl::StrCat("layer.", layer, ": pipeline invariant violated: ", what...));
   };
-  if (out.pos.heads != heads || out.pos.tokens != n || out.pos.data.size() != static_cast<size_t>(heads) * n) {
+  const int nd = counts.n_demoted, total = n + nd;
+  if (out.pos.heads != heads || out.pos.tokens != total ||
+      out.pos.data.size() != static_cast<size_t>(heads) * total) {
     return broken("pos holds [", out.pos.heads, ", ", out.pos.tokens, "] (", out.pos.data.size(),
-                  " ids), expected [", heads, ", ", n, "] (n_history ", counts.n_history, " + n_anchor ",
-                  counts.n_anchor, " + n_kept ", counts.n_kept, " + n_gen ", counts.n_gen, ")");
+                  " ids), expected [", heads, ", ", total, "] (n_history ", counts.n_history, " + n_anchor ",
+                  counts.n_anchor, " + n_kept ", counts.n_kept, " + n_gen ", counts.n_gen, " + n_demoted ", nd, ")");
   }
   for (const auto& [name, t] : {std::pair<const char*, const KvTensor*>{"k", &out.k}, {"v", &out.v}}) {
     if (out.quant ? t->tokens() != 0
@@ -632,23 +735,25 @@ absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, 
     }
   }
   if (out.quant) {
-    const QuantizedKv& q = *out.quant;
-    const size_t groups = q.group > 0 ? (static_cast<size_t>(n) + q.group - 1) / q.group : 0;
-    for (const auto& [name, t] : {std::pair<const char*, const QuantizedTensor*>{"k", &q.k}, {"v", &q.v}}) {
-      const size_t stats = t == &q.k ? heads * groups * d : static_cast<size_t>(heads) * n;
-      if (q.group < 1 || t->bits != q.bits || t->heads != heads || t->tokens != n || t->dim != d ||
-          t->codes.size() != static_cast<size_t>(heads) * n * d * q.bits / 8 || t->scale.size() != stats ||
-          t->zero.size() != stats) {
-        return broken("quantized ", name, " is ", t->bits, "-bit [", t->heads, ", ", t->tokens, ", ", t->dim, "] with ",
-                      t->codes.size(), " code bytes and ", t->scale.size(), " scales, expected ", q.bits, "-bit [",
-                      heads, ", ", n, ", ", d, "] with ", static_cast<size_t>(heads) * n * d * q.bits / 8,
-                      " code bytes and ", stats, " scales");
-      }
+    if (absl::Status s = CheckQuantizedShape(*out.quant, heads, n, d); !s.ok()) {
+      return broken("the quantized layer: ", s.message());
+    }
+  }
+  if (out.demoted.has_value() != (nd > 0)) {
+    return broken(out.demoted ? "demoted tokens present" : "no demoted tokens", ", expected n_demoted ", nd);
+  }
+  if (out.demoted) {
+    const QuantizedKv& q = *out.demoted;
+    if (q.scheme != QuantScheme::kLloyd || q.bits != counts.demote_bits || q.keys_channel) {
+      return broken("the demoted tokens are not lloyd rows of ", counts.demote_bits, " bits");
+    }
+    if (absl::Status s = CheckQuantizedShape(q, heads, nd, d); !s.ok()) {
+      return broken("the demoted tokens: ", s.message());
     }
   }
   if (!out.acc.empty()) {
-    if (out.acc.size() != static_cast<size_t>(heads) * n) {
-      return broken("acc holds ", out.acc.size(), " values, expected ", static_cast<size_t>(heads) * n);
+    if (out.acc.size() != static_cast<size_t>(heads) * total) {
+      return broken("acc holds ", out.acc.size(), " values, expected ", static_cast<size_t>(heads) * total);
     }
     if (!AllFiniteNonNegative(out.acc.data(), out.acc.size())) return broken("acc holds a value that is not finite and >= 0");
   }
@@ -657,7 +762,7 @@ absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, 
   }
   const int64_t gen0 = prompt_pos0 + geo.n_prompt;
   for (int h = 0; h < heads; ++h) {
-    const int32_t* p = out.pos.data.data() + static_cast<size_t>(h) * n;
+    const int32_t* p = out.pos.data.data() + static_cast<size_t>(h) * total;
     int t = 0;
     for (; t < counts.n_history; ++t) {
       if (p[t] < 0 || p[t] >= prompt_pos0) {
@@ -677,6 +782,18 @@ absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, 
     }
     for (int j = 0; j < counts.n_gen; ++j, ++t) {
       if (p[t] != gen0 + j) return broken("head ", h, " holds generated token ", j, " at id ", p[t], ", expected ", gen0 + j);
+    }
+    // Demoted: ascending prompt ids after the anchors, none of them kept.
+    const int32_t* kept = p + counts.n_history + counts.n_anchor;
+    int next_kept = 0;
+    last = prompt_pos0 + counts.n_anchor - 1;
+    for (int j = 0; j < nd; ++j, ++t) {
+      while (next_kept < counts.n_kept && kept[next_kept] < p[t]) ++next_kept;
+      if (p[t] <= last || p[t] >= gen0 || (next_kept < counts.n_kept && kept[next_kept] == p[t])) {
+        return broken("head ", h, " holds demoted token ", j, " at id ", p[t], ", expected ascending ids in (", last,
+                      ", ", gen0, ") that no kept token holds");
+      }
+      last = p[t];
     }
   }
   return absl::OkStatus();
@@ -700,9 +817,22 @@ absl::Status Pipeline::CheckWindow(const TurnGeometry& geo) const {
       " scores from the generated steps' queries: expected layer.0.gen.q, the turn carries layer.0.prompt.score"));
 }
 
+absl::Status Pipeline::CheckHeadDim(int head_dim) const {
+  if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, head_dim));
+  if (config_.demote_bits) {
+    QuantOptions o;
+    o.scheme = QuantScheme::kLloyd;
+    o.bits = *config_.demote_bits;
+    if (absl::Status s = ValidateQuantOptions(o, head_dim); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("demote: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
                                                      const LayerContext& ctx, ThreadPool* pool) const {
-  if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, geo.head_dim));
+  KVRELAY_RETURN_IF_ERROR(CheckHeadDim(geo.head_dim));
   KVRELAY_RETURN_IF_ERROR(CheckWindow(geo));
   KVRELAY_RETURN_IF_ERROR(ValidateTurnLayer(layer, ctx.layer, geo, ctx.prompt_pos0, /*check_kv_values=*/false));
   LayerWork w;
@@ -721,8 +851,18 @@ absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, con
 absl::Status Pipeline::MeasureFidelity(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                                        MessageLayer* out) const {
   if (!geo.queries) return absl::OkStatus();
+  // The recipient's view: demoted tokens decoded among the kept ones.
+  MessageLayer merged;
+  const MessageLayer* view = out;
+  if (out->demoted) {
+    Message counts;
+    CountTokens(geo, ctx.first_agent, &counts);
+    counts.head_dim = geo.head_dim;
+    KVRELAY_RETURN_IF_ERROR(DecodeLayer(*out, ctx.layer, counts, geo.dtype, &merged));
+    view = &merged;
+  }
   absl::StatusOr<double> e =
-      AttentionOutputError(layer, geo, *out, SoftmaxScaleOf(ctx, geo.head_dim), ctx.cancelled);
+      AttentionOutputError(layer, geo, *view, SoftmaxScaleOf(ctx, geo.head_dim), ctx.cancelled);
   if (!e.ok()) return PrefixLayer(e.status(), ctx.layer);
   out->attention_error = *e;
   return absl::OkStatus();
@@ -739,7 +879,7 @@ absl::StatusOr<Message> Pipeline::CompressValidated(const Turn& turn, ThreadPool
 absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* pool,
                                                bool check_kv_values) const {
   KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
-  if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, geo.head_dim));
+  KVRELAY_RETURN_IF_ERROR(CheckHeadDim(geo.head_dim));
   KVRELAY_RETURN_IF_ERROR(CheckWindow(geo));
   const size_t n_layers = turn.layers.size();
   const int heads = geo.kv_heads;

@@ -49,12 +49,19 @@ absl::StatusOr<std::vector<StageSpec>> SplitSpec(absl::string_view spec);
 struct PipelineConfig {
   SelectorOptions select;
   std::optional<ObfOptions> obf;
+  // demote:bits=B: the candidates the selector drops, kept at B bits
+  // (docs/FORMAT.md, step 6a).
+  std::optional<int> demote_bits;
   std::optional<QuantOptions> quant;
+
+  // The seed of the lloyd rotation of the message (its quantizer's, else
+  // kDefaultLloydSeed): demoted tokens use it too.
+  uint64_t LloydSeed() const;
 };
 
 // Maps stage names to functions that fold a stage's parameters into a
 // PipelineConfig. Stage kinds: kSelector (exactly one, first), kTransform
-// (obf, after the selector), kQuantizer (at most one, last).
+// (obf or demote, after the selector), kQuantizer (at most one, last).
 class Registry {
  public:
   enum class Kind { kSelector, kTransform, kQuantizer };
@@ -66,7 +73,7 @@ class Registry {
   std::vector<std::string> Names() const;
 
   // The registry with every built-in stage (full, gen, h2o-layer, h2o-head,
-  // obf, int8, int4, int2).
+  // h2o-auto, obf, demote, int8, int4, int2, lloyd).
   static const Registry& Builtin();
 
  private:
@@ -127,6 +134,10 @@ class Pipeline {
   // queries. Compress and CompressLayer check it too; a relay checks it
   // before the upload's tensors arrive.
   absl::Status CheckWindow(const TurnGeometry& geo) const;
+
+  // InvalidArgument naming the stage when its quantizer or demotion cannot
+  // apply to rows of `head_dim` channels (ValidateQuantOptions).
+  absl::Status CheckHeadDim(int head_dim) const;
 
   // Token counts per head of every message layer this pipeline produces for
   // a turn of geometry `geo`.

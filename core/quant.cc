@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/dtype.h"
+#include "core/lloyd.h"
 #include "core/status_macros.h"
 
 #if defined(__AVX2__) || defined(__AVX__) || defined(__F16C__)
@@ -42,16 +43,9 @@ void LoadRow(DType dtype, const uint8_t* src, float* dst, size_t n) { ToFloat(dt
 void LoadF16(const uint16_t* src, float* dst, size_t n) { ToFloat(DType::kF16, src, dst, n); }
 
 // Decoded values lie within scale/2 of values the dtype holds, so they are
-// first clamped to its finite range (which only brings them closer): a value
-// just past F16's 65504 would otherwise round to infinity.
+// saturated to its finite range (which only brings them closer).
 void StoreRow(DType dtype, float* src, uint8_t* dst, int n) {
-  float limit = 0;
-  if (dtype == DType::kF16) limit = 65504.0f;
-  if (dtype == DType::kBF16) limit = 0x1.fep127f;  // largest finite BF16
-  if (limit > 0) {
-    for (int i = 0; i < n; ++i) src[i] = std::min(std::max(src[i], -limit), limit);
-  }
-  FromFloat(dtype, src, dst, static_cast<size_t>(n));
+  FromFloatSaturating(dtype, src, dst, static_cast<size_t>(n));
 }
 
 // ---------------------------------------------------------------------------
@@ -665,20 +659,33 @@ struct QuantFieldNames {
 };
 
 // The one set of quantization rules, on values wide enough for any source.
-absl::Status CheckQuant(int64_t bits, int64_t group, bool rotate, int64_t head_dim, const QuantFieldNames& f) {
+absl::Status CheckQuant(QuantScheme scheme, int64_t bits, int64_t group, bool rotate, bool keys_channel,
+                        int64_t head_dim, const QuantFieldNames& f) {
   auto bad = [&f](absl::string_view name, int64_t v, absl::string_view expected) {
     return absl::InvalidArgumentError(absl::StrCat(f.prefix, name, ": ", v, ", expected ", expected));
   };
-  if (bits != 2 && bits != 4 && bits != 8) return bad(f.bits, bits, "2, 4 or 8");
-  if (group < 1 || group > kMaxQuantGroup) return bad(f.group, group, absl::StrCat("1..", kMaxQuantGroup));
+  const bool lloyd = scheme == QuantScheme::kLloyd;
+  if (lloyd) {
+    if (bits < 1 || bits > 4) return bad(f.bits, bits, "1..4 (lloyd)");
+  } else if (bits != 2 && bits != 4 && bits != 8) {
+    return bad(f.bits, bits, "2, 4 or 8");
+  }
+  if ((!lloyd || keys_channel) && (group < 1 || group > kMaxQuantGroup)) {
+    return bad(f.group, group, absl::StrCat("1..", kMaxQuantGroup));
+  }
   if (head_dim < 1) return bad(f.head_dim, head_dim, ">= 1");
+  if (lloyd && rotate) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.prefix, f.rotate, " applies to int quantization only (lloyd always rotates rows)"));
+  }
   if (rotate && bits == 8) {
     return absl::InvalidArgumentError(
         absl::StrCat(f.prefix, f.rotate, "=hadamard needs 4 or 2 bits, got ", f.bits, "=8"));
   }
-  if (rotate && !IsPowerOfTwo(head_dim)) {
-    return absl::InvalidArgumentError(absl::StrCat(f.prefix, f.rotate, "=hadamard needs a power-of-two head_dim, got ",
-                                                   f.head_dim, "=", head_dim));
+  if ((rotate || lloyd) && !IsPowerOfTwo(head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(f.prefix, lloyd ? "lloyd" : absl::StrCat(f.rotate, "=hadamard"),
+                                                   " needs a power-of-two head_dim, got ", f.head_dim, "=",
+                                                   head_dim));
   }
   if (head_dim * bits % 8 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(f.prefix, f.head_dim, "*", f.bits, " must be a multiple of 8, got ",
@@ -690,18 +697,40 @@ absl::Status CheckQuant(int64_t bits, int64_t group, bool rotate, int64_t head_d
 }  // namespace
 
 absl::Status ValidateQuantOptions(const QuantOptions& opts, int head_dim) {
-  return CheckQuant(opts.bits, opts.group, opts.rotate, head_dim, {"quant: ", "bits", "group", "rotate", "head_dim"});
+  return CheckQuant(opts.scheme, opts.bits, opts.group, opts.rotate, opts.keys_channel, head_dim,
+                    {"quant: ", "bits", "group", "rotate", "head_dim"});
 }
 
 absl::StatusOr<QuantOptions> QuantOptionsFromHeader(uint32_t bits, uint32_t group, bool rotate, uint32_t head_dim,
                                                     absl::string_view field) {
+  return QuantOptionsFromHeader(QuantScheme::kInt, bits, group, rotate, false, 0, head_dim, field);
+}
+
+absl::StatusOr<QuantOptions> QuantOptionsFromHeader(QuantScheme scheme, uint32_t bits, uint32_t group, bool rotate,
+                                                    bool keys_channel, uint64_t seed, uint32_t head_dim,
+                                                    absl::string_view field) {
   const std::string quant_bits = absl::StrCat(field, "quant_bits"), quant_group = absl::StrCat(field, "quant_group"),
                     quant_rotate = absl::StrCat(field, "quant_rotate"), dim = absl::StrCat(field, "head_dim");
-  KVRELAY_RETURN_IF_ERROR(CheckQuant(bits, group, rotate, head_dim, {"", quant_bits, quant_group, quant_rotate, dim}));
+  KVRELAY_RETURN_IF_ERROR(CheckQuant(scheme, bits, group, rotate, keys_channel, head_dim,
+                                     {"", quant_bits, quant_group, quant_rotate, dim}));
   QuantOptions o;
+  o.scheme = scheme;
   o.bits = static_cast<int>(bits);
   o.group = static_cast<int>(group);
   o.rotate = rotate;
+  o.keys_channel = keys_channel;
+  o.seed = seed;
+  return o;
+}
+
+QuantOptions OptionsOf(const QuantizedKv& q) {
+  QuantOptions o;
+  o.scheme = q.scheme;
+  o.bits = q.bits;
+  o.group = q.group;
+  o.rotate = q.rotate;
+  o.keys_channel = q.keys_channel;
+  o.seed = q.seed;
   return o;
 }
 
@@ -714,26 +743,55 @@ absl::StatusOr<QuantizedKv> QuantizeKv(const KvTensor& k, const KvTensor& v,
   }
   KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(opts, k.dim()));
   QuantizedKv q;
+  q.scheme = opts.scheme;
   q.bits = opts.bits;
   q.group = opts.group;
   q.rotate = opts.rotate;
   q.dtype = k.dtype();
+  if (opts.scheme == QuantScheme::kLloyd) {
+    q.keys_channel = opts.keys_channel;
+    q.seed = opts.seed;
+    if (!opts.keys_channel) q.group = 0;
+    KVRELAY_RETURN_IF_ERROR(opts.keys_channel ? LloydQuantizeChannels(k, opts.bits, opts.group, "k", &q.k)
+                                              : LloydQuantizeRows(k, opts.bits, opts.seed, "k", &q.k));
+    KVRELAY_RETURN_IF_ERROR(LloydQuantizeRows(v, opts.bits, opts.seed, "v", &q.v));
+    return q;
+  }
   KVRELAY_RETURN_IF_ERROR(QuantizeKeys(k, opts, &q.k));
   KVRELAY_RETURN_IF_ERROR(QuantizeValues(v, opts, &q.v));
   return q;
+}
+
+absl::Status CheckQuantizedShape(const QuantizedKv& q, int heads, int tokens, int dim) {
+  KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(OptionsOf(q), dim));
+  for (const QuantizedTensor* t : {&q.k, &q.v}) {
+    if (t->heads != heads || t->tokens != tokens || t->dim != dim) {
+      return absl::InvalidArgumentError(absl::StrFormat("quant: %s is [%d, %d, %d], expected [%d, %d, %d]",
+                                                        t == &q.k ? "k" : "v", t->heads, t->tokens, t->dim, heads,
+                                                        tokens, dim));
+    }
+  }
+  if (q.scheme == QuantScheme::kLloyd) {
+    KVRELAY_RETURN_IF_ERROR(CheckLloydTensor(q.k, "k", q.bits, q.keys_channel, q.group));
+    return CheckLloydTensor(q.v, "v", q.bits, /*channel=*/false, 0);
+  }
+  KVRELAY_RETURN_IF_ERROR(CheckQuantized(q.k, "k", /*keys=*/true, q.bits, q.group));
+  return CheckQuantized(q.v, "v", /*keys=*/false, q.bits, q.group);
 }
 
 absl::Status DequantizeKv(const QuantizedKv& q, DType dtype, KvTensor* k, KvTensor* v) {
   if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
     return absl::InvalidArgumentError("quant: unknown output dtype");
   }
-  QuantOptions opts;
-  opts.bits = q.bits;
-  opts.group = q.group;
-  opts.rotate = q.rotate;
-  KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(opts, q.k.dim));
-  KVRELAY_RETURN_IF_ERROR(CheckQuantized(q.k, "k", /*keys=*/true, q.bits, q.group));
-  KVRELAY_RETURN_IF_ERROR(CheckQuantized(q.v, "v", /*keys=*/false, q.bits, q.group));
+  KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(OptionsOf(q), q.k.dim));
+  const bool lloyd = q.scheme == QuantScheme::kLloyd;
+  if (lloyd) {
+    KVRELAY_RETURN_IF_ERROR(CheckLloydTensor(q.k, "k", q.bits, q.keys_channel, q.group));
+    KVRELAY_RETURN_IF_ERROR(CheckLloydTensor(q.v, "v", q.bits, /*channel=*/false, 0));
+  } else {
+    KVRELAY_RETURN_IF_ERROR(CheckQuantized(q.k, "k", /*keys=*/true, q.bits, q.group));
+    KVRELAY_RETURN_IF_ERROR(CheckQuantized(q.v, "v", /*keys=*/false, q.bits, q.group));
+  }
   if (q.k.heads != q.v.heads || q.k.tokens != q.v.tokens || q.k.dim != q.v.dim) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "quant: k shape [%d, %d, %d] differs from v shape [%d, %d, %d]", q.k.heads, q.k.tokens,
@@ -747,6 +805,15 @@ absl::Status DequantizeKv(const QuantizedKv& q, DType dtype, KvTensor* k, KvTens
   };
   if (!fits(*k)) *k = KvTensor(dtype, q.k.heads, q.k.tokens, q.k.dim);
   if (!fits(*v)) *v = KvTensor(dtype, q.v.heads, q.v.tokens, q.v.dim);
+  if (lloyd) {
+    if (q.keys_channel) {
+      LloydDecodeChannels(q.k, q.group, k);
+    } else {
+      LloydDecodeRows(q.k, q.seed, k);
+    }
+    LloydDecodeRows(q.v, q.seed, v);
+    return absl::OkStatus();
+  }
   DequantizeKeys(q.k, q.group, q.rotate, k);
   DequantizeValues(q.v, q.rotate, v);
   return absl::OkStatus();
@@ -754,25 +821,21 @@ absl::Status DequantizeKv(const QuantizedKv& q, DType dtype, KvTensor* k, KvTens
 
 absl::Status DequantizeMessage(Message* msg, DType dtype) {
   // Decode everything first so that an error leaves `msg` untouched.
-  std::vector<std::pair<KvTensor, KvTensor>> decoded(msg->layers.size());
+  std::vector<MessageLayer> decoded(msg->layers.size());
   for (size_t l = 0; l < msg->layers.size(); ++l) {
     const MessageLayer& layer = msg->layers[l];
-    if (!layer.quant.has_value()) continue;
-    absl::Status s = DequantizeKv(*layer.quant, dtype, &decoded[l].first, &decoded[l].second);
-    if (!s.ok()) {
-      return absl::Status(s.code(), absl::StrFormat("layer.%d: %s", l, s.message()));
-    }
+    if (!layer.quant.has_value() && !layer.demoted.has_value()) continue;
+    KVRELAY_RETURN_IF_ERROR(DecodeLayer(layer, static_cast<int>(l), *msg, dtype, &decoded[l]));
   }
   uint64_t sent = 0;
   for (size_t l = 0; l < msg->layers.size(); ++l) {
     MessageLayer& layer = msg->layers[l];
-    if (layer.quant.has_value()) {
-      layer.k = std::move(decoded[l].first);
-      layer.v = std::move(decoded[l].second);
-      layer.quant.reset();
-    }
+    if (layer.quant.has_value() || layer.demoted.has_value()) layer = std::move(decoded[l]);
     sent += layer.SentBytes();
   }
+  msg->n_kept += msg->n_demoted;
+  msg->n_demoted = 0;
+  msg->demote_bits = 0;
   msg->sent_bytes = sent;
   return absl::OkStatus();
 }

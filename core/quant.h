@@ -31,13 +31,17 @@ namespace kvrelay {
 inline constexpr int kMaxQuantGroup = 1 << 24;
 
 struct QuantOptions {
-  int bits = 4;       // 8, 4 or 2
-  int group = 32;     // key token group size, 1..kMaxQuantGroup
-  bool rotate = false;  // only with 4 or 2 bits; REQUIRES power-of-two head_dim
+  QuantScheme scheme = QuantScheme::kInt;
+  int bits = 4;       // int: 8, 4 or 2; lloyd: 1 to 4
+  int group = 32;     // key token group size, 1..kMaxQuantGroup (lloyd: keys_channel only)
+  bool rotate = false;  // int only, with 4 or 2 bits; REQUIRES power-of-two head_dim
+  bool keys_channel = false;  // lloyd: keys per channel and token group (core/lloyd.h)
+  uint64_t seed = 1;          // lloyd: the rotation's seed
 };
 
 // InvalidArgument naming the option when `opts` cannot apply to rows of
-// `head_dim` channels: bits not in {2,4,8}, group outside 1..kMaxQuantGroup,
+// `head_dim` channels: bits not in {2,4,8} (lloyd: 1..4; lloyd needs a
+// power-of-two head_dim), group outside 1..kMaxQuantGroup,
 // head_dim < 1, rotate with 8 bits, rotate with a head_dim that is not a
 // power of two, or head_dim*bits not a multiple of 8. The message starts
 // "quant: " and names the option ("quant: group: 0, expected 1..16777216").
@@ -51,6 +55,15 @@ absl::Status ValidateQuantOptions(const QuantOptions& opts, int head_dim);
 // ("header.quant_group: 4294967295, expected 1..16777216").
 absl::StatusOr<QuantOptions> QuantOptionsFromHeader(uint32_t bits, uint32_t group, bool rotate, uint32_t head_dim,
                                                     absl::string_view field);
+// The same for a header that also names the scheme (quant_scheme) and, for
+// lloyd, keys_channel (quant_keys_channel) and the seed; `group` is then
+// checked only with keys_channel.
+absl::StatusOr<QuantOptions> QuantOptionsFromHeader(QuantScheme scheme, uint32_t bits, uint32_t group, bool rotate,
+                                                    bool keys_channel, uint64_t seed, uint32_t head_dim,
+                                                    absl::string_view field);
+
+// The options a quantized layer was made with.
+QuantOptions OptionsOf(const QuantizedKv& q);
 
 // Quantizes a layer's keys and values ([heads, tokens, dim] each, any
 // dtype; the result records k's dtype). InvalidArgument if options are bad,
@@ -61,6 +74,12 @@ absl::StatusOr<QuantOptions> QuantOptionsFromHeader(uint32_t bits, uint32_t grou
 absl::StatusOr<QuantizedKv> QuantizeKv(const KvTensor& k, const KvTensor& v,
                                        const QuantOptions& opts);
 
+// InvalidArgument describing the first mismatch unless `q` is consistent
+// (its options valid for `dim`, ValidateQuantOptions) and its K and V
+// hold [heads, tokens, dim] with the codes, scales and zeros its scheme
+// needs.
+absl::Status CheckQuantizedShape(const QuantizedKv& q, int heads, int tokens, int dim);
+
 // Decodes into dense tensors of `dtype` (f32, f16 or bf16), rounding to
 // nearest even. REQUIRES: `q` came from QuantizeKv (shapes consistent;
 // checked, InvalidArgument if not, and then *k and *v are untouched).
@@ -68,10 +87,12 @@ absl::StatusOr<QuantizedKv> QuantizeKv(const KvTensor& k, const KvTensor& v,
 // place, without reallocating.
 absl::Status DequantizeKv(const QuantizedKv& q, DType dtype, KvTensor* k, KvTensor* v);
 
-// Replaces the packed K/V of every quantized layer of `msg` by their decoded
-// dense form in `dtype`, clears `quant`, and recomputes msg->sent_bytes as
-// the sum of MessageLayer::SentBytes(). msg->dtype and full_bytes are left
-// as they are. On error (the message names the layer) `msg` is unchanged.
+// Replaces every quantized or demoting layer of `msg` by its dense form
+// (DecodeLayer: K/V in `dtype`, demoted tokens merged into the kept ones),
+// so that n_kept grows by n_demoted and n_demoted becomes 0, and recomputes
+// msg->sent_bytes as the sum of MessageLayer::SentBytes(). msg->dtype and
+// full_bytes are left as they are. On error (the message names the layer)
+// `msg` is unchanged.
 absl::Status DequantizeMessage(Message* msg, DType dtype);
 
 // In-place orthonormal Walsh-Hadamard transform of n floats.

@@ -32,9 +32,8 @@ absl::Status CheckId(const std::string& field, const std::string& v) {
 }
 
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field) {
-  if (p.config().quant) {
-    absl::Status s = ValidateQuantOptions(*p.config().quant, geo.head_dim);
-    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
+  if (absl::Status s = p.CheckHeadDim(geo.head_dim); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
   }
   if (absl::Status s = p.CheckWindow(geo); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message(),

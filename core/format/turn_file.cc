@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/lloyd.h"
 #include "core/quant.h"
 #include "core/status_macros.h"
 
@@ -284,12 +285,6 @@ bool IsMessageFile(const SafetensorsReader& file) {
   return f && (*f == kMessageFormat || *f == kMessageFormatV1);
 }
 
-uint64_t MessageLayerBytes(const MessageLayer& layer) {
-  uint64_t kv = layer.quant ? layer.quant->k.ByteSize() + layer.quant->v.ByteSize()
-                            : layer.k.byte_size() + layer.v.byte_size();
-  return kv + 4 * static_cast<uint64_t>(layer.pos.data.size());
-}
-
 absl::StatusOr<Turn> TurnFromSafetensors(const SafetensorsReader& file, const TurnFileOptions& options) {
   if (IsMessageFile(file)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -526,10 +521,16 @@ namespace {
 constexpr absl::string_view kDenseParts[] = {"k", "v", "pos"};
 constexpr absl::string_view kQuantParts[] = {"k.codes", "k.scale", "k.zero", "v.codes",
                                              "v.scale", "v.zero",  "pos"};
+// lloyd: no zeros, except k.zero with keys=channel.
+constexpr absl::string_view kLloydParts[] = {"k.codes", "k.scale", "v.codes", "v.scale", "pos"};
+constexpr absl::string_view kLloydChannelParts[] = {"k.codes", "k.scale", "k.zero", "v.codes", "v.scale", "pos"};
+constexpr absl::string_view kDemotedParts[] = {"demoted.k.codes", "demoted.k.norm", "demoted.v.codes",
+                                               "demoted.v.norm"};
 
 bool IsMessagePart(absl::string_view part) {
   return part == "acc" || std::find(std::begin(kDenseParts), std::end(kDenseParts), part) != std::end(kDenseParts) ||
-         std::find(std::begin(kQuantParts), std::end(kQuantParts), part) != std::end(kQuantParts);
+         std::find(std::begin(kQuantParts), std::end(kQuantParts), part) != std::end(kQuantParts) ||
+         std::find(std::begin(kDemotedParts), std::end(kDemotedParts), part) != std::end(kDemotedParts);
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -565,18 +566,19 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
     }
   }
   const int64_t n = msg.n_history + msg.n_anchor + msg.n_kept + msg.n_gen;
+  const int64_t nd = msg.n_demoted, total = n + nd;
   const MessageLayer& l0 = msg.layers[0];
   const bool quant = l0.quant.has_value();
   const int heads = l0.pos.heads;
   const int dim = quant ? l0.quant->k.dim : l0.k.dim();
   if (quant) {
-    const QuantizedKv& q = *l0.quant;
-    if (!(q.bits == 2 || q.bits == 4 || q.bits == 8) || q.group < 1 || (int64_t{dim} * q.bits) % 8 != 0) {
-      return Invalid("layer.0.k",
-                     absl::StrCat("quantization bits=", q.bits, " group=", q.group, " dim=", dim,
-                                  ", expected bits 2/4/8, group >= 1 and dim*bits "
-                                  "a multiple of 8"));
+    if (absl::Status s = ValidateQuantOptions(OptionsOf(*l0.quant), dim); !s.ok()) {
+      return Invalid("layer.0.k", s.message());
     }
+  }
+  if (nd < 0 || (nd > 0) != (msg.demote_bits != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("message: n_demoted ", nd, " with demote_bits ", msg.demote_bits,
+                                                   ", expected both 0 or n_demoted >= 1 with bits 1..4"));
   }
   std::vector<StTensor> tensors;
   uint64_t sent = 0;
@@ -588,37 +590,60 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
                      absl::StrCat(layer.quant ? "quantized" : "dense", ", expected ",
                                   quant ? "quantized" : "dense", " like layer.0"));
     }
-    if (layer.pos.heads != heads || layer.pos.tokens != n ||
-        layer.pos.data.size() != static_cast<size_t>(heads) * n) {
+    if (layer.pos.heads != heads || layer.pos.tokens != total ||
+        layer.pos.data.size() != static_cast<size_t>(heads) * total) {
       return Invalid(
           LayerName(l, "pos"),
           absl::StrCat("shape [", layer.pos.heads, ",", layer.pos.tokens, "], expected [", heads,
-                       ",", n, "] (n = n_history + n_anchor + n_kept + n_gen)"));
+                       ",", total, "] (n_history + n_anchor + n_kept + n_gen + n_demoted)"));
+    }
+    if (layer.demoted_tokens() != nd) {
+      return Invalid(LayerName(l, "demoted.k.codes"),
+                     absl::StrCat(layer.demoted_tokens(), " demoted tokens, expected n_demoted ", nd));
+    }
+    if (layer.demoted) {
+      const QuantizedKv& q = *layer.demoted;
+      if (q.scheme != QuantScheme::kLloyd || q.keys_channel || q.bits != msg.demote_bits ||
+          q.seed != (quant && l0.quant->scheme == QuantScheme::kLloyd ? l0.quant->seed : q.seed)) {
+        return Invalid(LayerName(l, "demoted.k.codes"),
+                       absl::StrCat("expected lloyd rows of demote_bits ", msg.demote_bits, " bits"));
+      }
+      if (absl::Status s = CheckQuantizedShape(q, heads, static_cast<int>(nd), dim); !s.ok()) {
+        return Invalid(LayerName(l, "demoted"), s.message());
+      }
+      const int64_t row = int64_t{dim} * q.bits / 8;
+      tensors.push_back(View(LayerName(l, "demoted.k.codes"), StDType::kU8, {heads, nd, row}, q.k.codes));
+      tensors.push_back(View(LayerName(l, "demoted.k.norm"), StDType::kF16, {heads, nd}, BytesOf(q.k.scale)));
+      tensors.push_back(View(LayerName(l, "demoted.v.codes"), StDType::kU8, {heads, nd, row}, q.v.codes));
+      tensors.push_back(View(LayerName(l, "demoted.v.norm"), StDType::kF16, {heads, nd}, BytesOf(q.v.scale)));
     }
     if (quant) {
       const QuantizedKv& q = *layer.quant;
       const QuantizedKv& q0 = *l0.quant;
-      if (q.bits != q0.bits || q.group != q0.group || q.rotate != q0.rotate) {
+      if (q.scheme != q0.scheme || q.bits != q0.bits || q.group != q0.group || q.rotate != q0.rotate ||
+          q.keys_channel != q0.keys_channel || q.seed != q0.seed) {
         return Invalid(LayerName(l, "k"),
                        absl::StrCat("quantization bits=", q.bits, " group=", q.group,
                                     " rotate=", q.rotate, ", expected bits=", q0.bits,
                                     " group=", q0.group, " rotate=", q0.rotate, " like layer.0"));
       }
-      KVRELAY_RETURN_IF_ERROR(
-          CheckQuantTensor(q.k, LayerName(l, "k"), q0.bits, q0.group, true, heads, n, dim));
-      KVRELAY_RETURN_IF_ERROR(
-          CheckQuantTensor(q.v, LayerName(l, "v"), q0.bits, q0.group, false, heads, n, dim));
+      if (absl::Status s = CheckQuantizedShape(q, heads, static_cast<int>(n), dim); !s.ok()) {
+        return Invalid(LayerName(l, "k"), s.message());
+      }
       const int64_t row = int64_t{dim} * q0.bits / 8;
-      const int64_t groups = CeilDiv(n, q0.group);
+      const bool lloyd_rows = q0.scheme == QuantScheme::kLloyd && !q0.keys_channel;
+      const int64_t groups = lloyd_rows ? 0 : CeilDiv(n, q0.group);
+      const std::vector<int64_t> kstats = lloyd_rows ? std::vector<int64_t>{heads, n}
+                                                     : std::vector<int64_t>{heads, groups, dim};
       tensors.push_back(View(LayerName(l, "k.codes"), StDType::kU8, {heads, n, row}, q.k.codes));
-      tensors.push_back(
-          View(LayerName(l, "k.scale"), StDType::kF16, {heads, groups, dim}, BytesOf(q.k.scale)));
-      tensors.push_back(
-          View(LayerName(l, "k.zero"), StDType::kF16, {heads, groups, dim}, BytesOf(q.k.zero)));
+      tensors.push_back(View(LayerName(l, "k.scale"), StDType::kF16, kstats, BytesOf(q.k.scale)));
+      if (!lloyd_rows) tensors.push_back(View(LayerName(l, "k.zero"), StDType::kF16, kstats, BytesOf(q.k.zero)));
       tensors.push_back(View(LayerName(l, "v.codes"), StDType::kU8, {heads, n, row}, q.v.codes));
       tensors.push_back(
           View(LayerName(l, "v.scale"), StDType::kF16, {heads, n}, BytesOf(q.v.scale)));
-      tensors.push_back(View(LayerName(l, "v.zero"), StDType::kF16, {heads, n}, BytesOf(q.v.zero)));
+      if (q0.scheme == QuantScheme::kInt) {
+        tensors.push_back(View(LayerName(l, "v.zero"), StDType::kF16, {heads, n}, BytesOf(q.v.zero)));
+      }
     } else {
       for (const auto& [t, part] :
            {std::pair<const KvTensor*, const char*>{&layer.k, "k"}, {&layer.v, "v"}}) {
@@ -637,14 +662,14 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
       tensors.push_back(KvView(LayerName(l, "v"), layer.v));
     }
     tensors.push_back(PosView(LayerName(l, "pos"), layer.pos));
-    if (!layer.acc.empty() || !l0.acc.empty() || n == 0) {  // n == 0: an empty acc is an acc
-      if (layer.acc.size() != static_cast<size_t>(heads) * n) {
-        return Invalid(LayerName(l, "acc"), absl::StrCat(layer.acc.size(), " values, expected ", heads * n,
-                                                         " ([kv_heads, n], in every layer or none)"));
+    if (!layer.acc.empty() || !l0.acc.empty() || total == 0) {  // no tokens: an empty acc is an acc
+      if (layer.acc.size() != static_cast<size_t>(heads) * total) {
+        return Invalid(LayerName(l, "acc"), absl::StrCat(layer.acc.size(), " values, expected ", heads * total,
+                                                         " ([kv_heads, n + n_demoted], in every layer or none)"));
       }
-      tensors.push_back(View(LayerName(l, "acc"), StDType::kF32, {heads, n}, BytesOf(layer.acc)));
+      tensors.push_back(View(LayerName(l, "acc"), StDType::kF32, {heads, total}, BytesOf(layer.acc)));
     }
-    sent += MessageLayerBytes(layer);
+    sent += layer.SentBytes();
   }
   if (sent != msg.sent_bytes) {
     return absl::InvalidArgumentError(
@@ -674,6 +699,15 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
     meta["quant_bits"] = absl::StrCat(l0.quant->bits);
     meta["quant_group"] = absl::StrCat(l0.quant->group);
     meta["quant_rotate"] = l0.quant->rotate ? "true" : "false";
+    if (l0.quant->scheme == QuantScheme::kLloyd) {
+      meta["quant_scheme"] = "lloyd";
+      meta["quant_seed"] = absl::StrCat(l0.quant->seed);
+      meta["quant_keys"] = l0.quant->keys_channel ? "channel" : "row";
+    }
+  }
+  if (nd > 0) {
+    meta["n_demoted"] = absl::StrCat(nd);
+    meta["demote_bits"] = absl::StrCat(msg.demote_bits);
   }
   return std::make_pair(std::move(tensors), std::move(meta));
 }
@@ -799,39 +833,87 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
                      file.GetMetadata("quant_rotate");
   int bits = 0, group = 0;
   bool rotate = false;
+  QuantScheme scheme = QuantScheme::kInt;
+  bool keys_channel = false;
+  uint64_t seed = kDefaultLloydSeed;
+  if (std::optional<absl::string_view> v = file.GetMetadata("quant_scheme")) {
+    if (*v == "lloyd") {
+      scheme = QuantScheme::kLloyd;
+    } else if (*v != "int") {
+      return absl::InvalidArgumentError(absl::StrCat("metadata quant_scheme: ", Quote(*v), ", expected int or lloyd"));
+    }
+    if (!quant) return absl::InvalidArgumentError("metadata quant_scheme: given without quant_bits");
+  }
+  const bool lloyd = scheme == QuantScheme::kLloyd;
   if (quant) {
-    KVRELAY_ASSIGN_OR_RETURN(uint64_t b, ParseCount(file, "quant_bits", 64, "2, 4 or 8"));
-    if (b != 2 && b != 4 && b != 8) {
+    KVRELAY_ASSIGN_OR_RETURN(uint64_t b, ParseCount(file, "quant_bits", 64, lloyd ? "1..4" : "2, 4 or 8"));
+    if (lloyd ? (b < 1 || b > 4) : (b != 2 && b != 4 && b != 8)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("metadata quant_bits: \"", b, "\", expected 2, 4 or 8"));
+          absl::StrCat("metadata quant_bits: \"", b, "\", expected ", lloyd ? "1..4 (lloyd)" : "2, 4 or 8"));
+    }
+    KVRELAY_ASSIGN_OR_RETURN(rotate, ParseBool(file, "quant_rotate", std::nullopt));
+    if (lloyd) {
+      std::optional<absl::string_view> keys = file.GetMetadata("quant_keys");
+      if (!keys || (*keys != "row" && *keys != "channel")) {
+        return absl::InvalidArgumentError(absl::StrCat("metadata quant_keys: ", keys ? Quote(*keys) : "missing",
+                                                       ", expected row or channel (quant_scheme lloyd)"));
+      }
+      keys_channel = *keys == "channel";
+      KVRELAY_ASSIGN_OR_RETURN(seed, ParseCount(file, "quant_seed", std::numeric_limits<uint64_t>::max(),
+                                                "a decimal uint64 (quant_scheme lloyd)"));
     }
     KVRELAY_ASSIGN_OR_RETURN(uint64_t g,
                              ParseCount(file, "quant_group", kMaxInt, "a decimal integer >= 1"));
-    if (g < 1) {
+    if (g < 1 && (!lloyd || keys_channel)) {
       return absl::InvalidArgumentError(
           "metadata quant_group: \"0\", expected a decimal integer >= 1");
     }
-    KVRELAY_ASSIGN_OR_RETURN(rotate, ParseBool(file, "quant_rotate", std::nullopt));
     bits = static_cast<int>(b);
     group = static_cast<int>(g);
   }
+  int64_t nd = 0;
+  int demote_bits = 0;
+  if (file.GetMetadata("n_demoted") || file.GetMetadata("demote_bits")) {
+    KVRELAY_ASSIGN_OR_RETURN(uint64_t c, ParseCount(file, "n_demoted", kMaxInt, "a decimal integer >= 1"));
+    KVRELAY_ASSIGN_OR_RETURN(uint64_t b, ParseCount(file, "demote_bits", 4, "1..4"));
+    if (c < 1 || b < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata n_demoted/demote_bits: ", c, "/", b,
+                                                     ", expected >= 1 and 1..4 (or neither key)"));
+    }
+    nd = static_cast<int64_t>(c);
+    demote_bits = static_cast<int>(b);
+  }
+  if (n + nd > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata n_*: ", n + nd, " tokens in all, expected below 2^31"));
+  }
+  const int64_t total = n + nd;
+  msg.n_demoted = static_cast<int>(nd);
+  msg.demote_bits = demote_bits;
 
   KVRELAY_ASSIGN_OR_RETURN(
       std::vector<PartMap> layers,
       GroupByLayer(file, &IsMessagePart,
                    "layer.{l}.{k,v,pos} or layer.{l}.{k.codes,k.scale,k.zero,v.codes,v.scale,"
                    "v.zero,pos}"));
-  const absl::string_view* parts_begin = quant ? std::begin(kQuantParts) : std::begin(kDenseParts);
-  const absl::string_view* parts_end = quant ? std::end(kQuantParts) : std::end(kDenseParts);
+  std::vector<absl::string_view> expected_parts;
+  if (!quant) {
+    expected_parts.assign(std::begin(kDenseParts), std::end(kDenseParts));
+  } else if (!lloyd) {
+    expected_parts.assign(std::begin(kQuantParts), std::end(kQuantParts));
+  } else if (keys_channel) {
+    expected_parts.assign(std::begin(kLloydChannelParts), std::end(kLloydChannelParts));
+  } else {
+    expected_parts.assign(std::begin(kLloydParts), std::end(kLloydParts));
+  }
+  if (nd > 0) expected_parts.insert(expected_parts.end(), std::begin(kDemotedParts), std::end(kDemotedParts));
+  const absl::string_view* parts_begin = expected_parts.data();
+  const absl::string_view* parts_end = expected_parts.data() + expected_parts.size();
   const int num_layers = static_cast<int>(layers.size());
   for (int l = 0; l < num_layers; ++l) {
     for (const auto& [part, t] : layers[l]) {
       if (part != "acc" && std::find(parts_begin, parts_end, part) == parts_end) {
-        return Invalid(t->name, quant ? "unexpected in a quantized message (metadata quant_bits "
-                                        "is set), expected k.codes, k.scale, k.zero, v.codes, "
-                                        "v.scale, v.zero and pos"
-                                      : "unexpected in a dense message (no quant_bits metadata), "
-                                        "expected k, v and pos");
+        return Invalid(t->name, absl::StrCat("unexpected in this message (by its quant_* and n_demoted "
+                                             "metadata), expected ", absl::StrJoin(expected_parts, ", ")));
       }
     }
     for (const absl::string_view* p = parts_begin; p != parts_end; ++p) {
@@ -860,10 +942,15 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
     return Invalid(LayerName(num_layers - 1, "pos"),
                    absl::StrCat(num_layers, " layers, expected at most ", kMaxLayers));
   }
-  const StTensor& dim_ref = quant ? *layers[0]["k.scale"] : *layers[0]["k"];
-  KVRELAY_RETURN_IF_ERROR(
-      CheckRank(dim_ref, 3, quant ? "[kv_heads, groups, head_dim]" : "[kv_heads, n, head_dim]"));
-  const int64_t dim = dim_ref.shape[2];
+  // head_dim: from k.scale (int, lloyd keys=channel), k.codes' row bytes
+  // (lloyd rows) or k.
+  const bool dim_from_codes = lloyd && !keys_channel;
+  const StTensor& dim_ref = dim_from_codes ? *layers[0]["k.codes"] : quant ? *layers[0]["k.scale"] : *layers[0]["k"];
+  KVRELAY_RETURN_IF_ERROR(CheckRank(dim_ref, 3,
+                                    dim_from_codes ? "[kv_heads, n, head_dim*quant_bits/8]"
+                                    : quant        ? "[kv_heads, groups, head_dim]"
+                                                   : "[kv_heads, n, head_dim]"));
+  const int64_t dim = dim_from_codes ? dim_ref.shape[2] * 8 / bits : dim_ref.shape[2];
   if (dim < 1 || dim > kMaxHeadDim || (quant && (dim * bits) % 8 != 0)) {
     return Invalid(dim_ref.name,
                    absl::StrCat("shape ", ShapeString(dim_ref.shape), ", expected head_dim in 1..",
@@ -872,11 +959,21 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
   }
   if (quant) {  // e.g. rotate with 8 bits or an odd head_dim: nothing could decode it
     QuantOptions qo;
+    qo.scheme = scheme;
     qo.bits = bits;
     qo.group = group;
     qo.rotate = rotate;
+    qo.keys_channel = keys_channel;
     if (absl::Status s = ValidateQuantOptions(qo, static_cast<int>(dim)); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("metadata quant_*: ", s.message()));
+    }
+  }
+  if (nd > 0) {
+    QuantOptions qo;
+    qo.scheme = QuantScheme::kLloyd;
+    qo.bits = demote_bits;
+    if (absl::Status s = ValidateQuantOptions(qo, static_cast<int>(dim)); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata demote_bits: ", s.message()));
     }
   }
   msg.kv_heads = static_cast<int>(heads);
@@ -891,43 +988,75 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
     MessageLayer& out = msg.layers[l];
     const StTensor& pos = *parts["pos"];
     KVRELAY_RETURN_IF_ERROR(CheckDType(pos, StDType::kI32));
-    KVRELAY_RETURN_IF_ERROR(CheckShape(pos, {heads, n}, geo_why));
+    KVRELAY_RETURN_IF_ERROR(CheckShape(pos, {heads, total}, geo_why));
     out.pos = PosFrom(pos);
     if (parts.count("acc")) {
       const StTensor& acc = *parts["acc"];
       KVRELAY_RETURN_IF_ERROR(CheckDType(acc, StDType::kF32));
-      KVRELAY_RETURN_IF_ERROR(CheckShape(acc, {heads, n}, geo_why));
+      KVRELAY_RETURN_IF_ERROR(CheckShape(acc, {heads, total}, geo_why));
       out.acc = VectorFrom<float>(acc);
       for (size_t i = 0; i < out.acc.size(); ++i) {
         if (!std::isfinite(out.acc[i]) || out.acc[i] < 0) {
           return Invalid(acc.name, absl::StrFormat("value %g at [%d,%d], expected a finite mass >= 0", out.acc[i],
-                                                   static_cast<int>(i / n), static_cast<int>(i % n)));
+                                                   static_cast<int>(i / total), static_cast<int>(i % total)));
         }
       }
     }
+    if (nd > 0) {
+      const int64_t row = dim * demote_bits / 8;
+      QuantizedKv q;
+      q.scheme = QuantScheme::kLloyd;
+      q.bits = demote_bits;
+      q.seed = seed;
+      q.dtype = msg.dtype;
+      for (auto [qt, is_key] : {std::pair<QuantizedTensor*, bool>{&q.k, true}, {&q.v, false}}) {
+        const StTensor& codes = *parts[is_key ? "demoted.k.codes" : "demoted.v.codes"];
+        const StTensor& norm = *parts[is_key ? "demoted.k.norm" : "demoted.v.norm"];
+        KVRELAY_RETURN_IF_ERROR(CheckDType(codes, StDType::kU8));
+        KVRELAY_RETURN_IF_ERROR(CheckShape(codes, {heads, nd, row},
+                                           absl::StrCat("n_demoted; head_dim*demote_bits/8 bytes per row")));
+        KVRELAY_RETURN_IF_ERROR(CheckDType(norm, StDType::kF16));
+        KVRELAY_RETURN_IF_ERROR(CheckShape(norm, {heads, nd}, "n_demoted"));
+        qt->bits = demote_bits;
+        qt->heads = static_cast<int>(heads);
+        qt->tokens = static_cast<int>(nd);
+        qt->dim = static_cast<int>(dim);
+        qt->codes.assign(codes.data.begin(), codes.data.end());
+        qt->scale = VectorFrom<uint16_t>(norm);
+      }
+      out.demoted = std::move(q);
+    }
     if (quant) {
       const int64_t row = dim * bits / 8;
-      const int64_t groups = CeilDiv(n, group);
+      const bool lloyd_rows = lloyd && !keys_channel;
+      const int64_t groups = lloyd_rows ? 0 : CeilDiv(n, group);
       QuantizedKv q;
+      q.scheme = scheme;
       q.bits = bits;
       q.group = group;
       q.rotate = rotate;
+      q.keys_channel = keys_channel;
+      q.seed = lloyd ? seed : 0;
       q.dtype = msg.dtype;
       for (auto [qt, is_key] : {std::pair<QuantizedTensor*, bool>{&q.k, true}, {&q.v, false}}) {
         const StTensor& codes = *parts[is_key ? "k.codes" : "v.codes"];
         const StTensor& scale = *parts[is_key ? "k.scale" : "v.scale"];
-        const StTensor& zero = *parts[is_key ? "k.zero" : "v.zero"];
+        const bool has_zero = !lloyd || (is_key && keys_channel);
         KVRELAY_RETURN_IF_ERROR(CheckDType(codes, StDType::kU8));
         KVRELAY_RETURN_IF_ERROR(
             CheckShape(codes, {heads, n, row},
                        absl::StrCat(geo_why, "; head_dim*quant_bits/8 bytes per row")));
-        std::vector<int64_t> stats_shape =
-            is_key ? std::vector<int64_t>{heads, groups, dim} : std::vector<int64_t>{heads, n};
+        std::vector<int64_t> stats_shape = is_key && !lloyd_rows ? std::vector<int64_t>{heads, groups, dim}
+                                                                 : std::vector<int64_t>{heads, n};
         const std::string stats_why =
-            is_key ? absl::StrCat("groups = ceil(n / quant_group); ", geo_why) : geo_why;
-        for (const StTensor* st : {&scale, &zero}) {
-          KVRELAY_RETURN_IF_ERROR(CheckDType(*st, StDType::kF16));
-          KVRELAY_RETURN_IF_ERROR(CheckShape(*st, stats_shape, stats_why));
+            is_key && !lloyd_rows ? absl::StrCat("groups = ceil(n / quant_group); ", geo_why) : geo_why;
+        KVRELAY_RETURN_IF_ERROR(CheckDType(scale, StDType::kF16));
+        KVRELAY_RETURN_IF_ERROR(CheckShape(scale, stats_shape, stats_why));
+        if (has_zero) {
+          const StTensor& zero = *parts[is_key ? "k.zero" : "v.zero"];
+          KVRELAY_RETURN_IF_ERROR(CheckDType(zero, StDType::kF16));
+          KVRELAY_RETURN_IF_ERROR(CheckShape(zero, stats_shape, stats_why));
+          qt->zero = VectorFrom<uint16_t>(zero);
         }
         qt->bits = bits;
         qt->heads = static_cast<int>(heads);
@@ -935,7 +1064,6 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
         qt->dim = static_cast<int>(dim);
         qt->codes.assign(codes.data.begin(), codes.data.end());
         qt->scale = VectorFrom<uint16_t>(scale);
-        qt->zero = VectorFrom<uint16_t>(zero);
       }
       out.quant = std::move(q);
     } else {
@@ -947,7 +1075,7 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
       out.k = KvFrom(*parts["k"], msg.dtype);
       out.v = KvFrom(*parts["v"], msg.dtype);
     }
-    sent += MessageLayerBytes(out);
+    sent += out.SentBytes();
   }
   if (sent != msg.sent_bytes) {
     return absl::InvalidArgumentError(
