@@ -31,9 +31,10 @@ Contents
     lloyd_quantize_layer()/lloyd_dequantize_layer(); codes are decided on
     float64 u against float64 thresholds (exact comparisons),
   * demotion (step 6a) in compress(): each layer's demoted tokens (lay.dem_*),
-    their acc after the main part's, byte accounting; message_tensors() (the
-    file's tensors, packed or decoded to dense) and message_as_held() merge
-    them into the kept tokens by ascending position (merge_order()),
+    their positions and acc after the main part's, byte accounting;
+    message_tensors() (the file's tensors, packed or decoded to dense) and
+    message_as_held() merge them into the kept tokens by ascending position
+    (merge_order()),
   * selftest(): internal invariants, run with
         /usr/bin/python3 tests/reference/kvrelay_ref.py --selftest
 
@@ -90,8 +91,8 @@ Choices where FORMAT.md leaves room (see also the report in the test file):
     past fp16's range fails the compression.
   * Demotion with a top-k range of at most k candidates demotes nothing
     (n_demoted = 0).  Decoding to dense orders the merged kept tokens by
-    position; the demoted tokens keep their acc (after the main part's in
-    layer.{l}.acc, merged with them when decoded).
+    position; the demoted tokens keep their position and acc (after the main
+    part's in layer.{l}.pos and layer.{l}.acc, merged when decoded).
   * Fidelity with demoted tokens: o_msg uses the message decoded to dense
     ("the message's keys and values as the recipient holds them"), i.e. the
     demoted tokens decoded and merged into the kept ones.
@@ -1193,7 +1194,8 @@ def message_tensors(msg, decode=False):
                 r = lay.dem_q[x]
                 out["layer.%d.demoted.%s.codes" % (l, x)] = ("U8", pack_codes(r["codes"], dm["bits"]))
                 out["layer.%d.demoted.%s.norm" % (l, x)] = ("F16", r["norm"])
-            out["layer.%d.demoted.pos" % l] = ("I32", lay.dem_pos.astype(np.int32))
+            # layer.{l}.pos covers the main part, then the demoted tokens.
+            pos = np.concatenate([lay.pos, lay.dem_pos], axis=1)
         out["layer.%d.pos" % l] = ("I32", pos.astype(np.int32))
         out["layer.%d.acc" % l] = ("F32", acc)
     return out
@@ -2481,6 +2483,10 @@ def _selftest_lloyd_demote(rng):
             _check(np.array_equal(lay.acc64[:, m.n:], want), "demoted acc = A[h][j]")
             n_checks += 3 + H
         tens = message_tensors(m)
+        for l, lay in enumerate(m.layers):
+            _check(np.array_equal(tens["layer.%d.pos" % l][1], np.concatenate([lay.pos, lay.dem_pos], axis=1))
+                   and tens["layer.%d.acc" % l][1].shape == (H, m.n + m.n_demoted), "pos, acc: main then demoted")
+            n_checks += 1
         nbytes = sum(a.nbytes for nm, (_, a) in tens.items() if not nm.endswith(".acc"))
         _check(nbytes == m.sent_bytes, "sent_bytes = bytes of the packed tensors (%d vs %d)" % (nbytes, m.sent_bytes))
         _check(m.sent_bytes - m0.sent_bytes == t.L * demoted_layer_bytes(H, m.n_demoted, d, B), "demoted bytes")

@@ -144,7 +144,8 @@ a stage with "unknown stage" naming lloyd or demote, that policy is SKIPPED
   * Names, dtypes, shapes and metadata exactly as FORMAT.md: the packed
     lloyd tensors (k.scale/v.scale [H, n] row norms, or keys=channel
     k.scale/k.zero [H, ceil(n/group), d]), layer.{l}.demoted.{k,v}.codes,
-    .norm and layer.{l}.demoted.pos [H, n_demoted], acc [H, n + n_demoted];
+    .norm [H, n_demoted, ...], pos and acc [H, n + n_demoted] (the main
+    part, then the demoted tokens);
     quant_bits, quant_scheme=lloyd, quant_seed, quant_keys (quant_group with
     keys=channel; quant_scheme absent or int for intB); n_demoted and
     demote_bits with demoted tokens (absent, or n_demoted=0, without); the
@@ -693,8 +694,9 @@ def check_meta(errs, ctx, case, refm, meta, pol, quant_packed, decoded=False):
 
 def check_names(errs, ctx, case, refm, tensors, packed, pol, decoded=False):
     """Tensor names, dtypes and shapes (FORMAT.md "Message (output)"): dense
-    or packed (int or lloyd), the demoted part, acc over n + n_demoted; a
-    --decode file (decoded=True) holds n + n_demoted dense tokens."""
+    or packed (int or lloyd), the demoted part, pos and acc over n +
+    n_demoted; a --decode file (decoded=True) holds n + n_demoted dense
+    tokens."""
     turn = case.turn
     H, d, n = turn.H, turn.d, refm.n
     nd = refm.n_demoted or 0
@@ -703,7 +705,8 @@ def check_names(errs, ctx, case, refm, tensors, packed, pol, decoded=False):
     want, optional = {}, set()
     for l in range(turn.L):
         nt = n + nd if decoded else n
-        want["layer.%d.pos" % l] = ("I32", (H, nt))
+        # pos and acc cover the main part, then the demoted tokens.
+        want["layer.%d.pos" % l] = ("I32", (H, n + nd))
         want["layer.%d.acc" % l] = ("F32", (H, n + nd))
         if packed:
             q = pol["quant"]
@@ -726,7 +729,7 @@ def check_names(errs, ctx, case, refm, tensors, packed, pol, decoded=False):
             want["layer.%d.k" % l] = (turn.dtype, (H, nt, d))
             want["layer.%d.v" % l] = (turn.dtype, (H, nt, d))
         if dm is not None and not decoded:
-            dem = {"layer.%d.demoted.pos" % l: ("I32", (H, nd))}
+            dem = {}
             for x in ("k", "v"):
                 dem["layer.%d.demoted.%s.codes" % (l, x)] = ("U8", (H, nd, d * dm["bits"] // 8))
                 dem["layer.%d.demoted.%s.norm" % (l, x)] = ("F16", (H, nd))
@@ -755,15 +758,19 @@ def row_label(lay, h, t):
 
 
 def check_pos(errs, ctx, refm, tensors, l):
+    """layer.{l}.pos: the main part, then (with demote) the demoted tokens."""
     lay = refm.layers[l]
     got = tensors["layer.%d.pos" % l][1].astype(np.int64)
+    want = lay.pos
+    if refm.n_demoted and got.shape[1] == lay.pos.shape[1] + refm.n_demoted:
+        want = np.concatenate([lay.pos, lay.dem_pos], axis=1)
     for h in range(got.shape[0]):
-        if not np.array_equal(got[h], lay.pos[h]):
-            bad = np.nonzero(got[h] != lay.pos[h])[0]
-            errs.append("%s layer %d head %d tensor layer.%d.pos: %d mismatches, first at row %d (%s): "
+        if not np.array_equal(got[h], want[h]):
+            bad = np.nonzero(got[h] != want[h])[0]
+            errs.append("%s layer %d head %d tensor layer.%d.pos: %d mismatches, first at %s: "
                         "cli=%d ref=%d\n      cli=%s\n      ref=%s"
-                        % (ctx, l, h, l, len(bad), bad[0], lay.part[bad[0]], got[h, bad[0]],
-                           lay.pos[h, bad[0]], got[h].tolist(), lay.pos[h].tolist()))
+                        % (ctx, l, h, l, len(bad), row_label(lay, h, bad[0]), got[h, bad[0]],
+                           want[h, bad[0]], got[h].tolist(), want[h].tolist()))
 
 
 def check_acc(errs, ctx, case, refm, tensors, l, order=None):
@@ -1203,7 +1210,8 @@ def compare_decoded(case, refm, tensors, meta, pol, ctx, decoded, packed=None, d
                        np.full((H, n, 1), dec["ulps"]))
         if dem_decoded is not None and refm.n_demoted:
             dd = dem_decoded[l]
-            cli_order = ref.merge_order(packed["layer.%d.pos" % l][1], packed["layer.%d.demoted.pos" % l][1], nb, nk)
+            ppos = packed["layer.%d.pos" % l][1]
+            cli_order = ref.merge_order(ppos[:, :n], ppos[:, n:], nb, nk)
             for nm in ("k", "v"):
                 y, sl, um = exp[nm]
                 nd = dd[nm].shape[1]
@@ -1411,8 +1419,9 @@ def compare_lloyd_layer(errs, ctx, lay, l, tensors, q, xk, xv):
 
 
 def compare_demoted(errs, ctx, case, refm, tensors, pol):
-    """The demoted part (FORMAT.md step 6a): positions exactly the reference's
-    (the top-k range's candidates not kept, ascending), and K and V in row
+    """The demoted part (FORMAT.md step 6a): positions (layer.{l}.pos after the
+    main part, checked by check_pos) exactly the reference's (the top-k
+    range's candidates not kept, ascending); here K and V in row
     form with the demotion's bits and the message's seed, checked like the
     main part's rows (check_lloyd_rows) against the turn's own values.
     Returns per layer the decoded rows for the --decode comparison."""
@@ -1424,13 +1433,9 @@ def compare_demoted(errs, ctx, case, refm, tensors, pol):
         if refm.n_demoted == 0:
             out.append(None)
             continue
-        got = t("pos").astype(np.int64)
+        got = tensors["layer.%d.pos" % l][1][:, refm.n:].astype(np.int64)
         if not np.array_equal(got, lay.dem_pos):
-            for h in range(turn.H):
-                if not np.array_equal(got[h], lay.dem_pos[h]):
-                    errs.append("%s layer %d head %d tensor layer.%d.demoted.pos: cli=%s ref=%s"
-                                % (ctx, l, h, l, got[h].tolist(), lay.dem_pos[h].tolist()))
-            out.append(None)
+            out.append(None)   # check_pos reports the positions
             continue
         labels = lambda idx: "head %d demoted row %d (pos %d)" % (idx[0], idx[1], lay.dem_pos[idx[0], idx[1]])  # noqa: E731,B023
         dec = {"ulps": 1.0}
@@ -1604,7 +1609,7 @@ def follow_ambiguous_selection(case, pol, refm, tensors, ctx, meta=None):
     hist_override = {}
     for l, lay in enumerate(refm.layers):
         got = tensors.get("layer.%d.pos" % l)
-        if got is None or got[1].shape != (H, refm.n):
+        if got is None or got[1].shape != (H, refm.n + (refm.n_demoted or 0)):
             return refm  # check_names reports it
         # History budget.
         K = sel.get("hist")
