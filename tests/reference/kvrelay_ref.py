@@ -29,7 +29,8 @@ Contents
     lloyd_quantize_rows()/lloyd_dequantize_rows() (row form),
     lloyd_quantize_keys_channel()/lloyd_dequantize_keys_channel(),
     lloyd_quantize_layer()/lloyd_dequantize_layer(); codes are decided on
-    float64 u against float64 thresholds (exact comparisons),
+    float64 u against float64 thresholds (exact comparisons), the rotation
+    by float64 butterflies (fwht(), exact for F16/BF16 rows) and one scaling,
   * demotion (step 6a) in compress(): each layer's demoted tokens (lay.dem_*),
     their positions and acc after the main part's, byte accounting;
     message_tensors() (the file's tensors, packed or decoded to dense) and
@@ -1435,6 +1436,23 @@ def lloyd_signs(seed, d):
     return np.array([-1.0 if (words[i // 64] >> (i % 64)) & 1 else 1.0 for i in range(d)])
 
 
+def fwht(x):
+    """Unnormalized Walsh-Hadamard transform (Sylvester order, = x @ H_d *
+    sqrt(d)) along the last axis, by float64 butterflies: exact whenever the
+    sums fit in 53 bits (always for F16 / BF16 values and rows of moderate
+    exponent range), so a coordinate that is 0 comes out exactly 0."""
+    x = np.array(x, dtype=np.float64)
+    d = x.shape[-1]
+    h = 1
+    while h < d:
+        y = x.reshape(x.shape[:-1] + (d // (2 * h), 2, h))
+        a, b = y[..., 0, :].copy(), y[..., 1, :].copy()
+        y[..., 0, :], y[..., 1, :] = a + b, a - b
+        x = y.reshape(x.shape)
+        h *= 2
+    return x
+
+
 def lloyd_rotation(d, seed):
     """The matrix of R x = (H_d / sqrt(d)) (sigma * x), i.e. hadamard(d) diag(sigma)."""
     return hadamard(d) * lloyd_signs(seed, d)[None, :]
@@ -1462,7 +1480,7 @@ def lloyd_row_u(x64, nu, seed):
     arithmetic on the float32 f.  Returns (u, y = R x, f)."""
     x = np.asarray(x64, dtype=np.float64)
     d = x.shape[-1]
-    y = (x * lloyd_signs(seed, d)) @ hadamard(d)
+    y = fwht(x * lloyd_signs(seed, d)) / math.sqrt(d)
     nu64 = np.asarray(nu, dtype=np.float64)
     with np.errstate(divide="ignore"):
         f = np.where(nu64 > 0, (math.sqrt(d) / np.where(nu64 > 0, nu64, 1.0)).astype(np.float32), 0.0)
@@ -1491,7 +1509,7 @@ def lloyd_dequantize_rows(codes, nu, bits, seed):
     codes = np.asarray(codes)
     d = codes.shape[-1]
     z = lloyd_codebook(bits)[codes] * (np.asarray(nu, dtype=np.float64) / math.sqrt(d))[..., None]
-    return (z @ hadamard(d)) * lloyd_signs(seed, d)
+    return (fwht(z) / math.sqrt(d)) * lloyd_signs(seed, d)
 
 
 def lloyd_channel_u(k64, mean, rms, group):
@@ -2344,6 +2362,13 @@ def _selftest_lloyd_demote(rng):
         _check(lloyd_thresholds(bits)[(1 << (bits - 1)) - 1] == 0.0, "middle threshold 0")
         n_checks += 5
 
+    # fwht: the Hadamard matrix times sqrt(d); a zero coordinate stays exactly 0.
+    for d in (1, 2, 8, 64):
+        x = rng.standard_normal((4, d))
+        _check(np.allclose(fwht(x), x @ hadamard(d) * math.sqrt(d), atol=1e-12), "fwht = hadamard")
+    xz = np.array([[1.0, 1.0, 1.0, 1.0, 0.5, -0.5, 0.5, -0.5]], dtype=np.float64)
+    _check(fwht(xz).tolist() == [[4.0, 2.0, 0.0, 0.0, 4.0, -2.0, 0.0, 0.0]], "fwht exact zeros")
+    n_checks += 5
     # Rotation: orthonormal, and sigma * H(H(sigma * x)) = x.
     for d in (1, 2, 8, 64, 128, 256):
         for seed in (1, 99, U64_MAX):

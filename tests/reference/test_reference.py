@@ -1264,7 +1264,15 @@ def lloyd_cells(errs, ctx, what, u, codes, eps, bits, labels, x=None):
     ok = (u >= t[codes] - eps) & (u < t[codes + 1] + eps)
     exact = ref.lloyd_code(u, bits)
     STATS["lloyd_codes"] += codes.size
-    STATS["lloyd_codes_near"] += int(np.count_nonzero(ok & (exact != codes)))
+    near = ok & (exact != codes)
+    STATS["lloyd_codes_near"] += int(np.count_nonzero(near))
+    if VERBOSE and near.any():
+        for idx in np.argwhere(near)[:MAX_REPORT]:
+            idx = tuple(idx)
+            tj = t[max(codes[idx], exact[idx])]
+            print("note: %s %s: %s col %d: cli code %d, exact decision %d: u=%.9g, threshold %.9g (|u - t| = %.3g "
+                  "<= eps %.3g)" % (ctx, what, labels(idx), idx[-1], codes[idx], exact[idx], u[idx], tj,
+                                    abs(u[idx] - tj), eps[idx] if np.ndim(eps) else eps), file=sys.stderr)
     if not ok.all():
         bad = np.argwhere(~ok)
         lines = []
