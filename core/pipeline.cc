@@ -16,6 +16,7 @@
 #include "core/internal/gather.h"
 #include "core/internal/gram.h"
 #include "core/internal/pipeline_checks.h"
+#include "core/budget.h"
 #include "core/lloyd.h"
 #include "core/query_scores.h"
 #include "core/status_macros.h"
@@ -260,6 +261,17 @@ absl::Status ApplyLloyd(const StageSpec& st, PipelineConfig* cfg) {
   return absl::OkStatus();
 }
 
+absl::Status ApplyAuto(const StageSpec& st, PipelineConfig* cfg) {
+  double budget = 0;
+  Params p(st);
+  const bool given = std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "budget"; });
+  KVRELAY_RETURN_IF_ERROR(p.Double("budget", 1e-6, 1, &budget));
+  KVRELAY_RETURN_IF_ERROR(p.Done());
+  if (!given) return BadStage(st, "budget: missing, expected budget=F with F in [1e-06, 1], e.g. auto:budget=0.1");
+  cfg->budget = budget;
+  return absl::OkStatus();
+}
+
 absl::Status ApplyQuant(int bits, const StageSpec& st, PipelineConfig* cfg) {
   QuantOptions o;
   o.bits = bits;
@@ -286,6 +298,7 @@ const char* SelectorName(SelectorKind k) {
 }
 
 std::string CanonicalSpec(const PipelineConfig& c) {
+  if (c.budget) return absl::StrCat("auto:budget=", ShortestDecimal(*c.budget));
   const SelectorOptions& s = c.select;
   std::string out = SelectorName(s.kind);
   if (s.kind == SelectorKind::kGen) absl::StrAppend(&out, ":sinks=", s.sinks);
@@ -412,6 +425,7 @@ absl::Status RegisterBuiltins(Registry* r) {
   KVRELAY_RETURN_IF_ERROR(r->Register("obf", K::kTransform, ApplyObf));
   KVRELAY_RETURN_IF_ERROR(r->Register("demote", K::kTransform, ApplyDemote));
   KVRELAY_RETURN_IF_ERROR(r->Register("lloyd", K::kQuantizer, ApplyLloyd));
+  KVRELAY_RETURN_IF_ERROR(r->Register("auto", K::kSelector, ApplyAuto));
   for (int bits : {8, 4, 2}) {
     KVRELAY_RETURN_IF_ERROR(r->Register(absl::StrCat("int", bits), K::kQuantizer,
                                         [bits](const StageSpec& st, PipelineConfig* c) {
@@ -440,6 +454,8 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Pipeline::Create(absl::string_view spe
       have_selector = true;
     } else if (!have_selector) {
       return BadStage(st, "must follow a selector (full, gen, h2o-layer, h2o-head, h2o-auto)");
+    } else if (cfg.budget) {
+      return BadStage(st, "after auto, which chooses the whole policy: give auto:budget=F alone");
     }
     if (kind == Registry::Kind::kTransform) {
       if (cfg.obf || cfg.demote_bits) {
@@ -830,8 +846,17 @@ absl::Status Pipeline::CheckHeadDim(int head_dim) const {
   return absl::OkStatus();
 }
 
+absl::Status Pipeline::CheckLayerwise() const {
+  if (!config_.budget) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "policy '", spec_, "': auto chooses its setting from every layer's scores, so it compresses whole turns only "
+      "(kvrelayctl compress, Pipeline::Compress); a relay compresses layer by layer as they arrive: publish the "
+      "policy auto chooses (the policy of kvrelayctl compress's message)"));
+}
+
 absl::StatusOr<MessageLayer> Pipeline::CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
                                                      const LayerContext& ctx, ThreadPool* pool) const {
+  KVRELAY_RETURN_IF_ERROR(CheckLayerwise());
   KVRELAY_RETURN_IF_ERROR(CheckHeadDim(geo.head_dim));
   KVRELAY_RETURN_IF_ERROR(CheckWindow(geo));
   KVRELAY_RETURN_IF_ERROR(ValidateTurnLayer(layer, ctx.layer, geo, ctx.prompt_pos0, /*check_kv_values=*/false));
@@ -879,6 +904,13 @@ absl::StatusOr<Message> Pipeline::CompressValidated(const Turn& turn, ThreadPool
 absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* pool,
                                                bool check_kv_values) const {
   KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
+  if (config_.budget) {
+    KVRELAY_ASSIGN_OR_RETURN(std::vector<BudgetCandidate> grid, BudgetCandidates(turn));
+    KVRELAY_ASSIGN_OR_RETURN(BudgetCandidate best,
+                             ChooseBudget(grid, FullLayerBytes(geo) * turn.layers.size(), *config_.budget));
+    KVRELAY_ASSIGN_OR_RETURN(std::unique_ptr<Pipeline> chosen, Create(best.Spec()));
+    return chosen->CompressImpl(turn, pool, check_kv_values);
+  }
   KVRELAY_RETURN_IF_ERROR(CheckHeadDim(geo.head_dim));
   KVRELAY_RETURN_IF_ERROR(CheckWindow(geo));
   const size_t n_layers = turn.layers.size();

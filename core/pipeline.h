@@ -53,6 +53,9 @@ struct PipelineConfig {
   // (docs/FORMAT.md, step 6a).
   std::optional<int> demote_bits;
   std::optional<QuantOptions> quant;
+  // auto:budget=F: the policy is chosen per turn from a grid (core/budget.h);
+  // the other fields are unused.
+  std::optional<double> budget;
 
   // The seed of the lloyd rotation of the message (its quantizer's, else
   // kDefaultLloydSeed): demoted tokens use it too.
@@ -73,7 +76,7 @@ class Registry {
   std::vector<std::string> Names() const;
 
   // The registry with every built-in stage (full, gen, h2o-layer, h2o-head,
-  // h2o-auto, obf, demote, int8, int4, int2, lloyd).
+  // h2o-auto, obf, demote, int8, int4, int2, lloyd, auto).
   static const Registry& Builtin();
 
  private:
@@ -125,6 +128,8 @@ class Pipeline {
   // A selector with `window` on a turn without queries is InvalidArgument.
   // CancelledError once *ctx.cancelled is true (checked between heads and
   // between GEMM column blocks, so a layer stops within about one block).
+  // An auto:budget pipeline chooses from the whole turn: InvalidArgument
+  // here (CheckLayerwise).
   absl::StatusOr<MessageLayer> CompressLayer(const TurnLayer& layer, const TurnGeometry& geo,
                                              const LayerContext& ctx,
                                              ThreadPool* pool = nullptr) const;
@@ -134,6 +139,11 @@ class Pipeline {
   // queries. Compress and CompressLayer check it too; a relay checks it
   // before the upload's tensors arrive.
   absl::Status CheckWindow(const TurnGeometry& geo) const;
+
+  // InvalidArgument for a pipeline that cannot compress layer by layer
+  // (auto:budget, which chooses from every layer's scores), as a relay
+  // does for Publish; OK otherwise.
+  absl::Status CheckLayerwise() const;
 
   // InvalidArgument naming the stage when its quantizer or demotion cannot
   // apply to rows of `head_dim` channels (ValidateQuantOptions).

@@ -840,4 +840,34 @@ absl::Status DequantizeMessage(Message* msg, DType dtype) {
   return absl::OkStatus();
 }
 
+bool AgentsReceiveDecoded(const Message& msg) {
+  for (const MessageLayer& l : msg.layers) {
+    if (l.demoted || (l.quant && l.quant->scheme == QuantScheme::kLloyd)) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<Message> DecodedMessage(const Message& msg) {
+  Message out;
+  out.policy = msg.policy;
+  out.dtype = msg.dtype;
+  out.kv_heads = msg.kv_heads;
+  out.head_dim = msg.head_dim;
+  out.n_history = msg.n_history;
+  out.n_anchor = msg.n_anchor;
+  out.n_kept = msg.n_kept + msg.n_demoted;
+  out.n_gen = msg.n_gen;
+  out.full_bytes = msg.full_bytes;
+  out.next_pos = msg.next_pos;
+  out.attention_error = msg.attention_error;
+  out.anchor_pos = msg.anchor_pos;
+  out.layers.resize(msg.layers.size());
+  for (size_t l = 0; l < msg.layers.size(); ++l) {
+    KVRELAY_RETURN_IF_ERROR(DecodeLayer(msg.layers[l], static_cast<int>(l), msg, msg.dtype, &out.layers[l]));
+    out.layers[l].acc.clear();
+    out.sent_bytes += out.layers[l].SentBytes();
+  }
+  return out;
+}
+
 }  // namespace kvrelay

@@ -95,6 +95,16 @@ absl::Status DequantizeKv(const QuantizedKv& q, DType dtype, KvTensor* k, KvTens
 // `msg` is unchanged.
 absl::Status DequantizeMessage(Message* msg, DType dtype);
 
+// Whether agents receive `msg` decoded (DecodedMessage): it holds lloyd
+// codes or demoted tokens, which only relays read (relay.proto,
+// MessageHeader.quant_scheme).
+bool AgentsReceiveDecoded(const Message& msg);
+
+// A dense copy of `msg` as DequantizeMessage makes it, K/V in msg.dtype,
+// without acc (agents do not receive it). InvalidArgument naming the layer
+// when a layer does not decode.
+absl::StatusOr<Message> DecodedMessage(const Message& msg);
+
 // In-place orthonormal Walsh-Hadamard transform of n floats.
 // REQUIRES: n is a power of two.
 void HadamardTransform(float* x, int n);

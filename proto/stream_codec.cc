@@ -24,6 +24,8 @@ constexpr v1::Part kQueryUploadParts[] = {v1::PART_PROMPT_K,  v1::PART_PROMPT_V,
                                           v1::PART_GEN_V,     v1::PART_GEN_Q,     v1::PART_HISTORY_K,
                                           v1::PART_HISTORY_V, v1::PART_HISTORY_POS};
 constexpr v1::Part kDenseParts[] = {v1::PART_K, v1::PART_V, v1::PART_POS};
+constexpr v1::Part kDemotedParts[] = {v1::PART_DEMOTED_K_CODES, v1::PART_DEMOTED_K_NORM, v1::PART_DEMOTED_V_CODES,
+                                      v1::PART_DEMOTED_V_NORM};
 constexpr v1::Part kQuantParts[] = {v1::PART_K_CODES, v1::PART_K_SCALE, v1::PART_K_ZERO, v1::PART_V_CODES,
                                     v1::PART_V_SCALE, v1::PART_V_ZERO,  v1::PART_POS};
 
@@ -56,6 +58,10 @@ absl::Span<const uint8_t> MessagePartBytes(const MessageLayer& l, v1::Part part)
     case v1::PART_V_SCALE: return BytesOf(q->v.scale);
     case v1::PART_V_ZERO: return BytesOf(q->v.zero);
     case v1::PART_ACC: return BytesOf(l.acc);
+    case v1::PART_DEMOTED_K_CODES: return l.demoted ? BytesOf(l.demoted->k.codes) : absl::Span<const uint8_t>();
+    case v1::PART_DEMOTED_K_NORM: return l.demoted ? BytesOf(l.demoted->k.scale) : absl::Span<const uint8_t>();
+    case v1::PART_DEMOTED_V_CODES: return l.demoted ? BytesOf(l.demoted->v.codes) : absl::Span<const uint8_t>();
+    case v1::PART_DEMOTED_V_NORM: return l.demoted ? BytesOf(l.demoted->v.scale) : absl::Span<const uint8_t>();
     default: return {};
   }
 }
@@ -157,6 +163,9 @@ std::vector<TensorRef> TurnUploadOrder(const Turn& turn) {
 std::vector<TensorRef> LayerDeliveryOrder(const MessageLayer& layer, uint32_t index, bool with_acc) {
   std::vector<TensorRef> out;
   for (v1::Part p : DeliveryParts(layer.quant.has_value())) out.push_back({index, p, MessagePartBytes(layer, p)});
+  if (layer.demoted) {
+    for (v1::Part p : kDemotedParts) out.push_back({index, p, MessagePartBytes(layer, p)});
+  }
   if (with_acc) out.push_back({index, v1::PART_ACC, MessagePartBytes(layer, v1::PART_ACC)});
   return out;
 }
@@ -530,12 +539,23 @@ StreamError UploadReader::CheckCommit(const v1::Trailer& t) const { return seq_.
 uint64_t MessageLayerBytes(const v1::MessageHeader& h) {
   const uint64_t H = h.kv_heads(), d = h.head_dim(), bits = h.quant_bits();
   const uint64_t n = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
+  const uint64_t nd = h.n_demoted();
+  // Demoted tokens: lloyd rows (codes and one fp16 norm each) and their ids.
+  const uint64_t demoted = 2 * (H * nd * d * h.demote_bits() / 8) + 2 * 2 * H * nd + 4 * H * nd;
   if (bits != 0) {
+    const uint64_t codes = 2 * (H * n * d * bits / 8);
+    if (h.quant_scheme() == v1::QUANT_SCHEME_LLOYD) {
+      // V: one norm per row. K: one norm per row, or with keys per channel
+      // an rms and a mean per channel and token group.
+      const uint64_t groups = h.quant_group() ? (n + h.quant_group() - 1) / h.quant_group() : 0;
+      const uint64_t k_stats = h.quant_keys_channel() ? 2 * 2 * H * groups * d : 2 * H * n;
+      return codes + k_stats + 2 * H * n + 4 * H * n + demoted;
+    }
     const uint64_t groups = h.quant_group() ? (n + h.quant_group() - 1) / h.quant_group() : 0;
-    return 2 * (H * n * d * bits / 8) + 2 * 2 * H * groups * d + 2 * 2 * H * n + 4 * H * n;
+    return codes + 2 * 2 * H * groups * d + 2 * 2 * H * n + 4 * H * n + demoted;
   }
   absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
-  return 2 * H * n * d * (dtype.ok() ? DTypeSize(*dtype) : 0) + 4 * H * n;
+  return 2 * H * n * d * (dtype.ok() ? DTypeSize(*dtype) : 0) + 4 * H * n + demoted;
 }
 
 StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* bytes) {
@@ -557,7 +577,9 @@ StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* by
   absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
   if (!dtype.ok()) return HeaderError(absl::StrCat("header.", dtype.status().message()));
   const uint64_t n64 = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
-  if (n64 >= (uint64_t{1} << 31)) return bad("n_history+n_anchor+n_kept+n_gen", n64, "< 2^31");
+  if (n64 + h.n_demoted() >= (uint64_t{1} << 31)) {
+    return bad("n_history+n_anchor+n_kept+n_gen+n_demoted", n64 + h.n_demoted(), "< 2^31");
+  }
   if (h.next_pos() < 0 || h.next_pos() > (int64_t{1} << 31)) {
     return HeaderError(absl::StrCat("header.next_pos: ", h.next_pos(), ", expected 0..2^31"));
   }
@@ -565,17 +587,43 @@ StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* by
   const bool quant = bits != 0;
   // The quantization passes the rules a publish's policy passes
   // (ValidateQuantOptions): one set of rules, ranges included.
+  if (h.quant_scheme() != v1::QUANT_SCHEME_INT && h.quant_scheme() != v1::QUANT_SCHEME_LLOYD) {
+    return bad("quant_scheme", static_cast<uint32_t>(h.quant_scheme()), "QUANT_SCHEME_INT or QUANT_SCHEME_LLOYD");
+  }
+  const bool lloyd = h.quant_scheme() == v1::QUANT_SCHEME_LLOYD;
   if (quant) {
-    absl::StatusOr<QuantOptions> q =
-        QuantOptionsFromHeader(bits, h.quant_group(), h.quant_rotate(), h.head_dim(), "header.");
+    absl::StatusOr<QuantOptions> q = QuantOptionsFromHeader(
+        lloyd ? QuantScheme::kLloyd : QuantScheme::kInt, bits, h.quant_group(), h.quant_rotate(),
+        h.quant_keys_channel(), h.quant_seed(), h.head_dim(), "header.");
     if (!q.ok()) return HeaderError(std::string(q.status().message()));
-  } else if (h.quant_group() != 0 || h.quant_rotate()) {
+    if (lloyd && !h.quant_keys_channel() && h.quant_group() != 0) {
+      return bad("quant_group", h.quant_group(), "0 for lloyd rows (quant_keys_channel false)");
+    }
+    if (!lloyd && h.quant_keys_channel()) {
+      return HeaderError("header.quant_keys_channel: true, expected false with QUANT_SCHEME_INT");
+    }
+  } else if (h.quant_group() != 0 || h.quant_rotate() || lloyd || h.quant_keys_channel()) {
     return HeaderError(absl::StrCat("header.quant_group: ", h.quant_group(), ", quant_rotate: ", h.quant_rotate(),
-                                    ", expected 0 and false without quantization (quant_bits 0)"));
+                                    ", quant_scheme: ", static_cast<int>(h.quant_scheme()), ", quant_keys_channel: ",
+                                    h.quant_keys_channel(),
+                                    ", expected 0, false, QUANT_SCHEME_INT and false without quantization (quant_bits 0)"));
+  }
+  if ((h.n_demoted() == 0) != (h.demote_bits() == 0)) {
+    return HeaderError(absl::StrCat("header.n_demoted: ", h.n_demoted(), ", demote_bits: ", h.demote_bits(),
+                                    ", expected both 0 or both set"));
+  }
+  if (h.n_demoted() != 0) {
+    absl::StatusOr<QuantOptions> q = QuantOptionsFromHeader(QuantScheme::kLloyd, h.demote_bits(), 0, false, false,
+                                                            h.quant_seed(), h.head_dim(), "header.demote: ");
+    if (!q.ok()) return HeaderError(std::string(q.status().message()));
+  }
+  if (!quant && h.n_demoted() == 0 && h.quant_seed() != 0) {
+    return bad("quant_seed", h.quant_seed(), "0 without lloyd codes");
   }
   if (h.acc_tokens() >= (uint64_t{1} << 31)) return bad("acc_tokens", h.acc_tokens(), "< 2^31");
-  if (h.acc_tokens() != 0 && h.acc_tokens() < n64) {
-    return bad("acc_tokens", h.acc_tokens(), absl::StrCat("0 or at least the message's ", n64, " tokens"));
+  if (h.acc_tokens() != 0 && h.acc_tokens() < n64 + h.n_demoted()) {
+    return bad("acc_tokens", h.acc_tokens(),
+               absl::StrCat("0 or at least the message's ", n64 + h.n_demoted(), " tokens"));
   }
   if (static_cast<uint64_t>(h.anchor_pos_size()) > n64) {
     return bad("anchor_pos", h.anchor_pos_size(), absl::StrCat("at most the message's ", n64, " tokens"));
@@ -603,7 +651,10 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   const bool quant = bits != 0;
   const uint64_t L = h.layers(), H = h.kv_heads(), d = h.head_dim();
   const uint64_t n = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
-  const uint64_t groups = quant ? (n + h.quant_group() - 1) / h.quant_group() : 0;
+  const bool lloyd = h.quant_scheme() == v1::QUANT_SCHEME_LLOYD;
+  const bool lloyd_rows = lloyd && !h.quant_keys_channel();
+  const uint64_t groups = quant && !lloyd_rows ? (n + h.quant_group() - 1) / h.quant_group() : 0;
+  const uint64_t nd = h.n_demoted();
 
   msg_ = Message();
   msg_.policy = h.accounting().policy();
@@ -614,6 +665,8 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   msg_.n_anchor = static_cast<int>(h.n_anchor());
   msg_.n_kept = static_cast<int>(h.n_kept());
   msg_.n_gen = static_cast<int>(h.n_gen());
+  msg_.n_demoted = static_cast<int>(nd);
+  msg_.demote_bits = static_cast<int>(h.demote_bits());
   msg_.full_bytes = h.accounting().full_bytes();
   msg_.sent_bytes = h.accounting().sent_bytes();
   msg_.next_pos = h.next_pos();
@@ -622,8 +675,23 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   const int Hi = msg_.kv_heads, ni = static_cast<int>(n), di = msg_.head_dim;
   for (uint32_t l = 0; l < L; ++l) {
     MessageLayer& layer = msg_.layers[l];
-    layer.pos = PosTensor(Hi, ni);
+    layer.pos = PosTensor(Hi, static_cast<int>(n + nd));
     layer.acc.resize(H * h.acc_tokens());
+    if (nd > 0) {
+      QuantizedKv& q = layer.demoted.emplace();
+      q.scheme = QuantScheme::kLloyd;
+      q.bits = static_cast<int>(h.demote_bits());
+      q.seed = h.quant_seed();
+      q.dtype = *dtype;
+      for (QuantizedTensor* t : {&q.k, &q.v}) {
+        t->bits = q.bits;
+        t->heads = Hi;
+        t->tokens = static_cast<int>(nd);
+        t->dim = di;
+        t->codes.resize(H * nd * d * q.bits / 8);
+        t->scale.resize(H * nd);
+      }
+    }
     if (!quant) {
       layer.k = KvTensor::Uninitialized(*dtype, Hi, ni, di);
       layer.v = KvTensor::Uninitialized(*dtype, Hi, ni, di);
@@ -631,9 +699,12 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
       layer.k = KvTensor(*dtype, Hi, 0, di);
       layer.v = KvTensor(*dtype, Hi, 0, di);
       QuantizedKv& q = layer.quant.emplace();
+      q.scheme = lloyd ? QuantScheme::kLloyd : QuantScheme::kInt;
       q.bits = static_cast<int>(bits);
       q.group = static_cast<int>(h.quant_group());
       q.rotate = h.quant_rotate();
+      q.keys_channel = h.quant_keys_channel();
+      q.seed = lloyd ? h.quant_seed() : 0;
       q.dtype = *dtype;
       for (QuantizedTensor* t : {&q.k, &q.v}) {
         t->bits = q.bits;
@@ -641,9 +712,11 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
         t->tokens = ni;
         t->dim = di;
         t->codes.resize(H * n * d * bits / 8);
-        const size_t stats = t == &q.k ? H * groups * d : H * n;
+        const bool row_stats = t == &q.v || lloyd_rows;
+        const size_t stats = row_stats ? H * n : H * groups * d;
         t->scale.resize(stats);
-        t->zero.resize(stats);
+        // lloyd keeps a mean only for keys per channel.
+        t->zero.resize(!lloyd || (t == &q.k && q.keys_channel) ? stats : 0);
       }
     }
   }

@@ -6,8 +6,12 @@
 //   upload (Publish, Compress), per layer: PROMPT_K, PROMPT_V, GEN_K, GEN_V,
 //     PROMPT_SCORE, then HISTORY_K, HISTORY_V, HISTORY_POS when the upload
 //     carries history;
-//   delivery (Fetch, Compress), per layer: K, V, POS when dense; K_CODES,
-//     K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS when quantized.
+//   delivery (Fetch, Compress, Forward), per layer: K, V, POS when dense;
+//     K_CODES, K_SCALE, K_ZERO, V_CODES, V_SCALE, V_ZERO, POS when quantized
+//     (lloyd sends no zeros but K_ZERO with keys per channel: they have 0
+//     bytes); then, with demoted tokens (relay to relay only),
+//     DEMOTED_K_CODES, DEMOTED_K_NORM, DEMOTED_V_CODES, DEMOTED_V_NORM;
+//     then ACC relay to relay.
 //
 // A tensor of 0 bytes sends no chunk. The chunks of a tensor carry
 // contiguous offsets from 0, 1 .. kMaxChunkBytes of data each and the

@@ -145,6 +145,16 @@ void FillMessageHeader(const Message& msg, v1::MessageHeader* h) {
     h->set_quant_bits(q.bits);
     h->set_quant_group(q.group);
     h->set_quant_rotate(q.rotate);
+    if (q.scheme == QuantScheme::kLloyd) {
+      h->set_quant_scheme(v1::QUANT_SCHEME_LLOYD);
+      h->set_quant_keys_channel(q.keys_channel);
+      h->set_quant_seed(q.seed);
+    }
+  }
+  if (msg.n_demoted > 0 && !msg.layers.empty() && msg.layers[0].demoted) {
+    h->set_n_demoted(msg.n_demoted);
+    h->set_demote_bits(msg.demote_bits);
+    h->set_quant_seed(msg.layers[0].demoted->seed);
   }
 }
 

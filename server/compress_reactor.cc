@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/pipeline.h"
+#include "core/quant.h"
 #include "core/status_macros.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
@@ -64,6 +65,13 @@ class CompressReactor final
     absl::Status s = pending->status();
     if (!s.ok()) return Fail(s);
     auto msg = std::make_shared<Message>(pending->TakeMessage());
+    // Lloyd codes and demoted tokens are relay formats: the caller gets them
+    // decoded; the accounting then describes what is delivered.
+    if (AgentsReceiveDecoded(*msg)) {
+      absl::StatusOr<Message> dense = DecodedMessage(*msg);
+      if (!dense.ok()) return Fail(dense.status());
+      *msg = *std::move(dense);
+    }
     const double compress_s = pending->compress_seconds();
     const uint64_t received = upload_.received();
     // The reply is held until OnDone: count it in flight (the memory exists

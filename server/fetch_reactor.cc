@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "core/quant.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
 #include "proto/wire.h"
@@ -110,7 +111,22 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     delivery_ = std::move(d);
     const StoredMessage& m = *delivery_.msg;
     out_.emplace();
-    out_->Append(MessageDeliveryOrder(m.msg), delivery_.msg);  // sent from the stored message
+    // Lloyd codes and demoted tokens are relay formats: agents get them
+    // decoded. (The decode runs here, on the reactor's thread: O(bytes).)
+    std::shared_ptr<const Message> decoded;
+    if (AgentsReceiveDecoded(m.msg)) {
+      absl::StatusOr<Message> dense = DecodedMessage(m.msg);
+      if (!dense.ok()) {
+        spdlog::error("fetch: session={} message={} does not decode: {}", session_, m.message_id,
+                      dense.status().ToString());
+        return FinishOnce(grpc::Status(grpc::INTERNAL, absl::StrCat("fetch: the stored message does not decode: ",
+                                                                    dense.status().message())));
+      }
+      decoded = std::make_shared<const Message>(*std::move(dense));
+      out_->Append(MessageDeliveryOrder(*decoded), decoded);
+    } else {
+      out_->Append(MessageDeliveryOrder(m.msg), delivery_.msg);  // sent from the stored message
+    }
     v1::FetchResponse resp;
     v1::MessageHeader* h = resp.mutable_header();
     h->set_message_id(m.message_id);
@@ -118,8 +134,12 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     h->set_sender(m.sender);
     h->set_role(m.role);
     h->set_parent_id(m.parent_id);
-    FillMessageHeader(m.msg, h);
+    FillMessageHeader(decoded ? *decoded : m.msg, h);
     *h->mutable_accounting() = m.accounting;
+    if (decoded) {  // the header describes what is delivered
+      h->mutable_accounting()->set_sent_bytes(decoded->sent_bytes);
+      h->mutable_accounting()->set_ratio(decoded->Ratio());
+    }
     h->set_delivery_attempt(delivery_.attempt);
     wire_ = EncodeProto(resp);
     // A delivery holds its message (also one its session no longer retains)

@@ -187,6 +187,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       // relay forwarded it there): a peer cannot splice in someone else's KV.
       // Anything else reads as missing, which tells nothing.
       const bool usable = a && PeerHolds(*a) && !a->msg.layers.empty() && !a->msg.layers[0].quant && m.quant_bits() == 0 &&
+                          !a->msg.layers[0].demoted && m.n_demoted() == 0 &&
                           a->msg.layers.size() == m.layers() && static_cast<uint32_t>(a->msg.kv_heads) == m.kv_heads() &&
                           static_cast<uint32_t>(a->msg.head_dim) == m.head_dim() &&
                           ToProtoDType(a->msg.dtype) == m.dtype() &&
@@ -204,7 +205,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     // The stream carries the tokens after the ancestor's: a message of that
     // many fewer history tokens, whose sent bytes are its tensors'.
-    const uint64_t n_full = uint64_t{m.n_history()} + m.n_anchor() + m.n_kept() + m.n_gen();
+    const uint64_t n_full = uint64_t{m.n_history()} + m.n_anchor() + m.n_kept() + m.n_gen() + m.n_demoted();
     if (m.acc_tokens() != 0 && m.acc_tokens() != n_full && m.acc_tokens() != n_full - elided) {
       return absl::InvalidArgumentError(absl::StrCat(
           "header.message.acc_tokens: ", m.acc_tokens(), ", expected 0, the message's ", n_full,

@@ -319,13 +319,14 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
 
   // The nearest ancestor the destination holds whose tokens lead this message.
   MessagePtr ancestor;
-  if (!job->whole && job->header.message().quant_bits() == 0) {
+  // Elision splices dense rows: not for quantized or demoting messages.
+  if (!job->whole && job->header.message().quant_bits() == 0 && job->header.message().n_demoted() == 0) {
     std::string pid = job->header.message().parent_id();
     for (int hops = 0; !pid.empty() && hops < 4096; ++hops) {
       MessagePtr p = store_->Find(job->session(), pid);
       if (!p) break;
       if (store_->PeerHolds(job->session(), pid, job->target)) {
-        if (!p->msg.layers.empty() && !p->msg.layers[0].quant &&
+        if (!p->msg.layers.empty() && !p->msg.layers[0].quant && !p->msg.layers[0].demoted &&
             static_cast<uint32_t>(p->msg.layers[0].tokens()) <= job->header.message().n_history()) {
           ancestor = p;
         }
@@ -353,7 +354,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   const bool acc_suffix = ancestor && job->header.geometry().query_dtype() == v1::DTYPE_UNSPECIFIED;
   {
     const v1::MessageHeader& m = h->message();
-    const uint32_t n = m.n_history() + m.n_anchor() + m.n_kept() + m.n_gen();
+    const uint32_t n = m.n_history() + m.n_anchor() + m.n_kept() + m.n_gen() + m.n_demoted();
     h->mutable_message()->set_acc_tokens(acc_suffix ? n - static_cast<uint32_t>(a) : n);
   }
 

@@ -32,6 +32,9 @@ absl::Status CheckId(const std::string& field, const std::string& v) {
 }
 
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field) {
+  if (absl::Status s = p.CheckLayerwise(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
+  }
   if (absl::Status s = p.CheckHeadDim(geo.head_dim); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
   }

@@ -109,10 +109,6 @@ struct MessagePieces {
 // Same errors as WriteMessage.
 absl::StatusOr<MessagePieces> SerializeMessagePieces(const Message& msg);
 
-// Bytes of one message layer as FORMAT.md counts them: K/V payload (dense,
-// or codes + scales + zeros) plus 4 bytes per position id.
-uint64_t MessageLayerBytes(const MessageLayer& layer);
-
 }  // namespace kvrelay
 
 #endif  // KVRELAY_CORE_FORMAT_TURN_FILE_H_

@@ -197,7 +197,7 @@ TEST(HostileNumbers, CheckLayerOutputNamesTheBrokenInvariant) {
         {"holds generated token", [](MessageLayer* l) { l->pos.data.back() += 1; }},
         {"acc holds a value", [](MessageLayer* l) { l->acc[3] = std::numeric_limits<float>::quiet_NaN(); }},
         {"acc holds 1 values", [](MessageLayer* l) { l->acc.resize(1); }},
-        {m->layers[1].quant ? "quantized v" : "v is", [](MessageLayer* l) {
+        {m->layers[1].quant ? "the quantized layer: quant: v of shape" : "v is", [](MessageLayer* l) {
            if (l->quant) {
              l->quant->v.scale.pop_back();
            } else {

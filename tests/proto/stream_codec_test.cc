@@ -993,7 +993,10 @@ Msg Decode(const grpc::ByteBuffer& b) {
 // interleaved with writing), with and without holding the message, reads
 // back bit-exactly; the trailer comes last, in the response's trailer field.
 TEST(ChunkStreamWriterTest, DeliveryLayerByLayerReadsBackBitExact) {
-  for (const char* policy : {"full", "h2o-head:k=16+int4:group=32"}) {
+  for (const char* policy : {"full", "h2o-head:k=16+int4:group=32", "full+lloyd:bits=3,seed=5",
+                             "h2o-head:k=16+demote:bits=2+int4:group=32",
+                             "h2o-layer:k=8+demote:bits=1+lloyd:bits=2,keys=channel,group=8,seed=3",
+                             "h2o-head:k=4+demote:bits=3"}) {
     for (bool hold : {false, true}) {
       auto msg = std::make_shared<Message>(Compress(MakeTurn(21), policy));
       ChunkStreamWriter w(/*max_chunk=*/777);

@@ -194,6 +194,34 @@ def test_chain(ctl, mesh, turns, server_bin, work):
         check(got == 1, f"chain: {a}'s relay received one forward ({got})")
 
 
+def test_chain_lloyd_demote(ctl, mesh, turns, server_bin, work):
+    """Lloyd codes and demoted tokens cross relays as held and reach agents
+    decoded: each hop equals one relay's, and hop 0 `kvrelayctl compress
+    --decode` of the same turn, bit for bit."""
+    agents = ["planner", "critic", "refiner", "judger"]
+    policy = "h2o-head:k=16,hist=8+demote:bits=2+lloyd:bits=3,seed=5"
+    expect = single_relay_chain(ctl, server_bin, work, turns[:3], agents, policy, "lloyd")
+    parent = None
+    for i in range(3):
+        src, dst = mesh.relays[agents[i]], mesh.relays[agents[i + 1]]
+        args = ["publish", "--session", "lloyd", "--from", agents[i], "--to", agents[i + 1], "--policy", policy,
+                "--in", turns[i]]
+        if parent:
+            args += ["--parent", parent]
+        r = ctl.ok(*args, addr=src.addr)
+        f = ctl.path(f"lloyd-{i}.st")
+        got = fetch(ctl, dst, "lloyd", agents[i + 1], f)
+        check(got.get("message_id") == r.get("message_id"), f"lloyd hop {i}: the published message arrives")
+        meta, _ = read_st(f)
+        check("quant_bits" not in meta and meta.get("n_kept") == str(96 - (4 if i == 0 else 0)),
+              f"lloyd hop {i}: delivered dense with the demoted tokens among the kept (n_kept {meta.get('n_kept')})")
+        same_message(f, expect[i], f"lloyd hop {i} vs one relay")
+        parent = r.get("message_id")
+    offline = ctl.path("lloyd-offline-0.st")
+    ctl.ok("compress", "--policy", policy, "--in", turns[0], "--out", offline, "--decode", addr=False)
+    same_message(ctl.path("lloyd-0.st"), offline, "lloyd hop 0 vs kvrelayctl compress --decode")
+
+
 def test_fan_out(ctl, mesh, turns):
     a, b, c = mesh.relays["planner"], mesh.relays["critic"], mesh.relays["refiner"]
     r = ctl.ok("publish", "--session", "fan", "--from", "planner", "--to", "critic", "--to", "critic2",
@@ -477,6 +505,7 @@ def main():
         for n in names:
             mesh.start(n)
         for name, fn in [("chain", lambda: test_chain(ctl, mesh, turns, args.server, work)),
+                         ("chain-lloyd-demote", lambda: test_chain_lloyd_demote(ctl, mesh, turns, args.server, work)),
                          ("fan-out", lambda: test_fan_out(ctl, mesh, turns)),
                          ("retry", lambda: test_retry_no_duplicate(ctl, mesh, turns)),
                          ("destination down", lambda: test_destination_down(ctl, mesh, turns)),

@@ -651,7 +651,7 @@ TEST(MessageFileTest, DenseRoundTrip) {
     ASSERT_TRUE(back.ok()) << back.status();
     ExpectSameMessage(msg, *back);
     EXPECT_EQ(MustWriteMessage(*back), bytes);
-    EXPECT_EQ(back->sent_bytes, MessageLayerBytes(back->layers[0]) * back->layers.size());
+    EXPECT_EQ(back->sent_bytes, back->layers[0].SentBytes() * back->layers.size());
   }
 }
 
@@ -944,7 +944,7 @@ TEST(MessageFileMalformedTest, DenseTensorInQuantizedMessage) {
   ExpectMessageInvalid(
       Edited(QuantMessage(), [](std::vector<StTensor>* ts, auto*,
                                 auto*) { Named(ts, "layer.1.k.codes")->name = "layer.1.k"; }),
-      "layer.1.k: unexpected in a quantized message");
+      "layer.1.k: unexpected in this message (by its quant_* and n_demoted metadata), expected k.codes, k.scale, k.zero");
 }
 
 TEST(MessageFileMalformedTest, PackedTensorInDenseMessage) {
@@ -954,7 +954,7 @@ TEST(MessageFileMalformedTest, PackedTensorInDenseMessage) {
                                 m->erase("quant_group");
                                 m->erase("quant_rotate");
                               }),
-                       "unexpected in a dense message (no quant_bits metadata)");
+                       "unexpected in this message (by its quant_* and n_demoted metadata), expected k, v, pos");
 }
 
 TEST(MessageFileMalformedTest, MissingTensor) {

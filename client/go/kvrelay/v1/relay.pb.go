@@ -131,6 +131,13 @@ const (
 	// Relay to relay only (Forward, MessageHeader.acc_tokens > 0): the
 	// accumulated importance of every token, after PART_POS.
 	Part_PART_ACC Part = 29 // layer.{l}.acc  f32 [kv_heads, acc_tokens]
+	// Relay to relay only (Forward, MessageHeader.n_demoted > 0): the demoted
+	// tokens (docs/FORMAT.md, step 6a) in lloyd row form, after PART_POS
+	// (which then covers n + n_demoted tokens) and before PART_ACC.
+	Part_PART_DEMOTED_K_CODES Part = 30 // layer.{l}.demoted.k.codes  u8 [kv_heads, n_demoted, head_dim*demote_bits/8]
+	Part_PART_DEMOTED_K_NORM  Part = 31 // layer.{l}.demoted.k.norm   f16 [kv_heads, n_demoted]
+	Part_PART_DEMOTED_V_CODES Part = 32 // layer.{l}.demoted.v.codes
+	Part_PART_DEMOTED_V_NORM  Part = 33 // layer.{l}.demoted.v.norm
 )
 
 // Enum value maps for Part.
@@ -157,29 +164,37 @@ var (
 		27: "PART_V_SCALE",
 		28: "PART_V_ZERO",
 		29: "PART_ACC",
+		30: "PART_DEMOTED_K_CODES",
+		31: "PART_DEMOTED_K_NORM",
+		32: "PART_DEMOTED_V_CODES",
+		33: "PART_DEMOTED_V_NORM",
 	}
 	Part_value = map[string]int32{
-		"PART_UNSPECIFIED":   0,
-		"PART_PROMPT_K":      1,
-		"PART_PROMPT_V":      2,
-		"PART_GEN_K":         3,
-		"PART_GEN_V":         4,
-		"PART_PROMPT_SCORE":  5,
-		"PART_HISTORY_K":     6,
-		"PART_HISTORY_V":     7,
-		"PART_HISTORY_POS":   8,
-		"PART_GEN_Q":         9,
-		"PART_HISTORY_SCORE": 10,
-		"PART_K":             20,
-		"PART_V":             21,
-		"PART_POS":           22,
-		"PART_K_CODES":       23,
-		"PART_K_SCALE":       24,
-		"PART_K_ZERO":        25,
-		"PART_V_CODES":       26,
-		"PART_V_SCALE":       27,
-		"PART_V_ZERO":        28,
-		"PART_ACC":           29,
+		"PART_UNSPECIFIED":     0,
+		"PART_PROMPT_K":        1,
+		"PART_PROMPT_V":        2,
+		"PART_GEN_K":           3,
+		"PART_GEN_V":           4,
+		"PART_PROMPT_SCORE":    5,
+		"PART_HISTORY_K":       6,
+		"PART_HISTORY_V":       7,
+		"PART_HISTORY_POS":     8,
+		"PART_GEN_Q":           9,
+		"PART_HISTORY_SCORE":   10,
+		"PART_K":               20,
+		"PART_V":               21,
+		"PART_POS":             22,
+		"PART_K_CODES":         23,
+		"PART_K_SCALE":         24,
+		"PART_K_ZERO":          25,
+		"PART_V_CODES":         26,
+		"PART_V_SCALE":         27,
+		"PART_V_ZERO":          28,
+		"PART_ACC":             29,
+		"PART_DEMOTED_K_CODES": 30,
+		"PART_DEMOTED_K_NORM":  31,
+		"PART_DEMOTED_V_CODES": 32,
+		"PART_DEMOTED_V_NORM":  33,
 	}
 )
 
@@ -208,6 +223,53 @@ func (x Part) Number() protoreflect.EnumNumber {
 // Deprecated: Use Part.Descriptor instead.
 func (Part) EnumDescriptor() ([]byte, []int) {
 	return file_kvrelay_v1_relay_proto_rawDescGZIP(), []int{1}
+}
+
+// How quantized codes map to values (docs/FORMAT.md, steps 7 and 7b).
+type QuantScheme int32
+
+const (
+	QuantScheme_QUANT_SCHEME_INT   QuantScheme = 0 // min-max: code * scale + zero
+	QuantScheme_QUANT_SCHEME_LLOYD QuantScheme = 1 // rotated Lloyd-Max rows (no V_ZERO; K_ZERO only with quant_keys_channel)
+)
+
+// Enum value maps for QuantScheme.
+var (
+	QuantScheme_name = map[int32]string{
+		0: "QUANT_SCHEME_INT",
+		1: "QUANT_SCHEME_LLOYD",
+	}
+	QuantScheme_value = map[string]int32{
+		"QUANT_SCHEME_INT":   0,
+		"QUANT_SCHEME_LLOYD": 1,
+	}
+)
+
+func (x QuantScheme) Enum() *QuantScheme {
+	p := new(QuantScheme)
+	*p = x
+	return p
+}
+
+func (x QuantScheme) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (QuantScheme) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvrelay_v1_relay_proto_enumTypes[2].Descriptor()
+}
+
+func (QuantScheme) Type() protoreflect.EnumType {
+	return &file_kvrelay_v1_relay_proto_enumTypes[2]
+}
+
+func (x QuantScheme) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use QuantScheme.Descriptor instead.
+func (QuantScheme) EnumDescriptor() ([]byte, []int) {
+	return file_kvrelay_v1_relay_proto_rawDescGZIP(), []int{2}
 }
 
 type RecipientState int32
@@ -252,11 +314,11 @@ func (x RecipientState) String() string {
 }
 
 func (RecipientState) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvrelay_v1_relay_proto_enumTypes[2].Descriptor()
+	return file_kvrelay_v1_relay_proto_enumTypes[3].Descriptor()
 }
 
 func (RecipientState) Type() protoreflect.EnumType {
-	return &file_kvrelay_v1_relay_proto_enumTypes[2]
+	return &file_kvrelay_v1_relay_proto_enumTypes[3]
 }
 
 func (x RecipientState) Number() protoreflect.EnumNumber {
@@ -265,7 +327,7 @@ func (x RecipientState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use RecipientState.Descriptor instead.
 func (RecipientState) EnumDescriptor() ([]byte, []int) {
-	return file_kvrelay_v1_relay_proto_rawDescGZIP(), []int{2}
+	return file_kvrelay_v1_relay_proto_rawDescGZIP(), []int{3}
 }
 
 // The shape of an uploaded turn (docs/FORMAT.md, "Turn").
@@ -1056,9 +1118,17 @@ type MessageHeader struct {
 	// tokens this stream carries only, the ancestor's tokens keeping the
 	// ancestor's acc. 0: no PART_ACC (Fetch never sends it; it is relay-side
 	// state).
-	AccTokens     uint32 `protobuf:"varint,21,opt,name=acc_tokens,json=accTokens,proto3" json:"acc_tokens,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	AccTokens uint32 `protobuf:"varint,21,opt,name=acc_tokens,json=accTokens,proto3" json:"acc_tokens,omitempty"`
+	// Relay to relay only: Fetch and Compress deliver to agents dense K/V or
+	// QUANT_SCHEME_INT only, decoding lloyd and demoted messages first (the
+	// header then describes what is delivered). Forward carries them as held.
+	QuantScheme      QuantScheme `protobuf:"varint,22,opt,name=quant_scheme,json=quantScheme,proto3,enum=kvrelay.v1.QuantScheme" json:"quant_scheme,omitempty"`
+	QuantKeysChannel bool        `protobuf:"varint,23,opt,name=quant_keys_channel,json=quantKeysChannel,proto3" json:"quant_keys_channel,omitempty"` // lloyd: keys per channel and token group (quant_group)
+	QuantSeed        uint64      `protobuf:"varint,24,opt,name=quant_seed,json=quantSeed,proto3" json:"quant_seed,omitempty"`                        // lloyd: the rotation's seed (demoted tokens use it too)
+	NDemoted         uint32      `protobuf:"varint,25,opt,name=n_demoted,json=nDemoted,proto3" json:"n_demoted,omitempty"`                           // demoted tokens per head per layer, after the others
+	DemoteBits       uint32      `protobuf:"varint,26,opt,name=demote_bits,json=demoteBits,proto3" json:"demote_bits,omitempty"`                     // their bits, 1..4 (0 when n_demoted is 0)
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *MessageHeader) Reset() {
@@ -1234,6 +1304,41 @@ func (x *MessageHeader) GetAnchorPos() []int32 {
 func (x *MessageHeader) GetAccTokens() uint32 {
 	if x != nil {
 		return x.AccTokens
+	}
+	return 0
+}
+
+func (x *MessageHeader) GetQuantScheme() QuantScheme {
+	if x != nil {
+		return x.QuantScheme
+	}
+	return QuantScheme_QUANT_SCHEME_INT
+}
+
+func (x *MessageHeader) GetQuantKeysChannel() bool {
+	if x != nil {
+		return x.QuantKeysChannel
+	}
+	return false
+}
+
+func (x *MessageHeader) GetQuantSeed() uint64 {
+	if x != nil {
+		return x.QuantSeed
+	}
+	return 0
+}
+
+func (x *MessageHeader) GetNDemoted() uint32 {
+	if x != nil {
+		return x.NDemoted
+	}
+	return 0
+}
+
+func (x *MessageHeader) GetDemoteBits() uint32 {
+	if x != nil {
+		return x.DemoteBits
 	}
 	return 0
 }
@@ -2719,7 +2824,7 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x14\n" +
 	"\x05agent\x18\x02 \x01(\tR\x05agent\x12\x19\n" +
-	"\bauto_ack\x18\x03 \x01(\bR\aautoAck\"\x90\x05\n" +
+	"\bauto_ack\x18\x03 \x01(\bR\aautoAck\"\xd7\x06\n" +
 	"\rMessageHeader\x12\x1d\n" +
 	"\n" +
 	"message_id\x18\x01 \x01(\tR\tmessageId\x12\x1d\n" +
@@ -2750,7 +2855,14 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\n" +
 	"anchor_pos\x18\x14 \x03(\x05R\tanchorPos\x12\x1d\n" +
 	"\n" +
-	"acc_tokens\x18\x15 \x01(\rR\taccTokens\"\xa8\x01\n" +
+	"acc_tokens\x18\x15 \x01(\rR\taccTokens\x12:\n" +
+	"\fquant_scheme\x18\x16 \x01(\x0e2\x17.kvrelay.v1.QuantSchemeR\vquantScheme\x12,\n" +
+	"\x12quant_keys_channel\x18\x17 \x01(\bR\x10quantKeysChannel\x12\x1d\n" +
+	"\n" +
+	"quant_seed\x18\x18 \x01(\x04R\tquantSeed\x12\x1b\n" +
+	"\tn_demoted\x18\x19 \x01(\rR\bnDemoted\x12\x1f\n" +
+	"\vdemote_bits\x18\x1a \x01(\rR\n" +
+	"demoteBits\"\xa8\x01\n" +
 	"\rFetchResponse\x123\n" +
 	"\x06header\x18\x01 \x01(\v2\x19.kvrelay.v1.MessageHeaderH\x00R\x06header\x12)\n" +
 	"\x05chunk\x18\x02 \x01(\v2\x11.kvrelay.v1.ChunkH\x00R\x05chunk\x12/\n" +
@@ -2865,7 +2977,7 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\tDTYPE_F32\x10\x01\x12\r\n" +
 	"\tDTYPE_F16\x10\x02\x12\x0e\n" +
 	"\n" +
-	"DTYPE_BF16\x10\x03*\xfd\x02\n" +
+	"DTYPE_BF16\x10\x03*\xe3\x03\n" +
 	"\x04Part\x12\x14\n" +
 	"\x10PART_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rPART_PROMPT_K\x10\x01\x12\x11\n" +
@@ -2893,7 +3005,14 @@ const file_kvrelay_v1_relay_proto_rawDesc = "" +
 	"\fPART_V_CODES\x10\x1a\x12\x10\n" +
 	"\fPART_V_SCALE\x10\x1b\x12\x0f\n" +
 	"\vPART_V_ZERO\x10\x1c\x12\f\n" +
-	"\bPART_ACC\x10\x1d*\xc9\x01\n" +
+	"\bPART_ACC\x10\x1d\x12\x18\n" +
+	"\x14PART_DEMOTED_K_CODES\x10\x1e\x12\x17\n" +
+	"\x13PART_DEMOTED_K_NORM\x10\x1f\x12\x18\n" +
+	"\x14PART_DEMOTED_V_CODES\x10 \x12\x17\n" +
+	"\x13PART_DEMOTED_V_NORM\x10!*;\n" +
+	"\vQuantScheme\x12\x14\n" +
+	"\x10QUANT_SCHEME_INT\x10\x00\x12\x16\n" +
+	"\x12QUANT_SCHEME_LLOYD\x10\x01*\xc9\x01\n" +
 	"\x0eRecipientState\x12\x1f\n" +
 	"\x1bRECIPIENT_STATE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16RECIPIENT_STATE_QUEUED\x10\x01\x12\x1d\n" +
@@ -2924,97 +3043,99 @@ func file_kvrelay_v1_relay_proto_rawDescGZIP() []byte {
 	return file_kvrelay_v1_relay_proto_rawDescData
 }
 
-var file_kvrelay_v1_relay_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_kvrelay_v1_relay_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
 var file_kvrelay_v1_relay_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
 var file_kvrelay_v1_relay_proto_goTypes = []any{
 	(DType)(0),                      // 0: kvrelay.v1.DType
 	(Part)(0),                       // 1: kvrelay.v1.Part
-	(RecipientState)(0),             // 2: kvrelay.v1.RecipientState
-	(*TurnGeometry)(nil),            // 3: kvrelay.v1.TurnGeometry
-	(*PublishHeader)(nil),           // 4: kvrelay.v1.PublishHeader
-	(*Chunk)(nil),                   // 5: kvrelay.v1.Chunk
-	(*Trailer)(nil),                 // 6: kvrelay.v1.Trailer
-	(*PublishRequest)(nil),          // 7: kvrelay.v1.PublishRequest
-	(*Accounting)(nil),              // 8: kvrelay.v1.Accounting
-	(*PublishResponse)(nil),         // 9: kvrelay.v1.PublishResponse
-	(*FetchRequest)(nil),            // 10: kvrelay.v1.FetchRequest
-	(*MessageHeader)(nil),           // 11: kvrelay.v1.MessageHeader
-	(*FetchResponse)(nil),           // 12: kvrelay.v1.FetchResponse
-	(*AckRequest)(nil),              // 13: kvrelay.v1.AckRequest
-	(*AckResponse)(nil),             // 14: kvrelay.v1.AckResponse
-	(*CloseSessionRequest)(nil),     // 15: kvrelay.v1.CloseSessionRequest
-	(*CloseSessionResponse)(nil),    // 16: kvrelay.v1.CloseSessionResponse
-	(*StatsRequest)(nil),            // 17: kvrelay.v1.StatsRequest
-	(*StatsResponse)(nil),           // 18: kvrelay.v1.StatsResponse
-	(*CompressHeader)(nil),          // 19: kvrelay.v1.CompressHeader
-	(*CompressRequest)(nil),         // 20: kvrelay.v1.CompressRequest
-	(*CompressResponse)(nil),        // 21: kvrelay.v1.CompressResponse
-	(*MessageStatusRequest)(nil),    // 22: kvrelay.v1.MessageStatusRequest
-	(*RecipientStatus)(nil),         // 23: kvrelay.v1.RecipientStatus
-	(*MessageStatusResponse)(nil),   // 24: kvrelay.v1.MessageStatusResponse
-	(*ForwardHeader)(nil),           // 25: kvrelay.v1.ForwardHeader
-	(*ForwardCommit)(nil),           // 26: kvrelay.v1.ForwardCommit
-	(*ForwardRequest)(nil),          // 27: kvrelay.v1.ForwardRequest
-	(*ForwardResult)(nil),           // 28: kvrelay.v1.ForwardResult
-	(*ForwardResponse)(nil),         // 29: kvrelay.v1.ForwardResponse
-	(*ReportRecipientRequest)(nil),  // 30: kvrelay.v1.ReportRecipientRequest
-	(*ReportRecipientResponse)(nil), // 31: kvrelay.v1.ReportRecipientResponse
+	(QuantScheme)(0),                // 2: kvrelay.v1.QuantScheme
+	(RecipientState)(0),             // 3: kvrelay.v1.RecipientState
+	(*TurnGeometry)(nil),            // 4: kvrelay.v1.TurnGeometry
+	(*PublishHeader)(nil),           // 5: kvrelay.v1.PublishHeader
+	(*Chunk)(nil),                   // 6: kvrelay.v1.Chunk
+	(*Trailer)(nil),                 // 7: kvrelay.v1.Trailer
+	(*PublishRequest)(nil),          // 8: kvrelay.v1.PublishRequest
+	(*Accounting)(nil),              // 9: kvrelay.v1.Accounting
+	(*PublishResponse)(nil),         // 10: kvrelay.v1.PublishResponse
+	(*FetchRequest)(nil),            // 11: kvrelay.v1.FetchRequest
+	(*MessageHeader)(nil),           // 12: kvrelay.v1.MessageHeader
+	(*FetchResponse)(nil),           // 13: kvrelay.v1.FetchResponse
+	(*AckRequest)(nil),              // 14: kvrelay.v1.AckRequest
+	(*AckResponse)(nil),             // 15: kvrelay.v1.AckResponse
+	(*CloseSessionRequest)(nil),     // 16: kvrelay.v1.CloseSessionRequest
+	(*CloseSessionResponse)(nil),    // 17: kvrelay.v1.CloseSessionResponse
+	(*StatsRequest)(nil),            // 18: kvrelay.v1.StatsRequest
+	(*StatsResponse)(nil),           // 19: kvrelay.v1.StatsResponse
+	(*CompressHeader)(nil),          // 20: kvrelay.v1.CompressHeader
+	(*CompressRequest)(nil),         // 21: kvrelay.v1.CompressRequest
+	(*CompressResponse)(nil),        // 22: kvrelay.v1.CompressResponse
+	(*MessageStatusRequest)(nil),    // 23: kvrelay.v1.MessageStatusRequest
+	(*RecipientStatus)(nil),         // 24: kvrelay.v1.RecipientStatus
+	(*MessageStatusResponse)(nil),   // 25: kvrelay.v1.MessageStatusResponse
+	(*ForwardHeader)(nil),           // 26: kvrelay.v1.ForwardHeader
+	(*ForwardCommit)(nil),           // 27: kvrelay.v1.ForwardCommit
+	(*ForwardRequest)(nil),          // 28: kvrelay.v1.ForwardRequest
+	(*ForwardResult)(nil),           // 29: kvrelay.v1.ForwardResult
+	(*ForwardResponse)(nil),         // 30: kvrelay.v1.ForwardResponse
+	(*ReportRecipientRequest)(nil),  // 31: kvrelay.v1.ReportRecipientRequest
+	(*ReportRecipientResponse)(nil), // 32: kvrelay.v1.ReportRecipientResponse
 }
 var file_kvrelay_v1_relay_proto_depIdxs = []int32{
 	0,  // 0: kvrelay.v1.TurnGeometry.dtype:type_name -> kvrelay.v1.DType
 	0,  // 1: kvrelay.v1.TurnGeometry.query_dtype:type_name -> kvrelay.v1.DType
-	3,  // 2: kvrelay.v1.PublishHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	4,  // 2: kvrelay.v1.PublishHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
 	1,  // 3: kvrelay.v1.Chunk.part:type_name -> kvrelay.v1.Part
-	4,  // 4: kvrelay.v1.PublishRequest.header:type_name -> kvrelay.v1.PublishHeader
-	5,  // 5: kvrelay.v1.PublishRequest.chunk:type_name -> kvrelay.v1.Chunk
-	6,  // 6: kvrelay.v1.PublishRequest.commit:type_name -> kvrelay.v1.Trailer
-	8,  // 7: kvrelay.v1.PublishResponse.accounting:type_name -> kvrelay.v1.Accounting
+	5,  // 4: kvrelay.v1.PublishRequest.header:type_name -> kvrelay.v1.PublishHeader
+	6,  // 5: kvrelay.v1.PublishRequest.chunk:type_name -> kvrelay.v1.Chunk
+	7,  // 6: kvrelay.v1.PublishRequest.commit:type_name -> kvrelay.v1.Trailer
+	9,  // 7: kvrelay.v1.PublishResponse.accounting:type_name -> kvrelay.v1.Accounting
 	0,  // 8: kvrelay.v1.MessageHeader.dtype:type_name -> kvrelay.v1.DType
-	8,  // 9: kvrelay.v1.MessageHeader.accounting:type_name -> kvrelay.v1.Accounting
-	11, // 10: kvrelay.v1.FetchResponse.header:type_name -> kvrelay.v1.MessageHeader
-	5,  // 11: kvrelay.v1.FetchResponse.chunk:type_name -> kvrelay.v1.Chunk
-	6,  // 12: kvrelay.v1.FetchResponse.trailer:type_name -> kvrelay.v1.Trailer
-	3,  // 13: kvrelay.v1.CompressHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
-	19, // 14: kvrelay.v1.CompressRequest.header:type_name -> kvrelay.v1.CompressHeader
-	5,  // 15: kvrelay.v1.CompressRequest.chunk:type_name -> kvrelay.v1.Chunk
-	6,  // 16: kvrelay.v1.CompressRequest.commit:type_name -> kvrelay.v1.Trailer
-	11, // 17: kvrelay.v1.CompressResponse.header:type_name -> kvrelay.v1.MessageHeader
-	5,  // 18: kvrelay.v1.CompressResponse.chunk:type_name -> kvrelay.v1.Chunk
-	6,  // 19: kvrelay.v1.CompressResponse.trailer:type_name -> kvrelay.v1.Trailer
-	2,  // 20: kvrelay.v1.RecipientStatus.state:type_name -> kvrelay.v1.RecipientState
-	23, // 21: kvrelay.v1.MessageStatusResponse.recipients:type_name -> kvrelay.v1.RecipientStatus
-	11, // 22: kvrelay.v1.ForwardHeader.message:type_name -> kvrelay.v1.MessageHeader
-	3,  // 23: kvrelay.v1.ForwardHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
-	6,  // 24: kvrelay.v1.ForwardCommit.trailer:type_name -> kvrelay.v1.Trailer
-	8,  // 25: kvrelay.v1.ForwardCommit.accounting:type_name -> kvrelay.v1.Accounting
-	25, // 26: kvrelay.v1.ForwardRequest.header:type_name -> kvrelay.v1.ForwardHeader
-	5,  // 27: kvrelay.v1.ForwardRequest.chunk:type_name -> kvrelay.v1.Chunk
-	26, // 28: kvrelay.v1.ForwardRequest.commit:type_name -> kvrelay.v1.ForwardCommit
-	28, // 29: kvrelay.v1.ForwardResponse.results:type_name -> kvrelay.v1.ForwardResult
-	2,  // 30: kvrelay.v1.ReportRecipientRequest.state:type_name -> kvrelay.v1.RecipientState
-	7,  // 31: kvrelay.v1.Relay.Publish:input_type -> kvrelay.v1.PublishRequest
-	10, // 32: kvrelay.v1.Relay.Fetch:input_type -> kvrelay.v1.FetchRequest
-	13, // 33: kvrelay.v1.Relay.Ack:input_type -> kvrelay.v1.AckRequest
-	15, // 34: kvrelay.v1.Relay.CloseSession:input_type -> kvrelay.v1.CloseSessionRequest
-	20, // 35: kvrelay.v1.Relay.Compress:input_type -> kvrelay.v1.CompressRequest
-	17, // 36: kvrelay.v1.Relay.Stats:input_type -> kvrelay.v1.StatsRequest
-	22, // 37: kvrelay.v1.Relay.MessageStatus:input_type -> kvrelay.v1.MessageStatusRequest
-	27, // 38: kvrelay.v1.Relay.Forward:input_type -> kvrelay.v1.ForwardRequest
-	30, // 39: kvrelay.v1.Relay.ReportRecipient:input_type -> kvrelay.v1.ReportRecipientRequest
-	9,  // 40: kvrelay.v1.Relay.Publish:output_type -> kvrelay.v1.PublishResponse
-	12, // 41: kvrelay.v1.Relay.Fetch:output_type -> kvrelay.v1.FetchResponse
-	14, // 42: kvrelay.v1.Relay.Ack:output_type -> kvrelay.v1.AckResponse
-	16, // 43: kvrelay.v1.Relay.CloseSession:output_type -> kvrelay.v1.CloseSessionResponse
-	21, // 44: kvrelay.v1.Relay.Compress:output_type -> kvrelay.v1.CompressResponse
-	18, // 45: kvrelay.v1.Relay.Stats:output_type -> kvrelay.v1.StatsResponse
-	24, // 46: kvrelay.v1.Relay.MessageStatus:output_type -> kvrelay.v1.MessageStatusResponse
-	29, // 47: kvrelay.v1.Relay.Forward:output_type -> kvrelay.v1.ForwardResponse
-	31, // 48: kvrelay.v1.Relay.ReportRecipient:output_type -> kvrelay.v1.ReportRecipientResponse
-	40, // [40:49] is the sub-list for method output_type
-	31, // [31:40] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	9,  // 9: kvrelay.v1.MessageHeader.accounting:type_name -> kvrelay.v1.Accounting
+	2,  // 10: kvrelay.v1.MessageHeader.quant_scheme:type_name -> kvrelay.v1.QuantScheme
+	12, // 11: kvrelay.v1.FetchResponse.header:type_name -> kvrelay.v1.MessageHeader
+	6,  // 12: kvrelay.v1.FetchResponse.chunk:type_name -> kvrelay.v1.Chunk
+	7,  // 13: kvrelay.v1.FetchResponse.trailer:type_name -> kvrelay.v1.Trailer
+	4,  // 14: kvrelay.v1.CompressHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	20, // 15: kvrelay.v1.CompressRequest.header:type_name -> kvrelay.v1.CompressHeader
+	6,  // 16: kvrelay.v1.CompressRequest.chunk:type_name -> kvrelay.v1.Chunk
+	7,  // 17: kvrelay.v1.CompressRequest.commit:type_name -> kvrelay.v1.Trailer
+	12, // 18: kvrelay.v1.CompressResponse.header:type_name -> kvrelay.v1.MessageHeader
+	6,  // 19: kvrelay.v1.CompressResponse.chunk:type_name -> kvrelay.v1.Chunk
+	7,  // 20: kvrelay.v1.CompressResponse.trailer:type_name -> kvrelay.v1.Trailer
+	3,  // 21: kvrelay.v1.RecipientStatus.state:type_name -> kvrelay.v1.RecipientState
+	24, // 22: kvrelay.v1.MessageStatusResponse.recipients:type_name -> kvrelay.v1.RecipientStatus
+	12, // 23: kvrelay.v1.ForwardHeader.message:type_name -> kvrelay.v1.MessageHeader
+	4,  // 24: kvrelay.v1.ForwardHeader.geometry:type_name -> kvrelay.v1.TurnGeometry
+	7,  // 25: kvrelay.v1.ForwardCommit.trailer:type_name -> kvrelay.v1.Trailer
+	9,  // 26: kvrelay.v1.ForwardCommit.accounting:type_name -> kvrelay.v1.Accounting
+	26, // 27: kvrelay.v1.ForwardRequest.header:type_name -> kvrelay.v1.ForwardHeader
+	6,  // 28: kvrelay.v1.ForwardRequest.chunk:type_name -> kvrelay.v1.Chunk
+	27, // 29: kvrelay.v1.ForwardRequest.commit:type_name -> kvrelay.v1.ForwardCommit
+	29, // 30: kvrelay.v1.ForwardResponse.results:type_name -> kvrelay.v1.ForwardResult
+	3,  // 31: kvrelay.v1.ReportRecipientRequest.state:type_name -> kvrelay.v1.RecipientState
+	8,  // 32: kvrelay.v1.Relay.Publish:input_type -> kvrelay.v1.PublishRequest
+	11, // 33: kvrelay.v1.Relay.Fetch:input_type -> kvrelay.v1.FetchRequest
+	14, // 34: kvrelay.v1.Relay.Ack:input_type -> kvrelay.v1.AckRequest
+	16, // 35: kvrelay.v1.Relay.CloseSession:input_type -> kvrelay.v1.CloseSessionRequest
+	21, // 36: kvrelay.v1.Relay.Compress:input_type -> kvrelay.v1.CompressRequest
+	18, // 37: kvrelay.v1.Relay.Stats:input_type -> kvrelay.v1.StatsRequest
+	23, // 38: kvrelay.v1.Relay.MessageStatus:input_type -> kvrelay.v1.MessageStatusRequest
+	28, // 39: kvrelay.v1.Relay.Forward:input_type -> kvrelay.v1.ForwardRequest
+	31, // 40: kvrelay.v1.Relay.ReportRecipient:input_type -> kvrelay.v1.ReportRecipientRequest
+	10, // 41: kvrelay.v1.Relay.Publish:output_type -> kvrelay.v1.PublishResponse
+	13, // 42: kvrelay.v1.Relay.Fetch:output_type -> kvrelay.v1.FetchResponse
+	15, // 43: kvrelay.v1.Relay.Ack:output_type -> kvrelay.v1.AckResponse
+	17, // 44: kvrelay.v1.Relay.CloseSession:output_type -> kvrelay.v1.CloseSessionResponse
+	22, // 45: kvrelay.v1.Relay.Compress:output_type -> kvrelay.v1.CompressResponse
+	19, // 46: kvrelay.v1.Relay.Stats:output_type -> kvrelay.v1.StatsResponse
+	25, // 47: kvrelay.v1.Relay.MessageStatus:output_type -> kvrelay.v1.MessageStatusResponse
+	30, // 48: kvrelay.v1.Relay.Forward:output_type -> kvrelay.v1.ForwardResponse
+	32, // 49: kvrelay.v1.Relay.ReportRecipient:output_type -> kvrelay.v1.ReportRecipientResponse
+	41, // [41:50] is the sub-list for method output_type
+	32, // [32:41] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_kvrelay_v1_relay_proto_init() }
@@ -3054,7 +3175,7 @@ func file_kvrelay_v1_relay_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvrelay_v1_relay_proto_rawDesc), len(file_kvrelay_v1_relay_proto_rawDesc)),
-			NumEnums:      3,
+			NumEnums:      4,
 			NumMessages:   29,
 			NumExtensions: 0,
 			NumServices:   1,

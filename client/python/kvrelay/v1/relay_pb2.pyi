@@ -37,6 +37,15 @@ class Part(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PART_V_SCALE: _ClassVar[Part]
     PART_V_ZERO: _ClassVar[Part]
     PART_ACC: _ClassVar[Part]
+    PART_DEMOTED_K_CODES: _ClassVar[Part]
+    PART_DEMOTED_K_NORM: _ClassVar[Part]
+    PART_DEMOTED_V_CODES: _ClassVar[Part]
+    PART_DEMOTED_V_NORM: _ClassVar[Part]
+
+class QuantScheme(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUANT_SCHEME_INT: _ClassVar[QuantScheme]
+    QUANT_SCHEME_LLOYD: _ClassVar[QuantScheme]
 
 class RecipientState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +80,12 @@ PART_V_CODES: Part
 PART_V_SCALE: Part
 PART_V_ZERO: Part
 PART_ACC: Part
+PART_DEMOTED_K_CODES: Part
+PART_DEMOTED_K_NORM: Part
+PART_DEMOTED_V_CODES: Part
+PART_DEMOTED_V_NORM: Part
+QUANT_SCHEME_INT: QuantScheme
+QUANT_SCHEME_LLOYD: QuantScheme
 RECIPIENT_STATE_UNSPECIFIED: RecipientState
 RECIPIENT_STATE_QUEUED: RecipientState
 RECIPIENT_STATE_COMMITTED: RecipientState
@@ -205,7 +220,7 @@ class FetchRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., agent: _Optional[str] = ..., auto_ack: _Optional[bool] = ...) -> None: ...
 
 class MessageHeader(_message.Message):
-    __slots__ = ("message_id", "session_id", "sender", "role", "parent_id", "layers", "kv_heads", "head_dim", "dtype", "n_history", "n_anchor", "n_kept", "n_gen", "quant_bits", "quant_group", "quant_rotate", "accounting", "delivery_attempt", "next_pos", "anchor_pos", "acc_tokens")
+    __slots__ = ("message_id", "session_id", "sender", "role", "parent_id", "layers", "kv_heads", "head_dim", "dtype", "n_history", "n_anchor", "n_kept", "n_gen", "quant_bits", "quant_group", "quant_rotate", "accounting", "delivery_attempt", "next_pos", "anchor_pos", "acc_tokens", "quant_scheme", "quant_keys_channel", "quant_seed", "n_demoted", "demote_bits")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +242,11 @@ class MessageHeader(_message.Message):
     NEXT_POS_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_POS_FIELD_NUMBER: _ClassVar[int]
     ACC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUANT_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    QUANT_KEYS_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    QUANT_SEED_FIELD_NUMBER: _ClassVar[int]
+    N_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    DEMOTE_BITS_FIELD_NUMBER: _ClassVar[int]
     message_id: str
     session_id: str
     sender: str
@@ -248,7 +268,12 @@ class MessageHeader(_message.Message):
     next_pos: int
     anchor_pos: _containers.RepeatedScalarFieldContainer[int]
     acc_tokens: int
-    def __init__(self, message_id: _Optional[str] = ..., session_id: _Optional[str] = ..., sender: _Optional[str] = ..., role: _Optional[str] = ..., parent_id: _Optional[str] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., n_history: _Optional[int] = ..., n_anchor: _Optional[int] = ..., n_kept: _Optional[int] = ..., n_gen: _Optional[int] = ..., quant_bits: _Optional[int] = ..., quant_group: _Optional[int] = ..., quant_rotate: _Optional[bool] = ..., accounting: _Optional[_Union[Accounting, _Mapping]] = ..., delivery_attempt: _Optional[int] = ..., next_pos: _Optional[int] = ..., anchor_pos: _Optional[_Iterable[int]] = ..., acc_tokens: _Optional[int] = ...) -> None: ...
+    quant_scheme: QuantScheme
+    quant_keys_channel: bool
+    quant_seed: int
+    n_demoted: int
+    demote_bits: int
+    def __init__(self, message_id: _Optional[str] = ..., session_id: _Optional[str] = ..., sender: _Optional[str] = ..., role: _Optional[str] = ..., parent_id: _Optional[str] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., n_history: _Optional[int] = ..., n_anchor: _Optional[int] = ..., n_kept: _Optional[int] = ..., n_gen: _Optional[int] = ..., quant_bits: _Optional[int] = ..., quant_group: _Optional[int] = ..., quant_rotate: _Optional[bool] = ..., accounting: _Optional[_Union[Accounting, _Mapping]] = ..., delivery_attempt: _Optional[int] = ..., next_pos: _Optional[int] = ..., anchor_pos: _Optional[_Iterable[int]] = ..., acc_tokens: _Optional[int] = ..., quant_scheme: _Optional[_Union[QuantScheme, str]] = ..., quant_keys_channel: _Optional[bool] = ..., quant_seed: _Optional[int] = ..., n_demoted: _Optional[int] = ..., demote_bits: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
