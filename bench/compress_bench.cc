@@ -366,6 +366,54 @@ void BM_QueryScores(benchmark::State& state) {
 }
 BENCHMARK(BM_QueryScores)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// Quantizer encode + decode of every layer of the turn's dense prompt and
+// generated rows, one thread: lloyd:bits=B against int4 on the same rows.
+void BM_QuantRoundTrip(benchmark::State& state, const char* spec) {
+  const Turn& turn = Qwen14BTurn();
+  const QuantOptions opts = *(*Pipeline::Create(spec))->config().quant;
+  std::vector<std::pair<KvTensor, KvTensor>> rows;
+  for (const TurnLayer& l : turn.layers) rows.emplace_back(l.prompt_k, l.prompt_v);
+  KvTensor k, v;
+  uint64_t bytes = 0;
+  for (auto _ : state) {
+    for (const auto& [pk, pv] : rows) {
+      absl::StatusOr<QuantizedKv> q = QuantizeKv(pk, pv, opts);
+      if (!q.ok() || !DequantizeKv(*q, pk.dtype(), &k, &v).ok()) {
+        state.SkipWithError("quantize");
+        return;
+      }
+      bytes = q->k.ByteSize() + q->v.ByteSize();
+      benchmark::DoNotOptimize(k.bytes().data());
+    }
+  }
+  state.counters["layer_bytes"] = static_cast<double>(bytes);
+}
+BENCHMARK_CAPTURE(BM_QuantRoundTrip, int4, "full+int4")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_QuantRoundTrip, int4_hadamard, "full+int4:rotate=hadamard")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_QuantRoundTrip, lloyd4, "full+lloyd:bits=4")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_QuantRoundTrip, lloyd3, "full+lloyd:bits=3")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_QuantRoundTrip, lloyd2, "full+lloyd:bits=2")->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// auto:budget=0.1 chooses from every layer's query masses, then compresses:
+// against h2o-head:k=32+int4 on the same turn with gen.q, one thread.
+void BM_CompressQueries(benchmark::State& state, const char* spec) {
+  const Turn& turn = Qwen14BQueryTurn();
+  std::unique_ptr<Pipeline> p = *Pipeline::Create(spec);
+  std::string chosen;
+  for (auto _ : state) {
+    absl::StatusOr<Message> m = p->Compress(turn);
+    if (!m.ok()) {
+      state.SkipWithError(std::string(m.status().message()).c_str());
+      return;
+    }
+    chosen = m->policy;
+    benchmark::DoNotOptimize(m->layers.data());
+  }
+  state.SetLabel(chosen);
+}
+BENCHMARK_CAPTURE(BM_CompressQueries, h_int4, "h2o-head:k=32+int4")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_CompressQueries, auto_budget_0_1, "auto:budget=0.1")->Unit(benchmark::kMillisecond)->UseRealTime();
+
 // The fidelity figure of an H-OBF fast message of the same turn, one
 // thread: every layer's AttentionOutputError (the full cache's logits and
 // outputs, the message's). Counter: multiply-adds per second of the logits

@@ -12,6 +12,10 @@
 #include "core/dtype.h"
 #include "core/quant.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace kvrelay {
 
 namespace {
@@ -59,14 +63,75 @@ const Codebook& GetCodebook(int bits) {
 size_t RowBytes(int dim, int bits) { return static_cast<size_t>(dim) * bits / 8; }
 int NumGroups(int tokens, int group) { return tokens == 0 ? 0 : (tokens - 1) / group + 1; }
 
-// codes[i] = number of thresholds <= u[i]. Loops over thresholds outside so
-// the inner loop vectorizes.
+// The code of u: with half = 2^(bits-1) and a = |u|, cnt = the number of
+// the positive thresholds t_{half}, ..., t_{2half-2} that a reaches (a >=
+// t); code = half + cnt for u >= 0, half - 1 - cnt otherwise. This is the
+// number of thresholds <= u except for u exactly on a negative threshold
+// (FORMAT.md leaves values within rounding of a threshold either code).
+// The vector and scalar paths decide alike.
 void Classify(const Codebook& cb, const float* u, uint8_t* codes, int n) {
-  std::fill(codes, codes + n, 0);
-  for (int j = 0; j + 1 < cb.size; ++j) {
-    const float t = cb.threshold[j];
-    for (int i = 0; i < n; ++i) codes[i] += u[i] >= t ? 1 : 0;
+  const int half = cb.size / 2;
+  const float* tp = cb.threshold.data() + half;  // the half - 1 positive thresholds
+  int i = 0;
+#if defined(__AVX2__)
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i vhalf = _mm256_set1_epi32(half), vhalf1 = _mm256_set1_epi32(half - 1);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(u + i);
+    const __m256 a = _mm256_and_ps(x, abs_mask);
+    __m256i cnt = _mm256_setzero_si256();
+    for (int j = 0; j + 1 < half; ++j) {
+      cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(tp[j]), _CMP_GE_OQ)));
+    }
+    const __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256i c = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_sub_epi32(vhalf1, cnt)),
+                                                           _mm256_castsi256_ps(_mm256_add_epi32(vhalf, cnt)), pos));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
   }
+#endif
+  for (; i < n; ++i) {
+    const float a = std::fabs(u[i]);
+    int cnt = 0;
+    for (int j = 0; j + 1 < half; ++j) cnt += a >= tp[j] ? 1 : 0;
+    codes[i] = static_cast<uint8_t>(u[i] >= 0.0f ? half + cnt : half - 1 - cnt);
+  }
+}
+
+// out[i] = level[codes[i]] * step.
+void Levels(const Codebook& cb, const uint8_t* codes, float step, float* out, int n) {
+  int i = 0;
+#if defined(__AVX2__)
+  const __m256 lo = _mm256_loadu_ps(cb.level.data()), hi = _mm256_loadu_ps(cb.level.data() + 8);
+  const __m256 vs = _mm256_set1_ps(step);
+  const __m256i seven = _mm256_set1_epi32(7);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    const __m256 l = _mm256_permutevar8x32_ps(lo, idx), h = _mm256_permutevar8x32_ps(hi, idx);
+    const __m256 v = _mm256_blendv_ps(l, h, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, seven)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(v, vs));
+  }
+#endif
+  for (; i < n; ++i) out[i] = cb.level[codes[i]] * step;
+}
+
+// Sum of squares in float64 (any order: the result is rounded to fp16).
+double SumSquares(const float* x, int n) {
+  int i = 0;
+  double total = 0;
+#if defined(__AVX2__)
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  for (; i + 8 <= n; i += 8) {
+    const __m256d lo = _mm256_cvtps_pd(_mm_loadu_ps(x + i)), hi = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+    a0 = _mm256_add_pd(a0, _mm256_mul_pd(lo, lo));
+    a1 = _mm256_add_pd(a1, _mm256_mul_pd(hi, hi));
+  }
+  alignas(32) double t[4];
+  _mm256_store_pd(t, _mm256_add_pd(a0, a1));
+  total = (t[0] + t[1]) + (t[2] + t[3]);
+#endif
+  for (; i < n; ++i) total += static_cast<double>(x[i]) * x[i];
+  return total;
 }
 
 // Packs n codes of `bits` bits, element i at bits [i*bits, (i+1)*bits).
@@ -137,6 +202,89 @@ uint16_t F16Nearest(double x) {
   return best;
 }
 
+// Classify + Pack of one row: eight codes at a time, packed into `bits`
+// bytes by shifting each lane to its place (codes never overlap, so the sum
+// of the lanes is their OR).
+template <int kBits>
+void ClassifyPackBits(const Codebook& cb, const float* u, uint8_t* out, int n, uint8_t* scratch) {
+  int i = 0;
+#if defined(__AVX2__)
+  constexpr int bits = kBits;
+  constexpr int half = 1 << (kBits - 1);
+  const float* tp = cb.threshold.data() + half;
+  __m256 tv[half > 1 ? half - 1 : 1];
+  for (int j = 0; j + 1 < half; ++j) tv[j] = _mm256_set1_ps(tp[j]);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i vhalf = _mm256_set1_epi32(half), vhalf1 = _mm256_set1_epi32(half - 1);
+  const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(u + i);
+    const __m256 a = _mm256_and_ps(x, abs_mask);
+    __m256i cnt = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j + 1 < half; ++j) {
+      cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(a, tv[j], _CMP_GE_OQ)));
+    }
+    const __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256i c = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_sub_epi32(vhalf1, cnt)),
+                                                           _mm256_castsi256_ps(_mm256_add_epi32(vhalf, cnt)), pos));
+    __m256i v = _mm256_sllv_epi32(c, shifts);
+    v = _mm256_add_epi32(v, _mm256_permute2x128_si256(v, v, 1));
+    v = _mm256_add_epi32(v, _mm256_shuffle_epi32(v, 0x4E));
+    v = _mm256_add_epi32(v, _mm256_shuffle_epi32(v, 0xB1));
+    const uint32_t word = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(v)));
+    std::memcpy(out + static_cast<size_t>(i) * bits / 8, &word, bits);  // little-endian
+  }
+#endif
+  if (i < n) {
+    Classify(cb, u + i, scratch, n - i);
+    Pack(scratch, n - i, cb.bits, out + static_cast<size_t>(i) * cb.bits / 8);
+  }
+}
+
+// Unpack + Levels of one row.
+template <int kBits>
+void UnpackLevelsBits(const Codebook& cb, const uint8_t* in, float step, float* out, int n, uint8_t* scratch) {
+  int i = 0;
+#if defined(__AVX2__)
+  constexpr int bits = kBits;
+  const __m256 lo = _mm256_loadu_ps(cb.level.data()), hi = _mm256_loadu_ps(cb.level.data() + 8);
+  const __m256 vs = _mm256_set1_ps(step);
+  const __m256i seven = _mm256_set1_epi32(7), mask = _mm256_set1_epi32((1 << bits) - 1);
+  const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+  for (; i + 8 <= n; i += 8) {
+    uint32_t word = 0;
+    std::memcpy(&word, in + static_cast<size_t>(i) * bits / 8, bits);
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), mask);
+    const __m256 l = _mm256_permutevar8x32_ps(lo, idx), h = _mm256_permutevar8x32_ps(hi, idx);
+    const __m256 v = _mm256_blendv_ps(l, h, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, seven)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(v, vs));
+  }
+#endif
+  if (i < n) {
+    Unpack(in + static_cast<size_t>(i) * cb.bits / 8, n - i, cb.bits, scratch);
+    Levels(cb, scratch, step, out + i, n - i);
+  }
+}
+
+void ClassifyPack(const Codebook& cb, const float* u, uint8_t* out, int n, uint8_t* scratch) {
+  switch (cb.bits) {
+    case 1: return ClassifyPackBits<1>(cb, u, out, n, scratch);
+    case 2: return ClassifyPackBits<2>(cb, u, out, n, scratch);
+    case 3: return ClassifyPackBits<3>(cb, u, out, n, scratch);
+    default: return ClassifyPackBits<4>(cb, u, out, n, scratch);
+  }
+}
+
+void UnpackLevels(const Codebook& cb, const uint8_t* in, float step, float* out, int n, uint8_t* scratch) {
+  switch (cb.bits) {
+    case 1: return UnpackLevelsBits<1>(cb, in, step, out, n, scratch);
+    case 2: return UnpackLevelsBits<2>(cb, in, step, out, n, scratch);
+    case 3: return UnpackLevelsBits<3>(cb, in, step, out, n, scratch);
+    default: return UnpackLevelsBits<4>(cb, in, step, out, n, scratch);
+  }
+}
+
 absl::Status NonFinite(const char* tensor, int h, int t) {
   return absl::InvalidArgumentError(
       absl::StrFormat("lloyd: %s head %d token %d: non-finite value", tensor, h, t));
@@ -182,12 +330,10 @@ absl::Status LloydQuantizeRows(const KvTensor& x, int bits, uint64_t seed, const
   std::vector<float> signs(dim), row(dim);
   std::vector<uint8_t> codes(dim);
   LloydSigns(seed, dim, signs.data());
-  const double sqrt_d = std::sqrt(static_cast<double>(dim));
   for (int h = 0; h < heads; ++h) {
     for (int t = 0; t < tokens; ++t) {
       ToFloat(x.dtype(), x.row(h, t), row.data(), dim);
-      double ss = 0;
-      for (int i = 0; i < dim; ++i) ss += static_cast<double>(row[i]) * row[i];
+      const double ss = SumSquares(row.data(), dim);
       if (!std::isfinite(ss)) {
         // A finite float32 squared can overflow float64 only past 1e154,
         // which no float32 reaches; so this is NaN or Inf in the row.
@@ -201,13 +347,12 @@ absl::Status LloydQuantizeRows(const KvTensor& x, int bits, uint64_t seed, const
       }
       const size_t stat = static_cast<size_t>(h) * tokens + t;
       q->scale[stat] = nu;
+      // u = (H / sqrt(d)) (sigma x) * sqrt(d) / nu = H (sigma x) / nu.
       const float nuf = F16ToFloat(nu);
-      const float f = nuf == 0.0f ? 0.0f : static_cast<float>(sqrt_d / nuf);
+      const float f = nuf == 0.0f ? 0.0f : static_cast<float>(1.0 / nuf);
       for (int i = 0; i < dim; ++i) row[i] *= signs[i];
-      HadamardTransform(row.data(), dim);
-      for (int i = 0; i < dim; ++i) row[i] *= f;
-      Classify(cb, row.data(), codes.data(), dim);
-      Pack(codes.data(), dim, bits, q->codes.data() + stat * row_bytes);
+      HadamardTransformScaled(row.data(), dim, f);
+      ClassifyPack(cb, row.data(), q->codes.data() + stat * row_bytes, dim, codes.data());
     }
   }
   return absl::OkStatus();
@@ -272,8 +417,8 @@ absl::Status LloydQuantizeChannels(const KvTensor& x, int bits, int group, const
       for (int r = 0; r < n; ++r) {
         const float* xr = block.data() + static_cast<size_t>(r) * dim;
         for (int c = 0; c < dim; ++c) row[c] = (xr[c] - mu[c]) * inv[c];
-        Classify(cb, row.data(), codes.data(), dim);
-        Pack(codes.data(), dim, bits, q->codes.data() + (static_cast<size_t>(h) * tokens + t0 + r) * row_bytes);
+        ClassifyPack(cb, row.data(), q->codes.data() + (static_cast<size_t>(h) * tokens + t0 + r) * row_bytes, dim,
+                     codes.data());
       }
     }
   }
@@ -287,14 +432,12 @@ void LloydDecodeRows(const QuantizedTensor& q, uint64_t seed, KvTensor* out) {
   std::vector<float> signs(dim), row(dim);
   std::vector<uint8_t> codes(dim);
   LloydSigns(seed, dim, signs.data());
-  const double sqrt_d = std::sqrt(static_cast<double>(dim));
   for (int h = 0; h < heads; ++h) {
     for (int t = 0; t < tokens; ++t) {
       const size_t stat = static_cast<size_t>(h) * tokens + t;
-      Unpack(q.codes.data() + stat * row_bytes, dim, q.bits, codes.data());
-      const float step = static_cast<float>(F16ToFloat(q.scale[stat]) / sqrt_d);
-      for (int i = 0; i < dim; ++i) row[i] = cb.level[codes[i]] * step;
-      HadamardTransform(row.data(), dim);
+      // x = sigma (H / sqrt(d)) (c * nu / sqrt(d)) = sigma H(c) * nu / d.
+      UnpackLevels(cb, q.codes.data() + stat * row_bytes, 1.0f, row.data(), dim, codes.data());
+      HadamardTransformScaled(row.data(), dim, static_cast<float>(F16ToFloat(q.scale[stat]) / dim));
       for (int i = 0; i < dim; ++i) row[i] *= signs[i];
       FromFloatSaturating(out->dtype(), row.data(), out->row(h, t), dim);
     }

@@ -611,8 +611,9 @@ void DequantizeValues(const QuantizedTensor& q, bool rotate, KvTensor* out) {
 
 }  // namespace
 
-void HadamardTransform(float* x, int n) {
-  const float norm = HadamardNorm(n);
+void HadamardTransform(float* x, int n) { HadamardTransformScaled(x, n, HadamardNorm(n)); }
+
+void HadamardTransformScaled(float* x, int n, float norm) {
 #if defined(__AVX__)
   switch (n) {
     case 8: return HadamardFixed<1>(x, norm);

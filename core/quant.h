@@ -109,6 +109,10 @@ absl::StatusOr<Message> DecodedMessage(const Message& msg);
 // REQUIRES: n is a power of two.
 void HadamardTransform(float* x, int n);
 
+// The unnormalized transform H_n x times `scale` (HadamardTransform is
+// scale = 1/sqrt(n)), in one pass. REQUIRES: n is a power of two.
+void HadamardTransformScaled(float* x, int n, float scale);
+
 }  // namespace kvrelay
 
 #endif  // KVRELAY_CORE_QUANT_H_

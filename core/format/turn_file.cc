@@ -535,25 +535,6 @@ bool IsMessagePart(absl::string_view part) {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Checks a QuantizedTensor's vectors against its declared geometry.
-absl::Status CheckQuantTensor(const QuantizedTensor& q, absl::string_view name, int bits, int group,
-                              bool is_key, int heads, int tokens, int dim) {
-  if (q.bits != bits || q.heads != heads || q.tokens != tokens || q.dim != dim) {
-    return Invalid(name,
-                   absl::StrCat("quantized ", q.bits, "-bit [", q.heads, ",", q.tokens, ",", q.dim,
-                                "], expected ", bits, "-bit [", heads, ",", tokens, ",", dim, "]"));
-  }
-  const size_t codes = static_cast<size_t>(heads) * tokens * dim * bits / 8;
-  const size_t stats = is_key ? static_cast<size_t>(heads) * CeilDiv(tokens, group) * dim
-                              : static_cast<size_t>(heads) * tokens;
-  if (q.codes.size() != codes || q.scale.size() != stats || q.zero.size() != stats) {
-    return Invalid(
-        name, absl::StrCat("codes/scale/zero hold ", q.codes.size(), "/", q.scale.size(), "/",
-                           q.zero.size(), " elements, expected ", codes, "/", stats, "/", stats));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(const Message& msg) {
   if (msg.layers.empty())
     return absl::InvalidArgumentError("message: no layers, expected at least 1");
