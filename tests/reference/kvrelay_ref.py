@@ -83,8 +83,8 @@ Choices where FORMAT.md leaves room (see also the report in the test file):
     `lloyd:bits=B,keys=channel,group=G,seed=S` and `demote:bits=B`.
   * lloyd row form: nu = fp16(||x||_2) from the float64 sum of squares,
     round to nearest even; the compression fails when that rounds past
-    65504 (||x|| >= 65520).  f = float32(sqrt(d) / nu) from the float64
-    quotient; u = y * f in float64 with y = R x in float64.
+    65504 (||x|| >= 65520).  u = y sqrt(d) / nu, as the unnormalized
+    transform of sigma * x (float64 butterflies) divided by nu.
   * lloyd keys=channel: mu and sigma are means over the tokens of the group
     (the last group may be shorter), in float64, rounded to nearest even;
     sigma is taken about the fp16 mu ("sigma = fp16(sqrt(mean (x - mu)^2))"
@@ -1476,16 +1476,15 @@ def _f16_rne(x, what):
 
 
 def lloyd_row_u(x64, nu, seed):
-    """u = (R x) * f, f = float32(sqrt(d) / nu) (u = 0 where nu = 0), float64
-    arithmetic on the float32 f.  Returns (u, y = R x, f)."""
+    """u = (R x) sqrt(d) / nu (u = 0 where nu = 0), computed as the
+    unnormalized transform of sigma * x (exact, fwht()) divided by nu: one
+    float64 rounding.  Returns (u, y = R x)."""
     x = np.asarray(x64, dtype=np.float64)
     d = x.shape[-1]
-    y = fwht(x * lloyd_signs(seed, d)) / math.sqrt(d)
-    nu64 = np.asarray(nu, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        f = np.where(nu64 > 0, (math.sqrt(d) / np.where(nu64 > 0, nu64, 1.0)).astype(np.float32), 0.0)
-    f = f.astype(np.float64)
-    return y * f[..., None], y, f
+    z = fwht(x * lloyd_signs(seed, d))
+    nu64 = np.asarray(nu, dtype=np.float64)[..., None]
+    u = np.where(nu64 > 0, z / np.where(nu64 > 0, nu64, 1.0), 0.0)
+    return u, z / math.sqrt(d)
 
 
 def lloyd_quantize_rows(x64, bits, seed, what="rows"):
@@ -1493,15 +1492,15 @@ def lloyd_quantize_rows(x64, bits, seed, what="rows"):
 
     Returns {'codes' [..., d] int, 'norm' [...] fp16 (nu = fp16(||x||_2),
     computed in float64, round to nearest even), 'u' [..., d] float64 (the
-    exact values the codes decide on), 'y' = R x, 'f'}."""
+    values the codes decide on, u = y sqrt(d) / nu), 'y' = R x, 'norm64'}."""
     x = np.asarray(x64, dtype=np.float64)
     d = x.shape[-1]
     check_lloyd_geometry(d, bits, what)
     with np.errstate(over="ignore"):
         norm64 = np.sqrt(np.sum(x * x, axis=-1))
     nu = _f16_rne(norm64, what + ": row norm")
-    u, y, f = lloyd_row_u(x, nu, seed)
-    return {"codes": lloyd_code(u, bits), "norm": nu, "u": u, "y": y, "f": f, "norm64": norm64}
+    u, y = lloyd_row_u(x, nu, seed)
+    return {"codes": lloyd_code(u, bits), "norm": nu, "u": u, "y": y, "norm64": norm64}
 
 
 def lloyd_dequantize_rows(codes, nu, bits, seed):

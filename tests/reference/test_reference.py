@@ -171,14 +171,16 @@ a stage with "unknown stage" naming lloyd or demote, that policy is SKIPPED
     i.e. codes equal the exact float64 decision wherever |u - t_j| > eps for
     every threshold, and may take the neighbouring code within eps: kvrelay
     compares float32 u with float32 thresholds.  Row form: eps = 2^-22
-    (log2(d) sqrt(d) + 3 |u| + 1) -- log2(d) float32 butterfly stages each
-    round values of at most ||x||_2 (final units), i.e. log2(d) sqrt(d)
-    2^-24 in units of u, plus f's rounding, the product and the threshold's
-    rounding (3 |u| 2^-24), times 4 as a margin: about 1e-5 at d = 64.
+    (log2(d) sqrt(d) + 3 |u| + 1) -- log2(d) float32 butterfly stages of the
+    unnormalized transform each round values of at most sqrt(d) ||x||_2,
+    i.e. log2(d) sqrt(d) 2^-24 in units of u, plus the roundings of
+    float32(1 / nu), the product and the threshold (3 |u| 2^-24), times 4
+    as a margin: about 1e-5 at d = 64.
     keys=channel: eps = 2^-22 (3 |u| + (|x| + |mu|) / sigma + 1) (a float32
-    subtraction and division).  A float32 emulation (butterfly FWHT, float32
-    u, thresholds and channel sums) stayed inside, 2 of 588096 codes taking
-    the neighbouring code.
+    subtraction and division).  A float32 emulation (butterfly transform,
+    float32 u, thresholds and channel sums) stayed inside on 1812016 codes
+    (none took the neighbouring code; 4 of 57360 channel stats were 1 fp16
+    ulp off the float64 reference).
   * Decoded values: every element lies in its code's cell (above); the
     --decode file against the packed codes decoded here in float64: 1 ulp
     of the dtype + 1e-6 ||row||_2 (row form: float32 inverse rotation) or
@@ -1287,12 +1289,13 @@ def lloyd_cells(errs, ctx, what, u, codes, eps, bits, labels, x=None):
 
 
 def row_u_eps(u, d):
-    """How far kvrelay's float32 u of the row form may be from ours: y = R x
-    by log2(d) float32 butterfly stages, each rounding values no larger than
-    ||x||_2 (in the final units), i.e. log2(d) 2^-24 ||x|| on y and
-    log2(d) sqrt(d) 2^-24 on u = y sqrt(d) / nu; then f's own rounding, the
-    product, and the float32 threshold: 3 |u| 2^-24.  Times 4 as a margin:
-    2^-22 (log2(d) sqrt(d) + 3 |u| + 1) (about 1.2e-5 at d = 64)."""
+    """How far kvrelay's float32 u of the row form may be from ours: the
+    unnormalized transform of sigma * x by log2(d) float32 butterfly stages,
+    each rounding values no larger than sqrt(d) ||x||_2, i.e. log2(d)
+    sqrt(d) 2^-24 ||x||, and log2(d) sqrt(d) 2^-24 on u after the factor
+    1 / nu; then float32(1 / nu)'s rounding, the product, and the float32
+    threshold: 3 |u| 2^-24.  Times 4 as a margin: 2^-22 (log2(d) sqrt(d) +
+    3 |u| + 1) (about 1.2e-5 at d = 64)."""
     return 2.0 ** -22 * (math.log2(d) * math.sqrt(d) + 3.0 * np.abs(u) + 1.0)
 
 
@@ -1335,7 +1338,7 @@ def check_lloyd_rows(errs, ctx, what, x, codes_u8, norm, bits, seed, labels):
                      for i in bad[:MAX_REPORT]]
             errs.append("%s %s norm: %d of %d differ from fp16(||x||_2) (round to nearest even of the float64 "
                         "norm)\n%s" % (ctx, what, len(bad), nu.size, "\n".join(lines)))
-    u, _, _ = ref.lloyd_row_u(x, nu, seed)
+    u, _ = ref.lloyd_row_u(x, nu, seed)
     lloyd_cells(errs, ctx, what + " codes", u, ccli, row_u_eps(u, d), bits,
                 lambda idx: labels(idx[:2]), x=None)
     y = ref.lloyd_dequantize_rows(ccli, nu, bits, seed)
