@@ -22,7 +22,20 @@ Contents
     accounting -> attention_error (gen.q turns, "Fidelity"),
   * attention_error(): FORMAT.md "Fidelity" in float64 for any message's
     keys and values (the tests pass kvrelayctl's own),
-  * quantize_layer()/dequantize_layer()/pack_codes()/unpack_codes(),
+  * quantize_layer()/dequantize_layer()/pack_codes()/unpack_codes() (any
+    1..8 bits, element i at bits [i*B, (i+1)*B) of the row, LSB first),
+  * the rotated Lloyd-Max quantizer (step 7b): splitmix64(), lloyd_signs(),
+    lloyd_rotation(), lloyd_codebook()/lloyd_thresholds()/lloyd_code(),
+    lloyd_quantize_rows()/lloyd_dequantize_rows() (row form),
+    lloyd_quantize_keys_channel()/lloyd_dequantize_keys_channel(),
+    lloyd_quantize_layer()/lloyd_dequantize_layer(); codes are decided on
+    float64 u against float64 thresholds (exact comparisons), the rotation
+    by float64 butterflies (fwht(), exact for F16/BF16 rows) and one scaling,
+  * demotion (step 6a) in compress(): each layer's demoted tokens (lay.dem_*),
+    their positions and acc after the main part's, byte accounting;
+    message_tensors() (the file's tensors, packed or decoded to dense) and
+    message_as_held() merge them into the kept tokens by ascending position
+    (merge_order()),
   * selftest(): internal invariants, run with
         /usr/bin/python3 tests/reference/kvrelay_ref.py --selftest
 
@@ -63,6 +76,27 @@ Choices where FORMAT.md leaves room (see also the report in the test file):
     only o_full is 0 a step's error is 1, when both are 0 it is 0.
   * `full` takes no parameters, so hist= (like every h2o-only key) is refused
     on `full` and `gen`; their messages carry the history whole, with acc.
+  * lloyd: `group` is refused with keys=row ("group (32; with keys=channel
+    only)"); `seed` is a decimal uint64 (ASCII digits, 0 .. 2^64 - 1); bits
+    and group are decimal integers.  The canonical stage forms (FORMAT.md
+    spells out the selector's only) are `lloyd:bits=B,keys=row,seed=S`,
+    `lloyd:bits=B,keys=channel,group=G,seed=S` and `demote:bits=B`.
+  * lloyd row form: nu = fp16(||x||_2) from the float64 sum of squares,
+    round to nearest even; the compression fails when that rounds past
+    65504 (||x|| >= 65520).  u = y sqrt(d) / nu, as the unnormalized
+    transform of sigma * x (float64 butterflies) divided by nu.
+  * lloyd keys=channel: mu and sigma are means over the tokens of the group
+    (the last group may be shorter), in float64, rounded to nearest even;
+    sigma is taken about the fp16 mu ("sigma = fp16(sqrt(mean (x - mu)^2))"
+    with mu the fp16 value), then raised to 2^-24 if below.  A mean or rms
+    past fp16's range fails the compression.
+  * Demotion with a top-k range of at most k candidates demotes nothing
+    (n_demoted = 0).  Decoding to dense orders the merged kept tokens by
+    position; the demoted tokens keep their position and acc (after the main
+    part's in layer.{l}.pos and layer.{l}.acc, merged when decoded).
+  * Fidelity with demoted tokens: o_msg uses the message decoded to dense
+    ("the message's keys and values as the recipient holds them"), i.e. the
+    demoted tokens decoded and merged into the kept ones.
 """
 
 import json
@@ -254,13 +288,49 @@ def _parse_tau(val):
     return x
 
 
+_LLOYD = {"bits": 4, "keys": "row", "group": 32, "seed": 1}
+_DEMOTE = {"bits": 2}
+U64_MAX = (1 << 64) - 1
+
+
+def _parse_uint(key, val, lo, hi):
+    """A decimal integer in [lo, hi], ASCII digits only (no sign, no spaces)."""
+    if not val or not all("0" <= ch <= "9" for ch in val) or not lo <= int(val) <= hi:
+        raise ValueError("%s=%s: expected an integer in [%d, %d]" % (key, val, lo, hi))
+    return int(val)
+
+
+def _parse_lloyd(kv):
+    """`lloyd` (FORMAT.md "Policy specs"): bits 1..4 (4), keys row|channel
+    (row), group >= 1 (32; keys=channel only), seed a uint64 (1)."""
+    q = dict(_LLOYD)
+    for key, val in kv.items():
+        if key not in q:
+            raise ValueError("unknown lloyd key %s" % key)
+        if key == "keys":
+            if val not in ("row", "channel"):
+                raise ValueError("keys=%s: expected row or channel" % val)
+            q[key] = val
+        elif key == "bits":
+            q[key] = _parse_uint(key, val, 1, 4)
+        elif key == "group":
+            q[key] = _parse_uint(key, val, 1, 1 << 24)
+        else:
+            q[key] = _parse_uint(key, val, 0, U64_MAX)
+    if "group" in kv and q["keys"] != "channel":
+        raise ValueError("group=%s: only with keys=channel" % kv["group"])
+    q["scheme"] = "lloyd"
+    return q
+
+
 def parse_policy(spec):
-    """Returns dict(selector=dict(name,...), obf=dict|None, quant=dict|None)."""
+    """Returns dict(selector=dict(name,...), obf=dict|None, demote=dict|None,
+    quant=dict|None); quant["scheme"] is "int" (int8/int4/int2) or "lloyd"."""
     for i, ch in enumerate(spec):
         if not "!" <= ch <= "~":
             raise ValueError("byte %d of %r: expected printable ASCII without spaces" % (i, spec))
     stages = spec.split("+")
-    out = {"selector": None, "obf": None, "quant": None}
+    out = {"selector": None, "obf": None, "demote": None, "quant": None}
     for i, st in enumerate(stages):
         name, _, params = st.partition(":")
         kv = {}
@@ -287,8 +357,8 @@ def parse_policy(spec):
             sel["name"] = name
             out["selector"] = sel
         elif name == "obf":
-            if out["obf"] is not None or out["quant"] is not None:
-                raise ValueError("obf misplaced in %r" % spec)
+            if out["obf"] is not None or out["quant"] is not None or out["demote"] is not None:
+                raise ValueError("obf misplaced in %r (obf and demote exclude each other)" % spec)
             if not out["selector"]["name"].startswith("h2o-"):
                 raise ValueError("obf only after h2o-*")
             o = dict(_OBF)
@@ -297,6 +367,23 @@ def parse_policy(spec):
                     raise ValueError("unknown obf key %s" % key)
                 o[key] = int(val) if key in ("p", "iters", "oversample") else val
             out["obf"] = o
+        elif name == "demote":
+            # Step 6a: after h2o-*, before the quantizer, not with obf.
+            if out["obf"] is not None or out["quant"] is not None or out["demote"] is not None:
+                raise ValueError("demote misplaced in %r (after the selector, before the quantizer, "
+                                 "not with obf)" % spec)
+            if not out["selector"]["name"].startswith("h2o-"):
+                raise ValueError("demote only after h2o-*")
+            dm = dict(_DEMOTE)
+            for key, val in kv.items():
+                if key not in dm:
+                    raise ValueError("unknown demote key %s" % key)
+                dm[key] = _parse_uint(key, val, 1, 4)
+            out["demote"] = dm
+        elif name == "lloyd":
+            if out["quant"] is not None:
+                raise ValueError("two quantizers")
+            out["quant"] = _parse_lloyd(kv)
         elif name in ("int8", "int4", "int2"):
             if out["quant"] is not None:
                 raise ValueError("two quantizers")
@@ -307,10 +394,30 @@ def parse_policy(spec):
                 q[key] = int(val) if key == "group" else val
             q["bits"] = int(name[3:])
             q["rotate"] = (q["rotate"] == "hadamard")
+            q["scheme"] = "int"
             out["quant"] = q
         else:
             raise ValueError("unknown stage %r" % name)
     return out
+
+
+def canonical_lloyd(q):
+    """The canonical form of a parsed lloyd stage: bits, keys, group (with
+    keys=channel only), seed, every one listed."""
+    if q["keys"] == "channel":
+        return "lloyd:bits=%d,keys=channel,group=%d,seed=%d" % (q["bits"], q["group"], q["seed"])
+    return "lloyd:bits=%d,keys=row,seed=%d" % (q["bits"], q["seed"])
+
+
+def canonical_demote(dm):
+    return "demote:bits=%d" % dm["bits"]
+
+
+def message_seed(pol):
+    """The message's rotation seed (FORMAT.md step 6a): the lloyd stage's,
+    else 1."""
+    q = pol["quant"]
+    return q["seed"] if q is not None and q["scheme"] == "lloyd" else 1
 
 
 def shortest_decimal(x):
@@ -806,6 +913,7 @@ def compress(turn, policy, kept_override=None, hist_override=None, gran_override
     msg.granularity = [] if sel["name"] == "h2o-auto" else None
     n_kept = None
     n_hist_kept = None
+    n_dem = None
     for l in range(turn.L):
         pk = turn.arr("layer.%d.prompt.k" % l)
         pv = turn.arr("layer.%d.prompt.v" % l)
@@ -927,8 +1035,35 @@ def compress(turn, policy, kept_override=None, hist_override=None, gran_override
                     V64[h, sl] = Vorig64[h, sl] + res["add"]
                     V[h, sl] = from_f64(V64[h, sl], dt)
                     modified[h, sl] = True
+        # Step 6a: the top-k range's candidates that step 3 does not keep.
+        dem = [[] for _ in range(H)]
+        if pol.get("demote") is not None:
+            e = n - min(sel["recent"], n - s)
+            dem = [[j for j in range(s, e) if j not in set(kept[h])] for h in range(H)]
+        nd = len(dem[0])
+        assert all(len(x) == nd for x in dem)
+        if n_dem is None:
+            n_dem = nd
+        assert n_dem == nd
+        dem_k = np.stack([pk[h, dem[h]] for h in range(H)]) if nd else np.zeros((H, 0, d), pk.dtype)
+        dem_v = np.stack([pv[h, dem[h]] for h in range(H)]) if nd else np.zeros((H, 0, d), pk.dtype)
+        dem_pos = p0 + np.asarray(dem, dtype=np.int64).reshape(H, nd)
+        dem_acc64 = np.stack([A[h, dem[h]] for h in range(H)]).reshape(H, nd)
         lay = RefLayer()
         lay.k, lay.v, lay.pos = K, V, pos
+        lay.n_main = ntot
+        lay.dem_idx, lay.dem_k, lay.dem_v, lay.dem_pos = dem, dem_k, dem_v, dem_pos
+        # Steps 6a and 7b fail the compression on a norm past fp16's range.
+        lay.lloyd = lay.dem_q = None
+        if quant is not None and quant["scheme"] == "lloyd":
+            lay.lloyd = lloyd_quantize_layer(to_f64(K, dt), to_f64(V, dt), quant, "layer.%d" % l)
+        if pol.get("demote") is not None:
+            lay.dem_q = {x: lloyd_quantize_rows(to_f64(arr, dt), pol["demote"]["bits"], message_seed(pol),
+                                                "layer.%d.demoted.%s" % (l, x))
+                         for x, arr in (("k", dem_k), ("v", dem_v))}
+        # layer.{l}.acc covers the main part, then the demoted tokens.
+        acc64 = np.concatenate([acc64, dem_acc64], axis=1)
+        accq = np.concatenate([accq, dem_acc64], axis=1)
         lay.v64, lay.vorig64, lay.add64 = V64, Vorig64, D64
         lay.modified, lay.part, lay.kept, lay.obf = modified, part, kept, obf_info
         lay.score, lay.A, lay.A_layer = score, A, A_layer
@@ -940,13 +1075,21 @@ def compress(turn, policy, kept_override=None, hist_override=None, gran_override
         msg.layers.append(lay)
     msg.n_history, msg.n_anchor, msg.n_kept, msg.n_gen = n_hist_kept, s, n_kept, ng
     msg.n = n_hist_kept + s + n_kept + ng
+    msg.n_demoted = n_dem
+    msg.seed = message_seed(pol)
     msg.anchor_pos = sorted(turn.history_anchors) + [p0 + j for j in range(s)]
     msg.next_pos = p0 + n + ng
     msg.full_bytes = turn.L * dense_layer_bytes(H, nh + n + ng, d, dt)
     if quant is None:
         msg.sent_bytes = turn.L * dense_layer_bytes(H, msg.n, d, dt)
+    elif quant["scheme"] == "lloyd":
+        check_lloyd_geometry(d, quant["bits"], "layer.0.k")
+        msg.sent_bytes = turn.L * lloyd_layer_bytes(H, msg.n, d, quant)
     else:
         msg.sent_bytes = turn.L * quant_layer_bytes(H, msg.n, d, quant["bits"], quant["group"])
+    if pol.get("demote") is not None:
+        check_lloyd_geometry(d, pol["demote"]["bits"], "layer.0.prompt.k")
+        msg.sent_bytes += turn.L * demoted_layer_bytes(H, n_dem, d, pol["demote"]["bits"])
     msg.attention_error = None
     if with_error and turn.has_query:
         msg.attention_error = attention_error(turn, message_as_held(msg), window)["figure"]
@@ -965,20 +1108,97 @@ def decode_into(x64, dtype):
     return to_f64(from_f64(x, dtype), dtype)
 
 
-def message_as_held(msg):
-    """Per layer (K, V) float64 [H, n, d] of the message as the recipient
-    holds it: the dense tensors, or (with a quantizer) the reference's own
-    codes decoded into the turn's dtype."""
-    out = []
+def decode_layer(msg, lay):
+    """(K, V) float64 [H, n, d] of one layer's main part as the recipient
+    holds it: the dense tensors, or the reference's own codes decoded into
+    the turn's dtype."""
     q = msg.policy["quant"]
+    k64, v64 = to_f64(lay.k, msg.dtype), to_f64(lay.v, msg.dtype)
+    if q is None:
+        return k64, v64
+    if q["scheme"] == "lloyd":
+        r = lay.lloyd
+        yk, yv = lloyd_dequantize_layer(r["codes_k"], r["codes_v"], r["k_scale"], r["k_zero"],
+                                        r["v_scale"], q)
+    else:
+        r = quantize_layer(k64, v64, q["bits"], q["group"], q["rotate"])
+        yk, yv, _, _ = dequantize_layer(r["codes_k"], r["codes_v"], r["k_scale"], r["k_zero"],
+                                        r["v_scale"], r["v_zero"], q["group"], q["rotate"])
+    return decode_into(yk, msg.dtype), decode_into(yv, msg.dtype)
+
+
+def decode_demoted(msg, lay):
+    """(K, V) float64 [H, n_demoted, d] of one layer's demoted tokens decoded
+    into the turn's dtype (row form, the demotion's bits, the message's seed)."""
+    bits = msg.policy["demote"]["bits"]
+    out = []
+    for x in ("k", "v"):
+        r = lay.dem_q[x]
+        out.append(decode_into(lloyd_dequantize_rows(r["codes"], r["norm"], bits, msg.seed), msg.dtype))
+    return tuple(out)
+
+
+def message_as_held(msg):
+    """Per layer (K, V) float64 of the message decoded to dense, as the
+    recipient holds it: the main part (dense, or the reference's own codes
+    decoded into the turn's dtype) with the demoted tokens, decoded, merged
+    into the kept ones by ascending position ([H, n + n_demoted, d])."""
+    out = []
     for lay in msg.layers:
-        k64, v64 = to_f64(lay.k, msg.dtype), to_f64(lay.v, msg.dtype)
-        if q is not None:
-            r = quantize_layer(k64, v64, q["bits"], q["group"], q["rotate"])
-            yk, yv, _, _ = dequantize_layer(r["codes_k"], r["codes_v"], r["k_scale"], r["k_zero"],
-                                            r["v_scale"], r["v_zero"], q["group"], q["rotate"])
-            k64, v64 = decode_into(yk, msg.dtype), decode_into(yv, msg.dtype)
+        k64, v64 = decode_layer(msg, lay)
+        if msg.policy.get("demote") is not None and msg.n_demoted:
+            dk, dv = decode_demoted(msg, lay)
+            order = merge_order(lay.pos, lay.dem_pos, msg.n_history + msg.n_anchor, msg.n_kept)
+            k64, v64 = merge_demoted(k64, dk, order), merge_demoted(v64, dv, order)
         out.append((k64, v64))
+    return out
+
+
+def message_tensors(msg, decode=False):
+    """The tensors of the message file (FORMAT.md "Message (output)") the
+    reference produces: name -> (dtype, array); packed with a quantizer, the
+    demoted part after the main one; decode=True: dense, merged."""
+    out = {}
+    q = msg.policy["quant"]
+    dm = msg.policy.get("demote")
+    for l, lay in enumerate(msg.layers):
+        acc, pos = lay.acc, lay.pos
+        if decode:
+            k64, v64 = decode_layer(msg, lay)
+            if dm is not None:
+                dk, dv = decode_demoted(msg, lay)
+                order = merge_order(lay.pos, lay.dem_pos, msg.n_history + msg.n_anchor, msg.n_kept)
+                k64, v64 = merge_demoted(k64, dk, order), merge_demoted(v64, dv, order)
+                pos = merge_demoted(lay.pos, lay.dem_pos, order)
+                acc = np.stack([acc[h][order[h]] for h in range(acc.shape[0])])
+            out["layer.%d.k" % l] = (msg.dtype, from_f64(k64, msg.dtype))
+            out["layer.%d.v" % l] = (msg.dtype, from_f64(v64, msg.dtype))
+        elif q is None:
+            out["layer.%d.k" % l] = (msg.dtype, lay.k)
+            out["layer.%d.v" % l] = (msg.dtype, lay.v)
+        else:
+            k64, v64 = to_f64(lay.k, msg.dtype), to_f64(lay.v, msg.dtype)
+            bits = q["bits"]
+            if q["scheme"] == "lloyd":
+                r = lay.lloyd
+            else:
+                r = quantize_layer(k64, v64, bits, q["group"], q["rotate"])
+                out["layer.%d.v.zero" % l] = ("F16", r["v_zero"])
+            out["layer.%d.k.codes" % l] = ("U8", pack_codes(r["codes_k"], bits))
+            out["layer.%d.v.codes" % l] = ("U8", pack_codes(r["codes_v"], bits))
+            out["layer.%d.k.scale" % l] = ("F16", r["k_scale"])
+            out["layer.%d.v.scale" % l] = ("F16", r["v_scale"])
+            if r["k_zero"] is not None:
+                out["layer.%d.k.zero" % l] = ("F16", r["k_zero"])
+        if dm is not None and not decode:
+            for x in ("k", "v"):
+                r = lay.dem_q[x]
+                out["layer.%d.demoted.%s.codes" % (l, x)] = ("U8", pack_codes(r["codes"], dm["bits"]))
+                out["layer.%d.demoted.%s.norm" % (l, x)] = ("F16", r["norm"])
+            # layer.{l}.pos covers the main part, then the demoted tokens.
+            pos = np.concatenate([lay.pos, lay.dem_pos], axis=1)
+        out["layer.%d.pos" % l] = ("I32", pos.astype(np.int32))
+        out["layer.%d.acc" % l] = ("F32", acc)
     return out
 
 
@@ -1162,6 +1382,236 @@ def unpack_codes(u8, bits, d):
     bitsarr = np.unpackbits(u8, axis=-1, bitorder="little")
     bitsarr = bitsarr.reshape(u8.shape[:-1] + (d, bits)).astype(np.int64)
     return (bitsarr << np.arange(bits, dtype=np.int64)).sum(axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# the rotated Lloyd-Max quantizer (FORMAT.md step 7b) and demotion (step 6a)
+# ---------------------------------------------------------------------------
+
+# The non-negative levels of FORMAT.md's table, as float32; the others are
+# their negatives.
+LLOYD_LEVELS = {
+    1: (0.7978846,),
+    2: (0.4527800, 1.5104176),
+    3: (0.2450942, 0.7560053, 1.3439093, 2.1519456),
+    4: (0.1283950, 0.3880483, 0.6567591, 0.9423404, 1.2562312, 1.6180464, 2.0690172, 2.7325895),
+}
+_M64 = (1 << 64) - 1
+
+
+def lloyd_codebook(bits):
+    """c_0 < ... < c_{2^bits - 1}, float64 holding the float32 levels."""
+    pos = np.asarray(LLOYD_LEVELS[bits], dtype=np.float32).astype(np.float64)
+    return np.concatenate([-pos[::-1], pos])
+
+
+def lloyd_thresholds(bits):
+    """t_j = (c_j + c_{j+1}) / 2, exact in float64 (the levels are float32)."""
+    c = lloyd_codebook(bits)
+    return (c[:-1] + c[1:]) / 2.0
+
+
+def lloyd_code(u, bits):
+    """The code of u: the number of thresholds t_j <= u (exact comparisons)."""
+    return np.searchsorted(lloyd_thresholds(bits), np.asarray(u, dtype=np.float64), side="right")
+
+
+def splitmix64(seed, count):
+    """`count` successive outputs of SplitMix64 seeded with `seed` (uint64)."""
+    state = int(seed) & _M64
+    out = []
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & _M64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def lloyd_signs(seed, d):
+    """sigma [d] of +-1: channel i takes bit i % 64 of call i / 64 + 1; a set
+    bit means -1."""
+    words = splitmix64(seed, (d + 63) // 64)
+    return np.array([-1.0 if (words[i // 64] >> (i % 64)) & 1 else 1.0 for i in range(d)])
+
+
+def fwht(x):
+    """Unnormalized Walsh-Hadamard transform (Sylvester order, = x @ H_d *
+    sqrt(d)) along the last axis, by float64 butterflies: exact whenever the
+    sums fit in 53 bits (always for F16 / BF16 values and rows of moderate
+    exponent range), so a coordinate that is 0 comes out exactly 0."""
+    x = np.array(x, dtype=np.float64)
+    d = x.shape[-1]
+    h = 1
+    while h < d:
+        y = x.reshape(x.shape[:-1] + (d // (2 * h), 2, h))
+        a, b = y[..., 0, :].copy(), y[..., 1, :].copy()
+        y[..., 0, :], y[..., 1, :] = a + b, a - b
+        x = y.reshape(x.shape)
+        h *= 2
+    return x
+
+
+def lloyd_rotation(d, seed):
+    """The matrix of R x = (H_d / sqrt(d)) (sigma * x), i.e. hadamard(d) diag(sigma)."""
+    return hadamard(d) * lloyd_signs(seed, d)[None, :]
+
+
+def check_lloyd_geometry(d, bits, what):
+    """Rows of d channels, d a power of two, d * bits / 8 bytes of codes."""
+    if d < 1 or d & (d - 1) or (d * bits) % 8:
+        raise ValueError("%s: head_dim %d with %d bits: expected a power of two with head_dim * bits "
+                         "a multiple of 8" % (what, d, bits))
+
+
+def _f16_rne(x, what):
+    """float64 -> float16, round to nearest even; non-finite is an error."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = np.asarray(x, dtype=np.float64).astype(np.float16)
+    if not np.all(np.isfinite(y)):
+        raise ValueError("%s: %r past fp16's largest finite value 65504"
+                         % (what, float(np.max(np.abs(np.asarray(x, dtype=np.float64))))))
+    return y
+
+
+def lloyd_row_u(x64, nu, seed):
+    """u = (R x) sqrt(d) / nu (u = 0 where nu = 0), computed as the
+    unnormalized transform of sigma * x (exact, fwht()) divided by nu: one
+    float64 rounding.  Returns (u, y = R x)."""
+    x = np.asarray(x64, dtype=np.float64)
+    d = x.shape[-1]
+    z = fwht(x * lloyd_signs(seed, d))
+    nu64 = np.asarray(nu, dtype=np.float64)[..., None]
+    u = np.where(nu64 > 0, z / np.where(nu64 > 0, nu64, 1.0), 0.0)
+    return u, z / math.sqrt(d)
+
+
+def lloyd_quantize_rows(x64, bits, seed, what="rows"):
+    """Step 7b, row form.  x64 [..., d] float64 (the stored values).
+
+    Returns {'codes' [..., d] int, 'norm' [...] fp16 (nu = fp16(||x||_2),
+    computed in float64, round to nearest even), 'u' [..., d] float64 (the
+    values the codes decide on, u = y sqrt(d) / nu), 'y' = R x, 'norm64'}."""
+    x = np.asarray(x64, dtype=np.float64)
+    d = x.shape[-1]
+    check_lloyd_geometry(d, bits, what)
+    with np.errstate(over="ignore"):
+        norm64 = np.sqrt(np.sum(x * x, axis=-1))
+    nu = _f16_rne(norm64, what + ": row norm")
+    u, y = lloyd_row_u(x, nu, seed)
+    return {"codes": lloyd_code(u, bits), "norm": nu, "u": u, "y": y, "norm64": norm64}
+
+
+def lloyd_dequantize_rows(codes, nu, bits, seed):
+    """x = sigma * (H_d / sqrt(d)) (c[code] * nu / sqrt(d)), float64."""
+    codes = np.asarray(codes)
+    d = codes.shape[-1]
+    z = lloyd_codebook(bits)[codes] * (np.asarray(nu, dtype=np.float64) / math.sqrt(d))[..., None]
+    return (fwht(z) / math.sqrt(d)) * lloyd_signs(seed, d)
+
+
+def lloyd_channel_u(k64, mean, rms, group):
+    """u = (x - mu) / sigma with the fp16 stats expanded over their groups."""
+    n = np.asarray(k64).shape[1]
+    mu = expand_k_stat(np.asarray(mean), n, group)
+    sg = expand_k_stat(np.asarray(rms), n, group)
+    return (np.asarray(k64, dtype=np.float64) - mu) / sg
+
+
+def lloyd_quantize_keys_channel(k64, bits, group, what="keys"):
+    """Step 7b, keys=channel: k64 [H, n, d] float64.  Per head, channel and
+    group of `group` consecutive tokens (the last one shorter): mu =
+    fp16(mean x), sigma = fp16(sqrt(mean (x - mu)^2)) about that fp16 mu, at
+    least the smallest fp16 subnormal; means in float64, round to nearest
+    even.  Returns {'codes', 'mean', 'rms' ([H, ceil(n/group), d] fp16), 'u'}."""
+    k = np.asarray(k64, dtype=np.float64)
+    H, n, d = k.shape
+    ng = -(-n // group) if n else 0
+    mean = np.zeros((H, ng, d), dtype=np.float16)
+    rms = np.zeros((H, ng, d), dtype=np.float16)
+    for gi in range(ng):
+        blk = k[:, gi * group:min(n, (gi + 1) * group), :]
+        mu = _f16_rne(blk.mean(axis=1), what + ": channel mean")
+        with np.errstate(over="ignore"):
+            r = np.sqrt(np.mean((blk - mu.astype(np.float64)[:, None, :]) ** 2, axis=1))
+        sg = _f16_rne(r, what + ": channel rms")
+        mean[:, gi], rms[:, gi] = mu, np.maximum(sg, np.float16(F16_MIN_SUBNORMAL))
+    u = lloyd_channel_u(k, mean, rms, group)
+    return {"codes": lloyd_code(u, bits), "mean": mean, "rms": rms, "u": u}
+
+
+def lloyd_dequantize_keys_channel(codes, mean, rms, bits, group):
+    """x = mu + sigma * c[code], float64."""
+    n = np.asarray(codes).shape[1]
+    return (expand_k_stat(np.asarray(mean), n, group)
+            + expand_k_stat(np.asarray(rms), n, group) * lloyd_codebook(bits)[np.asarray(codes)])
+
+
+def lloyd_quantize_layer(k64, v64, q, what="layer"):
+    """Step 7b on a message's K and V ([H, n, d] float64).  Returns codes_k,
+    codes_v, k_scale (row norms [H, n], or keys=channel rms [H, ng, d]),
+    k_zero (None, or keys=channel means), v_scale (row norms [H, n]), u_k, u_v."""
+    bits, seed = q["bits"], q["seed"]
+    check_lloyd_geometry(np.shape(v64)[-1], bits, what)
+    rv = lloyd_quantize_rows(v64, bits, seed, what + ".v")
+    if q["keys"] == "channel":
+        rk = lloyd_quantize_keys_channel(k64, bits, q["group"], what + ".k")
+        ks, kz = rk["rms"], rk["mean"]
+    else:
+        rk = lloyd_quantize_rows(k64, bits, seed, what + ".k")
+        ks, kz = rk["norm"], None
+    return {"codes_k": rk["codes"], "codes_v": rv["codes"], "k_scale": ks, "k_zero": kz,
+            "v_scale": rv["norm"], "u_k": rk["u"], "u_v": rv["u"]}
+
+
+def lloyd_dequantize_layer(ck, cv, ks, kz, vs, q):
+    """Codes + fp16 stats of lloyd_quantize_layer() -> float64 K, V."""
+    if q["keys"] == "channel":
+        yk = lloyd_dequantize_keys_channel(ck, kz, ks, q["bits"], q["group"])
+    else:
+        yk = lloyd_dequantize_rows(ck, ks, q["bits"], q["seed"])
+    return yk, lloyd_dequantize_rows(cv, vs, q["bits"], q["seed"])
+
+
+def lloyd_layer_bytes(H, n, d, q):
+    """Codes, row norms (or keys=channel rms and mean) and positions."""
+    codes = 2 * H * n * (d * q["bits"] // 8)
+    if q["keys"] == "channel":
+        kstat = 2 * H * (-(-n // q["group"]) if n else 0) * d * 2
+    else:
+        kstat = H * n * 2
+    return codes + kstat + H * n * 2 + 4 * H * n
+
+
+def demoted_layer_bytes(H, nd, d, bits):
+    """Demoted tokens: K and V codes, their 2-byte norms, 4-byte positions."""
+    return 2 * H * nd * (d * bits // 8) + 2 * H * nd * 2 + 4 * H * nd
+
+
+def merge_order(main_pos, dem_pos, n_before, n_kept):
+    """Per head, the order of concat([main, demoted]) along the token axis
+    that decodes a message to dense (FORMAT.md "Message (output)"): the main
+    part's first n_before tokens (history, anchors), then its n_kept kept
+    prompt tokens and the demoted ones merged by ascending position, then
+    the rest (generated).  main_pos [H, n], dem_pos [H, nd] -> [H, n + nd]."""
+    main_pos = np.asarray(main_pos, dtype=np.int64)
+    dem_pos = np.asarray(dem_pos, dtype=np.int64)
+    H, n = main_pos.shape
+    nd = dem_pos.shape[1]
+    out = np.zeros((H, n + nd), dtype=np.int64)
+    for h in range(H):
+        mid = list(range(n_before, n_before + n_kept)) + list(range(n, n + nd))
+        allpos = np.concatenate([main_pos[h], dem_pos[h]])
+        mid.sort(key=lambda i: (int(allpos[i]), i))
+        out[h] = list(range(n_before)) + mid + list(range(n_before + n_kept, n))
+    return out
+
+
+def merge_demoted(main, dem, order):
+    """concat([main, dem], axis=1) taken per head in `order` (merge_order())."""
+    cat = np.concatenate([np.asarray(main), np.asarray(dem)], axis=1)
+    return np.stack([cat[h][order[h]] for h in range(cat.shape[0])]) if cat.shape[0] else cat
 
 
 # ---------------------------------------------------------------------------
@@ -1561,6 +2011,7 @@ def selftest(verbose=True):
                 _check(np.all(q["codes_k"] <= (1 << bits) - 1) and np.all(q["codes_k"] >= 0), "code range")
                 n_checks += 4
     n_checks += _selftest_history_auto_fidelity(rng)
+    n_checks += _selftest_lloyd_demote(rng)
     if verbose:
         print("kvrelay_ref selftest: %d checks passed" % n_checks)
     return n_checks
@@ -1854,6 +2305,253 @@ def _selftest_history_auto_fidelity(rng):
         except ValueError as e:
             _check("history_anchors" in str(e), "history_anchors refusal names the key")
     n_checks += 4
+    return n_checks
+
+
+def _gauss_cells(bits):
+    """Per Lloyd-Max cell [t_{j-1}, t_j) of N(0, 1), float64: (mass,
+    first moment, second moment) from closed forms with erf and exp."""
+    t = np.concatenate([[-np.inf], lloyd_thresholds(bits), [np.inf]])
+    phi = lambda x: 0.0 if math.isinf(x) else math.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    xphi = lambda x: 0.0 if math.isinf(x) else x * phi(x)  # noqa: E731
+    upper = lambda x: 0.5 * math.erfc(x / math.sqrt(2))  # P(X > x)  # noqa: E731
+    out = []
+    for a, b in zip(t[:-1], t[1:]):
+        mass = upper(a) - upper(b) if a >= 0 else (1 - upper(b)) - (1 - upper(a))
+        m1 = phi(a) - phi(b)
+        m2 = mass - (xphi(b) - xphi(a))
+        out.append((mass, m1, m2))
+    return out
+
+
+# Lloyd-Max distortions of N(0, 1), 1 to 4 bits, as tabulated (Max, 1960),
+# rounded to 4 digits: the integral of the table's levels gives 0.36338,
+# 0.11748, 0.034548, 0.0095010.
+LLOYD_MAX_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
+
+
+def _selftest_lloyd_demote(rng):
+    """Self-test of the lloyd quantizer (step 7b) and demotion (step 6a)."""
+    n_checks = 0
+
+    # SplitMix64: published outputs (seed 1234567), and the sign rule.
+    _check(splitmix64(1234567, 5) == [6457827717110365317, 3203168211198807973, 9817491932198370423,
+                                      4593380528125082431, 16408922859458223821], "splitmix64 outputs")
+    _check(splitmix64(0, 1) == [0xE220A8397B1DCDAF], "splitmix64 seed 0")
+    for seed in (0, 1, 7, U64_MAX):
+        w = splitmix64(seed, 3)
+        sg = lloyd_signs(seed, 130)
+        want = [-1.0 if (w[i // 64] >> (i % 64)) & 1 else 1.0 for i in range(130)]
+        _check(list(sg) == want and np.array_equal(lloyd_signs(seed, 8), sg[:8]), "signs bit i%64 of call i/64+1")
+    _check(not np.array_equal(lloyd_signs(1, 64), lloyd_signs(2, 64)), "seeds differ")
+    n_checks += 7
+
+    # Codebook: 2^B sorted symmetric levels; the Lloyd-Max fixed point (each
+    # level the centroid of its cell under N(0, 1), each threshold the
+    # midpoint), to the float32 rounding of the table; distortions as known.
+    for bits in (1, 2, 3, 4):
+        c = lloyd_codebook(bits)
+        _check(c.size == 1 << bits and np.all(np.diff(c) > 0) and np.array_equal(c, -c[::-1]), "codebook shape")
+        cells = _gauss_cells(bits)
+        cent = np.array([m1 / mass for mass, m1, _ in cells])
+        _check(np.max(np.abs(cent - c)) < 1e-6, "centroid condition %d bits: %r" % (bits, cent - c))
+        _check(abs(sum(x[0] for x in cells) - 1.0) < 1e-14, "cells cover N(0,1)")
+        mse = sum(m2 - 2 * cj * m1 + cj * cj * mass for (mass, m1, m2), cj in zip(cells, c))
+        _check(abs(mse - LLOYD_MAX_MSE[bits]) <= 5e-4 * LLOYD_MAX_MSE[bits], "distortion %d bits %r" % (bits, mse))
+        _check(lloyd_thresholds(bits)[(1 << (bits - 1)) - 1] == 0.0, "middle threshold 0")
+        n_checks += 5
+
+    # fwht: the Hadamard matrix times sqrt(d); a zero coordinate stays exactly 0.
+    for d in (1, 2, 8, 64):
+        x = rng.standard_normal((4, d))
+        _check(np.allclose(fwht(x), x @ hadamard(d) * math.sqrt(d), atol=1e-12), "fwht = hadamard")
+    xz = np.array([[1.0, 1.0, 1.0, 1.0, 0.5, -0.5, 0.5, -0.5]], dtype=np.float64)
+    _check(fwht(xz).tolist() == [[4.0, 2.0, 0.0, 0.0, 4.0, -2.0, 0.0, 0.0]], "fwht exact zeros")
+    n_checks += 5
+    # Rotation: orthonormal, and sigma * H(H(sigma * x)) = x.
+    for d in (1, 2, 8, 64, 128, 256):
+        for seed in (1, 99, U64_MAX):
+            R = lloyd_rotation(d, seed)
+            _check(np.allclose(R @ R.T, np.eye(d), atol=1e-12), "rotation orthonormal")
+            x = rng.standard_normal((3, d))
+            y = x @ R.T
+            _check(np.allclose((y @ hadamard(d)) * lloyd_signs(seed, d), x, atol=1e-12), "rotation inverse")
+            n_checks += 2
+
+    # Packing 1..4 bits: element i at bits [i*B, (i+1)*B) of the row, LSB
+    # first (3 bits straddle bytes), checked against integer arithmetic.
+    for bits in (1, 2, 3, 4):
+        for d in (8, 16, 64):
+            c = rng.integers(0, 1 << bits, (2, 5, d))
+            pk = pack_codes(c, bits)
+            _check(pk.shape == (2, 5, d * bits // 8) and np.array_equal(unpack_codes(pk, bits, d), c),
+                   "pack round trip %d bits" % bits)
+            row = c[1, 2]
+            _check(int.from_bytes(pk[1, 2].tobytes(), "little") == sum(int(x) << (bits * i) for i, x in enumerate(row)),
+                   "pack layout %d bits" % bits)
+            n_checks += 2
+    # 3 bits, by hand: codes 1..7, 0 -> 0b000_111_110_101_100_011_010_001.
+    _check(pack_codes(np.array([[1, 2, 3, 4, 5, 6, 7, 0]]), 3).tolist() == [[0xD1, 0x58, 0x1F]], "pack 3 bits by hand")
+    n_checks += 1
+
+    # Row form: u decides the code by the thresholds; decoding gives R x_hat
+    # = c[code] nu / sqrt(d); the MSE on Gaussian rows is Lloyd-Max's.
+    for bits in (1, 2, 3, 4):
+        d = 256
+        x = rng.standard_normal((600, d)) * 3.0
+        r = lloyd_quantize_rows(x, bits, 12345)
+        t = np.concatenate([[-np.inf], lloyd_thresholds(bits), [np.inf]])
+        _check(np.all(t[r["codes"]] <= r["u"]) and np.all(r["u"] < t[r["codes"] + 1]), "codes decided by u")
+        _check(np.array_equal(r["norm"], np.sqrt((x * x).sum(axis=1)).astype(np.float16)), "norm fp16 RNE")
+        xh = lloyd_dequantize_rows(r["codes"], r["norm"], bits, 12345)
+        rot = xh @ lloyd_rotation(d, 12345).T
+        want = lloyd_codebook(bits)[r["codes"]] * r["norm"].astype(np.float64)[:, None] / math.sqrt(d)
+        _check(np.allclose(rot, want, rtol=0, atol=1e-12), "decode = R^T c nu / sqrt(d)")
+        mse = float(np.sum((xh - x) ** 2) / np.sum(x * x))
+        _check(abs(mse - LLOYD_MAX_MSE[bits]) <= 0.03 * LLOYD_MAX_MSE[bits],
+               "lloyd MSE %d bits: %.5g vs %.5g" % (bits, mse, LLOYD_MAX_MSE[bits]))
+        n_checks += 4
+    # Zero rows: nu = 0, u = 0 (code 2^(B-1)), decoded as 0.
+    z = lloyd_quantize_rows(np.zeros((2, 16)), 3, 1)
+    _check(np.all(z["norm"] == 0) and np.all(z["codes"] == 4)
+           and np.all(lloyd_dequantize_rows(z["codes"], z["norm"], 3, 1) == 0), "zero rows")
+    # Norm past fp16: refused, naming the tensor; d not a power of two refused.
+    for bad, why in ((np.full((1, 16), 2.0e4), "norm"), (np.ones((1, 24)), "d=24"), (np.ones((1, 4)), "d*bits")):
+        try:
+            lloyd_quantize_rows(bad, 1 if why == "d*bits" else 3, 1, what="layer.0.v")
+            _check(False, "lloyd accepted %s" % why)
+        except ValueError as e:
+            _check("layer.0.v" in str(e), "refusal names the tensor")
+    n_checks += 4
+
+    # keys=channel: stats per head, channel and token group; u decides the
+    # code; decoding mu + sigma c; constant channels get the smallest scale.
+    for group in (1, 3, 8, 100):
+        H, n, d = 2, 21, 16
+        k = rng.standard_normal((H, n, d)) * np.exp(rng.standard_normal(d)) + rng.standard_normal(d)
+        k[:, :, 3] = 0.5
+        r = lloyd_quantize_keys_channel(k, 2, group)
+        ng = -(-n // group)
+        _check(r["mean"].shape == (H, ng, d) and r["rms"].shape == (H, ng, d), "channel stat shapes")
+        _check(np.all(r["rms"][:, :, 3] == np.float16(F16_MIN_SUBNORMAL)) and np.all(r["mean"][:, :, 3] == 0.5),
+               "constant channel")
+        last = k[:, (ng - 1) * group:, :]
+        _check(np.array_equal(r["mean"][:, -1], last.mean(axis=1).astype(np.float16)), "last group mean")
+        t = np.concatenate([[-np.inf], lloyd_thresholds(2), [np.inf]])
+        _check(np.all(t[r["codes"]] <= r["u"]) and np.all(r["u"] < t[r["codes"] + 1]), "channel codes")
+        y = lloyd_dequantize_keys_channel(r["codes"], r["mean"], r["rms"], 2, group)
+        _check(np.allclose(y, expand_k_stat(r["mean"], n, group) + expand_k_stat(r["rms"], n, group)
+                           * lloyd_codebook(2)[r["codes"]], atol=0), "channel decode")
+        n_checks += 5
+
+    # Policy specs.
+    pl = parse_policy("h2o-head:k=8,recent=2+demote:bits=3+lloyd:bits=4")
+    _check(pl["demote"] == {"bits": 3} and pl["quant"]["scheme"] == "lloyd" and pl["quant"]["seed"] == 1
+           and message_seed(pl) == 1, "parse demote + lloyd")
+    _check(canonical_lloyd(parse_policy("full+lloyd:seed=7,bits=2")["quant"]) == "lloyd:bits=2,keys=row,seed=7",
+           "canonical lloyd row")
+    _check(canonical_lloyd(parse_policy("full+lloyd:keys=channel,group=8")["quant"])
+           == "lloyd:bits=4,keys=channel,group=8,seed=1", "canonical lloyd channel")
+    _check(canonical_demote(parse_policy("h2o-layer+demote")["demote"]) == "demote:bits=2", "canonical demote")
+    _check(message_seed(parse_policy("h2o-head+demote+lloyd:seed=%d" % U64_MAX)) == U64_MAX
+           and message_seed(parse_policy("h2o-head+demote+int4")) == 1, "message seed")
+    n_checks += 5
+    for bad in ("full+demote", "gen+demote", "h2o-head+obf+demote", "h2o-head+demote+obf", "h2o-head+int4+demote",
+                "h2o-head+lloyd+demote", "h2o-head+demote+demote", "h2o-head+demote:bits=0",
+                "h2o-head+demote:bits=5", "h2o-head+demote:p=2", "full+lloyd:bits=0", "full+lloyd:bits=5",
+                "full+lloyd:bits=8", "full+lloyd:keys=col", "full+lloyd+int4", "full+int4+lloyd",
+                "full+lloyd:seed=-1", "full+lloyd:seed=18446744073709551616", "full+lloyd:group=0,keys=channel",
+                "full+lloyd:group=8", "full+lloyd:bogus=1", "lloyd"):
+        try:
+            parse_policy(bad)
+            _check(False, "parse_policy accepted %r" % bad)
+        except ValueError:
+            pass
+        n_checks += 1
+
+    # Demotion: demoted, kept and anchors partition the prompt (the recent
+    # window kept); demoted ascending with acc A[h][j]; the main part is the
+    # message without demote; bytes are the packed tensors' bytes; decoding to
+    # dense merges n_kept + n_demoted kept tokens by position.
+    for trial in range(10):
+        query = trial % 3 == 2
+        H = int(rng.integers(1, 4))
+        d = int(rng.choice([8, 16, 32]))
+        n = int(rng.integers(0, 40))
+        t = _hist_turn(rng, H, int(rng.choice([1, 2])), d, n, int(rng.integers(1, 4)),
+                       dtype=str(rng.choice(FLOAT_DTYPES)), nh=int(rng.integers(0, 6)), query=query,
+                       first=rng.random() < 0.6)
+        sel = "%s:k=%d,recent=%d,pool=%d" % (str(rng.choice(["h2o-head", "h2o-layer", "h2o-auto"])),
+                                            int(rng.integers(1, 12)), int(rng.integers(0, 4)),
+                                            int(rng.choice([1, 3])))
+        B = int(rng.integers(1, 5))
+        quant = str(rng.choice(["", "+int4", "+lloyd:bits=3,seed=5", "+lloyd:bits=2,keys=channel,group=4"]))
+        m = compress(t, sel + "+demote:bits=%d" % B + quant)
+        m0 = compress(t, sel + quant)
+        s = m.n_anchor
+        pp = parse_policy(sel)["selector"]
+        e = n - min(pp["recent"], n - s)
+        _check(m.n_demoted == max(0, (e - s) - pp["k"]), "n_demoted = range - k")
+        for l, lay in enumerate(m.layers):
+            lay0 = m0.layers[l]
+            for h in range(H):
+                kp = set(lay.kept[h])
+                dp = lay.dem_idx[h]
+                _check(dp == sorted(dp) and not kp & set(dp) and kp | set(dp) | set(range(s)) == set(range(n))
+                       and set(range(e, n)) <= kp, "demoted + kept + anchors = prompt")
+                _check(np.array_equal(lay.dem_pos[h], t.prompt_pos0 + np.array(dp, dtype=np.int64)), "demoted pos")
+            _check(lay.k.tobytes() == lay0.k.tobytes() and lay.v.tobytes() == lay0.v.tobytes()
+                   and np.array_equal(lay.pos, lay0.pos)
+                   and lay.acc[:, :m.n].tobytes() == lay0.acc.tobytes(), "main part unchanged by demote")
+            want = np.stack([lay.A[h, lay.dem_idx[h]] for h in range(H)]).reshape(H, m.n_demoted)
+            _check(np.array_equal(lay.acc64[:, m.n:], want), "demoted acc = A[h][j]")
+            n_checks += 3 + H
+        tens = message_tensors(m)
+        for l, lay in enumerate(m.layers):
+            _check(np.array_equal(tens["layer.%d.pos" % l][1], np.concatenate([lay.pos, lay.dem_pos], axis=1))
+                   and tens["layer.%d.acc" % l][1].shape == (H, m.n + m.n_demoted), "pos, acc: main then demoted")
+            n_checks += 1
+        nbytes = sum(a.nbytes for nm, (_, a) in tens.items() if not nm.endswith(".acc"))
+        _check(nbytes == m.sent_bytes, "sent_bytes = bytes of the packed tensors (%d vs %d)" % (nbytes, m.sent_bytes))
+        _check(m.sent_bytes - m0.sent_bytes == t.L * demoted_layer_bytes(H, m.n_demoted, d, B), "demoted bytes")
+        dense = message_tensors(m, decode=True)
+        held = message_as_held(m)
+        for l, lay in enumerate(m.layers):
+            pos = dense["layer.%d.pos" % l][1]
+            nb, nk = m.n_history + m.n_anchor, m.n_kept + m.n_demoted
+            _check(pos.shape == (H, m.n + m.n_demoted) and np.all(np.diff(pos[:, nb:nb + nk], axis=1) > 0),
+                   "decoded: n_kept + n_demoted kept tokens, ascending")
+            _check(np.array_equal(to_f64(dense["layer.%d.v" % l][1], t.dtype), held[l][1]), "decoded = as held")
+            for h in range(H):
+                _check(sorted(pos[h, nb:nb + nk].tolist()) == sorted(
+                    [t.prompt_pos0 + j for j in lay.kept[h] + lay.dem_idx[h]]), "decoded kept = kept + demoted")
+                for i in range(nb, nb + nk):
+                    j = int(pos[h, i]) - t.prompt_pos0
+                    if j in set(lay.kept[h]) and parse_policy(sel + quant)["quant"] is None:
+                        _check(dense["layer.%d.v" % l][1][h, i].tobytes() == t.arr("layer.%d.prompt.v" % l)[h, j].tobytes(),
+                               "decoded kept rows exact without a quantizer")
+                n_checks += 1
+            n_checks += 2
+        n_checks += 3
+    # compress() refuses a norm past fp16's range, naming the tensor.
+    tb = _hist_turn(rng, 2, 1, 16, 12, 2, first=True)
+    for l in range(tb.L):
+        tb.tensors["layer.%d.prompt.v" % l] = ("F32", np.full((2, 12, 16), 3.0e4, np.float32))
+    for spec, name in (("full+lloyd", "layer.0.v"), ("h2o-head:k=2+demote", "layer.0.demoted.v")):
+        try:
+            compress(tb, spec)
+            _check(False, "norm past fp16 accepted by %s" % spec)
+        except ValueError as e:
+            _check(name in str(e), "refusal names %s: %s" % (name, e))
+        n_checks += 1
+    # A main lloyd stage and the demoted part share the message's seed.
+    t = _hist_turn(rng, 2, 1, 16, 30, 2, first=True)
+    m = compress(t, "h2o-head:k=5+demote:bits=4+lloyd:bits=4,seed=77")
+    tens = message_tensors(m)
+    lay = m.layers[0]
+    r = lloyd_quantize_rows(to_f64(lay.dem_v, "F32"), 4, 77)
+    _check(np.array_equal(unpack_codes(tens["layer.0.demoted.v.codes"][1], 4, 16), r["codes"]), "demoted seed")
+    n_checks += 1
     return n_checks
 
 
