@@ -702,7 +702,7 @@ absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork
     absl::StatusOr<QuantizedKv> quantized = QuantizeKv(w->out.k, w->out.v, *config_.quant);
     if (!quantized.ok()) {
       return absl::Status(quantized.status().code(),
-                          absl::StrCat("layer ", layer, ": ", quantized.status().message()));
+                          absl::StrCat("layer.", layer, ": ", quantized.status().message()));
     }
     QuantizedKv q = *std::move(quantized);
     q.dtype = geo.dtype;
@@ -718,7 +718,7 @@ absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork
     absl::StatusOr<QuantizedKv> quantized = QuantizeKv(w->demoted_k, w->demoted_v, o);
     if (!quantized.ok()) {
       return absl::Status(quantized.status().code(),
-                          absl::StrCat("layer ", layer, ": demoted ", quantized.status().message()));
+                          absl::StrCat("layer.", layer, ".demoted: ", quantized.status().message()));
     }
     w->out.demoted = *std::move(quantized);
     w->out.demoted->dtype = geo.dtype;

@@ -416,7 +416,7 @@ TEST(PipelineTest, QuantErrorsNameTheLayer) {
   for (const char* policy : {"gen+int4", "h2o-head:k=8+int8"}) {
     auto m = (*Pipeline::Create(policy))->Compress(turn);
     ASSERT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << policy << ": " << m.status();
-    EXPECT_THAT(std::string(m.status().message()), ::testing::StartsWith("layer 2: quant: k head 1")) << m.status();
+    EXPECT_THAT(std::string(m.status().message()), ::testing::StartsWith("layer.2: quant: k head 1")) << m.status();
   }
 }
 

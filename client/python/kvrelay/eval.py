@@ -73,6 +73,16 @@ DEFAULT_POLICIES = [
     "h2o-head:k=16,recent=16",
     "h2o-head:k=32+obf:p=8,mode=fast",
     "h2o-head:k=32+obf:p=8,mode=fast+int4:group=32,rotate=hadamard",
+    "full+int2:group=32,rotate=hadamard",
+    "full+lloyd:bits=4",
+    "full+lloyd:bits=3",
+    "full+lloyd:bits=2",
+    "full+lloyd:bits=1",
+    "h2o-head:k=32+demote:bits=2+lloyd:bits=4",
+    "h2o-head:k=64+demote:bits=2+lloyd:bits=4",
+    "h2o-head:k=16+demote:bits=1+lloyd:bits=2",
+    "auto:budget=0.1",
+    "auto:budget=0.2",
 ]
 TASKS = ("continuation", "retrieval")
 NAMES = ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
@@ -439,7 +449,7 @@ def main(argv=None):
                     help="kvrelayctl binary for offline compression (default: PATH, then build/bin)")
     ap.add_argument("--addr", default=None, help="compress with a live relay instead (HOST:PORT)")
     ap.add_argument("--policy", action="append", dest="policies", default=None,
-                    help="a pipeline spec; repeat (default: the table's 12; full and gen are "
+                    help="a pipeline spec; repeat (default: the table's 22, auto:budget only offline; full and gen are "
                          "always run, as the baselines)")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--samples", type=int, default=100, help="per task")
@@ -456,7 +466,9 @@ def main(argv=None):
     bad = [t for t in a.tasks if t not in TASKS]
     if bad or not a.tasks:
         ap.error(f"--tasks: {','.join(bad) or 'none'}, expected some of {','.join(TASKS)}")
-    pol = a.policies or list(DEFAULT_POLICIES)
+    # auto:budget chooses from the whole turn, which a relay's Compress does
+    # not take (it compresses layer by layer): offline only.
+    pol = a.policies or [p for p in DEFAULT_POLICIES if not (a.addr and p.startswith("auto:"))]
     # Each policy once: its scores are paired sample by sample with the baselines'.
     a.policies = list(dict.fromkeys(["full", "gen"] + [p for p in pol if p not in ("full", "gen")]))
     for name, v, lo, hi in (("--samples", a.samples, 1, None), ("--prompt-tokens", a.prompt_tokens, 1, None),
