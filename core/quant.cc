@@ -820,27 +820,6 @@ absl::Status DequantizeKv(const QuantizedKv& q, DType dtype, KvTensor* k, KvTens
   return absl::OkStatus();
 }
 
-absl::Status DequantizeMessage(Message* msg, DType dtype) {
-  // Decode everything first so that an error leaves `msg` untouched.
-  std::vector<MessageLayer> decoded(msg->layers.size());
-  for (size_t l = 0; l < msg->layers.size(); ++l) {
-    const MessageLayer& layer = msg->layers[l];
-    if (!layer.quant.has_value() && !layer.demoted.has_value()) continue;
-    KVRELAY_RETURN_IF_ERROR(DecodeLayer(layer, static_cast<int>(l), *msg, dtype, &decoded[l]));
-  }
-  uint64_t sent = 0;
-  for (size_t l = 0; l < msg->layers.size(); ++l) {
-    MessageLayer& layer = msg->layers[l];
-    if (layer.quant.has_value() || layer.demoted.has_value()) layer = std::move(decoded[l]);
-    sent += layer.SentBytes();
-  }
-  msg->n_kept += msg->n_demoted;
-  msg->n_demoted = 0;
-  msg->demote_bits = 0;
-  msg->sent_bytes = sent;
-  return absl::OkStatus();
-}
-
 bool AgentsReceiveDecoded(const Message& msg) {
   for (const MessageLayer& l : msg.layers) {
     if (l.demoted || (l.quant && l.quant->scheme == QuantScheme::kLloyd)) return true;
@@ -848,7 +827,11 @@ bool AgentsReceiveDecoded(const Message& msg) {
   return false;
 }
 
-absl::StatusOr<Message> DecodedMessage(const Message& msg) {
+namespace {
+
+// The dense form of `msg` (DecodeLayer per layer, K/V in `dtype`), with or
+// without acc: the one rule for DequantizeMessage and DecodedMessage.
+absl::StatusOr<Message> Decode(const Message& msg, DType dtype, bool keep_acc) {
   Message out;
   out.policy = msg.policy;
   out.dtype = msg.dtype;
@@ -864,11 +847,27 @@ absl::StatusOr<Message> DecodedMessage(const Message& msg) {
   out.anchor_pos = msg.anchor_pos;
   out.layers.resize(msg.layers.size());
   for (size_t l = 0; l < msg.layers.size(); ++l) {
-    KVRELAY_RETURN_IF_ERROR(DecodeLayer(msg.layers[l], static_cast<int>(l), msg, msg.dtype, &out.layers[l]));
-    out.layers[l].acc.clear();
+    const MessageLayer& layer = msg.layers[l];
+    if (layer.quant || layer.demoted) {
+      KVRELAY_RETURN_IF_ERROR(DecodeLayer(layer, static_cast<int>(l), msg, dtype, &out.layers[l]));
+    } else {
+      out.layers[l] = layer;  // dense already: left as it is
+    }
+    if (!keep_acc) out.layers[l].acc.clear();
     out.sent_bytes += out.layers[l].SentBytes();
   }
   return out;
 }
+
+}  // namespace
+
+absl::Status DequantizeMessage(Message* msg, DType dtype) {
+  KVRELAY_ASSIGN_OR_RETURN(Message dense, Decode(*msg, dtype, /*keep_acc=*/true));
+  dense.dtype = msg->dtype;  // the turn's dtype, whatever the decoded one
+  *msg = std::move(dense);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Message> DecodedMessage(const Message& msg) { return Decode(msg, msg.dtype, /*keep_acc=*/false); }
 
 }  // namespace kvrelay
