@@ -739,8 +739,45 @@ StreamError DeliveryReader::Add(const ChunkView& c) {
   if (!seq_) return StreamError(StreamErrorKind::kSequence, "chunk: before the header, expected a header first");
   StreamError e = seq_->Accept(
       c, [this](const ChunkSequence::Slot&) { return slot_data_[seq_->index()]; },
-      [](const ChunkSequence::Slot&, const uint8_t*, uint64_t) { return StreamError(); });
+      [this](const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) { return CheckFinite(s, base, n); });
   return e;
+}
+
+StreamError DeliveryReader::CheckFinite(const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) const {
+  const MessageLayer& layer = msg_.layers[s.layer];
+  const int H = msg_.kv_heads;
+  DType dtype = DType::kF16;  // every statistic is fp16
+  int tokens = 0, dim = 1;
+  switch (s.part) {
+    case v1::PART_K:
+    case v1::PART_V:
+      dtype = msg_.dtype;
+      tokens = layer.k.tokens();
+      dim = msg_.head_dim;
+      break;
+    case v1::PART_K_SCALE:
+    case v1::PART_K_ZERO: {
+      // Per token (int values, lloyd rows) or per token group and channel.
+      const QuantizedKv& q = *layer.quant;
+      const bool per_channel = q.scheme != QuantScheme::kLloyd || q.keys_channel;
+      dim = per_channel ? msg_.head_dim : 1;
+      tokens = static_cast<int>(q.k.scale.size() / H / dim);
+      break;
+    }
+    case v1::PART_V_SCALE:
+    case v1::PART_V_ZERO: tokens = layer.quant->v.tokens; break;
+    case v1::PART_DEMOTED_K_NORM:
+    case v1::PART_DEMOTED_V_NORM: tokens = layer.demoted_tokens(); break;
+    default: return StreamError();  // codes, positions; acc: checked by Finish
+  }
+  // The elements this chunk completes (one may straddle the previous chunk).
+  const uint64_t es = DTypeSize(dtype);
+  const uint64_t offset = seq_->offset();
+  const uint64_t first = offset / es, end = (offset + n) / es;
+  absl::Status st = CheckKvFinite(dtype, base, first, end - first, static_cast<int>(s.layer),
+                                  FilePartName(s.part), tokens, dim);
+  if (st.ok()) return StreamError();
+  return StreamError(StreamErrorKind::kValue, std::string(st.message()));
 }
 
 StreamError DeliveryReader::Finish(const v1::Trailer& t, Message* out) {

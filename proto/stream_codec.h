@@ -303,7 +303,9 @@ class DeliveryReader {
   // Validates `header` and allocates every tensor of the message.
   StreamError Start(const v1::MessageHeader& header);
   // Copies the chunk's data into its tensor, checking its CRC32C during the
-  // copy.
+  // copy, and then that the values it completes are finite (dense K/V,
+  // scales, zeros and norms: kValue naming the tensor and the index, since
+  // a relay that computed them never sends NaN or Inf).
   StreamError Add(const ChunkView& chunk);
   StreamError Add(const v1::Chunk& chunk);
   // Checks the trailer and moves the message to `*out`.
@@ -320,6 +322,8 @@ class DeliveryReader {
   }
 
  private:
+  StreamError CheckFinite(const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) const;
+
   Message msg_;
   std::optional<ChunkSequence> seq_;
   std::vector<uint8_t*> slot_data_;  // the message's buffers, per slot of seq_

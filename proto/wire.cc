@@ -63,6 +63,11 @@ const char* FilePartName(v1::Part part) {
     case v1::PART_V_CODES: return "v.codes";
     case v1::PART_V_SCALE: return "v.scale";
     case v1::PART_V_ZERO: return "v.zero";
+    case v1::PART_ACC: return "acc";
+    case v1::PART_DEMOTED_K_CODES: return "demoted.k.codes";
+    case v1::PART_DEMOTED_K_NORM: return "demoted.k.norm";
+    case v1::PART_DEMOTED_V_CODES: return "demoted.v.codes";
+    case v1::PART_DEMOTED_V_NORM: return "demoted.v.norm";
     default: return "unknown";
   }
 }

@@ -698,6 +698,68 @@ TEST(DeliveryReaderTest, NextPosFromTheHeaderOrTheIds) {
   }
 }
 
+// A message from another relay is checked for NaN and Inf as it arrives,
+// in every tensor of values that decoding multiplies out: dense K/V,
+// scales, zeros, norms and the demoted tokens' norms. The tensor and the
+// index are named.
+TEST(DeliveryReaderTest, NonFiniteValuesAreRefusedNamingTheTensor) {
+  struct Case {
+    const char* policy;
+    v1::Part part;
+  };
+  const Case cases[] = {{"full", v1::PART_K},
+                        {"h2o-head:k=16", v1::PART_V},
+                        {"h2o-head:k=16+int4:group=32", v1::PART_K_SCALE},
+                        {"h2o-head:k=16+int4:group=32", v1::PART_K_ZERO},
+                        {"h2o-head:k=16+int8", v1::PART_V_SCALE},
+                        {"h2o-head:k=16+int2", v1::PART_V_ZERO},
+                        {"full+lloyd:bits=4", v1::PART_K_SCALE},
+                        {"full+lloyd:bits=3", v1::PART_V_SCALE},
+                        {"full+lloyd:bits=2,keys=channel,group=8", v1::PART_K_ZERO},
+                        {"h2o-head:k=8+demote:bits=2+lloyd:bits=4", v1::PART_DEMOTED_K_NORM},
+                        {"h2o-head:k=8+demote:bits=1+int4", v1::PART_DEMOTED_V_NORM}};
+  std::mt19937_64 rng(41);
+  for (const Case& c : cases) {
+    Message m = Compress(MakeTurn(rng()), c.policy);
+    const int l = static_cast<int>(rng() % m.layers.size());
+    MessageLayer& L = m.layers[l];
+    const uint16_t bad = rng() % 2 ? 0x7E00 : 0xFC00;  // fp16 NaN, -Inf
+    auto poison = [&](std::vector<uint16_t>* v) {
+      ASSERT_FALSE(v->empty()) << c.policy;
+      (*v)[rng() % v->size()] = bad;
+    };
+    switch (c.part) {
+      case v1::PART_K:
+      case v1::PART_V: {
+        KvTensor& t = c.part == v1::PART_K ? L.k : L.v;
+        std::vector<float> row(t.dim(), 0.5f);
+        row[rng() % t.dim()] = INFINITY;
+        t.WriteRow(static_cast<int>(rng() % t.heads()), static_cast<int>(rng() % t.tokens()), row.data());
+        break;
+      }
+      case v1::PART_K_SCALE: poison(&L.quant->k.scale); break;
+      case v1::PART_K_ZERO: poison(&L.quant->k.zero); break;
+      case v1::PART_V_SCALE: poison(&L.quant->v.scale); break;
+      case v1::PART_V_ZERO: poison(&L.quant->v.zero); break;
+      case v1::PART_DEMOTED_K_NORM: poison(&L.demoted->k.scale); break;
+      case v1::PART_DEMOTED_V_NORM: poison(&L.demoted->v.scale); break;
+      default: FAIL() << c.part;
+    }
+    for (size_t max : {size_t{333}, kMaxChunkBytes}) {
+      Message out;
+      const StreamError e = AssembleError(MessageHeaderOf(m), Chunk(MessageDeliveryOrder(m), max), &out);
+      EXPECT_EQ(e.kind(), StreamErrorKind::kValue) << c.policy << ": " << e.message();
+      // A relay receiving a Forward refuses the argument; a client that
+      // fetched it got damaged data.
+      EXPECT_EQ(DeliveryStatus(e).code(), absl::StatusCode::kDataLoss);
+      const absl::Status st = UploadStatus(e);
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.policy << ": " << st;
+      const std::string want = absl::StrCat("layer.", l, ".", FilePartName(c.part), ": non-finite value ");
+      EXPECT_EQ(st.message().substr(0, want.size()), want) << c.policy << ": " << st;
+    }
+  }
+}
+
 class DeliveryReaderErrors : public ::testing::Test {
  protected:
   void SetUp() override {

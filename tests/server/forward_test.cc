@@ -422,6 +422,19 @@ TEST_F(ForwardTest, AnAccOrAnchorsNoRelayWouldSendAreRefused) {
   WaitInflightZero();
 }
 
+// A norm or scale no relay computes (NaN or Inf: decoding multiplies it
+// into every value of its row) is refused as it arrives; nothing is stored.
+TEST_F(ForwardTest, ANonFiniteNormIsRefused) {
+  Message msg = Offline(MakeTurn(6), "h2o-head:k=8+demote:bits=2+lloyd:bits=4");
+  ASSERT_TRUE(msg.layers[2].demoted.has_value());
+  msg.layers[2].demoted->v.scale[1] = 0x7C00;  // fp16 +Inf
+  ForwardCall r = DoForward(stub_.get(), WholeForward(FwdHeader("s", "inf", "a", {"b"}, msg), msg));
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(), "layer.2.demoted.v.norm: non-finite value inf at [0,1,0], expected finite values");
+  EXPECT_EQ(server_->store()->Find("s", "inf"), nullptr);
+  WaitInflightZero();
+}
+
 // The same forward again is answered from its header alone (no tensor is
 // read: the stream here has none), per recipient, and delivers nothing twice.
 TEST_F(ForwardTest, AForwardAgainIsADuplicateWithoutItsTensors) {
