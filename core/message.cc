@@ -10,6 +10,18 @@
 
 namespace kvrelay {
 
+QuantizedSizes QuantizedSizesOf(QuantScheme scheme, int bits, int group, bool keys_channel, bool is_key,
+                                uint64_t heads, uint64_t tokens, uint64_t dim) {
+  QuantizedSizes s;
+  s.codes = heads * tokens * (dim * static_cast<uint64_t>(bits) / 8);
+  const bool per_row = !is_key || (scheme == QuantScheme::kLloyd && !keys_channel);
+  const uint64_t groups = per_row || tokens == 0 || group < 1 ? 0 : (tokens - 1) / static_cast<uint64_t>(group) + 1;
+  s.scales = per_row ? heads * tokens : heads * groups * dim;
+  // lloyd keeps a mean only for keys per channel.
+  s.zeros = scheme == QuantScheme::kLloyd && per_row ? 0 : s.scales;
+  return s;
+}
+
 uint64_t MessageLayer::SentBytes() const {
   uint64_t payload;
   if (quant.has_value()) {

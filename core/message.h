@@ -39,6 +39,21 @@ struct QuantizedTensor {
   size_t ByteSize() const { return codes.size() + 2 * scale.size() + 2 * zero.size(); }
 };
 
+// The sizes of one quantized K or V tensor of [heads, tokens, dim]: code
+// bytes, and fp16 scales and zeros (statistics). int keys: scale and zero
+// per channel and token group; int values: per row; lloyd rows (either
+// tensor): a norm per row, no zero; lloyd keys per channel: an rms and a
+// mean per channel and token group. The one rule for the shape of a
+// QuantizedTensor (checked by CheckQuantizedShape, allocated by the stream
+// readers) and for its bytes on the wire (MessageLayerBytes). A group < 1
+// (a header not yet checked) counts no groups.
+struct QuantizedSizes {
+  uint64_t codes = 0, scales = 0, zeros = 0;
+  uint64_t Bytes() const { return codes + 2 * scales + 2 * zeros; }
+};
+QuantizedSizes QuantizedSizesOf(QuantScheme scheme, int bits, int group, bool keys_channel, bool is_key,
+                                uint64_t heads, uint64_t tokens, uint64_t dim);
+
 struct QuantizedKv {
   QuantScheme scheme = QuantScheme::kInt;
   int bits = 0;

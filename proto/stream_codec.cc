@@ -537,25 +537,25 @@ StreamError UploadReader::CheckCommit(const v1::Trailer& t) const { return seq_.
 // --------------------------------------------------------- DeliveryReader
 
 uint64_t MessageLayerBytes(const v1::MessageHeader& h) {
-  const uint64_t H = h.kv_heads(), d = h.head_dim(), bits = h.quant_bits();
+  const uint64_t H = h.kv_heads(), d = h.head_dim();
   const uint64_t n = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
   const uint64_t nd = h.n_demoted();
-  // Demoted tokens: lloyd rows (codes and one fp16 norm each) and their ids.
-  const uint64_t demoted = 2 * (H * nd * d * h.demote_bits() / 8) + 2 * 2 * H * nd + 4 * H * nd;
-  if (bits != 0) {
-    const uint64_t codes = 2 * (H * n * d * bits / 8);
-    if (h.quant_scheme() == v1::QUANT_SCHEME_LLOYD) {
-      // V: one norm per row. K: one norm per row, or with keys per channel
-      // an rms and a mean per channel and token group.
-      const uint64_t groups = h.quant_group() ? (n + h.quant_group() - 1) / h.quant_group() : 0;
-      const uint64_t k_stats = h.quant_keys_channel() ? 2 * 2 * H * groups * d : 2 * H * n;
-      return codes + k_stats + 2 * H * n + 4 * H * n + demoted;
+  const QuantScheme scheme = h.quant_scheme() == v1::QUANT_SCHEME_LLOYD ? QuantScheme::kLloyd : QuantScheme::kInt;
+  auto tensor = [&](bool is_key) -> uint64_t {
+    if (h.quant_bits() == 0) {
+      absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
+      return H * n * d * (dtype.ok() ? DTypeSize(*dtype) : 0);
     }
-    const uint64_t groups = h.quant_group() ? (n + h.quant_group() - 1) / h.quant_group() : 0;
-    return codes + 2 * 2 * H * groups * d + 2 * 2 * H * n + 4 * H * n + demoted;
-  }
-  absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
-  return 2 * H * n * d * (dtype.ok() ? DTypeSize(*dtype) : 0) + 4 * H * n + demoted;
+    return QuantizedSizesOf(scheme, static_cast<int>(h.quant_bits()), static_cast<int>(h.quant_group()),
+                            h.quant_keys_channel(), is_key, H, n, d)
+        .Bytes();
+  };
+  // Demoted tokens: lloyd rows.
+  const uint64_t demoted =
+      nd == 0 ? 0
+              : 2 * QuantizedSizesOf(QuantScheme::kLloyd, static_cast<int>(h.demote_bits()), 0, false, false, H, nd, d)
+                        .Bytes();
+  return tensor(/*is_key=*/true) + tensor(/*is_key=*/false) + demoted + 4 * H * (n + nd);
 }
 
 StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* bytes) {
@@ -642,6 +642,26 @@ StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* by
   return StreamError();
 }
 
+namespace {
+
+// Sizes q's K and V as [heads, tokens, dim] of q's scheme and options
+// (QuantizedSizesOf), filled with zeros.
+void AllocateQuantized(int heads, int tokens, int dim, QuantizedKv* q) {
+  for (QuantizedTensor* t : {&q->k, &q->v}) {
+    const QuantizedSizes s =
+        QuantizedSizesOf(q->scheme, q->bits, q->group, q->keys_channel, t == &q->k, heads, tokens, dim);
+    t->bits = q->bits;
+    t->heads = heads;
+    t->tokens = tokens;
+    t->dim = dim;
+    t->codes.resize(s.codes);
+    t->scale.resize(s.scales);
+    t->zero.resize(s.zeros);
+  }
+}
+
+}  // namespace
+
 StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   if (done_ || seq_) return StreamError(StreamErrorKind::kSequence, "header: given twice, expected one");
   uint64_t bytes;
@@ -652,8 +672,6 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
   const uint64_t L = h.layers(), H = h.kv_heads(), d = h.head_dim();
   const uint64_t n = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
   const bool lloyd = h.quant_scheme() == v1::QUANT_SCHEME_LLOYD;
-  const bool lloyd_rows = lloyd && !h.quant_keys_channel();
-  const uint64_t groups = quant && !lloyd_rows ? (n + h.quant_group() - 1) / h.quant_group() : 0;
   const uint64_t nd = h.n_demoted();
 
   msg_ = Message();
@@ -683,14 +701,7 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
       q.bits = static_cast<int>(h.demote_bits());
       q.seed = h.quant_seed();
       q.dtype = *dtype;
-      for (QuantizedTensor* t : {&q.k, &q.v}) {
-        t->bits = q.bits;
-        t->heads = Hi;
-        t->tokens = static_cast<int>(nd);
-        t->dim = di;
-        t->codes.resize(H * nd * d * q.bits / 8);
-        t->scale.resize(H * nd);
-      }
+      AllocateQuantized(Hi, static_cast<int>(nd), di, &q);
     }
     if (!quant) {
       layer.k = KvTensor::Uninitialized(*dtype, Hi, ni, di);
@@ -706,18 +717,7 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
       q.keys_channel = h.quant_keys_channel();
       q.seed = lloyd ? h.quant_seed() : 0;
       q.dtype = *dtype;
-      for (QuantizedTensor* t : {&q.k, &q.v}) {
-        t->bits = q.bits;
-        t->heads = Hi;
-        t->tokens = ni;
-        t->dim = di;
-        t->codes.resize(H * n * d * bits / 8);
-        const bool row_stats = t == &q.v || lloyd_rows;
-        const size_t stats = row_stats ? H * n : H * groups * d;
-        t->scale.resize(stats);
-        // lloyd keeps a mean only for keys per channel.
-        t->zero.resize(!lloyd || (t == &q.k && q.keys_channel) ? stats : 0);
-      }
+      AllocateQuantized(Hi, ni, di, &q);
     }
   }
   // The slots are the message's own buffers, in delivery order.

@@ -145,21 +145,29 @@ void FillMessageHeader(const Message& msg, v1::MessageHeader* h) {
   h->set_n_gen(msg.n_gen);
   h->set_next_pos(NextPosition(msg));
   h->mutable_anchor_pos()->Assign(msg.anchor_pos.begin(), msg.anchor_pos.end());
-  if (!msg.layers.empty() && msg.layers[0].quant) {
-    const QuantizedKv& q = *msg.layers[0].quant;
-    h->set_quant_bits(q.bits);
-    h->set_quant_group(q.group);
-    h->set_quant_rotate(q.rotate);
-    if (q.scheme == QuantScheme::kLloyd) {
+  std::optional<QuantOptions> quant;
+  if (!msg.layers.empty() && msg.layers[0].quant) quant = OptionsOf(*msg.layers[0].quant);
+  const bool demoted = msg.n_demoted > 0 && !msg.layers.empty() && msg.layers[0].demoted;
+  SetQuantHeader(quant, demoted ? msg.n_demoted : 0, msg.demote_bits, demoted ? msg.layers[0].demoted->seed : 0, h);
+}
+
+void SetQuantHeader(const std::optional<QuantOptions>& quant, int n_demoted, int demote_bits, uint64_t demote_seed,
+                    v1::MessageHeader* h) {
+  if (quant) {
+    const bool lloyd = quant->scheme == QuantScheme::kLloyd;
+    h->set_quant_bits(static_cast<uint32_t>(quant->bits));
+    h->set_quant_group(lloyd && !quant->keys_channel ? 0 : static_cast<uint32_t>(quant->group));
+    h->set_quant_rotate(quant->rotate);
+    if (lloyd) {
       h->set_quant_scheme(v1::QUANT_SCHEME_LLOYD);
-      h->set_quant_keys_channel(q.keys_channel);
-      h->set_quant_seed(q.seed);
+      h->set_quant_keys_channel(quant->keys_channel);
+      h->set_quant_seed(quant->seed);
     }
   }
-  if (msg.n_demoted > 0 && !msg.layers.empty() && msg.layers[0].demoted) {
-    h->set_n_demoted(msg.n_demoted);
-    h->set_demote_bits(msg.demote_bits);
-    h->set_quant_seed(msg.layers[0].demoted->seed);
+  if (n_demoted > 0) {
+    h->set_n_demoted(static_cast<uint32_t>(n_demoted));
+    h->set_demote_bits(static_cast<uint32_t>(demote_bits));
+    h->set_quant_seed(demote_seed);
   }
 }
 

@@ -13,6 +13,7 @@
 #include "absl/types/span.h"
 #include "core/dtype.h"
 #include "core/message.h"
+#include "core/quant.h"
 #include "core/turn.h"
 #include "kvrelay/v1/relay.pb.h"
 
@@ -103,9 +104,18 @@ v1::MessageHeader MessageHeaderOf(const Message& msg);
 
 // The message-shape fields of a delivery header: layers, kv_heads, head_dim,
 // dtype, the four part sizes, next_pos, anchor_pos and the quantization
-// (bits, group, rotate).
+// (SetQuantHeader).
 // Leaves ids, routing and accounting alone.
 void FillMessageHeader(const Message& msg, v1::MessageHeader* h);
+
+// The quantization fields of a message header: quant_bits, quant_group,
+// quant_rotate, quant_scheme, quant_keys_channel, quant_seed from `quant`
+// (none: dense K/V, the fields stay 0), then n_demoted and demote_bits
+// when n_demoted > 0, with quant_seed = demote_seed (a message has one
+// lloyd seed). lloyd rows carry quant_group 0: only keys per channel
+// group tokens.
+void SetQuantHeader(const std::optional<QuantOptions>& quant, int n_demoted, int demote_bits, uint64_t demote_seed,
+                    v1::MessageHeader* h);
 
 }  // namespace kvrelay
 

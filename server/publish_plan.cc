@@ -226,23 +226,7 @@ v1::ForwardHeader ForwardHeaderFor(const PublishPlan& plan) {
   m->set_n_gen(static_cast<uint32_t>(counts.n_gen));
   for (int32_t p : AnchorPositions(geo, counts.n_anchor, plan.prompt_pos0)) m->add_anchor_pos(p);
   const PipelineConfig& cfg = plan.pipeline->config();
-  if (const auto& q = cfg.quant) {
-    m->set_quant_bits(static_cast<uint32_t>(q->bits));
-    m->set_quant_rotate(q->rotate);
-    if (q->scheme == QuantScheme::kLloyd) {
-      m->set_quant_scheme(v1::QUANT_SCHEME_LLOYD);
-      m->set_quant_keys_channel(q->keys_channel);
-      m->set_quant_group(q->keys_channel ? static_cast<uint32_t>(q->group) : 0);
-      m->set_quant_seed(q->seed);
-    } else {
-      m->set_quant_group(static_cast<uint32_t>(q->group));
-    }
-  }
-  if (counts.n_demoted > 0) {
-    m->set_n_demoted(static_cast<uint32_t>(counts.n_demoted));
-    m->set_demote_bits(static_cast<uint32_t>(counts.demote_bits));
-    m->set_quant_seed(cfg.LloydSeed());
-  }
+  SetQuantHeader(cfg.quant, counts.n_demoted, counts.demote_bits, cfg.LloydSeed(), m);
   m->mutable_accounting()->set_policy(plan.pipeline->spec());
   fh.set_requested_policy(h.policy());
   *fh.mutable_geometry() = h.geometry();

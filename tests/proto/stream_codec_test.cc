@@ -154,7 +154,9 @@ TEST(UploadReaderTest, HistoryScoreTravelsAfterThePromptScore) {
     const std::vector<v1::Chunk> chunks = TurnChunks(turn, 100);
     std::vector<TensorRef> order = TurnUploadOrder(turn);
     for (size_t i = 0; i + 1 < order.size(); ++i) {
-      if (order[i].part == v1::PART_PROMPT_SCORE) EXPECT_EQ(order[i + 1].part, v1::PART_HISTORY_SCORE);
+      if (order[i].part == v1::PART_PROMPT_SCORE) {
+        EXPECT_EQ(order[i + 1].part, v1::PART_HISTORY_SCORE);
+      }
     }
     EXPECT_EQ(TotalBytes(order), shape->UploadBytes());
     UploadReader r(*shape);

@@ -457,7 +457,7 @@ TEST(TurnFileTest, HistoryScoreForAParent) {
         StTensor t;
         t.name = absl::StrCat("layer.", l, ".history.score");
         t.dtype = StDType::kF32;
-        t.shape = {static_cast<uint64_t>(s.kv_heads * s.group), static_cast<uint64_t>(tokens)};
+        t.shape = {static_cast<int64_t>(s.kv_heads * s.group), static_cast<int64_t>(tokens)};
         std::string data(4 * t.shape[0] * t.shape[1], '\0');
         for (size_t i = 0; i < data.size() / 4; ++i) {
           const float v = 0.25f * static_cast<float>(i % 5);
