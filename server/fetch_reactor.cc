@@ -71,6 +71,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void OnDone() override {
     if (reply_idle_) reply_idle_->Disarm();
+    if (decoded_reserved_) svc_->store()->ReleaseInflight(decoded_reserved_);
     delete this;
   }
 
@@ -109,20 +110,39 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void Begin(Store::Delivery d) {
     delivery_ = std::move(d);
+    // Lloyd codes and demoted tokens are relay formats: agents get them
+    // decoded, on a worker (the decode is O(bytes); this thread may be the
+    // store's or gRPC's).
+    if (AgentsReceiveDecoded(delivery_.msg->msg)) {
+      svc_->pool()->Schedule([this] { DecodeAndSend(); });
+      return;
+    }
+    Send(nullptr);
+  }
+
+  void DecodeAndSend() {
+    const StoredMessage& m = *delivery_.msg;
+    absl::StatusOr<Message> dense = DecodedMessage(m.msg);
+    if (!dense.ok()) {
+      spdlog::error("fetch: session={} message={} does not decode: {}", session_, m.message_id,
+                    dense.status().ToString());
+      return FinishOnce(grpc::Status(grpc::INTERNAL, absl::StrCat("fetch: the stored message does not decode: ",
+                                                                  dense.status().message())));
+    }
+    auto decoded = std::make_shared<const Message>(*std::move(dense));
+    // The decoded copy exists until the client has read it: in flight (the
+    // memory exists already, so whatever the limit) until OnDone.
+    decoded_reserved_ = RetainedBytes(*decoded);
+    svc_->store()->AddInflight(decoded_reserved_);
+    Send(std::move(decoded));
+  }
+
+  // Starts the delivery of the stored message, or of `decoded` (its dense
+  // form) when given.
+  void Send(std::shared_ptr<const Message> decoded) {
     const StoredMessage& m = *delivery_.msg;
     out_.emplace();
-    // Lloyd codes and demoted tokens are relay formats: agents get them
-    // decoded. (The decode runs here, on the reactor's thread: O(bytes).)
-    std::shared_ptr<const Message> decoded;
-    if (AgentsReceiveDecoded(m.msg)) {
-      absl::StatusOr<Message> dense = DecodedMessage(m.msg);
-      if (!dense.ok()) {
-        spdlog::error("fetch: session={} message={} does not decode: {}", session_, m.message_id,
-                      dense.status().ToString());
-        return FinishOnce(grpc::Status(grpc::INTERNAL, absl::StrCat("fetch: the stored message does not decode: ",
-                                                                    dense.status().message())));
-      }
-      decoded = std::make_shared<const Message>(*std::move(dense));
+    if (decoded) {
       out_->Append(MessageDeliveryOrder(*decoded), decoded);
     } else {
       out_->Append(MessageDeliveryOrder(m.msg), delivery_.msg);  // sent from the stored message
@@ -203,6 +223,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::atomic<bool> finished_{false};
   Store::Delivery delivery_;
   std::optional<ChunkStreamWriter> out_;
+  uint64_t decoded_reserved_ = 0;  // in flight until OnDone
   bool trailer_sent_ = false;  // the trailer's write has started (or is waiting for the store)
   grpc::ByteBuffer wire_;  // the response being written
   std::shared_ptr<UploadWatchdog::Entry> reply_idle_;  // set before the first write

@@ -82,8 +82,11 @@ uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, const Mes
   const uint64_t tokens = static_cast<uint64_t>(counts.n_history) + counts.n_anchor + counts.n_kept + counts.n_gen;
   const uint64_t row = p.config().quant ? static_cast<uint64_t>(g.head_dim) * p.config().quant->bits / 8
                                         : static_cast<uint64_t>(g.head_dim) * DTypeSize(g.dtype);
-  // Per token and head: K and V rows, its position id and its acc.
-  return RetainedBytes(static_cast<uint64_t>(shape.layers) * g.kv_heads * tokens * (2 * row + 4 + 4),
+  const uint64_t demoted_row = static_cast<uint64_t>(g.head_dim) * counts.demote_bits / 8;
+  // Per token and head: K and V rows, its position id and its acc; the
+  // demoted tokens' rows at their own bits.
+  const uint64_t per_head = tokens * (2 * row + 4 + 4) + counts.n_demoted * (2 * demoted_row + 4 + 4);
+  return RetainedBytes(static_cast<uint64_t>(shape.layers) * g.kv_heads * per_head,
                        static_cast<uint64_t>(shape.layers));
 }
 

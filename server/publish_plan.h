@@ -98,8 +98,9 @@ absl::Status CheckSamePublish(const v1::PublishHeader& h, const StoredMessage& p
 // The bytes a composed message of `shape` holds at least (RetainedBytes),
 // with `parent` (may be null: the upload's own history) as its history
 // (what the pipeline's history budget keeps of it): every token's position
-// ids and acc, its K/V rows dense or as quantized codes (scales and zeros
-// not counted), and the bookkeeping. Exact for dense policies.
+// ids and acc, its K/V rows dense or as quantized codes (scales, zeros and
+// norms not counted), the demoted tokens' codes, and the bookkeeping. Exact
+// for dense policies.
 uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, const Message* parent);
 
 }  // namespace kvrelay

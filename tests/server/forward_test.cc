@@ -435,6 +435,40 @@ TEST_F(ForwardTest, ANonFiniteNormIsRefused) {
   WaitInflightZero();
 }
 
+// A lloyd message with demoted tokens is delivered decoded to dense; the
+// decoded copy counts in flight while the delivery is open, and no longer
+// once it is done.
+TEST_F(ForwardTest, ADecodedDeliveryIsCountedInFlightUntilItEnds) {
+  const Message msg = Offline(MakeTurn(8), "h2o-head:k=8+demote:bits=2+lloyd:bits=3");
+  absl::StatusOr<Message> dense = DecodedMessage(msg);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  ExpectResults(DoForward(stub_.get(), WholeForward(FwdHeader("s", "m", "a", {"b"}, msg), msg)), {{"b", 0, false}});
+  WaitInflightZero();
+  const uint64_t held = server_->store()->inflight_bytes();
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(10));
+    v1::FetchRequest req;
+    req.set_session_id("s");
+    req.set_agent("b");
+    auto reader = stub_->Fetch(&ctx, req);
+    Reassembler<v1::FetchResponse> ra;
+    v1::FetchResponse resp;
+    ASSERT_TRUE(reader->Read(&resp));
+    ASSERT_TRUE(resp.has_header());
+    EXPECT_EQ(resp.header().n_demoted(), 0u);
+    EXPECT_EQ(resp.header().quant_bits(), 0u);
+    EXPECT_GE(server_->store()->inflight_bytes(), held + RetainedBytes(*dense));
+    ra.Add(resp);
+    while (reader->Read(&resp)) ra.Add(resp);
+    ra.r.status = reader->Finish();
+    ASSERT_TRUE(ra.r.status.ok()) << ra.r.status.error_message();
+    ra.Build();
+    ExpectSameMessage(ra.r.msg, *dense);
+  }
+  WaitInflightZero();
+}
+
 // The same forward again is answered from its header alone (no tensor is
 // read: the stream here has none), per recipient, and delivers nothing twice.
 TEST_F(ForwardTest, AForwardAgainIsADuplicateWithoutItsTensors) {

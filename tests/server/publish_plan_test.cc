@@ -403,6 +403,36 @@ TEST_F(PlanPublishTest, PositionsAfterTheParentMustFitInt32) {
               absl::StrCat("header.geometry.prompt_pos0: ", max - 43, " (after the parent) puts position ids past int32"));
 }
 
+// The least size is a lower bound of what every policy's message holds,
+// and it counts the demoted tokens' codes (within their 2 fp16 norms per
+// token and head of the real size).
+TEST_F(PlanPublishTest, TheLeastSizeBoundsEveryPolicyAndCountsDemotedTokens) {
+  const v1::PublishHeader h = Fresh("full");
+  absl::StatusOr<UploadShape> shape = CheckGeometry(h.geometry(), "header.geometry");
+  ASSERT_TRUE(shape.ok());
+  for (const char* policy : {"full", "h2o-head:k=8", "h2o-head:k=8+int4", "full+lloyd:bits=3",
+                             "h2o-head:k=8+demote:bits=2+lloyd:bits=4", "h2o-layer:k=4+demote:bits=1+int2",
+                             "h2o-head:k=8+obf:p=4+int8"}) {
+    auto p = Pipeline::Create(policy);
+    ASSERT_TRUE(p.ok()) << p.status();
+    auto offline = (*p)->Compress(turn_);
+    ASSERT_TRUE(offline.ok()) << offline.status();
+    const uint64_t need = MinComposedBytes(**p, *shape, nullptr);
+    const uint64_t held = RetainedBytes(*offline);
+    EXPECT_LE(need, held) << policy;
+    if (offline->n_demoted > 0) {
+      const uint64_t norms = 2 * 2 * offline->layers.size() * offline->kv_heads * offline->n_demoted;
+      const uint64_t stats = offline->layers[0].quant ? 2 * (offline->layers[0].quant->k.scale.size() +
+                                                             offline->layers[0].quant->k.zero.size() +
+                                                             offline->layers[0].quant->v.scale.size() +
+                                                             offline->layers[0].quant->v.zero.size()) *
+                                                            offline->layers.size()
+                                                      : 0;
+      EXPECT_EQ(need + norms + stats, held) << policy;
+    }
+  }
+}
+
 TEST_F(PlanPublishTest, TheComposedMessageMustFitTheLimitsUpFront) {
   const v1::PublishHeader h = Fresh("full");
   absl::StatusOr<UploadShape> shape = CheckGeometry(h.geometry(), "header.geometry");
