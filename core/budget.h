@@ -8,6 +8,7 @@
 #define KVRELAY_CORE_BUDGET_H_
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -19,19 +20,38 @@ namespace kvrelay {
 struct BudgetCandidate {
   int k = -1;           // h2o-head's k; -1: full (every token)
   int demote_bits = 0;  // 0: evict what k drops
-  int bits = 4;         // lloyd bits of the kept tokens
+  // The lloyd bits of the kept tokens, per layer: keys', values'.
+  std::vector<std::pair<int, int>> layer_bits;
   uint64_t bytes = 0;   // what the message sends (exact, from the geometry)
   double error = 0;     // the estimate, in [0, 1]
 
-  // The canonical-order spec of the setting ("h2o-head:k=16+demote:bits=1+lloyd:bits=3").
+  // The spec of the setting: lloyd:bits=B when every layer has B bits for
+  // keys and values, else lloyd:layers= ("h2o-head:k=16+demote:bits=1+lloyd:layers=43.32").
   std::string Spec() const;
 };
 
-// Every setting of the grid for a turn of geometry `geo` (first agent or
-// not), with its bytes and estimated error from the turn's scores (or, with
-// gen.q, the attention mass of its generated steps). InvalidArgument as
+// Every setting of the grid for a turn (first agent or not), with its bytes
+// and estimated error from the turn's scores (or, with gen.q, the attention
+// mass of its generated steps): per selector k and demotion bits, the bit
+// allocations of a greedy walk from 1 bit everywhere, each step one more
+// bit for the keys or the values of one layer, largest estimated gain first
+// (docs/FORMAT.md, "Byte budget"). With gen.q, each layer's keys and values
+// weigh as their QuantSensitivities. InvalidArgument as
 // Pipeline::Compress for a turn that does not validate.
 absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn);
+
+// How much a layer's attention output moves when its keys (k) or its
+// values (v) are quantized by lloyd at B bits (index B, 1..4; 0 unused): the
+// mean over score heads and up to kSensitivitySteps generated steps spread
+// over the turn of |o' - o| / |o|, where every row moves by lloyd's relative
+// error at B bits in a direction of fixed random signs (docs/FORMAT.md,
+// "Byte budget"). Empty without gen.q.
+inline constexpr int kSensitivitySteps = 4;
+struct QuantSensitivity {
+  double k[5] = {0, 0, 0, 0, 0};
+  double v[5] = {0, 0, 0, 0, 0};
+};
+std::vector<QuantSensitivity> QuantSensitivities(const Turn& turn, const TurnGeometry& geo);
 
 // The setting auto:budget=`budget` picks: smallest error among those whose
 // bytes are at most budget * full_bytes (ties: fewer bytes, then the grid's

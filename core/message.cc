@@ -5,10 +5,31 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "core/quant.h"
 #include "core/status_macros.h"
 
 namespace kvrelay {
+
+std::string FormatLayerBits(const std::vector<std::pair<int, int>>& bits) {
+  return absl::StrJoin(bits, ".", [](std::string* o, const std::pair<int, int>& b) {
+    absl::StrAppend(o, b.first, b.second);
+  });
+}
+
+absl::StatusOr<std::vector<std::pair<int, int>>> ParseLayerBits(absl::string_view text) {
+  std::vector<std::pair<int, int>> out;
+  for (absl::string_view e : absl::StrSplit(text, '.')) {
+    if (e.size() != 2 || e[0] < '1' || e[0] > '4' || e[1] < '1' || e[1] > '4') {
+      return absl::InvalidArgumentError(absl::StrCat("entry '", e, "' of layer ", out.size(),
+                                                     ", expected two digits 1..4 (keys' bits, values' bits) per "
+                                                     "layer joined by '.', e.g. 43.32.44"));
+    }
+    out.emplace_back(e[0] - '0', e[1] - '0');
+  }
+  return out;
+}
 
 QuantizedSizes QuantizedSizesOf(QuantScheme scheme, int bits, int group, bool keys_channel, bool is_key,
                                 uint64_t heads, uint64_t tokens, uint64_t dim) {

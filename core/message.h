@@ -10,9 +10,12 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/tensor.h"
 #include "core/turn.h"
 
@@ -61,8 +64,11 @@ struct QuantizedKv {
   bool rotate = false;  // int: Walsh-Hadamard rotation along head_dim before quantization
   bool keys_channel = false;  // lloyd: keys in channel form
   uint64_t seed = 0;          // lloyd: the rotation's seed
+  int v_bits = 0;             // lloyd: the values' bits when not `bits`; 0: bits
   DType dtype = DType::kBF16;  // dtype that decoding restores by default
   QuantizedTensor k, v;
+
+  int VBits() const { return v_bits ? v_bits : bits; }
 };
 
 // The granularity h2o-auto chose for a layer (docs/FORMAT.md, step 3a).
@@ -125,6 +131,14 @@ struct Message {
 
   double Ratio() const { return sent_bytes ? static_cast<double>(full_bytes) / sent_bytes : 0.0; }
 };
+
+// Per layer, the keys' and values' lloyd bits, as lloyd:layers= and the
+// message metadata quant_layer_bits write them: two digits 1..4 per layer
+// (keys, values) joined by '.', e.g. "43.32.44".
+std::string FormatLayerBits(const std::vector<std::pair<int, int>>& bits);
+// InvalidArgument naming the first bad entry and its layer ("entry '5' of
+// layer 1, expected two digits 1..4 ...").
+absl::StatusOr<std::vector<std::pair<int, int>>> ParseLayerBits(absl::string_view text);
 
 // `layer` (index `l`) of a message with the token counts and head_dim of
 // `msg` decoded to dense K/V of `dtype` in `*out`, the

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
@@ -94,6 +96,12 @@ class Params {
       names.push_back(name);
     }
     return BadStage(st_, absl::StrCat(key, "=", *v, ": expected one of ", absl::StrJoin(names, ", ")));
+  }
+
+  // The value as given (empty when absent).
+  std::string String(absl::string_view key) {
+    const std::string* v = Find(key);
+    return v == nullptr ? std::string() : *v;
   }
 
   // Call after reading every known key.
@@ -255,8 +263,18 @@ absl::Status ApplyLloyd(const StageSpec& st, PipelineConfig* cfg) {
   const bool has_group = std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "group"; });
   KVRELAY_RETURN_IF_ERROR(p.Int("group", 1, kMaxTokens, &o.group));
   KVRELAY_RETURN_IF_ERROR(p.Uint64("seed", &o.seed));
+  const std::string layers = p.String("layers");
   KVRELAY_RETURN_IF_ERROR(p.Done());
   if (has_group && !o.keys_channel) return BadStage(st, "group: applies to keys=channel only, expected keys=channel or no group");
+  const bool has_layers = std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "layers"; });
+  if (has_layers && std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "bits"; })) {
+    return BadStage(st, "bits: given with layers=, expected one of them (layers= gives every layer its bits)");
+  }
+  if (has_layers) {
+    absl::StatusOr<std::vector<std::pair<int, int>>> bits = ParseLayerBits(layers);
+    if (!bits.ok()) return BadStage(st, absl::StrCat("layers=", layers, ": ", bits.status().message()));
+    cfg->layer_bits = *std::move(bits);
+  }
   cfg->quant = o;
   return absl::OkStatus();
 }
@@ -322,9 +340,14 @@ std::string CanonicalSpec(const PipelineConfig& c) {
   }
   if (c.demote_bits) absl::StrAppend(&out, "+demote:bits=", *c.demote_bits);
   if (c.quant && c.quant->scheme == QuantScheme::kLloyd) {
-    absl::StrAppend(&out, "+lloyd:bits=", c.quant->bits, ",keys=", c.quant->keys_channel ? "channel" : "row");
+    absl::StrAppend(&out, "+lloyd:");
+    if (c.layer_bits.empty()) absl::StrAppend(&out, "bits=", c.quant->bits, ",");
+    absl::StrAppend(&out, "keys=", c.quant->keys_channel ? "channel" : "row");
     if (c.quant->keys_channel) absl::StrAppend(&out, ",group=", c.quant->group);
     absl::StrAppend(&out, ",seed=", c.quant->seed);
+    if (!c.layer_bits.empty()) {
+      absl::StrAppend(&out, ",layers=", FormatLayerBits(c.layer_bits));
+    }
   } else if (c.quant) {
     absl::StrAppend(&out, "+int", c.quant->bits, ":group=", c.quant->group,
                     ",rotate=", c.quant->rotate ? "hadamard" : "none");
@@ -699,7 +722,9 @@ void Pipeline::BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, con
 absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork* w) const {
   for (const absl::Status& s : w->head_status) KVRELAY_RETURN_IF_ERROR(s);
   if (config_.quant) {
-    absl::StatusOr<QuantizedKv> quantized = QuantizeKv(w->out.k, w->out.v, *config_.quant);
+    QuantOptions opts = *config_.quant;
+    if (!config_.layer_bits.empty()) std::tie(opts.bits, opts.v_bits) = config_.layer_bits[layer];
+    absl::StatusOr<QuantizedKv> quantized = QuantizeKv(w->out.k, w->out.v, opts);
     if (!quantized.ok()) {
       return absl::Status(quantized.status().code(),
                           absl::StrCat("layer.", layer, ": ", quantized.status().message()));
@@ -835,6 +860,13 @@ absl::Status Pipeline::CheckWindow(const TurnGeometry& geo) const {
 
 absl::Status Pipeline::CheckHeadDim(int head_dim) const {
   if (config_.quant) KVRELAY_RETURN_IF_ERROR(ValidateQuantOptions(*config_.quant, head_dim));
+  for (size_t l = 0; l < config_.layer_bits.size(); ++l) {
+    QuantOptions o = *config_.quant;
+    std::tie(o.bits, o.v_bits) = config_.layer_bits[l];
+    if (absl::Status s = ValidateQuantOptions(o, head_dim); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("lloyd: layers: layer ", l, ": ", s.message()));
+    }
+  }
   if (config_.demote_bits) {
     QuantOptions o;
     o.scheme = QuantScheme::kLloyd;
@@ -847,6 +879,12 @@ absl::Status Pipeline::CheckHeadDim(int head_dim) const {
 }
 
 absl::Status Pipeline::CheckLayerwise() const {
+  if (!config_.layer_bits.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy '", spec_, "': lloyd:layers= gives each layer its own bits, which a relay's messages cannot "
+        "carry (one quant_bits per message); compress it offline (kvrelayctl compress), or publish "
+        "lloyd:bits=B without layers"));
+  }
   if (!config_.budget) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       "policy '", spec_, "': auto chooses its setting from every layer's scores, so it compresses whole turns only "
@@ -914,6 +952,11 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
   KVRELAY_RETURN_IF_ERROR(CheckHeadDim(geo.head_dim));
   KVRELAY_RETURN_IF_ERROR(CheckWindow(geo));
   const size_t n_layers = turn.layers.size();
+  if (!config_.layer_bits.empty() && config_.layer_bits.size() != n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("policy '", spec_, "': lloyd:layers= gives ",
+                                                   config_.layer_bits.size(), " layers, expected one per layer of "
+                                                   "the turn (", n_layers, ")"));
+  }
   const int heads = geo.kv_heads;
   std::vector<LayerContext> ctx(n_layers);
   for (size_t l = 0; l < n_layers; ++l) {

@@ -53,6 +53,9 @@ struct PipelineConfig {
   // (docs/FORMAT.md, step 6a).
   std::optional<int> demote_bits;
   std::optional<QuantOptions> quant;
+  // lloyd:layers=KV.KV...: per layer, the keys' and values' bits (a byte
+  // budget's allocation); empty: quant's bits in every layer.
+  std::vector<std::pair<int, int>> layer_bits;
   // auto:budget=F: the policy is chosen per turn from a grid (core/budget.h);
   // the other fields are unused.
   std::optional<double> budget;

@@ -698,8 +698,16 @@ absl::Status CheckQuant(QuantScheme scheme, int64_t bits, int64_t group, bool ro
 }  // namespace
 
 absl::Status ValidateQuantOptions(const QuantOptions& opts, int head_dim) {
-  return CheckQuant(opts.scheme, opts.bits, opts.group, opts.rotate, opts.keys_channel, head_dim,
-                    {"quant: ", "bits", "group", "rotate", "head_dim"});
+  const QuantFieldNames names = {"quant: ", "bits", "group", "rotate", "head_dim"};
+  KVRELAY_RETURN_IF_ERROR(
+      CheckQuant(opts.scheme, opts.bits, opts.group, opts.rotate, opts.keys_channel, head_dim, names));
+  if (opts.v_bits == 0) return absl::OkStatus();
+  if (opts.scheme != QuantScheme::kLloyd) {
+    return absl::InvalidArgumentError(absl::StrCat("quant: v_bits: ", opts.v_bits, ", expected 0 (int quantizes "
+                                                   "keys and values alike)"));
+  }
+  return CheckQuant(opts.scheme, opts.v_bits, opts.group, opts.rotate, opts.keys_channel, head_dim,
+                    {"quant: ", "v_bits", "group", "rotate", "head_dim"});
 }
 
 absl::StatusOr<QuantOptions> QuantOptionsFromHeader(uint32_t bits, uint32_t group, bool rotate, uint32_t head_dim,
@@ -732,6 +740,7 @@ QuantOptions OptionsOf(const QuantizedKv& q) {
   o.rotate = q.rotate;
   o.keys_channel = q.keys_channel;
   o.seed = q.seed;
+  o.v_bits = q.v_bits;
   return o;
 }
 
@@ -752,10 +761,11 @@ absl::StatusOr<QuantizedKv> QuantizeKv(const KvTensor& k, const KvTensor& v,
   if (opts.scheme == QuantScheme::kLloyd) {
     q.keys_channel = opts.keys_channel;
     q.seed = opts.seed;
+    q.v_bits = opts.v_bits == opts.bits ? 0 : opts.v_bits;
     if (!opts.keys_channel) q.group = 0;
     KVRELAY_RETURN_IF_ERROR(opts.keys_channel ? LloydQuantizeChannels(k, opts.bits, opts.group, "k", &q.k)
                                               : LloydQuantizeRows(k, opts.bits, opts.seed, "k", &q.k));
-    KVRELAY_RETURN_IF_ERROR(LloydQuantizeRows(v, opts.bits, opts.seed, "v", &q.v));
+    KVRELAY_RETURN_IF_ERROR(LloydQuantizeRows(v, q.VBits(), opts.seed, "v", &q.v));
     return q;
   }
   KVRELAY_RETURN_IF_ERROR(QuantizeKeys(k, opts, &q.k));
@@ -774,7 +784,7 @@ absl::Status CheckQuantizedShape(const QuantizedKv& q, int heads, int tokens, in
   }
   if (q.scheme == QuantScheme::kLloyd) {
     KVRELAY_RETURN_IF_ERROR(CheckLloydTensor(q.k, "k", q.bits, q.keys_channel, q.group));
-    return CheckLloydTensor(q.v, "v", q.bits, /*channel=*/false, 0);
+    return CheckLloydTensor(q.v, "v", q.VBits(), /*channel=*/false, 0);
   }
   KVRELAY_RETURN_IF_ERROR(CheckQuantized(q.k, "k", /*keys=*/true, q.bits, q.group));
   return CheckQuantized(q.v, "v", /*keys=*/false, q.bits, q.group);
@@ -788,7 +798,7 @@ absl::Status DequantizeKv(const QuantizedKv& q, DType dtype, KvTensor* k, KvTens
   const bool lloyd = q.scheme == QuantScheme::kLloyd;
   if (lloyd) {
     KVRELAY_RETURN_IF_ERROR(CheckLloydTensor(q.k, "k", q.bits, q.keys_channel, q.group));
-    KVRELAY_RETURN_IF_ERROR(CheckLloydTensor(q.v, "v", q.bits, /*channel=*/false, 0));
+    KVRELAY_RETURN_IF_ERROR(CheckLloydTensor(q.v, "v", q.VBits(), /*channel=*/false, 0));
   } else {
     KVRELAY_RETURN_IF_ERROR(CheckQuantized(q.k, "k", /*keys=*/true, q.bits, q.group));
     KVRELAY_RETURN_IF_ERROR(CheckQuantized(q.v, "v", /*keys=*/false, q.bits, q.group));

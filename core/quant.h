@@ -37,10 +37,14 @@ struct QuantOptions {
   bool rotate = false;  // int only, with 4 or 2 bits; REQUIRES power-of-two head_dim
   bool keys_channel = false;  // lloyd: keys per channel and token group (core/lloyd.h)
   uint64_t seed = 1;          // lloyd: the rotation's seed
+  // lloyd: the values' bits when they differ from the keys' `bits` (a
+  // per-layer allocation, lloyd:layers=); 0: `bits`.
+  int v_bits = 0;
 };
 
 // InvalidArgument naming the option when `opts` cannot apply to rows of
-// `head_dim` channels: bits not in {2,4,8} (lloyd: 1..4; lloyd needs a
+// `head_dim` channels: bits not in {2,4,8} (lloyd: 1..4, and v_bits 0 or
+// 1..4; v_bits other than 0 with int; lloyd needs a
 // power-of-two head_dim), group outside 1..kMaxQuantGroup,
 // head_dim < 1, rotate with 8 bits, rotate with a head_dim that is not a
 // power of two, or head_dim*bits not a multiple of 8. The message starts

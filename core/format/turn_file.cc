@@ -601,7 +601,9 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
     if (quant) {
       const QuantizedKv& q = *layer.quant;
       const QuantizedKv& q0 = *l0.quant;
-      if (q.scheme != q0.scheme || q.bits != q0.bits || q.group != q0.group || q.rotate != q0.rotate ||
+      // lloyd layers may differ in bits (quant_layer_bits), nothing else.
+      const bool lloyd = q0.scheme == QuantScheme::kLloyd;
+      if (q.scheme != q0.scheme || (!lloyd && q.bits != q0.bits) || q.group != q0.group || q.rotate != q0.rotate ||
           q.keys_channel != q0.keys_channel || q.seed != q0.seed) {
         return Invalid(LayerName(l, "k"),
                        absl::StrCat("quantization bits=", q.bits, " group=", q.group,
@@ -611,15 +613,15 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
       if (absl::Status s = CheckQuantizedShape(q, heads, static_cast<int>(n), dim); !s.ok()) {
         return Invalid(LayerName(l, "k"), s.message());
       }
-      const int64_t row = int64_t{dim} * q0.bits / 8;
+      const int64_t k_row = int64_t{dim} * q.bits / 8, v_row = int64_t{dim} * q.VBits() / 8;
       const bool lloyd_rows = q0.scheme == QuantScheme::kLloyd && !q0.keys_channel;
       const int64_t groups = lloyd_rows ? 0 : CeilDiv(n, q0.group);
       const std::vector<int64_t> kstats = lloyd_rows ? std::vector<int64_t>{heads, n}
                                                      : std::vector<int64_t>{heads, groups, dim};
-      tensors.push_back(View(LayerName(l, "k.codes"), StDType::kU8, {heads, n, row}, q.k.codes));
+      tensors.push_back(View(LayerName(l, "k.codes"), StDType::kU8, {heads, n, k_row}, q.k.codes));
       tensors.push_back(View(LayerName(l, "k.scale"), StDType::kF16, kstats, BytesOf(q.k.scale)));
       if (!lloyd_rows) tensors.push_back(View(LayerName(l, "k.zero"), StDType::kF16, kstats, BytesOf(q.k.zero)));
-      tensors.push_back(View(LayerName(l, "v.codes"), StDType::kU8, {heads, n, row}, q.v.codes));
+      tensors.push_back(View(LayerName(l, "v.codes"), StDType::kU8, {heads, n, v_row}, q.v.codes));
       tensors.push_back(
           View(LayerName(l, "v.scale"), StDType::kF16, {heads, n}, BytesOf(q.v.scale)));
       if (q0.scheme == QuantScheme::kInt) {
@@ -684,6 +686,13 @@ absl::StatusOr<std::pair<std::vector<StTensor>, StMetadata>> MessageTensors(cons
       meta["quant_scheme"] = "lloyd";
       meta["quant_seed"] = absl::StrCat(l0.quant->seed);
       meta["quant_keys"] = l0.quant->keys_channel ? "channel" : "row";
+      std::vector<std::pair<int, int>> layer_bits;
+      bool uniform = true;
+      for (const MessageLayer& layer : msg.layers) {
+        layer_bits.emplace_back(layer.quant->bits, layer.quant->VBits());
+        uniform = uniform && layer_bits.back() == std::make_pair(l0.quant->bits, l0.quant->bits);
+      }
+      if (!uniform) meta["quant_layer_bits"] = FormatLayerBits(layer_bits);
     }
   }
   if (nd > 0) {
@@ -911,6 +920,21 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
     }
   }
 
+  // lloyd: per layer, the keys' and values' bits (else quant_bits).
+  std::vector<std::pair<int, int>> layer_bits(num_layers, {bits, bits});
+  if (std::optional<absl::string_view> v = file.GetMetadata("quant_layer_bits")) {
+    if (!lloyd) return absl::InvalidArgumentError("metadata quant_layer_bits: given, expected it only with quant_scheme lloyd");
+    absl::StatusOr<std::vector<std::pair<int, int>>> parsed = ParseLayerBits(*v);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata quant_layer_bits: ", parsed.status().message()));
+    }
+    if (parsed->size() != static_cast<size_t>(num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat("metadata quant_layer_bits: ", parsed->size(),
+                                                     " layers, expected one per layer (", num_layers, ")"));
+    }
+    layer_bits = *std::move(parsed);
+  }
+
   // Geometry from layer 0.
   const StTensor& pos0 = *layers[0]["pos"];
   KVRELAY_RETURN_IF_ERROR(CheckDType(pos0, StDType::kI32));
@@ -931,7 +955,7 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
                                     dim_from_codes ? "[kv_heads, n, head_dim*quant_bits/8]"
                                     : quant        ? "[kv_heads, groups, head_dim]"
                                                    : "[kv_heads, n, head_dim]"));
-  const int64_t dim = dim_from_codes ? dim_ref.shape[2] * 8 / bits : dim_ref.shape[2];
+  const int64_t dim = dim_from_codes ? dim_ref.shape[2] * 8 / layer_bits[0].first : dim_ref.shape[2];
   if (dim < 1 || dim > kMaxHeadDim || (quant && (dim * bits) % 8 != 0)) {
     return Invalid(dim_ref.name,
                    absl::StrCat("shape ", ShapeString(dim_ref.shape), ", expected head_dim in 1..",
@@ -945,8 +969,12 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
     qo.group = group;
     qo.rotate = rotate;
     qo.keys_channel = keys_channel;
-    if (absl::Status s = ValidateQuantOptions(qo, static_cast<int>(dim)); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("metadata quant_*: ", s.message()));
+    for (const auto& [kb, vb] : layer_bits) {
+      qo.bits = kb;
+      qo.v_bits = vb == kb ? 0 : vb;
+      if (absl::Status s = ValidateQuantOptions(qo, static_cast<int>(dim)); !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("metadata quant_*: ", s.message()));
+      }
     }
   }
   if (nd > 0) {
@@ -1008,12 +1036,13 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
       out.demoted = std::move(q);
     }
     if (quant) {
-      const int64_t row = dim * bits / 8;
+      const auto [k_bits, v_bits] = layer_bits[l];
       const bool lloyd_rows = lloyd && !keys_channel;
       const int64_t groups = lloyd_rows ? 0 : CeilDiv(n, group);
       QuantizedKv q;
       q.scheme = scheme;
-      q.bits = bits;
+      q.bits = k_bits;
+      q.v_bits = v_bits == k_bits ? 0 : v_bits;
       q.group = group;
       q.rotate = rotate;
       q.keys_channel = keys_channel;
@@ -1023,6 +1052,8 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
         const StTensor& codes = *parts[is_key ? "k.codes" : "v.codes"];
         const StTensor& scale = *parts[is_key ? "k.scale" : "v.scale"];
         const bool has_zero = !lloyd || (is_key && keys_channel);
+        const int tensor_bits = is_key ? k_bits : v_bits;
+        const int64_t row = dim * tensor_bits / 8;
         KVRELAY_RETURN_IF_ERROR(CheckDType(codes, StDType::kU8));
         KVRELAY_RETURN_IF_ERROR(
             CheckShape(codes, {heads, n, row},
@@ -1039,7 +1070,7 @@ absl::StatusOr<Message> MessageFromSafetensors(const SafetensorsReader& file) {
           KVRELAY_RETURN_IF_ERROR(CheckShape(zero, stats_shape, stats_why));
           qt->zero = VectorFrom<uint16_t>(zero);
         }
-        qt->bits = bits;
+        qt->bits = tensor_bits;
         qt->heads = static_cast<int>(heads);
         qt->tokens = static_cast<int>(n);
         qt->dim = static_cast<int>(dim);

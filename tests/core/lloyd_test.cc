@@ -283,6 +283,70 @@ TEST(LloydFileTest, MessageFilesRoundTrip) {
   }
 }
 
+// lloyd:layers= gives each layer its keys' and values' bits: the codes,
+// the bytes and the decoded rows are those of lloyd at those bits, layer by
+// layer, and the message file carries them (quant_layer_bits).
+TEST(LloydLayerBitsTest, EachLayerKeysAndValuesAtTheirOwnBits) {
+  const Turn turn = SmallTurn(4);
+  const Message m = CompressOrDie(turn, "h2o-head:k=16+demote:bits=1+lloyd:seed=9,layers=41.23.33");
+  EXPECT_EQ(m.policy, "h2o-head:k=16,sinks=4,recent=0+demote:bits=1+lloyd:keys=row,seed=9,layers=41.23.33");
+  const std::pair<int, int> want[] = {{4, 1}, {2, 3}, {3, 3}};
+  for (size_t l = 0; l < 3; ++l) {
+    const QuantizedKv& q = *m.layers[l].quant;
+    EXPECT_EQ(q.k.bits, want[l].first) << l;
+    EXPECT_EQ(q.v.bits, want[l].second) << l;
+    EXPECT_EQ(q.VBits(), want[l].second) << l;
+    // Each tensor as lloyd at its bits makes it alone.
+    for (int b : {want[l].first, want[l].second}) {
+      const Message uniform =
+          CompressOrDie(turn, absl::StrCat("h2o-head:k=16+demote:bits=1+lloyd:bits=", b, ",seed=9"));
+      const QuantizedKv& u = *uniform.layers[l].quant;
+      if (b == want[l].first) EXPECT_EQ(q.k.codes, u.k.codes) << l;
+      if (b == want[l].second) EXPECT_EQ(q.v.codes, u.v.codes) << l;
+    }
+  }
+  uint64_t sent = 0;
+  for (const MessageLayer& layer : m.layers) sent += layer.SentBytes();
+  EXPECT_EQ(m.sent_bytes, sent);
+  std::string bytes;
+  ASSERT_TRUE(WriteMessage(m, &bytes).ok());
+  EXPECT_NE(bytes.find("\"quant_layer_bits\":\"41.23.33\""), std::string::npos);
+  absl::StatusOr<Message> back =
+      ReadMessage(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+  ASSERT_TRUE(back.ok()) << back.status();
+  std::string again;
+  ASSERT_TRUE(WriteMessage(*back, &again).ok());
+  EXPECT_EQ(again, bytes);
+  absl::StatusOr<Message> a = DecodedMessage(m), b = DecodedMessage(*back);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  for (size_t l = 0; l < 3; ++l) EXPECT_TRUE(a->layers[l].v == b->layers[l].v) << l;
+  // Uniform bits write no quant_layer_bits.
+  ASSERT_TRUE(WriteMessage(CompressOrDie(turn, "full+lloyd:layers=22.22.22"), &bytes).ok());
+  EXPECT_EQ(bytes.find("quant_layer_bits"), std::string::npos);
+}
+
+TEST(LloydLayerBitsTest, RefusalsNameTheEntryAndTheCount) {
+  for (const auto& [spec, what] : std::vector<std::pair<std::string, std::string>>{
+           {"full+lloyd:layers=45", "layers=45: entry '45' of layer 0, expected two digits 1..4"},
+           {"full+lloyd:layers=44.3", "entry '3' of layer 1"},
+           {"full+lloyd:layers=", "entry '' of layer 0"},
+           {"full+int4:layers=44", "unknown parameter 'layers'"},
+           {"full+lloyd:bits=3,layers=44", "bits: given with layers=, expected one of them"}}) {
+    absl::StatusOr<std::unique_ptr<Pipeline>> p = Pipeline::Create(spec);
+    ASSERT_FALSE(p.ok()) << spec;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << spec;
+    EXPECT_THAT(p.status().message(), HasSubstr(what)) << spec;
+  }
+  std::unique_ptr<Pipeline> two = *Pipeline::Create("full+lloyd:layers=44.33");
+  absl::StatusOr<Message> m = two->Compress(SmallTurn(3));
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("lloyd:layers= gives 2 layers, expected one per layer of the turn (3)"));
+  // A relay's message header has one quant_bits: relays refuse it.
+  EXPECT_EQ(two->CheckLayerwise().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(two->CheckLayerwise().message(), HasSubstr("compress it offline"));
+}
+
 }  // namespace
 }  // namespace kvrelay
 
@@ -330,6 +394,121 @@ TEST(BudgetTest, FitsTheBudgetAndMoreBudgetNeverEstimatesWorse) {
       last_error = best->error;
     }
   }
+}
+
+// The sensitivities predict what lloyd does to the sender's own attention
+// output (the fidelity figure, measured with real codes): per layer, the
+// error with the keys at B bits (values at 4) within a factor of 1.9 and
+// with the values at B bits (keys at 4) within 1.4, and at 1 and 2 bits
+// (where the other tensor's 4 bits add little) which of the two is larger
+// wherever the prediction differs by a third.
+TEST(BudgetTest, SensitivityPredictsTheMeasuredError) {
+  SyntheticTurnOptions o;
+  o.layers = 3;
+  o.kv_heads = 2;
+  o.score_heads = 4;
+  o.head_dim = 64;
+  o.n_prompt = 120;
+  o.n_gen = 4;  // every step is sampled
+  o.queries = true;
+  o.seed = 8;
+  absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
+  ASSERT_TRUE(turn.ok()) << turn.status();
+  // Layer 0's keys x3, layer 2's x1/3: sharper and flatter attention.
+  for (auto [l, f] : {std::pair<int, float>{0, 3.0f}, {2, 1.0f / 3}}) {
+    TurnLayer& layer = turn->layers[l];
+    for (KvTensor* t : {&layer.prompt_k, &layer.gen_k}) {
+      std::vector<float> row(t->dim());
+      for (int h = 0; h < t->heads(); ++h) {
+        for (int j = 0; j < t->tokens(); ++j) {
+          t->ReadRow(h, j, row.data());
+          for (float& x : row) x *= f;
+          t->WriteRow(h, j, row.data());
+        }
+      }
+    }
+  }
+  absl::StatusOr<TurnGeometry> geo = GeometryOf(*turn);
+  ASSERT_TRUE(geo.ok());
+  const std::vector<QuantSensitivity> sens = QuantSensitivities(*turn, *geo);
+  ASSERT_EQ(sens.size(), 3u);
+  int ordered = 0;
+  for (int b = 1; b <= 2; ++b) {
+    const Message keys = CompressOrDie(*turn, absl::StrCat("full+lloyd:layers=", b, 4, ".", b, 4, ".", b, 4));
+    const Message values = CompressOrDie(*turn, absl::StrCat("full+lloyd:layers=4", b, ".4", b, ".4", b));
+    for (int l = 0; l < 3; ++l) {
+      const double mk = *keys.layers[l].attention_error, mv = *values.layers[l].attention_error;
+      const double pk = sens[l].k[b], pv = sens[l].v[b];
+      const std::string where = absl::StrCat("bits ", b, " layer ", l, ": keys predicted ", pk, " measured ", mk,
+                                             "; values predicted ", pv, " measured ", mv);
+      EXPECT_LT(std::max(pk, mk) / std::min(pk, mk), 1.9) << where;
+      EXPECT_LT(std::max(pv, mv) / std::min(pv, mv), 1.4) << where;
+      if (std::max(pk, pv) > 1.33 * std::min(pk, pv)) {
+        ++ordered;
+        EXPECT_EQ(pk > pv, mk > mv) << where;
+      }
+    }
+  }
+  EXPECT_GE(ordered, 2);
+  // Without queries: nothing measured.
+  o.queries = false;
+  turn = MakeSyntheticTurn(o);
+  geo = GeometryOf(*turn);
+  EXPECT_TRUE(QuantSensitivities(*turn, *geo).empty());
+}
+
+// The grid's allocations: per selector setting a walk from 1 bit
+// everywhere, one bit of one tensor of one layer per step, each step's
+// bytes exact (the message its spec makes holds them) and its estimate
+// never worse than the step before.
+TEST(BudgetTest, AllocationStepsAreExactAndNeverEstimateWorse) {
+  SyntheticTurnOptions o;
+  o.layers = 3;
+  o.kv_heads = 2;
+  o.score_heads = 4;
+  o.head_dim = 32;
+  o.n_prompt = 90;
+  o.n_gen = 6;
+  o.queries = true;
+  o.seed = 3;
+  absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
+  ASSERT_TRUE(turn.ok());
+  absl::StatusOr<std::vector<BudgetCandidate>> grid = BudgetCandidates(*turn);
+  ASSERT_TRUE(grid.ok()) << grid.status();
+  const size_t walk = 6 * o.layers + 1;
+  ASSERT_EQ(grid->size() % walk, 0u);
+  std::mt19937_64 rng(5);
+  int mixed = 0, checked = 0;
+  for (size_t i = 0; i < grid->size(); ++i) {
+    const BudgetCandidate& c = (*grid)[i];
+    if (i % walk == 0) {
+      for (const auto& b : c.layer_bits) EXPECT_EQ(b, std::make_pair(1, 1));
+    } else {
+      const BudgetCandidate& prev = (*grid)[i - 1];
+      EXPECT_EQ(c.k, prev.k);
+      EXPECT_EQ(c.demote_bits, prev.demote_bits);
+      EXPECT_LE(c.error, prev.error + 1e-12) << c.Spec();
+      int moved = 0;
+      for (int l = 0; l < o.layers; ++l) {
+        moved += c.layer_bits[l].first - prev.layer_bits[l].first + c.layer_bits[l].second - prev.layer_bits[l].second;
+      }
+      EXPECT_EQ(moved, 1) << c.Spec();
+    }
+    bool is_mixed = false;
+    for (const auto& b : c.layer_bits) is_mixed = is_mixed || b.first != b.second;
+    mixed += is_mixed;
+    if (i % walk == walk - 1 || rng() % 8 == 0) {
+      const Message m = CompressOrDie(*turn, c.Spec());
+      EXPECT_EQ(m.sent_bytes, c.bytes) << c.Spec();
+      for (int l = 0; l < o.layers; ++l) {
+        EXPECT_EQ(m.layers[l].quant->bits, c.layer_bits[l].first) << c.Spec();
+        EXPECT_EQ(m.layers[l].quant->VBits(), c.layer_bits[l].second) << c.Spec();
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GT(mixed, 0);
+  EXPECT_GT(checked, 10);
 }
 
 TEST(BudgetTest, ABudgetBelowTheSmallestSettingNamesTheMinimum) {
