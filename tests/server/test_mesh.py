@@ -27,130 +27,14 @@ import argparse
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
 import kvrelay_testlib as tl  # noqa: E402
-from kvrelay_testlib import FAILURES, Ctl, Server, check, read_st  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Mesh:
-    """Relays named by agent group; every relay routes every agent."""
-
-    def __init__(self, server_bin, work, names, extra=None):
-        self.server_bin, self.work = server_bin, work
-        self.ports = {n: free_port() for n in names}
-        self.extra = extra or {}
-        self.route_file = os.path.join(work, "routes.json")
-        self.routes = {}
-        self.raw_routes = {}  # agent -> a target that is no relay of the mesh
-        self.relays = {}
-
-    def target(self, name):
-        return f"127.0.0.1:{self.ports[name]}"
-
-    def write_routes(self, routes):
-        """Routes agent -> relay name (and raw_routes); the file is replaced
-        by an atomic rename, as a ConfigMap update does."""
-        self.routes = dict(routes)
-        entries = {a: self.target(r) for a, r in routes.items()} | self.raw_routes
-        self.write_file("{" + ",".join(f'"{a}": "{t}"' for a, t in entries.items()) + "}")
-
-    def write_file(self, text):
-        tmp = self.route_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, self.route_file)
-
-    def start(self, name, *more):
-        args = ["--listen", self.target(name), "--metrics-listen", "127.0.0.1:0",
-                "--advertise", self.target(name), "--route-file", self.route_file,
-                "--forward-stall-seconds", "2", "--forward-timeout-seconds", "60",
-                *self.extra.get(name, []), *more]
-        self.relays[name] = Server(self.server_bin, self.work, args=args, name=f"relay-{name}")
-        return self.relays[name]
-
-    def stop(self, name):
-        r = self.relays.pop(name, None)
-        if r:
-            r.stop()
-
-    def stop_all(self):
-        for n in list(self.relays):
-            self.stop(n)
-
-
-def metrics(server):
-    rc, out, err = tl.run(["curl", "-s", f"http://{server.metrics}/metrics"], timeout=10)
-    if rc != 0:
-        import urllib.request
-        out = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
-    return tl.parse_exposition(out)
-
-
-def metric(series, name, **labels):
-    total = 0.0
-    for (n, lab), v in series.items():
-        if n == name and all(dict(lab).get(k) == val for k, val in labels.items()):
-            total += v
-    return total
-
-
-def same_message(a, b, what):
-    """Tensors of two message files equal, byte for byte (acc aside: relay-side
-    state, which a delivery does not carry and an offline compression writes)."""
-    ma, ta = read_st(a)
-    mb, tb = read_st(b)
-    ta = {k: v for k, v in ta.items() if not k.endswith(".acc")}
-    tb = {k: v for k, v in tb.items() if not k.endswith(".acc")}
-    ok = check(set(ta) == set(tb), f"{what}: same tensors ({sorted(ta)[:4]} vs {sorted(tb)[:4]})")
-    for name in ta:
-        if name in tb:
-            ok &= check(ta[name] == tb[name], f"{what}: {name} bit-exact")
-    for key in ("n_history", "n_anchor", "n_kept", "n_gen", "next_pos", "anchor_pos"):
-        if key in ma or key in mb:
-            ok &= check(ma.get(key) == mb.get(key), f"{what}: {key} {ma.get(key)} vs {mb.get(key)}")
-    return ok
-
-
-def fetch(ctl, relay, session, agent, out, wait=20):
-    return ctl.ok("fetch", "--session", session, "--agent", agent, "--out", out, "--wait", str(wait),
-                  addr=relay.addr)
-
-
-def status_lines(ctl, relay, session, mid):
-    rc, out, err = ctl.run("status", "--session", session, "--id", mid, addr=relay.addr)
-    check(rc == 0, f"status: rc={rc} {err}")
-    return {m["agent"]: m for m in (dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line)) for line in out.splitlines())
-            if "agent" in m}
-
-
-def single_relay_chain(ctl, server_bin, work, turns, agents, policy, session):
-    """What one relay composes for the chain agents[0] -> agents[1] -> ...:
-    the message files, in order."""
-    out = []
-    with Server(server_bin, work, name="single") as single:
-        parent = None
-        for i, turn in enumerate(turns):
-            args = ["publish", "--session", session, "--from", agents[i], "--to", agents[i + 1],
-                    "--policy", policy, "--in", turn]
-            if parent:
-                args += ["--parent", parent]
-            r = ctl.ok(*args, addr=single.addr)
-            f = ctl.path(f"single-{session}-{i}.st")
-            fetch(ctl, single, session, agents[i + 1], f)
-            out.append(f)
-            parent = r.get("message_id")
-    return out
+from kvrelay_testlib import FAILURES, Ctl, check, free_port, metric_total as metric, read_st, same_message  # noqa: E402
+from mesh import Mesh, fetch, metrics, single_relay_chain, status_lines  # noqa: E402
 
 
 def test_chain(ctl, mesh, turns, server_bin, work):

@@ -30,10 +30,8 @@ import time
 from concurrent import futures
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kvrelay_testlib as tl  # noqa: E402,F401
-from kvrelay_testlib import FAILURES, Ctl, check  # noqa: E402
-from test_mesh import Mesh, fetch, free_port, metric, metrics, same_message, single_relay_chain  # noqa: E402
+from kvrelay_testlib import FAILURES, Ctl, check, free_port, metric_total as metric, same_message  # noqa: E402
+from mesh import Mesh, fetch, metrics, single_relay_chain  # noqa: E402
 
 import grpc  # noqa: E402
 from kvrelay.v1 import relay_pb2 as pb  # noqa: E402

@@ -54,12 +54,6 @@ OK, PD, UA, UV = (grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.St
                   grpc.StatusCode.UNAVAILABLE)
 
 
-def free_port(host="127.0.0.1"):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def make_turn(seed, layers=2, H=2, S=4, d=32, n_prompt=24, n_gen=4):
     rng = np.random.default_rng(seed)
     ls = []
@@ -82,22 +76,16 @@ def write_tokens(path, tokens):
     os.replace(tmp, path)
 
 
-def metrics(server):
-    import urllib.request
-    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
-    return tl.parse_exposition(text)
-
-
 def auth_failures(server):
     out = {}
-    for (name, labels), v in metrics(server).items():
+    for (name, labels), v in tl.scrape(server).items():
         if name == "kvrelay_auth_failures_total":
             out[dict(labels)["reason"]] = v
     return out
 
 
 def gauge(server, name):
-    for (n, labels), v in metrics(server).items():
+    for (n, labels), v in tl.scrape(server).items():
         if n == name:
             return v
     return None
@@ -171,7 +159,7 @@ class SecurityTest(unittest.TestCase):
         cls.tokens = {a: f"tok-{a}-" + hashlib.sha256(a.encode()).hexdigest()[:24] for a in agents}
         cls.tokens_file = os.path.join(cls.dir, "tokens")
         write_tokens(cls.tokens_file, cls.tokens)
-        cls.ports = {n: free_port(f"127.0.0.1{i}") for i, n in enumerate("abcde", start=1)}
+        cls.ports = {n: tl.free_port(f"127.0.0.1{i}") for i, n in enumerate("abcde", start=1)}
         cls.target = {n: f"127.0.0.1{i}:{cls.ports[n]}" for i, n in enumerate("abcde", start=1)}
         routes = [x for a, r in agents.items() for x in ("--route", f"{a}={cls.target[r]}")]
         cls.relays = {}
@@ -214,7 +202,7 @@ class SecurityTest(unittest.TestCase):
         return pbg.RelayStub(grpc.secure_channel(self.target[relay], creds))
 
     def forward_calls(self, relay):
-        return sum(v for (n, labels), v in metrics(self.relays[relay]).items()
+        return sum(v for (n, labels), v in tl.scrape(self.relays[relay]).items()
                    if n == "kvrelay_rpcs_total" and dict(labels).get("method") == "Forward")
 
     def stats(self, relay, agent):

@@ -651,15 +651,7 @@ def test_operations(ctl, server_bin, work, turn):
 
 def same_message(a, b, what):
     """The tensors and the compression metadata of two message files are equal."""
-    ma, ta = tl.read_st(a)
-    mb, tb = tl.read_st(b)
-    # acc (accumulated importance) is relay-side state: a delivery does not
-    # carry it, an offline compression writes it.
-    ta = {k: v for k, v in ta.items() if not k.endswith(".acc")}
-    tb = {k: v for k, v in tb.items() if not k.endswith(".acc")}
-    check(ta == tb, f"{what}: tensors differ ({sorted(ta)} vs {sorted(tb)})")
-    for key in ("policy", "n_kept", "full_bytes", "sent_bytes"):
-        check(ma.get(key) == mb.get(key), f"{what}: metadata {key} {ma.get(key)} vs {mb.get(key)}")
+    tl.same_message(a, b, what, keys=("policy", "n_kept", "full_bytes", "sent_bytes"))
 
 
 def test_listen(ctl, server_bin, work, turn):

@@ -31,7 +31,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -54,12 +53,6 @@ SESSIONS = 3
 ROUND = 100  # kills per round (fresh spools)
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 250)]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_turn(mid):
@@ -288,11 +281,11 @@ def run_loop(args, mode, iterations, rng, crash_points=()):
     relays = []
     try:
         if mode == "single":
-            a = Relay(args.server, work, "a", free_port(), [])
+            a = Relay(args.server, work, "a", tl.free_port(), [])
             relays = [a]
             b = a
         else:
-            aport, bport = free_port(), free_port()
+            aport, bport = tl.free_port(), tl.free_port()
             b = Relay(args.server, work, "b", bport, [])
             a = Relay(args.server, work, "a", aport,
                       ["--route", f"critic=127.0.0.1:{bport}", "--advertise", f"127.0.0.1:{aport}",

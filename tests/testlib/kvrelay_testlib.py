@@ -301,6 +301,44 @@ def read_st(path):
     return meta, out
 
 
+def same_message(a, b, what, keys=("n_history", "n_anchor", "n_kept", "n_gen", "next_pos", "anchor_pos")):
+    """Two message files hold the same tensors byte for byte, acc aside
+    (relay-side state, which a delivery does not carry and an offline
+    compression writes), and the same metadata `keys`."""
+    ma, ta = read_st(a)
+    mb, tb = read_st(b)
+    ta = {k: v for k, v in ta.items() if not k.endswith(".acc")}
+    tb = {k: v for k, v in tb.items() if not k.endswith(".acc")}
+    ok = check(set(ta) == set(tb), f"{what}: same tensors ({sorted(ta)[:4]} vs {sorted(tb)[:4]})")
+    for name in ta:
+        if name in tb:
+            ok &= check(ta[name] == tb[name], f"{what}: {name} bit-exact")
+    for key in keys:
+        if key in ma or key in mb:
+            ok &= check(ma.get(key) == mb.get(key), f"{what}: {key} {ma.get(key)} vs {mb.get(key)}")
+    return ok
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port free on `host` now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def scrape(server, on_bad_line=None):
+    """parse_exposition of `server`'s /metrics."""
+    import urllib.request
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10).read().decode()
+    return parse_exposition(text, on_bad_line)
+
+
+def metric_total(samples, name, **labels):
+    """The sum of the samples of `name` whose labels include `labels`."""
+    return sum(v for (n, lab), v in samples.items() if n == name and all(dict(lab).get(k) == val
+                                                                          for k, val in labels.items()))
+
+
 def parse_exposition(text, on_bad_line=None):
     """{(name, frozenset(labels.items())): value} of a text-format scrape;
     on_bad_line(line) for each line it cannot parse (skipped)."""
