@@ -190,6 +190,19 @@ a stage with "unknown stage" naming lloyd or demote, that policy is SKIPPED
   * attention_error (gen.q turns): as above, on the --decode file, i.e. with
     the demoted tokens decoded and merged (the message "as the recipient
     holds it"); a mismatch also prints the figure without them.
+  * lloyd:layers=KV.KV... (LloydDemote.test_layer_bits, the layers= policies
+    of LloydRandomSeeds from a generator of their own, LloydRejections):
+    every check above with layer l's keys at Bk bits and its values at Bv
+    (layer.{l}.k.codes [H, n, d*Bk/8], v.codes [H, n, d*Bv/8], codes and
+    norms with the same bounds); quant_bits = layer 0's Bk; quant_layer_bits
+    exactly the layers= value unless every layer has one B for keys and
+    values (then absent; see kvrelay_ref.py on FORMAT.md's wording), absent
+    on int and dense messages; the policy's lloyd stage
+    lloyd:keys=row,seed=S,layers=... (keys=channel: keys=channel,group=G,
+    seed=S,layers=...); sent_bytes with each tensor's own code bytes.
+    Refused, naming layers: bits with layers, an entry other than two digits
+    1..4, an empty entry, a count other than the turn's layers; refused: a
+    layer's bits that head_dim cannot take (d * B not a multiple of 8).
 """
 
 import math
