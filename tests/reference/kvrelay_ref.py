@@ -28,7 +28,8 @@ Contents
     lloyd_rotation(), lloyd_codebook()/lloyd_thresholds()/lloyd_code(),
     lloyd_quantize_rows()/lloyd_dequantize_rows() (row form),
     lloyd_quantize_keys_channel()/lloyd_dequantize_keys_channel(),
-    lloyd_quantize_layer()/lloyd_dequantize_layer(); codes are decided on
+    lloyd_quantize_layer()/lloyd_dequantize_layer() (per layer the keys'
+    and values' bits of lloyd:layers=, lloyd_bits()); codes are decided on
     float64 u against float64 thresholds (exact comparisons), the rotation
     by float64 butterflies (fwht(), exact for F16/BF16 rows) and one scaling,
   * demotion (step 6a) in compress(): each layer's demoted tokens (lay.dem_*),
@@ -90,6 +91,21 @@ Choices where FORMAT.md leaves room (see also the report in the test file):
     sigma is taken about the fp16 mu ("sigma = fp16(sqrt(mean (x - mu)^2))"
     with mu the fp16 value), then raised to 2^-24 if below.  A mean or rms
     past fp16's range fails the compression.
+  * lloyd:layers=KV.KV... (per layer the keys' and values' bits): FORMAT.md
+    gives it "instead of bits", read as: bits and layers together are
+    refused; an entry is exactly two ASCII digits 1..4, entries joined by
+    single dots (an empty value or entry is refused); the count must equal
+    the turn's layers, checked when compressing.  FORMAT.md does not spell
+    out the canonical form; the reference writes
+    `lloyd:keys=row,seed=S,layers=...` / `lloyd:keys=channel,group=G,seed=S,
+    layers=...` (no bits=, layers= last, as given even when every entry is
+    the same).  quant_layer_bits is "present when the layers' bits differ";
+    the reference reads that as "unless every layer has the same bits for
+    keys and values", since quant_bits (layer 0's keys' bits) cannot carry a
+    values' B that differs (layers=43.43 has it, layers=33.33 does not).
+    Layer l's keys are quantized with Bk bits, its values with Bv, both with
+    the stage's seed (keys=channel: the keys' codes with Bk); the demoted
+    part keeps demote's bits.
   * Demotion with a top-k range of at most k candidates demotes nothing
     (n_demoted = 0).  Decoding to dense orders the merged kept tokens by
     position; the demoted tokens keep their position and acc (after the main
@@ -288,7 +304,7 @@ def _parse_tau(val):
     return x
 
 
-_LLOYD = {"bits": 4, "keys": "row", "group": 32, "seed": 1}
+_LLOYD = {"bits": 4, "keys": "row", "group": 32, "seed": 1, "layers": None}
 _DEMOTE = {"bits": 2}
 U64_MAX = (1 << 64) - 1
 
@@ -300,9 +316,32 @@ def _parse_uint(key, val, lo, hi):
     return int(val)
 
 
+def parse_layer_bits(val):
+    """`layers=KV.KV...` (FORMAT.md "Policy specs"): one entry per layer of
+    two digits 1..4, the keys' then the values' bits, joined by '.'.
+    '43.32.44' -> ((4, 3), (3, 2), (4, 4)).  Anything else (empty, an empty
+    entry, one or three digits, 0 or 5..9, another character) is refused."""
+    if not val:
+        raise ValueError("layers=: expected KV.KV... (two digits 1..4 per layer)")
+    out = []
+    for i, ent in enumerate(val.split(".")):
+        if len(ent) != 2 or not all("1" <= ch <= "4" for ch in ent):
+            raise ValueError("layers=%s: entry %d %r: expected two digits 1..4 (keys' and values' bits)"
+                             % (val, i, ent))
+        out.append((int(ent[0]), int(ent[1])))
+    return tuple(out)
+
+
+def format_layer_bits(layers):
+    """((4, 3), (3, 2)) -> '43.32' (layers= and quant_layer_bits)."""
+    return ".".join("%d%d" % (bk, bv) for bk, bv in layers)
+
+
 def _parse_lloyd(kv):
     """`lloyd` (FORMAT.md "Policy specs"): bits 1..4 (4), keys row|channel
-    (row), group >= 1 (32; keys=channel only), seed a uint64 (1)."""
+    (row), group >= 1 (32; keys=channel only), seed a uint64 (1), layers
+    (instead of bits: per layer the keys' and values' bits; q["bits"] is
+    then None and q["layers"] a tuple of (Bk, Bv), see lloyd_bits())."""
     q = dict(_LLOYD)
     for key, val in kv.items():
         if key not in q:
@@ -315,12 +354,44 @@ def _parse_lloyd(kv):
             q[key] = _parse_uint(key, val, 1, 4)
         elif key == "group":
             q[key] = _parse_uint(key, val, 1, 1 << 24)
+        elif key == "layers":
+            q[key] = parse_layer_bits(val)
         else:
             q[key] = _parse_uint(key, val, 0, U64_MAX)
     if "group" in kv and q["keys"] != "channel":
         raise ValueError("group=%s: only with keys=channel" % kv["group"])
+    if "layers" in kv:
+        # "layers (none; instead of bits)": the two together are refused.
+        if "bits" in kv:
+            raise ValueError("bits=%s with layers=%s: expected one of them" % (kv["bits"], kv["layers"]))
+        q["bits"] = None
     q["scheme"] = "lloyd"
     return q
+
+
+def lloyd_bits(q, l):
+    """(Bk, Bv) of layer l under a parsed lloyd stage: its layers= entry,
+    else (bits, bits)."""
+    if q.get("layers") is not None:
+        return q["layers"][l]
+    return q["bits"], q["bits"]
+
+
+def check_lloyd_layers(q, L):
+    """lloyd:layers= needs one entry per layer of the turn (FORMAT.md)."""
+    if q.get("layers") is not None and len(q["layers"]) != L:
+        raise ValueError("lloyd:layers=%s gives %d layers, expected one per layer of the turn (%d)"
+                         % (format_layer_bits(q["layers"]), len(q["layers"]), L))
+
+
+def lloyd_layer_bits_meta(q, L):
+    """The message's quant_layer_bits: None when every layer has the same
+    bits for keys and values (quant_bits says it all), else per layer
+    'KV' joined by '.' (see the module docstring on FORMAT.md's wording)."""
+    bits = [lloyd_bits(q, l) for l in range(L)]
+    if all(b == (bits[0][0], bits[0][0]) for b in bits):
+        return None
+    return format_layer_bits(bits)
 
 
 def parse_policy(spec):
@@ -403,10 +474,16 @@ def parse_policy(spec):
 
 def canonical_lloyd(q):
     """The canonical form of a parsed lloyd stage: bits, keys, group (with
-    keys=channel only), seed, every one listed."""
+    keys=channel only), seed, every one listed; with layers= no bits and
+    layers= last (lloyd:keys=row,seed=S,layers=43.32)."""
+    out = "lloyd:" if q.get("layers") is not None else "lloyd:bits=%d," % q["bits"]
     if q["keys"] == "channel":
-        return "lloyd:bits=%d,keys=channel,group=%d,seed=%d" % (q["bits"], q["group"], q["seed"])
-    return "lloyd:bits=%d,keys=row,seed=%d" % (q["bits"], q["seed"])
+        out += "keys=channel,group=%d,seed=%d" % (q["group"], q["seed"])
+    else:
+        out += "keys=row,seed=%d" % q["seed"]
+    if q.get("layers") is not None:
+        out += ",layers=" + format_layer_bits(q["layers"])
+    return out
 
 
 def canonical_demote(dm):
@@ -905,6 +982,8 @@ def compress(turn, policy, kept_override=None, hist_override=None, gran_override
     p0 = turn.prompt_pos0
     nh, ng = turn.n_history, turn.n_gen
     check_history_anchors(turn)
+    if quant is not None and quant["scheme"] == "lloyd":
+        check_lloyd_layers(quant, turn.L)
     window = sel.get("window")
     msg = RefMessage()
     msg.policy = pol
@@ -1056,7 +1135,8 @@ def compress(turn, policy, kept_override=None, hist_override=None, gran_override
         # Steps 6a and 7b fail the compression on a norm past fp16's range.
         lay.lloyd = lay.dem_q = None
         if quant is not None and quant["scheme"] == "lloyd":
-            lay.lloyd = lloyd_quantize_layer(to_f64(K, dt), to_f64(V, dt), quant, "layer.%d" % l)
+            lay.lloyd = lloyd_quantize_layer(to_f64(K, dt), to_f64(V, dt), quant, "layer.%d" % l,
+                                             lloyd_bits(quant, l))
         if pol.get("demote") is not None:
             lay.dem_q = {x: lloyd_quantize_rows(to_f64(arr, dt), pol["demote"]["bits"], message_seed(pol),
                                                 "layer.%d.demoted.%s" % (l, x))
@@ -1080,11 +1160,17 @@ def compress(turn, policy, kept_override=None, hist_override=None, gran_override
     msg.anchor_pos = sorted(turn.history_anchors) + [p0 + j for j in range(s)]
     msg.next_pos = p0 + n + ng
     msg.full_bytes = turn.L * dense_layer_bytes(H, nh + n + ng, d, dt)
+    msg.quant_layer_bits = None
     if quant is None:
         msg.sent_bytes = turn.L * dense_layer_bytes(H, msg.n, d, dt)
     elif quant["scheme"] == "lloyd":
-        check_lloyd_geometry(d, quant["bits"], "layer.0.k")
-        msg.sent_bytes = turn.L * lloyd_layer_bytes(H, msg.n, d, quant)
+        msg.quant_layer_bits = lloyd_layer_bits_meta(quant, turn.L)
+        msg.sent_bytes = 0
+        for l in range(turn.L):
+            bk, bv = lloyd_bits(quant, l)
+            check_lloyd_geometry(d, bk, "layer.%d.k" % l)
+            check_lloyd_geometry(d, bv, "layer.%d.v" % l)
+            msg.sent_bytes += lloyd_layer_bytes(H, msg.n, d, quant, (bk, bv))
     else:
         msg.sent_bytes = turn.L * quant_layer_bytes(H, msg.n, d, quant["bits"], quant["group"])
     if pol.get("demote") is not None:
@@ -1119,7 +1205,7 @@ def decode_layer(msg, lay):
     if q["scheme"] == "lloyd":
         r = lay.lloyd
         yk, yv = lloyd_dequantize_layer(r["codes_k"], r["codes_v"], r["k_scale"], r["k_zero"],
-                                        r["v_scale"], q)
+                                        r["v_scale"], q, r["bits"])
     else:
         r = quantize_layer(k64, v64, q["bits"], q["group"], q["rotate"])
         yk, yv, _, _ = dequantize_layer(r["codes_k"], r["codes_v"], r["k_scale"], r["k_zero"],
@@ -1178,14 +1264,15 @@ def message_tensors(msg, decode=False):
             out["layer.%d.v" % l] = (msg.dtype, lay.v)
         else:
             k64, v64 = to_f64(lay.k, msg.dtype), to_f64(lay.v, msg.dtype)
-            bits = q["bits"]
+            bk = bv = q["bits"]
             if q["scheme"] == "lloyd":
                 r = lay.lloyd
+                bk, bv = r["bits"]
             else:
-                r = quantize_layer(k64, v64, bits, q["group"], q["rotate"])
+                r = quantize_layer(k64, v64, bk, q["group"], q["rotate"])
                 out["layer.%d.v.zero" % l] = ("F16", r["v_zero"])
-            out["layer.%d.k.codes" % l] = ("U8", pack_codes(r["codes_k"], bits))
-            out["layer.%d.v.codes" % l] = ("U8", pack_codes(r["codes_v"], bits))
+            out["layer.%d.k.codes" % l] = ("U8", pack_codes(r["codes_k"], bk))
+            out["layer.%d.v.codes" % l] = ("U8", pack_codes(r["codes_v"], bv))
             out["layer.%d.k.scale" % l] = ("F16", r["k_scale"])
             out["layer.%d.v.scale" % l] = ("F16", r["v_scale"])
             if r["k_zero"] is not None:
@@ -1548,35 +1635,43 @@ def lloyd_dequantize_keys_channel(codes, mean, rms, bits, group):
             + expand_k_stat(np.asarray(rms), n, group) * lloyd_codebook(bits)[np.asarray(codes)])
 
 
-def lloyd_quantize_layer(k64, v64, q, what="layer"):
-    """Step 7b on a message's K and V ([H, n, d] float64).  Returns codes_k,
-    codes_v, k_scale (row norms [H, n], or keys=channel rms [H, ng, d]),
-    k_zero (None, or keys=channel means), v_scale (row norms [H, n]), u_k, u_v."""
-    bits, seed = q["bits"], q["seed"]
-    check_lloyd_geometry(np.shape(v64)[-1], bits, what)
-    rv = lloyd_quantize_rows(v64, bits, seed, what + ".v")
+def lloyd_quantize_layer(k64, v64, q, what="layer", bits=None):
+    """Step 7b on a message's K and V ([H, n, d] float64); bits = (Bk, Bv),
+    the layer's keys' and values' bits (default: lloyd_bits(q, 0), i.e. the
+    stage's bits).  Returns codes_k, codes_v, k_scale (row norms [H, n], or
+    keys=channel rms [H, ng, d]), k_zero (None, or keys=channel means),
+    v_scale (row norms [H, n]), u_k, u_v, bits."""
+    bk, bv = lloyd_bits(q, 0) if bits is None else bits
+    seed = q["seed"]
+    check_lloyd_geometry(np.shape(v64)[-1], bv, what + ".v")
+    check_lloyd_geometry(np.shape(k64)[-1], bk, what + ".k")
+    rv = lloyd_quantize_rows(v64, bv, seed, what + ".v")
     if q["keys"] == "channel":
-        rk = lloyd_quantize_keys_channel(k64, bits, q["group"], what + ".k")
+        rk = lloyd_quantize_keys_channel(k64, bk, q["group"], what + ".k")
         ks, kz = rk["rms"], rk["mean"]
     else:
-        rk = lloyd_quantize_rows(k64, bits, seed, what + ".k")
+        rk = lloyd_quantize_rows(k64, bk, seed, what + ".k")
         ks, kz = rk["norm"], None
     return {"codes_k": rk["codes"], "codes_v": rv["codes"], "k_scale": ks, "k_zero": kz,
-            "v_scale": rv["norm"], "u_k": rk["u"], "u_v": rv["u"]}
+            "v_scale": rv["norm"], "u_k": rk["u"], "u_v": rv["u"], "bits": (bk, bv)}
 
 
-def lloyd_dequantize_layer(ck, cv, ks, kz, vs, q):
-    """Codes + fp16 stats of lloyd_quantize_layer() -> float64 K, V."""
+def lloyd_dequantize_layer(ck, cv, ks, kz, vs, q, bits=None):
+    """Codes + fp16 stats of lloyd_quantize_layer() -> float64 K, V;
+    bits = (Bk, Bv) as there."""
+    bk, bv = lloyd_bits(q, 0) if bits is None else bits
     if q["keys"] == "channel":
-        yk = lloyd_dequantize_keys_channel(ck, kz, ks, q["bits"], q["group"])
+        yk = lloyd_dequantize_keys_channel(ck, kz, ks, bk, q["group"])
     else:
-        yk = lloyd_dequantize_rows(ck, ks, q["bits"], q["seed"])
-    return yk, lloyd_dequantize_rows(cv, vs, q["bits"], q["seed"])
+        yk = lloyd_dequantize_rows(ck, ks, bk, q["seed"])
+    return yk, lloyd_dequantize_rows(cv, vs, bv, q["seed"])
 
 
-def lloyd_layer_bytes(H, n, d, q):
-    """Codes, row norms (or keys=channel rms and mean) and positions."""
-    codes = 2 * H * n * (d * q["bits"] // 8)
+def lloyd_layer_bytes(H, n, d, q, bits=None):
+    """Codes (d*Bk/8 bytes per key row, d*Bv/8 per value row), row norms
+    (or keys=channel rms and mean) and positions."""
+    bk, bv = lloyd_bits(q, 0) if bits is None else bits
+    codes = H * n * (d * bk // 8) + H * n * (d * bv // 8)
     if q["keys"] == "channel":
         kstat = 2 * H * (-(-n // q["group"]) if n else 0) * d * 2
     else:
@@ -2551,6 +2646,88 @@ def _selftest_lloyd_demote(rng):
     lay = m.layers[0]
     r = lloyd_quantize_rows(to_f64(lay.dem_v, "F32"), 4, 77)
     _check(np.array_equal(unpack_codes(tens["layer.0.demoted.v.codes"][1], 4, 16), r["codes"]), "demoted seed")
+    n_checks += 1
+    n_checks += _selftest_lloyd_layers(rng)
+    return n_checks
+
+
+def _selftest_lloyd_layers(rng):
+    """lloyd:layers=KV.KV...: parsing, refusals, canonical form, per-layer
+    per-tensor bits, quant_layer_bits and bytes."""
+    n_checks = 0
+    q = parse_policy("full+lloyd:layers=43.12.44,seed=9")["quant"]
+    _check(q["layers"] == ((4, 3), (1, 2), (4, 4)) and q["bits"] is None and q["seed"] == 9
+           and lloyd_bits(q, 1) == (1, 2), "parse layers")
+    _check(canonical_lloyd(q) == "lloyd:keys=row,seed=9,layers=43.12.44", "canonical layers row")
+    qc = parse_policy("h2o-head+demote+lloyd:layers=21,keys=channel,group=4")["quant"]
+    _check(canonical_lloyd(qc) == "lloyd:keys=channel,group=4,seed=1,layers=21", "canonical layers channel")
+    _check(parse_policy("full+" + canonical_lloyd(q))["quant"] == q, "canonical layers reads back")
+    _check(lloyd_bits(parse_policy("full+lloyd:bits=2")["quant"], 5) == (2, 2), "bits= gives every layer")
+    n_checks += 5
+    for bad in ("full+lloyd:bits=4,layers=44", "full+lloyd:layers=44,bits=4", "full+lloyd:layers=",
+                "full+lloyd:layers=4", "full+lloyd:layers=443", "full+lloyd:layers=05", "full+lloyd:layers=45",
+                "full+lloyd:layers=44.", "full+lloyd:layers=.44", "full+lloyd:layers=44..44",
+                "full+lloyd:layers=4a", "full+lloyd:layers=44-44", "full+lloyd:layers=44,44",
+                "full+lloyd:layers=44.3", "full+lloyd:layers=+4", "full+lloyd:layers=44,group=4"):
+        try:
+            parse_policy(bad)
+            _check(False, "parse_policy accepted %r" % bad)
+        except ValueError:
+            pass
+        n_checks += 1
+    _check(lloyd_layer_bits_meta(parse_policy("full+lloyd:layers=33.33")["quant"], 2) is None
+           and lloyd_layer_bits_meta(parse_policy("full+lloyd:layers=43.43")["quant"], 2) == "43.43"
+           and lloyd_layer_bits_meta(parse_policy("full+lloyd:layers=33.32")["quant"], 2) == "33.32"
+           and lloyd_layer_bits_meta(parse_policy("full+lloyd:bits=2")["quant"], 3) is None, "quant_layer_bits")
+    n_checks += 1
+    # Per layer and tensor: the codes of bits=B on that tensor alone.
+    H, d, n, ng = 2, 16, 20, 3
+    for keys in ("row", "channel"):
+        t = _hist_turn(rng, H, 1, d, n, ng, first=True, L=3)
+        spec = "h2o-head:k=6+demote:bits=3+lloyd:layers=41.23.44,seed=5,keys=%s" % keys
+        m = compress(t, spec)
+        tens = message_tensors(m)
+        want_bytes = 0
+        for l, (bk, bv) in enumerate(((4, 1), (2, 3), (4, 4))):
+            lay = m.layers[l]
+            kb = compress(t, spec.replace("layers=41.23.44", "bits=%d" % bk))
+            vb = compress(t, spec.replace("layers=41.23.44", "bits=%d" % bv))
+            tk, tv = message_tensors(kb), message_tensors(vb)
+            for nm, other in (("k.codes", tk), ("k.scale", tk), ("v.codes", tv), ("v.scale", tv),
+                              ("demoted.k.codes", tk), ("demoted.v.norm", tv)):
+                a, b = tens["layer.%d.%s" % (l, nm)], other["layer.%d.%s" % (l, nm)]
+                _check(a[0] == b[0] and np.array_equal(a[1], b[1]), "layers= %s layer %d %s" % (keys, l, nm))
+            _check(tens["layer.%d.k.codes" % l][1].shape == (H, m.n, d * bk // 8)
+                   and tens["layer.%d.v.codes" % l][1].shape == (H, m.n, d * bv // 8), "codes shapes")
+            want_bytes += sum(a[1].nbytes for nm, a in tens.items()
+                              if nm.startswith("layer.%d." % l) and not nm.endswith(".acc"))
+            n_checks += 7
+        _check(m.sent_bytes == want_bytes, "sent_bytes %d = packed tensors %d" % (m.sent_bytes, want_bytes))
+        _check(m.quant_layer_bits == "41.23.44", "message quant_layer_bits")
+        n_checks += 2
+    # Uniform layers= is the message of bits=B; the layer count must match.
+    t = _hist_turn(rng, H, 1, d, n, ng, L=2)
+    a, b = compress(t, "full+lloyd:layers=22.22"), compress(t, "full+lloyd:bits=2")
+    ta, tb = message_tensors(a), message_tensors(b)
+    _check(a.sent_bytes == b.sent_bytes and a.quant_layer_bits is None
+           and all(x[0] == y[0] and x[1].tobytes() == y[1].tobytes()
+                   for x, y in zip(ta.values(), tb.values())) and list(ta) == list(tb), "layers=22.22 is bits=2")
+    n_checks += 1
+    for spec in ("full+lloyd:layers=22", "full+lloyd:layers=22.22.22"):
+        try:
+            compress(t, spec)
+            _check(False, "layer count accepted: %s" % spec)
+        except ValueError as e:
+            _check("layers" in str(e), "count refusal names layers: %s" % e)
+        n_checks += 1
+    # d * B / 8 bytes per row for every layer's keys and values.
+    t4 = _hist_turn(rng, H, 1, 4, n, ng, L=2)
+    compress(t4, "full+lloyd:layers=24.42")
+    try:
+        compress(t4, "full+lloyd:layers=24.43")
+        _check(False, "head_dim 4 with 3 bits accepted")
+    except ValueError as e:
+        _check("layer.1.v" in str(e), "geometry refusal names layer.1.v: %s" % e)
     n_checks += 1
     return n_checks
 

@@ -190,6 +190,19 @@ a stage with "unknown stage" naming lloyd or demote, that policy is SKIPPED
   * attention_error (gen.q turns): as above, on the --decode file, i.e. with
     the demoted tokens decoded and merged (the message "as the recipient
     holds it"); a mismatch also prints the figure without them.
+  * lloyd:layers=KV.KV... (LloydDemote.test_layer_bits, the layers= policies
+    of LloydRandomSeeds from a generator of their own, LloydRejections):
+    every check above with layer l's keys at Bk bits and its values at Bv
+    (layer.{l}.k.codes [H, n, d*Bk/8], v.codes [H, n, d*Bv/8], codes and
+    norms with the same bounds); quant_bits = layer 0's Bk; quant_layer_bits
+    exactly the layers= value unless every layer has one B for keys and
+    values (then absent; see kvrelay_ref.py on FORMAT.md's wording), absent
+    on int and dense messages; the policy's lloyd stage
+    lloyd:keys=row,seed=S,layers=... (keys=channel: keys=channel,group=G,
+    seed=S,layers=...); sent_bytes with each tensor's own code bytes.
+    Refused, naming layers: bits with layers, an entry other than two digits
+    1..4, an empty entry, a count other than the turn's layers; refused: a
+    layer's bits that head_dim cannot take (d * B not a multiple of 8).
 """
 
 import math
@@ -666,7 +679,15 @@ def check_meta(errs, ctx, case, refm, meta, pol, quant_packed, decoded=False):
             errs.append("%s metadata quant_scheme=%r on an int quantizer (int or absent)"
                         % (ctx, meta.get("quant_scheme")))
     elif quant_packed:
-        want("quant_bits", q["bits"])
+        # lloyd:layers=: quant_bits is layer 0's keys' bits, quant_layer_bits
+        # every layer's (absent when every layer has B for keys and values).
+        want("quant_bits", ref.lloyd_bits(q, 0)[0])
+        qlb = ref.lloyd_layer_bits_meta(q, turn.L)
+        if qlb is not None:
+            want("quant_layer_bits", qlb)
+        elif "quant_layer_bits" in meta:
+            errs.append("%s metadata quant_layer_bits=%r, want absent (every layer has %d bits for keys and "
+                        "values)" % (ctx, meta["quant_layer_bits"], ref.lloyd_bits(q, 0)[0]))
         want("quant_scheme", "lloyd")
         want("quant_seed", q["seed"])
         want("quant_keys", q["keys"])
@@ -677,9 +698,14 @@ def check_meta(errs, ctx, case, refm, meta, pol, quant_packed, decoded=False):
                 note("lloyd keys=%s: metadata %s=%s (FORMAT.md gives it no meaning there)"
                      % (q["keys"], key, meta[key]))
     elif not decoded:
-        for key in ("quant_bits", "quant_group", "quant_rotate"):
+        for key in ("quant_bits", "quant_group", "quant_rotate", "quant_layer_bits"):
             if key in meta:
                 errs.append("%s unquantized message has metadata %s" % (ctx, key))
+    if quant_packed and q["scheme"] == "int" and "quant_layer_bits" in meta:
+        errs.append("%s metadata quant_layer_bits=%r on an int quantizer (lloyd only)"
+                    % (ctx, meta["quant_layer_bits"]))
+    if decoded and "quant_layer_bits" in meta:
+        note("--decode: the dense file keeps metadata quant_layer_bits")
     # Demotion (step 6a): n_demoted and demote_bits with demoted tokens;
     # decoded to dense there is no demoted part.
     dm = pol.get("demote")
@@ -713,8 +739,10 @@ def check_names(errs, ctx, case, refm, tensors, packed, pol, decoded=False):
         if packed:
             q = pol["quant"]
             ng = -(-n // q["group"]) if n else 0
-            for x in ("k", "v"):
-                want["layer.%d.%s.codes" % (l, x)] = ("U8", (H, n, d * q["bits"] // 8))
+            # lloyd:layers=: the layer's keys' and values' bits.
+            bk, bv = ref.lloyd_bits(q, l) if q["scheme"] == "lloyd" else (q["bits"], q["bits"])
+            for x, b in (("k", bk), ("v", bv)):
+                want["layer.%d.%s.codes" % (l, x)] = ("U8", (H, n, d * b // 8))
             if q["scheme"] == "lloyd":
                 want["layer.%d.v.scale" % l] = ("F16", (H, n))
                 if q["keys"] == "channel":
@@ -1407,21 +1435,23 @@ def check_lloyd_channel(errs, ctx, what_mean, what_rms, what_codes, x, codes_u8,
 
 def compare_lloyd_layer(errs, ctx, lay, l, tensors, q, xk, xv):
     """The main part of one layer under lloyd: kvrelay's codes and stats
-    against its own unquantized message (xk, xv [H, n, d] float64)."""
+    against its own unquantized message (xk, xv [H, n, d] float64), the
+    keys with the layer's keys' bits and the values with its values' bits
+    (lloyd:layers=; else the stage's bits for both)."""
     t = lambda nm: tensors["layer.%d.%s" % (l, nm)][1]  # noqa: E731
     labels = lambda idx: "head %d %s" % (idx[0], row_label(lay, idx[0], idx[1]))  # noqa: E731
-    bits = q["bits"]
+    bk, bv = ref.lloyd_bits(q, l)
     out = {"k": None, "v": None, "ulps": 1.0, "slack_k": 0.0, "slack_v": 0.0}
-    rv = check_lloyd_rows(errs, ctx, "layer %d tensor layer.%d.v.codes/v.scale" % (l, l), xv, t("v.codes"),
-                          t("v.scale"), bits, q["seed"], labels)
+    rv = check_lloyd_rows(errs, ctx, "layer %d tensor layer.%d.v.codes/v.scale (%d bits)" % (l, l, bv), xv,
+                          t("v.codes"), t("v.scale"), bv, q["seed"], labels)
     if q["keys"] == "channel":
         rk = check_lloyd_channel(errs, ctx, "layer %d tensor layer.%d.k.zero (mean)" % (l, l),
                                  "layer %d tensor layer.%d.k.scale (rms)" % (l, l),
-                                 "layer %d tensor layer.%d.k.codes" % (l, l), xk, t("k.codes"), t("k.zero"),
-                                 t("k.scale"), bits, q["group"], labels)
+                                 "layer %d tensor layer.%d.k.codes (%d bits)" % (l, l, bk), xk, t("k.codes"),
+                                 t("k.zero"), t("k.scale"), bk, q["group"], labels)
     else:
-        rk = check_lloyd_rows(errs, ctx, "layer %d tensor layer.%d.k.codes/k.scale" % (l, l), xk, t("k.codes"),
-                              t("k.scale"), bits, q["seed"], labels)
+        rk = check_lloyd_rows(errs, ctx, "layer %d tensor layer.%d.k.codes/k.scale (%d bits)" % (l, l, bk), xk,
+                              t("k.codes"), t("k.scale"), bk, q["seed"], labels)
     if rk is None or rv is None:
         return None
     out["k"], out["slack_k"] = rk["y"], rk["slack"]
@@ -2677,6 +2707,49 @@ def random_lloyd_stage(rng):
     return "lloyd" + (":" + ",".join(params) if params else "")
 
 
+def random_layer_bits(rng, L):
+    """A random lloyd layers= value for L layers: mostly bits differing
+    between layers and between keys and values; sometimes one KV pair for
+    every layer (KV differing, e.g. 43.43, or not, e.g. 22.22)."""
+    r = rng.random()
+    if r < 0.1:
+        b = int(rng.integers(1, 5))
+        return ref.format_layer_bits([(b, b)] * L)
+    if r < 0.2:
+        bk, bv = (int(x) for x in rng.choice(np.arange(1, 5), 2, replace=False))
+        return ref.format_layer_bits([(bk, bv)] * L)
+    return ref.format_layer_bits([(int(rng.integers(1, 5)), int(rng.integers(1, 5))) for _ in range(L)])
+
+
+def random_lloyd_layers_stage(rng, L):
+    """lloyd:layers=... (instead of bits) with random keys, group, seed, in
+    a random parameter order."""
+    params = ["layers=" + random_layer_bits(rng, L)]
+    if rng.random() < 0.5:
+        params.append("seed=%d" % [0, 7, int(rng.integers(0, 2 ** 63)), ref.U64_MAX][int(rng.integers(0, 4))])
+    if rng.random() < 0.4:
+        params.append("keys=channel")
+        if rng.random() < 0.7:
+            params.append("group=%d" % rng.choice([1, 3, 8, 32, 1000]))
+    elif rng.random() < 0.2:
+        params.append("keys=row")
+    rng.shuffle(params)
+    return "lloyd:" + ",".join(params)
+
+
+def random_lloyd_layers_policies(rng, L, wrng=None, n_gen=0):
+    """lloyd:layers= after full, gen or h2o-* (sometimes with obf), and after
+    h2o-* with demote."""
+    sel = random_selector(rng, str(rng.choice(["full", "gen", "h2o-layer", "h2o-head"])), wrng, n_gen)
+    if sel.startswith("full"):
+        sel = "full"
+    elif sel.startswith("h2o") and rng.random() < 0.3:
+        sel += "+" + random_obf(rng)
+    dm = "demote" + (":bits=%d" % rng.integers(1, 5) if rng.random() < 0.8 else "")
+    sel2 = random_selector(rng, str(rng.choice(["h2o-layer", "h2o-head", "h2o-auto"])), wrng, n_gen)
+    return [sel + "+" + random_lloyd_layers_stage(rng, L), sel2 + "+" + dm + "+" + random_lloyd_layers_stage(rng, L)]
+
+
 def random_lloyd_policies(rng, wrng=None, n_gen=0):
     """lloyd after full, gen and h2o-* (also after obf); demote after h2o-*
     (auto included) alone, with lloyd and with intB."""
@@ -2748,6 +2821,26 @@ class LloydDemote(CliTestCase):
             errs += self.run_case(c, ["h2o-head:k=1+demote", "h2o-layer:k=2+demote:bits=3+lloyd:bits=1"])
         self.assert_no_errors(errs)
 
+    def test_layer_bits(self):
+        """lloyd:layers=KV.KV...: every layer's keys and values with their own
+        bits (codes d*B/8 bytes per row, quant_bits = layer 0's keys' bits,
+        quant_layer_bits unless every layer has one B for both, the canonical
+        lloyd:keys=...,seed=S,layers=...), with keys=channel and demote; one
+        KV pair for every layer (43.43.43 keeps quant_layer_bits, 22.22.22
+        does not)."""
+        rng = np.random.default_rng(97)
+        errs = []
+        for dt, d in (("F32", 32), ("BF16", 16), ("F16", 8)):
+            c = build_case("lloyd_layers_" + dt, rng, 3, 2, 2, d, 36, 4, dt, n_hist=3, first_agent=True)
+            errs += self.run_case(c, ["full+lloyd:layers=43.12.24", "full+lloyd:layers=43.43.43",
+                                      "h2o-head:k=6+lloyd:seed=%d,layers=22.22.22" % ref.U64_MAX,
+                                      "h2o-layer:k=5,recent=2+demote:bits=3+lloyd:layers=14.41.33,keys=channel,group=4",
+                                      "h2o-head:k=6+obf:p=3+lloyd:keys=channel,layers=31.44.12,seed=0"])
+        c = build_case("lloyd_layers_q", rng, 2, 2, 2, 32, 40, 6, "BF16", n_hist=4, first_agent=False,
+                       prompt_pos0=60, query=("F32", 1.2))
+        errs += self.run_case(c, ["gen+lloyd:layers=41.23", "h2o-auto:k=6+demote:bits=2+lloyd:layers=12.34,seed=9"])
+        self.assert_no_errors(errs)
+
     def test_zero_and_large_rows(self):
         """Zero rows (nu = 0, u = 0), constant key channels (sigma at the
         smallest fp16 subnormal) and rows with norms near fp16's top."""
@@ -2805,8 +2898,13 @@ class LloydRandomSeeds(CliTestCase):
             case, _ = random_case(9000 + seed)
             case.name = "lloyd_seed%d" % seed
             lrng = np.random.default_rng(19000 + seed)
-            errs += self.run_case(case, random_lloyd_policies(lrng, window_rng_for(case, 9000 + seed),
-                                                              case.turn.n_gen))
+            wrng = window_rng_for(case, 9000 + seed)
+            specs = random_lloyd_policies(lrng, wrng, case.turn.n_gen)
+            # lloyd:layers= from a generator of its own (the policies above
+            # stay those of earlier versions of this test).
+            specs += random_lloyd_layers_policies(np.random.default_rng(29000 + seed), case.turn.L, wrng,
+                                                  case.turn.n_gen)
+            errs += self.run_case(case, specs)
         self.assert_no_errors(errs)
 
 
@@ -2850,6 +2948,24 @@ class LloydRejections(CliTestCase):
                           ("full+lloyd:keys=channel,group=0", "group 0"), ("full+lloyd:bogus=1", "unknown key"),
                           ("lloyd", "no selector")):
             expect_fail(c, spec, why)
+        # lloyd:layers=: instead of bits, two digits 1..4 per layer joined by
+        # '.', one entry per layer of the turn (refusals naming layers).
+        c2 = build_case("lloyd_layers_reject", rng, 2, 2, 1, 16, 12, 2, "F32")
+        for spec, why in (("full+lloyd:bits=4,layers=44.44", "bits with layers"),
+                          ("full+lloyd:layers=44.44,bits=2", "layers with bits"),
+                          ("full+lloyd:layers=", "empty layers"), ("full+lloyd:layers=4.4", "one digit per layer"),
+                          ("full+lloyd:layers=443.44", "three digits"), ("full+lloyd:layers=44.05", "bits 0"),
+                          ("full+lloyd:layers=45.44", "bits 5"), ("full+lloyd:layers=48.44", "bits 8"),
+                          ("full+lloyd:layers=44.44.", "trailing dot"), ("full+lloyd:layers=.44.44", "leading dot"),
+                          ("full+lloyd:layers=44..44", "empty entry"), ("full+lloyd:layers=4a.44", "not a digit"),
+                          ("full+lloyd:layers=44_44", "other separator"),
+                          ("full+lloyd:layers=44", "1 entry for 2 layers"),
+                          ("h2o-head:k=4+demote+lloyd:layers=44.44.44", "3 entries for 2 layers"),
+                          ("full+lloyd:layers=44.44,group=4", "group with keys=row")):
+            expect_fail(c2, spec, why, naming="layers" if "group" not in spec else None)
+        c4l = build_case("lloyd_layers_d4", rng, 2, 2, 1, 4, 12, 2, "F32")
+        expect_fail(c4l, "full+lloyd:layers=24.23", "head_dim 4 with layer 1's values at 3 bits")
+        expect_fail(c4l, "full+lloyd:layers=24.14,keys=channel", "head_dim 4 with layer 1's keys at 1 bit")
         # Rows of d channels, d a power of two, d * bits a multiple of 8.
         c24 = build_case("lloyd_d24", rng, 1, 2, 1, 24, 12, 2, "F32")
         for spec in ("full+lloyd:bits=2", "h2o-head:k=2+demote:bits=2"):
