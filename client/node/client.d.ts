@@ -230,8 +230,10 @@ export type StatusName = keyof typeof grpc.status;
 
 /**
  * An error this client detected itself, shaped like a gRPC status error:
- * DATA_LOSS for a CRC32C or trailer mismatch in a delivery, INVALID_ARGUMENT
- * for a malformed delivery or an argument that cannot be sent.
+ * DATA_LOSS for every malformed delivery (out of order or missing chunks,
+ * bad sizes, a header that describes no valid message, a sentBytes, CRC32C
+ * or trailer mismatch), INVALID_ARGUMENT, before any call, for an argument
+ * that cannot be sent.
  */
 export declare class RelayError extends Error {
   constructor(code: grpc.status, details: string);
@@ -408,7 +410,7 @@ export declare class Assembler {
   constructor();
   /** The stream has ended with a valid trailer. */
   done: boolean;
-  /** Takes the next response; throws a RelayError (INVALID_ARGUMENT or DATA_LOSS). */
+  /** Takes the next response; throws a RelayError (DATA_LOSS) when it does not fit the delivery. */
   add(response: DeliveryResponse): void;
   /** The message, once the trailer came; else throws a RelayError (DATA_LOSS). */
   message(): Message;

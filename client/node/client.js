@@ -14,9 +14,11 @@
 //
 // Every method returns a promise. Errors are the relay's gRPC status (an
 // Error with numeric `code` and `details`, see grpc.status) or a RelayError of
-// the same shape for what this client checks itself: DATA_LOSS for a CRC32C
-// or trailer mismatch in a delivery, INVALID_ARGUMENT for a malformed
-// delivery stream or for arguments that cannot be sent. Nothing is retried.
+// the same shape for what this client checks itself: DATA_LOSS for every
+// malformed delivery (out of order or missing chunks, bad sizes, a header
+// that describes no valid message, a sentBytes, CRC32C or trailer mismatch),
+// INVALID_ARGUMENT, before any call, for arguments that cannot be sent.
+// Nothing is retried.
 //
 // Retrying a publish is safe only with the SAME message id: a re-publish of a
 // committed id answers with duplicate = true, while a new id publishes a
@@ -68,8 +70,19 @@ function newMessageId() {
   return 'm-' + crypto.randomBytes(12).toString('hex');
 }
 
+/** An argument the caller passed that cannot be sent: INVALID_ARGUMENT, before any call. */
 function invalid(details) {
   return new RelayError(grpc.status.INVALID_ARGUMENT, details);
+}
+
+/**
+ * A delivery that does not assemble (out of order, a chunk missing, a bad
+ * size, a header that describes no valid message, a sentBytes, CRC32C or
+ * trailer mismatch): DATA_LOSS, for the relay sent damaged data and the
+ * caller did nothing wrong.
+ */
+function corrupt(details) {
+  return new RelayError(grpc.status.DATA_LOSS, details);
 }
 
 function checkId(field, value, { required = true } = {}) {
@@ -471,6 +484,7 @@ function appendBounded(buf, filled, data, size) {
  * follows the data received, not what the header announces: a tensor's
  * buffer is made on its first chunk and grows (at most doubling, never past
  * the tensor's size) as chunks arrive, so a bogus header costs nothing.
+ * Every failure is DATA_LOSS (corrupt).
  */
 class Assembler {
   constructor() {
@@ -482,35 +496,35 @@ class Assembler {
   }
 
   add(response) {
-    if (this.done) throw invalid('delivery stream: response after the trailer, expected the end');
+    if (this.done) throw corrupt('delivery stream: response after the trailer, expected the end');
     switch (response.kind) {
       case 'header': return this.start(response.header);
       case 'chunk': return this.addChunk(response.chunk);
       case 'trailer': return this.finish(response.trailer);
-      default: throw invalid('delivery stream: empty response, expected header, chunk or trailer');
+      default: throw corrupt('delivery stream: empty response, expected header, chunk or trailer');
     }
   }
 
   start(h) {
-    if (this.slots) throw invalid('header: given twice, expected one');
+    if (this.slots) throw corrupt('header: given twice, expected one');
     for (const f of ['layers', 'kvHeads', 'headDim']) {
-      if (!(h[f] >= 1)) throw invalid(`header.${f}: ${h[f]}, expected >= 1`);
+      if (!(h[f] >= 1)) throw corrupt(`header.${f}: ${h[f]}, expected >= 1`);
     }
     const dtype = DTYPE_NAMES[h.dtype];
-    if (!dtype) throw invalid(`header.dtype: ${h.dtype}, expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16`);
+    if (!dtype) throw corrupt(`header.dtype: ${h.dtype}, expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16`);
     const n = h.nHistory + h.nAnchor + h.nKept + h.nGen;
     const next = h.nextPos ?? 0; // unset: a relay before the field
     if (!(Number.isSafeInteger(next) && next >= 0 && next <= 2 ** 31)) {
-      throw invalid(`header.nextPos: ${next}, expected 0..2^31`);
+      throw corrupt(`header.nextPos: ${next}, expected 0..2^31`);
     }
     const H = h.kvHeads;
     const d = h.headDim;
     const bits = h.quantBits;
     let specs;
     if (bits) {
-      if (![2, 4, 8].includes(bits)) throw invalid(`header.quantBits: ${bits}, expected 0, 2, 4 or 8`);
-      if (!(h.quantGroup >= 1)) throw invalid(`header.quantGroup: ${h.quantGroup}, expected >= 1 when quantized`);
-      if ((d * bits) % 8) throw invalid(`header.headDim: ${d}, expected headDim * quantBits a multiple of 8`);
+      if (![2, 4, 8].includes(bits)) throw corrupt(`header.quantBits: ${bits}, expected 0, 2, 4 or 8`);
+      if (!(h.quantGroup >= 1)) throw corrupt(`header.quantGroup: ${h.quantGroup}, expected >= 1 when quantized`);
+      if ((d * bits) % 8) throw corrupt(`header.headDim: ${d}, expected headDim * quantBits a multiple of 8`);
       const groups = Math.ceil(n / h.quantGroup);
       specs = [
         ['PART_K_CODES', 'k.codes', 'U8', [H, n, (d * bits) / 8]],
@@ -531,7 +545,7 @@ class Assembler {
         const size = shape.reduce((a, b) => a * b, 1) * DTYPE_SIZE[dt];
         total += size;
         if (size > buffer.constants.MAX_LENGTH || total > Number.MAX_SAFE_INTEGER) {
-          throw invalid(`header: layer.${layer}.${suffix} of ${size} bytes, expected a message this process can hold`);
+          throw corrupt(`header: layer.${layer}.${suffix} of ${size} bytes, expected a message this process can hold`);
         }
         slots.push({ layer, part, name: `layer.${layer}.${suffix}`, dtype: dt, shape, size, data: null, filled: 0 });
       }
@@ -551,21 +565,21 @@ class Assembler {
   }
 
   addChunk(c) {
-    if (!this.slots) throw invalid('chunk: before the header, expected a header first');
+    if (!this.slots) throw corrupt('chunk: before the header, expected a header first');
     const what = `chunk layer ${c.layer} ${c.part} offset ${c.offset}`;
     const slot = this.slots[this.next];
-    if (!slot) throw invalid(`${what}: after every tensor of the message is complete, expected the trailer`);
+    if (!slot) throw corrupt(`${what}: after every tensor of the message is complete, expected the trailer`);
     if (c.layer !== slot.layer || c.part !== slot.part || c.offset !== slot.filled) {
-      throw invalid(`${what}: out of order, expected chunk layer ${slot.layer} ${slot.part} offset ${slot.filled}`);
+      throw corrupt(`${what}: out of order, expected chunk layer ${slot.layer} ${slot.part} offset ${slot.filled}`);
     }
     const n = c.data.length;
     if (n < 1 || n > MAX_CHUNK_BYTES || n > slot.size - slot.filled) {
-      throw invalid(`${what}: ${n} data bytes, expected 1..${Math.min(MAX_CHUNK_BYTES, slot.size - slot.filled)} ` +
+      throw corrupt(`${what}: ${n} data bytes, expected 1..${Math.min(MAX_CHUNK_BYTES, slot.size - slot.filled)} ` +
                     `(${slot.name} has ${slot.size} bytes)`);
     }
     const crc = crc32c(c.data);
     if (crc !== c.crc32c) {
-      throw new RelayError(grpc.status.DATA_LOSS, `${what}: crc32c ${c.crc32c}, expected ${crc} (computed over the data)`);
+      throw corrupt(`${what}: crc32c ${c.crc32c}, expected ${crc} (computed over the data)`);
     }
     slot.data = appendBounded(slot.data, slot.filled, c.data, slot.size);
     slot.filled += n;
@@ -576,18 +590,17 @@ class Assembler {
   }
 
   finish(t) {
-    if (!this.slots) throw invalid('trailer: before the header, expected a header first');
+    if (!this.slots) throw corrupt('trailer: before the header, expected a header first');
     const slot = this.slots[this.next];
-    if (slot) throw invalid(`trailer: stream ended with ${slot.name} at ${slot.filled} of ${slot.size} bytes`);
+    if (slot) throw corrupt(`trailer: stream ended with ${slot.name} at ${slot.filled} of ${slot.size} bytes`);
     for (const [field, want] of [['chunks', this.chunks], ['bytes', this.bytes], ['crc32c', this.crc]]) {
       if (t[field] !== want) {
-        throw new RelayError(grpc.status.DATA_LOSS,
-                             `trailer.${field}: ${t[field]}, expected ${want} (computed over the chunks received)`);
+        throw corrupt(`trailer.${field}: ${t[field]}, expected ${want} (computed over the chunks received)`);
       }
     }
     const sent = this.header.accounting ? this.header.accounting.sentBytes : 0;
     if (sent !== this.total) {
-      throw invalid(`header.accounting.sentBytes: ${sent}, expected ${this.total} (bytes of the delivered tensors)`);
+      throw corrupt(`header.accounting.sentBytes: ${sent}, expected ${this.total} (bytes of the delivered tensors)`);
     }
     this.done = true;
   }
@@ -595,7 +608,7 @@ class Assembler {
   /** { header, tensors: [{name, layer, part, dtype, shape, data}], nextPos } in delivery order. */
   message() {
     if (!this.done) {
-      throw new RelayError(grpc.status.DATA_LOSS, 'delivery stream: ended without a trailer, expected header, chunks, trailer');
+      throw corrupt('delivery stream: ended without a trailer, expected header, chunks, trailer');
     }
     const tensors = this.slots.map(({ name, layer, part, dtype, shape, data }) =>
       ({ name, layer, part, dtype, shape, data: data || Buffer.alloc(0) }));

@@ -14,9 +14,10 @@
 // Deadlines come from the context: Fetch waits for a message until the
 // context's deadline (DEADLINE_EXCEEDED when none arrived). Errors wrap the
 // relay's gRPC status, or a status this client produced itself (DataLoss for
-// a CRC32C or trailer mismatch in a delivery, InvalidArgument for a malformed
-// delivery or arguments that cannot be sent); Code and Status find it through
-// the wrapping. Nothing is retried.
+// every malformed delivery: out of order or missing chunks, bad sizes, a
+// header that describes no valid message, a sent_bytes, CRC32C or trailer
+// mismatch; InvalidArgument, before any call, for arguments that cannot be
+// sent); Code and Status find it through the wrapping. Nothing is retried.
 //
 // Retrying a publish is safe only with the SAME message id: a re-publish of a
 // committed id answers with Duplicate = true, while a new id publishes a

@@ -266,6 +266,8 @@ func TestAssembler(t *testing.T) {
 		t.Errorf("NextPos() with header next_pos 9: %v, %v", m, err)
 	}
 
+	// Every malformed delivery is DATA_LOSS: the relay sent damaged data,
+	// the caller did nothing wrong.
 	corrupt := delivery()
 	corrupt[2].GetChunk().Crc32C ^= 1
 	badTrailer := delivery()
@@ -276,6 +278,13 @@ func TestAssembler(t *testing.T) {
 	wrongSize[0].GetHeader().Accounting.SentBytes = 41
 	negativeNext := delivery()
 	negativeNext[0].GetHeader().NextPos = -1
+	noLayers := delivery()
+	noLayers[0].GetHeader().Layers = 0
+	badBits := delivery()
+	badBits[0].GetHeader().QuantBits = 3
+	oversized := delivery()
+	oversized[1].GetChunk().Data = append(oversized[1].GetChunk().Data, 0, 0, 0, 0)
+	oversized[1].GetChunk().Crc32C = crc32.Checksum(oversized[1].GetChunk().Data, castagnoli)
 	for _, c := range []struct {
 		name string
 		rs   []*pb.FetchResponse
@@ -284,11 +293,21 @@ func TestAssembler(t *testing.T) {
 	}{
 		{"bad chunk crc", corrupt, codes.DataLoss, "crc32c"},
 		{"bad trailer crc", badTrailer, codes.DataLoss, "trailer.crc32c"},
-		{"out of order", swapped, codes.InvalidArgument, "out of order"},
+		{"out of order", swapped, codes.DataLoss, "out of order"},
 		{"no trailer", delivery()[:4], codes.DataLoss, "without a trailer"},
-		{"missing chunk", append(delivery()[:3], delivery()[4]), codes.InvalidArgument, "layer.0.pos at 0 of 8"},
-		{"sent_bytes", wrongSize, codes.InvalidArgument, "sent_bytes: 41, expected 40"},
-		{"next_pos", negativeNext, codes.InvalidArgument, "header.next_pos: -1, expected 0..2^31"},
+		{"missing chunk", append(delivery()[:3], delivery()[4]), codes.DataLoss, "layer.0.pos at 0 of 8"},
+		{"sent_bytes", wrongSize, codes.DataLoss, "sent_bytes: 41, expected 40"},
+		{"next_pos", negativeNext, codes.DataLoss, "header.next_pos: -1, expected 0..2^31"},
+		{"no layers", noLayers, codes.DataLoss, "header: layers 0, kv_heads 1, head_dim 2, expected each >= 1"},
+		{"quant_bits", badBits, codes.DataLoss, "header.quant_bits: 3, expected 0, 2, 4 or 8"},
+		{"chunk past its tensor", oversized, codes.DataLoss, "20 data bytes, expected 1..16"},
+		{"chunk before the header", delivery()[1:], codes.DataLoss, "chunk: before the header"},
+		{"second header", append(delivery()[:1], delivery()...), codes.DataLoss, "header: given twice"},
+		{"extra chunk", append(delivery()[:4], delivery()[3], delivery()[4]), codes.DataLoss,
+			"after every tensor of the message is complete"},
+		{"after the trailer", append(delivery(), delivery()[3]), codes.DataLoss, "response after the trailer"},
+		{"empty response", append(delivery()[:1], &pb.FetchResponse{}), codes.DataLoss, "empty response"},
+		{"empty stream", nil, codes.DataLoss, "without a trailer"},
 	} {
 		_, err := assemble(c.rs)
 		if Code(err) != c.code || !strings.Contains(err.Error(), c.msg) {
@@ -683,8 +702,8 @@ func TestAssemblerHugeHeaderAllocatesOnlyWhatArrives(t *testing.T) {
 	err := a.add(rs[3])
 	runtime.ReadMemStats(&after)
 	want := fmt.Sprintf("trailer: stream ended with layer.0.k at %d of %d bytes", 3*MaxChunkBytes, kBytes)
-	if Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), want) {
-		t.Errorf("trailer: %v, want INVALID_ARGUMENT %q", err, want)
+	if Code(err) != codes.DataLoss || !strings.Contains(err.Error(), want) {
+		t.Errorf("trailer: %v, want DATA_LOSS %q", err, want)
 	}
 	if got := cap(a.slots[0].Data); got > 2*3*MaxChunkBytes {
 		t.Errorf("layer.0.k holds %d bytes of capacity for %d received", got, 3*MaxChunkBytes)

@@ -123,8 +123,18 @@ var dtypeSize = map[string]int{"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1}
 
 var protoDType = map[string]pb.DType{"F32": pb.DType_DTYPE_F32, "F16": pb.DType_DTYPE_F16, "BF16": pb.DType_DTYPE_BF16}
 
+// invalidf is the status of an argument the caller passed that cannot be
+// sent: InvalidArgument, before any call.
 func invalidf(format string, args ...interface{}) error {
 	return status.Errorf(codes.InvalidArgument, format, args...)
+}
+
+// corruptf is the status of a delivery that does not assemble (out of
+// order, a chunk missing, a bad size, a header that describes no valid
+// message, a CRC32C or trailer mismatch, ...): DataLoss, for the relay sent
+// damaged data and the caller did nothing wrong.
+func corruptf(format string, args ...interface{}) error {
+	return status.Errorf(codes.DataLoss, format, args...)
 }
 
 type uploadTensor struct {
@@ -356,10 +366,11 @@ func sendChunks(tensors []uploadTensor, chunk func(*pb.Chunk) error, trailer fun
 }
 
 // assembler rebuilds a Message from a delivery stream (header, chunks,
-// trailer), checking order, offsets, sizes and CRC32Cs. Memory follows the
-// data received, not what the header announces: a tensor's buffer is made
-// on its first chunk and grows (at most doubling, never past the tensor's
-// size) as chunks arrive, so a bogus header costs nothing.
+// trailer), checking order, offsets, sizes and CRC32Cs; every failure is
+// DataLoss (corruptf). Memory follows the data received, not what the
+// header announces: a tensor's buffer is made on its first chunk and grows
+// (at most doubling, never past the tensor's size) as chunks arrive, so a
+// bogus header costs nothing.
 type assembler struct {
 	header *pb.MessageHeader
 	slots  []Tensor // Data: the bytes received so far
@@ -374,7 +385,7 @@ type assembler struct {
 
 func (a *assembler) add(r *pb.FetchResponse) error {
 	if a.done {
-		return invalidf("delivery stream: response after the trailer, expected the end")
+		return corruptf("delivery stream: response after the trailer, expected the end")
 	}
 	switch k := r.GetKind().(type) {
 	case *pb.FetchResponse_Header:
@@ -384,16 +395,16 @@ func (a *assembler) add(r *pb.FetchResponse) error {
 	case *pb.FetchResponse_Trailer:
 		return a.finish(k.Trailer)
 	default:
-		return invalidf("delivery stream: empty response, expected header, chunk or trailer")
+		return corruptf("delivery stream: empty response, expected header, chunk or trailer")
 	}
 }
 
 func (a *assembler) start(h *pb.MessageHeader) error {
 	if a.header != nil {
-		return invalidf("header: given twice, expected one")
+		return corruptf("header: given twice, expected one")
 	}
 	if h.GetLayers() < 1 || h.GetKvHeads() < 1 || h.GetHeadDim() < 1 {
-		return invalidf("header: layers %d, kv_heads %d, head_dim %d, expected each >= 1",
+		return corruptf("header: layers %d, kv_heads %d, head_dim %d, expected each >= 1",
 			h.GetLayers(), h.GetKvHeads(), h.GetHeadDim())
 	}
 	var dtype string
@@ -403,14 +414,14 @@ func (a *assembler) start(h *pb.MessageHeader) error {
 		}
 	}
 	if dtype == "" {
-		return invalidf("header.dtype: %v, expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16", h.GetDtype())
+		return corruptf("header.dtype: %v, expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16", h.GetDtype())
 	}
 	n64 := uint64(h.GetNHistory()) + uint64(h.GetNAnchor()) + uint64(h.GetNKept()) + uint64(h.GetNGen())
 	if n64 >= 1<<31 {
-		return invalidf("header.n_history+n_anchor+n_kept+n_gen: %d, expected < 2^31", n64)
+		return corruptf("header.n_history+n_anchor+n_kept+n_gen: %d, expected < 2^31", n64)
 	}
 	if h.GetNextPos() < 0 || h.GetNextPos() > 1<<31 {
-		return invalidf("header.next_pos: %d, expected 0..2^31", h.GetNextPos())
+		return corruptf("header.next_pos: %d, expected 0..2^31", h.GetNextPos())
 	}
 	n, H, d, bits := int(n64), int(h.GetKvHeads()), int(h.GetHeadDim()), int(h.GetQuantBits())
 	type spec struct {
@@ -422,13 +433,13 @@ func (a *assembler) start(h *pb.MessageHeader) error {
 	var specs []spec
 	if bits != 0 {
 		if bits != 2 && bits != 4 && bits != 8 {
-			return invalidf("header.quant_bits: %d, expected 0, 2, 4 or 8", bits)
+			return corruptf("header.quant_bits: %d, expected 0, 2, 4 or 8", bits)
 		}
 		if h.GetQuantGroup() < 1 {
-			return invalidf("header.quant_group: %d, expected >= 1 when quantized", h.GetQuantGroup())
+			return corruptf("header.quant_group: %d, expected >= 1 when quantized", h.GetQuantGroup())
 		}
 		if d*bits%8 != 0 {
-			return invalidf("header.head_dim: %d, expected head_dim*quant_bits a multiple of 8", d)
+			return corruptf("header.head_dim: %d, expected head_dim*quant_bits a multiple of 8", d)
 		}
 		groups := (n + int(h.GetQuantGroup()) - 1) / int(h.GetQuantGroup())
 		specs = []spec{
@@ -453,10 +464,10 @@ func (a *assembler) start(h *pb.MessageHeader) error {
 		total += mulSat(numBytes(s.dtype, s.shape), uint64(h.GetLayers()))
 	}
 	if total > maxMessageBytes || total > uint64(math.MaxInt) {
-		return invalidf("header: a message of %d bytes, expected below 2^36", total)
+		return corruptf("header: a message of %d bytes, expected below 2^36", total)
 	}
 	if sent := h.GetAccounting().GetSentBytes(); sent != total {
-		return invalidf("header.accounting.sent_bytes: %d, expected %d (bytes of the tensors the header describes)", sent, total)
+		return corruptf("header.accounting.sent_bytes: %d, expected %d (bytes of the tensors the header describes)", sent, total)
 	}
 	for l := 0; l < int(h.GetLayers()); l++ {
 		for _, s := range specs {
@@ -479,23 +490,23 @@ func (a *assembler) skipComplete() {
 
 func (a *assembler) addChunk(c *pb.Chunk) error {
 	if a.header == nil {
-		return invalidf("chunk: before the header, expected a header first")
+		return corruptf("chunk: before the header, expected a header first")
 	}
 	what := fmt.Sprintf("chunk layer %d %v offset %d", c.GetLayer(), c.GetPart(), c.GetOffset())
 	if a.next >= len(a.slots) {
-		return invalidf("%s: after every tensor of the message is complete, expected the trailer", what)
+		return corruptf("%s: after every tensor of the message is complete, expected the trailer", what)
 	}
 	slot, size := &a.slots[a.next], a.sizes[a.next]
 	if c.GetLayer() != slot.Layer || c.GetPart() != slot.Part || c.GetOffset() != uint64(a.filled) {
-		return invalidf("%s: out of order, expected chunk layer %d %v offset %d", what, slot.Layer, slot.Part, a.filled)
+		return corruptf("%s: out of order, expected chunk layer %d %v offset %d", what, slot.Layer, slot.Part, a.filled)
 	}
 	n, room := len(c.GetData()), size-a.filled
 	if n < 1 || n > MaxChunkBytes || n > room {
-		return invalidf("%s: %d data bytes, expected 1..%d (%s has %d bytes)", what, n,
+		return corruptf("%s: %d data bytes, expected 1..%d (%s has %d bytes)", what, n,
 			minInt(MaxChunkBytes, room), slot.Name, size)
 	}
 	if crc := crc32.Checksum(c.GetData(), castagnoli); crc != c.GetCrc32C() {
-		return status.Errorf(codes.DataLoss, "%s: crc32c %d, expected %d (computed over the data)", what, c.GetCrc32C(), crc)
+		return corruptf("%s: crc32c %d, expected %d (computed over the data)", what, c.GetCrc32C(), crc)
 	}
 	slot.Data = appendBounded(slot.Data, c.GetData(), size)
 	a.filled += n
@@ -508,17 +519,17 @@ func (a *assembler) addChunk(c *pb.Chunk) error {
 
 func (a *assembler) finish(t *pb.Trailer) error {
 	if a.header == nil {
-		return invalidf("trailer: before the header, expected a header first")
+		return corruptf("trailer: before the header, expected a header first")
 	}
 	if a.next < len(a.slots) {
-		return invalidf("trailer: stream ended with %s at %d of %d bytes", a.slots[a.next].Name, a.filled, a.sizes[a.next])
+		return corruptf("trailer: stream ended with %s at %d of %d bytes", a.slots[a.next].Name, a.filled, a.sizes[a.next])
 	}
 	for _, f := range []struct {
 		name      string
 		got, want uint64
 	}{{"chunks", t.GetChunks(), a.chunks}, {"bytes", t.GetBytes(), a.bytes}, {"crc32c", uint64(t.GetCrc32C()), uint64(a.crc)}} {
 		if f.got != f.want {
-			return status.Errorf(codes.DataLoss, "trailer.%s: %d, expected %d (computed over the chunks received)", f.name, f.got, f.want)
+			return corruptf("trailer.%s: %d, expected %d (computed over the chunks received)", f.name, f.got, f.want)
 		}
 	}
 	a.done = true
@@ -527,7 +538,7 @@ func (a *assembler) finish(t *pb.Trailer) error {
 
 func (a *assembler) message() (*Message, error) {
 	if !a.done {
-		return nil, status.Error(codes.DataLoss, "delivery stream: ended without a trailer, expected header, chunks, trailer")
+		return nil, corruptf("delivery stream: ended without a trailer, expected header, chunks, trailer")
 	}
 	for i := range a.slots {
 		if a.slots[i].Data == nil { // a tensor of 0 bytes: no chunk

@@ -2,8 +2,10 @@
 
 Errors are grpc.RpcError: the relay's status, or a RelayError (also an
 RpcError, with code() and details()) for what this client checks itself:
-DATA_LOSS for a chunk or trailer CRC32C mismatch, INVALID_ARGUMENT for a
-malformed delivery stream. Arguments that cannot be sent raise ValueError.
+DATA_LOSS for every malformed delivery (out of order or missing chunks, bad
+sizes, a header that describes no valid message, a sent_bytes, CRC32C or
+trailer mismatch: the relay sent damaged data). Arguments that cannot be
+sent raise ValueError, before any call.
 
 Retries: only publish retries, on UNAVAILABLE or ABORTED, because every
 publish carries a message id (the idempotency key; generated when none is
@@ -246,41 +248,44 @@ def _upload(turn, request_cls, first):
     yield request_cls(commit=pb.Trailer(chunks=chunks, bytes=total, crc32c=crc))
 
 
+def _damaged(msg):
+    """A delivery that does not assemble: DATA_LOSS, for the relay sent damaged
+    data and the caller did nothing wrong."""
+    return RelayError(grpc.StatusCode.DATA_LOSS, msg)
+
+
 class _Assembler:
     """Rebuilds a Message from a delivery stream (header, chunks, trailer),
-    checking order, offsets, sizes and CRC32Cs like the C++ client."""
+    checking order, offsets, sizes and CRC32Cs like the C++ client. Every
+    failure is DATA_LOSS (_damaged)."""
 
     def __init__(self):
         self.header = None
         self.done = False
 
-    @staticmethod
-    def _bad(msg):
-        return RelayError(grpc.StatusCode.INVALID_ARGUMENT, msg)
-
     def start(self, h):
         if self.header is not None:
-            raise self._bad("header: given twice, expected one")
+            raise _damaged("header: given twice, expected one")
         # The relay's own bounds (a turn's): a header cannot make the client
         # allocate per-layer bookkeeping beyond what any real message has.
         for name, most in (("layers", 1024), ("kv_heads", 1024), ("head_dim", 1024)):
             if not 1 <= getattr(h, name) <= most:
-                raise self._bad(f"header.{name}: {getattr(h, name)}, expected 1..{most}")
+                raise _damaged(f"header.{name}: {getattr(h, name)}, expected 1..{most}")
         if h.dtype not in _PB_TO_DTYPE:
-            raise self._bad(f"header.dtype: {h.dtype}, expected F32, F16 or BF16")
+            raise _damaged(f"header.dtype: {h.dtype}, expected F32, F16 or BF16")
         n = h.n_history + h.n_anchor + h.n_kept + h.n_gen
         bits, H, d, L = h.quant_bits, h.kv_heads, h.head_dim, h.layers
         if n >= 1 << 31:
-            raise self._bad(f"header.n_history+n_anchor+n_kept+n_gen: {n}, expected < 2^31")
+            raise _damaged(f"header.n_history+n_anchor+n_kept+n_gen: {n}, expected < 2^31")
         if not 0 <= h.next_pos <= 1 << 31:
-            raise self._bad(f"header.next_pos: {h.next_pos}, expected 0..2^31")
+            raise _damaged(f"header.next_pos: {h.next_pos}, expected 0..2^31")
         if bits:
             if bits not in (2, 4, 8):
-                raise self._bad(f"header.quant_bits: {bits}, expected 0, 2, 4 or 8")
+                raise _damaged(f"header.quant_bits: {bits}, expected 0, 2, 4 or 8")
             if h.quant_group < 1:
-                raise self._bad(f"header.quant_group: {h.quant_group}, expected >= 1 when quantized")
+                raise _damaged(f"header.quant_group: {h.quant_group}, expected >= 1 when quantized")
             if d * bits % 8:
-                raise self._bad(f"header.head_dim: {d}, expected head_dim*quant_bits a multiple of 8")
+                raise _damaged(f"header.head_dim: {d}, expected head_dim*quant_bits a multiple of 8")
         self.header, self.n, self.dtype = h, n, _PB_TO_DTYPE[h.dtype]
         kvdt = DTYPES[self.dtype]
         groups = -(-n // h.quant_group) if bits else 0
@@ -297,8 +302,8 @@ class _Assembler:
         specs.append((pb.PART_POS, np.int32, (H, n)))
         per_layer = sum(int(np.prod(s)) * np.dtype(t).itemsize for _, t, s in specs)
         if L * per_layer > _MAX_MESSAGE_BYTES:
-            raise self._bad(f"header.layers: {L}, expected a message below 2^36 bytes "
-                            f"({per_layer} per layer)")
+            raise _damaged(f"header.layers: {L}, expected a message below 2^36 bytes "
+                           f"({per_layer} per layer)")
         # (layer, part, dtype, shape, size, bytearray): each tensor grows as
         # its chunks arrive, so memory follows the data received, not what a
         # header announces.
@@ -319,28 +324,27 @@ class _Assembler:
 
     def add(self, c):
         if self.header is None:
-            raise self._bad("chunk: before the header, expected a header first")
+            raise _damaged("chunk: before the header, expected a header first")
         name = f"chunk layer {c.layer} part {_PART_NAME.get(c.part, 'unknown')}"
         if self.next >= len(self.slots):
-            raise self._bad(f"{name}: after every tensor of the message is complete, "
-                            "expected the trailer")
+            raise _damaged(f"{name}: after every tensor of the message is complete, "
+                           "expected the trailer")
         layer, part, _, _, size, buf = self.slots[self.next]
         if c.layer != layer or c.part != part:
-            raise self._bad(f"{name} (offset {c.offset}): out of order, expected chunk layer "
-                            f"{layer} part {_PART_NAME[part]} offset {self.filled}")
+            raise _damaged(f"{name} (offset {c.offset}): out of order, expected chunk layer "
+                           f"{layer} part {_PART_NAME[part]} offset {self.filled}")
         if c.offset != self.filled:
-            raise self._bad(f"{name}: offset {c.offset}, expected {self.filled}")
+            raise _damaged(f"{name}: offset {c.offset}, expected {self.filled}")
         n = len(c.data)
         if n < 1 or n > MAX_CHUNK_BYTES:
-            raise self._bad(f"{name}: {n} data bytes, expected 1..{MAX_CHUNK_BYTES}")
+            raise _damaged(f"{name}: {n} data bytes, expected 1..{MAX_CHUNK_BYTES}")
         if n > size - self.filled:
-            raise self._bad(f"{name}: {n} bytes at offset {self.filled}, expected at most "
-                            f"{size - self.filled} (tensor of {size} bytes)")
+            raise _damaged(f"{name}: {n} bytes at offset {self.filled}, expected at most "
+                           f"{size - self.filled} (tensor of {size} bytes)")
         crc = crc32c(c.data)
         if crc != c.crc32c:
-            raise RelayError(grpc.StatusCode.DATA_LOSS,
-                             f"{name} offset {c.offset}: crc32c {c.crc32c}, expected {crc} "
-                             "(computed over the data)")
+            raise _damaged(f"{name} offset {c.offset}: crc32c {c.crc32c}, expected {crc} "
+                           "(computed over the data)")
         buf += c.data
         self.filled += n
         self.chunks += 1
@@ -350,21 +354,20 @@ class _Assembler:
 
     def finish(self, t):
         if self.header is None:
-            raise self._bad("trailer: before the header, expected a header first")
+            raise _damaged("trailer: before the header, expected a header first")
         if self.next < len(self.slots):
             layer, part, _, _, size, _ = self.slots[self.next]
-            raise self._bad(f"trailer: stream ended with chunk layer {layer} part "
-                            f"{_PART_NAME[part]} at {self.filled} of {size} bytes")
+            raise _damaged(f"trailer: stream ended with chunk layer {layer} part "
+                           f"{_PART_NAME[part]} at {self.filled} of {size} bytes")
         for field, want in (("chunks", self.chunks), ("bytes", self.bytes), ("crc32c", self.crc)):
             if getattr(t, field) != want:
-                raise RelayError(grpc.StatusCode.DATA_LOSS,
-                                 f"trailer.{field}: {getattr(t, field)}, expected {want} "
-                                 "(computed over the chunks received)")
+                raise _damaged(f"trailer.{field}: {getattr(t, field)}, expected {want} "
+                               "(computed over the chunks received)")
         h = self.header
         sent = sum(s[4] for s in self.slots)
         if sent != h.accounting.sent_bytes:
-            raise self._bad(f"header.accounting.sent_bytes: {h.accounting.sent_bytes}, "
-                            f"expected {sent} (bytes of the delivered tensors)")
+            raise _damaged(f"header.accounting.sent_bytes: {h.accounting.sent_bytes}, "
+                           f"expected {sent} (bytes of the delivered tensors)")
         arrays = {}
         for layer, part, dt, shape, _, buf in self.slots:
             arrays[(layer, part)] = np.frombuffer(buf, dtype=dt).reshape(shape)  # no copy
@@ -402,8 +405,7 @@ def _read_delivery(call):
     try:
         for r in call:
             if a.done:
-                raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 "delivery stream: response after the trailer, expected the end")
+                raise _damaged("delivery stream: response after the trailer, expected the end")
             kind = r.WhichOneof("kind")
             if kind == "header":
                 a.start(r.header)
@@ -412,14 +414,14 @@ def _read_delivery(call):
             elif kind == "trailer":
                 msg = a.finish(r.trailer)
             else:
-                raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 "delivery stream: empty response, expected header, chunk or trailer")
+                raise _damaged(
+                    "delivery stream: empty response, expected header, chunk or trailer")
     except RelayError:
         call.cancel()
         raise
     if not a.done:
-        raise RelayError(grpc.StatusCode.DATA_LOSS,
-                         "delivery stream: ended without a trailer, expected header, chunks, trailer")
+        raise _damaged(
+            "delivery stream: ended without a trailer, expected header, chunks, trailer")
     return msg
 
 

@@ -373,26 +373,49 @@ test('Assembler: nextPos is the header\'s turn end, at least 1 + every position 
   assert.equal(assemble(ended).nextPos, 9);
   const bad = delivery();
   bad[0].header.nextPos = -1;
-  assert.throws(() => assemble(bad), (e) => e instanceof RelayError && e.code === grpc.status.INVALID_ARGUMENT &&
+  assert.throws(() => assemble(bad), (e) => e instanceof RelayError && e.code === grpc.status.DATA_LOSS &&
                 /header.nextPos: -1, expected 0..2\^31/.test(e.details));
 });
 
-test('Assembler: corruption is DATA_LOSS, disorder INVALID_ARGUMENT', () => {
-  const code = (c) => (e) => e instanceof RelayError && e.code === c;
+test('Assembler: every malformed delivery is DATA_LOSS (the relay sent damaged data)', () => {
+  const dataLoss = (re) => (e) => e instanceof RelayError && e.code === grpc.status.DATA_LOSS && re.test(e.details);
   const badCrc = delivery();
   badCrc[2].chunk.crc32c ^= 1;
-  assert.throws(() => assemble(badCrc), code(grpc.status.DATA_LOSS));
+  assert.throws(() => assemble(badCrc), dataLoss(/^chunk layer 0 PART_V offset 0: crc32c /));
   const badTrailer = delivery();
   badTrailer[4].trailer.crc32c ^= 1;
-  assert.throws(() => assemble(badTrailer), code(grpc.status.DATA_LOSS));
+  assert.throws(() => assemble(badTrailer), dataLoss(/^trailer\.crc32c: /));
   const swapped = delivery();
   [swapped[1], swapped[2]] = [swapped[2], swapped[1]];
-  assert.throws(() => assemble(swapped), (e) => code(grpc.status.INVALID_ARGUMENT)(e) && /out of order/.test(e.details));
-  assert.throws(() => assemble(delivery().slice(0, 4)), code(grpc.status.DATA_LOSS)); // no trailer
-  assert.throws(() => assemble(delivery().slice(0, 3).concat(delivery().slice(4))), code(grpc.status.INVALID_ARGUMENT));
+  assert.throws(() => assemble(swapped), dataLoss(/out of order, expected chunk layer 0 PART_K offset 0/));
+  assert.throws(() => assemble(delivery().slice(0, 4)), dataLoss(/ended without a trailer/)); // no trailer
+  assert.throws(() => assemble([]), dataLoss(/ended without a trailer/)); // an empty stream
+  assert.throws(() => assemble(delivery().slice(0, 3).concat(delivery().slice(4))),
+                dataLoss(/^trailer: stream ended with layer\.0\.pos at 0 of 8 bytes$/)); // a missing chunk
   const wrongSize = delivery();
   wrongSize[0].header.accounting.sentBytes = 41;
-  assert.throws(() => assemble(wrongSize), /sentBytes: 41, expected 40/);
+  assert.throws(() => assemble(wrongSize), dataLoss(/sentBytes: 41, expected 40/));
+  // Headers that describe no valid message.
+  const noLayers = delivery();
+  noLayers[0].header.layers = 0;
+  assert.throws(() => assemble(noLayers), dataLoss(/^header\.layers: 0, expected >= 1$/));
+  const badBits = delivery();
+  badBits[0].header.quantBits = 3;
+  assert.throws(() => assemble(badBits), dataLoss(/^header\.quantBits: 3, expected 0, 2, 4 or 8$/));
+  const badDtype = delivery();
+  badDtype[0].header.dtype = 'DTYPE_UNSPECIFIED';
+  assert.throws(() => assemble(badDtype), dataLoss(/^header\.dtype: /));
+  // Sizes and sequence.
+  const oversized = delivery();
+  oversized[1].chunk.data = Buffer.concat([oversized[1].chunk.data, Buffer.alloc(4)]);
+  oversized[1].chunk.crc32c = crc32c(oversized[1].chunk.data);
+  assert.throws(() => assemble(oversized), dataLoss(/: 20 data bytes, expected 1\.\.16 \(layer\.0\.k has 16 bytes\)$/));
+  assert.throws(() => assemble(delivery().slice(1)), dataLoss(/^chunk: before the header/));
+  assert.throws(() => assemble(delivery().slice(0, 1).concat(delivery())), dataLoss(/^header: given twice/));
+  assert.throws(() => assemble(delivery().slice(0, 4).concat(delivery().slice(3))),
+                dataLoss(/after every tensor of the message is complete/));
+  assert.throws(() => assemble(delivery().concat(delivery().slice(3, 4))), dataLoss(/response after the trailer/));
+  assert.throws(() => assemble(delivery().slice(0, 1).concat([{}])), dataLoss(/empty response/));
 });
 
 // A delivery of `tensors` ({layer, part, data} in delivery order) cut into
@@ -464,7 +487,7 @@ test('Assembler: a header announcing 16 GiB costs what arrives, and the short st
   assert.ok(slot.data.subarray(0, received).equals(data));
   assert.ok(grown <= 8 * received, `arrayBuffers grew by ${grown} bytes after ${received} received`);
   assert.throws(() => a.add(responses.at(-1)), (e) => e instanceof RelayError &&
-    e.code === grpc.status.INVALID_ARGUMENT &&
+    e.code === grpc.status.DATA_LOSS &&
     e.details === `trailer: stream ended with layer.0.k at ${received} of ${tensor} bytes`);
   assert.throws(() => a.message(), (e) => e instanceof RelayError && e.code === grpc.status.DATA_LOSS);
 });

@@ -5,9 +5,10 @@
 
 PYTHONPATH must hold client/python and the generated stubs dir (the ctest
 registration sets both). Checks: CRC32C (known vector, lengths, speed);
-publish/fetch with `full` bit-exact for F32 (multi-chunk tensors), F16 and
-BF16; compressed deliveries against `kvrelayctl compress` offline on the
-same turn written as safetensors (dense: bit-exact; int4/int2: packed bits
+every malformed delivery stream DATA_LOSS (offline); publish/fetch with
+`full` bit-exact for F32 (multi-chunk tensors), F16 and BF16; compressed
+deliveries against `kvrelayctl compress` offline on the same turn written
+as safetensors (dense: bit-exact; int4/int2: packed bits
 exact, and the Python decode equal to `--decode` in the turn's dtype);
 Compress equal to the delivery; ack and redelivery, auto_ack, duplicate
 re-publish; a parent chain; history_anchors and history_score (offline:
@@ -367,21 +368,82 @@ class OfflineTest(unittest.TestCase):
             for row in ref[f"layer.{li}.pos"]:
                 self.assertEqual(set(row[:4].tolist()), {0, 2, 9, 11}, f"layer.{li}")
 
-    def test_corrupt_chunk_is_data_loss(self):
-        from kvrelay.client import _Assembler
+    def test_every_malformed_delivery_is_data_loss(self):
+        # The relay sent damaged data, the caller did nothing wrong: every
+        # delivery that does not assemble is DATA_LOSS; one found before the
+        # stream ended cancels the call.
+        from kvrelay.client import _read_delivery
         from kvrelay.v1 import relay_pb2 as pb
-        a = _Assembler()
-        a.start(pb.MessageHeader(layers=1, kv_heads=1, head_dim=4, dtype=pb.DTYPE_F32, n_gen=1,
-                                 accounting=pb.Accounting(sent_bytes=36)))
-        data = np.arange(4, dtype=np.float32).tobytes()
-        with self.assertRaises(kvrelay.RelayError) as cm:
-            a.add(pb.Chunk(layer=0, part=pb.PART_K, offset=0, data=data,
-                           crc32c=kvrelay.crc32c(data) ^ 1))
-        self.assertEqual(cm.exception.code(), grpc.StatusCode.DATA_LOSS)
-        with self.assertRaises(kvrelay.RelayError) as cm:
-            a.add(pb.Chunk(layer=0, part=pb.PART_V, offset=0, data=data,
-                           crc32c=kvrelay.crc32c(data)))
-        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+
+        k = np.arange(4, dtype=np.float32).tobytes()
+        v = k[::-1]
+        pos = np.array([7], dtype=np.int32).tobytes()
+
+        def header(**kw):
+            h = dict(layers=1, kv_heads=1, head_dim=4, dtype=pb.DTYPE_F32, n_gen=1,
+                     accounting=pb.Accounting(sent_bytes=36))
+            h.update(kw)
+            return pb.FetchResponse(header=pb.MessageHeader(**h))
+
+        def chunk(part, data, crc=None, offset=0):
+            return pb.FetchResponse(chunk=pb.Chunk(
+                layer=0, part=part, offset=offset, data=data,
+                crc32c=kvrelay.crc32c(data) if crc is None else crc))
+
+        def trailer(crc=None):
+            if crc is None:
+                crc = kvrelay.crc32c_combine(kvrelay.crc32c_combine(
+                    kvrelay.crc32c(k), kvrelay.crc32c(v), 16), kvrelay.crc32c(pos), 4)
+            return pb.FetchResponse(trailer=pb.Trailer(chunks=3, bytes=36, crc32c=crc))
+
+        def delivery():
+            return [header(), chunk(pb.PART_K, k), chunk(pb.PART_V, v), chunk(pb.PART_POS, pos),
+                    trailer()]
+
+        class Call(list):
+            cancelled = False
+
+            def cancel(self):
+                self.cancelled = True
+
+        m = _read_delivery(Call(delivery()))
+        self.assertEqual(m.layers[0].v.tobytes(), v)
+        d = delivery()
+        cases = [
+            ("chunk crc", d[:2] + [chunk(pb.PART_V, v, crc=kvrelay.crc32c(v) ^ 1)] + d[3:],
+             "chunk layer 0 part v offset 0: crc32c "),
+            ("trailer crc", d[:4] + [trailer(crc=1)], "trailer.crc32c: 1, expected "),
+            ("out of order", [d[0], d[2], d[1]] + d[3:],
+             "chunk layer 0 part v (offset 0): out of order, expected chunk layer 0 part k offset 0"),
+            ("bad offset", [d[0], chunk(pb.PART_K, k, offset=4)] + d[2:],
+             "chunk layer 0 part k: offset 4, expected 0"),
+            ("missing chunk", d[:3] + d[4:],
+             "trailer: stream ended with chunk layer 0 part pos at 0 of 4 bytes"),
+            ("chunk past its tensor", [d[0], chunk(pb.PART_K, k + k)] + d[2:],
+             "chunk layer 0 part k: 32 bytes at offset 0, expected at most 16 (tensor of 16 bytes)"),
+            ("sent_bytes", [header(accounting=pb.Accounting(sent_bytes=37))] + d[1:],
+             "header.accounting.sent_bytes: 37, expected 36"),
+            ("no layers", [header(layers=0)] + d[1:], "header.layers: 0, expected 1..1024"),
+            ("quant_bits", [header(quant_bits=3)] + d[1:],
+             "header.quant_bits: 3, expected 0, 2, 4 or 8"),
+            ("dtype", [header(dtype=pb.DTYPE_UNSPECIFIED)] + d[1:], "header.dtype: 0, expected"),
+            ("next_pos", [header(next_pos=-1)] + d[1:], "header.next_pos: -1, expected 0..2^31"),
+            ("chunk before the header", d[1:], "chunk: before the header"),
+            ("second header", d[:1] + d, "header: given twice, expected one"),
+            ("extra chunk", d[:4] + d[3:], "after every tensor of the message is complete"),
+            ("after the trailer", d + d[3:4], "response after the trailer"),
+            ("empty response", d[:1] + [pb.FetchResponse()], "empty response"),
+            ("no trailer", d[:4], "ended without a trailer"),
+            ("empty stream", [], "ended without a trailer"),
+        ]
+        for name, responses, want in cases:
+            with self.subTest(name):
+                call = Call(responses)
+                with self.assertRaises(kvrelay.RelayError) as cm:
+                    _read_delivery(call)
+                self.assertEqual(cm.exception.code(), grpc.StatusCode.DATA_LOSS, str(cm.exception))
+                self.assertIn(want, cm.exception.details())
+                self.assertEqual(call.cancelled, name not in ("no trailer", "empty stream"))
 
     def test_memory_follows_the_data_not_the_header(self):
         # A header announcing 32 GiB of tensors, then one chunk: the client
@@ -409,6 +471,7 @@ class OfflineTest(unittest.TestCase):
             geo[field] = value
             with self.assertRaises(kvrelay.RelayError) as cm:
                 _Assembler().start(pb.MessageHeader(dtype=pb.DTYPE_F32, **geo))
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.DATA_LOSS)
             self.assertIn(f"header.{field}: {value}, expected 1..1024", str(cm.exception))
         # A complete message comes back as arrays over the received bytes.
         b = _Assembler()
