@@ -32,6 +32,7 @@
 #include "core/format/safetensors.h"
 #include "core/format/synthetic.h"
 #include "core/format/turn_file.h"
+#include "core/history.h"
 #include "core/message.h"
 #include "core/pipeline.h"
 #include "core/quant.h"

@@ -123,13 +123,14 @@ std::vector<QuantSensitivity> QuantSensitivities(const Turn& turn, const TurnGeo
       const RowMatrix o = a * vals;
       // Values: o moves by e * (a . v_unit) signs, linear in e.
       const RowMatrix dv = (a.array().rowwise() * v_unit.transpose().array()).matrix() * sign_v;
+      std::vector<RowMatrix> ob(5);
+      for (int b = 1; b <= 4; ++b) ob[b] = softmax(logits + static_cast<float>(kRowError[b]) * shift) * vals;
       for (int r = 0; r < rows; ++r) {
         const double oo = o.row(r).norm();
         if (!(oo > 0) || !std::isfinite(oo)) continue;
         ++counted;
         for (int b = 1; b <= 4; ++b) {
-          const RowMatrix ob = softmax(logits + static_cast<float>(kRowError[b]) * shift).row(r) * vals;
-          sens.k[b] += (ob - o.row(r)).norm() / oo;
+          sens.k[b] += (ob[b].row(r) - o.row(r)).norm() / oo;
           sens.v[b] += kRowError[b] * dv.row(r).norm() / oo;
         }
       }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/history.h"
 #include "core/internal/cpu.h"
 #include "core/internal/gather.h"
 #include "core/internal/gram.h"

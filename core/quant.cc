@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/dtype.h"
+#include "core/history.h"
 #include "core/lloyd.h"
 #include "core/status_macros.h"
 

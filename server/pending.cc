@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "core/history.h"
 #include "core/quant.h"
 
 namespace kvrelay {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/history.h"
 #include "core/status_macros.h"
 #include "google/protobuf/text_format.h"
 #include "proto/wire.h"

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/history.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
 #include "grpcpp/grpcpp.h"

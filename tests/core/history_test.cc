@@ -7,6 +7,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "core/history.h"
 #include "core/message.h"
 #include "core/pipeline.h"
 #include "core/query_scores.h"

@@ -301,8 +301,12 @@ TEST(LloydLayerBitsTest, EachLayerKeysAndValuesAtTheirOwnBits) {
       const Message uniform =
           CompressOrDie(turn, absl::StrCat("h2o-head:k=16+demote:bits=1+lloyd:bits=", b, ",seed=9"));
       const QuantizedKv& u = *uniform.layers[l].quant;
-      if (b == want[l].first) EXPECT_EQ(q.k.codes, u.k.codes) << l;
-      if (b == want[l].second) EXPECT_EQ(q.v.codes, u.v.codes) << l;
+      if (b == want[l].first) {
+        EXPECT_EQ(q.k.codes, u.k.codes) << l;
+      }
+      if (b == want[l].second) {
+        EXPECT_EQ(q.v.codes, u.v.codes) << l;
+      }
     }
   }
   uint64_t sent = 0;

@@ -439,7 +439,17 @@ TEST_F(ForwardTest, ANonFiniteNormIsRefused) {
 // decoded copy counts in flight while the delivery is open, and no longer
 // once it is done.
 TEST_F(ForwardTest, ADecodedDeliveryIsCountedInFlightUntilItEnds) {
-  const Message msg = Offline(MakeTurn(8), "h2o-head:k=8+demote:bits=2+lloyd:bits=3");
+  // Decoded, tens of MB: more than HTTP/2 flow control lets the relay write
+  // before the client reads, so the delivery is open while it is checked.
+  TurnShape s;
+  s.layers = 2;
+  s.kv_heads = 4;
+  s.group = 1;
+  s.head_dim = 128;
+  s.n_prompt = 6000;
+  s.n_gen = 4;
+  s.dtype = DType::kBF16;
+  const Message msg = Offline(RandomTurn(s, 8), "h2o-head:k=8+demote:bits=2+lloyd:bits=3");
   absl::StatusOr<Message> dense = DecodedMessage(msg);
   ASSERT_TRUE(dense.ok()) << dense.status();
   ExpectResults(DoForward(stub_.get(), WholeForward(FwdHeader("s", "m", "a", {"b"}, msg), msg)), {{"b", 0, false}});

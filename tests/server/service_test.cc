@@ -9,6 +9,7 @@
 #include <map>
 #include <thread>
 
+#include "core/history.h"
 #include "core/internal/pipeline_checks.h"
 #include "core/pipeline.h"
 #include "core/token.h"

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/format/safetensors.h"
 #include "core/format/synthetic.h"
+#include "core/history.h"
 #include "core/pipeline.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
