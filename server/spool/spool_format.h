@@ -86,6 +86,12 @@ class MessageFileWriter {
  public:
   using Sink = std::function<absl::Status(absl::string_view)>;
 
+  // Move-only: the views of a coded body are of its own blobs.
+  MessageFileWriter(MessageFileWriter&&) = default;
+  MessageFileWriter& operator=(MessageFileWriter&&) = default;
+  MessageFileWriter(const MessageFileWriter&) = delete;
+  MessageFileWriter& operator=(const MessageFileWriter&) = delete;
+
   // InvalidArgument when `msg` cannot be written as a message file.
   static absl::StatusOr<MessageFileWriter> Make(const spool::v1::MessageMeta& meta, const Message& msg,
                                                 MessageBody body = MessageBody::kPlain);

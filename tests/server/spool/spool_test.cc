@@ -305,7 +305,9 @@ TEST(SpoolFormat, CodedMessageFilesRoundTripEveryPolicyAndShrinkQuantizedOnes) {
     size_t tensors = 0;
     for (const TensorRef& t : MessageDeliveryOrder(m->msg, /*with_acc=*/true)) tensors += t.data.empty() ? 0 : 1;
     EXPECT_LE(coded.size(), plain.size() + 12 + 20 * m->msg.layers.size() + 41 * tensors);
-    if (m->msg.layers[0].quant) EXPECT_LT(coded.size(), plain.size());
+    if (m->msg.layers[0].quant) {
+      EXPECT_LT(coded.size(), plain.size());
+    }
     // A coded body decodes to at most the bytes the caller allows.
     absl::StatusOr<SpoolMessage> capped = DecodeMessageFile(coded, true, /*max_tensor_bytes=*/1000);
     EXPECT_EQ(capped.status().code(), absl::StatusCode::kDataLoss) << capped.status();
@@ -1166,7 +1168,9 @@ TEST(SpoolStore, CodedFilesRecoverEveryPolicyBitForBit) {
     std::string plain;
     ASSERT_TRUE(EncodeMessageFile(sm->meta, sm->msg, &plain).ok());
     std::cout << "  " << sm->meta.requested_policy() << ": " << plain.size() << " -> " << file.size() << "\n";
-    if (sm->msg.layers[0].quant) EXPECT_LT(file.size(), plain.size()) << name;
+    if (sm->msg.layers[0].quant) {
+      EXPECT_LT(file.size(), plain.size()) << name;
+    }
     on_disk += file.size();
     plain_total += plain.size();
   }
