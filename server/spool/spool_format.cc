@@ -1,5 +1,6 @@
 #include "server/spool/spool_format.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -101,67 +102,77 @@ bool Take(absl::string_view body, size_t n, size_t* at, absl::string_view* out) 
   return true;
 }
 
-// The plain body a coded one holds, every length checked against what is
-// there before it is used. DATA_LOSS naming the field otherwise.
-absl::StatusOr<std::string> DecodeCodedBody(absl::string_view body, uint64_t max_tensor_bytes) {
-  auto bad = [](absl::string_view what) { return absl::DataLossError(absl::StrCat("coded body: ", what)); };
-  size_t at = 0;
+absl::Status BadBody(absl::string_view what) { return absl::DataLossError(absl::StrCat("coded body: ", what)); }
+
+// The group table at `*at` of `body` (advancing past it): each group's
+// tensors, at most `max_tensor_bytes` in all, with their sum in `*bytes`.
+absl::StatusOr<std::vector<std::vector<WireTensor>>> ReadGroups(absl::string_view body, size_t* at,
+                                                                uint64_t max_tensor_bytes, uint64_t* bytes) {
   absl::string_view field;
-  if (!Take(body, 8, &at, &field)) return bad(absl::StrCat(body.size(), " bytes, expected at least 8"));
-  const uint64_t header_bytes = GetU64(field.data());
-  absl::string_view header;
-  if (header_bytes > kMaxSafetensorsHeaderBytes + 8 || !Take(body, header_bytes, &at, &header)) {
-    return bad(absl::StrCat("a header of ", header_bytes, " bytes, ", body.size() - at, " left"));
-  }
-  if (!Take(body, 4, &at, &field)) return bad("the group count cut short");
+  if (!Take(body, 4, at, &field)) return BadBody("the group count cut short");
   const uint32_t group_count = GetU32(field.data());
-  if (uint64_t{group_count} * 4 > body.size() - at) {
-    return bad(absl::StrCat(group_count, " groups, ", body.size() - at, " bytes left"));
+  if (uint64_t{group_count} * 4 > body.size() - *at) {
+    return BadBody(absl::StrCat(group_count, " groups, ", body.size() - *at, " bytes left"));
   }
   std::vector<uint32_t> counts(group_count);
   uint64_t tensor_count = 0;
   for (uint32_t& n : counts) {
-    (void)Take(body, 4, &at, &field);  // within the bytes checked above
+    (void)Take(body, 4, at, &field);  // within the bytes checked above
     n = GetU32(field.data());
     tensor_count += n;
   }
-  if (tensor_count > (body.size() - at) / kGroupTensorBytes) {
-    return bad(absl::StrCat(tensor_count, " tensors, ", body.size() - at, " bytes left"));
+  if (tensor_count > (body.size() - *at) / kGroupTensorBytes) {
+    return BadBody(absl::StrCat(tensor_count, " tensors, ", body.size() - *at, " bytes left"));
   }
   std::vector<std::vector<WireTensor>> groups(group_count);
-  uint64_t tensor_bytes = 0;
+  *bytes = 0;
   for (uint32_t g = 0; g < group_count; ++g) {
     for (uint32_t i = 0; i < counts[g]; ++i) {
-      (void)Take(body, kGroupTensorBytes, &at, &field);  // within the bytes checked above
+      (void)Take(body, kGroupTensorBytes, at, &field);  // within the bytes checked above
       const WireTensor t{static_cast<v1::Part>(GetU32(field.data())), GetU64(field.data() + 4)};
-      if (t.size == 0 || t.size > max_tensor_bytes - tensor_bytes) {
-        return bad(absl::StrCat("group ", g, " tensor ", i, ": ", t.size, " bytes, expected 1..",
-                                max_tensor_bytes - tensor_bytes, " (at most ", max_tensor_bytes, " in all)"));
+      if (t.size == 0 || t.size > max_tensor_bytes - *bytes) {
+        return BadBody(absl::StrCat("group ", g, " tensor ", i, ": ", t.size, " bytes, expected 1..",
+                                    max_tensor_bytes - *bytes, " (at most ", max_tensor_bytes, " in all)"));
       }
-      tensor_bytes += t.size;
+      *bytes += t.size;
       groups[g].push_back(t);
     }
   }
-  // The blobs, each checked against its group before anything is
-  // allocated for the tensors (a damaged size is found here).
-  std::vector<absl::string_view> blobs(group_count);
-  for (uint32_t g = 0; g < group_count; ++g) {
-    const uint64_t max_blob = std::min<uint64_t>(MaxWireLayerBytes(groups[g]), body.size() - at);
+  return groups;
+}
+
+// The plain body a coded one holds. Every length is checked against what is
+// there, and every blob's records against its group, before anything is
+// allocated for the tensors. DATA_LOSS naming the field otherwise.
+absl::StatusOr<std::string> DecodeCodedBody(absl::string_view body, uint64_t max_tensor_bytes) {
+  size_t at = 0;
+  absl::string_view field, header;
+  if (!Take(body, 8, &at, &field)) return BadBody(absl::StrCat(body.size(), " bytes, expected at least 8"));
+  const uint64_t header_bytes = GetU64(field.data());
+  if (header_bytes > kMaxSafetensorsHeaderBytes + 8 || !Take(body, header_bytes, &at, &header)) {
+    return BadBody(absl::StrCat("a header of ", header_bytes, " bytes, ", body.size() - at, " left"));
+  }
+  uint64_t tensor_bytes = 0;
+  absl::StatusOr<std::vector<std::vector<WireTensor>>> groups = ReadGroups(body, &at, max_tensor_bytes, &tensor_bytes);
+  if (!groups.ok()) return groups.status();
+  std::vector<absl::string_view> blobs(groups->size());
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const uint64_t max_blob = std::min<uint64_t>(MaxWireLayerBytes((*groups)[g]), body.size() - at);
     absl::StatusOr<uint64_t> blob_bytes = WireLayerBlobBytes(AsBytes(body.substr(at)), max_blob);
-    if (!blob_bytes.ok()) return bad(absl::StrCat("group ", g, ": ", blob_bytes.status().message()));
+    if (!blob_bytes.ok()) return BadBody(absl::StrCat("group ", g, ": ", blob_bytes.status().message()));
     blobs[g] = body.substr(at, *blob_bytes);
     at += *blob_bytes;
-    if (absl::Status s = CheckWireLayer(AsBytes(blobs[g]), groups[g]); !s.ok()) {
-      return bad(absl::StrCat("group ", g, ": ", s.message()));
+    if (absl::Status s = CheckWireLayer(AsBytes(blobs[g]), (*groups)[g]); !s.ok()) {
+      return BadBody(absl::StrCat("group ", g, ": ", s.message()));
     }
   }
-  if (at != body.size()) return bad(absl::StrCat(body.size() - at, " bytes after the last group"));
+  if (at != body.size()) return BadBody(absl::StrCat(body.size() - at, " bytes after the last group"));
   std::string plain;
   plain.reserve(header.size() + tensor_bytes);
   plain.append(header.data(), header.size());
-  for (uint32_t g = 0; g < group_count; ++g) {
-    absl::StatusOr<std::vector<std::vector<uint8_t>>> tensors = DecodeWireLayer(AsBytes(blobs[g]), groups[g]);
-    if (!tensors.ok()) return bad(absl::StrCat("group ", g, ": ", tensors.status().message()));
+  for (size_t g = 0; g < groups->size(); ++g) {
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> tensors = DecodeWireLayer(AsBytes(blobs[g]), (*groups)[g]);
+    if (!tensors.ok()) return BadBody(absl::StrCat("group ", g, ": ", tensors.status().message()));
     for (const std::vector<uint8_t>& t : *tensors) plain.append(reinterpret_cast<const char*>(t.data()), t.size());
   }
   return plain;
