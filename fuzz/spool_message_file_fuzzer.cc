@@ -8,6 +8,8 @@
 // that decodes to the same metadata and message, and of which every one of
 // up to 64 single-bit flips (positions taken from the input) is refused. A
 // coded body may decode to kMaxTensorBytes, here and in the recovery.
+// The input with its CRC32C made right decodes the same way (OK, DATA_LOSS
+// or FAILED_PRECONDITION), so that the body decoders see mutated bodies.
 //
 // Recovery: refuses to start (FAILED_PRECONDITION) exactly for a file of
 // another format version; otherwise serves the message exactly when the
@@ -48,6 +50,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string input(reinterpret_cast<const char*>(data), size);
   absl::StatusOr<SpoolMessage> sm = DecodeMessageFile(input, /*check_crc=*/true, kMaxTensorBytes);
   const bool other_version = !CheckMessageFileVersion(input).ok();
+  if (size >= 4) {
+    std::string fixed = input;
+    const uint32_t crc = Crc32c(fixed.data(), fixed.size() - 4);
+    for (int b = 0; b < 4; ++b) fixed[fixed.size() - 4 + b] = static_cast<char>((crc >> (8 * b)) & 0xff);
+    absl::StatusOr<SpoolMessage> f = DecodeMessageFile(fixed, /*check_crc=*/true, kMaxTensorBytes);
+    FUZZ_CHECK(f.ok() || f.status().code() == absl::StatusCode::kDataLoss ||
+               f.status().code() == absl::StatusCode::kFailedPrecondition);
+  }
   if (!sm.ok()) {
     const absl::StatusCode code = sm.status().code();
     FUZZ_CHECK(code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kFailedPrecondition);
