@@ -4,9 +4,10 @@
 // times SpoolStore::Open: the journal replay, reading every message file,
 // its CRC32C check (eager, at start-up) and decoding. Prints the recovery
 // time, how much of it is CRC32C, and the bytes read per second, and how
-// far a commit raises the peak RSS above the message it writes.
+// far a commit raises the peak RSS above the message it writes. With
+// --coded the message files have coded bodies (--wire-codec rans).
 //
-//   build/bin/spool_recovery_bench --dir /var/tmp/kvspool [--messages 1000] [--mb 10] [--no-fsync] [--keep]
+//   build/bin/spool_recovery_bench --dir /var/tmp/kvspool [--messages 1000] [--mb 10] [--no-fsync] [--coded] [--keep]
 //
 // Not part of the tests. Needs the disk space and the memory of the spool
 // (a recovered relay holds every retained message in memory).
@@ -87,7 +88,7 @@ int Main(int argc, char** argv) {
   std::string dir;
   int messages = 1000;
   double mb = 10;
-  bool fsync = true, keep = false;
+  bool fsync = true, keep = false, coded = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -101,8 +102,10 @@ int Main(int argc, char** argv) {
       fsync = false;
     } else if (a == "--keep") {
       keep = true;
+    } else if (a == "--coded") {
+      coded = true;
     } else {
-      std::fprintf(stderr, "usage: spool_recovery_bench --dir DIR [--messages N] [--mb M] [--no-fsync] [--keep]\n");
+      std::fprintf(stderr, "usage: spool_recovery_bench --dir DIR [--messages N] [--mb M] [--no-fsync] [--coded] [--keep]\n");
       return 2;
     }
   }
@@ -118,6 +121,7 @@ int Main(int argc, char** argv) {
   SpoolOptions so;
   so.dir = dir;
   so.fsync = fsync;
+  so.message_body = coded ? MessageBody::kCoded : MessageBody::kPlain;
   uint64_t bytes = 0;
   {
     absl::StatusOr<std::unique_ptr<SpoolStore>> s = SpoolStore::Open(limits, so, nullptr);
@@ -143,9 +147,10 @@ int Main(int argc, char** argv) {
       }
     }
     std::printf("wrote %d messages of %.1f MB (%d tokens x 40 layers x 8 heads x 128, bf16): %.2f GB in %.1f s, "
-                "fsync=%s\n",
+                "fsync=%s, %s files\n",
                 messages, bytes / 1e6 / messages, tokens, bytes / 1e9,
-                std::chrono::duration<double>(Clock::now() - t0).count(), fsync ? "always" : "never");
+                std::chrono::duration<double>(Clock::now() - t0).count(), fsync ? "always" : "never",
+                coded ? "coded" : "plain");
     std::printf("commit: peak RSS at most %.1f MB above the RSS before it (the message itself: %.1f MB)\n",
                 commit_peak / 1e3, bytes / 1e6 / messages);
   }

@@ -469,9 +469,7 @@ std::optional<Failure> Compress(int argc, char** argv) {
 #ifdef KVRELAYCTL_WITH_RELAY
   {
     uint64_t wire_bytes = 0;
-    WireEncodeOptions wo;
-    wo.kv_heads = msg->kv_heads;
-    wo.dense_elem_bytes = static_cast<int>(DTypeSize(msg->dtype));
+    const WireEncodeOptions wo = WireEncodeOptionsOf(msg->kv_heads, ToProtoDType(msg->dtype));
     for (size_t l = 0; l < msg->layers.size(); ++l) {
       wire_bytes += EncodeWireLayer(LayerDeliveryOrder(msg->layers[l], static_cast<uint32_t>(l)), wo).size();
     }

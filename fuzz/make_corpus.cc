@@ -319,7 +319,8 @@ std::string WithVersion(std::string file, uint32_t version, bool message_file) {
 // The spool (server/spool_store.h), written by SpoolStore itself on an
 // in-memory file system: journals of a commit and of a history with every
 // record kind, hand-made ones that exercise the replay, foreign headers;
-// message files of a small and a compressed message, another version.
+// message files of a small and a compressed message, plain and coded,
+// another version.
 void SpoolSeeds() {
   using fuzz::kSpoolJournal;
   using spool::v1::Record;
@@ -336,7 +337,17 @@ void SpoolSeeds() {
     WriteVariants("spool_journal", "commit", fs.Peek(kSpoolJournal), 20);
     seed_file = fs.Peek(fuzz::SpoolMsgPath(1));
     WriteVariants("spool_message_file", "seed", seed_file, 30);
-    Write("spool_message_file", "seed.version2", WithVersion(seed_file, 2, true));
+    Write("spool_message_file", "seed.version9", WithVersion(seed_file, 9, true));
+  }
+  {
+    testing::FaultFs fs;
+    {
+      SpoolOptions o = fuzz::SpoolOpts(&fs);
+      o.message_body = MessageBody::kCoded;
+      auto s = Must(SpoolStore::Open({}, o, nullptr), "SpoolStore::Open");
+      MustOk(fuzz::CommitTo(*s, fuzz::SeedMessage()), "commit");
+    }
+    WriteVariants("spool_message_file", "seed.coded", fs.Peek(fuzz::SpoolMsgPath(1)), 31);
   }
   {
     testing::FaultFs fs;
@@ -394,6 +405,9 @@ void SpoolSeeds() {
   std::string file;
   MustOk(EncodeMessageFile(meta, Compress(turn, "h2o-head:k=4+int4:group=8"), &file), "EncodeMessageFile");
   WriteVariants("spool_message_file", "int4", file, 100);
+  MustOk(EncodeMessageFile(meta, Compress(turn, "h2o-head:k=4+int4:group=8"), &file, MessageBody::kCoded),
+         "EncodeMessageFile");
+  WriteVariants("spool_message_file", "int4.coded", file, 101);
   Write("spool_message_file", "not_a_message_file", "KVRSPJNL" + seed_file.substr(8));
 }
 

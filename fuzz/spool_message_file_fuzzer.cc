@@ -4,9 +4,12 @@
 //
 // Decode: OK, DATA_LOSS, or FAILED_PRECONDITION exactly for a file of
 // another format version; OK only with a matching CRC32C. What it accepts
-// is written again (EncodeMessageFile) to a file that decodes to the same
-// metadata and message, and of which every one of up to 64 single-bit flips
-// (positions taken from the input) is refused.
+// is written again (EncodeMessageFile, in the body form it had) to a file
+// that decodes to the same metadata and message, and of which every one of
+// up to 64 single-bit flips (positions taken from the input) is refused. A
+// coded body may decode to kMaxTensorBytes, here and in the recovery.
+// The input with its CRC32C made right decodes the same way (OK, DATA_LOSS
+// or FAILED_PRECONDITION), so that the body decoders see mutated bodies.
 //
 // Recovery: refuses to start (FAILED_PRECONDITION) exactly for a file of
 // another format version; otherwise serves the message exactly when the
@@ -26,6 +29,8 @@
 
 namespace {
 
+constexpr uint64_t kMaxTensorBytes = uint64_t{64} << 20;
+
 std::string Body(const kvrelay::Message& m) {
   std::string out;
   FUZZ_CHECK(kvrelay::WriteMessage(m, &out).ok());
@@ -43,8 +48,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvrelay;
   using google::protobuf::util::MessageDifferencer;
   const std::string input(reinterpret_cast<const char*>(data), size);
-  absl::StatusOr<SpoolMessage> sm = DecodeMessageFile(input);
+  absl::StatusOr<SpoolMessage> sm = DecodeMessageFile(input, /*check_crc=*/true, kMaxTensorBytes);
   const bool other_version = !CheckMessageFileVersion(input).ok();
+  if (size >= 4) {
+    std::string fixed = input;
+    const uint32_t crc = Crc32c(fixed.data(), fixed.size() - 4);
+    for (int b = 0; b < 4; ++b) fixed[fixed.size() - 4 + b] = static_cast<char>((crc >> (8 * b)) & 0xff);
+    absl::StatusOr<SpoolMessage> f = DecodeMessageFile(fixed, /*check_crc=*/true, kMaxTensorBytes);
+    FUZZ_CHECK(f.ok() || f.status().code() == absl::StatusCode::kDataLoss ||
+               f.status().code() == absl::StatusCode::kFailedPrecondition);
+  }
   if (!sm.ok()) {
     const absl::StatusCode code = sm.status().code();
     FUZZ_CHECK(code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kFailedPrecondition);
@@ -56,13 +69,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(!other_version);
     FUZZ_CHECK(MessageFileCrcOk(input));
     // Without the CRC check (the caller did it): the same result.
-    absl::StatusOr<SpoolMessage> unchecked = DecodeMessageFile(input, /*check_crc=*/false);
+    absl::StatusOr<SpoolMessage> unchecked = DecodeMessageFile(input, /*check_crc=*/false, kMaxTensorBytes);
     FUZZ_CHECK(unchecked.ok() && MessageDifferencer::Equals(unchecked->meta, sm->meta));
 
     std::string again;
-    FUZZ_CHECK(EncodeMessageFile(sm->meta, sm->msg, &again).ok());
+    FUZZ_CHECK(EncodeMessageFile(sm->meta, sm->msg, &again, sm->body).ok());
     absl::StatusOr<SpoolMessage> back = DecodeMessageFile(again);
-    FUZZ_CHECK(back.ok());
+    FUZZ_CHECK(back.ok() && back->body == sm->body);
     FUZZ_CHECK(MessageDifferencer::Equals(back->meta, sm->meta));
     const std::string body = Body(sm->msg);
     FUZZ_CHECK(Body(back->msg) == body);
@@ -93,7 +106,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(m.ok() && (*m)->Append(input).ok() && (*m)->Sync().ok());
     FUZZ_CHECK(fs.SyncDir("/spool").ok() && fs.SyncDir("/spool/msg").ok());
   }
-  absl::StatusOr<std::unique_ptr<SpoolStore>> store = SpoolStore::Open({}, fuzz::SpoolOpts(&fs), nullptr);
+  StoreLimits limits;
+  limits.max_store_bytes = kMaxTensorBytes;
+  absl::StatusOr<std::unique_ptr<SpoolStore>> store = SpoolStore::Open(limits, fuzz::SpoolOpts(&fs), nullptr);
   if (other_version) {
     FUZZ_CHECK(!store.ok() && store.status().code() == absl::StatusCode::kFailedPrecondition);
     FUZZ_CHECK(fs.Peek(fuzz::SpoolMsgPath(1)) == input);  // left where it was

@@ -179,6 +179,10 @@ WireStreamKind WireStreamKindOf(v1::Part part, int dense_elem_bytes) {
   }
 }
 
+WireEncodeOptions WireEncodeOptionsOf(int kv_heads, v1::DType dtype) {
+  return WireEncodeOptions{kv_heads, dtype == v1::DTYPE_F32 ? 4 : 2};
+}
+
 uint64_t MaxWireLayerBytes(absl::Span<const WireTensor> expected) {
   uint64_t n = kWireBlobHeaderBytes;
   for (const WireTensor& t : expected) n += kWireRecordBytes + t.size;
@@ -275,8 +279,12 @@ absl::StatusOr<uint64_t> WireLayerBlobBytes(absl::Span<const uint8_t> prefix, ui
   return n;
 }
 
-absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<const uint8_t> blob,
-                                                                 absl::Span<const WireTensor> expected) {
+namespace {
+
+// The blob's records, once its header, every record and the payloads'
+// lengths are checked against `expected` (nothing decoded yet).
+absl::StatusOr<std::vector<Record>> CheckedRecords(absl::Span<const uint8_t> blob,
+                                                   absl::Span<const WireTensor> expected) {
   absl::StatusOr<uint64_t> declared = WireLayerBlobBytes(blob, MaxWireLayerBytes(expected));
   if (!declared.ok()) return declared.status();
   if (*declared != blob.size()) {
@@ -336,6 +344,22 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<con
   if (records_end + payload_total != blob.size()) {
     return Bad(absl::StrCat("payloads: ", payload_total, " bytes recorded, the blob has ", blob.size() - records_end));
   }
+  return records;
+}
+
+}  // namespace
+
+absl::Status CheckWireLayer(absl::Span<const uint8_t> blob, absl::Span<const WireTensor> expected) {
+  return CheckedRecords(blob, expected).status();
+}
+
+absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<const uint8_t> blob,
+                                                                 absl::Span<const WireTensor> expected) {
+  absl::StatusOr<std::vector<Record>> checked = CheckedRecords(blob, expected);
+  if (!checked.ok()) return checked.status();
+  const std::vector<Record>& records = *checked;
+  const uint32_t streams = static_cast<uint32_t>(records.size());
+  const uint64_t records_end = kWireBlobHeaderBytes + uint64_t{kWireRecordBytes} * streams;
   // Every size is checked: allocate the expected tensors and decode.
   std::vector<std::vector<uint8_t>> out(streams);
   uint64_t at = records_end;

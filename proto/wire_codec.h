@@ -91,6 +91,12 @@ struct WireEncodeOptions {
   int dense_elem_bytes = 2;  // element size of dense K/V
 };
 
+// The options every coder of a message's layers uses (a forward, a spool
+// message file): positions in `kv_heads` rows, dense K/V elements of 4
+// bytes for DTYPE_F32 and of 2 otherwise (a quantized message has no dense
+// K/V, so its dtype does not matter).
+WireEncodeOptions WireEncodeOptionsOf(int kv_heads, v1::DType dtype);
+
 // Encodes the non-empty tensors of `tensors` (one layer, delivery order)
 // into a blob. Never larger than kWireBlobHeaderBytes + kWireRecordBytes
 // per stream + the tensors' bytes.
@@ -103,6 +109,11 @@ uint64_t MaxWireLayerBytes(absl::Span<const WireTensor> expected);
 // against the magic and against `max_bytes`. INVALID_ARGUMENT otherwise
 // (also for a prefix shorter than the header).
 absl::StatusOr<uint64_t> WireLayerBlobBytes(absl::Span<const uint8_t> prefix, uint64_t max_bytes);
+
+// What DecodeWireLayer checks before it allocates or decodes anything: the
+// blob's header, records and payload lengths against `expected`. OK does
+// not mean that the blob decodes (its rANS blocks and CRC32Cs are not read).
+absl::Status CheckWireLayer(absl::Span<const uint8_t> blob, absl::Span<const WireTensor> expected);
 
 // Decodes `blob` into one buffer per entry of `expected` (its size). An
 // error naming the field when the blob does not hold exactly `expected`:

@@ -621,9 +621,10 @@ std::string ServerUsage() {
                                  (KVRELAY_FORWARD_TIMEOUT_SECONDS; 300; >= 0.01)
   --forward-stall-seconds S      a forward without progress for S seconds is cancelled and retried
                                  (KVRELAY_FORWARD_STALL_SECONDS; 10; >= 0.01)
-  --wire-codec rans|none         how forwards sent from here carry tensors: rans entropy-codes each layer
-                                 losslessly (a peer that does not speak it gets none); none sends them as
-                                 Fetch does (KVRELAY_WIRE_CODEC; rans)
+  --wire-codec rans|none         how forwards sent from here and spool message files carry tensors: rans
+                                 entropy-codes each layer losslessly (a peer that does not speak it gets none;
+                                 earlier relays do not read coded spool files); none sends them as Fetch does
+                                 and writes plain spool files (KVRELAY_WIRE_CODEC; rans)
   --max-outbox-bytes N           bytes of messages waiting to be forwarded, all destinations
                                  (KVRELAY_MAX_OUTBOX_BYTES; 4GiB)
   --max-outbox-bytes-per-destination N  the same per destination relay, at most --max-outbox-bytes

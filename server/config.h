@@ -118,8 +118,9 @@ struct ServerConfig {
   std::string advertise;                       // this relay's target as peers reach it; empty: none
   double forward_timeout_seconds = 300;        // retrying a forward, then dead-lettered
   double forward_stall_seconds = 10;           // a forward without progress that long is cancelled
-  // Forwards sent from here code each layer with the wire codec
-  // (proto/wire_codec.h); false: tensors as Fetch sends them (protocol 1).
+  // Forwards sent from here and the spool's message files code each layer
+  // with the wire codec (proto/wire_codec.h); false: tensors as Fetch sends
+  // them (protocol 1), plain message files.
   bool wire_codec_rans = true;
   uint64_t max_outbox_bytes = 4ull << 30;      // messages waiting to be forwarded, all destinations
   uint64_t max_outbox_bytes_per_destination = 1ull << 30;  // <= max_outbox_bytes

@@ -359,8 +359,8 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   const bool coded = UseWireCodec(job->target);
   h->set_protocol_version(coded ? kForwardProtocolVersion : kForwardProtocolVersionV1);
   h->set_wire_codec(coded ? v1::WIRE_CODEC_RANS : v1::WIRE_CODEC_NONE);
-  const int elem_bytes = h->message().quant_bits() == 0 && h->message().dtype() == v1::DTYPE_F32 ? 4 : 2;
-  const WireEncodeOptions wire_opts{static_cast<int>(h->message().kv_heads()), elem_bytes};
+  const WireEncodeOptions wire_opts =
+      WireEncodeOptionsOf(static_cast<int>(h->message().kv_heads()), h->message().dtype());
   h->clear_recipients();
   for (const std::string& r : job->recipients) h->add_recipients(r);
   if (ancestor) {

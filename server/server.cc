@@ -221,6 +221,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
     so.max_spool_bytes = config.max_spool_bytes;
     so.compact_bytes = config.spool_compact_bytes;
     so.salvage = config.spool_salvage;
+    so.message_body = config.wire_codec_rans ? MessageBody::kCoded : MessageBody::kPlain;
     if (!so.fsync) {
       spdlog::warn("--fsync=never: the spool is not synced; a power loss or kernel crash loses what the kernel had "
                    "not written (for benchmarks only)");

@@ -120,6 +120,7 @@ bool ParseFileName(const std::string& name, uint64_t* seq, bool* temp) {
 
 SpoolStore::SpoolStore(const StoreLimits& limits, const SpoolOptions& options, Metrics* metrics)
     : options_(options),
+      max_message_bytes_(limits.max_store_bytes),
       fs_(options.fs ? options.fs : PosixSpoolFs()),
       metrics_(metrics),
       msg_dir_(options.dir + "/msg"),
@@ -327,7 +328,7 @@ absl::Status SpoolStore::Recover() {
     const bool crc_ok = MessageFileCrcOk(bytes);
     recovery_.crc_seconds += Since(crc_start);
     absl::StatusOr<SpoolMessage> sm =
-        crc_ok ? DecodeMessageFile(bytes, /*check_crc=*/false)
+        crc_ok ? DecodeMessageFile(bytes, /*check_crc=*/false, max_message_bytes_)
                : absl::DataLossError("message file: CRC32C does not match (or the file is cut short)");
     if (absl::IsFailedPrecondition(sm.status())) {
       return absl::FailedPreconditionError(absl::StrCat(path, ": ", sm.status().message(),
@@ -519,13 +520,20 @@ absl::Status SpoolStore::CheckSpoolRoom(uint64_t bytes, absl::string_view what) 
 absl::Status SpoolStore::CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
                                          uint64_t bytes) const {
   KVRELAY_RETURN_IF_ERROR(Writable());
-  KVRELAY_RETURN_IF_ERROR(CheckSpoolRoom(bytes, "the message (at least)"));
+  // A plain file holds the message's bytes at least. A coded one may hold
+  // fewer, so only a full spool is refused here; WriteTemp checks the
+  // file's size once it is coded.
+  if (options_.message_body == MessageBody::kPlain) {
+    KVRELAY_RETURN_IF_ERROR(CheckSpoolRoom(bytes, "the message (at least)"));
+  } else {
+    KVRELAY_RETURN_IF_ERROR(CheckSpoolRoom(1, "a coded message file (at least)"));
+  }
   return mem_->CheckCanPublish(session, recipients, bytes);
 }
 
 absl::StatusOr<uint64_t> SpoolStore::WriteTemp(const StoredMessage& m) {
   // Written tensor by tensor from the message itself: no serialized copy.
-  absl::StatusOr<MessageFileWriter> w = MessageFileWriter::Make(MetaOf(m), m.msg);
+  absl::StatusOr<MessageFileWriter> w = MessageFileWriter::Make(MetaOf(m), m.msg, options_.message_body);
   if (!w.ok()) return absl::InternalError(absl::StrCat("spool: message file: ", w.status().message()));
   const uint64_t size = w->size();
   KVRELAY_RETURN_IF_ERROR(CheckSpoolRoom(size, "this message"));

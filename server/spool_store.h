@@ -60,6 +60,7 @@
 #include "core/thread_pool.h"
 #include "server/memory_store.h"
 #include "server/spool/journal.h"
+#include "server/spool/spool_format.h"
 #include "server/spool/spool_fs.h"
 #include "server/store.h"
 
@@ -72,6 +73,9 @@ struct SpoolOptions {
   bool fsync = true;
   uint64_t max_spool_bytes = 0;  // 0: no limit but the disk's
   uint64_t compact_bytes = 64 << 20;
+  // The body of the message files written (--wire-codec: rans codes them).
+  // Files of either form are read whatever this says.
+  MessageBody message_body = MessageBody::kPlain;
   // --spool-salvage: start on a journal damaged beyond a torn tail (see
   // Open) by keeping its intact records and moving every message file they
   // do not name to quarantine/, instead of refusing to start.
@@ -233,6 +237,9 @@ class SpoolStore final : public Store {
   std::string MessagePath(uint64_t seq, bool temp) const;
 
   const SpoolOptions options_;
+  // The most tensor bytes a coded message file may decode to: the store's
+  // --max-store-bytes (no larger message fits in it).
+  const uint64_t max_message_bytes_;
   SpoolFs* const fs_;
   Metrics* const metrics_;
   const std::string msg_dir_;

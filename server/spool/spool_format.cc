@@ -1,10 +1,16 @@
 #include "server/spool/spool_format.h"
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
 #include "core/format/turn_file.h"
+#include "proto/stream_codec.h"
+#include "proto/wire.h"
+#include "proto/wire_codec.h"
 
 namespace kvrelay {
 
@@ -37,23 +43,175 @@ absl::Status CheckVersion(const char* what, uint32_t version) {
                                                     ", this relay reads version ", kSpoolFormatVersion, " only"));
 }
 
+absl::Status CheckMessageVersion(uint32_t version) {
+  if (version == kSpoolFormatVersion || version == kCodedMessageFileVersion) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("message file: spool format version ", version,
+                                                    ", this relay reads versions ", kSpoolFormatVersion, " and ",
+                                                    kCodedMessageFileVersion, " only"));
+}
+
+// ---- Coded bodies (MessageBody::kCoded) ----
+
+constexpr size_t kGroupTensorBytes = 12;  // part u32, bytes u64
+
+// The plain body's non-empty tensors in file order, in runs of one layer
+// (the groups), each with its part. The part of a tensor is the one the
+// message's delivery order (MessageDeliveryOrder, acc included: every part
+// a message holds) gives the same view of the same buffer; a tensor it does
+// not name would be coded as PART_UNSPECIFIED, that is stored.
+std::vector<std::vector<TensorRef>> CodedGroups(const Message& msg, absl::Span<const absl::Span<const uint8_t>> file) {
+  std::map<const uint8_t*, TensorRef> known;
+  for (const TensorRef& t : MessageDeliveryOrder(msg, /*with_acc=*/true)) {
+    if (!t.data.empty()) known.emplace(t.data.data(), t);
+  }
+  std::vector<std::vector<TensorRef>> groups;
+  for (absl::Span<const uint8_t> t : file) {
+    if (t.empty()) continue;
+    TensorRef ref{groups.empty() ? 0 : groups.back().back().layer, v1::PART_UNSPECIFIED, t};
+    if (auto it = known.find(t.data()); it != known.end() && it->second.data.size() == t.size()) {
+      ref.layer = it->second.layer;
+      ref.part = it->second.part;
+    }
+    if (groups.empty() || groups.back().back().layer != ref.layer) groups.emplace_back();
+    groups.back().push_back(ref);
+  }
+  return groups;
+}
+
+// The coded body's bytes before its blobs: the plain header and the groups.
+std::string CodedBodyHead(const std::string& plain_header, const std::vector<std::vector<TensorRef>>& groups) {
+  std::string out;
+  PutU64(plain_header.size(), &out);
+  out.append(plain_header);
+  PutU32(static_cast<uint32_t>(groups.size()), &out);
+  for (const std::vector<TensorRef>& g : groups) PutU32(static_cast<uint32_t>(g.size()), &out);
+  for (const std::vector<TensorRef>& g : groups) {
+    for (const TensorRef& t : g) {
+      PutU32(static_cast<uint32_t>(t.part), &out);
+      PutU64(t.data.size(), &out);
+    }
+  }
+  return out;
+}
+
+// Reads `n` bytes at `*at` of `body`, advancing; false when fewer are left.
+bool Take(absl::string_view body, size_t n, size_t* at, absl::string_view* out) {
+  if (body.size() - *at < n) return false;
+  *out = body.substr(*at, n);
+  *at += n;
+  return true;
+}
+
+absl::Status BadBody(absl::string_view what) { return absl::DataLossError(absl::StrCat("coded body: ", what)); }
+
+// The group table at `*at` of `body` (advancing past it): each group's
+// tensors, at most `max_tensor_bytes` in all, with their sum in `*bytes`.
+absl::StatusOr<std::vector<std::vector<WireTensor>>> ReadGroups(absl::string_view body, size_t* at,
+                                                                uint64_t max_tensor_bytes, uint64_t* bytes) {
+  absl::string_view field;
+  if (!Take(body, 4, at, &field)) return BadBody("the group count cut short");
+  const uint32_t group_count = GetU32(field.data());
+  if (uint64_t{group_count} * 4 > body.size() - *at) {
+    return BadBody(absl::StrCat(group_count, " groups, ", body.size() - *at, " bytes left"));
+  }
+  std::vector<uint32_t> counts(group_count);
+  uint64_t tensor_count = 0;
+  for (uint32_t& n : counts) {
+    (void)Take(body, 4, at, &field);  // within the bytes checked above
+    n = GetU32(field.data());
+    tensor_count += n;
+  }
+  if (tensor_count > (body.size() - *at) / kGroupTensorBytes) {
+    return BadBody(absl::StrCat(tensor_count, " tensors, ", body.size() - *at, " bytes left"));
+  }
+  std::vector<std::vector<WireTensor>> groups(group_count);
+  *bytes = 0;
+  for (uint32_t g = 0; g < group_count; ++g) {
+    for (uint32_t i = 0; i < counts[g]; ++i) {
+      (void)Take(body, kGroupTensorBytes, at, &field);  // within the bytes checked above
+      const WireTensor t{static_cast<v1::Part>(GetU32(field.data())), GetU64(field.data() + 4)};
+      if (t.size == 0 || t.size > max_tensor_bytes - *bytes) {
+        return BadBody(absl::StrCat("group ", g, " tensor ", i, ": ", t.size, " bytes, expected 1..",
+                                    max_tensor_bytes - *bytes, " (at most ", max_tensor_bytes, " in all)"));
+      }
+      *bytes += t.size;
+      groups[g].push_back(t);
+    }
+  }
+  return groups;
+}
+
+// The plain body a coded one holds. Every length is checked against what is
+// there, and every blob's records against its group, before anything is
+// allocated for the tensors. DATA_LOSS naming the field otherwise.
+absl::StatusOr<std::string> DecodeCodedBody(absl::string_view body, uint64_t max_tensor_bytes) {
+  size_t at = 0;
+  absl::string_view field, header;
+  if (!Take(body, 8, &at, &field)) return BadBody(absl::StrCat(body.size(), " bytes, expected at least 8"));
+  const uint64_t header_bytes = GetU64(field.data());
+  if (header_bytes > kMaxSafetensorsHeaderBytes + 8 || !Take(body, header_bytes, &at, &header)) {
+    return BadBody(absl::StrCat("a header of ", header_bytes, " bytes, ", body.size() - at, " left"));
+  }
+  uint64_t tensor_bytes = 0;
+  absl::StatusOr<std::vector<std::vector<WireTensor>>> groups = ReadGroups(body, &at, max_tensor_bytes, &tensor_bytes);
+  if (!groups.ok()) return groups.status();
+  std::vector<absl::string_view> blobs(groups->size());
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const uint64_t max_blob = std::min<uint64_t>(MaxWireLayerBytes((*groups)[g]), body.size() - at);
+    absl::StatusOr<uint64_t> blob_bytes = WireLayerBlobBytes(AsBytes(body.substr(at)), max_blob);
+    if (!blob_bytes.ok()) return BadBody(absl::StrCat("group ", g, ": ", blob_bytes.status().message()));
+    blobs[g] = body.substr(at, *blob_bytes);
+    at += *blob_bytes;
+    if (absl::Status s = CheckWireLayer(AsBytes(blobs[g]), (*groups)[g]); !s.ok()) {
+      return BadBody(absl::StrCat("group ", g, ": ", s.message()));
+    }
+  }
+  if (at != body.size()) return BadBody(absl::StrCat(body.size() - at, " bytes after the last group"));
+  std::string plain;
+  plain.reserve(header.size() + tensor_bytes);
+  plain.append(header.data(), header.size());
+  for (size_t g = 0; g < groups->size(); ++g) {
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> tensors = DecodeWireLayer(AsBytes(blobs[g]), (*groups)[g]);
+    if (!tensors.ok()) return BadBody(absl::StrCat("group ", g, ": ", tensors.status().message()));
+    for (const std::vector<uint8_t>& t : *tensors) plain.append(reinterpret_cast<const char*>(t.data()), t.size());
+  }
+  return plain;
+}
+
 }  // namespace
 
-absl::StatusOr<MessageFileWriter> MessageFileWriter::Make(const spool::v1::MessageMeta& meta, const Message& msg) {
+absl::StatusOr<MessageFileWriter> MessageFileWriter::Make(const spool::v1::MessageMeta& meta, const Message& msg,
+                                                          MessageBody form) {
   absl::StatusOr<MessagePieces> body = SerializeMessagePieces(msg);
   if (!body.ok()) return body.status();
+  MessageFileWriter w;
+  std::string body_head;
+  uint64_t body_bytes = body->size();
+  if (form == MessageBody::kCoded) {
+    const std::vector<std::vector<TensorRef>> groups = CodedGroups(msg, body->tensors);
+    body_head = CodedBodyHead(body->header, groups);
+    body_bytes = body_head.size();
+    const WireEncodeOptions opts = WireEncodeOptionsOf(msg.kv_heads, ToProtoDType(msg.dtype));
+    w.blobs_.reserve(groups.size());
+    for (const std::vector<TensorRef>& g : groups) {
+      w.blobs_.push_back(EncodeWireLayer(g, opts));
+      w.tensors_.push_back(w.blobs_.back());
+      body_bytes += w.blobs_.back().size();
+    }
+  } else {
+    body_head = std::move(body->header);
+    w.tensors_ = std::move(body->tensors);
+  }
   std::string m;
   meta.SerializeToString(&m);
-  MessageFileWriter w;
-  w.head_.reserve(kMessageHeaderBytes + m.size() + body->header.size());
+  w.head_.reserve(kMessageHeaderBytes + m.size() + body_head.size());
   w.head_.append(kMessageFileMagic, 8);
-  PutU32(kSpoolFormatVersion, &w.head_);
+  PutU32(form == MessageBody::kCoded ? kCodedMessageFileVersion : kSpoolFormatVersion, &w.head_);
   PutU32(static_cast<uint32_t>(m.size()), &w.head_);
-  PutU64(body->size(), &w.head_);
+  PutU64(body_bytes, &w.head_);
   w.head_.append(m);
-  w.head_.append(body->header);
-  w.size_ = kMessageHeaderBytes + m.size() + body->size() + 4;
-  w.tensors_ = std::move(body->tensors);
+  w.head_.append(body_head);
+  w.size_ = kMessageHeaderBytes + m.size() + body_bytes + 4;
   return w;
 }
 
@@ -85,8 +243,9 @@ absl::Status MessageFileWriter::WriteTo(const Sink& sink) const {
   return sink(staged);
 }
 
-absl::Status EncodeMessageFile(const spool::v1::MessageMeta& meta, const Message& msg, std::string* out) {
-  absl::StatusOr<MessageFileWriter> w = MessageFileWriter::Make(meta, msg);
+absl::Status EncodeMessageFile(const spool::v1::MessageMeta& meta, const Message& msg, std::string* out,
+                               MessageBody body) {
+  absl::StatusOr<MessageFileWriter> w = MessageFileWriter::Make(meta, msg, body);
   if (!w.ok()) return w.status();
   out->clear();
   out->reserve(w->size());
@@ -98,7 +257,7 @@ absl::Status EncodeMessageFile(const spool::v1::MessageMeta& meta, const Message
 
 absl::Status CheckMessageFileVersion(absl::string_view bytes) {
   if (bytes.size() < 12 || std::memcmp(bytes.data(), kMessageFileMagic, 8) != 0) return absl::OkStatus();
-  return CheckVersion("message file", GetU32(bytes.data() + 8));
+  return CheckMessageVersion(GetU32(bytes.data() + 8));
 }
 
 bool MessageFileCrcOk(absl::string_view bytes) {
@@ -106,7 +265,7 @@ bool MessageFileCrcOk(absl::string_view bytes) {
   return Crc32c(bytes.data(), bytes.size() - 4) == GetU32(bytes.data() + bytes.size() - 4);
 }
 
-absl::StatusOr<SpoolMessage> DecodeMessageFile(absl::string_view bytes, bool check_crc) {
+absl::StatusOr<SpoolMessage> DecodeMessageFile(absl::string_view bytes, bool check_crc, uint64_t max_tensor_bytes) {
   if (bytes.size() < kMessageHeaderBytes + 4) {
     return absl::DataLossError(absl::StrCat("message file: ", bytes.size(), " bytes, expected at least ",
                                             kMessageHeaderBytes + 4));
@@ -114,7 +273,8 @@ absl::StatusOr<SpoolMessage> DecodeMessageFile(absl::string_view bytes, bool che
   if (std::memcmp(bytes.data(), kMessageFileMagic, 8) != 0) {
     return absl::DataLossError("message file: bad magic, expected KVRSPMSG");
   }
-  if (absl::Status s = CheckVersion("message file", GetU32(bytes.data() + 8)); !s.ok()) return s;
+  const uint32_t version = GetU32(bytes.data() + 8);
+  if (absl::Status s = CheckMessageVersion(version); !s.ok()) return s;
   const uint64_t meta_bytes = GetU32(bytes.data() + 12);
   const uint64_t body_bytes = GetU64(bytes.data() + 16);
   const uint64_t want = kMessageHeaderBytes + meta_bytes + body_bytes + 4;
@@ -130,8 +290,16 @@ absl::StatusOr<SpoolMessage> DecodeMessageFile(absl::string_view bytes, bool che
   if (!out.meta.ParseFromArray(bytes.data() + kMessageHeaderBytes, static_cast<int>(meta_bytes))) {
     return absl::DataLossError("message file: metadata does not parse");
   }
-  const auto* body = reinterpret_cast<const uint8_t*>(bytes.data() + kMessageHeaderBytes + meta_bytes);
-  absl::StatusOr<Message> msg = ReadMessage(absl::MakeConstSpan(body, body_bytes));
+  absl::string_view body = bytes.substr(kMessageHeaderBytes + meta_bytes, body_bytes);
+  std::string plain;
+  if (version == kCodedMessageFileVersion) {
+    absl::StatusOr<std::string> decoded = DecodeCodedBody(body, max_tensor_bytes);
+    if (!decoded.ok()) return absl::DataLossError(absl::StrCat("message file: ", decoded.status().message()));
+    plain = std::move(*decoded);
+    body = plain;
+    out.body = MessageBody::kCoded;
+  }
+  absl::StatusOr<Message> msg = ReadMessage(AsBytes(body));
   if (!msg.ok()) return absl::DataLossError(absl::StrCat("message file: body: ", msg.status().message()));
   out.msg = std::move(*msg);
   return out;

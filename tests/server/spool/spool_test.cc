@@ -15,7 +15,10 @@
 
 #include "gtest/gtest.h"
 #include "core/crc32c.h"
+#include "core/format/synthetic.h"
 #include "core/format/turn_file.h"
+#include "core/pipeline.h"
+#include "proto/stream_codec.h"
 #include "server/memory_store.h"
 #include "server/spool/journal.h"
 #include "server/spool/spool_format.h"
@@ -178,6 +181,189 @@ TEST(SpoolFormat, EveryDamagedMessageFileIsDataLossAndAnotherVersionIsRefused) {
   }
   for (size_t n : {size_t{0}, size_t{10}, bytes.size() / 2, bytes.size() - 1}) {
     EXPECT_EQ(DecodeMessageFile(absl::string_view(bytes).substr(0, n)).status().code(), absl::StatusCode::kDataLoss);
+  }
+}
+
+// ---- Coded message files ----
+
+// Policies of every kind a spool holds: dense (the default h2o-head+obf
+// too), int4, lloyd, and demotion under lloyd and under int4.
+const char* const kPolicySpecs[] = {"full",
+                                    "full+int4",
+                                    "full+lloyd:bits=3",
+                                    "h2o-head:k=32+obf:p=8,mode=fast",
+                                    "h2o-head:k=8+demote:bits=2+lloyd:bits=4",
+                                    "h2o-head:k=16+demote:bits=2+int4:group=32"};
+
+// A synthetic turn (low-rank values, outlier key channels, heavy-tailed
+// scores: what a model hands the relay) of 3 layers x 2 KV heads x
+// head_dim 64, 96 prompt and 8 generated tokens.
+SyntheticTurnOptions SmallTurn() {
+  SyntheticTurnOptions o;
+  o.layers = 3;
+  o.kv_heads = 2;
+  o.head_dim = 64;
+  o.n_prompt = 96;
+  o.n_gen = 8;
+  return o;
+}
+
+// A message of `spec` compressed from the turn `o` of seed `seed`.
+std::shared_ptr<StoredMessage> PolicyMsg(const std::string& session, const std::string& id, const std::string& spec,
+                                         uint64_t seed, SyntheticTurnOptions o = SmallTurn()) {
+  o.seed = seed;
+  absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
+  EXPECT_TRUE(turn.ok()) << turn.status();
+  absl::StatusOr<std::unique_ptr<Pipeline>> p = Pipeline::Create(spec);
+  EXPECT_TRUE(p.ok()) << spec << ": " << p.status();
+  absl::StatusOr<Message> msg = (*p)->Compress(*turn);
+  EXPECT_TRUE(msg.ok()) << spec << ": " << msg.status();
+  auto m = std::make_shared<StoredMessage>();
+  m->session_id = session;
+  m->message_id = id;
+  m->sender = "a";
+  m->recipients = {"b"};
+  m->requested_policy = spec;
+  m->msg = *std::move(msg);
+  m->accounting.set_policy(m->msg.policy);
+  m->accounting.set_sent_bytes(m->msg.sent_bytes);
+  m->accounting.set_full_bytes(m->msg.full_bytes);
+  m->family = "test";
+  m->bytes = RetainedBytes(m->msg);
+  return m;
+}
+
+// `msg` as a plain message file (FORMAT.md): every tensor and every field
+// it holds, so equal exactly for bit-identical messages.
+std::string PlainBytes(const Message& msg) {
+  std::string out;
+  EXPECT_TRUE(WriteMessage(msg, &out).ok());
+  return out;
+}
+
+spool::v1::MessageMeta TestMeta(const StoredMessage& m) {
+  spool::v1::MessageMeta meta;
+  meta.set_session_id(m.session_id);
+  meta.set_message_id(m.message_id);
+  meta.set_sender(m.sender);
+  meta.add_recipients("b");
+  return meta;
+}
+
+uint32_t FileVersion(const std::string& file) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(file[8 + i]);
+  return v;
+}
+
+// `file` with its CRC32C made right again (damage a CRC does not see).
+std::string WithCrc(std::string file) {
+  const uint32_t crc = Crc32c(file.data(), file.size() - 4);
+  for (int i = 0; i < 4; ++i) file[file.size() - 4 + i] = static_cast<char>((crc >> (8 * i)) & 0xff);
+  return file;
+}
+
+// Every policy (and dense f32) through a coded file and back, bit for bit;
+// no file grows by more than the coded body's framing, and quantized ones
+// shrink (their scales, norms and positions; codes of 2 to 4 bits carry
+// little redundancy for an order-0 coder).
+TEST(SpoolFormat, CodedMessageFilesRoundTripEveryPolicyAndShrinkQuantizedOnes) {
+  SyntheticTurnOptions qwen = Qwen3_14BTurn();
+  qwen.layers = 2;
+  for (const auto& [shape, name] : {std::pair{SmallTurn(), "3 layers x 2 KV heads x head_dim 64, 104 tokens"},
+                                    std::pair{qwen, "Qwen3_14BTurn(), 2 of its layers"}}) {
+  std::cout << "spool message file bytes, plain -> coded (" << name << "):\n";
+  std::vector<std::pair<std::string, DType>> cases;
+  for (const char* spec : kPolicySpecs) cases.push_back({spec, DType::kBF16});
+  cases.push_back({"full+int2:rotate=hadamard", DType::kBF16});
+  cases.push_back({"full", DType::kF32});
+  for (const auto& [spec, dtype] : cases) {
+    const std::string what = spec + (dtype == DType::kF32 ? " (f32)" : " (bf16)");
+    SCOPED_TRACE(what);
+    SyntheticTurnOptions o = shape;
+    o.dtype = dtype;
+    auto m = PolicyMsg("s", "m", spec, 5, o);
+    const spool::v1::MessageMeta meta = TestMeta(*m);
+    std::string plain, coded;
+    ASSERT_TRUE(EncodeMessageFile(meta, m->msg, &plain).ok());
+    ASSERT_TRUE(EncodeMessageFile(meta, m->msg, &coded, MessageBody::kCoded).ok());
+    EXPECT_EQ(FileVersion(plain), 1u);
+    EXPECT_EQ(FileVersion(coded), 2u);
+    absl::StatusOr<MessageFileWriter> w = MessageFileWriter::Make(meta, m->msg, MessageBody::kCoded);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(w->size(), coded.size());
+    for (const auto& [file, body] : {std::pair{&plain, MessageBody::kPlain}, std::pair{&coded, MessageBody::kCoded}}) {
+      absl::StatusOr<SpoolMessage> back = DecodeMessageFile(*file);
+      ASSERT_TRUE(back.ok()) << back.status();
+      EXPECT_EQ(back->body, body);
+      EXPECT_EQ(back->meta.SerializeAsString(), meta.SerializeAsString());
+      EXPECT_EQ(PlainBytes(back->msg), PlainBytes(m->msg));
+    }
+    std::cout << "  " << what << ": " << plain.size() << " -> " << coded.size() << " ("
+              << 100.0 * static_cast<double>(coded.size()) / static_cast<double>(plain.size()) << "%)\n";
+    // The framing a coded body adds: 12 bytes, 20 per layer, 41 per tensor.
+    size_t tensors = 0;
+    for (const TensorRef& t : MessageDeliveryOrder(m->msg, /*with_acc=*/true)) tensors += t.data.empty() ? 0 : 1;
+    EXPECT_LE(coded.size(), plain.size() + 12 + 20 * m->msg.layers.size() + 41 * tensors);
+    if (m->msg.layers[0].quant) {
+      EXPECT_LT(coded.size(), plain.size());
+    }
+    // A coded body decodes to at most the bytes the caller allows.
+    absl::StatusOr<SpoolMessage> capped = DecodeMessageFile(coded, true, /*max_tensor_bytes=*/1000);
+    EXPECT_EQ(capped.status().code(), absl::StatusCode::kDataLoss) << capped.status();
+    EXPECT_NE(capped.status().message().find("at most 1000"), std::string::npos) << capped.status();
+  }
+  }
+}
+
+// Damage a CRC32C would catch, made invisible to it: the coded body's own
+// checks (lengths, the wire codec's records and per-stream CRC32C, the
+// plain body's) refuse it, or it decodes to the same message. Never a crash.
+TEST(SpoolFormat, ACodedBodyDamagedBehindAValidCrcIsDataLossOrTheSameMessage) {
+  for (const char* spec : {"full", "h2o-head:k=8+demote:bits=2+lloyd:bits=4", "full+int4"}) {
+    SCOPED_TRACE(spec);
+    auto m = PolicyMsg("s", "m", spec, 6);
+    const spool::v1::MessageMeta meta = TestMeta(*m);
+    std::string coded;
+    ASSERT_TRUE(EncodeMessageFile(meta, m->msg, &coded, MessageBody::kCoded).ok());
+    const std::string want = PlainBytes(m->msg);
+    const size_t body = 24 + meta.ByteSizeLong();
+    uint64_t header = 0;
+    for (int i = 7; i >= 0; --i) header = (header << 8) | static_cast<uint8_t>(coded[body + i]);
+    const size_t groups = body + 8 + header;  // the group table, then the blobs
+    std::mt19937 rng(3);
+    int refused = 0, same = 0;
+    for (int i = 0; i < 3000; ++i) {
+      // Half the flips in the group table and the blobs, half anywhere in the body.
+      const size_t lo = i % 2 ? groups : body;
+      const size_t at = lo + rng() % (coded.size() - 4 - lo);
+      std::string bad = coded;
+      bad[at] ^= static_cast<char>(1u << (rng() % 8));
+      absl::StatusOr<SpoolMessage> r = DecodeMessageFile(WithCrc(bad));
+      if (!r.ok()) {
+        ASSERT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << at << ": " << r.status();
+        ++refused;
+      } else if (at >= groups) {
+        ASSERT_EQ(PlainBytes(r->msg), want) << "a flip at " << at << " changed the message";
+        ++same;
+      }
+    }
+    EXPECT_GT(refused, 2500) << same;
+    // Cut short, or with bytes after the last group (lengths made right).
+    for (const int64_t delta : {-1, -29, 1, 8}) {
+      std::string bad = coded.substr(0, coded.size() - 4);
+      if (delta < 0) {
+        bad.resize(bad.size() + delta);
+      } else {
+        bad.append(static_cast<size_t>(delta), '\0');
+      }
+      uint64_t b = 0;
+      for (int i = 7; i >= 0; --i) b = (b << 8) | static_cast<uint8_t>(bad[16 + i]);
+      b += delta;
+      for (int i = 0; i < 8; ++i) bad[16 + i] = static_cast<char>((b >> (8 * i)) & 0xff);
+      absl::StatusOr<SpoolMessage> r = DecodeMessageFile(WithCrc(bad + "CRC!"));
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << delta << ": " << r.status();
+    }
   }
 }
 
@@ -474,8 +660,10 @@ TEST(Journal, StopCompactionWaitsForACompactionInProgress) {
 // ---- The corruption table ----
 
 // A spool with three committed messages m0..m2 in session s for b, m0 acked.
-void MakeThree(FaultFs* fs) {
-  auto s = OpenOk(Opts(fs));
+void MakeThree(FaultFs* fs, MessageBody body = MessageBody::kPlain) {
+  SpoolOptions o = Opts(fs);
+  o.message_body = body;
+  auto s = OpenOk(o);
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(Commit(*s, RealMsg("s", "m" + std::to_string(i), {"b"}, 40 + i)).ok());
   ASSERT_TRUE(TryFetch(*s, "s", "b"));
   ASSERT_TRUE(s->Ack("s", "b", "m0").ok());
@@ -530,9 +718,10 @@ TEST(SpoolStore, CorruptionTable) {
        {"m0", "m1"}, 0, 1, false},
   };
   for (const Corruption& c : table) {
-    SCOPED_TRACE(c.name);
+   for (const MessageBody body : {MessageBody::kPlain, MessageBody::kCoded}) {
+    SCOPED_TRACE(std::string(c.name) + (body == MessageBody::kCoded ? ", coded files" : ", plain files"));
     FaultFs fs;
-    MakeThree(&fs);
+    MakeThree(&fs, body);
     c.damage(&fs);
     auto s = OpenOk(Opts(&fs));
     ASSERT_TRUE(s);
@@ -558,6 +747,7 @@ TEST(SpoolStore, CorruptionTable) {
     if (c.quarantined) {
       EXPECT_FALSE(fs.List(std::string(kDir) + "/quarantine")->empty());
     }
+   }
   }
 }
 
@@ -944,6 +1134,181 @@ TEST(SpoolStore, MaxSpoolBytesIsResourceExhausted) {
   EXPECT_FALSE(s->Find("s", "b"));
 }
 
+// What msg/ holds: each message file by seq.
+std::map<std::string, std::string> FilesOf(FaultFs& fs) {
+  std::map<std::string, std::string> out;
+  for (const std::string& name : MessageFiles(fs)) out[name] = fs.Peek(std::string(kDir) + "/msg/" + name);
+  return out;
+}
+
+// A relay that codes its files: messages of every policy come back bit for
+// bit after a restart, each file smaller than its plain form when the
+// message is quantized, and the spool's bytes are the files' on disk.
+TEST(SpoolStore, CodedFilesRecoverEveryPolicyBitForBit) {
+  FaultFs fs;
+  SpoolOptions o = Opts(&fs);
+  o.message_body = MessageBody::kCoded;
+  std::map<std::string, std::string> want;  // id -> PlainBytes
+  {
+    auto s = OpenOk(o);
+    int i = 0;
+    for (const char* spec : kPolicySpecs) {
+      auto m = PolicyMsg("s", "m" + std::to_string(i), spec, 20 + i);
+      want[m->message_id] = PlainBytes(m->msg);
+      ASSERT_TRUE(Commit(*s, m).ok()) << spec;
+      ++i;
+    }
+  }
+  uint64_t on_disk = fs.Peek(std::string(kDir) + "/journal").size(), plain_total = 0;
+  std::cout << "spool files, plain -> coded as written by SpoolStore:\n";
+  for (const auto& [name, file] : FilesOf(fs)) {
+    EXPECT_EQ(FileVersion(file), 2u) << name;
+    absl::StatusOr<SpoolMessage> sm = DecodeMessageFile(file);
+    ASSERT_TRUE(sm.ok()) << name << ": " << sm.status();
+    std::string plain;
+    ASSERT_TRUE(EncodeMessageFile(sm->meta, sm->msg, &plain).ok());
+    std::cout << "  " << sm->meta.requested_policy() << ": " << plain.size() << " -> " << file.size() << "\n";
+    if (sm->msg.layers[0].quant) {
+      EXPECT_LT(file.size(), plain.size()) << name;
+    }
+    on_disk += file.size();
+    plain_total += plain.size();
+  }
+  std::cout << "  all: " << plain_total << " -> " << on_disk << " (journal included)\n";
+  auto s = OpenOk(o);
+  EXPECT_EQ(s->recovery().messages, want.size());
+  EXPECT_EQ(s->recovery().quarantined, 0u);
+  EXPECT_EQ(s->recovery().bytes, on_disk);
+  for (const auto& [id, bytes] : want) {
+    MessagePtr m = s->Find("s", id);
+    ASSERT_TRUE(m) << id;
+    EXPECT_EQ(PlainBytes(m->msg), bytes) << id;
+    EXPECT_EQ(m->sender, "a");
+  }
+  // What a fetch delivers is the message accepted, in order.
+  for (size_t i = 0; i < want.size(); ++i) {
+    auto d = TryFetch(*s, "s", "b");
+    ASSERT_TRUE(d);
+    EXPECT_EQ(d->msg->message_id, "m" + std::to_string(i));
+    EXPECT_EQ(PlainBytes(d->msg->msg), want[d->msg->message_id]);
+    ASSERT_TRUE(s->Ack("s", "b", d->msg->message_id).ok());
+  }
+}
+
+// Files of either form are read whatever the relay writes: an earlier
+// relay's spool (plain) recovered by one that codes, and back.
+TEST(SpoolStore, EitherFormIsRecoveredWhateverTheRelayWrites) {
+  FaultFs fs;
+  SpoolOptions plain = Opts(&fs), coded = Opts(&fs);
+  coded.message_body = MessageBody::kCoded;
+  std::map<std::string, std::string> want;
+  int next = 0;
+  auto commit = [&](SpoolStore& s, const char* spec) {
+    auto m = PolicyMsg("s", "m" + std::to_string(next), spec, 30 + next);
+    ++next;
+    want[m->message_id] = PlainBytes(m->msg);
+    ASSERT_TRUE(Commit(s, m).ok()) << spec;
+  };
+  auto expect_all = [&](SpoolStore& s) {
+    EXPECT_EQ(s.recovery().messages, want.size());
+    for (const auto& [id, bytes] : want) {
+      MessagePtr m = s.Find("s", id);
+      ASSERT_TRUE(m) << id;
+      EXPECT_EQ(PlainBytes(m->msg), bytes) << id;
+    }
+  };
+  {
+    auto s = OpenOk(plain);
+    commit(*s, "full+int4");
+    commit(*s, "full");
+  }
+  {
+    auto s = OpenOk(coded);
+    expect_all(*s);
+    commit(*s, "full+lloyd:bits=3");
+    commit(*s, "h2o-head:k=8+demote:bits=2+lloyd:bits=4");
+  }
+  {
+    auto s = OpenOk(plain);
+    expect_all(*s);
+    commit(*s, "h2o-head:k=16+demote:bits=2+int4:group=32");
+  }
+  auto s = OpenOk(coded);
+  expect_all(*s);
+  // Each file keeps the form it was written in.
+  std::vector<uint32_t> versions;
+  for (const auto& [name, file] : FilesOf(fs)) versions.push_back(FileVersion(file));
+  EXPECT_EQ(versions, (std::vector<uint32_t>{1, 1, 2, 2, 1}));
+}
+
+// A coded file whose body is damaged is quarantined as a plain one is:
+// behind a bad CRC32C, and behind a good one (the body's own checks).
+TEST(SpoolStore, ADamagedCodedFileIsQuarantinedAndNeverServed) {
+  for (const bool fix_crc : {false, true}) {
+    SCOPED_TRACE(fix_crc ? "CRC32C made right" : "CRC32C wrong");
+    FaultFs fs;
+    SpoolOptions o = Opts(&fs);
+    o.message_body = MessageBody::kCoded;
+    std::string want;
+    {
+      auto s = OpenOk(o);
+      auto m0 = PolicyMsg("s", "m0", "full+lloyd:bits=3", 40);
+      want = PlainBytes(m0->msg);
+      ASSERT_TRUE(Commit(*s, m0).ok());
+      ASSERT_TRUE(Commit(*s, PolicyMsg("s", "m1", "full+int4", 41)).ok());
+    }
+    std::string d = fs.Peek(MsgPath(2));
+    d[d.size() - 40] ^= 0x04;  // inside the last blob
+    const std::string damaged = fix_crc ? WithCrc(d) : d;
+    fs.Poke(MsgPath(2), damaged);
+    auto s = OpenOk(o);
+    ASSERT_TRUE(s);
+    EXPECT_EQ(s->recovery().quarantined, 1u);
+    EXPECT_FALSE(s->Find("s", "m1"));
+    MessagePtr m0 = s->Find("s", "m0");
+    ASSERT_TRUE(m0);
+    EXPECT_EQ(PlainBytes(m0->msg), want);
+    EXPECT_EQ(fs.Peek(std::string(kQuarantine) + "/0000000000000002.kvm"), damaged);
+    auto dl = TryFetch(*s, "s", "b");
+    ASSERT_TRUE(dl);
+    EXPECT_EQ(dl->msg->message_id, "m0");
+    ASSERT_TRUE(s->Ack("s", "b", "m0").ok());
+    EXPECT_FALSE(TryFetch(*s, "s", "b"));
+  }
+}
+
+// --max-spool-bytes counts what is on disk: a coded file that fits is
+// accepted where its plain form would not fit.
+TEST(SpoolStore, MaxSpoolBytesCountsTheCodedFile) {
+  auto size_of = [](MessageBody body) {
+    FaultFs fs;
+    SpoolOptions o = Opts(&fs);
+    o.message_body = body;
+    auto s = OpenOk(o);
+    EXPECT_TRUE(Commit(*s, PolicyMsg("s", "m", "full+lloyd:bits=3", 50)).ok());
+    return std::pair<uint64_t, uint64_t>(fs.Peek(MsgPath(1)).size(), fs.Peek(std::string(kDir) + "/journal").size());
+  };
+  const auto [coded, journal] = size_of(MessageBody::kCoded);
+  const uint64_t plain = size_of(MessageBody::kPlain).first;
+  ASSERT_LT(coded, plain);
+  const uint64_t limit = journal + coded;  // the journal holds at most this much when the file is checked
+  for (const MessageBody body : {MessageBody::kCoded, MessageBody::kPlain}) {
+    FaultFs fs;
+    SpoolOptions o = Opts(&fs);
+    o.message_body = body;
+    o.max_spool_bytes = limit;
+    auto s = OpenOk(o);
+    absl::StatusOr<Store::CommitResult> r = Commit(*s, PolicyMsg("s", "m", "full+lloyd:bits=3", 50));
+    if (body == MessageBody::kCoded) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      // Full now: the next one is refused.
+      r = Commit(*s, PolicyMsg("s", "m2", "full+lloyd:bits=3", 51));
+    }
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+    EXPECT_NE(r.status().message().find("--max-spool-bytes"), std::string::npos) << r.status();
+  }
+}
+
 // ---- Crashes and power losses ----
 
 // What the clients were told: every publish that returned OK (with its
@@ -1061,7 +1426,8 @@ std::vector<std::string> Check(SpoolStore& s, Told& told) {
 }
 
 // Runs `seeds` crash loops; returns how many ended with a violation.
-int CrashLoops(int seeds, bool power_loss, bool fsync, bool sync_dir, std::string* first) {
+int CrashLoops(int seeds, bool power_loss, bool fsync, bool sync_dir, std::string* first,
+               MessageBody body = MessageBody::kPlain) {
   int violated = 0;
   for (int seed = 1; seed <= seeds; ++seed) {
     if (Debug() && seed != std::atoi(std::getenv("SPOOL_TEST_DEBUG"))) continue;
@@ -1070,6 +1436,7 @@ int CrashLoops(int seeds, bool power_loss, bool fsync, bool sync_dir, std::strin
     o.fsync = fsync;
     o.sync_dir = sync_dir;
     o.compact_bytes = 2048;  // compactions happen in the loop too
+    o.message_body = body;
     std::mt19937 rng(seed);
     Told told;
     for (int round = 0; round < 4; ++round) {
@@ -1116,6 +1483,12 @@ TEST(SpoolCrash, KillNineWithoutFsyncLosesNothingEither) {
 TEST(SpoolCrash, PowerLossAtAnyStepLosesNothingAccepted) {
   std::string first;
   EXPECT_EQ(CrashLoops(30, /*power_loss=*/true, true, true, &first), 0) << first;
+}
+
+TEST(SpoolCrash, KillNineAndPowerLossWithCodedFilesLoseNothingAccepted) {
+  std::string first;
+  EXPECT_EQ(CrashLoops(15, /*power_loss=*/false, true, true, &first, MessageBody::kCoded), 0) << first;
+  EXPECT_EQ(CrashLoops(15, /*power_loss=*/true, true, true, &first, MessageBody::kCoded), 0) << first;
 }
 
 TEST(SpoolCrash, NegativeControlWithoutFsyncThePowerLossTestFails) {
