@@ -510,9 +510,9 @@ uint16_t F16NearestNonNegative(double x) {
   }
   uint16_t h = FloatToF16(f);
   if ((h & 0x7fff) >= 0x7c00) {
-    // Rounding to float32 first cannot cross 65520 (the fp16 overflow
-    // threshold) wrongly: 65520 is exact in float32.
-    return 0x7c00;
+    // f >= 65520 (the fp16 overflow threshold, exact in float32); x itself
+    // may lie just below it, and then rounds to 65504.
+    return x >= 65520.0 ? 0x7c00 : 0x7bff;
   }
   // Double rounding through float32 can land one fp16 off; pick the
   // nearest of h and its neighbours.
