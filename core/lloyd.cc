@@ -67,12 +67,12 @@ absl::Status LloydQuantizeRows(const KvTensor& x, int bits, uint64_t seed, const
   q->codes.resize(static_cast<size_t>(heads) * tokens * row_bytes);
   q->scale.resize(static_cast<size_t>(heads) * tokens);
   q->zero.clear();
-  const internal::LloydRowCoder coder(dim, bits, seed);
+  const internal::LloydRowCoder coder(dim, bits, seed, x.dtype());
   const size_t rows = static_cast<size_t>(heads) * tokens;
-  std::vector<float> row(dim), work(2 * static_cast<size_t>(dim));
+  std::vector<float> work(2 * static_cast<size_t>(dim));
   auto transform = [&](size_t r) {
-    ToFloat(x.dtype(), x.row(static_cast<int>(r / tokens), static_cast<int>(r % tokens)), row.data(), dim);
-    return coder.Transform(row.data(), work.data() + (r % 2) * dim);
+    return coder.Transform(x.row(static_cast<int>(r / tokens), static_cast<int>(r % tokens)),
+                           work.data() + (r % 2) * dim);
   };
   // Row r's norm arithmetic (a long scalar chain) is issued before row r+1's
   // transform, so that the two overlap; row r is classified after both.
@@ -161,16 +161,15 @@ absl::Status LloydQuantizeChannels(const KvTensor& x, int bits, int group, const
 void LloydDecodeRows(const QuantizedTensor& q, uint64_t seed, KvTensor* out) {
   const int heads = q.heads, tokens = q.tokens, dim = q.dim;
   const size_t row_bytes = RowBytes(dim, q.bits);
-  const internal::LloydRowCoder coder(dim, q.bits, seed);
-  std::vector<float> row(dim), nu(tokens);
+  const internal::LloydRowCoder coder(dim, q.bits, seed, out->dtype());
+  std::vector<float> work(dim), nu(tokens);
   for (int h = 0; h < heads; ++h) {
     const size_t stat0 = static_cast<size_t>(h) * tokens;
     ToFloat(DType::kF16, &q.scale[stat0], nu.data(), tokens);
     for (int t = 0; t < tokens; ++t) {
       const size_t stat = stat0 + t;
       // x = sigma (H / sqrt(d)) (c * nu / sqrt(d)) = sigma H(c) * nu / d.
-      coder.Decode(q.codes.data() + stat * row_bytes, nu[t] / static_cast<float>(dim), row.data());
-      FromFloatSaturating(out->dtype(), row.data(), out->row(h, t), dim);
+      coder.Decode(q.codes.data() + stat * row_bytes, nu[t] / static_cast<float>(dim), work.data(), out->row(h, t));
     }
   }
 }

@@ -12,10 +12,19 @@
 #include "core/lloyd.h"
 #include "core/quant.h"
 
-#if defined(__AVX2__) || defined(__F16C__)
+// The vector path needs x86-64-v3 (AVX2, FMA, F16C), which the default
+// build assumes (KVRELAY_ARCH); other builds run the scalar path.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVRELAY_LLOYD_AVX2 1
+#else
+#define KVRELAY_LLOYD_AVX2 0
+#endif
+
+#if KVRELAY_LLOYD_AVX2 || defined(__F16C__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX2__)
+#if KVRELAY_LLOYD_AVX2
+#include "core/internal/dtype_avx.h"
 #include "core/internal/hadamard_avx.h"
 #endif
 
@@ -173,7 +182,9 @@ float* Scratch(int n) {
   return buf.data();
 }
 
-double TransformScalar(const float* x, int dim, const uint32_t* signs, float* work) {
+double TransformScalar(const void* src, DType dtype, int dim, const uint32_t* signs, float* work) {
+  float* x = Scratch(dim);
+  ToFloat(dtype, src, x, dim);
   for (int i = 0; i < dim; ++i) work[i] = FlipSign(x[i], signs[i]);
   HadamardScalar(work, dim);
   return SumSquaresScalar(x, dim);
@@ -186,10 +197,11 @@ void ClassifyRowScalar(const LloydCodebook& cb, const float* work, int dim, floa
 }
 
 void DecodeRowScalar(const LloydCodebook& cb, const uint8_t* codes, int dim, const uint32_t* signs, float scale,
-                     float* out) {
-  for (int i = 0; i < dim; ++i) out[i] = cb.level[CodeAt(codes, i, cb.bits)];
-  HadamardScalar(out, dim);
-  for (int i = 0; i < dim; ++i) out[i] = FlipSign(out[i] * scale, signs[i]);
+                     float* work, DType dtype, void* out) {
+  for (int i = 0; i < dim; ++i) work[i] = cb.level[CodeAt(codes, i, cb.bits)];
+  HadamardScalar(work, dim);
+  for (int i = 0; i < dim; ++i) work[i] = FlipSign(work[i] * scale, signs[i]);
+  FromFloatSaturating(dtype, work, out, dim);
 }
 
 void DecodeChannelRowScalar(const LloydCodebook& cb, const uint8_t* codes, int dim, const float* s, const float* z,
@@ -200,7 +212,7 @@ void DecodeChannelRowScalar(const LloydCodebook& cb, const uint8_t* codes, int d
 // ---------------------------------------------------------------------------
 // AVX2 path.
 
-#if defined(__AVX2__)
+#if KVRELAY_LLOYD_AVX2
 
 // The eight codes of u (as int32 lanes): the 4-bit codebook looks up the one
 // threshold of |u|'s cell (LloydCodebook::bin_threshold), narrower ones
@@ -337,22 +349,22 @@ inline __m256 SignMasks(const uint32_t* signs) {
 // transformed up to h = 32 in registers and stored; the stages between
 // blocks but the last follow in memory. ClassifyFused does the last stage
 // (for one block, none) with the scale, the classification and the packing.
-template <int kVecs>
-double TransformFused(const float* x, int /*dim*/, const uint32_t* signs, float* work) {
+template <int kVecs, DType kDtype>
+double TransformFused(const void* x, DType /*dtype*/, int /*dim*/, const uint32_t* signs, float* work) {
   static_assert(kVecs % 8 == 0, "blocks of eight vectors");
   constexpr int kBlocks = kVecs / 8;
   // Sums of squares: element i into lane i % 4 of acc[(i / 4) % 4].
   __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
   for (int blk = 0; blk < kBlocks; ++blk) {
-    const float* xb = x + 64 * blk;
     __m256 v[8];
 #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) {
-      for (int hq = 0; hq < 2; ++hq) {
-        const __m256d d = _mm256_cvtps_pd(_mm_loadu_ps(xb + 8 * q + 4 * hq));
-        acc[(2 * q + hq) % 4] = _mm256_fmadd_pd(d, d, acc[(2 * q + hq) % 4]);
-      }
-      v[q] = _mm256_xor_ps(_mm256_loadu_ps(xb + 8 * q), SignMasks(signs + 64 * blk + 8 * q));
+      const __m256 xv = LoadAsFloat8<kDtype>(x, 64 * blk + 8 * q);
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(xv));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(xv, 1));
+      acc[(2 * q) % 4] = _mm256_fmadd_pd(lo, lo, acc[(2 * q) % 4]);
+      acc[(2 * q + 1) % 4] = _mm256_fmadd_pd(hi, hi, acc[(2 * q + 1) % 4]);
+      v[q] = _mm256_xor_ps(xv, SignMasks(signs + 64 * blk + 8 * q));
     }
     HadamardInRegisters<8>(v);
 #pragma GCC unroll 8
@@ -401,11 +413,11 @@ void ClassifyFused(const LloydCodebook& cb, const float* work, int /*dim*/, floa
 }
 
 // The same blocks for decoding: look up and transform each block in
-// registers, the stages between blocks in `out`, the last one fused with
-// the scale and the signs.
-template <int kBits, int kVecs>
+// registers, the stages between blocks in `work`, the last one fused with
+// the scale, the signs and the store as the dtype.
+template <int kBits, int kVecs, DType kDtype>
 void DecodeRowFused(const LloydCodebook& cb, const uint8_t* codes, int /*dim*/, const uint32_t* signs, float scale,
-                    float* out) {
+                    float* work, DType /*dtype*/, void* out) {
   static_assert(kVecs % 8 == 0, "blocks of eight vectors");
   constexpr int kBlocks = kVecs / 8;
   __m256 lo, hi;
@@ -418,11 +430,10 @@ void DecodeRowFused(const LloydCodebook& cb, const uint8_t* codes, int /*dim*/, 
     HadamardInRegisters<8>(v);
 #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) {
-      float* o = out + 64 * blk + 8 * q;
       if constexpr (kBlocks == 1) {
-        _mm256_storeu_ps(o, _mm256_xor_ps(_mm256_mul_ps(v[q], s), SignMasks(signs + 8 * q)));
+        StoreSaturating8<kDtype>(_mm256_xor_ps(_mm256_mul_ps(v[q], s), SignMasks(signs + 8 * q)), out, 8 * q);
       } else {
-        _mm256_storeu_ps(o, v[q]);
+        _mm256_storeu_ps(work + 64 * blk + 8 * q, v[q]);
       }
     }
   }
@@ -430,26 +441,28 @@ void DecodeRowFused(const LloydCodebook& cb, const uint8_t* codes, int /*dim*/, 
     for (int h = 64; h < 4 * kVecs; h *= 2) {
       for (int i = 0; i < 8 * kVecs; i += 2 * h) {
         for (int j = i; j < i + h; j += 8) {
-          const __m256 a = _mm256_loadu_ps(out + j), b = _mm256_loadu_ps(out + j + h);
-          _mm256_storeu_ps(out + j, _mm256_add_ps(a, b));
-          _mm256_storeu_ps(out + j + h, _mm256_sub_ps(a, b));
+          const __m256 a = _mm256_loadu_ps(work + j), b = _mm256_loadu_ps(work + j + h);
+          _mm256_storeu_ps(work + j, _mm256_add_ps(a, b));
+          _mm256_storeu_ps(work + j + h, _mm256_sub_ps(a, b));
         }
       }
     }
     constexpr int kHalf = 4 * kVecs;
 #pragma GCC unroll 4
     for (int j = 0; j < kHalf; j += 8) {
-      const __m256 a = _mm256_loadu_ps(out + j), b = _mm256_loadu_ps(out + j + kHalf);
-      _mm256_storeu_ps(out + j, _mm256_xor_ps(_mm256_mul_ps(_mm256_add_ps(a, b), s), SignMasks(signs + j)));
-      _mm256_storeu_ps(out + j + kHalf,
-                       _mm256_xor_ps(_mm256_mul_ps(_mm256_sub_ps(a, b), s), SignMasks(signs + j + kHalf)));
+      const __m256 a = _mm256_loadu_ps(work + j), b = _mm256_loadu_ps(work + j + kHalf);
+      StoreSaturating8<kDtype>(_mm256_xor_ps(_mm256_mul_ps(_mm256_add_ps(a, b), s), SignMasks(signs + j)), out, j);
+      StoreSaturating8<kDtype>(_mm256_xor_ps(_mm256_mul_ps(_mm256_sub_ps(a, b), s), SignMasks(signs + j + kHalf)),
+                               out, j + kHalf);
     }
   }
 }
 
 // Rows of other lengths: through memory, with HadamardTransformScaled (the
 // same butterflies; its scale 1 is exact).
-double TransformAvx2(const float* x, int dim, const uint32_t* signs, float* work) {
+double TransformAvx2(const void* src, DType dtype, int dim, const uint32_t* signs, float* work) {
+  float* x = Scratch(dim);
+  ToFloat(dtype, src, x, dim);
   for (int i = 0; i < dim; ++i) work[i] = FlipSign(x[i], signs[i]);
   HadamardTransformScaled(work, dim, 1.0f);
   return SumSquaresScalar(x, dim);
@@ -462,10 +475,45 @@ void ClassifyRowAvx2(const LloydCodebook& cb, const float* work, int dim, float 
 }
 
 void DecodeRowAvx2(const LloydCodebook& cb, const uint8_t* codes, int dim, const uint32_t* signs, float scale,
-                   float* out) {
-  for (int i = 0; i < dim; ++i) out[i] = cb.level[CodeAt(codes, i, cb.bits)];
-  HadamardTransformScaled(out, dim, scale);
-  for (int i = 0; i < dim; ++i) out[i] = FlipSign(out[i], signs[i]);
+                   float* work, DType dtype, void* out) {
+  for (int i = 0; i < dim; ++i) work[i] = cb.level[CodeAt(codes, i, cb.bits)];
+  HadamardTransformScaled(work, dim, scale);
+  for (int i = 0; i < dim; ++i) work[i] = FlipSign(work[i], signs[i]);
+  FromFloatSaturating(dtype, work, out, dim);
+}
+
+// The fused kernels of one row length and dtype.
+template <int kVecs, DType kDtype>
+void PickFused(int bits, LloydTransformFn* transform, LloydClassifyFn* classify, LloydDecodeFn* decode) {
+  *transform = TransformFused<kVecs, kDtype>;
+  switch (bits) {
+    case 1:
+      *classify = ClassifyFused<1, kVecs>;
+      *decode = DecodeRowFused<1, kVecs, kDtype>;
+      return;
+    case 2:
+      *classify = ClassifyFused<2, kVecs>;
+      *decode = DecodeRowFused<2, kVecs, kDtype>;
+      return;
+    case 3:
+      *classify = ClassifyFused<3, kVecs>;
+      *decode = DecodeRowFused<3, kVecs, kDtype>;
+      return;
+    default:
+      *classify = ClassifyFused<4, kVecs>;
+      *decode = DecodeRowFused<4, kVecs, kDtype>;
+      return;
+  }
+}
+
+template <int kVecs>
+void PickFused(DType dtype, int bits, LloydTransformFn* transform, LloydClassifyFn* classify,
+               LloydDecodeFn* decode) {
+  switch (dtype) {
+    case DType::kF32: return PickFused<kVecs, DType::kF32>(bits, transform, classify, decode);
+    case DType::kF16: return PickFused<kVecs, DType::kF16>(bits, transform, classify, decode);
+    case DType::kBF16: return PickFused<kVecs, DType::kBF16>(bits, transform, classify, decode);
+  }
 }
 
 template <int kBits>
@@ -483,7 +531,7 @@ void DecodeChannelRowAvx2(const LloydCodebook& cb, const uint8_t* codes, int dim
   for (; c < dim; ++c) out[c] = std::fma(cb.level[CodeAt(codes, c, kBits)], s[c], z[c]);
 }
 
-#endif  // defined(__AVX2__)
+#endif  // KVRELAY_LLOYD_AVX2
 
 }  // namespace
 
@@ -538,30 +586,29 @@ std::vector<uint32_t> LloydSignMasks(uint64_t seed, int dim) {
   return masks;
 }
 
-LloydRowCoder::LloydRowCoder(int dim, int bits, uint64_t seed, LloydIsa isa)
+LloydRowCoder::LloydRowCoder(int dim, int bits, uint64_t seed, DType dtype, LloydIsa isa)
     : dim_(dim),
+      dtype_(dtype),
       cb_(&GetLloydCodebook(bits)),
       signs_(LloydSignMasks(seed, dim)),
       transform_(TransformScalar),
       classify_(ClassifyRowScalar),
       decode_(DecodeRowScalar) {
-#if defined(__AVX2__)
+#if KVRELAY_LLOYD_AVX2
   if (isa == LloydIsa::kBest) {
     transform_ = TransformAvx2;
     classify_ = ClassifyRowAvx2;
     decode_ = DecodeRowAvx2;
-    switch (dim * 8 + bits) {
-#define KVRELAY_LLOYD_FUSED(kDim, kBits)                 \
-  case kDim * 8 + kBits:                                 \
-    transform_ = TransformFused<kDim / 8>;               \
-    classify_ = ClassifyFused<kBits, kDim / 8>;          \
-    decode_ = DecodeRowFused<kBits, kDim / 8>;           \
-    break;
-      KVRELAY_LLOYD_FUSED(64, 1) KVRELAY_LLOYD_FUSED(64, 2) KVRELAY_LLOYD_FUSED(64, 3) KVRELAY_LLOYD_FUSED(64, 4)
-      KVRELAY_LLOYD_FUSED(128, 1) KVRELAY_LLOYD_FUSED(128, 2) KVRELAY_LLOYD_FUSED(128, 3)
-      KVRELAY_LLOYD_FUSED(128, 4) KVRELAY_LLOYD_FUSED(256, 1) KVRELAY_LLOYD_FUSED(256, 2)
-      KVRELAY_LLOYD_FUSED(256, 3) KVRELAY_LLOYD_FUSED(256, 4)
-#undef KVRELAY_LLOYD_FUSED
+    switch (dim) {
+      case 64:
+        PickFused<8>(dtype, bits, &transform_, &classify_, &decode_);
+        break;
+      case 128:
+        PickFused<16>(dtype, bits, &transform_, &classify_, &decode_);
+        break;
+      case 256:
+        PickFused<32>(dtype, bits, &transform_, &classify_, &decode_);
+        break;
       default: break;
     }
   }
@@ -577,7 +624,7 @@ LloydRowOutcome LloydRowCoder::Norm(double sum_squares, double* norm, uint16_t* 
 void LloydClassifyPack(const float* u, int n, int bits, uint8_t* codes, LloydIsa isa) {
   const LloydCodebook& cb = GetLloydCodebook(bits);
   (void)isa;  // scalar-only builds
-#if defined(__AVX2__)
+#if KVRELAY_LLOYD_AVX2
   if (isa == LloydIsa::kBest) {
     switch (bits) {
       case 1: return ClassifyPackAvx2<1>(cb, u, n, codes);
@@ -594,7 +641,7 @@ void LloydDecodeChannelRow(const uint8_t* codes, int dim, int bits, const float*
                            LloydIsa isa) {
   const LloydCodebook& cb = GetLloydCodebook(bits);
   (void)isa;  // scalar-only builds
-#if defined(__AVX2__)
+#if KVRELAY_LLOYD_AVX2
   if (isa == LloydIsa::kBest) {
     switch (bits) {
       case 1: return DecodeChannelRowAvx2<1>(cb, codes, dim, s, z, out);

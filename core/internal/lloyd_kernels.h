@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace kvrelay {
 namespace internal {
 
@@ -50,21 +52,28 @@ std::vector<uint32_t> LloydSignMasks(uint64_t seed, int dim);
 
 enum class LloydRowOutcome { kOk, kNonFinite, kNormPastFp16 };
 
-// The row-form kernels (FORMAT.md step 7b) of one rotation and width,
-// chosen once. Thread-safe (const).
+// The kernels behind LloydRowCoder.
+using LloydTransformFn = double (*)(const void* x, DType dtype, int dim, const uint32_t* signs, float* work);
+using LloydClassifyFn = void (*)(const LloydCodebook& cb, const float* work, int dim, float inv, uint8_t* codes);
+using LloydDecodeFn = void (*)(const LloydCodebook& cb, const uint8_t* codes, int dim, const uint32_t* signs,
+                               float scale, float* work, DType dtype, void* out);
+
+// The row-form kernels (FORMAT.md step 7b) of one rotation, width and K/V
+// dtype, chosen once. Rows x and out are `dim` elements of that dtype;
+// `work` is dim floats of the caller's. Thread-safe (const).
 class LloydRowCoder {
  public:
   // REQUIRES: dim a power of two, dim*bits % 8 == 0, 1 <= bits <= 4.
-  LloydRowCoder(int dim, int bits, uint64_t seed, LloydIsa isa = LloydIsa::kBest);
+  LloydRowCoder(int dim, int bits, uint64_t seed, DType dtype, LloydIsa isa = LloydIsa::kBest);
 
   // Encoding one row x[0, dim) goes in three steps, so that a caller can
   // start a row's scalar norm arithmetic before the next row's transform
   // and finish the row after it (LloydQuantizeRows):
   //
-  // Transform: sign flips and the unnormalized transform H of x into
-  // work[0, dim) (in an internal order: only Classify reads it); returns
-  // the float64 sum of squares of x.
-  double Transform(const float* x, float* work) const { return transform_(x, dim_, signs_.data(), work); }
+  // Transform: sign flips and the unnormalized transform H of x (as
+  // float32) into work (in an internal order: only Classify reads it);
+  // returns the float64 sum of squares of x.
+  double Transform(const void* x, float* work) const { return transform_(x, dtype_, dim_, signs_.data(), work); }
 
   // Norm: *norm = sqrt(sum_squares). kNonFinite when sum_squares is not
   // finite (a NaN or Inf in x), kNormPastFp16 when the norm rounds past
@@ -76,24 +85,20 @@ class LloydRowCoder {
   // of u = H(sigma x) * inv, from Transform's work.
   void Classify(const float* work, float inv, uint8_t* codes) const { classify_(*cb_, work, dim_, inv, codes); }
 
-  // out[0, dim) = sigma * (H(c[code]) * scale) in float32 (the caller
-  // passes scale = float32(nu) / dim).
-  void Decode(const uint8_t* codes, float scale, float* out) const {
-    decode_(*cb_, codes, dim_, signs_.data(), scale, out);
+  // out = sigma * (H(c[code]) * scale) in float32 (the caller passes scale
+  // = float32(nu) / dim), stored as FromFloatSaturating stores it.
+  void Decode(const uint8_t* codes, float scale, float* work, void* out) const {
+    decode_(*cb_, codes, dim_, signs_.data(), scale, work, dtype_, out);
   }
 
  private:
-  using TransformFn = double (*)(const float* x, int dim, const uint32_t* signs, float* work);
-  using ClassifyFn = void (*)(const LloydCodebook& cb, const float* work, int dim, float inv, uint8_t* codes);
-  using DecodeFn = void (*)(const LloydCodebook& cb, const uint8_t* codes, int dim, const uint32_t* signs,
-                            float scale, float* out);
-
   int dim_;
+  DType dtype_;
   const LloydCodebook* cb_;
   std::vector<uint32_t> signs_;  // LloydSignMasks
-  TransformFn transform_;
-  ClassifyFn classify_;
-  DecodeFn decode_;
+  LloydTransformFn transform_;
+  LloydClassifyFn classify_;
+  LloydDecodeFn decode_;
 };
 
 // The packed codes of u[0, n): with half = 2^(bits-1) and cnt = the number

@@ -2,12 +2,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/internal/dtype_avx.h"
 #include "gtest/gtest.h"
 
 namespace kvrelay {
@@ -99,48 +101,102 @@ TEST(LloydKernelsTest, CellsHoldAtMostOneThresholdAwayFromTheirEdges) {
   }
 }
 
-// Rows of every length and width: the AVX2 path's transform, norm, codes
-// and decoded values are the scalar path's, bit for bit.
+// Rows of every length, width and dtype: the AVX2 path's transform, norm,
+// codes and decoded rows are the scalar path's, bit for bit.
 TEST(LloydKernelsTest, RowCoderPathsAreBitIdentical) {
   std::mt19937 rng(11);
   std::normal_distribution<float> n(0.0f, 1.0f);
   std::uniform_real_distribution<float> scale(-20.0f, 12.0f);
-  for (int dim : {8, 16, 32, 64, 128, 256, 512}) {
-    for (int bits = 1; bits <= 4; ++bits) {
-      if (dim * bits % 8 != 0) continue;
-      const uint64_t seed = 1000 + dim + bits;
-      const LloydRowCoder best(dim, bits, seed, LloydIsa::kBest), scalar(dim, bits, seed, LloydIsa::kScalar);
-      const int row_bytes = dim * bits / 8;
-      for (int r = 0; r < 40; ++r) {
-        std::vector<float> x(dim);
-        const float s = std::exp2(scale(rng));
-        for (float& e : x) e = n(rng) * s;
-        if (r == 0) std::fill(x.begin(), x.end(), 0.0f);
-        if (r == 1) std::fill(x.begin(), x.end(), -0.0f);
-        if (r == 2) x[dim / 2] = 3e4f;  // one outlier
-        std::vector<float> wb(dim), ws(dim);
-        const double ssb = best.Transform(x.data(), wb.data());
-        const double sss = scalar.Transform(x.data(), ws.data());
-        ASSERT_EQ(ssb, sss) << dim << "/" << bits << " row " << r;
-        double norm = 0;
-        uint16_t nu = 0;
-        float inv = 0;
-        if (LloydRowCoder::Norm(ssb, &norm, &nu, &inv) != LloydRowOutcome::kOk) continue;
-        std::vector<uint8_t> cb(row_bytes, 0x55), cs(row_bytes, 0x55);
-        best.Classify(wb.data(), inv, cb.data());
-        scalar.Classify(ws.data(), inv, cs.data());
-        ASSERT_EQ(cb, cs) << dim << "/" << bits << " row " << r;
-        std::vector<float> db(dim), ds(dim);
-        const float step = F16ToFloat(nu) / static_cast<float>(dim);
-        best.Decode(cb.data(), step, db.data());
-        scalar.Decode(cs.data(), step, ds.data());
-        for (int i = 0; i < dim; ++i) {
-          ASSERT_EQ(Bits(db[i]), Bits(ds[i])) << dim << "/" << bits << " row " << r << " element " << i;
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const size_t esize = DTypeSize(dtype);
+    for (int dim : {8, 16, 32, 64, 128, 256, 512}) {
+      for (int bits = 1; bits <= 4; ++bits) {
+        if (dim * bits % 8 != 0) continue;
+        const uint64_t seed = 1000 + dim + bits;
+        const LloydRowCoder best(dim, bits, seed, dtype, LloydIsa::kBest);
+        const LloydRowCoder scalar(dim, bits, seed, dtype, LloydIsa::kScalar);
+        const int row_bytes = dim * bits / 8;
+        for (int r = 0; r < 40; ++r) {
+          std::vector<float> xf(dim);
+          const float s = std::exp2(scale(rng));
+          for (float& e : xf) e = n(rng) * s;
+          if (r == 0) std::fill(xf.begin(), xf.end(), 0.0f);
+          if (r == 1) std::fill(xf.begin(), xf.end(), -0.0f);
+          if (r == 2) xf[dim / 2] = 3e4f;  // one outlier
+          std::vector<uint8_t> x(dim * esize);
+          FromFloat(dtype, xf.data(), x.data(), dim);
+          std::vector<float> wb(dim), ws(dim);
+          const double ssb = best.Transform(x.data(), wb.data());
+          const double sss = scalar.Transform(x.data(), ws.data());
+          ASSERT_EQ(ssb, sss) << dim << "/" << bits << " row " << r;
+          double norm = 0;
+          uint16_t nu = 0;
+          float inv = 0;
+          if (LloydRowCoder::Norm(ssb, &norm, &nu, &inv) != LloydRowOutcome::kOk) continue;
+          std::vector<uint8_t> cb(row_bytes, 0x55), cs(row_bytes, 0x55);
+          best.Classify(wb.data(), inv, cb.data());
+          scalar.Classify(ws.data(), inv, cs.data());
+          ASSERT_EQ(cb, cs) << dim << "/" << bits << " row " << r;
+          std::vector<uint8_t> db(dim * esize, 0x11), ds(dim * esize, 0x22);
+          const float step = F16ToFloat(nu) / static_cast<float>(dim);
+          best.Decode(cb.data(), step, wb.data(), db.data());
+          scalar.Decode(cs.data(), step, ws.data(), ds.data());
+          ASSERT_EQ(db, ds) << dim << "/" << bits << " row " << r;
         }
       }
     }
   }
 }
+
+#if defined(__AVX2__) && defined(__F16C__)
+// The vector load and the saturating store are ToFloat and
+// FromFloatSaturating, on every kind of float32: random bit patterns
+// (NaNs, infinities, subnormals), the limits and their neighbours, and
+// halfway cases of BF16.
+TEST(LloydKernelsTest, VectorConversionsAreThoseOfDtype) {
+  std::mt19937 rng(9);
+  std::vector<float> v;
+  for (float f : {65504.0f, 65519.0f, 65520.0f, 0x1.fep127f, 0x1.ffp127f, std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::infinity(), 1.0f + 0x1p-8f, 1.0f + 0x1p-7f + 0x1p-8f, 0.0f}) {
+    v.push_back(f);
+    v.push_back(-f);
+  }
+  while (v.size() < 4096) {
+    const uint32_t b = rng();
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    v.push_back(f);
+  }
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const size_t esize = DTypeSize(dtype);
+    std::vector<float> clamped(v);
+    std::vector<uint8_t> want(v.size() * esize), got(v.size() * esize);
+    FromFloatSaturating(dtype, clamped.data(), want.data(), v.size());
+    for (size_t i = 0; i < v.size(); i += 8) {
+      const __m256 x = _mm256_loadu_ps(v.data() + i);
+      switch (dtype) {
+        case DType::kF32: StoreSaturating8<DType::kF32>(x, got.data(), static_cast<int>(i)); break;
+        case DType::kF16: StoreSaturating8<DType::kF16>(x, got.data(), static_cast<int>(i)); break;
+        case DType::kBF16: StoreSaturating8<DType::kBF16>(x, got.data(), static_cast<int>(i)); break;
+      }
+    }
+    ASSERT_EQ(got, want) << DTypeName(dtype);
+    std::vector<float> back(v.size());
+    ToFloat(dtype, want.data(), back.data(), v.size());
+    for (size_t i = 0; i < v.size(); i += 8) {
+      __m256 x;
+      switch (dtype) {
+        case DType::kF32: x = LoadAsFloat8<DType::kF32>(want.data(), static_cast<int>(i)); break;
+        case DType::kF16: x = LoadAsFloat8<DType::kF16>(want.data(), static_cast<int>(i)); break;
+        default: x = LoadAsFloat8<DType::kBF16>(want.data(), static_cast<int>(i)); break;
+      }
+      alignas(32) float l[8];
+      _mm256_store_ps(l, x);
+      for (int k = 0; k < 8; ++k) ASSERT_EQ(Bits(l[k]), Bits(back[i + k])) << DTypeName(dtype) << " " << i + k;
+    }
+  }
+}
+#endif
 
 TEST(LloydKernelsTest, ChannelDecodePathsAreBitIdentical) {
   std::mt19937 rng(5);
