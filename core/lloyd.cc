@@ -1,10 +1,8 @@
 #include "core/lloyd.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "absl/status/status.h"

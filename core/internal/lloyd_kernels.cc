@@ -48,10 +48,10 @@ LloydCodebook MakeCodebook(int bits) {
         static_cast<float>((static_cast<double>(cb.level[j]) + static_cast<double>(cb.level[j + 1])) / 2);
   }
   for (int i = 0; i < 16; ++i) cb.table[i] = cb.level[i % cb.size];
-  // The cells [b/3, (b+1)/3) of |u| (the last one open above). The fixed
-  // codebooks keep every positive threshold at least 0.05 from a cell edge,
+  // The cells [b/3, (b+1)/3) of |u| (the last one open above). The 4-bit
+  // codebook keeps every positive threshold at least 0.05 from a cell edge,
   // so a cell found from float32(3 |u|), off by one only within rounding
-  // of an edge, still gives the exact count (lloyd_test checks all widths).
+  // of an edge, still gives the exact count (lloyd_kernels_test checks it).
   cb.bin_threshold.fill(std::numeric_limits<float>::infinity());
   for (int b = 0; b < 8; ++b) {
     int below = 0;
