@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "core/dtype.h"
 #include "core/history.h"
+#include "core/internal/hadamard_avx.h"
 #include "core/lloyd.h"
 #include "core/status_macros.h"
 
@@ -278,40 +279,13 @@ int MakeStats(const float* lo, const float* hi, int n, int max_code, uint16_t* z
 // Walsh-Hadamard butterflies.
 
 #if defined(__AVX__)
-// Stages h = 1, 2, 4 inside one 8-float vector. Lane j of the lower half of
-// a pair gets x_j + x_{j+h}, lane j+h gets x_j - x_{j+h}: the same IEEE
-// operations as the scalar loop.
-inline __m256 HadamardInVector(__m256 v) {
-  __m256 sw = _mm256_permute_ps(v, 0xB1);  // swap neighbours
-  v = _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xAA);
-  sw = _mm256_permute_ps(v, 0x4E);  // swap pairs
-  v = _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xCC);
-  sw = _mm256_permute2f128_ps(v, v, 0x01);  // swap halves
-  return _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xF0);
-}
-
-// Butterflies between vectors j and j + kH, then the next stage.
-template <int kVecs, int kH>
-inline void VectorStages(__m256* v) {
-  if constexpr (kH < kVecs) {
-#pragma GCC unroll 16
-    for (int p = 0; p < kVecs / 2; ++p) {
-      const int j = (p / kH) * 2 * kH + p % kH;
-      const __m256 a = v[j], b = v[j + kH];
-      v[j] = _mm256_add_ps(a, b);
-      v[j + kH] = _mm256_sub_ps(a, b);
-    }
-    VectorStages<kVecs, 2 * kH>(v);
-  }
-}
-
 // The whole transform of n = 8 * kVecs floats, unrolled, in registers.
 template <int kVecs>
 void HadamardFixed(float* x, float norm) {
   __m256 v[kVecs];
 #pragma GCC unroll 16
-  for (int q = 0; q < kVecs; ++q) v[q] = HadamardInVector(_mm256_loadu_ps(x + 8 * q));
-  VectorStages<kVecs, 1>(v);
+  for (int q = 0; q < kVecs; ++q) v[q] = _mm256_loadu_ps(x + 8 * q);
+  internal::HadamardInRegisters<kVecs>(v);
   const __m256 s = _mm256_set1_ps(norm);
 #pragma GCC unroll 16
   for (int q = 0; q < kVecs; ++q) _mm256_storeu_ps(x + 8 * q, _mm256_mul_ps(v[q], s));
@@ -628,7 +602,7 @@ void HadamardTransformScaled(float* x, int n, float norm) {
   int h = 1;
 #if defined(__AVX__)
   if (n >= 8) {
-    for (int i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, HadamardInVector(_mm256_loadu_ps(x + i)));
+    for (int i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, internal::HadamardInVector(_mm256_loadu_ps(x + i)));
     for (h = 8; h < n; h *= 2) {
       for (int i = 0; i < n; i += 2 * h) {
         for (int j = i; j < i + h; j += 8) {
