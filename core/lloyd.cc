@@ -158,12 +158,13 @@ absl::Status LloydQuantizeChannels(const KvTensor& x, int bits, int group, const
 
 void LloydDecodeRows(const QuantizedTensor& q, uint64_t seed, KvTensor* out) {
   const int heads = q.heads, tokens = q.tokens, dim = q.dim;
+  if (static_cast<size_t>(heads) * tokens == 0) return;  // no rows, no norms
   const size_t row_bytes = RowBytes(dim, q.bits);
   const internal::LloydRowCoder coder(dim, q.bits, seed, out->dtype());
   std::vector<float> work(dim), nu(tokens);
   for (int h = 0; h < heads; ++h) {
     const size_t stat0 = static_cast<size_t>(h) * tokens;
-    ToFloat(DType::kF16, &q.scale[stat0], nu.data(), tokens);
+    ToFloat(DType::kF16, q.scale.data() + stat0, nu.data(), tokens);
     for (int t = 0; t < tokens; ++t) {
       const size_t stat = stat0 + t;
       // x = sigma (H / sqrt(d)) (c * nu / sqrt(d)) = sigma H(c) * nu / d.
@@ -180,8 +181,8 @@ void LloydDecodeChannels(const QuantizedTensor& q, int group, KvTensor* out) {
   for (int h = 0; h < heads; ++h) {
     for (int g = 0; g < groups; ++g) {
       const size_t stat0 = (static_cast<size_t>(h) * groups + g) * dim;
-      ToFloat(DType::kF16, &q.scale[stat0], s.data(), dim);
-      ToFloat(DType::kF16, &q.zero[stat0], z.data(), dim);
+      ToFloat(DType::kF16, q.scale.data() + stat0, s.data(), dim);
+      ToFloat(DType::kF16, q.zero.data() + stat0, z.data(), dim);
       const int t1 = std::min(tokens, (g + 1) * group);
       for (int t = g * group; t < t1; ++t) {
         internal::LloydDecodeChannelRow(q.codes.data() + (static_cast<size_t>(h) * tokens + t) * row_bytes, dim,

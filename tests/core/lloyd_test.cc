@@ -329,6 +329,26 @@ TEST(LloydLayerBitsTest, EachLayerKeysAndValuesAtTheirOwnBits) {
   EXPECT_EQ(bytes.find("quant_layer_bits"), std::string::npos);
 }
 
+// A layer that keeps no token (gen:sinks=0 with nothing generated) has no
+// codes and no norms, and decodes to an empty layer.
+TEST(LloydLayerBitsTest, LayersWithoutTokensDecode) {
+  SyntheticTurnOptions o;
+  o.layers = 3;
+  o.kv_heads = 2;
+  o.head_dim = 16;
+  o.n_prompt = 2;
+  o.n_gen = 0;
+  absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
+  ASSERT_TRUE(turn.ok()) << turn.status();
+  for (const char* spec : {"gen:sinks=0+lloyd:layers=21.12.22", "gen:sinks=0+lloyd:bits=3,keys=channel,group=4",
+                           "gen:sinks=0+lloyd:bits=1"}) {
+    const Message m = CompressOrDie(*turn, spec);
+    absl::StatusOr<Message> d = DecodedMessage(m);
+    ASSERT_TRUE(d.ok()) << spec << ": " << d.status();
+    for (const MessageLayer& layer : d->layers) EXPECT_EQ(layer.k.tokens(), 0) << spec;
+  }
+}
+
 TEST(LloydLayerBitsTest, RefusalsNameTheEntryAndTheCount) {
   for (const auto& [spec, what] : std::vector<std::pair<std::string, std::string>>{
            {"full+lloyd:layers=45", "layers=45: entry '45' of layer 0, expected two digits 1..4"},
