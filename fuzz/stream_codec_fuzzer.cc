@@ -94,6 +94,16 @@ void FuzzUpload(const std::vector<std::string>& frames, size_t cut, bool fix) {
   UploadReader reader(*shape);
   Sent sent;
   int next_layer = 0;
+  // Layers of 0 bytes are complete before any chunk (the relay takes them
+  // right after Start); every later Accept may complete more.
+  auto take = [&] {
+    for (auto& [index, layer] : reader.TakeCompleted()) {
+      FUZZ_CHECK(index == next_layer);
+      FUZZ_CHECK(layer.prompt_k.tokens() == shape->geo.n_prompt);
+      ++next_layer;
+    }
+  };
+  take();
   for (size_t i = 1; i < frames.size(); ++i) {
     const std::string bytes = fix ? FixChecksums<v1::PublishRequest>(frames[i], &sent) : frames[i];
     RawMessage raw;
@@ -102,11 +112,7 @@ void FuzzUpload(const std::vector<std::string>& frames, size_t cut, bool fix) {
     StreamError e;
     if (raw.AsChunk(v1::PublishRequest::kChunkFieldNumber, &view)) {
       e = reader.Accept(view);
-      for (auto& [index, layer] : reader.TakeCompleted()) {
-        FUZZ_CHECK(index == next_layer);
-        FUZZ_CHECK(layer.prompt_k.tokens() == shape->geo.n_prompt);
-        ++next_layer;
-      }
+      take();
     } else {
       v1::PublishRequest req;
       if (!raw.ParseAs(&req) || !req.has_commit()) return;  // the relay refuses these itself
