@@ -5,6 +5,8 @@
 #include <limits>
 #include <memory>
 
+#include "core/mutex.h"
+
 namespace kvrelay {
 
 class ThreadPool::Lane {
@@ -28,10 +30,10 @@ ThreadPool::ThreadPool(int threads) : default_lane_(new Lane(std::numeric_limits
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   for (auto& t : workers_) t.join();
 }
 
@@ -43,14 +45,14 @@ void ThreadPool::Schedule(std::function<void()> fn) { Schedule(default_lane_, st
 
 void ThreadPool::Schedule(const std::shared_ptr<Lane>& lane, std::function<void()> fn) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     lane->tasks.push_back(std::move(fn));
     if (!lane->in_ring) {
       lane->in_ring = true;
       ring_.push_back(lane);
     }
   }
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 std::shared_ptr<ThreadPool::Lane> ThreadPool::NextLane() {
@@ -67,17 +69,21 @@ std::shared_ptr<ThreadPool::Lane> ThreadPool::NextLane() {
 bool ThreadPool::IdleLocked() const { return running_ == 0 && ring_.empty(); }
 
 bool ThreadPool::WaitIdle(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return idle_cv_.wait_for(lock, timeout, [this] { return IdleLocked(); });
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  MutexLock lock(&mu_);
+  while (!IdleLocked()) {
+    if (!idle_cv_.WaitUntil(&mu_, deadline)) return IdleLocked();
+  }
+  return true;
 }
 
 void ThreadPool::WorkerLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     std::shared_ptr<Lane> lane;
     // A lane at its limit waits for one of its tasks to finish (which
     // notifies), not for stop_: destruction drains every queued task.
-    cv_.wait(lock, [&] { return (lane = NextLane()) != nullptr || (stop_ && ring_.empty()); });
+    while ((lane = NextLane()) == nullptr && !(stop_ && ring_.empty())) cv_.Wait(&mu_);
     if (!lane) return;
     std::function<void()> fn = std::move(lane->tasks.front());
     lane->tasks.pop_front();
@@ -90,16 +96,16 @@ void ThreadPool::WorkerLoop() {
     ++running_;
     // Stopping and nothing left to start: the waiting workers may exit (the
     // predicate above just became true for them without a notification).
-    if (stop_ && ring_.empty()) cv_.notify_all();
-    lock.unlock();
+    if (stop_ && ring_.empty()) cv_.SignalAll();
+    mu_.Unlock();
     fn();
     fn = nullptr;  // the task's captures go before the lane is released
-    lock.lock();
+    mu_.Lock();
     --running_;
     // A lane that was at its limit may start its next task now.
-    if (lane->running-- == lane->max_running && lane->in_ring) cv_.notify_one();
-    if (stop_ && ring_.empty()) cv_.notify_all();
-    if (IdleLocked()) idle_cv_.notify_all();
+    if (lane->running-- == lane->max_running && lane->in_ring) cv_.Signal();
+    if (stop_ && ring_.empty()) cv_.SignalAll();
+    if (IdleLocked()) idle_cv_.SignalAll();
   }
 }
 
@@ -108,9 +114,9 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
   struct State {
     std::atomic<size_t> next{0};
     std::atomic<size_t> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    std::exception_ptr error;  // the first exception thrown by fn
+    Mutex mu;
+    CondVar cv;
+    std::exception_ptr error ABSL_GUARDED_BY(mu);  // the first exception thrown by fn
   };
   auto state = std::make_shared<State>();
   const size_t n_total = n;
@@ -120,21 +126,21 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
       try {
         fn(i);
       } catch (...) {
-        std::lock_guard<std::mutex> lock(state->mu);
+        MutexLock lock(&state->mu);
         if (!state->error) state->error = std::current_exception();
       }
       ++finished;
     }
     if (finished && state->done.fetch_add(finished) + finished == n_total) {
-      std::lock_guard<std::mutex> lock(state->mu);
-      state->cv.notify_all();
+      MutexLock lock(&state->mu);
+      state->cv.SignalAll();
     }
   };
   const size_t helpers = std::min(n - 1, workers_.size());
   for (size_t i = 0; i < helpers; ++i) Schedule(drain);
   drain();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == n_total; });
+  MutexLock lock(&state->mu);
+  while (state->done.load() != n_total) state->cv.Wait(&state->mu);
   if (state->error) std::rethrow_exception(state->error);
 }
 

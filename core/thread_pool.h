@@ -13,14 +13,14 @@
 #define KVRELAY_CORE_THREAD_POOL_H_
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "core/mutex.h"
 
 namespace kvrelay {
 
@@ -64,18 +64,18 @@ class ThreadPool {
 
  private:
   void WorkerLoop();
-  // Under mu_: the first lane in ring_ that may start a task; null if none.
-  std::shared_ptr<Lane> NextLane();
-  bool IdleLocked() const;
+  // The first lane in ring_ that may start a task; null if none.
+  std::shared_ptr<Lane> NextLane() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IdleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  std::mutex mu_;
-  std::condition_variable cv_;       // a task may start, or stop_
-  std::condition_variable idle_cv_;  // the pool may have become idle
+  Mutex mu_;
+  CondVar cv_;       // a task may start, or stop_
+  CondVar idle_cv_;  // the pool may have become idle
   // Lanes with queued tasks, in serving order; a served lane moves to the back.
-  std::deque<std::shared_ptr<Lane>> ring_;
+  std::deque<std::shared_ptr<Lane>> ring_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Lane> default_lane_;
-  int running_ = 0;  // tasks running, all lanes
-  bool stop_ = false;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;  // tasks running, all lanes
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };
 

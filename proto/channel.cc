@@ -1,13 +1,12 @@
 #include "proto/channel.h"
 
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "proto/address.h"
 #include "grpcpp/client_context.h"
@@ -95,20 +94,20 @@ absl::StatusOr<HealthStatus> CheckHealth(const std::shared_ptr<grpc::Channel>& c
   grpc::Slice slice(body);
   grpc::ByteBuffer request(&slice, 1);
   grpc::ByteBuffer response;
-  std::mutex mu;
-  std::condition_variable cv;
+  Mutex mu;
+  CondVar cv;
   bool done = false;
   grpc::Status status;
   stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
                  [&](grpc::Status s) {
-                   std::lock_guard<std::mutex> lock(mu);
+                   MutexLock lock(&mu);
                    status = std::move(s);
                    done = true;
-                   cv.notify_one();
+                   cv.Signal();
                  });
   {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
+    MutexLock lock(&mu);
+    while (!done) cv.Wait(&mu);
   }
   // The health protocol answers Check for a service it does not know with
   // NOT_FOUND (SERVICE_UNKNOWN is Watch's).

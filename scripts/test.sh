@@ -10,5 +10,7 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ "${KVRELAY_SKIP_SANITIZERS:-0}" != 1 ]; then bash scripts/sanitize.sh; fi
 # The store, the outbox, the spool, the stream codec, the pool and the pipeline under ThreadSanitizer.
 if [ "${KVRELAY_SKIP_TSAN:-0}" != 1 ]; then bash scripts/tsan.sh; fi
+# The relay under clang's thread-safety analysis (compile only).
+if [ "${KVRELAY_SKIP_THREAD_SAFETY:-0}" != 1 ]; then bash scripts/thread_safety.sh; fi
 # The decoders and parsers under libFuzzer (clang, ASan + UBSan), 30 s each.
 if [ "${KVRELAY_SKIP_FUZZ:-0}" != 1 ]; then bash scripts/fuzz.sh 30; fi

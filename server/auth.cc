@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "grpc/grpc_security_constants.h"
 #include "grpcpp/security/tls_certificate_provider.h"
@@ -267,12 +268,12 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(const AuthO
             [p](const std::string& content) {
               KVRELAY_ASSIGN_OR_RETURN(auto entries,
                                        ParseTokensFile(content, absl::StrCat("--tokens-file=", p->opts_.tokens_file)));
-              std::lock_guard<std::mutex> lock(p->mu_);
+              MutexLock lock(&p->mu_);
               p->tokens_ = std::make_shared<const std::vector<TokenEntry>>(std::move(entries));
               return absl::OkStatus();
             },
             [p] {
-              std::lock_guard<std::mutex> lock(p->mu_);
+              MutexLock lock(&p->mu_);
               return absl::StrCat("the last good tokens (", p->tokens_->size(), " entries)");
             }));
   }
@@ -287,7 +288,7 @@ std::optional<std::string> Authenticator::LookupToken(absl::string_view token) c
   if (EVP_Digest(token.data(), token.size(), md, &n, EVP_sha256(), nullptr) != 1 || n != 32) return std::nullopt;
   std::shared_ptr<const std::vector<TokenEntry>> tokens;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     tokens = tokens_;
   }
   // Every entry is compared, in constant time each, whatever matches.
@@ -304,7 +305,7 @@ absl::Status Authenticator::Refuse(const grpc::ServerContextBase& ctx, absl::str
   if (metrics_) metrics_->AddAuthFailure(AuthFailureName(reason));
   // At most 10 lines a second: a flood of bad calls must not flood the log.
   constexpr int kLinesPerSecond = 10;
-  std::lock_guard<std::mutex> lock(log_mu_);
+  MutexLock lock(&log_mu_);
   const auto now = std::chrono::steady_clock::now();
   if (now - log_window_ >= std::chrono::seconds(1)) {
     if (log_suppressed_ > 0) spdlog::warn("auth: {} more refusals not logged in the last second", log_suppressed_);

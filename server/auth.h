@@ -30,7 +30,6 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "core/mutex.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_context.h"
@@ -157,14 +157,14 @@ class Authenticator {
 
   const AuthOptions opts_;
   Metrics* const metrics_;
-  mutable std::mutex mu_;
-  std::shared_ptr<const std::vector<TokenEntry>> tokens_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::shared_ptr<const std::vector<TokenEntry>> tokens_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<WatchedFile> tokens_file_;
   // Rate limit of the refusal log lines.
-  mutable std::mutex log_mu_;
-  mutable std::chrono::steady_clock::time_point log_window_;
-  mutable int log_lines_ = 0;
-  mutable uint64_t log_suppressed_ = 0;
+  mutable Mutex log_mu_;
+  mutable std::chrono::steady_clock::time_point log_window_ ABSL_GUARDED_BY(log_mu_);
+  mutable int log_lines_ ABSL_GUARDED_BY(log_mu_) = 0;
+  mutable uint64_t log_suppressed_ ABSL_GUARDED_BY(log_mu_) = 0;
 };
 
 // ---- Credentials ----

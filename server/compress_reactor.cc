@@ -1,10 +1,10 @@
 #include "server/compress_reactor.h"
 
 #include <memory>
-#include <mutex>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "core/pipeline.h"
 #include "core/quant.h"
 #include "core/status_macros.h"
@@ -56,7 +56,7 @@ class CompressReactor final
     }
     KVRELAY_RETURN_IF_ERROR(CheckPolicyFor(**pipeline, shape.geo, "header.policy"));
     std::shared_ptr<const Pipeline> shared(std::move(*pipeline));
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return upload_.Start(shape, std::move(shared), nullptr, shape.prompt_pos0.value_or(shape.geo.n_history));
   }
 
@@ -80,7 +80,7 @@ class CompressReactor final
     svc_->store()->AddInflight(out_reserved_);
     pending.reset();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       upload_ = Upload(svc_);  // releases the upload's reservation
     }
     if (Metrics* mx = svc_->metrics()) mx->ObserveCompress(compress_s);

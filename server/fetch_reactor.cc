@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <mutex>
 #include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "core/quant.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
@@ -45,7 +45,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void OnCancel() override {
     bool finish = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       cancelled_ = true;
       if (waiting_ && svc_->store()->CancelWaiter(waiter_)) {
         waiting_ = false;
@@ -82,7 +82,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     std::optional<Store::Delivery> d;
     const grpc::Status shutdown(grpc::UNAVAILABLE, "fetch: the relay is shutting down, retry elsewhere or later");
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       waiting_ = false;
       if (cancelled_) {
         fin = grpc::Status(grpc::CANCELLED, "fetch: cancelled while waiting");
@@ -217,9 +217,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   const std::string session_, agent_;
   const bool auto_ack_;
   Clock::time_point deadline_;
-  std::mutex mu_;
-  bool waiting_ = false, cancelled_ = false;
-  uint64_t waiter_ = 0;
+  Mutex mu_;
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t waiter_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<bool> finished_{false};
   Store::Delivery delivery_;
   std::optional<ChunkStreamWriter> out_;

@@ -1,12 +1,12 @@
 #include "server/forward_reactor.h"
 
+#include "core/mutex.h"
 #include "server/routing.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,18 +29,32 @@
 namespace kvrelay {
 namespace {
 
+// A WIRE_CODEC_RANS forward: the blob of the layer arriving, and what
+// each layer must decode to.
+struct CodedState {
+  std::vector<std::vector<WireTensor>> layers;  // expected tensors per layer
+  uint32_t layer = 0;                           // the layer whose blob arrives
+  std::vector<uint8_t> blob;                    // its bytes so far
+  uint64_t blob_bytes = 0;                      // its size, once its header is in (0: not yet)
+  TrailerBuilder trailer;                       // of the coded chunks that arrived
+  TrailerBuilder decoded;                       // of the decoded chunks given to reader_
+};
+
 std::string Quoted(absl::string_view v) { return absl::StrCat("'", absl::CHexEscape(v), "'"); }
 
 class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   ForwardReactor(RelayService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response, Caller caller)
       : svc_(svc), ctx_(ctx), wire_resp_(response), caller_(std::move(caller)), started_(Clock::now()) {
-    idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
+    idle_ = svc_->watchdog()->Watch([this] {
+      idle_->mu.AssertHeld();  // the watchdog fires under the entry's mutex
+      OnIdle();
+    });
     StartRead(&wire_);
   }
 
   void OnReadDone(bool ok) override {
-    std::lock_guard<std::mutex> activity(idle_->mu);
+    MutexLock activity(&idle_->mu);
     idle_->last = Clock::now();
     if (finished_) return;
     if (!ok) {
@@ -133,7 +147,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     return !san.empty() && std::find(sans.begin(), sans.end(), san) != sans.end();
   }
 
-  absl::Status OnHeader(const v1::ForwardHeader& h) {
+  absl::Status OnHeader(const v1::ForwardHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     header_ = h;
     if (h.protocol_version() != kForwardProtocolVersionV1 && h.protocol_version() != kForwardProtocolVersion) {
       return absl::FailedPreconditionError(absl::StrCat("header.protocol_version: ", h.protocol_version(),
@@ -340,7 +354,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     return absl::OkStatus();
   }
 
-  void OnCommit(const v1::ForwardCommit& c) {
+  void OnCommit(const v1::ForwardCommit& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     const v1::ForwardHeader& h = *header_;
     Message suffix;
     if (absl::Status st = CheckCodedTrailer(c.trailer()); !st.ok()) return Fail(st);
@@ -400,7 +414,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   // Answers from the header: the message is held already.
-  absl::Status Answer(const MessagePtr& prior, const char* received) {
+  absl::Status Answer(const MessagePtr& prior, const char* received) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     absl::StatusOr<Store::ForwardCommitResult> r = svc_->store()->CommitForward(
         std::const_pointer_cast<StoredMessage>(prior), recipients_, *ticket_);
     if (!r.ok()) return r.status();
@@ -421,13 +435,13 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
   }
 
-  void OnIdle() {
+  void OnIdle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (finished_) return;
     Fail(absl::DeadlineExceededError(absl::StrCat("forward: idle for ", svc_->watchdog()->timeout_seconds(),
                                                   " s (--upload-idle-timeout-seconds)")));
   }
 
-  void Fail(const absl::Status& s) {
+  void Fail(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (header_) {
       spdlog::info("forward refused session={} message={} origin={}: {}", header_->message().session_id(),
                    header_->message().message_id(), header_->origin(), s.ToString());
@@ -435,7 +449,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     FinishOnce(ToGrpcStatus(s));
   }
 
-  void FinishOnce(const grpc::Status& status) {
+  void FinishOnce(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (finished_.exchange(true)) return;
     idle_->armed = false;
     svc_->CountRpc("Forward", status);
@@ -458,16 +472,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   std::vector<std::string> recipients_;
   MessagePtr ancestor_;
   DeliveryReader reader_;
-  // A WIRE_CODEC_RANS forward: the blob of the layer arriving, and what
-  // each layer must decode to.
-  struct CodedState {
-    std::vector<std::vector<WireTensor>> layers;  // expected tensors per layer
-    uint32_t layer = 0;                           // the layer whose blob arrives
-    std::vector<uint8_t> blob;                    // its bytes so far
-    uint64_t blob_bytes = 0;                      // its size, once its header is in (0: not yet)
-    TrailerBuilder trailer;                       // of the coded chunks that arrived
-    TrailerBuilder decoded;                       // of the decoded chunks given to reader_
-  };
+  // A WIRE_CODEC_RANS forward's state (CodedState).
   std::optional<CodedState> coded_;
   uint64_t reserved_ = 0, received_ = 0;
   v1::ForwardResponse resp_;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/crc32c.h"
+#include "core/mutex.h"
 #include "proto/raw_chunk.h"
 #include "proto/stream_codec.h"
 #include "proto/wire_codec.h"
@@ -109,7 +110,8 @@ std::shared_ptr<MessageLayer> Suffix(const ForwardSource::LayerView& v, const Me
 
 // ------------------------------------------------------------ ForwardSource
 
-ForwardSource::ForwardSource(int layers, std::shared_ptr<const void> owner) : layers_(layers) {
+ForwardSource::ForwardSource(int layers, std::shared_ptr<const void> owner)
+    : n_layers_(layers), layers_(layers) {
   if (owner) owners_.push_back(std::move(owner));
 }
 
@@ -135,19 +137,19 @@ void ForwardSource::SetLayer(int l, const MessageLayer& layer) {
   v->acc = {static_cast<uint32_t>(l), v1::PART_ACC,
             absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(acc.data()), acc.size() * sizeof(float))};
   v->wire.push_back(v->acc);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   layers_[l] = std::move(v);
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void ForwardSource::AddOwner(std::shared_ptr<const void> owner) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   owners_.push_back(std::move(owner));
 }
 
 void ForwardSource::Resolve(MessagePtr committed) {
   std::vector<std::shared_ptr<const void>> released;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (resolved_) return;
   resolved_ = true;
   outcome_ = std::move(committed);
@@ -156,25 +158,29 @@ void ForwardSource::Resolve(MessagePtr committed) {
     released.swap(owners_);  // freed after the lock (the compression's reservation with it)
     owners_.push_back(outcome_);
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 bool ForwardSource::WaitLayer(int l, LayerView* out, Clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_until(lock, deadline, [&] { return layers_[l] != nullptr || (resolved_ && !outcome_); });
+  MutexLock lock(&mu_);
+  while (layers_[l] == nullptr && !(resolved_ && !outcome_)) {
+    if (!cv_.WaitUntil(&mu_, deadline)) break;
+  }
   if (!layers_[l]) return false;
   *out = *layers_[l];
   return true;
 }
 
 MessagePtr ForwardSource::WaitOutcome(Clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_until(lock, deadline, [&] { return resolved_; });
+  MutexLock lock(&mu_);
+  while (!resolved_) {
+    if (!cv_.WaitUntil(&mu_, deadline)) break;
+  }
   return outcome_;
 }
 
 Clock::time_point ForwardSource::resolved_at() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return resolved_at_;
 }
 
@@ -205,7 +211,7 @@ Forwarder::Forwarder(const ForwarderOptions& opts, Store* store, const RouteTabl
 Forwarder::~Forwarder() {
   std::vector<std::shared_ptr<Job>> running;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
     for (const auto& j : running_) {
       if (j->ctx) j->ctx->TryCancel();
@@ -213,7 +219,7 @@ Forwarder::~Forwarder() {
     }
   }
   for (const auto& j : running) j->source->Resolve(nullptr);  // wakes attempts waiting for layers
-  cv_.notify_all();
+  cv_.SignalAll();
   for (std::thread& t : threads_) t.join();
 }
 
@@ -254,10 +260,10 @@ void Forwarder::Enqueue(const std::string& target, std::vector<std::string> reci
 
 void Forwarder::Schedule(const std::shared_ptr<Job>& job, Clock::time_point at) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!stop_) {
       queue_.emplace(at, job);
-      cv_.notify_one();
+      cv_.Signal();
       return;
     }
   }
@@ -265,25 +271,25 @@ void Forwarder::Schedule(const std::shared_ptr<Job>& job, Clock::time_point at) 
 }
 
 void Forwarder::Loop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   while (!stop_) {
     if (queue_.empty()) {
-      cv_.wait(lock);
+      cv_.Wait(&mu_);
       continue;
     }
     auto first = queue_.begin();
     if (first->first > Clock::now()) {
-      cv_.wait_until(lock, first->first);
+      cv_.WaitUntil(&mu_, first->first);
       continue;
     }
     std::shared_ptr<Job> job = first->second;
     queue_.erase(first);
     running_.push_back(job);
-    lock.unlock();
+    mu_.Unlock();
     Attempt(job);
-    lock.lock();
+    mu_.Lock();
     running_.erase(std::find(running_.begin(), running_.end(), job));
-    cv_.notify_all();  // Drain watches the outbox empty
+    cv_.SignalAll();  // Drain watches the outbox empty
   }
 }
 
@@ -308,7 +314,7 @@ void Forwarder::DeadLetter(const std::shared_ptr<Job>& job, const std::vector<st
 
 bool Forwarder::UseWireCodec(const std::string& target) {
   if (!opts_.wire_codec_rans) return false;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = legacy_until_.find(target);
   if (it == legacy_until_.end()) return true;
   if (Clock::now() < it->second) return false;
@@ -317,7 +323,7 @@ bool Forwarder::UseWireCodec(const std::string& target) {
 }
 
 void Forwarder::NoteLegacyPeer(const std::string& target) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   legacy_until_[target] = Clock::now() + kLegacyPeerRecheck;
 }
 
@@ -384,12 +390,13 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::duration_cast<std::chrono::system_clock::duration>(job->deadline - Clock::now()));
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    mu_.Lock();
     if (stop_) {
-      lock.unlock();
+      mu_.Unlock();
       return EndJob(job);
     }
     job->ctx = &ctx;
+    mu_.Unlock();
   }
   BlockingStream stream(channel, kForwardMethod, &ctx);
   bool ok = stream.Write(EncodeProto(req), stall);
@@ -455,7 +462,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   const bool answered = !publish_failed && !mismatch && stream.ReadResponse(&resp_wire, stall);
   grpc::Status status = stream.Finish();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     job->ctx = nullptr;
   }
   if (metrics_) {
@@ -590,8 +597,11 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
 }
 
 int Forwarder::Drain(std::chrono::milliseconds grace) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, grace, [this] { return queue_.empty() && running_.empty(); });
+  const Clock::time_point deadline = Clock::now() + grace;
+  mu_.Lock();
+  while (!(queue_.empty() && running_.empty())) {
+    if (!cv_.WaitUntil(&mu_, deadline)) break;
+  }
   int left = 0;
   for (const auto& [at, job] : queue_) {
     ++left;
@@ -609,7 +619,7 @@ int Forwarder::Drain(std::chrono::milliseconds grace) {
   for (auto& [at, job] : queue_) cleared.push_back(job);
   queue_.clear();
   stop_ = true;  // attempts in flight end without a retry
-  lock.unlock();
+  mu_.Unlock();
   for (const auto& job : cleared) EndJob(job);
   return left;
 }

@@ -42,11 +42,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,6 +52,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "core/message.h"
+#include "core/mutex.h"
 #include "kvrelay/v1/relay.pb.h"
 #include "proto/wire.h"
 #include "server/peer_channels.h"
@@ -112,16 +111,17 @@ class ForwardSource {
   MessagePtr WaitOutcome(Clock::time_point deadline);
   // When the commit was resolved (the forward latency starts there).
   Clock::time_point resolved_at();
-  int layers() const { return static_cast<int>(layers_.size()); }
+  int layers() const { return n_layers_; }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::unique_ptr<LayerView>> layers_;
-  std::vector<std::shared_ptr<const void>> owners_;
-  bool resolved_ = false;
-  MessagePtr outcome_;
-  Clock::time_point resolved_at_;
+  const int n_layers_;
+  Mutex mu_;
+  CondVar cv_;
+  std::vector<std::unique_ptr<LayerView>> layers_ ABSL_GUARDED_BY(mu_);  // n_layers_ entries
+  std::vector<std::shared_ptr<const void>> owners_ ABSL_GUARDED_BY(mu_);
+  bool resolved_ ABSL_GUARDED_BY(mu_) = false;
+  MessagePtr outcome_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point resolved_at_ ABSL_GUARDED_BY(mu_);
 };
 
 // The header of a forward of the committed message `m` (what its publish's
@@ -203,13 +203,13 @@ class Forwarder {
   Metrics* const metrics_;
   PeerChannels peers_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::multimap<Clock::time_point, std::shared_ptr<Job>> queue_;
-  std::vector<std::shared_ptr<Job>> running_;
-  bool stop_ = false;  // no new attempts (Drain, the destructor)
+  Mutex mu_;
+  CondVar cv_;
+  std::multimap<Clock::time_point, std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Job>> running_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;  // no new attempts (Drain, the destructor)
   // Peers that refused protocol 2, until when they get protocol 1.
-  std::map<std::string, Clock::time_point> legacy_until_;
+  std::map<std::string, Clock::time_point> legacy_until_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> threads_;
 };
 

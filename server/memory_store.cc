@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "server/metrics.h"
 
@@ -19,10 +20,10 @@ MemoryStore::MemoryStore(const StoreLimits& limits, Metrics* metrics) : limits_(
 
 MemoryStore::~MemoryStore() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   timer_.join();
 }
 
@@ -78,7 +79,7 @@ void MemoryStore::PublishInflight() {
   // Every update is followed by a set, under one lock, from the counter's
   // value at that time: the last set reflects every update before it.
   if (!metrics_) return;
-  std::lock_guard<std::mutex> lock(gauge_mu_);
+  MutexLock lock(&gauge_mu_);
   metrics_->SetInflight(static_cast<double>(inflight_.load()));
 }
 
@@ -120,7 +121,7 @@ absl::Status MemoryStore::CheckBytesLocked(const std::string& session, const Ses
 }
 
 MessagePtr MemoryStore::Find(const std::string& session, const std::string& message_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return nullptr;
   auto m = s->second.messages.find(message_id);
@@ -129,7 +130,7 @@ MessagePtr MemoryStore::Find(const std::string& session, const std::string& mess
 
 absl::StatusOr<MessagePtr> MemoryStore::LookupParent(const std::string& session, const std::string& parent_id,
                                                const std::string& sender) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   const MessagePtr* m = nullptr;
   if (s != sessions_.end()) {
@@ -147,7 +148,7 @@ absl::StatusOr<MessagePtr> MemoryStore::LookupParent(const std::string& session,
 
 absl::Status MemoryStore::CheckCanPublish(const std::string& session, const std::vector<std::string>& recipients,
                                     uint64_t bytes) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   const Session* sp = s == sessions_.end() ? nullptr : &s->second;
   if (sp && sp->messages.size() >= limits_.max_session_messages) {
@@ -159,13 +160,13 @@ absl::Status MemoryStore::CheckCanPublish(const std::string& session, const std:
 }
 
 MemoryStore::PublishTicket MemoryStore::BeginPublish(const std::string& session) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ++publishing_[session].in_progress;
   return PublishTicket{session, close_seq_};
 }
 
 void MemoryStore::EndPublish(const PublishTicket& t) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = publishing_.find(t.session);
   // A close only matters to the session's publishes in progress: with none
   // left the entry goes, its last close with it.
@@ -181,11 +182,11 @@ absl::StatusOr<MemoryStore::CommitResult> MemoryStore::CommitWithHook(std::share
   std::vector<WakeFn> wakes;
   CommitResult result;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     KVRELAY_RETURN_IF_ERROR(CheckNotClosedSinceLocked(t, "publish"));
     Session& s = sessions_[m->session_id];
     const bool fresh = s.messages.empty() && s.mailboxes.empty();
-    auto drop_if_fresh = [&] {
+    auto drop_if_fresh = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (fresh) sessions_.erase(m->session_id);
     };
     if (auto it = s.messages.find(m->message_id); it != s.messages.end()) {
@@ -228,7 +229,7 @@ absl::StatusOr<MemoryStore::CommitResult> MemoryStore::CommitWithHook(std::share
 
 std::optional<MemoryStore::Delivery> MemoryStore::FetchOrWait(const std::string& session, const std::string& agent,
                                                   Clock::time_point deadline, WakeFn wake, uint64_t* waiter) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s != sessions_.end()) {
     auto mb = s->second.mailboxes.find(agent);
@@ -246,12 +247,12 @@ std::optional<MemoryStore::Delivery> MemoryStore::FetchOrWait(const std::string&
   const uint64_t id = next_waiter_++;
   waiters_[id] = Waiter{session, agent, deadline, std::move(wake)};
   *waiter = id;
-  cv_.notify_all();  // the timer may need an earlier wakeup
+  cv_.SignalAll();  // the timer may need an earlier wakeup
   return std::nullopt;
 }
 
 bool MemoryStore::MarkDelivered(const std::string& session, const std::string& agent, const std::string& message_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ++delivered_;
   auto s = sessions_.find(session);
   if (s == sessions_.end() || !s->second.messages.count(message_id)) return false;  // closed or expired meanwhile
@@ -260,7 +261,7 @@ bool MemoryStore::MarkDelivered(const std::string& session, const std::string& a
 }
 
 bool MemoryStore::CancelWaiter(uint64_t waiter) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = waiters_.find(waiter);
   if (it == waiters_.end()) return false;
   TouchLocked(it->second.session);  // waited on until now
@@ -269,7 +270,7 @@ bool MemoryStore::CancelWaiter(uint64_t waiter) {
 }
 
 absl::Status MemoryStore::Ack(const std::string& session, const std::string& agent, const std::string& message_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) {
     return NoSession(session);
@@ -323,7 +324,7 @@ Store::CloseResult MemoryStore::CloseSessionAndPeers(const std::string& session)
   std::vector<WakeFn> wakes;
   CloseResult r;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     // Waiters may wait on a session that holds nothing yet: wake them too.
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->second.session == session) {
@@ -358,7 +359,7 @@ Store::CloseResult MemoryStore::CloseSessionAndPeers(const std::string& session)
 void MemoryStore::Shutdown() {
   std::vector<WakeFn> wakes;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     shutting_down_ = true;
     for (auto& [id, w] : waiters_) wakes.push_back(std::move(w.wake));
     waiters_.clear();
@@ -367,12 +368,12 @@ void MemoryStore::Shutdown() {
 }
 
 bool MemoryStore::shutting_down() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return shutting_down_;
 }
 
 void MemoryStore::SweepExpired() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const Clock::time_point cutoff = Clock::now() - Ttl();
   std::set<std::string> waited_on;
   for (const auto& [id, w] : waiters_) waited_on.insert(w.session);
@@ -402,7 +403,7 @@ void MemoryStore::PublishGaugesLocked() {
 
 StoreStats MemoryStore::Stats() const {
   StoreStats st;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   st.committed = committed_;
   st.failed = failed_;
   st.delivered = delivered_;
@@ -423,11 +424,11 @@ void MemoryStore::TimerLoop() {
   const auto sweep_every = std::clamp<Clock::duration>(Ttl() / 4, std::chrono::milliseconds(10),
                                                        std::chrono::seconds(1));
   Clock::time_point next_sweep = Clock::now() + sweep_every;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   while (!stop_) {
     Clock::time_point wake_at = next_sweep;
     for (const auto& [id, w] : waiters_) wake_at = std::min(wake_at, w.deadline);
-    cv_.wait_until(lock, wake_at);
+    cv_.WaitUntil(&mu_, wake_at);
     if (stop_) break;
     const Clock::time_point now = Clock::now();
     std::vector<WakeFn> expired;
@@ -441,13 +442,13 @@ void MemoryStore::TimerLoop() {
       }
     }
     const bool sweep = now >= next_sweep;
-    lock.unlock();
+    mu_.Unlock();
     for (WakeFn& w : expired) w(Wake::kTimeout);
     if (sweep) {
       SweepExpired();
       next_sweep = Clock::now() + sweep_every;
     }
-    lock.lock();
+    mu_.Lock();
   }
 }
 
@@ -488,7 +489,7 @@ absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForwardWithHook(
   std::vector<WakeFn> wakes;
   ForwardCommitResult result;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     KVRELAY_RETURN_IF_ERROR(CheckNotClosedSinceLocked(t, "forward"));
     if (closed_.count(m->session_id)) {
       return absl::FailedPreconditionError(
@@ -555,12 +556,12 @@ absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForwardWithHook(
 }
 
 bool MemoryStore::IsClosed(const std::string& session) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return closed_.count(session) > 0;
 }
 
 absl::Status MemoryStore::ReserveOutbox(const std::string& target, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t& dest = outbox_bytes_[target];
   if (dest + bytes > limits_.max_outbox_bytes_per_destination) {
     const uint64_t held = dest;
@@ -585,7 +586,7 @@ absl::Status MemoryStore::ReserveOutbox(const std::string& target, uint64_t byte
 }
 
 void MemoryStore::ReleaseOutbox(const std::string& target, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = outbox_bytes_.find(target);
   if (it == outbox_bytes_.end()) return;
   it->second -= std::min(it->second, bytes);
@@ -597,7 +598,7 @@ void MemoryStore::ReleaseOutbox(const std::string& target, uint64_t bytes) {
 
 void MemoryStore::TrackRecipient(const std::string& session, const std::string& message_id,
                                  const std::string& agent, const RecipientTrack& track) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return;
   auto& tracks = s->second.tracks[message_id];
@@ -611,7 +612,7 @@ void MemoryStore::TrackRecipient(const std::string& session, const std::string& 
 
 absl::StatusOr<v1::MessageStatusResponse> MemoryStore::MessageStatus(const std::string& session,
                                                                     const std::string& message_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) {
     return NoSession(session);
@@ -663,7 +664,7 @@ absl::StatusOr<v1::MessageStatusResponse> MemoryStore::MessageStatus(const std::
 }
 
 bool MemoryStore::AddPeer(const std::string& session, const std::string& target) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return false;
   s->second.peers.insert(target);
@@ -672,7 +673,7 @@ bool MemoryStore::AddPeer(const std::string& session, const std::string& target)
 
 void MemoryStore::NotePeerHolds(const std::string& session, const std::string& message_id,
                                 const std::string& target) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return;
   s->second.peers.insert(target);
@@ -681,13 +682,13 @@ void MemoryStore::NotePeerHolds(const std::string& session, const std::string& m
 
 bool MemoryStore::PeerHolds(const std::string& session, const std::string& message_id,
                             const std::string& target) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   return s != sessions_.end() && s->second.peer_holds.count({message_id, target}) > 0;
 }
 
 bool MemoryStore::IsParticipant(const std::string& session, const std::string& agent) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return false;
   for (const auto& [id, m] : s->second.messages) {
@@ -699,7 +700,7 @@ bool MemoryStore::IsParticipant(const std::string& session, const std::string& a
 }
 
 std::vector<std::string> MemoryStore::Peers(const std::string& session) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return {};
   return std::vector<std::string>(s->second.peers.begin(), s->second.peers.end());
@@ -707,7 +708,7 @@ std::vector<std::string> MemoryStore::Peers(const std::string& session) const {
 
 MemoryStore::State MemoryStore::Export() const {
   State st;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& [name, s] : sessions_) {
     SessionState& out = st.sessions[name];
     for (const auto& [id, msg] : s.messages) {
@@ -741,7 +742,7 @@ MemoryStore::State MemoryStore::Export() const {
 }
 
 void MemoryStore::Restore(const State& state) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const Clock::time_point now = Clock::now();
   for (const auto& [name, in] : state.sessions) {
     Session& s = sessions_[name];

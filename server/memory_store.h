@@ -7,18 +7,17 @@
 #define KVRELAY_SERVER_MEMORY_STORE_H_
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "core/mutex.h"
 #include "server/store.h"
 
 namespace kvrelay {
@@ -115,6 +114,7 @@ class MemoryStore final : public Store {
   // whenever a session is freed: closed (expired = false) or idle past the
   // TTL (expired = true). REQUIRES: set before the store is used.
   void SetEraseListener(std::function<void(const std::string& session, bool expired)> fn) {
+    MutexLock lock(&mu_);
     erase_listener_ = std::move(fn);
   }
 
@@ -147,30 +147,35 @@ class MemoryStore final : public Store {
 
   void TimerLoop();
   // Restarts the idle time of `session` if it exists. REQUIRES: mu_ held.
-  void TouchLocked(const std::string& session);
-  void EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired);
-  void PublishGaugesLocked();
+  void TouchLocked(const std::string& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishInflight();
   absl::Status CheckBytesLocked(const std::string& session, const Session* s,
                                 const std::vector<std::string>& recipients, uint64_t bytes,
-                                absl::string_view what) const;
+                                absl::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Clock::duration Ttl() const;
   // FAILED_PRECONDITION when the ticket's session was closed after it was
   // taken (`what`: "publish" or "forward"). REQUIRES: mu_ held.
-  absl::Status CheckNotClosedSinceLocked(const PublishTicket& t, absl::string_view what) const;
+  absl::Status CheckNotClosedSinceLocked(const PublishTicket& t, absl::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Puts `msg` into `agent`'s mailbox and wakes its waiters into `wakes`.
-  void AddToMailboxLocked(Session& s, const MessagePtr& msg, const std::string& agent, std::vector<WakeFn>* wakes);
-  void SweepClosedLocked(Clock::time_point now);
+  void AddToMailboxLocked(Session& s, const MessagePtr& msg, const std::string& agent, std::vector<WakeFn>* wakes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SweepClosedLocked(Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const StoreLimits limits_;
   Metrics* const metrics_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, Session> sessions_;
-  std::map<uint64_t, Waiter> waiters_;
-  uint64_t next_waiter_ = 1;
-  uint64_t mailbox_messages_ = 0, mailbox_bytes_ = 0, store_bytes_ = 0;
-  uint64_t committed_ = 0, acked_ = 0, full_ = 0, sent_ = 0;
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_waiter_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t mailbox_messages_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t mailbox_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t store_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t committed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t acked_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t full_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;
   // Publish fencing. A session with publishes in progress has an entry:
   // their count and the sequence number of its last close meanwhile (0:
   // none); a ticket holds close_seq_ as it was when the publish began.
@@ -178,19 +183,21 @@ class MemoryStore final : public Store {
     int in_progress = 0;
     uint64_t last_close = 0;
   };
-  uint64_t close_seq_ = 0;
-  std::map<std::string, Publishing> publishing_;
+  uint64_t close_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, Publishing> publishing_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> inflight_{0}, received_{0}, failed_{0}, delivered_{0};
-  std::mutex gauge_mu_;  // orders in-flight gauge updates
+  Mutex gauge_mu_;  // orders in-flight gauge updates
   // Sessions closed here, remembered for the TTL (bounded: the oldest are
   // forgotten first past kMaxClosedSessions).
-  std::map<std::string, Clock::time_point> closed_;
-  std::deque<std::pair<Clock::time_point, std::string>> closed_order_;
+  std::map<std::string, Clock::time_point> closed_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<Clock::time_point, std::string>> closed_order_ ABSL_GUARDED_BY(mu_);
   // The outbox: bytes reserved per destination and in all.
-  std::map<std::string, uint64_t> outbox_bytes_;
-  uint64_t outbox_total_ = 0, outbox_messages_ = 0;
-  bool stop_ = false, shutting_down_ = false;
-  std::function<void(const std::string&, bool)> erase_listener_;
+  std::map<std::string, uint64_t> outbox_bytes_ ABSL_GUARDED_BY(mu_);
+  uint64_t outbox_total_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t outbox_messages_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void(const std::string&, bool)> erase_listener_ ABSL_GUARDED_BY(mu_);
   std::thread timer_;
 };
 

@@ -65,7 +65,6 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "grpcpp/support/status.h"

@@ -7,15 +7,14 @@
 #define KVRELAY_SERVER_PEER_CHANNELS_H_
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <vector>
 #include <string>
 
+#include "core/mutex.h"
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -57,15 +56,16 @@ class PeerChannels {
   struct AsyncCall;
 
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
-  std::mutex mu_;
-  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
-  // The CallAsync calls in flight. Recursive: cancelling one in the
-  // destructor may run its callback (which removes it) on the same thread.
-  std::recursive_mutex calls_mu_;
-  std::condition_variable_any calls_done_;
-  std::set<AsyncCall*> calls_;  // guarded by calls_mu_
-  bool stopping_ = false;       // guarded by calls_mu_: the destructor has begun
-  std::vector<AsyncCall*> finished_;  // guarded by calls_mu_: done while stopping
+  Mutex mu_;
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // The CallAsync calls in flight. The destructor cancels them without
+  // the lock: a cancelled call's callback (which takes it) may run inside
+  // TryCancel on the same thread.
+  Mutex calls_mu_;
+  CondVar calls_done_;
+  std::set<AsyncCall*> calls_ ABSL_GUARDED_BY(calls_mu_);
+  bool stopping_ ABSL_GUARDED_BY(calls_mu_) = false;  // the destructor has begun
+  std::vector<AsyncCall*> finished_ ABSL_GUARDED_BY(calls_mu_);  // done while stopping
 };
 
 // A streaming call on gRPC's generic callback API, driven by one blocking
@@ -95,7 +95,10 @@ class BlockingStream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::By
   void Cancel();
   // Waits for the call to end and returns its status.
   grpc::Status Finish();
-  bool stalled() const { return stalled_; }
+  bool stalled() const {
+    MutexLock lock(&mu_);
+    return stalled_;
+  }
 
   void OnWriteDone(bool ok) override;
   void OnWritesDoneDone(bool ok) override;
@@ -103,17 +106,21 @@ class BlockingStream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::By
   void OnDone(const grpc::Status& s) override;
 
  private:
+  // Waits at most `stall` for `ready` (called under mu_); on a timeout
+  // marks the stream stalled and cancels the call.
   bool WaitFor(const std::function<bool()>& ready, std::chrono::milliseconds stall);
 
   grpc::ClientContext* const ctx_;
   grpc::ByteBuffer write_buf_, read_buf_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool write_pending_ = false, write_ok_ = true;
-  bool read_done_ = false, read_ok_ = false;
-  bool done_ = false;
-  bool stalled_ = false;
-  grpc::Status status_;
+  mutable Mutex mu_;
+  CondVar cv_;
+  bool write_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
+  bool read_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_ok_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool stalled_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvrelay

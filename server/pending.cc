@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/history.h"
+#include "core/mutex.h"
 #include "core/quant.h"
 
 namespace kvrelay {
@@ -33,7 +34,7 @@ PendingCompression::~PendingCompression() {
 void PendingCompression::Submit(int l, TurnLayer layer) {
   int outstanding;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     outstanding = ++outstanding_;
     max_outstanding_ = std::max(max_outstanding_, outstanding);
   }
@@ -83,7 +84,7 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::function<void()> done, resume;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     seconds_ += secs;
     if (!st.ok() && status_.ok()) {
       status_ = st;
@@ -106,14 +107,14 @@ void PendingCompression::RunLayer(int l, TurnLayer layer) {
 }
 
 absl::Status PendingCompression::status() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return status_;
 }
 
 void PendingCompression::WhenDone(std::function<void()> done) {
   auto self = shared_from_this();  // `done` may drop the caller's reference
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (outstanding_ > 0) {
       done_ = std::move(done);
       return;
@@ -123,7 +124,7 @@ void PendingCompression::WhenDone(std::function<void()> done) {
 }
 
 bool PendingCompression::PauseIfBusy(int bound, std::function<void()> resume) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (outstanding_ < bound) return false;
   resume_below_ = bound;
   resume_ = std::move(resume);
@@ -131,17 +132,17 @@ bool PendingCompression::PauseIfBusy(int bound, std::function<void()> resume) {
 }
 
 int PendingCompression::max_outstanding() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return max_outstanding_;
 }
 
 double PendingCompression::compress_seconds() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return seconds_;
 }
 
 Message PendingCompression::TakeMessage() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<MessageLayer> layers;
   layers.reserve(out_.size());
   for (auto& l : out_) layers.push_back(std::move(*l));

@@ -20,12 +20,12 @@
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "core/message.h"
+#include "core/mutex.h"
 #include "core/pipeline.h"
 #include "core/thread_pool.h"
 #include "proto/stream_codec.h"
@@ -107,17 +107,17 @@ class PendingCompression : public std::enable_shared_from_this<PendingCompressio
   const uint64_t reserved_;
   std::atomic<bool> cancelled_{false};
 
-  mutable std::mutex mu_;
-  std::vector<std::optional<MessageLayer>> out_;
-  absl::Status status_;
-  int outstanding_ = 0;
-  int max_outstanding_ = 0;
-  int resume_below_ = 0;
-  std::function<void()> resume_;  // set while the reader is paused
-  std::function<void(int)> observe_;
-  double seconds_ = 0;
-  std::function<void()> done_;
-  LayerObserver observer_;
+  mutable Mutex mu_;
+  std::vector<std::optional<MessageLayer>> out_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  int outstanding_ ABSL_GUARDED_BY(mu_) = 0;
+  int max_outstanding_ ABSL_GUARDED_BY(mu_) = 0;
+  int resume_below_ ABSL_GUARDED_BY(mu_) = 0;
+  std::function<void()> resume_ ABSL_GUARDED_BY(mu_);  // set while the reader is paused
+  std::function<void(int)> observe_;  // set before the first Submit, then read-only
+  double seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  std::function<void()> done_ ABSL_GUARDED_BY(mu_);
+  LayerObserver observer_;  // set before the first Submit, then read-only
 };
 
 }  // namespace kvrelay

@@ -2,9 +2,9 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 
+#include "core/mutex.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
 #include "proto/raw_chunk.h"
@@ -70,7 +70,7 @@ class PublishReactor final
       return absl::OkStatus();
     }
     if (plan.remote.empty()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       return upload_.Start(plan.shape, std::move(plan.pipeline), std::move(plan.parent), plan.prompt_pos0);
     }
     return StartWithForwards(std::move(plan));
@@ -101,7 +101,7 @@ class PublishReactor final
     std::weak_ptr<ForwardSource> weak = source_;
     absl::Status s;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       s = upload_.Start(plan.shape, std::move(plan.pipeline), std::move(plan.parent), plan.prompt_pos0,
                         [weak](int l, const MessageLayer& layer) {
                           if (auto src = weak.lock()) src->SetLayer(l, layer);

@@ -1,6 +1,7 @@
 #include "server/relay_service.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "core/pipeline.h"
 #include "proto/status_util.h"
 #include "server/auth.h"
@@ -52,12 +53,12 @@ void RelayService::NoteUploadFailure(const char* rpc, const absl::Status& s) con
 }
 
 void RelayService::SetLayerObserver(std::function<void(int outstanding)> observe) {
-  std::lock_guard<std::mutex> lock(observer_mu_);
+  MutexLock lock(&observer_mu_);
   layer_observer_ = std::move(observe);
 }
 
 std::function<void(int outstanding)> RelayService::layer_observer() const {
-  std::lock_guard<std::mutex> lock(observer_mu_);
+  MutexLock lock(&observer_mu_);
   return layer_observer_;
 }
 

@@ -14,12 +14,12 @@
 
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "core/mutex.h"
 #include "core/thread_pool.h"
 #include "kvrelay/v1/relay.grpc.pb.h"
 #include "server/config.h"
@@ -133,8 +133,8 @@ class RelayService final : public RelayCallbackBase {
   const RouteTable* const routes_;
   const Authenticator* const auth_;
   UploadWatchdog watchdog_;
-  mutable std::mutex observer_mu_;
-  std::function<void(int)> layer_observer_;  // guarded by observer_mu_
+  mutable Mutex observer_mu_;
+  std::function<void(int)> layer_observer_ ABSL_GUARDED_BY(observer_mu_);
 };
 
 }  // namespace kvrelay

@@ -8,6 +8,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "core/mutex.h"
 #include "nlohmann/json.hpp"
 #include "proto/address.h"
 #include "core/status_macros.h"
@@ -88,12 +89,12 @@ absl::StatusOr<std::unique_ptr<RouteTable>> RouteTable::Create(const RouteOption
                       [p](const std::string& content) {
                         KVRELAY_ASSIGN_OR_RETURN(auto routes, ParseRouteFile(content, absl::StrCat("--route-file=",
                                                                                                   p->opts_.route_file)));
-                        std::lock_guard<std::mutex> lock(p->mu_);
+                        MutexLock lock(&p->mu_);
                         p->file_routes_ = std::make_shared<const std::map<std::string, std::string>>(std::move(routes));
                         return absl::OkStatus();
                       },
                       [p] {
-                        std::lock_guard<std::mutex> l(p->mu_);
+                        MutexLock l(&p->mu_);
                         return absl::StrCat("the last good table (", p->file_routes_->size(), " routes)");
                       }));
   }
@@ -115,7 +116,7 @@ absl::StatusOr<std::optional<std::string>> RouteTable::Resolve(const std::string
   } else {
     std::shared_ptr<const std::map<std::string, std::string>> file;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       file = file_routes_;
     }
     if (auto f = file->find(agent); f != file->end()) {

@@ -20,12 +20,12 @@
 #include <chrono>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/mutex.h"
 #include "server/watched_file.h"
 
 namespace kvrelay {
@@ -81,8 +81,8 @@ class RouteTable {
 
   const RouteOptions opts_;
   const bool enabled_;
-  mutable std::mutex mu_;
-  std::shared_ptr<const std::map<std::string, std::string>> file_routes_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::shared_ptr<const std::map<std::string, std::string>> file_routes_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<WatchedFile> file_;                                       // null: no route file
 };
 

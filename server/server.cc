@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/mutex.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -343,7 +344,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   }
   {
     // A spool that failed before this point keeps the relay NOT_SERVING.
-    std::lock_guard<std::mutex> lock(s->shutdown_mu_);
+    MutexLock lock(&s->shutdown_mu_);
     s->serving_ = s->serving_ && (spool == nullptr || spool->health().ok());
     for (grpc::Server* g : {s->server_.get(), s->health_server_.get()}) {
       if (!g) continue;
@@ -373,7 +374,7 @@ std::string RelayServer::ReadyLine() const {
 }
 
 void RelayServer::SetNotServing() {
-  std::lock_guard<std::mutex> lock(shutdown_mu_);
+  MutexLock lock(&shutdown_mu_);
   serving_ = false;
   if (shut_down_ || !server_) return;  // not serving yet: Start reads the spool's health
   server_->GetHealthCheckService()->SetServingStatus(false);
@@ -385,7 +386,7 @@ void RelayServer::SetNotServing() {
 }
 
 void RelayServer::Shutdown() {
-  std::lock_guard<std::mutex> lock(shutdown_mu_);
+  MutexLock lock(&shutdown_mu_);
   if (shut_down_) return;
   shut_down_ = true;
   if (server_) {

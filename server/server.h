@@ -11,11 +11,11 @@
 #define KVRELAY_SERVER_SERVER_H_
 
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/mutex.h"
 #include "core/thread_pool.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server.h"
@@ -93,9 +93,9 @@ class RelayServer {
   // Health NOT_SERVING from now on (a spool that takes no writes).
   void SetNotServing();
 
-  std::mutex shutdown_mu_;
-  bool shut_down_ = false;
-  bool serving_ = true;  // false once SetNotServing ran
+  Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  bool serving_ ABSL_GUARDED_BY(shutdown_mu_) = true;  // false once SetNotServing ran
 };
 
 }  // namespace kvrelay

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/match.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "server/metrics.h"
 #include "server/spool/crash_point.h"
@@ -359,7 +360,10 @@ absl::Status SpoolStore::Recover() {
     }
     state.sessions[session].messages.push_back(std::move(out));
     files[session].insert(seq);
-    file_bytes_[seq] = bytes.size();
+    {
+      MutexLock lock(&files_mu_);
+      file_bytes_[seq] = bytes.size();
+    }
     file_bytes += bytes.size();
   }
   for (auto& [session, ss] : state.sessions) {
@@ -412,7 +416,10 @@ absl::Status SpoolStore::Recover() {
     });
   });
   mem_->Restore(state);
-  files_ = std::move(files);
+  {
+    MutexLock lock(&files_mu_);  // the erase listener may run from here on
+    files_ = std::move(files);
+  }
   next_seq_ = max_seq + 1;
   for (const auto& [session, ss] : state.sessions) recovery_.messages += ss.messages.size();
   recovery_.sessions = state.sessions.size();
@@ -488,7 +495,7 @@ absl::Status SpoolStore::health() const { return Writable(); }
 
 absl::Status SpoolStore::Writable() const {
   if (failed_) {
-    std::lock_guard<std::mutex> lock(files_mu_);
+    MutexLock lock(&files_mu_);
     if (!dir_failure_.ok()) return dir_failure_;
   }
   return journal_->health();
@@ -551,7 +558,7 @@ absl::StatusOr<uint64_t> SpoolStore::WriteTemp(const StoredMessage& m) {
                                                "; nothing was stored"));
   }
   {
-    std::lock_guard<std::mutex> lock(files_mu_);
+    MutexLock lock(&files_mu_);
     file_bytes_[seq] = size;
   }
   AddSpoolBytes(static_cast<int64_t>(size));
@@ -575,7 +582,7 @@ absl::Status SpoolStore::Publish(uint64_t seq) {
       "spool: ", s.message(), "; the spool takes no more writes until the relay restarts"));
   bool first = false;
   {
-    std::lock_guard<std::mutex> lock(files_mu_);
+    MutexLock lock(&files_mu_);
     if (dir_failure_.ok()) {
       dir_failure_ = f;
       first = true;
@@ -594,7 +601,7 @@ void SpoolStore::RemoveMessageFile(uint64_t seq, bool temp) {
   (void)fs_->Remove(MessagePath(seq, temp));
   uint64_t bytes = 0;
   {
-    std::lock_guard<std::mutex> lock(files_mu_);
+    MutexLock lock(&files_mu_);
     if (auto it = file_bytes_.find(seq); it != file_bytes_.end()) {
       bytes = it->second;
       file_bytes_.erase(it);
@@ -604,7 +611,7 @@ void SpoolStore::RemoveMessageFile(uint64_t seq, bool temp) {
 }
 
 std::set<uint64_t> SpoolStore::TakeSessionFiles(const std::string& session) {
-  std::lock_guard<std::mutex> lock(files_mu_);
+  MutexLock lock(&files_mu_);
   auto it = files_.find(session);
   if (it == files_.end()) return {};
   std::set<uint64_t> seqs = std::move(it->second);
@@ -627,7 +634,7 @@ MemoryStore::CommitHook SpoolStore::CommitHook(std::shared_ptr<std::promise<absl
   // commit record precedes every record of a fetch or ack of it.
   return [this, durable](const MessagePtr& msg, const std::vector<std::string>& agents) {
     {
-      std::lock_guard<std::mutex> files_lock(files_mu_);
+      MutexLock files_lock(&files_mu_);
       files_[msg->session_id].insert(msg->spool_seq);
     }
     *durable = Durable(CommitRecord(msg->session_id, msg->message_id, msg->spool_seq, agents));
@@ -642,7 +649,7 @@ absl::StatusOr<Store::CommitResult> SpoolStore::Commit(std::shared_ptr<StoredMes
   std::shared_ptr<std::promise<absl::Status>> durable;
   absl::StatusOr<CommitResult> r;
   {
-    std::lock_guard<std::mutex> lock(commit_mu_);
+    MutexLock lock(&commit_mu_);
     if (absl::Status s = Publish(seq); !s.ok()) {
       RemoveMessageFile(seq, true);
       (void)fs_->Remove(MessagePath(seq, false));
@@ -670,7 +677,7 @@ absl::StatusOr<Store::ForwardCommitResult> SpoolStore::CommitForward(std::shared
   std::shared_ptr<std::promise<absl::Status>> durable;
   absl::StatusOr<ForwardCommitResult> r;
   {
-    std::lock_guard<std::mutex> lock(commit_mu_);
+    MutexLock lock(&commit_mu_);
     if (seq) {
       if (absl::Status s = Publish(seq); !s.ok()) {
         RemoveMessageFile(seq, true);
@@ -735,7 +742,7 @@ void SpoolStore::CloseSessionAndPeersAsync(const std::string& session, std::func
   auto op = std::make_shared<Close>();
   op->done = std::move(done);
   {
-    std::lock_guard<std::mutex> lock(commit_mu_);
+    MutexLock lock(&commit_mu_);
     op->r = mem_->CloseSessionAndPeers(session);
     // The files are taken now: a publish that reopens the session adds files
     // of its own. Not durable: the files stay (recovery removes what the

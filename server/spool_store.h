@@ -52,11 +52,11 @@
 #include <future>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "core/mutex.h"
 #include "core/thread_pool.h"
 #include "server/memory_store.h"
 #include "server/spool/journal.h"
@@ -257,14 +257,14 @@ class SpoolStore final : public Store {
 
   // Orders commits, forward commits and closes: their records reach the
   // journal in the order they took effect in memory.
-  std::mutex commit_mu_;
+  Mutex commit_mu_;
   std::atomic<uint64_t> next_seq_{1};
   std::atomic<int64_t> file_bytes_total_{0};  // the message files' bytes
-  mutable std::mutex files_mu_;
-  std::map<std::string, std::set<uint64_t>> files_;  // session -> its message files
-  std::map<uint64_t, uint64_t> file_bytes_;          // seq -> size
+  mutable Mutex files_mu_;
+  std::map<std::string, std::set<uint64_t>> files_ ABSL_GUARDED_BY(files_mu_);  // session -> its message files
+  std::map<uint64_t, uint64_t> file_bytes_ ABSL_GUARDED_BY(files_mu_);          // seq -> size
   std::atomic<bool> failed_{false};
-  absl::Status dir_failure_;  // a failed directory sync; guarded by files_mu_
+  absl::Status dir_failure_ ABSL_GUARDED_BY(files_mu_);  // a failed directory sync
 };
 
 }  // namespace kvrelay

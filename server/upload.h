@@ -8,13 +8,13 @@
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/history.h"
+#include "core/mutex.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
 #include "grpcpp/grpcpp.h"
@@ -111,11 +111,11 @@ class Upload {
 struct ReadGate {
   explicit ReadGate(std::shared_ptr<UploadWatchdog::Entry> e) : idle(std::move(e)) {}
   const std::shared_ptr<UploadWatchdog::Entry> idle;
-  std::function<void()> resume;  // guarded by idle->mu; runs under it; cleared in OnDone
+  std::function<void()> resume ABSL_GUARDED_BY(idle->mu);  // runs under it; cleared in OnDone
 
   static std::function<void()> Resumer(const std::shared_ptr<ReadGate>& gate) {
     return [gate] {
-      std::lock_guard<std::mutex> lock(gate->idle->mu);
+      MutexLock lock(&gate->idle->mu);
       if (gate->resume) gate->resume();
     };
   }
@@ -133,7 +133,7 @@ template <typename Derived, typename Reactor, typename Request>
 class UploadReactor : public Reactor {
  public:
   void OnReadDone(bool ok) override {
-    std::lock_guard<std::mutex> activity(idle_->mu);  // no idle firing during the reaction
+    MutexLock activity(&idle_->mu);  // no idle firing during the reaction
     idle_->last = Clock::now();
     if (finished_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
@@ -197,30 +197,41 @@ class UploadReactor : public Reactor {
       : svc_(svc), ctx_(ctx), rpc_(rpc), upload_(svc), started_(Clock::now()) {}
 
   void StartUpload() {
-    idle_ = svc_->watchdog()->Watch([this] { OnIdle(); });
+    // The watchdog fires, and a worker resumes, under the entry's mutex.
+    idle_ = svc_->watchdog()->Watch([this] {
+      idle_->mu.AssertHeld();
+      OnIdle();
+    });
     gate_ = std::make_shared<ReadGate>(idle_);
-    gate_->resume = [this] { OnResume(); };
+    {
+      MutexLock lock(&gate_->idle->mu);
+      gate_->resume = [this] {
+        idle_->mu.AssertHeld();
+        OnResume();
+      };
+    }
     this->StartRead(&wire_);
   }
 
   // From OnDone: neither the watchdog nor a worker may call in any more.
   void StopWatching() {
-    std::lock_guard<std::mutex> lock(idle_->mu);
+    MutexLock lock(&idle_->mu);
     idle_->armed = false;
     idle_->fire = nullptr;
-    gate_->resume = nullptr;  // a worker may still hold the gate
+    gate_->idle->mu.AssertHeld();  // the same entry as idle_
+    gate_->resume = nullptr;       // a worker may still hold the gate
   }
 
   // Stops the compression still running: its remaining layers are skipped.
   void CancelUpload() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (auto p = upload_.pending()) p->Cancel();
   }
 
   // Drops the upload: its in-flight reservation returns once queued layers
   // drain, not when gRPC gets around to OnDone.
   void DropUpload() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     upload_ = Upload(svc_);
   }
 
@@ -234,7 +245,10 @@ class UploadReactor : public Reactor {
   RawMessage raw_;         // wire_'s slices
   ChunkView chunk_;        // a chunk request: views into raw_ (or req_)
   Request req_;            // any other request, parsed
-  std::mutex mu_;  // guards upload_ against OnCancel
+  // upload_ is replaced (Start, DropUpload) under mu_, which CancelUpload
+  // (OnCancel, on any thread) holds to read it; the reactor's own reactions
+  // read it without the lock, since only they replace it.
+  Mutex mu_;
   Upload upload_;
   std::atomic<bool> finished_{false};
   const Clock::time_point started_;
@@ -258,7 +272,7 @@ class UploadReactor : public Reactor {
 
   // Under idle_->mu, after a read: reads on, unless backpressure pauses
   // the upload until a worker calls OnResume.
-  void ReadNext() {
+  void ReadNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (upload_.PauseIfBusy(ReadGate::Resumer(gate_))) {
       idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
       return;
@@ -269,14 +283,14 @@ class UploadReactor : public Reactor {
   // On a worker, under idle_->mu: a paused upload's layers drained below the
   // bound (or were skipped after a cancel: the read then fails and ends the
   // call). Nothing else finishes the call while it is paused.
-  void OnResume() {
+  void OnResume() ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (finished_) return;
     idle_->last = Clock::now();
     this->StartRead(&wire_);
   }
 
   // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
-  void OnIdle() {
+  void OnIdle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (finished_) return;
     self().Fail(absl::DeadlineExceededError(absl::StrFormat(
         "%s: upload idle for %g s (--upload-idle-timeout-seconds), expected %s", rpc_,

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "core/mutex.h"
+
 namespace kvrelay {
 
 UploadWatchdog::UploadWatchdog(double timeout_seconds)
@@ -13,17 +15,20 @@ UploadWatchdog::UploadWatchdog(double timeout_seconds)
 
 UploadWatchdog::~UploadWatchdog() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
 }
 
 std::shared_ptr<UploadWatchdog::Entry> UploadWatchdog::Watch(std::function<void()> fire) {
   auto e = std::make_shared<Entry>();
-  e->fire = std::move(fire);
-  std::lock_guard<std::mutex> lock(mu_);
+  {
+    MutexLock entry_lock(&e->mu);  // not shared yet; the lock states the rule
+    e->fire = std::move(fire);
+  }
+  MutexLock lock(&mu_);
   entries_.push_back(e);
   return e;
 }
@@ -31,29 +36,33 @@ std::shared_ptr<UploadWatchdog::Entry> UploadWatchdog::Watch(std::function<void(
 void UploadWatchdog::Loop() {
   // Checks a few times per timeout (10 ms .. 1 s).
   const auto every = std::clamp<Clock::duration>(timeout_ / 4, std::chrono::milliseconds(10), std::chrono::seconds(1));
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   while (!stop_) {
-    cv_.wait_for(lock, every);
+    cv_.WaitFor(&mu_, every);
     if (stop_) break;
     std::vector<std::shared_ptr<Entry>> snapshot = entries_;
-    lock.unlock();
+    mu_.Unlock();
     const Clock::time_point now = Clock::now();
     for (const auto& e : snapshot) {
-      std::unique_lock<std::mutex> el(e->mu, std::try_to_lock);
-      if (!el.owns_lock() || !e->armed || now - e->last < timeout_) continue;  // busy, done or active
-      e->armed = false;
-      std::function<void()> fire = std::move(e->fire);
-      e->fire = nullptr;
-      if (fire) fire();
+      if (!e->mu.TryLock()) continue;  // busy: a reaction holds it
+      if (e->armed && now - e->last >= timeout_) {  // else done or active
+        e->armed = false;
+        std::function<void()> fire = std::move(e->fire);
+        e->fire = nullptr;
+        if (fire) fire();
+      }
+      e->mu.Unlock();
     }
-    lock.lock();
+    mu_.Lock();
     // Forget entries that are disarmed (finished, committed or fired). An
     // entry whose mutex is held is kept for the next round: its holder may
     // be waiting for mu_ in Watch (a reaction that registers a new entry).
     entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
                                   [](const std::shared_ptr<Entry>& e) {
-                                    std::unique_lock<std::mutex> el(e->mu, std::try_to_lock);
-                                    return el.owns_lock() && !e->armed;
+                                    if (!e->mu.TryLock()) return false;
+                                    const bool disarmed = !e->armed;
+                                    e->mu.Unlock();
+                                    return disarmed;
                                   }),
                    entries_.end());
   }

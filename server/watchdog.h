@@ -2,13 +2,12 @@
 #ifndef KVRELAY_SERVER_WATCHDOG_H_
 #define KVRELAY_SERVER_WATCHDOG_H_
 
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "core/mutex.h"
 #include "server/store.h"
 
 namespace kvrelay {
@@ -24,19 +23,19 @@ namespace kvrelay {
 class UploadWatchdog {
  public:
   struct Entry {
-    std::mutex mu;
-    Clock::time_point last = Clock::now();  // guarded by mu
-    bool armed = true;                      // guarded by mu
-    std::function<void()> fire;             // runs once, under mu
+    Mutex mu;
+    Clock::time_point last ABSL_GUARDED_BY(mu) = Clock::now();
+    bool armed ABSL_GUARDED_BY(mu) = true;
+    std::function<void()> fire ABSL_GUARDED_BY(mu);  // runs once, under mu
 
     // Marks activity now (e.g. a reply's write completed).
     void Touch() {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       last = Clock::now();
     }
     // No firing from now on (e.g. from OnDone, before the reactor goes).
     void Disarm() {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       armed = false;
       fire = nullptr;
     }
@@ -53,10 +52,10 @@ class UploadWatchdog {
   void Loop();
   const double timeout_s_;
   const Clock::duration timeout_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::shared_ptr<Entry>> entries_;
-  bool stop_ = false;
+  Mutex mu_;
+  CondVar cv_;
+  std::vector<std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

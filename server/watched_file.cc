@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "spdlog/spdlog.h"
 
@@ -37,17 +38,17 @@ absl::StatusOr<std::unique_ptr<WatchedFile>> WatchedFile::Start(const std::strin
 
 WatchedFile::~WatchedFile() {
   {
-    std::lock_guard<std::mutex> lock(poll_mu_);
+    MutexLock lock(&poll_mu_);
     stop_ = true;
   }
-  poll_cv_.notify_all();
+  poll_cv_.SignalAll();
   if (poller_.joinable()) poller_.join();
 }
 
 absl::Status WatchedFile::ReloadNow() {
   // Read under the lock, so that a slower reload never applies an older
   // read after a newer one.
-  std::lock_guard<std::mutex> lock(reload_mu_);
+  MutexLock lock(&reload_mu_);
   absl::StatusOr<std::string> content = ReadFile(flag_, path_);
   if (!content.ok()) return content.status();
   if (loads_.load() > 0 && *content == content_) return absl::OkStatus();
@@ -59,10 +60,14 @@ absl::Status WatchedFile::ReloadNow() {
 }
 
 void WatchedFile::PollLoop() {
-  std::unique_lock<std::mutex> lock(poll_mu_);
+  MutexLock lock(&poll_mu_);
   absl::Status last;
-  while (!poll_cv_.wait_for(lock, interval_, [this] { return stop_; })) {
-    lock.unlock();
+  for (;;) {
+    const auto next = std::chrono::steady_clock::now() + interval_;
+    while (!stop_ && poll_cv_.WaitUntil(&poll_mu_, next)) {
+    }
+    if (stop_) break;
+    poll_mu_.Unlock();
     const uint64_t loads = loads_.load();
     absl::Status s = ReloadNow();
     if (!s.ok() && s != last) {
@@ -71,7 +76,7 @@ void WatchedFile::PollLoop() {
       spdlog::info("reloaded {}={}", flag_, path_);
     }
     last = s;
-    lock.lock();
+    poll_mu_.Lock();
   }
 }
 

@@ -14,15 +14,14 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/mutex.h"
 
 namespace kvrelay {
 
@@ -59,12 +58,12 @@ class WatchedFile {
   const std::chrono::milliseconds interval_;
   const Apply apply_;
   const Keeping keeping_;
-  std::mutex reload_mu_;   // one reload at a time
-  std::string content_;    // the last content read; guarded by reload_mu_
+  Mutex reload_mu_;  // one reload at a time
+  std::string content_ ABSL_GUARDED_BY(reload_mu_);  // the last content read
   std::atomic<uint64_t> loads_{0};
-  std::mutex poll_mu_;
-  std::condition_variable poll_cv_;
-  bool stop_ = false;  // guarded by poll_mu_
+  Mutex poll_mu_;
+  CondVar poll_cv_;
+  bool stop_ ABSL_GUARDED_BY(poll_mu_) = false;
   std::thread poller_;
 };
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "server/spool/crash_point.h"
 #include "spdlog/spdlog.h"
@@ -101,7 +102,10 @@ absl::StatusOr<std::unique_ptr<Journal>> Journal::Open(SpoolFs* fs, const std::s
   }
   KVRELAY_ASSIGN_OR_RETURN(j->file_, fs->AppendFile(j->path_));
   if (recovery->torn_bytes > 0 && opts.sync) KVRELAY_RETURN_IF_ERROR(j->file_->Sync());
-  j->bytes_ = j->compacted_at_ = recovery->bytes;
+  {
+    MutexLock lock(&j->mu_);
+    j->bytes_ = j->compacted_at_ = recovery->bytes;
+  }
   return j;
 }
 
@@ -140,15 +144,15 @@ absl::Status Journal::Repair(const std::string& bytes, JournalScan scan, bool ba
 
 Journal::~Journal() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   if (writer_.joinable()) writer_.join();
   // Never started: whatever was queued fails.
   std::deque<Pending> left;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     left.swap(queue_);
   }
   for (Pending& p : left) {
@@ -165,10 +169,10 @@ void Journal::Start(Snapshot snapshot, OnFailure on_failure) {
 void Journal::Append(spool::v1::Record record, Done done) {
   absl::Status failed;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (failed_.ok()) {
       queue_.push_back(Pending{std::move(record), std::move(done)});
-      cv_.notify_one();
+      cv_.Signal();
       return;
     }
     failed = failed_;
@@ -184,23 +188,23 @@ absl::Status Journal::AppendAndWait(spool::v1::Record record) {
 }
 
 void Journal::StopCompaction() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   compaction_stopped_ = true;
-  compaction_done_.wait(lock, [this] { return !compacting_; });
+  while (compacting_) compaction_done_.Wait(&mu_);
 }
 
 absl::Status Journal::health() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return failed_;
 }
 
 uint64_t Journal::bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return bytes_;
 }
 
 uint64_t Journal::compactions() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return compactions_;
 }
 
@@ -208,7 +212,7 @@ void Journal::Fail(const absl::Status& s) {
   const absl::Status f = absl::UnavailableError(
       absl::StrCat("spool journal: ", s.message(), "; the spool takes no more writes until the relay restarts"));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!failed_.ok()) return;
     failed_ = f;
   }
@@ -227,14 +231,14 @@ absl::Status Journal::WriteBatch(const std::string& bytes) {
 }
 
 void Journal::Loop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
-    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    while (!stop_ && queue_.empty()) cv_.Wait(&mu_);
     if (queue_.empty()) return;  // stopping with nothing left
     std::deque<Pending> batch;
     batch.swap(queue_);
     absl::Status st = failed_;
-    lock.unlock();
+    mu_.Unlock();
     if (st.ok()) {
       std::string bytes;
       for (const Pending& p : batch) AppendJournalRecord(p.record, &bytes);
@@ -242,21 +246,21 @@ void Journal::Loop() {
         Fail(s);
         st = health();
       } else {
-        std::lock_guard<std::mutex> g(mu_);
+        MutexLock g(&mu_);
         bytes_ += bytes.size();
       }
     }
     for (Pending& p : batch) {
       if (p.done) p.done(st);
     }
-    lock.lock();
+    mu_.Lock();
     if (failed_.ok() && snapshot_ && !compaction_stopped_ && bytes_ - compacted_at_ > opts_.compact_bytes) {
       compacting_ = true;
-      lock.unlock();
+      mu_.Unlock();
       if (absl::Status s = Compact(); !s.ok()) spdlog::warn("spool journal: compaction failed: {}", s.ToString());
-      lock.lock();
+      mu_.Lock();
       compacting_ = false;
-      compaction_done_.notify_all();
+      compaction_done_.SignalAll();
     }
   }
 }
@@ -275,14 +279,14 @@ absl::Status Journal::Compact() {
   if (s.ok()) s = (*f)->Close();
   if (!s.ok()) {
     (void)fs_->Remove(tmp);
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(&mu_);
     compacted_at_ = bytes_;  // try again after as much growth, not after every batch
     return s;
   }
   f->reset();
   if (s = fs_->Rename(tmp, path_); !s.ok()) {
     (void)fs_->Remove(tmp);
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(&mu_);
     compacted_at_ = bytes_;
     return s;
   }
@@ -298,7 +302,7 @@ absl::Status Journal::Compact() {
     return a.status();
   }
   file_ = std::move(*a);
-  std::lock_guard<std::mutex> g(mu_);
+  MutexLock g(&mu_);
   bytes_ = compacted_at_ = bytes.size();
   ++compactions_;
   spdlog::info("spool journal: compacted to {} records, {} bytes", records.size(), bytes.size());

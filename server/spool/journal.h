@@ -24,18 +24,17 @@
 #ifndef KVRELAY_SERVER_SPOOL_JOURNAL_H_
 #define KVRELAY_SERVER_SPOOL_JOURNAL_H_
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/mutex.h"
 #include "kvrelay/spool/v1/spool.pb.h"
 #include "server/spool/spool_format.h"
 #include "server/spool/spool_fs.h"
@@ -154,14 +153,17 @@ class Journal {
   OnFailure on_failure_;
   std::unique_ptr<SpoolFile> file_;  // the writer's
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Pending> queue_;
-  absl::Status failed_;
-  bool stop_ = false;
-  bool compaction_stopped_ = false, compacting_ = false;
-  std::condition_variable compaction_done_;
-  uint64_t bytes_ = 0, compacted_at_ = 0, compactions_ = 0;
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool compaction_stopped_ ABSL_GUARDED_BY(mu_) = false;
+  bool compacting_ ABSL_GUARDED_BY(mu_) = false;
+  CondVar compaction_done_;
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t compacted_at_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t compactions_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread writer_;
 };
 

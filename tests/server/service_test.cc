@@ -11,6 +11,7 @@
 
 #include "core/history.h"
 #include "core/internal/pipeline_checks.h"
+#include "core/mutex.h"
 #include "core/pipeline.h"
 #include "core/token.h"
 #include "grpcpp/support/client_interceptor.h"
@@ -1274,14 +1275,14 @@ TEST(UploadWatchdogTest, WatchWhileHoldingAnEntry) {
   UploadWatchdog watchdog(0.02);  // looks every 10 ms
   std::shared_ptr<UploadWatchdog::Entry> held = watchdog.Watch(nullptr);
   {
-    std::lock_guard<std::mutex> lock(held->mu);
+    MutexLock lock(&held->mu);
     held->armed = false;  // for the clean-up pass to look at
   }
   std::future<void> reaction = std::async(std::launch::async, [&] {
-    std::lock_guard<std::mutex> lock(held->mu);
+    MutexLock lock(&held->mu);
     for (int i = 0; i < 30; ++i) {  // across several rounds of the watchdog
       std::shared_ptr<UploadWatchdog::Entry> e = watchdog.Watch(nullptr);
-      std::lock_guard<std::mutex> el(e->mu);
+      MutexLock el(&e->mu);
       e->armed = false;
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
