@@ -15,7 +15,7 @@ PACKAGES=(
 # project's virtual environment .venv gets numpy, grpcio, torch, transformers
 # and matplotlib from PyPI: scripts/install_python.sh), promtool and
 # Prometheus, Node for its client, kubectl for kustomize,
-# clang and its sanitizer/libFuzzer runtimes for scripts/fuzz.sh, libfiu
+# clang and its sanitizer/libFuzzer runtimes for scripts/fuzz.sh (and clang for scripts/thread_safety.sh), libfiu
 # (fiu-run, fiu-ctrl and its POSIX preload) for the spool's I/O-fault test.
 # `--build-only` (scripts/run.sh, the Dockerfile) skips these.
 if [[ "${1:-}" != "--build-only" ]]; then

@@ -33,7 +33,7 @@ absl::Status CheckPolicyLength(const std::string& policy, const std::string& fie
 // A softmax weight counts as 96 multiply-adds (what it costs on one core,
 // so that head_dim 1 is not cheap). Selection, copies and quantization are
 // linear in the upload's bytes and not counted. One core does some 2e10 a
-// second (README, "Compute per upload").
+// second (docs/OPERATING.md, "Compute per upload").
 double UploadWork(const Pipeline& p, const TurnGeometry& geo, int layers, bool first_agent);
 
 // INVALID_ARGUMENT when one layer's scoring from queries is past the core's
