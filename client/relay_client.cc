@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/ids.h"
 #include "core/message_id.h"
 #include "core/status_macros.h"
 #include "grpcpp/channel.h"
@@ -260,21 +261,10 @@ absl::Status ConsumeDelivery(Stream* stream, grpc::ClientContext* ctx, DeliveryS
   return absl::OkStatus();
 }
 
+// An id option; an optional one may be empty.
 absl::Status CheckId(absl::string_view field, const std::string& v, bool required) {
-  if (v.empty()) {
-    if (!required) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(field, ": empty, expected [A-Za-z0-9._:-]{1,128}"));
-  }
-  bool ok = v.size() <= 128;
-  for (char c : v) {
-    ok = ok && ((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-                c == '.' || c == '_' || c == ':' || c == '-');
-  }
-  if (!ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": \"", v, "\", expected [A-Za-z0-9._:-]{1,128}"));
-  }
-  return absl::OkStatus();
+  if (v.empty() && !required) return absl::OkStatus();
+  return kvrelay::CheckId(field, v);
 }
 
 }  // namespace

@@ -2,15 +2,26 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/ids.h"
 #include "openssl/sha.h"
 
 namespace kvrelay {
+namespace {
+
+// Where a tokens-file line's digest starts (TokensFileLine, ParseTokensFile).
+constexpr char kSha256Prefix[] = "sha256:";
+
+}  // namespace
 
 std::string Sha256Hex(absl::string_view data) {
   unsigned char digest[SHA256_DIGEST_LENGTH];
@@ -37,16 +48,43 @@ absl::StatusOr<std::string> NewToken() {
 }
 
 absl::StatusOr<std::string> TokensFileLine(absl::string_view agent, absl::string_view token) {
-  bool ok = !agent.empty() && agent.size() <= 128;
-  for (char c : agent) {
-    ok = ok && ((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
-                c == '_' || c == ':' || c == '-');
+  if (absl::Status s = CheckId("agent", agent); !s.ok()) return s;
+  return absl::StrCat(agent, " ", kSha256Prefix, Sha256Hex(token));
+}
+
+absl::StatusOr<std::vector<TokenEntry>> ParseTokensFile(const std::string& content, const std::string& source) {
+  std::vector<TokenEntry> out;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(content, '\n')) {
+    ++line_no;
+    line = line.substr(0, line.find('#'));
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty()) continue;
+    std::vector<absl::string_view> f = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    const auto bad = [&](absl::string_view what) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": line ", line_no, ": ", what,
+                                                     "; expected 'AGENT sha256:HEX' (64 hex digits: the SHA-256 of "
+                                                     "the token, e.g. from `kvrelayctl token new AGENT`)"));
+    };
+    if (f.size() != 2) return bad(absl::StrCat(f.size(), " fields"));
+    if (!IsId(f[0])) return bad(absl::StrCat("the agent is not ", kIdPattern));
+    if (!absl::StartsWith(f[1], kSha256Prefix)) return bad("the digest does not start with 'sha256:'");
+    const absl::string_view hex = f[1].substr(strlen(kSha256Prefix));
+    if (hex.size() != 64 || !std::all_of(hex.begin(), hex.end(), [](char c) { return absl::ascii_isxdigit(c); })) {
+      return bad(absl::StrCat("the digest has ", hex.size(), " characters, not 64 hex digits"));
+    }
+    TokenEntry e;
+    e.agent = std::string(f[0]);
+    const std::string bytes = absl::HexStringToBytes(hex);
+    std::copy(bytes.begin(), bytes.end(), e.digest.begin());
+    for (const TokenEntry& prior : out) {
+      if (prior.digest == e.digest) {
+        return bad(absl::StrCat("the digest is also agent '", prior.agent, "''s: one token, one agent"));
+      }
+    }
+    out.push_back(std::move(e));
   }
-  if (!ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("agent: \"", absl::CHexEscape(agent), "\", expected [A-Za-z0-9._:-]{1,128}"));
-  }
-  return absl::StrCat(agent, " sha256:", Sha256Hex(token));
+  return out;
 }
 
 }  // namespace kvrelay

@@ -5,8 +5,11 @@
 #ifndef KVRELAY_CORE_TOKEN_H_
 #define KVRELAY_CORE_TOKEN_H_
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -31,6 +34,17 @@ absl::StatusOr<std::string> NewToken();
 // newline). INVALID_ARGUMENT naming "agent" unless it is a relay agent id
 // ([A-Za-z0-9._:-]{1,128}).
 absl::StatusOr<std::string> TokensFileLine(absl::string_view agent, absl::string_view token);
+
+// One line of a tokens file.
+struct TokenEntry {
+  std::string agent;
+  std::array<uint8_t, 32> digest;  // SHA-256 of the token
+};
+// Parses a tokens file: one "AGENT sha256:HEX" per line (64 hex digits),
+// blank lines, and '#' to the end of a line as a comment. InvalidArgument
+// naming `source`, the line number and what was expected; a token itself
+// never appears in the file, so none can leak through an error.
+absl::StatusOr<std::vector<TokenEntry>> ParseTokensFile(const std::string& content, const std::string& source);
 
 }  // namespace kvrelay
 

@@ -23,13 +23,10 @@
 #include "grpcpp/security/tls_certificate_verifier.h"
 #include "grpcpp/security/tls_credentials_options.h"
 #include "server/metrics.h"
-#include "server/request_checks.h"
 #include "spdlog/spdlog.h"
 
 namespace kvrelay {
 namespace {
-
-constexpr char kSha256Prefix[] = "sha256:";
 
 // The first value of auth-context property `name`, "" when absent.
 std::string Property(const grpc::AuthContext* ac, const char* name) {
@@ -200,41 +197,6 @@ std::string TargetHost(absl::string_view t) {
   return std::string(colon == absl::string_view::npos ? t : t.substr(0, colon));
 }
 
-absl::StatusOr<std::vector<TokenEntry>> ParseTokensFile(const std::string& content, const std::string& source) {
-  std::vector<TokenEntry> out;
-  int line_no = 0;
-  for (absl::string_view line : absl::StrSplit(content, '\n')) {
-    ++line_no;
-    line = line.substr(0, line.find('#'));
-    line = absl::StripAsciiWhitespace(line);
-    if (line.empty()) continue;
-    std::vector<absl::string_view> f = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
-    const auto bad = [&](absl::string_view what) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ": line ", line_no, ": ", what,
-                                                     "; expected 'AGENT sha256:HEX' (64 hex digits: the SHA-256 of "
-                                                     "the token, e.g. from `kvrelayctl token new AGENT`)"));
-    };
-    if (f.size() != 2) return bad(absl::StrCat(f.size(), " fields"));
-    if (!CheckId("agent", std::string(f[0])).ok()) return bad("the agent is not [A-Za-z0-9._:-]{1,128}");
-    if (!absl::StartsWith(f[1], kSha256Prefix)) return bad("the digest does not start with 'sha256:'");
-    const absl::string_view hex = f[1].substr(strlen(kSha256Prefix));
-    if (hex.size() != 64 || !std::all_of(hex.begin(), hex.end(), [](char c) { return absl::ascii_isxdigit(c); })) {
-      return bad(absl::StrCat("the digest has ", hex.size(), " characters, not 64 hex digits"));
-    }
-    TokenEntry e;
-    e.agent = std::string(f[0]);
-    const std::string bytes = absl::HexStringToBytes(hex);
-    std::copy(bytes.begin(), bytes.end(), e.digest.begin());
-    for (const TokenEntry& prior : out) {
-      if (prior.digest == e.digest) {
-        return bad(absl::StrCat("the digest is also agent '", prior.agent, "''s: one token, one agent"));
-      }
-    }
-    out.push_back(std::move(e));
-  }
-  return out;
-}
-
 bool Caller::MayActAs(absl::string_view a) const {
   return kind == Kind::kAnyAgent || (kind == Kind::kAgent && agent == a);
 }
@@ -275,7 +237,8 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(const AuthO
             [p] {
               MutexLock lock(&p->mu_);
               return absl::StrCat("the last good tokens (", p->tokens_->size(), " entries)");
-            }));
+            },
+            opts.time));
   }
   return a;
 }

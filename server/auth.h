@@ -38,6 +38,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/mutex.h"
+#include "core/time_source.h"
+#include "core/token.h"  // TokenEntry, ParseTokensFile: the tokens file
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_context.h"
@@ -79,16 +81,6 @@ bool SameHost(absl::string_view a, absl::string_view b);
 // "[::1]:7" gives "::1"; "" for unix: targets.
 std::string TargetHost(absl::string_view target);
 
-// One line of a tokens file.
-struct TokenEntry {
-  std::string agent;
-  std::array<uint8_t, 32> digest;  // SHA-256 of the token
-};
-// Parses a tokens file: one "AGENT sha256:HEX" per line (64 hex digits),
-// blank lines, and '#' to the end of a line as a comment. InvalidArgument
-// naming `source`, the line number and what was expected; a token itself
-// never appears in the file, so none can leak through an error.
-absl::StatusOr<std::vector<TokenEntry>> ParseTokensFile(const std::string& content, const std::string& source);
 
 // Who a call comes from, once authenticated.
 struct Caller {
@@ -120,6 +112,8 @@ struct AuthOptions {
   LocalAuth local_auth = LocalAuth::kPod;
   std::vector<std::string> peer_identities;  // checked patterns
   std::chrono::milliseconds poll_interval{1000};
+  // The poller's time (not owned; outlives the authenticator).
+  TimeSource* time = TimeSource::Real();
 };
 
 class Authenticator {

@@ -15,11 +15,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "core/heap_retain.h"
+#include "core/ids.h"
 #include "core/pipeline.h"
 #include "core/status_macros.h"
 #include "core/thread_pool.h"
 #include "nlohmann/json.hpp"
 #include "server/auth.h"
+#include "server/routing.h"
 #include "proto/address.h"
 
 namespace kvrelay {
@@ -182,17 +184,6 @@ std::vector<std::string> SplitList(absl::string_view v, char sep) {
   return out;
 }
 
-// An agent id as relay.proto defines it: [A-Za-z0-9._:-]{1,128}.
-bool IsAgentId(absl::string_view v) {
-  if (v.empty() || v.size() > 128) return false;
-  for (char ch : v) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '_' && ch != ':' && ch != '-') {
-      return false;
-    }
-  }
-  return true;
-}
-
 // A target a relay dials; errors read "--FLAG=VALUE: address '...': ...".
 absl::Status CheckTarget(absl::string_view flag, absl::string_view value, absl::string_view target) {
   if (absl::Status st = CheckGrpcTarget(target); !st.ok()) {
@@ -207,24 +198,14 @@ absl::Status ParseRoute(absl::string_view flag, const std::string& v, std::map<s
     return Bad(flag, v, "AGENT=TARGET, e.g. critic=10.0.0.7:50051 or critic=dns:///critic.agents:50051");
   }
   std::string agent = v.substr(0, eq), target = v.substr(eq + 1);
-  if (!IsAgentId(agent)) return Bad(flag, v, "AGENT=TARGET with AGENT of [A-Za-z0-9._:-]{1,128}");
+  if (!IsId(agent)) return Bad(flag, v, absl::StrCat("AGENT=TARGET with AGENT of ", kIdPattern));
   KVRELAY_RETURN_IF_ERROR(CheckTarget(flag, v, target));
   (*out)[std::move(agent)] = std::move(target);
   return absl::OkStatus();
 }
 
-constexpr char kAgentPlaceholder[] = "{agent}";
-
 absl::Status ParseRouteTemplate(absl::string_view flag, const std::string& v, std::string* out) {
-  const size_t at = v.find(kAgentPlaceholder);
-  if (at == std::string::npos || v.find(kAgentPlaceholder, at + 1) != std::string::npos) {
-    return Bad(flag, v, "a target with the placeholder {agent} exactly once, e.g. dns:///{agent}.agents:50051");
-  }
-  std::string sample = v;
-  sample.replace(at, strlen(kAgentPlaceholder), "x");  // any DNS label must make a target
-  if (absl::Status st = CheckGrpcTarget(sample); !st.ok()) {
-    return Bad(flag, v, absl::StrCat("a target once {agent} is substituted (with 'x': ", st.message(), ")"));
-  }
+  if (absl::Status st = CheckRouteTemplate(v); !st.ok()) return Bad(flag, v, st.message());
   *out = v;
   return absl::OkStatus();
 }

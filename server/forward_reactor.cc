@@ -55,7 +55,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   void OnReadDone(bool ok) override {
     MutexLock activity(&idle_->mu);
-    idle_->last = Clock::now();
+    idle_->TouchLocked();
     if (finished_) return;
     if (!ok) {
       if (ctx_->IsCancelled()) return Fail(absl::CancelledError("forward: cancelled by the sending relay"));

@@ -203,8 +203,10 @@ struct Forwarder::Job {
   const std::string& id() const { return header.message().message_id(); }
 };
 
+Clock::time_point Forwarder::RealDeadline(const Job& job) { return Clock::now() + (job.deadline - time_->Now()); }
+
 Forwarder::Forwarder(const ForwarderOptions& opts, Store* store, const RouteTable* routes, Metrics* metrics)
-    : opts_(opts), store_(store), routes_(routes), metrics_(metrics), peers_(opts.credentials) {
+    : opts_(opts), time_(opts.time), store_(store), routes_(routes), metrics_(metrics), peers_(opts.credentials) {
   for (int i = 0; i < std::max(1, opts_.threads); ++i) threads_.emplace_back([this] { Loop(); });
 }
 
@@ -249,13 +251,13 @@ void Forwarder::Enqueue(const std::string& target, std::vector<std::string> reci
   job->header.set_origin(opts_.advertise);
   job->source = std::move(source);
   job->outbox_bytes = outbox_bytes;
-  job->deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+  job->deadline = time_->Now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(opts_.forward_timeout_seconds));
   for (const std::string& a : job->recipients) {
     store_->TrackRecipient(job->session(), job->id(), a, {v1::RECIPIENT_STATE_QUEUED, target, "", 0});
   }
   store_->AddPeer(job->session(), target);
-  Schedule(job, Clock::now());
+  Schedule(job, time_->Now());
 }
 
 void Forwarder::Schedule(const std::shared_ptr<Job>& job, Clock::time_point at) {
@@ -278,8 +280,8 @@ void Forwarder::Loop() {
       continue;
     }
     auto first = queue_.begin();
-    if (first->first > Clock::now()) {
-      cv_.WaitUntil(&mu_, first->first);
+    if (first->first > time_->Now()) {
+      time_->WaitUntil(&cv_, &mu_, first->first);
       continue;
     }
     std::shared_ptr<Job> job = first->second;
@@ -317,14 +319,14 @@ bool Forwarder::UseWireCodec(const std::string& target) {
   MutexLock lock(&mu_);
   auto it = legacy_until_.find(target);
   if (it == legacy_until_.end()) return true;
-  if (Clock::now() < it->second) return false;
+  if (time_->Now() < it->second) return false;
   legacy_until_.erase(it);
   return true;
 }
 
 void Forwarder::NoteLegacyPeer(const std::string& target) {
   MutexLock lock(&mu_);
-  legacy_until_[target] = Clock::now() + kLegacyPeerRecheck;
+  legacy_until_[target] = time_->Now() + kLegacyPeerRecheck;
 }
 
 void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
@@ -388,7 +390,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   std::shared_ptr<grpc::Channel> channel = peers_.Get(job->target);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::duration_cast<std::chrono::system_clock::duration>(job->deadline - Clock::now()));
+                   std::chrono::duration_cast<std::chrono::system_clock::duration>(RealDeadline(*job) - Clock::now()));
   {
     mu_.Lock();
     if (stop_) {
@@ -405,7 +407,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   bool publish_failed = false, mismatch = false;
   for (int l = 0; ok && l < job->source->layers(); ++l) {
     ForwardSource::LayerView v;
-    if (!job->source->WaitLayer(l, &v, job->deadline)) {
+    if (!job->source->WaitLayer(l, &v, RealDeadline(*job))) {
       publish_failed = true;
       break;
     }
@@ -444,7 +446,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   }
   MessagePtr m;
   if (ok && !publish_failed && !mismatch) {
-    m = job->source->WaitOutcome(job->deadline);
+    m = job->source->WaitOutcome(RealDeadline(*job));
     if (!m) publish_failed = true;
   }
   // From here a close of the session here is passed on to the destination;
@@ -473,7 +475,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   // Nothing is recorded, and no retry scheduled, before the publish's
   // outcome: a message that is not committed here forwards nothing.
   if (!publish_failed && !m) {
-    m = job->source->WaitOutcome(job->deadline);
+    m = job->source->WaitOutcome(RealDeadline(*job));
     if (!m) publish_failed = true;
   }
 
@@ -487,7 +489,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
                  "sending it whole",
                  job->session(), job->id(), job->target, ancestor->message_id);
     job->whole = true;
-    return Schedule(job, Clock::now());
+    return Schedule(job, time_->Now());
   }
   v1::ForwardResponse resp;
   if (status.ok() && answered) {
@@ -510,14 +512,14 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
                  job->session(), job->id(), job->target, kForwardProtocolVersion, status.error_message(),
                  kForwardProtocolVersionV1, kLegacyPeerRecheck.count());
     NoteLegacyPeer(job->target);
-    return Schedule(job, Clock::now());
+    return Schedule(job, time_->Now());
   }
   if (status.ok() && resp.ancestor_missing()) {
     spdlog::info("forward session={} message={} destination={}: it no longer holds ancestor {}, sending it whole",
                  job->session(), job->id(), job->target, ancestor ? ancestor->message_id : std::string("?"));
     if (metrics_) metrics_->AddForwardOutcome("whole");
     job->whole = true;
-    return Schedule(job, Clock::now());
+    return Schedule(job, time_->Now());
   }
 
   std::vector<std::string> retry;
@@ -584,7 +586,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
                                       opts_.initial_backoff.count() << std::min(job->attempts - 1, 20));
   thread_local std::mt19937_64 rng(std::random_device{}());
   const double jitter = std::uniform_real_distribution<double>(0.75, 1.25)(rng);
-  const Clock::time_point at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(base * jitter));
+  const Clock::time_point at = time_->Now() + std::chrono::milliseconds(static_cast<int64_t>(base * jitter));
   if (at >= job->deadline) {
     DeadLetter(job, job->recipients, grpc::DEADLINE_EXCEEDED,
                absl::StrCat(GrpcCodeName(grpc::DEADLINE_EXCEEDED), ": gave up after ", job->attempts,

@@ -53,6 +53,7 @@
 #include "absl/types/span.h"
 #include "core/message.h"
 #include "core/mutex.h"
+#include "core/time_source.h"
 #include "kvrelay/v1/relay.pb.h"
 #include "proto/wire.h"
 #include "server/peer_channels.h"
@@ -152,6 +153,10 @@ struct ForwarderOptions {
   // Code each layer with the wire codec (protocol 2, WIRE_CODEC_RANS);
   // false: protocol 1, tensors as Fetch sends them.
   bool wire_codec_rans = true;
+  // The time of the backoff, the forward timeout and the legacy-peer
+  // recheck (not owned; outlives the forwarder). The network's own
+  // timeouts (stalls, the call's deadline) stay in real time.
+  TimeSource* time = TimeSource::Real();
 };
 
 class Forwarder {
@@ -190,6 +195,9 @@ class Forwarder {
   void Attempt(const std::shared_ptr<Job>& job);
   void Schedule(const std::shared_ptr<Job>& job, Clock::time_point at);
   void EndJob(const std::shared_ptr<Job>& job);
+  // The real-clock time point by which `job` must end (its deadline is in
+  // time_'s time).
+  Clock::time_point RealDeadline(const Job& job);
   void DeadLetter(const std::shared_ptr<Job>& job, const std::vector<std::string>& agents, grpc::StatusCode code,
                   const std::string& reason);
   // Whether forwards to `target` use the wire codec now.
@@ -198,6 +206,7 @@ class Forwarder {
   void NoteLegacyPeer(const std::string& target);
 
   const ForwarderOptions opts_;
+  TimeSource* const time_;
   Store* const store_;
   const RouteTable* const routes_;
   Metrics* const metrics_;

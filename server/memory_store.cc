@@ -14,7 +14,8 @@ namespace {
 constexpr size_t kMaxClosedSessions = 1 << 20;
 }  // namespace
 
-MemoryStore::MemoryStore(const StoreLimits& limits, Metrics* metrics) : limits_(limits), metrics_(metrics) {
+MemoryStore::MemoryStore(const StoreLimits& limits, Metrics* metrics, TimeSource* time)
+    : limits_(limits), metrics_(metrics), time_(time) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -214,7 +215,7 @@ absl::StatusOr<MemoryStore::CommitResult> MemoryStore::CommitWithHook(std::share
     s.messages[msg->message_id] = msg;
     s.bytes += msg->bytes;
     store_bytes_ += msg->bytes;
-    s.last_active = Clock::now();
+    s.last_active = time_->Now();
     for (const std::string& r : local) AddToMailboxLocked(s, msg, r, &wakes);
     ++committed_;
     full_ += msg->msg.full_bytes;
@@ -236,7 +237,7 @@ std::optional<MemoryStore::Delivery> MemoryStore::FetchOrWait(const std::string&
     if (mb != s->second.mailboxes.end() && !mb->second.entries.empty()) {
       Entry& e = mb->second.entries.front();
       ++e.attempts;
-      s->second.last_active = Clock::now();
+      s->second.last_active = time_->Now();
       return Delivery{e.msg, e.attempts};
     }
   }
@@ -256,7 +257,7 @@ bool MemoryStore::MarkDelivered(const std::string& session, const std::string& a
   ++delivered_;
   auto s = sessions_.find(session);
   if (s == sessions_.end() || !s->second.messages.count(message_id)) return false;  // closed or expired meanwhile
-  s->second.last_active = Clock::now();
+  s->second.last_active = time_->Now();
   return s->second.delivered.insert({message_id, agent}).second;
 }
 
@@ -285,7 +286,7 @@ absl::Status MemoryStore::Ack(const std::string& session, const std::string& age
     return absl::FailedPreconditionError(absl::StrCat("message_id: '", message_id, "': not delivered to '", agent,
                                                       "' yet, expected a message it fetched (Fetch first)"));
   }
-  s->second.last_active = Clock::now();
+  s->second.last_active = time_->Now();
   auto mb = s->second.mailboxes.find(agent);
   if (mb == s->second.mailboxes.end()) return absl::OkStatus();
   auto& entries = mb->second.entries;
@@ -341,7 +342,7 @@ Store::CloseResult MemoryStore::CloseSessionAndPeers(const std::string& session)
       EraseSessionLocked(s, /*expired=*/false);
     }
     if (auto p = publishing_.find(session); p != publishing_.end()) p->second.last_close = ++close_seq_;
-    const Clock::time_point now = Clock::now();
+    const Clock::time_point now = time_->Now();
     r.first = closed_.emplace(session, now).second;
     if (r.first) {
       closed_order_.emplace_back(now, session);
@@ -374,7 +375,7 @@ bool MemoryStore::shutting_down() const {
 
 void MemoryStore::SweepExpired() {
   MutexLock lock(&mu_);
-  const Clock::time_point cutoff = Clock::now() - Ttl();
+  const Clock::time_point cutoff = time_->Now() - Ttl();
   std::set<std::string> waited_on;
   for (const auto& [id, w] : waiters_) waited_on.insert(w.session);
   for (auto it = sessions_.begin(); it != sessions_.end();) {
@@ -392,7 +393,7 @@ void MemoryStore::SweepExpired() {
 }
 
 void MemoryStore::TouchLocked(const std::string& session) {
-  if (auto s = sessions_.find(session); s != sessions_.end()) s->second.last_active = Clock::now();
+  if (auto s = sessions_.find(session); s != sessions_.end()) s->second.last_active = time_->Now();
 }
 
 void MemoryStore::PublishGaugesLocked() {
@@ -423,14 +424,14 @@ void MemoryStore::TimerLoop() {
   // Sweeps a few times per TTL (10 ms .. 1 s) and fires waiter deadlines.
   const auto sweep_every = std::clamp<Clock::duration>(Ttl() / 4, std::chrono::milliseconds(10),
                                                        std::chrono::seconds(1));
-  Clock::time_point next_sweep = Clock::now() + sweep_every;
+  Clock::time_point next_sweep = time_->Now() + sweep_every;
   MutexLock lock(&mu_);
   while (!stop_) {
     Clock::time_point wake_at = next_sweep;
     for (const auto& [id, w] : waiters_) wake_at = std::min(wake_at, w.deadline);
-    cv_.WaitUntil(&mu_, wake_at);
+    time_->WaitUntil(&cv_, &mu_, wake_at);
     if (stop_) break;
-    const Clock::time_point now = Clock::now();
+    const Clock::time_point now = time_->Now();
     std::vector<WakeFn> expired;
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->second.deadline <= now) {
@@ -446,7 +447,7 @@ void MemoryStore::TimerLoop() {
     for (WakeFn& w : expired) w(Wake::kTimeout);
     if (sweep) {
       SweepExpired();
-      next_sweep = Clock::now() + sweep_every;
+      next_sweep = time_->Now() + sweep_every;
     }
     mu_.Lock();
   }
@@ -520,7 +521,7 @@ absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForwardWithHook(
       s.bytes += msg->bytes;
       store_bytes_ += msg->bytes;
     }
-    s.last_active = Clock::now();
+    s.last_active = time_->Now();
     if (!msg->origin.empty()) {  // before anyone here can see it: a base for elision back there
       s.peers.insert(msg->origin);
       s.peer_holds.emplace(msg->message_id, msg->origin);
@@ -743,7 +744,7 @@ MemoryStore::State MemoryStore::Export() const {
 
 void MemoryStore::Restore(const State& state) {
   MutexLock lock(&mu_);
-  const Clock::time_point now = Clock::now();
+  const Clock::time_point now = time_->Now();
   for (const auto& [name, in] : state.sessions) {
     Session& s = sessions_[name];
     s.last_active = now;

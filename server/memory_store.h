@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/mutex.h"
+#include "core/time_source.h"
 #include "server/store.h"
 
 namespace kvrelay {
@@ -26,8 +27,10 @@ class Metrics;
 
 class MemoryStore final : public Store {
  public:
-  // `metrics` may be null; it must outlive the store.
-  MemoryStore(const StoreLimits& limits, Metrics* metrics);
+  // `metrics` may be null; it must outlive the store. Sessions' TTL, their
+  // sweeps and waiters' deadlines are in `time`'s time (not owned; outlives
+  // the store).
+  MemoryStore(const StoreLimits& limits, Metrics* metrics, TimeSource* time = TimeSource::Real());
   ~MemoryStore() override;  // stops the timer; pending waiters are dropped without a call
 
   absl::Status ReserveInflight(uint64_t bytes, absl::string_view what) override;
@@ -164,6 +167,7 @@ class MemoryStore final : public Store {
 
   const StoreLimits limits_;
   Metrics* const metrics_;
+  TimeSource* const time_;
   mutable Mutex mu_;
   CondVar cv_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);

@@ -35,10 +35,11 @@ Base* Refuse(const RelayService* svc, const char* method, const absl::Status& s)
 }  // namespace
 
 RelayService::RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics,
-                           Forwarder* forwarder, const RouteTable* routes, const Authenticator* auth)
+                           Forwarder* forwarder, const RouteTable* routes, const Authenticator* auth,
+                           TimeSource* time)
     : config_(config), store_(store), pool_(pool), metrics_(metrics), forwarder_(forwarder), routes_(routes),
       auth_(auth),
-      watchdog_(config.upload_idle_timeout_seconds) {}
+      watchdog_(config.upload_idle_timeout_seconds, time) {}
 
 absl::StatusOr<std::string> RelayService::NewMessageId() { return kvrelay::NewMessageId(); }
 

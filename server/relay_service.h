@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/mutex.h"
+#include "core/time_source.h"
 #include "core/thread_pool.h"
 #include "kvrelay/v1/relay.grpc.pb.h"
 #include "server/config.h"
@@ -53,9 +54,10 @@ class RelayService final : public RelayCallbackBase {
   // may `forwarder` and `routes` (then every recipient is local, and
   // deliveries of forwarded messages are not reported back), and `auth`
   // (then every caller may act as any agent and as a peer relay).
+  // `time` (not owned; outlives the service) is the idle watchdog's.
   RelayService(const ServerConfig& config, Store* store, ThreadPool* pool, Metrics* metrics,
                Forwarder* forwarder = nullptr, const RouteTable* routes = nullptr,
-               const Authenticator* auth = nullptr);
+               const Authenticator* auth = nullptr, TimeSource* time = TimeSource::Real());
 
   // Raw PublishRequest in, PublishResponse out.
   grpc::ServerReadReactor<grpc::ByteBuffer>* Publish(grpc::CallbackServerContext* ctx,

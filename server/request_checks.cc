@@ -16,21 +16,6 @@ absl::Status CheckPolicyLength(const std::string& policy, const std::string& fie
       absl::StrCat(field, ": ", policy.size(), " bytes, expected at most ", kMaxSpecBytes));
 }
 
-absl::Status CheckId(const std::string& field, const std::string& v) {
-  if (v.empty() || v.size() > 128) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": ", v.size(), " bytes, expected [A-Za-z0-9._:-]{1,128}"));
-  }
-  for (char c : v) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                    c == '_' || c == ':' || c == '-';
-    if (!ok) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": '", absl::CHexEscape(v), "', expected [A-Za-z0-9._:-]{1,128}"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field) {
   if (absl::Status s = p.CheckLayerwise(); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "core/ids.h"  // CheckId, for the ids of requests
 #include "core/pipeline.h"
 #include "core/turn.h"
 
@@ -14,8 +15,6 @@ namespace kvrelay {
 // At most this many recipients per publish (INVALID_ARGUMENT beyond).
 inline constexpr int kMaxRecipients = 64;
 
-// Checks an id against [A-Za-z0-9._:-]{1,128}. InvalidArgument naming `field`.
-absl::Status CheckId(const std::string& field, const std::string& value);
 
 // The spec bound (kMaxSpecBytes), checked before parsing so that the error
 // names the header field. Specs are tens of bytes; the bound keeps error

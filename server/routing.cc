@@ -8,11 +8,11 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "core/ids.h"
 #include "core/mutex.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "proto/address.h"
-#include "core/status_macros.h"
-#include "server/request_checks.h"
 #include "spdlog/spdlog.h"
 
 namespace kvrelay {
@@ -28,6 +28,24 @@ absl::Status CheckTarget(const std::string& field, const std::string& target) {
 }
 
 }  // namespace
+
+absl::Status CheckRouteTemplate(const std::string& tmpl) {
+  const size_t at = tmpl.find(kPlaceholder);
+  if (at == std::string::npos || tmpl.find(kPlaceholder, at + 1) != std::string::npos) {
+    return absl::InvalidArgumentError(
+        "a target with the placeholder {agent} exactly once, e.g. dns:///{agent}.agents:50051");
+  }
+  // Any DNS label must make a target.
+  if (absl::Status st = CheckGrpcTarget(ExpandRouteTemplate(tmpl, "x")); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a target once {agent} is substituted (with 'x': ", st.message(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+std::string ExpandRouteTemplate(const std::string& tmpl, const std::string& agent) {
+  return absl::StrReplaceAll(tmpl, {{kPlaceholder, agent}});
+}
 
 bool IsDnsLabel(const std::string& name) {
   if (name.empty() || name.size() > 63) return false;
@@ -96,7 +114,8 @@ absl::StatusOr<std::unique_ptr<RouteTable>> RouteTable::Create(const RouteOption
                       [p] {
                         MutexLock l(&p->mu_);
                         return absl::StrCat("the last good table (", p->file_routes_->size(), " routes)");
-                      }));
+                      },
+                      opts.time));
   }
   return t;
 }
@@ -106,6 +125,7 @@ RouteTable::~RouteTable() = default;
 absl::Status RouteTable::ReloadNow() { return file_ ? file_->ReloadNow() : absl::OkStatus(); }
 
 uint64_t RouteTable::file_loads() const { return file_ ? file_->loads() : 0; }
+uint64_t RouteTable::file_polls() const { return file_ ? file_->polls() : 0; }
 
 absl::StatusOr<std::optional<std::string>> RouteTable::Resolve(const std::string& agent,
                                                                const std::string& field) const {
@@ -128,7 +148,7 @@ absl::StatusOr<std::optional<std::string>> RouteTable::Resolve(const std::string
             "starting or ending with '-'), expected one for --route-template=", opts_.route_template,
             ", or a --route / --route-file entry for it"));
       }
-      target = absl::StrReplaceAll(opts_.route_template, {{kPlaceholder, agent}});
+      target = ExpandRouteTemplate(opts_.route_template, agent);
     }
   }
   if (target.empty() || (!opts_.advertise.empty() && target == opts_.advertise)) return std::optional<std::string>();

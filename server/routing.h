@@ -26,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/mutex.h"
+#include "core/time_source.h"
 #include "server/watched_file.h"
 
 namespace kvrelay {
@@ -37,11 +38,22 @@ struct RouteOptions {
   std::string advertise;                      // this relay's own target ("": none)
   // How often the route file is checked for changes.
   std::chrono::milliseconds poll_interval{1000};
+  // The poller's time (not owned; outlives the table).
+  TimeSource* time = TimeSource::Real();
 };
 
 // Whether `name` is a DNS label (RFC 1123): 1..63 letters, digits and '-',
 // starting and ending with a letter or digit.
 bool IsDnsLabel(const std::string& name);
+
+// A route template names the target of an agent no route names: a target
+// with the placeholder "{agent}" exactly once, which the agent's id (a DNS
+// label) replaces. OK for such a template; otherwise InvalidArgument whose
+// message is what was expected ("a target with the placeholder {agent}
+// exactly once, e.g. ...").
+absl::Status CheckRouteTemplate(const std::string& tmpl);
+// `tmpl` with its placeholder replaced by `agent`. REQUIRES: CheckRouteTemplate(tmpl) is OK.
+std::string ExpandRouteTemplate(const std::string& tmpl, const std::string& agent);
 
 // Parses a route file's content: a JSON object whose keys are agent ids
 // and whose values are targets (both checked). InvalidArgument naming
@@ -75,6 +87,8 @@ class RouteTable {
   absl::Status ReloadNow();
   // How many times the file's content was loaded, the start-up load included.
   uint64_t file_loads() const;
+  // How many times the poller has read the route file.
+  uint64_t file_polls() const;
 
  private:
   explicit RouteTable(const RouteOptions& opts);

@@ -163,7 +163,7 @@ absl::Status CheckBound(const grpc::Server* server, std::vector<Listener>& ls, s
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config) {
+absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config, TimeSource* time) {
   std::unique_ptr<RelayServer> s(new RelayServer());
   s->config_ = config;
   if (config.listen.empty()) return absl::InvalidArgumentError("--listen: expected at least one address");
@@ -214,7 +214,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   limits.max_outbox_bytes_per_destination = config.max_outbox_bytes_per_destination;
   SpoolStore* spool = nullptr;
   if (config.spool_dir.empty()) {
-    s->store_ = std::make_unique<MemoryStore>(limits, s->metrics_.get());
+    s->store_ = std::make_unique<MemoryStore>(limits, s->metrics_.get(), time);
   } else {
     SpoolOptions so;
     so.dir = config.spool_dir;
@@ -227,7 +227,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
       spdlog::warn("--fsync=never: the spool is not synced; a power loss or kernel crash loses what the kernel had "
                    "not written (for benchmarks only)");
     }
-    KVRELAY_ASSIGN_OR_RETURN(std::unique_ptr<SpoolStore> store, SpoolStore::Open(limits, so, s->metrics_.get()));
+    KVRELAY_ASSIGN_OR_RETURN(std::unique_ptr<SpoolStore> store, SpoolStore::Open(limits, so, s->metrics_.get(), time));
     spool = store.get();
     RelayServer* self = s.get();
     spool->SetOnFailure([self](const absl::Status&) { self->SetNotServing(); });
@@ -245,6 +245,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   ro.route_file = config.route_file;
   ro.route_template = config.route_template;
   ro.advertise = config.advertise;
+  ro.time = time;
   absl::StatusOr<std::unique_ptr<RouteTable>> routes = RouteTable::Create(ro);
   if (!routes.ok()) return routes.status();
   s->routes_ = std::move(*routes);
@@ -257,6 +258,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   fo.forward_timeout_seconds = config.forward_timeout_seconds;
   fo.stall_seconds = config.forward_stall_seconds;
   fo.wire_codec_rans = config.wire_codec_rans;
+  fo.time = time;
   if (tls) fo.credentials = PeerChannelCredentials(tls_files, kCertRefreshSeconds, config.peer_identities, s->metrics_.get());
   s->forwarder_ = std::make_unique<Forwarder>(fo, s->store_.get(), s->routes_.get(), s->metrics_.get());
   if (spool) ResumeForwards(*spool, s->forwarder_.get());
@@ -265,9 +267,10 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   ao.tokens_file = config.tokens_file;
   ao.local_auth = config.local_auth == "token" ? LocalAuth::kToken : LocalAuth::kPod;
   ao.peer_identities = config.peer_identities;
+  ao.time = time;
   KVRELAY_ASSIGN_OR_RETURN(s->auth_, Authenticator::Create(ao, s->metrics_.get()));
   s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get(),
-                                               s->forwarder_.get(), s->routes_.get(), s->auth_.get());
+                                               s->forwarder_.get(), s->routes_.get(), s->auth_.get(), time);
   const bool insecure = ServesPlaintextOffLoopback(config);
   s->metrics_->SetInsecure(insecure);
   if (insecure) {

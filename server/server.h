@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/mutex.h"
+#include "core/time_source.h"
 #include "core/thread_pool.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server.h"
@@ -41,7 +42,12 @@ class RelayServer {
   // directory it is in (as any process in the network namespace can reach
   // 127.0.0.1); gRPC removes it on Shutdown. Unavailable when an address
   // cannot be bound.
-  static absl::StatusOr<std::unique_ptr<RelayServer>> Start(const ServerConfig& config);
+  // `time` (not owned; outlives the server) runs the relay's timers: the
+  // store's TTL sweeps and Fetch deadlines, the idle watchdog, the watched
+  // files' polls and the forwarder's backoff and timeout. Tests pass a fake
+  // clock; the network's own deadlines stay in real time.
+  static absl::StatusOr<std::unique_ptr<RelayServer>> Start(const ServerConfig& config,
+                                                            TimeSource* time = TimeSource::Real());
   ~RelayServer();  // Shutdown(), then stops the metrics endpoint
 
   // "kvrelay-server ready grpc=ADDR[,ADDR...] metrics=HOST:PORT

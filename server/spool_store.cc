@@ -119,13 +119,13 @@ bool ParseFileName(const std::string& name, uint64_t* seq, bool* temp) {
 
 }  // namespace
 
-SpoolStore::SpoolStore(const StoreLimits& limits, const SpoolOptions& options, Metrics* metrics)
+SpoolStore::SpoolStore(const StoreLimits& limits, const SpoolOptions& options, Metrics* metrics, TimeSource* time)
     : options_(options),
       max_message_bytes_(limits.max_store_bytes),
       fs_(options.fs ? options.fs : PosixSpoolFs()),
       metrics_(metrics),
       msg_dir_(options.dir + "/msg"),
-      mem_(std::make_unique<MemoryStore>(limits, metrics)) {}
+      mem_(std::make_unique<MemoryStore>(limits, metrics, time)) {}
 
 SpoolStore::~SpoolStore() {
   if (journal_) journal_->StopCompaction();  // a compaction reads mem_
@@ -136,9 +136,9 @@ SpoolStore::~SpoolStore() {
 }
 
 absl::StatusOr<std::unique_ptr<SpoolStore>> SpoolStore::Open(const StoreLimits& limits, const SpoolOptions& options,
-                                                             Metrics* metrics) {
+                                                             Metrics* metrics, TimeSource* time) {
   if (options.dir.empty()) return absl::InvalidArgumentError("--spool-dir: expected a directory");
-  std::unique_ptr<SpoolStore> s(new SpoolStore(limits, options, metrics));
+  std::unique_ptr<SpoolStore> s(new SpoolStore(limits, options, metrics, time));
   if (absl::Status st = s->Recover(); !st.ok()) {
     return absl::Status(st.code(), absl::StrCat("--spool-dir=", options.dir, ": ", st.message()));
   }

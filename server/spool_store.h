@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "core/mutex.h"
+#include "core/time_source.h"
 #include "core/thread_pool.h"
 #include "server/memory_store.h"
 #include "server/spool/journal.h"
@@ -121,7 +122,7 @@ class SpoolStore final : public Store {
   // options.salvage the intact records are recovered and every message file
   // they do not name is moved to quarantine/ (SpoolRecovery::unproven).
   static absl::StatusOr<std::unique_ptr<SpoolStore>> Open(const StoreLimits& limits, const SpoolOptions& options,
-                                                          Metrics* metrics);
+                                                          Metrics* metrics, TimeSource* time = TimeSource::Real());
   ~SpoolStore() override;
 
   const SpoolRecovery& recovery() const { return recovery_; }
@@ -205,7 +206,7 @@ class SpoolStore final : public Store {
   std::vector<std::string> Peers(const std::string& session) const override { return mem_->Peers(session); }
 
  private:
-  SpoolStore(const StoreLimits& limits, const SpoolOptions& options, Metrics* metrics);
+  SpoolStore(const StoreLimits& limits, const SpoolOptions& options, Metrics* metrics, TimeSource* time);
   absl::Status Recover();
   // Moves every message file that no commit in `intact` names to
   // quarantine/ (under a name not taken there) and syncs both folders: the

@@ -134,7 +134,7 @@ class UploadReactor : public Reactor {
  public:
   void OnReadDone(bool ok) override {
     MutexLock activity(&idle_->mu);  // no idle firing during the reaction
-    idle_->last = Clock::now();
+    idle_->TouchLocked();
     if (finished_) return;  // failed meanwhile (idle): read no further
     if (!ok) {
       if (ctx_->IsCancelled()) {
@@ -285,7 +285,7 @@ class UploadReactor : public Reactor {
   // call). Nothing else finishes the call while it is paused.
   void OnResume() ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (finished_) return;
-    idle_->last = Clock::now();
+    idle_->TouchLocked();
     this->StartRead(&wire_);
   }
 

@@ -7,8 +7,9 @@
 
 namespace kvrelay {
 
-UploadWatchdog::UploadWatchdog(double timeout_seconds)
-    : timeout_s_(timeout_seconds),
+UploadWatchdog::UploadWatchdog(double timeout_seconds, TimeSource* time)
+    : time_(time),
+      timeout_s_(timeout_seconds),
       timeout_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds))) {
   thread_ = std::thread([this] { Loop(); });
 }
@@ -23,9 +24,10 @@ UploadWatchdog::~UploadWatchdog() {
 }
 
 std::shared_ptr<UploadWatchdog::Entry> UploadWatchdog::Watch(std::function<void()> fire) {
-  auto e = std::make_shared<Entry>();
+  auto e = std::make_shared<Entry>(time_);
   {
     MutexLock entry_lock(&e->mu);  // not shared yet; the lock states the rule
+    e->TouchLocked();
     e->fire = std::move(fire);
   }
   MutexLock lock(&mu_);
@@ -38,11 +40,11 @@ void UploadWatchdog::Loop() {
   const auto every = std::clamp<Clock::duration>(timeout_ / 4, std::chrono::milliseconds(10), std::chrono::seconds(1));
   MutexLock lock(&mu_);
   while (!stop_) {
-    cv_.WaitFor(&mu_, every);
+    time_->WaitFor(&cv_, &mu_, every);
     if (stop_) break;
     std::vector<std::shared_ptr<Entry>> snapshot = entries_;
     mu_.Unlock();
-    const Clock::time_point now = Clock::now();
+    const Clock::time_point now = time_->Now();
     for (const auto& e : snapshot) {
       if (!e->mu.TryLock()) continue;  // busy: a reaction holds it
       if (e->armed && now - e->last >= timeout_) {  // else done or active

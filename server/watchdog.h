@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/mutex.h"
+#include "core/time_source.h"
 #include "server/store.h"
 
 namespace kvrelay {
@@ -23,16 +24,20 @@ namespace kvrelay {
 class UploadWatchdog {
  public:
   struct Entry {
+    explicit Entry(TimeSource* t) : time(t) {}
+
+    TimeSource* const time;  // the watchdog's
     Mutex mu;
-    Clock::time_point last ABSL_GUARDED_BY(mu) = Clock::now();
+    Clock::time_point last ABSL_GUARDED_BY(mu);
     bool armed ABSL_GUARDED_BY(mu) = true;
     std::function<void()> fire ABSL_GUARDED_BY(mu);  // runs once, under mu
 
     // Marks activity now (e.g. a reply's write completed).
     void Touch() {
       MutexLock lock(&mu);
-      last = Clock::now();
+      TouchLocked();
     }
+    void TouchLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { last = time->Now(); }
     // No firing from now on (e.g. from OnDone, before the reactor goes).
     void Disarm() {
       MutexLock lock(&mu);
@@ -40,7 +45,9 @@ class UploadWatchdog {
       fire = nullptr;
     }
   };
-  explicit UploadWatchdog(double timeout_seconds);
+  // Checks the entries a few times per timeout of `time` (not owned;
+  // outlives this).
+  explicit UploadWatchdog(double timeout_seconds, TimeSource* time = TimeSource::Real());
   ~UploadWatchdog();
   UploadWatchdog(const UploadWatchdog&) = delete;
   UploadWatchdog& operator=(const UploadWatchdog&) = delete;
@@ -50,6 +57,7 @@ class UploadWatchdog {
 
  private:
   void Loop();
+  TimeSource* const time_;
   const double timeout_s_;
   const Clock::duration timeout_;
   Mutex mu_;

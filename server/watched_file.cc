@@ -24,13 +24,19 @@ absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string&
 }  // namespace
 
 WatchedFile::WatchedFile(const std::string& flag, const std::string& path, std::chrono::milliseconds interval,
-                         Apply apply, Keeping keeping)
-    : flag_(flag), path_(path), interval_(interval), apply_(std::move(apply)), keeping_(std::move(keeping)) {}
+                         Apply apply, Keeping keeping, TimeSource* time)
+    : flag_(flag),
+      path_(path),
+      interval_(interval),
+      apply_(std::move(apply)),
+      keeping_(std::move(keeping)),
+      time_(time) {}
 
 absl::StatusOr<std::unique_ptr<WatchedFile>> WatchedFile::Start(const std::string& flag, const std::string& path,
                                                                 std::chrono::milliseconds interval, Apply apply,
-                                                                Keeping keeping) {
-  std::unique_ptr<WatchedFile> w(new WatchedFile(flag, path, interval, std::move(apply), std::move(keeping)));
+                                                                Keeping keeping, TimeSource* time) {
+  std::unique_ptr<WatchedFile> w(
+      new WatchedFile(flag, path, interval, std::move(apply), std::move(keeping), time));
   if (absl::Status s = w->ReloadNow(); !s.ok()) return s;
   w->poller_ = std::thread([p = w.get()] { p->PollLoop(); });
   return w;
@@ -63,13 +69,14 @@ void WatchedFile::PollLoop() {
   MutexLock lock(&poll_mu_);
   absl::Status last;
   for (;;) {
-    const auto next = std::chrono::steady_clock::now() + interval_;
-    while (!stop_ && poll_cv_.WaitUntil(&poll_mu_, next)) {
+    const TimeSource::TimePoint next = time_->Now() + interval_;
+    while (!stop_ && time_->WaitUntil(&poll_cv_, &poll_mu_, next)) {
     }
     if (stop_) break;
     poll_mu_.Unlock();
     const uint64_t loads = loads_.load();
     absl::Status s = ReloadNow();
+    polls_.fetch_add(1);
     if (!s.ok() && s != last) {
       spdlog::warn("{}; keeping {}", std::string(s.message()), keeping_ ? keeping_() : std::string("the last good one"));
     } else if (s.ok() && loads_.load() != loads) {

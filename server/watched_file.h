@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/mutex.h"
+#include "core/time_source.h"
 
 namespace kvrelay {
 
@@ -33,10 +34,11 @@ class WatchedFile {
   using Keeping = std::function<std::string()>;
 
   // Reads `path` once (a file that cannot be read or that `apply` refuses is
-  // the error, naming `flag`), then polls it. `flag` is e.g. "--route-file".
+  // the error, naming `flag`), then polls it every `interval` of `time`
+  // (not owned; outlives this). `flag` is e.g. "--route-file".
   static absl::StatusOr<std::unique_ptr<WatchedFile>> Start(const std::string& flag, const std::string& path,
                                                             std::chrono::milliseconds interval, Apply apply,
-                                                            Keeping keeping);
+                                                            Keeping keeping, TimeSource* time = TimeSource::Real());
   ~WatchedFile();  // stops the poller
   WatchedFile(const WatchedFile&) = delete;
   WatchedFile& operator=(const WatchedFile&) = delete;
@@ -47,20 +49,24 @@ class WatchedFile {
   absl::Status ReloadNow();
   // How many contents were applied, the start-up load included.
   uint64_t loads() const { return loads_.load(); }
+  // How many times the poller has read the file.
+  uint64_t polls() const { return polls_.load(); }
   const std::string& path() const { return path_; }
 
  private:
   WatchedFile(const std::string& flag, const std::string& path, std::chrono::milliseconds interval, Apply apply,
-              Keeping keeping);
+              Keeping keeping, TimeSource* time);
   void PollLoop();
 
   const std::string flag_, path_;
   const std::chrono::milliseconds interval_;
   const Apply apply_;
   const Keeping keeping_;
+  TimeSource* const time_;
   Mutex reload_mu_;  // one reload at a time
   std::string content_ ABSL_GUARDED_BY(reload_mu_);  // the last content read
   std::atomic<uint64_t> loads_{0};
+  std::atomic<uint64_t> polls_{0};
   Mutex poll_mu_;
   CondVar poll_cv_;
   bool stop_ ABSL_GUARDED_BY(poll_mu_) = false;

@@ -542,7 +542,7 @@ TEST_F(RelayClientTest, BadOptionsFailBeforeTheCall) {
   EXPECT_THAT(client_->Publish(turn_, o).status().message(), HasSubstr("session: empty"));
   o = opts_;
   o.sender = "a b";
-  EXPECT_THAT(client_->Publish(turn_, o).status().message(), HasSubstr("sender: \"a b\""));
+  EXPECT_THAT(client_->Publish(turn_, o).status().message(), HasSubstr("sender: 'a b'"));
   SyntheticTurnOptions h;
   h.n_history = 4;
   o = opts_;
@@ -628,7 +628,7 @@ TEST_F(RelayClientTest, MessageStatusChecksItsArgumentsBeforeTheCall) {
   EXPECT_THAT(client_->MessageStatus("s1", "").status().message(), HasSubstr("message_id: empty"));
   absl::Status bad = client_->MessageStatus("s 1", "m-1").status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.message(), HasSubstr("session: \"s 1\""));
+  EXPECT_THAT(bad.message(), HasSubstr("session: 's 1'"));
   EXPECT_EQ(client_->MessageStatus("s1", std::string(129, 'm')).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(relay_.status_calls.load(), 0);

@@ -651,8 +651,8 @@ class TokenTest(unittest.TestCase):
                           (["token", "old", "a"], 'token: unknown verb "old", expected "token new AGENT"'),
                           (["token", "new"], "token new: expected one AGENT argument, got 0"),
                           (["token", "new", "a", "b"], "token new: expected one AGENT argument, got 2"),
-                          (["token", "new", "a b"], 'token new: agent: "a b", expected [A-Za-z0-9._:-]{1,128}'),
-                          (["token", "new", "a/b"], 'agent: "a/b"'),
+                          (["token", "new", "a b"], "token new: agent: 'a b', expected [A-Za-z0-9._:-]{1,128}"),
+                          (["token", "new", "a/b"], "agent: 'a/b'"),
                           (["token", "new", "x" * 129], "expected [A-Za-z0-9._:-]{1,128}"),
                           (["token", "new", "--bogus", "a"], "unknown flag --bogus")):
             p = subprocess.run([KVRELAYCTL] + args, capture_output=True, text=True, timeout=30)

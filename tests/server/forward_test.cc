@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "core/pipeline.h"
 #include "gtest/gtest.h"
+#include "tests/testlib/fake_time_source.h"
 #include "proto/stream_codec.h"
 #include "proto/wire_codec.h"
 #include "proto/wire.h"
@@ -187,15 +188,30 @@ ForwardCall DoForward(v1::Relay::Stub* stub, const std::vector<v1::ForwardReques
   return r;
 }
 
+// The sum of counter `name` over its series; with `outcome`, only the
+// series with that outcome label.
+double CounterSum(Metrics* m, const std::string& name, const std::string& outcome = "") {
+  double sum = 0;
+  for (const auto& fam : m->registry()->Collect()) {
+    if (fam.name != name) continue;
+    for (const auto& metric : fam.metric) {
+      bool match = outcome.empty();
+      for (const auto& label : metric.label) match = match || (label.name == "outcome" && label.value == outcome);
+      if (match) sum += metric.counter.value;
+    }
+  }
+  return sum;
+}
+
 class ForwardTest : public ::testing::Test {
  protected:
-  void StartServer(ServerConfig cfg = {}) {
+  void StartServer(ServerConfig cfg = {}, TimeSource* time = TimeSource::Real()) {
     if (server_) server_->Shutdown();
     cfg.listen = {"127.0.0.1:0"};
     cfg.metrics_listen = "";
     if (cfg.worker_threads <= 0) cfg.worker_threads = 2;
     cfg.shutdown_grace_seconds = 1;
-    auto s = RelayServer::Start(cfg);
+    auto s = RelayServer::Start(cfg, time);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
     stub_ = v1::Relay::NewStub(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
@@ -209,6 +225,31 @@ class ForwardTest : public ::testing::Test {
     FetchResult f = DoFetch(stub_.get(), session, agent, false, 0.3);
     EXPECT_EQ(f.status.error_code(), grpc::DEADLINE_EXCEEDED) << agent << ": " << f.status.error_message();
   }
+
+  // The forward attempts of recipient `i` of (session, id) so far.
+  uint32_t AttemptsOf(const std::string& session, const std::string& id, int i) {
+    v1::MessageStatusResponse resp;
+    if (!Status(session, id, &resp).ok() || resp.recipients_size() <= i) return 0;
+    return resp.recipients(i).attempts();
+  }
+
+  // With the relay on `clock`: fires its timers in deadline order (the
+  // store's sweep, the watchdog, and the forwarder's threads waiting for a
+  // queued retry) until `done`. False after 20 s of real time.
+  static bool FireTimersUntil(FakeTimeSource* clock, const std::function<bool()>& done) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < until) {
+      if (done()) return true;
+      // The store's timer and the watchdog wait always; a third waiter is a
+      // forwarder thread waiting for a queued retry (none while an attempt
+      // runs, whose retry is not queued yet).
+      if (clock->AwaitWaiters(3, std::chrono::milliseconds(100))) clock->AdvanceToNextDeadline();
+    }
+    return done();
+  }
+
+  // Failed forward attempts so far (kvrelay_forwards_total{outcome="retry"}).
+  double Retries() { return CounterSum(server_->metrics(), "kvrelay_forwards_total", "retry"); }
 
   void WaitInflightZero() {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -269,6 +310,8 @@ class ForwardTest : public ::testing::Test {
     }
   }
 
+  // The time of tests that drive it (StartServer(cfg, &clock_)); outlives server_.
+  FakeTimeSource clock_;
   std::unique_ptr<RelayServer> server_;
   std::unique_ptr<v1::Relay::Stub> stub_;
 };
@@ -298,9 +341,9 @@ TEST_F(ForwardTest, AMalformedHeaderIsInvalidArgumentNamingTheField) {
       {"bad session id", [](v1::ForwardHeader* h) { h->mutable_message()->set_session_id("a session"); },
        "header.message.session_id: 'a session', expected"},
       {"no session id", [](v1::ForwardHeader* h) { h->mutable_message()->set_session_id(""); },
-       "header.message.session_id: 0 bytes"},
+       "header.message.session_id: empty"},
       {"no message id", [](v1::ForwardHeader* h) { h->mutable_message()->set_message_id(""); },
-       "header.message.message_id: 0 bytes"},
+       "header.message.message_id: empty"},
       {"bad sender", [](v1::ForwardHeader* h) { h->mutable_message()->set_sender("a/b"); },
        "header.message.sender: 'a/b'"},
       {"bad parent", [](v1::ForwardHeader* h) { h->mutable_message()->set_parent_id("p p"); },
@@ -947,10 +990,11 @@ TEST_F(ForwardTest, MessageStatusFollowsALocalRecipient) {
 // A recipient routed to a relay that is down stays queued with the reason;
 // the destination's reports move it on, and later retries do not move it back.
 TEST_F(ForwardTest, ReportsOfARemoteRecipientMoveItsStatusForwardOnly) {
+  FakeTimeSource& clock = clock_;
   ServerConfig cfg;
   cfg.routes = {{"far", "127.0.0.1:1"}};
   cfg.forward_timeout_seconds = 60;
-  StartServer(cfg);
+  StartServer(cfg, &clock);
   Turn t = MakeTurn(16);
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("s", "m1", "a", {"near", "far"}, "full", t), t).status.ok());
   v1::MessageStatusResponse resp;
@@ -976,21 +1020,14 @@ TEST_F(ForwardTest, ReportsOfARemoteRecipientMoveItsStatusForwardOnly) {
   EXPECT_EQ(resp.recipients(1).relay(), "127.0.0.1:1");
   ASSERT_TRUE(Report("s", "m1", "far", v1::RECIPIENT_STATE_ACKED).ok());
   ASSERT_TRUE(Report("s", "m1", "far", v1::RECIPIENT_STATE_DELIVERED).ok());  // late, out of order
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // more failed attempts meanwhile
+  // Two more failed attempts meanwhile.
+  const double retries = Retries();
+  ASSERT_TRUE(FireTimersUntil(&clock, [&] { return Retries() >= retries + 2; })) << "no retries";
   ASSERT_TRUE(Status("s", "m1", &resp).ok());
   EXPECT_EQ(resp.recipients(1).state(), v1::RECIPIENT_STATE_ACKED);
   EXPECT_EQ(resp.recipients(0).state(), v1::RECIPIENT_STATE_COMMITTED);
 }
 
-
-double CounterSum(Metrics* m, const std::string& name) {
-  double sum = 0;
-  for (const auto& fam : m->registry()->Collect()) {
-    if (fam.name != name) continue;
-    for (const auto& metric : fam.metric) sum += metric.counter.value;
-  }
-  return sum;
-}
 
 // A relay that never answers dead-letters its recipients after the forward
 // timeout, with the reason; one the destination reported acked meanwhile
@@ -1026,10 +1063,11 @@ TEST_F(ForwardTest, ADeadLetterDoesNotUndoADestinationsReport) {
 // destination is down) is retried once the message is committed, not
 // dropped as if its session were gone.
 TEST_F(ForwardTest, AFailureBeforeTheCommitIsRetriedAfterIt) {
+  FakeTimeSource& clock = clock_;
   ServerConfig cfg;
   cfg.routes = {{"far", "127.0.0.1:1"}};
   cfg.forward_timeout_seconds = 60;
-  StartServer(cfg);
+  StartServer(cfg, &clock);
   Turn t0 = MakeTurn(20);
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("s", "m0", "a", {"near"}, "full", t0), t0).status.ok());
   Turn t = MakeTurn(21);
@@ -1041,7 +1079,10 @@ TEST_F(ForwardTest, AFailureBeforeTheCommitIsRetriedAfterIt) {
     ctx.set_deadline(In(30));
     auto writer = stub_->Publish(&ctx, &r.response);
     ASSERT_TRUE(writer->Write(reqs[0]));
-    std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // the first attempt fails meanwhile
+    // Time for the first attempt to fail against the dead relay. Nothing
+    // shows that before the commit (the attempt then waits for the
+    // publish's outcome); were it slower, the test would pass testing less.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
     for (size_t i = 1; i < reqs.size(); ++i) ASSERT_TRUE(writer->Write(reqs[i]));
     writer->WritesDone();
     r.status = writer->Finish();
@@ -1050,7 +1091,8 @@ TEST_F(ForwardTest, AFailureBeforeTheCommitIsRetriedAfterIt) {
   v1::MessageStatusResponse resp;
   ASSERT_TRUE(Status("s", "m1", &resp).ok());
   const uint32_t a0 = resp.recipients(1).attempts();
-  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  ASSERT_TRUE(FireTimersUntil(&clock, [&] { return AttemptsOf("s", "m1", 1) > a0; }))
+      << "no retry after the commit: the forward was dropped";
   ASSERT_TRUE(Status("s", "m1", &resp).ok());
   EXPECT_EQ(resp.recipients(1).state(), v1::RECIPIENT_STATE_QUEUED);
   EXPECT_GT(resp.recipients(1).attempts(), a0) << "no retry after the commit: the forward was dropped";

@@ -146,7 +146,7 @@ TEST_F(PlanPublishTest, AHeaderWithoutIdGetsAFreshOne) {
   EXPECT_EQ(ids_, 1);
   // Refused before the id is assigned: no id is drawn.
   h.clear_sender();
-  ExpectError(Plan(h), absl::StatusCode::kInvalidArgument, "header.sender: 0 bytes");
+  ExpectError(Plan(h), absl::StatusCode::kInvalidArgument, "header.sender: empty");
   EXPECT_EQ(ids_, 1);
 }
 
@@ -183,14 +183,14 @@ TEST_F(PlanPublishTest, BadIdsAreInvalidArgumentNamingTheField) {
     std::string prefix;
   };
   const std::vector<Case> cases = {
-      {[](auto* h) { h->clear_session_id(); }, "header.session_id: 0 bytes, expected [A-Za-z0-9._:-]{1,128}"},
+      {[](auto* h) { h->clear_session_id(); }, "header.session_id: empty, expected [A-Za-z0-9._:-]{1,128}"},
       {[](auto* h) { h->set_session_id("has space"); }, "header.session_id: 'has space', expected"},
       {[&](auto* h) { h->set_session_id(too_long); }, "header.session_id: 129 bytes"},
       {[](auto* h) { h->set_message_id("a/b"); }, "header.message_id: 'a/b', expected"},
-      {[](auto* h) { h->clear_sender(); }, "header.sender: 0 bytes"},
+      {[](auto* h) { h->clear_sender(); }, "header.sender: empty"},
       {[](auto* h) { h->set_sender("a\nb"); }, "header.sender: 'a\\nb', expected"},
       {[](auto* h) { h->add_recipients("x y"); }, "header.recipients[1]: 'x y', expected"},
-      {[](auto* h) { h->add_recipients(""); }, "header.recipients[1]: 0 bytes"},
+      {[](auto* h) { h->add_recipients(""); }, "header.recipients[1]: empty"},
       {[](auto* h) { h->set_parent_id("no/pe"); }, "header.parent_id: 'no/pe', expected"},
   };
   for (const Case& c : cases) {

@@ -7,11 +7,11 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "tests/testlib/fake_time_source.h"
 
 namespace kvrelay {
 namespace {
@@ -92,7 +92,7 @@ TEST(ParseRouteFileTest, RefusalsNameTheSourceAndTheKey) {
            Case{R"({"a": {"t": "h:1"}})", "key 'a': object, expected a target string"},
            Case{R"({"a": null})", "key 'a': null, expected a target string"},
            Case{R"({"ok": "h:1", "bad id": "h:1"})", "key 'bad id': 'bad id', expected [A-Za-z0-9._:-]{1,128}"},
-           Case{R"({"": "h:1"})", "key '': 0 bytes, expected [A-Za-z0-9._:-]{1,128}"},
+           Case{R"({"": "h:1"})", "key '': empty, expected [A-Za-z0-9._:-]{1,128}"},
            Case{R"({"a": "nohostport"})", "key 'a': address 'nohostport': expected HOST:PORT"},
            Case{R"({"a": "h:0"})", "key 'a': address 'h:0': expected HOST:PORT with PORT in 1..65535"},
            Case{R"({"a": ""})", "key 'a': address '': expected HOST:PORT"},
@@ -245,36 +245,50 @@ TEST(RouteTableTest, ReloadNowSeesARenamedFileAndKeepsTheLastGoodTable) {
 }
 
 // The poller picks up a renamed file by itself, and keeps serving the last
-// good table through a bad one.
+// good table through a bad one. Its time is a fake clock: each tick is one
+// Advance, and the test waits until the poller has read the file and waits
+// again, never for a fixed time.
 TEST(RouteTableTest, ThePollerReloadsARenamedFile) {
+  FakeTimeSource clock;
   RouteOptions o;
   o.route_file = TempPath("poll.json");
   o.poll_interval = std::chrono::milliseconds(20);
+  o.time = &clock;
   WriteAtomically(o.route_file, R"({"a": "one:1"})");
   auto created = RouteTable::Create(o);
   ASSERT_TRUE(created.ok()) << created.status();
   RouteTable& t = **created;
-  auto wait_for = [&](const std::string& agent, const std::string& target) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (std::chrono::steady_clock::now() < until) {
-      Resolved r = t.Resolve(agent);
-      if (r.ok() && r->has_value() && **r == target) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return false;
+  // One poll: the poller's tick fires, it reads the file and waits again.
+  auto poll = [&] {
+    const uint64_t before = t.file_polls();
+    ASSERT_TRUE(clock.AwaitWaiters(1)) << "the poller is not waiting for its tick";
+    clock.Advance(o.poll_interval);
+    ASSERT_TRUE(clock.AwaitWaiters(1)) << "the poller did not come back to wait";
+    ASSERT_EQ(t.file_polls(), before + 1);
   };
   ExpectRemote(t, "a", "one:1");
+  // Less than an interval: no poll.
+  ASSERT_TRUE(clock.AwaitWaiters(1));
+  clock.Advance(o.poll_interval / 2);
+  ASSERT_TRUE(clock.AwaitWaiters(1));
+  EXPECT_EQ(t.file_polls(), 0u);
+
   WriteAtomically(o.route_file, R"({"a": "two:2"})");
-  EXPECT_TRUE(wait_for("a", "two:2")) << "the poller did not load the renamed file within 10 s";
+  clock.Advance(o.poll_interval / 2);  // the rest of the first interval
+  ASSERT_TRUE(clock.AwaitWaiters(1));
+  ASSERT_EQ(t.file_polls(), 1u);
+  ExpectRemote(t, "a", "two:2");
   EXPECT_EQ(t.file_loads(), 2u);
 
   WriteAtomically(o.route_file, "{broken");
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // ten polls
+  for (int i = 0; i < 10; ++i) poll();
+  EXPECT_EQ(t.file_polls(), 11u);  // the ten polls ran, and none applied the bad file
   EXPECT_EQ(t.file_loads(), 2u);
   ExpectRemote(t, "a", "two:2");
 
   WriteAtomically(o.route_file, R"({"a": "three:3"})");
-  EXPECT_TRUE(wait_for("a", "three:3")) << "the poller did not recover from a bad file within 10 s";
+  poll();
+  ExpectRemote(t, "a", "three:3");
   EXPECT_EQ(t.file_loads(), 3u);
   std::remove(o.route_file.c_str());
 }

@@ -8,11 +8,21 @@
 #include "gtest/gtest.h"
 #include "server/metrics.h"
 #include "store_test_util.h"
+#include "tests/testlib/fake_time_source.h"
 
 namespace kvrelay {
 namespace {
 
 using namespace kvrelay::testing;
+
+// Moves `clock` forward by `d` and returns once the store's timer thread
+// has handled whatever that made due (sweeps, waiter deadlines) and waits
+// again: the store's time, without sleeping.
+void Tick(FakeTimeSource* clock, Clock::duration d) {
+  ASSERT_TRUE(clock->AwaitWaiters(1)) << "the store's timer is not waiting";
+  clock->Advance(d);
+  ASSERT_TRUE(clock->AwaitWaiters(1)) << "the store's timer did not come back to wait";
+}
 
 TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
   MemoryStore impl(StoreLimits{}, nullptr);
@@ -177,15 +187,20 @@ TEST(StoreTest, CloseFreesEverything) {
   EXPECT_FALSE(s.Find("s", "m1"));
 }
 
+// The timer sweeps every TTL / 4 (50 ms here) of the store's time.
 TEST(StoreTest, IdleSessionsExpire) {
+  FakeTimeSource clock;
   StoreLimits lim;
   lim.session_ttl_seconds = 0.2;
-  MemoryStore impl(lim, nullptr);
+  MemoryStore impl(lim, nullptr, &clock);
   Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
-  const auto until = Clock::now() + std::chrono::seconds(5);
-  while (s.Stats().sessions > 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(s.Stats().sessions, 0u);
+  const uint64_t waits = clock.waits();
+  for (int i = 0; i < 3; ++i) Tick(&clock, std::chrono::milliseconds(50));
+  EXPECT_GE(clock.waits(), waits + 3) << "the timer did not run a sweep per tick";
+  EXPECT_EQ(s.Stats().sessions, 1u) << "expired after 150 ms of a 200 ms TTL";
+  for (int i = 0; i < 2; ++i) Tick(&clock, std::chrono::milliseconds(50));
+  EXPECT_EQ(s.Stats().sessions, 0u) << "not expired after 250 ms of a 200 ms TTL";
   EXPECT_EQ(s.Stats().mailbox_messages, 0u);
 }
 
@@ -193,16 +208,17 @@ TEST(StoreTest, IdleSessionsExpire) {
 // there as parents), and the idle time restarts when the waiter leaves: an
 // agent polling with short waits never sees its session vanish.
 TEST(StoreTest, AWaitingFetchKeepsItsSessionAlive) {
+  FakeTimeSource clock;
   StoreLimits lim;
   lim.session_ttl_seconds = 0.2;
-  MemoryStore impl(lim, nullptr);
+  MemoryStore impl(lim, nullptr, &clock);
   Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   ASSERT_TRUE(Commit(s, Msg("t", "m1", {"b"})).ok());
   std::atomic<int> woken{0};
   uint64_t w = 0;
   EXPECT_FALSE(s.FetchOrWait("s", "c", kNever, [&](Store::Wake) { ++woken; }, &w));
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));  // 4 TTLs, several sweeps
+  for (int i = 0; i < 16; ++i) Tick(&clock, std::chrono::milliseconds(50));  // 4 TTLs, 16 sweeps
   s.SweepExpired();
   EXPECT_EQ(woken, 0);
   EXPECT_TRUE(s.Find("s", "m1"));
@@ -210,8 +226,9 @@ TEST(StoreTest, AWaitingFetchKeepsItsSessionAlive) {
   ASSERT_TRUE(s.CancelWaiter(w));
   s.SweepExpired();
   EXPECT_TRUE(s.Find("s", "m1")) << "the idle time restarts when the waiter leaves";
-  const auto until = Clock::now() + std::chrono::seconds(5);
-  while (s.Find("s", "m1") && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  for (int i = 0; i < 3; ++i) Tick(&clock, std::chrono::milliseconds(50));
+  EXPECT_TRUE(s.Find("s", "m1")) << "expired 150 ms after the waiter left, of a 200 ms TTL";
+  for (int i = 0; i < 2; ++i) Tick(&clock, std::chrono::milliseconds(50));
   EXPECT_FALSE(s.Find("s", "m1"));
 }
 
@@ -263,25 +280,26 @@ TEST(StoreTest, CloseBetweenTwoPublishesOfOneSession) {
 }
 
 TEST(StoreTest, SessionsWithAPublishInProgressDoNotExpire) {
+  FakeTimeSource clock;
   StoreLimits lim;
   lim.session_ttl_seconds = 0.1;
-  MemoryStore impl(lim, nullptr);
+  MemoryStore impl(lim, nullptr, &clock);
   Store& s = impl;
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"b"})).ok());
   const Store::PublishTicket t = s.BeginPublish("s");
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));  // several TTLs and sweeps
+  for (int i = 0; i < 16; ++i) Tick(&clock, std::chrono::milliseconds(25));  // 4 TTLs, 16 sweeps
   s.SweepExpired();
   EXPECT_EQ(s.Stats().sessions, 1u);
   EXPECT_TRUE(s.Find("s", "m1"));  // still there to be a parent
   ASSERT_TRUE(s.Commit(Msg("s", "m2", {"b"}), t).ok());
   s.EndPublish(t);
-  const auto until = Clock::now() + std::chrono::seconds(5);
-  while (s.Stats().sessions > 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  for (int i = 0; i < 6; ++i) Tick(&clock, std::chrono::milliseconds(25));
   EXPECT_EQ(s.Stats().sessions, 0u);  // idle again: expires
 }
 
 TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
-  MemoryStore impl(StoreLimits{}, nullptr);
+  FakeTimeSource clock;
+  MemoryStore impl(StoreLimits{}, nullptr, &clock);
   Store& s = impl;
   std::atomic<int> woke{-1};
   uint64_t w = 0;
@@ -293,9 +311,11 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
   EXPECT_FALSE(s.CancelWaiter(w));
 
   std::atomic<int> timed{-1};
-  EXPECT_FALSE(s.FetchOrWait("s", "z", Clock::now() + std::chrono::milliseconds(50), [&](Store::Wake t) { timed = static_cast<int>(t); }, &w));
-  const auto until = Clock::now() + std::chrono::seconds(5);
-  while (timed.load() < 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_FALSE(s.FetchOrWait("s", "z", clock.Now() + std::chrono::milliseconds(50),
+                             [&](Store::Wake t) { timed = static_cast<int>(t); }, &w));
+  Tick(&clock, std::chrono::milliseconds(49));
+  EXPECT_EQ(timed.load(), -1) << "woken before its deadline";
+  Tick(&clock, std::chrono::milliseconds(1));
   EXPECT_EQ(timed.load(), 1);
 
   EXPECT_FALSE(s.FetchOrWait("s", "y", kNever, [&](Store::Wake) { FAIL() << "cancelled waiter ran"; }, &w));
