@@ -261,14 +261,14 @@ absl::Status ApplyLloyd(const StageSpec& st, PipelineConfig* cfg) {
   Params p(st);
   KVRELAY_RETURN_IF_ERROR(p.Int("bits", 1, 4, &o.bits));
   KVRELAY_RETURN_IF_ERROR(p.Enum("keys", {{"row", false}, {"channel", true}}, &o.keys_channel));
-  const bool has_group = std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "group"; });
+  const bool has_group = st.Has("group");
   KVRELAY_RETURN_IF_ERROR(p.Int("group", 1, kMaxTokens, &o.group));
   KVRELAY_RETURN_IF_ERROR(p.Uint64("seed", &o.seed));
   const std::string layers = p.String("layers");
   KVRELAY_RETURN_IF_ERROR(p.Done());
   if (has_group && !o.keys_channel) return BadStage(st, "group: applies to keys=channel only, expected keys=channel or no group");
-  const bool has_layers = std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "layers"; });
-  if (has_layers && std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "bits"; })) {
+  const bool has_layers = st.Has("layers");
+  if (has_layers && st.Has("bits")) {
     return BadStage(st, "bits: given with layers=, expected one of them (layers= gives every layer its bits)");
   }
   if (has_layers) {
@@ -283,7 +283,7 @@ absl::Status ApplyLloyd(const StageSpec& st, PipelineConfig* cfg) {
 absl::Status ApplyAuto(const StageSpec& st, PipelineConfig* cfg) {
   double budget = 0;
   Params p(st);
-  const bool given = std::any_of(st.params.begin(), st.params.end(), [](const auto& kv) { return kv.first == "budget"; });
+  const bool given = st.Has("budget");
   KVRELAY_RETURN_IF_ERROR(p.Double("budget", 1e-6, 1, &budget));
   KVRELAY_RETURN_IF_ERROR(p.Done());
   if (!given) return BadStage(st, "budget: missing, expected budget=F with F in [1e-06, 1], e.g. auto:budget=0.1");

@@ -34,6 +34,14 @@ namespace kvrelay {
 struct StageSpec {
   std::string name;
   std::vector<std::pair<std::string, std::string>> params;  // in spec order
+
+  // Whether the token gives `key`.
+  bool Has(absl::string_view key) const {
+    for (const auto& kv : params) {
+      if (kv.first == key) return true;
+    }
+    return false;
+  }
 };
 
 // The longest spec accepted, in bytes (the relay quotes specs in error

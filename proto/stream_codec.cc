@@ -89,6 +89,20 @@ std::string Place(uint32_t layer, v1::Part part, uint64_t offset) {
   return absl::StrCat("layer ", layer, " ", PartName(part), " offset ", offset);
 }
 
+// NaN or Inf among the `dtype` elements of slot `s` (a [heads, tokens,
+// dim] tensor at `base`) that the `n` bytes just copied at byte `offset`
+// complete (one element may straddle the previous chunk): kValue naming the
+// tensor and the index.
+StreamError CheckChunkFinite(const ChunkSequence::Slot& s, DType dtype, const uint8_t* base, uint64_t offset,
+                             uint64_t n, int tokens, int dim) {
+  const uint64_t es = DTypeSize(dtype);
+  const uint64_t first = offset / es, end = (offset + n) / es;
+  absl::Status st = CheckKvFinite(dtype, base, first, end - first, static_cast<int>(s.layer), FilePartName(s.part),
+                                  tokens, dim);
+  if (st.ok()) return StreamError();
+  return StreamError(StreamErrorKind::kValue, std::string(st.message()));
+}
+
 StreamError HeaderError(std::string message) { return StreamError(StreamErrorKind::kHeader, std::move(message)); }
 
 StreamError FieldError(const std::string& field, absl::string_view name, uint64_t value, absl::string_view expected) {
@@ -437,14 +451,7 @@ StreamError UploadReader::CheckFinite(const ChunkSequence::Slot& s, const uint8_
     case v1::PART_HISTORY_V: tokens = g.n_history; break;
     default: return StreamError();  // scores and positions: checked per layer
   }
-  // The elements this chunk completes (one may straddle the previous chunk).
-  const uint64_t es = DTypeSize(dtype);
-  const uint64_t offset = seq_.offset();
-  const uint64_t first = offset / es, end = (offset + n) / es;
-  absl::Status st = CheckKvFinite(dtype, base, first, end - first, static_cast<int>(s.layer),
-                                  FilePartName(s.part), tokens, g.head_dim);
-  if (st.ok()) return StreamError();
-  return StreamError(StreamErrorKind::kValue, std::string(st.message()));
+  return CheckChunkFinite(s, dtype, base, seq_.offset(), n, tokens, g.head_dim);
 }
 
 uint8_t* UploadReader::Dest(const ChunkSequence::Slot& s) {
@@ -770,14 +777,7 @@ StreamError DeliveryReader::CheckFinite(const ChunkSequence::Slot& s, const uint
     case v1::PART_DEMOTED_V_NORM: tokens = layer.demoted_tokens(); break;
     default: return StreamError();  // codes, positions; acc: checked by Finish
   }
-  // The elements this chunk completes (one may straddle the previous chunk).
-  const uint64_t es = DTypeSize(dtype);
-  const uint64_t offset = seq_->offset();
-  const uint64_t first = offset / es, end = (offset + n) / es;
-  absl::Status st = CheckKvFinite(dtype, base, first, end - first, static_cast<int>(s.layer),
-                                  FilePartName(s.part), tokens, dim);
-  if (st.ok()) return StreamError();
-  return StreamError(StreamErrorKind::kValue, std::string(st.message()));
+  return CheckChunkFinite(s, dtype, base, seq_->offset(), n, tokens, dim);
 }
 
 StreamError DeliveryReader::Finish(const v1::Trailer& t, Message* out) {

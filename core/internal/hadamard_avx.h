@@ -51,6 +51,21 @@ inline void HadamardInRegisters(__m256* v) {
   HadamardVectorStages<kVecs, 1>(v);
 }
 
+// The butterfly stages of spans 64, 128, ... below `h_end` of an
+// unnormalised Hadamard transform of the `n` floats at `work` (n a
+// multiple of 2 * h_end), whose 64-float blocks are already transformed.
+inline void HadamardStagesFrom64(float* work, int n, int h_end) {
+  for (int h = 64; h < h_end; h *= 2) {
+    for (int i = 0; i < n; i += 2 * h) {
+      for (int j = i; j < i + h; j += 8) {
+        const __m256 a = _mm256_loadu_ps(work + j), b = _mm256_loadu_ps(work + j + h);
+        _mm256_storeu_ps(work + j, _mm256_add_ps(a, b));
+        _mm256_storeu_ps(work + j + h, _mm256_sub_ps(a, b));
+      }
+    }
+  }
+}
+
 }  // namespace internal
 }  // namespace kvrelay
 

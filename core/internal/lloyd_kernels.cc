@@ -370,15 +370,7 @@ double TransformFused(const void* x, DType /*dtype*/, int /*dim*/, const uint32_
 #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) _mm256_storeu_ps(work + 64 * blk + 8 * q, v[q]);
   }
-  for (int h = 64; h < 4 * kVecs; h *= 2) {
-    for (int i = 0; i < 8 * kVecs; i += 2 * h) {
-      for (int j = i; j < i + h; j += 8) {
-        const __m256 a = _mm256_loadu_ps(work + j), b = _mm256_loadu_ps(work + j + h);
-        _mm256_storeu_ps(work + j, _mm256_add_ps(a, b));
-        _mm256_storeu_ps(work + j + h, _mm256_sub_ps(a, b));
-      }
-    }
-  }
+  HadamardStagesFrom64(work, 8 * kVecs, 4 * kVecs);
   alignas(32) double t[4];
   _mm256_store_pd(t, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
   return (t[0] + t[1]) + (t[2] + t[3]);
@@ -438,15 +430,7 @@ void DecodeRowFused(const LloydCodebook& cb, const uint8_t* codes, int /*dim*/, 
     }
   }
   if constexpr (kBlocks > 1) {
-    for (int h = 64; h < 4 * kVecs; h *= 2) {
-      for (int i = 0; i < 8 * kVecs; i += 2 * h) {
-        for (int j = i; j < i + h; j += 8) {
-          const __m256 a = _mm256_loadu_ps(work + j), b = _mm256_loadu_ps(work + j + h);
-          _mm256_storeu_ps(work + j, _mm256_add_ps(a, b));
-          _mm256_storeu_ps(work + j + h, _mm256_sub_ps(a, b));
-        }
-      }
-    }
+    HadamardStagesFrom64(work, 8 * kVecs, 4 * kVecs);
     constexpr int kHalf = 4 * kVecs;
 #pragma GCC unroll 4
     for (int j = 0; j < kHalf; j += 8) {
