@@ -53,6 +53,23 @@ class RelayTest : public ::testing::Test {
     if (server_) server_->Shutdown();
   }
 
+  // Calls of `method` the relay finished with `code` (kvrelay_rpcs_total).
+  double RpcCount(const std::string& method, const std::string& code) {
+    double n = 0;
+    for (const auto& fam : server_->metrics()->registry()->Collect()) {
+      if (fam.name != "kvrelay_rpcs_total") continue;
+      for (const auto& m : fam.metric) {
+        bool same_method = false, same_code = false;
+        for (const auto& l : m.label) {
+          same_method = same_method || (l.name == "method" && l.value == method);
+          same_code = same_code || (l.name == "code" && l.value == code);
+        }
+        if (same_method && same_code) n += m.counter.value;
+      }
+    }
+    return n;
+  }
+
   static Turn MakeTurn(uint64_t seed, bool first = true, DType dtype = DType::kBF16) {
     TurnShape s;
     s.layers = 3;
@@ -1343,7 +1360,12 @@ TEST_F(RelayTest, FetchNotReadIsCancelledAndRedelivered) {
     ASSERT_TRUE(reader->Read(&resp));
     ASSERT_TRUE(resp.has_header());
     EXPECT_EQ(resp.header().delivery_attempt(), 1u);
-    std::this_thread::sleep_for(std::chrono::seconds(3));  // read nothing more for 3 idle timeouts
+    // Read nothing more until the relay has cancelled the call.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (RpcCount("Fetch", "CANCELLED") < 1 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_EQ(RpcCount("Fetch", "CANCELLED"), 1) << "the relay did not cancel the Fetch its client stopped reading";
     while (reader->Read(&resp)) {
     }
     const grpc::Status s = reader->Finish();
@@ -1477,7 +1499,12 @@ TEST_F(RelayTest, IdleUploadsAreCancelled) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     EXPECT_GT(server_->store()->inflight_bytes(), 0u);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    // Write nothing more until the relay has failed the upload.
+    const auto idle_until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (RpcCount("Publish", "DEADLINE_EXCEEDED") < 1 && std::chrono::steady_clock::now() < idle_until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_EQ(RpcCount("Publish", "DEADLINE_EXCEEDED"), 1) << "the relay did not fail the idle upload";
     grpc::Status s = open.w->Finish();
     EXPECT_LT(Seconds(t0), 5.0);
     EXPECT_EQ(s.error_code(), grpc::DEADLINE_EXCEEDED) << s.error_message();
