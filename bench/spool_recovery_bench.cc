@@ -21,7 +21,7 @@
 #include <random>
 #include <string>
 
-#include "server/spool_store.h"
+#include "server/store/spool_store.h"
 
 namespace kvrelay {
 namespace {

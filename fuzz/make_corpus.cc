@@ -316,7 +316,7 @@ std::string WithVersion(std::string file, uint32_t version, bool message_file) {
   return file;
 }
 
-// The spool (server/spool_store.h), written by SpoolStore itself on an
+// The spool (server/store/spool_store.h), written by SpoolStore itself on an
 // in-memory file system: journals of a commit and of a history with every
 // record kind, hand-made ones that exercise the replay, foreign headers;
 // message files of a small and a compressed message, plain and coded,

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "fuzz/fuzz_check.h"
-#include "server/config.h"
+#include "server/config/config.h"
 
 namespace {
 

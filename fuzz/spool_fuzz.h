@@ -1,6 +1,6 @@
 // Shared by the spool fuzzers (spool_journal_fuzzer.cc,
 // spool_message_file_fuzzer.cc) and make_corpus.cc: a spool in memory
-// (tests/server/spool/fault_fs.h) written by SpoolStore itself, so that the
+// (tests/server/store/spool/fault_fs.h) written by SpoolStore itself, so that the
 // seeds and the fuzzers' fixed message file are what a relay writes.
 #ifndef KVRELAY_FUZZ_SPOOL_FUZZ_H_
 #define KVRELAY_FUZZ_SPOOL_FUZZ_H_
@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "server/spool/spool_format.h"
-#include "server/spool_store.h"
-#include "tests/server/spool/fault_fs.h"
-#include "tests/server/spool/spool_test_util.h"
+#include "server/store/spool/spool_format.h"
+#include "server/store/spool_store.h"
+#include "tests/server/store/spool/fault_fs.h"
+#include "tests/server/store/spool/spool_test_util.h"
 
 namespace kvrelay::fuzz {
 

@@ -1,5 +1,7 @@
 #include "proto/address.h"
 
+#include <arpa/inet.h>
+
 #include <string>
 
 #include "absl/strings/match.h"
@@ -7,6 +9,18 @@
 #include "absl/strings/str_cat.h"
 
 namespace kvrelay {
+namespace {
+
+// The bytes of an IPv4 or IPv6 address, or "" for anything else.
+std::string IpBytes(absl::string_view s) {
+  const std::string z(s);
+  unsigned char buf[16];
+  if (inet_pton(AF_INET, z.c_str(), buf) == 1) return std::string(reinterpret_cast<char*>(buf), 4);
+  if (inet_pton(AF_INET6, z.c_str(), buf) == 1) return std::string(reinterpret_cast<char*>(buf), 16);
+  return "";
+}
+
+}  // namespace
 
 absl::Status CheckGrpcTarget(absl::string_view addr) {
   auto bad = [&addr] {
@@ -33,6 +47,12 @@ absl::Status CheckGrpcTarget(absl::string_view addr) {
     return bad();
   }
   return absl::OkStatus();
+}
+
+bool SameHost(absl::string_view a, absl::string_view b) {
+  const std::string ia = IpBytes(a), ib = IpBytes(b);
+  if (!ia.empty() || !ib.empty()) return ia == ib;
+  return absl::EqualsIgnoreCase(a, b);
 }
 
 }  // namespace kvrelay

@@ -20,6 +20,10 @@ namespace kvrelay {
 // 65535 modulo 65536, and a missing port as 443.)
 absl::Status CheckGrpcTarget(absl::string_view target);
 
+// Whether `a` and `b` name the same host: equal IP addresses (any
+// spelling inet_pton reads), else equal names ASCII case-insensitively.
+bool SameHost(absl::string_view a, absl::string_view b);
+
 }  // namespace kvrelay
 
 #endif  // KVRELAY_PROTO_ADDRESS_H_

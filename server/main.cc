@@ -1,4 +1,4 @@
-// kvrelay-server: the relay binary. See server/config.h for the flags.
+// kvrelay-server: the relay binary. See server/config/config.h for the flags.
 #include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
@@ -20,7 +20,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/channel.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/server.h"
 #include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/stdout_sinks.h"

@@ -22,11 +22,11 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server_builder.h"
-#include "server/memory_store.h"
-#include "server/spool_store.h"
-#include "server/forwarder.h"
-#include "server/routing.h"
-#include "server/auth.h"
+#include "server/store/memory_store.h"
+#include "server/store/spool_store.h"
+#include "server/mesh/forwarder.h"
+#include "server/mesh/routing.h"
+#include "server/auth/auth.h"
 #include "spdlog/spdlog.h"
 
 #if defined(KVRELAY_CIVETWEB_FEATURES)
@@ -163,18 +163,11 @@ absl::Status CheckBound(const grpc::Server* server, std::vector<Listener>& ls, s
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config, TimeSource* time) {
-  std::unique_ptr<RelayServer> s(new RelayServer());
-  s->config_ = config;
-  if (config.listen.empty()) return absl::InvalidArgumentError("--listen: expected at least one address");
-  const bool tls = !config.tls_cert.empty();
-  TlsFiles tls_files{config.tls_cert, config.tls_key, config.tls_client_ca,
-                     config.tls_peer_ca.empty() ? config.tls_client_ca : config.tls_peer_ca};
-  if (tls) KVRELAY_RETURN_IF_ERROR(CheckTlsFiles(tls_files));
-  constexpr unsigned kCertRefreshSeconds = 1;
-  // One provider for every TLS address: the files are watched once.
-  const std::shared_ptr<grpc::ServerCredentials> tls_creds =
-      tls ? TlsServerCredentials(tls_files, kCertRefreshSeconds) : nullptr;
+namespace {
+
+// The gRPC listeners of --listen and --local-listen, with their credentials.
+absl::StatusOr<std::vector<Listener>> ListenersOf(const ServerConfig& config,
+                                                  const std::shared_ptr<grpc::ServerCredentials>& tls_creds) {
   std::vector<Listener> listeners;
   for (const auto& [flag, addrs] : {std::pair<const char*, const std::vector<std::string>*>{"--listen", &config.listen},
                                     {"--local-listen", &config.local_listen}}) {
@@ -189,20 +182,20 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
         int port;
         absl::Status hs = SplitHostPort(addr, &l.host, &port);
         if (!hs.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, "=", hs.message()));
-        l.creds = local ? grpc::experimental::LocalServerCredentials(LOCAL_TCP)
-                  : tls ? tls_creds
-                        : grpc::InsecureServerCredentials();
+        l.creds = local       ? grpc::experimental::LocalServerCredentials(LOCAL_TCP)
+                  : tls_creds ? tls_creds
+                              : grpc::InsecureServerCredentials();
       }
       listeners.push_back(std::move(l));
     }
   }
-  absl::Status st;
-  s->metrics_ = std::make_unique<Metrics>();
-  std::vector<std::string> policies = {config.default_policy};
-  for (const auto& [role, spec] : config.role_policies) policies.push_back(spec);
-  for (const std::string& spec : policies) {
-    if (auto p = Pipeline::Create(spec); p.ok()) s->metrics_->DeclareFamily(PolicyFamily((*p)->spec()));
-  }
+  return listeners;
+}
+
+// The store --spool-dir asks for (durable), or the in-memory one; `*spool`
+// is the durable store, or null.
+absl::StatusOr<std::unique_ptr<Store>> OpenStore(const ServerConfig& config, Metrics* metrics, TimeSource* time,
+                                                 SpoolStore** spool) {
   StoreLimits limits;
   limits.max_inflight_bytes = config.max_inflight_bytes;
   limits.max_mailbox_bytes = config.max_mailbox_bytes;
@@ -212,67 +205,60 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   limits.session_ttl_seconds = config.session_ttl_seconds;
   limits.max_outbox_bytes = config.max_outbox_bytes;
   limits.max_outbox_bytes_per_destination = config.max_outbox_bytes_per_destination;
-  SpoolStore* spool = nullptr;
-  if (config.spool_dir.empty()) {
-    s->store_ = std::make_unique<MemoryStore>(limits, s->metrics_.get(), time);
-  } else {
-    SpoolOptions so;
-    so.dir = config.spool_dir;
-    so.fsync = config.fsync != "never";
-    so.max_spool_bytes = config.max_spool_bytes;
-    so.compact_bytes = config.spool_compact_bytes;
-    so.salvage = config.spool_salvage;
-    so.message_body = config.wire_codec_rans ? MessageBody::kCoded : MessageBody::kPlain;
-    if (!so.fsync) {
-      spdlog::warn("--fsync=never: the spool is not synced; a power loss or kernel crash loses what the kernel had "
-                   "not written (for benchmarks only)");
-    }
-    KVRELAY_ASSIGN_OR_RETURN(std::unique_ptr<SpoolStore> store, SpoolStore::Open(limits, so, s->metrics_.get(), time));
-    spool = store.get();
-    RelayServer* self = s.get();
-    spool->SetOnFailure([self](const absl::Status&) { self->SetNotServing(); });
-    s->store_ = std::move(store);
+  metrics->SetLimit("outbox", static_cast<double>(config.max_outbox_bytes));
+  metrics->SetLimit("inflight", static_cast<double>(config.max_inflight_bytes));
+  metrics->SetLimit("mailbox", static_cast<double>(config.max_mailbox_bytes));
+  metrics->SetLimit("session", static_cast<double>(config.max_session_bytes));
+  metrics->SetLimit("store", static_cast<double>(config.max_store_bytes));
+  *spool = nullptr;
+  if (config.spool_dir.empty()) return std::make_unique<MemoryStore>(limits, metrics, time);
+  SpoolOptions so;
+  so.dir = config.spool_dir;
+  so.fsync = config.fsync != "never";
+  so.max_spool_bytes = config.max_spool_bytes;
+  so.compact_bytes = config.spool_compact_bytes;
+  so.salvage = config.spool_salvage;
+  so.message_body = config.wire_codec_rans ? MessageBody::kCoded : MessageBody::kPlain;
+  if (!so.fsync) {
+    spdlog::warn("--fsync=never: the spool is not synced; a power loss or kernel crash loses what the kernel had "
+                 "not written (for benchmarks only)");
   }
-  s->metrics_->SetLimit("outbox", static_cast<double>(config.max_outbox_bytes));
-  s->metrics_->SetLimit("inflight", static_cast<double>(config.max_inflight_bytes));
-  s->metrics_->SetLimit("mailbox", static_cast<double>(config.max_mailbox_bytes));
-  s->metrics_->SetLimit("session", static_cast<double>(config.max_session_bytes));
-  s->metrics_->SetLimit("store", static_cast<double>(config.max_store_bytes));
-  if (spool && config.max_spool_bytes) s->metrics_->SetLimit("spool", static_cast<double>(config.max_spool_bytes));
-  s->pool_ = std::make_unique<ThreadPool>(std::max(1, config.worker_threads));
+  KVRELAY_ASSIGN_OR_RETURN(std::unique_ptr<SpoolStore> store, SpoolStore::Open(limits, so, metrics, time));
+  if (config.max_spool_bytes) metrics->SetLimit("spool", static_cast<double>(config.max_spool_bytes));
+  *spool = store.get();
+  return store;
+}
+
+absl::StatusOr<std::unique_ptr<RouteTable>> OpenRoutes(const ServerConfig& config, TimeSource* time) {
   RouteOptions ro;
   ro.routes = config.routes;
   ro.route_file = config.route_file;
   ro.route_template = config.route_template;
   ro.advertise = config.advertise;
   ro.time = time;
-  absl::StatusOr<std::unique_ptr<RouteTable>> routes = RouteTable::Create(ro);
-  if (!routes.ok()) return routes.status();
-  s->routes_ = std::move(*routes);
-  if (s->routes_->enabled() && config.advertise.empty()) {
+  KVRELAY_ASSIGN_OR_RETURN(std::unique_ptr<RouteTable> routes, RouteTable::Create(ro));
+  if (routes->enabled() && config.advertise.empty()) {
     spdlog::warn("routes are set but --advertise is not: the relays this one forwards to cannot report "
                  "deliveries back, pass a close back, or elide ancestors they got from it");
   }
-  ForwarderOptions fo;
-  fo.advertise = config.advertise;
-  fo.forward_timeout_seconds = config.forward_timeout_seconds;
-  fo.stall_seconds = config.forward_stall_seconds;
-  fo.wire_codec_rans = config.wire_codec_rans;
-  fo.time = time;
-  if (tls) fo.credentials = PeerChannelCredentials(tls_files, kCertRefreshSeconds, config.peer_identities, s->metrics_.get());
-  s->forwarder_ = std::make_unique<Forwarder>(fo, s->store_.get(), s->routes_.get(), s->metrics_.get());
-  if (spool) ResumeForwards(*spool, s->forwarder_.get());
+  return routes;
+}
+
+absl::StatusOr<std::unique_ptr<Authenticator>> OpenAuthenticator(const ServerConfig& config, bool tls,
+                                                                 Metrics* metrics, TimeSource* time) {
   AuthOptions ao;
   ao.tls = tls;
   ao.tokens_file = config.tokens_file;
   ao.local_auth = config.local_auth == "token" ? LocalAuth::kToken : LocalAuth::kPod;
   ao.peer_identities = config.peer_identities;
   ao.time = time;
-  KVRELAY_ASSIGN_OR_RETURN(s->auth_, Authenticator::Create(ao, s->metrics_.get()));
-  s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get(),
-                                               s->forwarder_.get(), s->routes_.get(), s->auth_.get(), time);
+  return Authenticator::Create(ao, metrics);
+}
+
+// What the security flags leave open, logged once at start-up.
+void WarnAboutSecurity(const ServerConfig& config, bool tls, Metrics* metrics) {
   const bool insecure = ServesPlaintextOffLoopback(config);
-  s->metrics_->SetInsecure(insecure);
+  metrics->SetInsecure(insecure);
   if (insecure) {
     spdlog::warn("--insecure: a non-loopback --listen address serves plaintext: anyone who can reach it can read "
                  "and inject KV caches in transit (kvrelay_insecure 1)");
@@ -284,26 +270,101 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
     spdlog::warn("--tokens-file without --tls-cert: tokens travel in plaintext on --listen, and forwards from other "
                  "relays are refused (they authenticate by certificate)");
   }
+}
 
+// The /metrics endpoint on `listen`: its host and bound port.
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsEndpoint(const std::string& listen,
+                                                                          const Metrics& metrics, std::string* host,
+                                                                          int* port) {
+  int mport;
+  absl::Status st = SplitHostPort(listen, host, &mport);
+  if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--metrics-listen=", st.message()));
+  if (listen[0] == '[' && !MetricsServerHasIpv6()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics-listen=", listen,
+        ": IPv6, expected an IPv4 address or host name (this build's metrics HTTP server, civetweb, "
+        "has no IPv6), e.g. 0.0.0.0:9464"));
+  }
+  std::unique_ptr<prometheus::Exposer> exposer;
+  try {
+    exposer = std::make_unique<prometheus::Exposer>(listen);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("--metrics-listen=", listen, ": cannot listen: ", e.what()));
+  }
+  exposer->RegisterCollectable(metrics.registry());
+  const std::vector<int> ports = exposer->GetListeningPorts();
+  *port = ports.empty() ? mport : ports[0];
+  return exposer;
+}
+
+// The --health-listen server: grpc.health.v1 alone (every other method
+// UNIMPLEMENTED through `unimplemented`), plaintext; its bound address.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartHealthServer(const std::string& listen,
+                                                                grpc::CallbackGenericService* unimplemented,
+                                                                std::string* bound_address) {
+  grpc::ServerBuilder hb;
+  hb.SetOption(std::make_unique<NoPlugins>());
+  hb.RegisterCallbackGenericService(unimplemented);
+  hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  std::vector<Listener> hl(1);
+  hl[0].addr = listen;
+  hl[0].flag = "--health-listen";
+  int hport;
+  KVRELAY_RETURN_IF_ERROR(SplitHostPort(listen, &hl[0].host, &hport));
+  hb.AddListeningPort(listen, grpc::InsecureServerCredentials(), &hl[0].port);
+  std::unique_ptr<grpc::Server> server = hb.BuildAndStart();
+  std::vector<std::string> bound;
+  KVRELAY_RETURN_IF_ERROR(CheckBound(server.get(), hl, &bound));
+  *bound_address = bound[0];
+  return server;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config, TimeSource* time) {
+  std::unique_ptr<RelayServer> s(new RelayServer());
+  s->config_ = config;
+  if (config.listen.empty()) return absl::InvalidArgumentError("--listen: expected at least one address");
+  const bool tls = !config.tls_cert.empty();
+  TlsFiles tls_files{config.tls_cert, config.tls_key, config.tls_client_ca,
+                     config.tls_peer_ca.empty() ? config.tls_client_ca : config.tls_peer_ca};
+  if (tls) KVRELAY_RETURN_IF_ERROR(CheckTlsFiles(tls_files));
+  constexpr unsigned kCertRefreshSeconds = 1;
+  // One provider for every TLS address: the files are watched once.
+  const std::shared_ptr<grpc::ServerCredentials> tls_creds =
+      tls ? TlsServerCredentials(tls_files, kCertRefreshSeconds) : nullptr;
+  KVRELAY_ASSIGN_OR_RETURN(std::vector<Listener> listeners, ListenersOf(config, tls_creds));
+
+  s->metrics_ = std::make_unique<Metrics>();
+  std::vector<std::string> policies = {config.default_policy};
+  for (const auto& [role, spec] : config.role_policies) policies.push_back(spec);
+  for (const std::string& spec : policies) {
+    if (auto p = Pipeline::Create(spec); p.ok()) s->metrics_->DeclareFamily(PolicyFamily((*p)->spec()));
+  }
+  SpoolStore* spool = nullptr;
+  KVRELAY_ASSIGN_OR_RETURN(s->store_, OpenStore(config, s->metrics_.get(), time, &spool));
+  if (spool) {
+    RelayServer* self = s.get();
+    spool->SetOnFailure([self](const absl::Status&) { self->SetNotServing(); });
+  }
+  s->pool_ = std::make_unique<ThreadPool>(std::max(1, config.worker_threads));
+  KVRELAY_ASSIGN_OR_RETURN(s->routes_, OpenRoutes(config, time));
+  ForwarderOptions fo;
+  fo.advertise = config.advertise;
+  fo.forward_timeout_seconds = config.forward_timeout_seconds;
+  fo.stall_seconds = config.forward_stall_seconds;
+  fo.wire_codec_rans = config.wire_codec_rans;
+  fo.time = time;
+  if (tls) fo.credentials = PeerChannelCredentials(tls_files, kCertRefreshSeconds, config.peer_identities, s->metrics_.get());
+  s->forwarder_ = std::make_unique<Forwarder>(fo, s->store_.get(), s->routes_.get(), s->metrics_.get());
+  if (spool) ResumeForwards(*spool, s->forwarder_.get());
+  KVRELAY_ASSIGN_OR_RETURN(s->auth_, OpenAuthenticator(config, tls, s->metrics_.get(), time));
+  s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get(),
+                                               s->forwarder_.get(), s->routes_.get(), s->auth_.get(), time);
+  WarnAboutSecurity(config, tls, s->metrics_.get());
   if (!config.metrics_listen.empty()) {
-    int mport;
-    st = SplitHostPort(config.metrics_listen, &s->metrics_host_, &mport);
-    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat("--metrics-listen=", st.message()));
-    if (config.metrics_listen[0] == '[' && !MetricsServerHasIpv6()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--metrics-listen=", config.metrics_listen,
-          ": IPv6, expected an IPv4 address or host name (this build's metrics HTTP server, civetweb, "
-          "has no IPv6), e.g. 0.0.0.0:9464"));
-    }
-    try {
-      s->exposer_ = std::make_unique<prometheus::Exposer>(config.metrics_listen);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("--metrics-listen=", config.metrics_listen,
-                                                 ": cannot listen: ", e.what()));
-    }
-    s->exposer_->RegisterCollectable(s->metrics_->registry());
-    const std::vector<int> ports = s->exposer_->GetListeningPorts();
-    s->metrics_port_ = ports.empty() ? mport : ports[0];
+    KVRELAY_ASSIGN_OR_RETURN(s->exposer_, StartMetricsEndpoint(config.metrics_listen, *s->metrics_,
+                                                               &s->metrics_host_, &s->metrics_port_));
   }
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -329,21 +390,9 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
     }
   }
   if (!config.health_listen.empty()) {
-    grpc::ServerBuilder hb;
-    hb.SetOption(std::make_unique<NoPlugins>());
     s->health_unimplemented_ = std::make_unique<UnimplementedService>();
-    hb.RegisterCallbackGenericService(s->health_unimplemented_.get());
-    hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    std::vector<Listener> hl(1);
-    hl[0].addr = config.health_listen;
-    hl[0].flag = "--health-listen";
-    int hport;
-    KVRELAY_RETURN_IF_ERROR(SplitHostPort(config.health_listen, &hl[0].host, &hport));
-    hb.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &hl[0].port);
-    s->health_server_ = hb.BuildAndStart();
-    std::vector<std::string> bound;
-    KVRELAY_RETURN_IF_ERROR(CheckBound(s->health_server_.get(), hl, &bound));
-    s->health_address_ = bound[0];
+    KVRELAY_ASSIGN_OR_RETURN(s->health_server_, StartHealthServer(config.health_listen,
+                                                                  s->health_unimplemented_.get(), &s->health_address_));
   }
   {
     // A spool that failed before this point keeps the relay NOT_SERVING.

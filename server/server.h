@@ -21,10 +21,10 @@
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/server.h"
 #include "prometheus/exposer.h"
-#include "server/config.h"
-#include "server/metrics.h"
-#include "server/relay_service.h"
-#include "server/store.h"
+#include "server/config/config.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/relay_service.h"
+#include "server/store/store.h"
 
 namespace kvrelay {
 

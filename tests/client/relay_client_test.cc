@@ -32,6 +32,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
+#include "tests/testlib/eventually.h"
 #include "gtest/gtest.h"
 #include "proto/status_util.h"
 #include "proto/stream_codec.h"
@@ -391,10 +392,7 @@ TEST_F(RelayClientTest, SharedTurnPublishIsTheSameMessageAndReleasesTheTurn) {
   absl::StatusOr<PublishResult> r = client_->Publish(std::move(turn), opts_);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->attempts, 2);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!watch.expired() && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  Eventually([&] { return watch.expired(); });
   EXPECT_TRUE(watch.expired()) << "the client still holds the turn";
   FetchOptions f;
   f.session = "s1";

@@ -131,14 +131,14 @@ def substitute(expr, rate_interval="5m", instance=".*"):
 
 
 def metric_names_in_source():
-    """Metric names server/metrics.cc registers, with the histograms' series suffixes."""
-    with open(os.path.join(REPO, "server", "metrics.cc")) as f:
+    """Metric names server/metrics/metrics.cc registers, with the histograms' series suffixes."""
+    with open(os.path.join(REPO, "server", "metrics", "metrics.cc")) as f:
         src = f.read()
     names = set()
-    for m in re.finditer(r'Build(Counter|Gauge|Histogram)\(\)\s*\.Name\("([a-z_:]+)"\)', src):
+    for m in re.finditer(r'\b(Counters|Gauges|Histograms)\(\s*[*\w]+,\s*"([a-z_:]+)"', src):
         kind, name = m.groups()
         names.add(name)
-        if kind == "Histogram":
+        if kind == "Histograms":
             names.update({name + "_bucket", name + "_sum", name + "_count"})
     return names
 

@@ -9,7 +9,7 @@
     unique id and a place on the grid that overlaps no other panel;
   - every range in every query is $__rate_interval (so rate()/increase()
     follow the scrape interval), every selector filters by $instance, every
-    metric is one server/metrics.cc registers (or `up`), every
+    metric is one server/metrics/metrics.cc registers (or `up`), every
     histogram_quantile aggregates `by (le)`;
   - the required panels exist with fitting units: compression ratio by
     family (full/sent), bytes saved per second, hop latency p50/p99
@@ -134,7 +134,7 @@ def main():
             for c in calls:
                 check("[$__rate_interval]" in c, f"{tn}: {c!r} does not use $__rate_interval")
             for metric in metric_names_in_expr(expr):
-                check(metric in known, f"{tn}: metric {metric} is not registered in server/metrics.cc")
+                check(metric in known, f"{tn}: metric {metric} is not registered in server/metrics/metrics.cc")
             selectors = re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}", expr)
             bare = [m for m in metric_names_in_expr(re.sub(r"\{[^}]*\}", "", expr))
                     if m not in {s[0] for s in selectors}]
@@ -202,7 +202,7 @@ def main():
                         lambda e: re.search(r"sumby\(instance,method\)\(rate\(kvrelay_rpcs_total\{code!~\"OK\|[^\"]*\",", e)
                         and re.search(r"/sumby\(instance,method\)\(rate\(kvrelay_rpcs_total\{instance", e)):
         check(unit(p) in ("percentunit", "percent"), f"failed-ratio panel unit {unit(p)!r}")
-    check("kvrelay_rpcs_total" in metric_names_in_source(), "server/metrics.cc does not register kvrelay_rpcs_total")
+    check("kvrelay_rpcs_total" in metric_names_in_source(), "server/metrics/metrics.cc does not register kvrelay_rpcs_total")
     check_network_row(dash, panels, unit)
     check_security_row(dash, panels, unit)
     check_spool_row(dash, panels, unit)

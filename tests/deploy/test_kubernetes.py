@@ -330,7 +330,7 @@ def check_sidecar(tag, pod_spec, flags, envs):
     mem = (relay.get("resources") or {}).get("limits", {}).get("memory")
     if mem and "inflight" in limits and "store" in limits:
         # Freed heap the relay keeps: per malloc arena, one per two workers
-        # (workers = the CPU limit), at least 1 (server/config.h,
+        # (workers = the CPU limit), at least 1 (server/config/config.h,
         # MallocArenas); the server's default when unset. Without a CPU limit
         # assume 8 workers.
         retain = parse_bytes(env.get("KVRELAY_HEAP_RETAIN_BYTES") or "128MiB")

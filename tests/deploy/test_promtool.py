@@ -3,7 +3,7 @@
 
   1. `promtool check rules deploy/prometheus/rules/*.yaml`; every alert has
      `for:`, a severity label, summary and description annotations, and
-     selects only metrics server/metrics.cc registers (or `up`);
+     selects only metrics server/metrics/metrics.cc registers (or `up`);
   2. `promtool check config deploy/prometheus/prometheus.yml` (the compose
      scrape config; it loads the rule files it names);
   3. every dashboard query, with $__rate_interval -> 5m and $instance -> .*,
@@ -76,7 +76,7 @@ def main():
                     check(ann.get("summary") and len(ann.get("description", "")) >= 80,
                           f"{name}: needs a summary and a runbook-like description")
                 for m in metric_names_in_expr(r["expr"]):
-                    check(m in known, f"{name}: metric {m} is not registered in server/metrics.cc")
+                    check(m in known, f"{name}: metric {m} is not registered in server/metrics/metrics.cc")
     check({"KvrelayDown", "KvrelayHighErrorRate", "KvrelayCompressionRatioCollapsed",
            "KvrelayInflightBytesNearLimit", "KvrelayForwardDeadLetters", "KvrelayForwardRetryRateHigh",
            "KvrelayOutboxNearLimit", "KvrelayAuthFailureBurst", "KvrelayInsecureListener",

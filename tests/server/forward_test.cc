@@ -10,15 +10,17 @@
 
 #include "absl/strings/match.h"
 #include "core/pipeline.h"
+#include "tests/testlib/eventually.h"
 #include "gtest/gtest.h"
 #include "tests/testlib/fake_time_source.h"
 #include "proto/stream_codec.h"
 #include "proto/wire_codec.h"
 #include "proto/wire.h"
-#include "relay_test_util.h"
-#include "server/forward_reactor.h"
-#include "server/forwarder.h"
-#include "server/metrics.h"
+#include "tests/server/relay_test_util.h"
+#include "server/mesh/ancestor.h"
+#include "server/rpc/forward_reactor.h"
+#include "server/mesh/forwarder.h"
+#include "server/metrics/metrics.h"
 #include "server/server.h"
 #include "tests/core/test_util.h"
 
@@ -252,10 +254,7 @@ class ForwardTest : public ::testing::Test {
   double Retries() { return CounterSum(server_->metrics(), "kvrelay_forwards_total", "retry"); }
 
   void WaitInflightZero() {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (server_->store()->inflight_bytes() != 0 && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    Eventually([&] { return server_->store()->inflight_bytes() == 0; });
     EXPECT_EQ(server_->store()->inflight_bytes(), 0u);
   }
 
@@ -1040,10 +1039,7 @@ TEST_F(ForwardTest, ADeadLetterDoesNotUndoADestinationsReport) {
   Turn t = MakeTurn(17);
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("s", "m1", "a", {"far", "far2"}, "full", t), t).status.ok());
   ASSERT_TRUE(Report("s", "m1", "far2", v1::RECIPIENT_STATE_ACKED).ok());
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (CounterSum(server_->metrics(), "kvrelay_dead_letters_total") < 2 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  Eventually([&] { return CounterSum(server_->metrics(), "kvrelay_dead_letters_total") >= 2; });
   EXPECT_EQ(CounterSum(server_->metrics(), "kvrelay_dead_letters_total"), 2);
   v1::MessageStatusResponse resp;
   ASSERT_TRUE(Status("s", "m1", &resp).ok());
@@ -1109,10 +1105,7 @@ TEST_F(ForwardTest, AQueuedForwardHoldsNoUploadReservation) {
   StartServer(cfg);
   Turn t = MakeTurn(22);
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("s", "m1", "a", {"far"}, "full", t), t).status.ok());
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (server_->store()->inflight_bytes() != 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  Eventually([&] { return server_->store()->inflight_bytes() == 0; });
   EXPECT_EQ(server_->store()->inflight_bytes(), 0u);
   v1::MessageStatusResponse resp;
   ASSERT_TRUE(Status("s", "m1", &resp).ok());

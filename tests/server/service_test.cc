@@ -18,15 +18,16 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/support/sync_stream.h"
+#include "tests/testlib/eventually.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
 #include "grpcpp/impl/codegen/client_unary_call.h"
 #include "proto/raw_chunk.h"
-#include "relay_test_util.h"
+#include "tests/server/relay_test_util.h"
 #include "proto/stream_codec.h"
-#include "server/pending.h"
-#include "server/relay_service.h"
-#include "server/request_checks.h"
+#include "server/rpc/pending.h"
+#include "server/rpc/relay_service.h"
+#include "server/rpc/request_checks.h"
 #include "server/server.h"
 #include "tests/core/test_util.h"
 
@@ -98,10 +99,7 @@ class RelayTest : public ::testing::Test {
   }
 
   void WaitInflightZero() {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (server_->store()->inflight_bytes() != 0 && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    Eventually([&] { return server_->store()->inflight_bytes() == 0; });
     EXPECT_EQ(server_->store()->inflight_bytes(), 0u);
   }
 
@@ -464,10 +462,7 @@ TEST_F(RelayTest, SessionsExpireAfterTheTtl) {
   Turn t = MakeTurn(8);
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("ttl", "m", "a", {"b"}, "gen", t), t).status.ok());
   EXPECT_EQ(server_->store()->Stats().sessions, 1u);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (server_->store()->Stats().sessions > 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  Eventually([&] { return server_->store()->Stats().sessions == 0; }, std::chrono::seconds(5));
   EXPECT_EQ(server_->store()->Stats().sessions, 0u);
   ExpectNothingFor("ttl", "b");
 }
@@ -493,10 +488,7 @@ TEST_F(RelayTest, DisconnectMidUploadLeavesNothing) {
       ASSERT_TRUE(w->Write(req));
     }
     // Let the server take some of it in before the cut.
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (server_->store()->Stats().received_bytes == 0 && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    Eventually([&] { return server_->store()->Stats().received_bytes != 0; }, std::chrono::seconds(5));
     EXPECT_GT(server_->store()->inflight_bytes(), 0u);
     ctx.TryCancel();
     EXPECT_EQ(w->Finish().error_code(), grpc::CANCELLED);
@@ -1017,10 +1009,7 @@ struct OpenPublish {
 };
 
 uint64_t WaitFor(const std::function<uint64_t()>& get, uint64_t want) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (get() != want && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  Eventually([&] { return get() == want; });
   return get();
 }
 
@@ -1066,10 +1055,7 @@ TEST_F(RelayTest, CloseSessionFencesAPublishInProgress) {
   const auto chunks = TurnChunks(t2, 4096);
   const uint64_t received_before = server_->store()->Stats().received_bytes;
   OpenPublish open(stub_.get(), h2, chunks, 1);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (server_->store()->Stats().received_bytes == received_before && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  Eventually([&] { return server_->store()->Stats().received_bytes != received_before; }, std::chrono::seconds(5));
   uint32_t freed = 0;
   ASSERT_TRUE(Close(stub_.get(), "fence", &freed).ok());
   EXPECT_EQ(freed, 1u);
@@ -1277,7 +1263,10 @@ TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
   const uint64_t acc = 4ull * mh.layers() * mh.kv_heads() * (mh.n_history() + mh.n_anchor() + mh.n_kept() + mh.n_gen());
   const uint64_t held = sent + acc + kMessageOverheadBytes + kLayerOverheadBytes * mh.layers();
   EXPECT_EQ(WaitFor([&] { return server_->store()->inflight_bytes(); }, held), held);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Still held once the reply has gone on streaming (it is far larger than
+  // what flow control lets the relay write ahead of its reader).
+  ASSERT_TRUE(stream->Read(&resp));
+  ASSERT_TRUE(resp.has_chunk());
   EXPECT_EQ(server_->store()->inflight_bytes(), held);
   while (stream->Read(&resp)) {
   }
@@ -1361,10 +1350,7 @@ TEST_F(RelayTest, FetchNotReadIsCancelledAndRedelivered) {
     ASSERT_TRUE(resp.has_header());
     EXPECT_EQ(resp.header().delivery_attempt(), 1u);
     // Read nothing more until the relay has cancelled the call.
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (RpcCount("Fetch", "CANCELLED") < 1 && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    Eventually([&] { return RpcCount("Fetch", "CANCELLED") >= 1; }, std::chrono::seconds(20));
     ASSERT_EQ(RpcCount("Fetch", "CANCELLED"), 1) << "the relay did not cancel the Fetch its client stopped reading";
     while (reader->Read(&resp)) {
     }
@@ -1494,16 +1480,10 @@ TEST_F(RelayTest, IdleUploadsAreCancelled) {
   {
     const auto t0 = std::chrono::steady_clock::now();
     OpenPublish open(stub_.get(), Header("idle", "m", "a", {"b"}, "gen", t), chunks, 2);
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (server_->store()->inflight_bytes() == 0 && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    Eventually([&] { return server_->store()->inflight_bytes() != 0; }, std::chrono::seconds(5));
     EXPECT_GT(server_->store()->inflight_bytes(), 0u);
     // Write nothing more until the relay has failed the upload.
-    const auto idle_until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (RpcCount("Publish", "DEADLINE_EXCEEDED") < 1 && std::chrono::steady_clock::now() < idle_until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    Eventually([&] { return RpcCount("Publish", "DEADLINE_EXCEEDED") >= 1; }, std::chrono::seconds(20));
     ASSERT_EQ(RpcCount("Publish", "DEADLINE_EXCEEDED"), 1) << "the relay did not fail the idle upload";
     grpc::Status s = open.w->Finish();
     EXPECT_LT(Seconds(t0), 5.0);
@@ -1556,7 +1536,7 @@ class BackpressureTest : public RelayTest {
     cfg.upload_idle_timeout_seconds = idle_timeout_s;
     StartServer(cfg);
     peak_ = 0;
-    server_->service()->SetLayerObserver([this](int outstanding) {
+    server_->service()->context()->SetLayerObserver([this](int outstanding) {
       int peak = peak_.load();
       while (peak < outstanding && !peak_.compare_exchange_weak(peak, outstanding)) {
       }
@@ -1640,10 +1620,7 @@ TEST_F(BackpressureTest, CancelWhilePausedLeavesNothing) {
     }
   });
   // Paused: the bound is reached and the client stops getting through.
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (peak() < kBound && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  Eventually([&] { return peak() >= kBound; }, std::chrono::seconds(20));
   ASSERT_EQ(peak(), kBound);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_LT(written.load(), chunks.size());  // held back by flow control
@@ -1926,7 +1903,7 @@ class LargeUploadTest : public RelayTest {
   static constexpr const char* kPolicy = "h2o-head:k=32";
   void SetUp() override {
     StartServer();  // 2 workers, the default bound
-    server_->service()->SetLayerObserver([this](int outstanding) {
+    server_->service()->context()->SetLayerObserver([this](int outstanding) {
       int peak = peak_.load();
       while (peak < outstanding && !peak_.compare_exchange_weak(peak, outstanding)) {
       }
@@ -1962,14 +1939,11 @@ class LargeUploadTest : public RelayTest {
     h.mutable_geometry()->set_layers(Layers());
     const auto chunks = TurnChunks(t);
     auto open = std::make_unique<OpenPublish>(stub_.get(), h, chunks, chunks.size());
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (peak_.load() < 2 && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    Eventually([&] { return peak_.load() >= 2; }, std::chrono::seconds(20));
     EXPECT_EQ(peak_.load(), 2);
     return open;
   }
-  ThreadPool* pool() { return server_->service()->pool(); }
+  ThreadPool* pool() { return server_->service()->context()->pool(); }
   std::atomic<int> peak_{0};
 };
 

@@ -36,13 +36,13 @@
 #include "core/thread_pool.h"
 #include "gtest/gtest.h"
 #include "proto/stream_codec.h"
-#include "server/forwarder.h"
-#include "server/memory_store.h"
-#include "server/metrics.h"
-#include "server/pending.h"
-#include "server/routing.h"
+#include "server/mesh/forwarder.h"
+#include "server/store/memory_store.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/pending.h"
+#include "server/mesh/routing.h"
 #include "spdlog/spdlog.h"
-#include "store_test_util.h"
+#include "tests/server/store/store_test_util.h"
 #include "tests/core/test_util.h"
 
 namespace kvrelay {
@@ -419,44 +419,44 @@ TEST(StoreConcurrencyTest, TrackedStatesNeverGoBackUnderConcurrentReaders) {
   });
   for (int rd = 0; rd < kReaders; ++rd) {
     threads.emplace_back([&s] {
-      std::map<std::string, v1::RecipientStatus> prev;
+      std::map<std::string, Store::RecipientReport> prev;
       for (int i = 0; i < kReads; ++i) {
-        absl::StatusOr<v1::MessageStatusResponse> resp = s.MessageStatus("s", "m");
+        absl::StatusOr<Store::MessageReport> resp = s.MessageStatus("s", "m");
         ASSERT_TRUE(resp.ok()) << resp.status();
-        ASSERT_EQ(resp->recipients_size(), 1 + kRemote);
-        for (const v1::RecipientStatus& now : resp->recipients()) {
-          const bool local = now.agent() == "b";
-          EXPECT_NE(now.state(), v1::RECIPIENT_STATE_UNSPECIFIED) << now.agent();
+        ASSERT_EQ(resp->recipients.size(), 1 + kRemote);
+        for (const Store::RecipientReport& now : resp->recipients) {
+          const bool local = now.agent == "b";
+          EXPECT_NE(now.state, v1::RECIPIENT_STATE_UNSPECIFIED) << now.agent;
           if (local) {
-            EXPECT_NE(now.state(), v1::RECIPIENT_STATE_QUEUED);
-            EXPECT_NE(now.state(), v1::RECIPIENT_STATE_DEAD_LETTERED);
+            EXPECT_NE(now.state, v1::RECIPIENT_STATE_QUEUED);
+            EXPECT_NE(now.state, v1::RECIPIENT_STATE_DEAD_LETTERED);
           } else {
-            EXPECT_EQ(now.relay(), absl::StrCat("relay-", now.agent().substr(1), ":1"));
+            EXPECT_EQ(now.relay, absl::StrCat("relay-", now.agent.substr(1), ":1"));
           }
-          auto p = prev.find(now.agent());
+          auto p = prev.find(now.agent);
           if (p != prev.end()) {
-            const v1::RecipientStatus& was = p->second;
-            EXPECT_GE(now.attempts(), was.attempts()) << now.agent();
-            if (was.state() == v1::RECIPIENT_STATE_DEAD_LETTERED) {
-              EXPECT_EQ(now.state(), v1::RECIPIENT_STATE_DEAD_LETTERED) << now.agent() << ": a dead letter is final";
-            } else if (now.state() == v1::RECIPIENT_STATE_DEAD_LETTERED) {
-              EXPECT_EQ(was.state(), v1::RECIPIENT_STATE_QUEUED) << now.agent() << ": dead-lettered after "
-                                                                 << v1::RecipientState_Name(was.state());
+            const Store::RecipientReport& was = p->second;
+            EXPECT_GE(now.attempts, was.attempts) << now.agent;
+            if (was.state == v1::RECIPIENT_STATE_DEAD_LETTERED) {
+              EXPECT_EQ(now.state, v1::RECIPIENT_STATE_DEAD_LETTERED) << now.agent << ": a dead letter is final";
+            } else if (now.state == v1::RECIPIENT_STATE_DEAD_LETTERED) {
+              EXPECT_EQ(was.state, v1::RECIPIENT_STATE_QUEUED) << now.agent << ": dead-lettered after "
+                                                                 << v1::RecipientState_Name(was.state);
             } else {
-              EXPECT_GE(Rank(now.state()), Rank(was.state()))
-                  << now.agent() << ": " << v1::RecipientState_Name(was.state()) << " -> "
-                  << v1::RecipientState_Name(now.state());
+              EXPECT_GE(Rank(now.state), Rank(was.state))
+                  << now.agent << ": " << v1::RecipientState_Name(was.state) << " -> "
+                  << v1::RecipientState_Name(now.state);
             }
           }
-          prev[now.agent()] = now;
+          prev[now.agent] = now;
         }
       }
     });
   }
   for (auto& t : threads) t.join();
-  absl::StatusOr<v1::MessageStatusResponse> resp = s.MessageStatus("s", "m");
+  absl::StatusOr<Store::MessageReport> resp = s.MessageStatus("s", "m");
   ASSERT_TRUE(resp.ok()) << resp.status();
-  EXPECT_EQ(resp->recipients(0).state(), v1::RECIPIENT_STATE_ACKED);
+  EXPECT_EQ(resp->recipients[0].state, v1::RECIPIENT_STATE_ACKED);
 }
 
 // The wire bytes of one layer in delivery order.

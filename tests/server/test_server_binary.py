@@ -48,7 +48,7 @@ import kvrelay_testlib as tl  # noqa: E402
 from kvrelay_testlib import FAILURES, Ctl, Server, check, clean_env, port_open, run  # noqa: E402
 
 def policy_family(spec):
-    """server/metrics.cc PolicyFamily: the stage names joined by '+'."""
+    """server/metrics/metrics.cc PolicyFamily: the stage names joined by '+'."""
     return "+".join(stage.split(":", 1)[0] for stage in spec.split("+"))
 
 

@@ -8,7 +8,7 @@ while it runs (libfiu fault points, as the relay's calls meet them):
   posix/io/sync/fdatasync,failinfo=5 fdatasync(2) fails with EIO
   posix/io/rw/write/reduce           write(2) writes fewer bytes than asked
 
-Checked, per server/spool_store.h: ENOSPC while a publish writes its message
+Checked, per server/store/spool_store.h: ENOSPC while a publish writes its message
 file is RESOURCE_EXHAUSTED, EIO there is UNAVAILABLE; either way nothing is
 visible, no temporary file is left, and the relay goes on serving. EIO on
 the journal's fdatasync fails that call (an ack: the journal is the only
