@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace kvrelay {
@@ -206,7 +207,19 @@ const StTensor* SafetensorsReader::Find(absl::string_view name) const {
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
-absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
+namespace {
+
+// "{prefix}{what} is {json} (a {type}), expected {expected}": a header value
+// of the wrong JSON type.
+absl::Status WrongType(absl::string_view prefix, absl::string_view what, const Json& j,
+                       absl::string_view expected) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(prefix, what, " is ", Show(j), " (a ", j.type_name(), "), expected ", expected));
+}
+
+// The 8-byte little-endian header length, checked against the cap and the
+// bytes that follow it.
+absl::StatusOr<uint64_t> HeaderLength(absl::Span<const uint8_t> bytes) {
   if (bytes.size() < 8) {
     return absl::InvalidArgumentError(absl::StrCat(
         "safetensors: file is ", bytes.size(), " bytes, expected at least 8 (the header length)"));
@@ -222,15 +235,16 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
                                                    " bytes exceeds the ", bytes.size() - 8,
                                                    " bytes after the length field"));
   }
-  header_bytes_ = n;
-  const char* hb = reinterpret_cast<const char*>(bytes.data() + 8);
-  const absl::Span<const uint8_t> data = bytes.subspan(8 + n);
+  return n;
+}
 
-  // Duplicate keys would be silently resolved by the parser (the last one
-  // wins); catch them with the parse callback, at the top level and inside
-  // each entry (a tensor's fields, __metadata__).
-  // Nesting deeper than a header needs (root > tensor > shape > dimension)
-  // aborts the parse at once, before the parser builds a deep tree.
+// Parses the JSON header into an object. Duplicate keys would be silently
+// resolved by the parser (the last one wins); they are caught with the
+// parse callback, at the top level and inside each entry (a tensor's
+// fields, __metadata__), and reported after the JSON and its type. Nesting
+// deeper than a header needs (root > tensor > shape > dimension) aborts the
+// parse at once, before the parser builds a deep tree.
+absl::StatusOr<Json> ParseHeaderJson(const char* begin, const char* end) {
   struct TooDeep {};
   constexpr int kMaxDepth = 3;
   std::string duplicate;
@@ -252,7 +266,7 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
   };
   Json root;
   try {
-    root = Json::parse(hb, hb + n, cb, /*allow_exceptions=*/true);
+    root = Json::parse(begin, end, cb, /*allow_exceptions=*/true);
   } catch (const Json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("safetensors: header is not valid JSON: ", e.what()));
@@ -268,148 +282,189 @@ absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("safetensors: key '", duplicate, "' appears more than once in the header"));
   }
+  return root;
+}
 
-  metadata_.clear();
-  tensors_.clear();
-  index_.clear();
-  struct Range {
-    uint64_t begin, end;
-    size_t tensor;
-  };
-  std::vector<Range> ranges;
-  for (auto it = root.begin(); it != root.end(); ++it) {
-    const std::string& name = it.key();
-    const Json& entry = it.value();
-    if (name == "__metadata__") {
-      if (!entry.is_object()) {
-        return absl::InvalidArgumentError(absl::StrCat("safetensors: __metadata__ is a JSON ",
-                                                       entry.type_name(), ", expected an object"));
-      }
-      for (auto m = entry.begin(); m != entry.end(); ++m) {
-        if (!m.value().is_string()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("safetensors: __metadata__.", m.key(), " is ", Show(m.value()), " (a ",
-                           m.value().type_name(), "), expected a string"));
-        }
-        metadata_[m.key()] = m.value().get<std::string>();
-      }
+// Adds the __metadata__ entry's keys to `*metadata`: an object of strings.
+absl::Status ParseMetadataEntry(const Json& entry, StMetadata* metadata) {
+  if (!entry.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat("safetensors: __metadata__ is a JSON ",
+                                                   entry.type_name(), ", expected an object"));
+  }
+  for (auto m = entry.begin(); m != entry.end(); ++m) {
+    if (!m.value().is_string()) {
+      return WrongType("safetensors: __metadata__.", m.key(), m.value(), "a string");
+    }
+    (*metadata)[m.key()] = m.value().get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+// A tensor entry is an object with exactly dtype, shape and data_offsets.
+absl::Status CheckEntryFields(const std::string& prefix, const Json& entry) {
+  if (!entry.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "entry is a JSON ", entry.type_name(),
+                                                   ", expected an object with dtype, shape "
+                                                   "and data_offsets"));
+  }
+  for (auto f = entry.begin(); f != entry.end(); ++f) {
+    if (f.key() != "dtype" && f.key() != "shape" && f.key() != "data_offsets") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, "unknown field '", f.key(), "', expected dtype, shape and data_offsets"));
+    }
+  }
+  for (const char* field : {"dtype", "shape", "data_offsets"}) {
+    if (!entry.contains(field)) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, "missing field '", field, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StDType> ParseEntryDType(const std::string& prefix, const Json& jd) {
+  if (!jd.is_string()) return WrongType(prefix, "dtype", jd, "a string");
+  std::optional<StDType> dt = ParseStDType(jd.get<std::string>());
+  if (!dt) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "unknown dtype '",
+                                                   jd.get<std::string>(), "', expected one of ",
+                                                   AllDTypeNames()));
+  }
+  return *dt;
+}
+
+// Reads the shape into `t->shape` and returns its element count, which
+// must fit in int64 with room for 8-byte elements.
+absl::StatusOr<uint64_t> ParseEntryShape(const std::string& prefix, const Json& js, StTensor* t) {
+  if (!js.is_array()) return WrongType(prefix, "shape", js, "an array of integers");
+  const uint64_t max_elements = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / 8;
+  std::vector<uint64_t> dims;
+  for (size_t i = 0; i < js.size(); ++i) {
+    KVRELAY_ASSIGN_OR_RETURN(const uint64_t d, NonNegativeInt(js[i], prefix, absl::StrCat("shape[", i, "]")));
+    dims.push_back(d);
+  }
+  // The product of the non-zero dimensions must fit too (NumElements()
+  // multiplies them all, in order, before a 0 makes it 0).
+  uint64_t numel = 1;
+  bool too_big = false, has_zero = false;
+  for (uint64_t d : dims) {
+    if (d == 0) {
+      has_zero = true;
       continue;
     }
-    if (name.empty()) return absl::InvalidArgumentError("safetensors: tensor with an empty name");
-    const std::string prefix = TensorPrefix(name);
-    if (!entry.is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, "entry is a JSON ", entry.type_name(),
-                                                     ", expected an object with dtype, shape "
-                                                     "and data_offsets"));
+    if (d > max_elements || numel > max_elements / d) {
+      too_big = true;
+      break;
     }
-    for (auto f = entry.begin(); f != entry.end(); ++f) {
-      if (f.key() != "dtype" && f.key() != "shape" && f.key() != "data_offsets") {
-        return absl::InvalidArgumentError(absl::StrCat(
-            prefix, "unknown field '", f.key(), "', expected dtype, shape and data_offsets"));
-      }
-    }
-    for (const char* field : {"dtype", "shape", "data_offsets"}) {
-      if (!entry.contains(field)) {
-        return absl::InvalidArgumentError(absl::StrCat(prefix, "missing field '", field, "'"));
-      }
-    }
-    StTensor t;
-    t.name = name;
-    // dtype
-    const Json& jd = entry["dtype"];
-    if (!jd.is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, "dtype is ", Show(jd), " (a ",
-                                                     jd.type_name(), "), expected a string"));
-    }
-    std::optional<StDType> dt = ParseStDType(jd.get<std::string>());
-    if (!dt) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, "unknown dtype '",
-                                                     jd.get<std::string>(), "', expected one of ",
-                                                     AllDTypeNames()));
-    }
-    t.dtype = *dt;
-    // shape
-    const Json& js = entry["shape"];
-    if (!js.is_array()) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, "shape is ", Show(js), " (a ",
-                                                     js.type_name(),
-                                                     "), expected an array of integers"));
-    }
-    const uint64_t max_elements = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / 8;
-    std::vector<uint64_t> dims;
-    for (size_t i = 0; i < js.size(); ++i) {
-      absl::StatusOr<uint64_t> d = NonNegativeInt(js[i], prefix, absl::StrCat("shape[", i, "]"));
-      if (!d.ok()) return d.status();
-      dims.push_back(*d);
-    }
-    // The product of the non-zero dimensions must fit too (NumElements()
-    // multiplies them all, in order, before a 0 makes it 0).
-    uint64_t numel = 1;
-    bool too_big = false, has_zero = false;
-    for (uint64_t d : dims) {
-      if (d == 0) {
-        has_zero = true;
-        continue;
-      }
-      if (d > max_elements || numel > max_elements / d) {
-        too_big = true;
-        break;
-      }
-      numel *= d;
-    }
-    if (has_zero) numel = 0;
-    if (too_big) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(prefix, "shape ", Show(js), " has too many elements"));
-    }
-    for (uint64_t d : dims) t.shape.push_back(static_cast<int64_t>(d));
-    // data_offsets
-    const Json& jo = entry["data_offsets"];
-    if (!jo.is_array() || jo.size() != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(prefix, "data_offsets is ", Show(jo), ", expected an array [begin, end]"));
-    }
-    absl::StatusOr<uint64_t> begin = NonNegativeInt(jo[0], prefix, "data_offsets[0]");
-    if (!begin.ok()) return begin.status();
-    absl::StatusOr<uint64_t> end = NonNegativeInt(jo[1], prefix, "data_offsets[1]");
-    if (!end.ok()) return end.status();
-    const std::string offsets = absl::StrCat("data_offsets [", *begin, ",", *end, "]");
-    if (*end < *begin) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, offsets, ": end before begin"));
-    }
-    if (*end > data.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, offsets, " exceed the ", data.size(),
-                                                     " bytes of data after the header"));
-    }
-    const uint64_t expected = numel * StDTypeSize(t.dtype);
-    if (*end - *begin != expected) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(prefix, offsets, " hold ", *end - *begin, " bytes, expected ", expected,
-                       " (shape ", ShapeString(t.shape), " x ", StDTypeName(t.dtype), ": ", numel,
-                       " elements of ", StDTypeSize(t.dtype), " bytes)"));
-    }
-    t.data = data.subspan(*begin, *end - *begin);
-    ranges.push_back({*begin, *end, tensors_.size()});
-    tensors_.push_back(std::move(t));
+    numel *= d;
   }
+  if (has_zero) numel = 0;
+  if (too_big) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "shape ", Show(js), " has too many elements"));
+  }
+  for (uint64_t d : dims) t->shape.push_back(static_cast<int64_t>(d));
+  return numel;
+}
 
-  // File order; ties by name, so the order is deterministic.
-  std::sort(ranges.begin(), ranges.end(), [&](const Range& a, const Range& b) {
+// The byte range [begin, end) of the tensor's data: inside `data` (the
+// bytes after the header) and exactly `numel` elements of t.dtype.
+absl::StatusOr<std::pair<uint64_t, uint64_t>> ParseEntryOffsets(const std::string& prefix, const Json& jo,
+                                                                 const StTensor& t, uint64_t numel,
+                                                                 size_t data_size) {
+  if (!jo.is_array() || jo.size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "data_offsets is ", Show(jo), ", expected an array [begin, end]"));
+  }
+  KVRELAY_ASSIGN_OR_RETURN(const uint64_t begin, NonNegativeInt(jo[0], prefix, "data_offsets[0]"));
+  KVRELAY_ASSIGN_OR_RETURN(const uint64_t end, NonNegativeInt(jo[1], prefix, "data_offsets[1]"));
+  const std::string offsets = absl::StrCat("data_offsets [", begin, ",", end, "]");
+  if (end < begin) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, offsets, ": end before begin"));
+  }
+  if (end > data_size) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, offsets, " exceed the ", data_size,
+                                                   " bytes of data after the header"));
+  }
+  const uint64_t expected = numel * StDTypeSize(t.dtype);
+  if (end - begin != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, offsets, " hold ", end - begin, " bytes, expected ", expected,
+                     " (shape ", ShapeString(t.shape), " x ", StDTypeName(t.dtype), ": ", numel,
+                     " elements of ", StDTypeSize(t.dtype), " bytes)"));
+  }
+  return std::make_pair(begin, end);
+}
+
+// A tensor entry of the header, its data a view into `data` from offset
+// `*begin`.
+absl::StatusOr<StTensor> ParseTensorEntry(const std::string& name, const Json& entry,
+                                          absl::Span<const uint8_t> data, uint64_t* begin) {
+  if (name.empty()) return absl::InvalidArgumentError("safetensors: tensor with an empty name");
+  const std::string prefix = TensorPrefix(name);
+  KVRELAY_RETURN_IF_ERROR(CheckEntryFields(prefix, entry));
+  StTensor t;
+  t.name = name;
+  KVRELAY_ASSIGN_OR_RETURN(t.dtype, ParseEntryDType(prefix, entry["dtype"]));
+  KVRELAY_ASSIGN_OR_RETURN(const uint64_t numel, ParseEntryShape(prefix, entry["shape"], &t));
+  KVRELAY_ASSIGN_OR_RETURN(const auto range,
+                           ParseEntryOffsets(prefix, entry["data_offsets"], t, numel, data.size()));
+  *begin = range.first;
+  t.data = data.subspan(range.first, range.second - range.first);
+  return t;
+}
+
+// A tensor's data range and its position in the parsed list.
+struct Range {
+  uint64_t begin, end;
+  size_t tensor;
+};
+
+// Sorts `ranges` into file order (ties by name, so the order is
+// deterministic) and checks that no two non-empty ranges overlap.
+absl::Status SortAndCheckOverlap(const std::vector<StTensor>& tensors, std::vector<Range>* ranges) {
+  std::sort(ranges->begin(), ranges->end(), [&](const Range& a, const Range& b) {
     if (a.begin != b.begin) return a.begin < b.begin;
     if (a.end != b.end) return a.end < b.end;
-    return tensors_[a.tensor].name < tensors_[b.tensor].name;
+    return tensors[a.tensor].name < tensors[b.tensor].name;
   });
   const Range* last = nullptr;  // the non-empty range reaching furthest so far
-  for (const Range& r : ranges) {
+  for (const Range& r : *ranges) {
     if (r.begin == r.end) continue;  // an empty tensor overlaps nothing
     if (last != nullptr && r.begin < last->end) {
       return absl::InvalidArgumentError(
-          absl::StrCat(TensorPrefix(tensors_[r.tensor].name), "data_offsets [", r.begin, ",", r.end,
-                       "] overlap tensor '", tensors_[last->tensor].name, "' (data_offsets [",
+          absl::StrCat(TensorPrefix(tensors[r.tensor].name), "data_offsets [", r.begin, ",", r.end,
+                       "] overlap tensor '", tensors[last->tensor].name, "' (data_offsets [",
                        last->begin, ",", last->end, "])"));
     }
     last = &r;
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SafetensorsReader::Parse(absl::Span<const uint8_t> bytes) {
+  KVRELAY_ASSIGN_OR_RETURN(const uint64_t n, HeaderLength(bytes));
+  header_bytes_ = n;
+  const char* hb = reinterpret_cast<const char*>(bytes.data() + 8);
+  const absl::Span<const uint8_t> data = bytes.subspan(8 + n);
+  KVRELAY_ASSIGN_OR_RETURN(const Json root, ParseHeaderJson(hb, hb + n));
+
+  metadata_.clear();
+  tensors_.clear();
+  index_.clear();
+  std::vector<Range> ranges;
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      KVRELAY_RETURN_IF_ERROR(ParseMetadataEntry(it.value(), &metadata_));
+      continue;
+    }
+    uint64_t begin = 0;
+    KVRELAY_ASSIGN_OR_RETURN(StTensor t, ParseTensorEntry(it.key(), it.value(), data, &begin));
+    ranges.push_back({begin, begin + t.data.size(), tensors_.size()});
+    tensors_.push_back(std::move(t));
+  }
+  KVRELAY_RETURN_IF_ERROR(SortAndCheckOverlap(tensors_, &ranges));
   std::vector<StTensor> sorted;
   sorted.reserve(tensors_.size());
   for (const Range& r : ranges) sorted.push_back(std::move(tensors_[r.tensor]));
