@@ -211,6 +211,8 @@ def kv_bytes(geo):
 
 
 class Bench:
+    READY_TIMEOUT_S = 30  # a relay's start until its ready line (longer under valgrind: cost_bench.py)
+
     def __init__(self, args, hosts, run_dir):
         self.a, self.hosts, self.dir = args, hosts, run_dir
         self.agent, self.server = args.agent, args.server
@@ -257,7 +259,7 @@ class Bench:
         for addr in local_listen:
             argv += ["--local-listen", addr]
         proc = self.start(host, argv + extra, name)
-        m = proc.expect(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)", 30)
+        m = proc.expect(r"kvrelay-server ready grpc=(\S+) metrics=(\S+)", self.READY_TIMEOUT_S)
         proc.grpc, proc.metrics = m.group(1).split(","), m.group(2)
         return proc
 
@@ -344,6 +346,7 @@ class Bench:
         time.sleep(0.2)  # the Fetch reaches its relay and parks there
         tx0, q0 = self.wait_quiet("h1"), self.hosts.qdisc_bytes("h1")
         m0 = self.scrape("h1", ra)
+        self.before_transfer(relays)
         cpu0 = [r.cpu_seconds() for r in relays if r]
         pub = self.start("h1", [self.agent, "publish", "--addr", agent_addr["h1"], "--session", session,
                                 "--from", "a", "--to", "b", "--policy", spec, *self.turn_flags], f"publish-{session}")
@@ -352,6 +355,7 @@ class Bench:
         time.sleep(0.05)
         tx1, q1 = self.hosts.tx_bytes("h1"), self.hosts.qdisc_bytes("h1")
         cpu1 = [r.cpu_seconds() for r in relays if r]
+        self.after_transfer(relays)
         m1 = self.scrape("h1", ra)
         if f["message_id"] != p["message_id"]:
             raise BenchError(f"fetched {f['message_id']}, published {p['message_id']}")
@@ -378,6 +382,12 @@ class Bench:
                 "forward_bytes": delta("kvrelay_forward_bytes_total"),
                 "forward_seconds_sum": delta("kvrelay_forward_seconds_sum"),
                 "forwards": fwd_outcomes, "cpu_s": cpu, "cpu_total_s": sum(cpu.values())}
+
+    def before_transfer(self, relays):
+        """Hook: right before a transfer's relay CPU is first read (cost_bench.py)."""
+
+    def after_transfer(self, relays):
+        """Hook: right after a transfer's relay CPU is read again."""
 
     # ---- one link rate
     def rate(self, rate, policies):
