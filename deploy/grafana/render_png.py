@@ -27,6 +27,8 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(HERE, "kvrelay-dashboard.json")
+# The PNG text chunk listing the panels and those that show data.
+PANELS_KEY = "kvrelay-panels"
 
 # Grafana's dark theme and its "classic" palette.
 BG = "#111217"
@@ -340,6 +342,7 @@ def render(prom, out, start, end, step=None, scrape_interval=15.0, instance=".*"
 
     grid = [start + k * step for k in range(int((end - start) / step + 1e-9) + 1)]
     col_px = (W - margin) / 24
+    drawn, moving = [], []  # panels with a value, and with a value other than 0
     for p in panels:
         g = p["gridPos"]
         px, py = margin + g["x"] * col_px, header_px + g["y"] * (GRID_ROW_PX + 6)
@@ -349,12 +352,18 @@ def render(prom, out, start, end, step=None, scrape_interval=15.0, instance=".*"
                                           facecolor=PANEL, edgecolor=BORDER, linewidth=1, zorder=-10))
         fig.text((px + 10) / W, 1 - (py + 16) / H, p["title"], color=TEXT, fontsize=10.5, fontweight="bold", va="center")
         series = []
+        drawn_before = len(drawn)
         for t in p["targets"]:
             expr = substitute(t["expr"], rate_interval, instance)
             for labels, ts, vs in query_range(prom, expr, start, end, step):
                 # On the query's step grid, NaN where a series has no point (gaps, stacking).
                 at = {round((x - start) / step): v for x, v in zip(ts, vs)}
                 series.append((legend(t.get("legendFormat"), labels), grid, [at.get(k, float("nan")) for k in range(len(grid))]))
+                values = [v for v in vs if math.isfinite(v)]
+                if values and len(drawn) == drawn_before:
+                    drawn.append(p["title"])
+                if any(v != 0 for v in values) and p["title"] not in moving:
+                    moving.append(p["title"])
         if p["type"] == "stat":
             draw_stat(fig, frac(px + 6, py + 30, pw - 12, ph - 36), p, series)
             continue
@@ -380,9 +389,13 @@ def render(prom, out, start, end, step=None, scrape_interval=15.0, instance=".*"
                 fig.text((px + pw - 12 - (len(values) - 1 - j) * col_w) / W, 1 - cy / H, v, color=TEXT,
                          fontsize=8, ha="right", va="center")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=dpi, facecolor=BG)
+    # Which panels show data, for tests/deploy/test_dashboard.py to hold the
+    # picture against the dashboard.
+    shown = {"panels": [p["title"] for p in panels], "drawn": drawn, "moving": moving}
+    fig.savefig(out, dpi=dpi, facecolor=BG, metadata={PANELS_KEY: json.dumps(shown)})
     plt.close(fig)
-    return {"rate_interval": rate_interval, "step": step, "panels": len(panels), "size": (W, H)}
+    return {"rate_interval": rate_interval, "step": step, "panels": len(panels), "drawn": len(drawn),
+            "moving": len(moving), "size": (W, H)}
 
 
 def main():

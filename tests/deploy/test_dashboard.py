@@ -36,7 +36,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from deploy_common import (DASHBOARD, check, dashboard_targets, finish,  # noqa: E402
+from deploy_common import (DASHBOARD, REPO, check, dashboard_targets, finish,  # noqa: E402
                            metric_names_in_expr, metric_names_in_source)
 
 DS_REF = ("${datasource}", "$datasource")
@@ -204,6 +204,7 @@ def main():
         check(unit(p) in ("percentunit", "percent"), f"failed-ratio panel unit {unit(p)!r}")
     check("kvrelay_rpcs_total" in metric_names_in_source(), "server/metrics/metrics.cc does not register kvrelay_rpcs_total")
     check_network_row(dash, panels, unit)
+    check_picture(panels)
     check_security_row(dash, panels, unit)
     check_spool_row(dash, panels, unit)
     return finish("deploy_dashboard")
@@ -287,6 +288,41 @@ def check_spool_row(dash, panels, unit):
         steps = (((p.get("fieldConfig") or {}).get("defaults") or {}).get("thresholds") or {}).get("steps") or []
         red = [s.get("value") for s in steps if s.get("color") == "red"]
         check(red == [1], f"failed-spool stat: red from {red}, expected from 1")
+
+
+def png_text(path):
+    """The tEXt chunks of a PNG file, {keyword: text}."""
+    out = {}
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        return out
+    i = 8
+    while i + 8 <= len(data):
+        n = int.from_bytes(data[i:i + 4], "big")
+        kind, body = data[i + 4:i + 8], data[i + 8:i + 8 + n]
+        if kind == b"tEXt" and b"\0" in body:
+            k, v = body.split(b"\0", 1)
+            out[k.decode("latin-1")] = v.decode("latin-1")
+        i += 12 + n
+    return out
+
+
+def check_picture(panels):
+    """docs/dashboard.png, the README's picture, shows every panel of the
+    dashboard with data: deploy/grafana/render_png.py records which panels it
+    drew values in, and the picture must be of this dashboard."""
+    png = os.path.join(REPO, "docs", "dashboard.png")
+    shown = png_text(png).get("kvrelay-panels")
+    if not check(shown, f"{png}: no kvrelay-panels record; render it with tests/deploy/test_live_prometheus.py "
+                        "--traffic-seconds N --png docs/dashboard.png"):
+        return
+    shown = json.loads(shown)
+    titles = [p["title"] for p in panels]
+    check(sorted(shown["panels"]) == sorted(titles),
+          f"{png} is of another dashboard: its panels {sorted(set(shown['panels']) ^ set(titles))} differ")
+    empty = [t for t in titles if t not in shown["drawn"]]
+    check(not empty, f"{png}: panels without data: {empty}")
 
 
 def check_network_row(dash, panels, unit):

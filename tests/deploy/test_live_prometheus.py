@@ -36,10 +36,14 @@
   6. renders the dashboard from this Prometheus into a PNG
      (deploy/grafana/render_png.py; --png, default in the build dir).
      With --traffic-seconds N it first keeps the relay busy for N seconds
-     (demos of varied size and policy, some errors) so the picture has
-     curves: that is how docs/dashboard.png is made.
+     (demos of varied size and policy, with and without queries, some
+     errors), adds two relays that run a chain between them (every hop
+     forwarded) and one whose tokens file refuses some calls, so that every row of
+     the picture has curves: that is how docs/dashboard.png is made
+     (tests/deploy/test_dashboard.py checks that it shows every panel).
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -54,7 +58,7 @@ import urllib.parse
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from deploy_common import (DEPLOY, FAILURES, PROM_CONFIG, Node, Relay, check, clean_env,  # noqa: E402
+from deploy_common import (DEPLOY, FAILURES, PROM_CONFIG, Node, Relay, check, clean_env, free_port,  # noqa: E402
                            dashboard_targets, finish, free_port, load_dashboard, parse_exposition, run,
                            stop_process, substitute)
 
@@ -167,8 +171,21 @@ def errors_traffic(ctl, addr, workdir):
     check(rc not in (0, None), "an ack of an unknown message should fail (NOT_FOUND)")
 
 
-def busy(ctl, addr, workdir, seconds):
-    """Varied traffic for the screenshot: demos of several sizes and policies, some errors."""
+def auth_failures(ctl, addr, workdir):
+    """Calls without a token and with a wrong one at a relay with a tokens file."""
+    run([ctl, "stats", "--addr", addr], timeout=30)
+    wrong = os.path.join(workdir, "wrong.token")
+    with open(wrong, "w") as f:
+        f.write("not-the-token\n")
+    run([ctl, "stats", "--addr", addr, "--token-file", wrong], timeout=30)
+
+
+def busy(ctl, addr, workdir, seconds, mesh=None, guarded=None):
+    """Varied traffic for the screenshot: demos of several sizes and policies,
+    some with the generated steps' queries, some errors; with `mesh` (two
+    relays routing the chain's agents to each other) chains that forward
+    every hop, and with `guarded` (a relay with a tokens file) refused
+    credentials."""
     rng = random.Random(7)
     end = time.time() + seconds
     shapes = [
@@ -183,10 +200,17 @@ def busy(ctl, addr, workdir, seconds):
     while time.time() < end:
         phase = (time.time() - (end - seconds)) / seconds
         policy = policies[0] if phase < 0.3 else rng.choice(policies)
-        demo(ctl, addr, policy, extra=rng.choice(shapes), rounds=rng.choice([1, 1, 2]))
+        extra = rng.choice(shapes) + (["--queries"] if n % 2 else [])
+        demo(ctl, addr, policy, extra=extra, rounds=rng.choice([1, 1, 2]))
         n += 1
+        if mesh and n % 2 == 0:
+            # planner and refiner on the first relay, critic and judger on the second.
+            demo(ctl, mesh[0], rng.choice(policies), extra=rng.choice(shapes[1:]) + ["--addr", mesh[1], "--addr",
+                                                                                  mesh[0], "--addr", mesh[1]])
         if n % 3 == 0:
             errors_traffic(ctl, addr, workdir)
+            if guarded:
+                auth_failures(ctl, guarded, workdir)
         time.sleep(rng.uniform(0.5, 2.5))
     return n
 
@@ -213,7 +237,25 @@ def main():
     targets = dashboard_targets(dash)
     work = tempfile.mkdtemp(prefix="kvrelay-live-")
     relay = prom = None
+    others = []
     try:
+        # For the picture (--traffic-seconds): relays B and D, which run the
+        # chain between them (planner and refiner on B, critic and judger on
+        # D: every hop is forwarded; the network row), and relay C with a
+        # tokens file, which refuses calls (the security row). Prometheus
+        # scrapes them only once the checks on relay A alone are done.
+        others = []
+        if args.traffic_seconds > 0:
+            b_addr, d_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+            for addr, peer, routed in ((b_addr, d_addr, ("critic", "judger")), (d_addr, b_addr, ("planner", "refiner"))):
+                routes = [x for agent in routed for x in ("--route", f"{agent}={peer}")]
+                others.append(Relay(args.server, work, name=f"relay-{addr.rsplit(':', 1)[1]}", args=[
+                    "--listen", addr, "--metrics-listen", "127.0.0.1:0", "--advertise", addr] + routes))
+            tokens = os.path.join(work, "tokens")
+            with open(tokens, "w") as f:
+                f.write("planner sha256:" + hashlib.sha256(b"the-token").hexdigest() + "\n")
+            others.append(Relay(args.server, work, name="relay-c", args=[
+                "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--tokens-file", tokens]))
         # A spool, so that the spool row has data (fsyncs on the temporary directory's disk).
         relay = Relay(args.server, work, args=["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                                                "--spool-dir", os.path.join(work, "spool"),
@@ -225,7 +267,17 @@ def main():
         jobs = [j for j in cfg["scrape_configs"] if j["job_name"] == "kvrelay"]
         if not check(len(jobs) == 1, "prometheus.yml has one job kvrelay"):
             return finish("deploy_live_prometheus")
-        jobs[0]["static_configs"] = [{"targets": [relay.metrics]}]
+        # Targets from a file Prometheus watches, so that more relays can join.
+        targets_file = os.path.join(work, "targets.json")
+
+        def scrape_targets(relays):
+            with open(targets_file + ".tmp", "w") as f:
+                json.dump([{"targets": [r.metrics for r in relays]}], f)
+            os.replace(targets_file + ".tmp", targets_file)
+
+        scrape_targets([relay])
+        jobs[0].pop("static_configs", None)
+        jobs[0]["file_sd_configs"] = [{"files": [targets_file], "refresh_interval": "1s"}]
         cfg_path = os.path.join(work, "prometheus.yml")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f, indent=1)  # JSON is YAML
@@ -406,8 +458,12 @@ def main():
         check(not firing, f"alerts firing against a healthy relay: {firing}")
 
         if args.traffic_seconds > 0:
+            scrape_targets([relay] + others)
+            wait_for("every relay's target to be up", lambda: len([s for s in prom.query('up{job="kvrelay"}')["result"]
+                                                                   if s["value"][1] == "1"]) == 1 + len(others))
             t_busy = time.time()
-            n = busy(args.kvrelayctl, relay.addr, work, args.traffic_seconds)
+            n = busy(args.kvrelayctl, relay.addr, work, args.traffic_seconds, mesh=(others[0].addr, others[1].addr),
+                     guarded=others[2].addr)
             print(f"traffic: {n} demos in {time.time() - t_busy:.0f} s", flush=True)
             time.sleep(1.5 * SCRAPE_S)
         if args.png:
@@ -435,6 +491,8 @@ def main():
             prom.stop()
         if relay:
             check(relay.stop() == 0, "the relay did not exit 0 on SIGTERM")
+        for other in others:
+            other.stop()
         if FAILURES:
             print(f"logs kept in {work}")
         else:
