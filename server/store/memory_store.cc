@@ -417,6 +417,7 @@ StoreStats MemoryStore::Stats() const {
   st.mailbox_bytes = mailbox_bytes_;
   st.inflight_bytes = inflight_;
   st.store_bytes = store_bytes_;
+  st.fetch_waiters = waiters_.size();
   return st;
 }
 

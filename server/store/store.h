@@ -111,6 +111,7 @@ struct StoreStats {
   uint64_t received_bytes = 0, full_bytes = 0, sent_bytes = 0;
   uint64_t sessions = 0, mailbox_messages = 0, mailbox_bytes = 0, inflight_bytes = 0;
   uint64_t store_bytes = 0;  // every retained message, acked or not
+  uint64_t fetch_waiters = 0;  // FetchOrWait calls waiting for a delivery now
 };
 
 // The outbox's part of the store: the bounds of what waits to be forwarded

@@ -445,7 +445,8 @@ TEST_F(RelayTest, FanOutAndSessionClose) {
 TEST_F(RelayTest, FetchWaitsForAPublish) {
   Turn t = MakeTurn(7);
   std::thread publisher([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    // Once the Fetch waits: it must be woken, not find the message there.
+    EXPECT_TRUE(Eventually([&] { return server_->store()->Stats().fetch_waiters == 1; }));
     EXPECT_TRUE(PublishTurn(stub_.get(), Header("w", "m", "a", {"b"}, "gen", t), t).status.ok());
   });
   FetchResult f = DoFetch(stub_.get(), "w", "b", true, 10);
@@ -929,7 +930,7 @@ TEST_F(RelayTest, CloseSessionEndsWaitingFetches) {
   const auto t0 = std::chrono::steady_clock::now();
   std::thread f1([&] { waiting = DoFetch(stub_.get(), "cl", "c", true, 30); });
   std::thread f2([&] { waiting_empty = DoFetch(stub_.get(), "nothing-yet", "c", true, 30); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(Eventually([&] { return server_->store()->Stats().fetch_waiters == 2; }));
   ASSERT_TRUE(Close(stub_.get(), "cl").ok());
   ASSERT_TRUE(Close(stub_.get(), "nothing-yet").ok());
   f1.join();
@@ -946,7 +947,7 @@ TEST_F(RelayTest, CloseSessionEndsWaitingFetches) {
 TEST_F(RelayTest, ShutdownEndsWaitingFetchesWithoutTheGracePeriod) {
   FetchResult waiting;
   std::thread f([&] { waiting = DoFetch(stub_.get(), "sd", "b", true, 30); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(Eventually([&] { return server_->store()->Stats().fetch_waiters == 1; }));
   const auto t0 = std::chrono::steady_clock::now();
   server_->Shutdown();  // grace 2 s
   const double took = Seconds(t0);

@@ -303,11 +303,14 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
   Store& s = impl;
   std::atomic<int> woke{-1};
   uint64_t w = 0;
+  EXPECT_EQ(s.Stats().fetch_waiters, 0u);
   EXPECT_FALSE(s.FetchOrWait("s", "b", kNever, [&](Store::Wake t) { woke = static_cast<int>(t); }, &w));
+  EXPECT_EQ(s.Stats().fetch_waiters, 1u);
   ASSERT_TRUE(Commit(s, Msg("s", "m1", {"c"})).ok());  // another agent: no wake
   EXPECT_EQ(woke.load(), -1);
   ASSERT_TRUE(Commit(s, Msg("s", "m2", {"b"})).ok());
   EXPECT_EQ(woke.load(), 0);
+  EXPECT_EQ(s.Stats().fetch_waiters, 0u);
   EXPECT_FALSE(s.CancelWaiter(w));
 
   std::atomic<int> timed{-1};
@@ -319,7 +322,9 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
   EXPECT_EQ(timed.load(), 1);
 
   EXPECT_FALSE(s.FetchOrWait("s", "y", kNever, [&](Store::Wake) { FAIL() << "cancelled waiter ran"; }, &w));
+  EXPECT_EQ(s.Stats().fetch_waiters, 1u);
   EXPECT_TRUE(s.CancelWaiter(w));
+  EXPECT_EQ(s.Stats().fetch_waiters, 0u);
   ASSERT_TRUE(Commit(s, Msg("s", "m3", {"y"})).ok());
 }
 
