@@ -44,6 +44,7 @@ class CompressReactor final
 
  private:
   friend class UploadReactor;
+  friend ReadLoop;
 
   absl::Status OnHeader(const v1::CompressHeader& h) {
     if (h.policy().empty()) return absl::InvalidArgumentError("header.policy: empty, expected a pipeline spec");

@@ -23,6 +23,7 @@
 #include "server/mesh/ancestor.h"
 #include "server/mesh/forwarder.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/internal/request_stream.h"
 #include "server/rpc/relay_context.h"
 #include "server/rpc/request_checks.h"
 #include "spdlog/spdlog.h"
@@ -41,64 +42,16 @@ struct CodedState {
   TrailerBuilder decoded;                       // of the decoded chunks given to reader_
 };
 
-std::string Quoted(absl::string_view v) { return absl::StrCat("'", absl::CHexEscape(v), "'"); }
-
-class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+class ForwardReactor final
+    : public RequestStreamReactor<ForwardReactor, grpc::ServerReadReactor<grpc::ByteBuffer>, v1::ForwardRequest> {
  public:
   ForwardReactor(RelayContext* relay, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response, Caller caller)
-      : relay_(relay), ctx_(ctx), wire_resp_(response), caller_(std::move(caller)), started_(Clock::now()) {
-    idle_ = relay_->watchdog()->Watch([this] {
-      idle_->mu.AssertHeld();  // the watchdog fires under the entry's mutex
-      OnIdle();
-    });
-    StartRead(&wire_);
-  }
-
-  void OnReadDone(bool ok) override {
-    MutexLock activity(&idle_->mu);
-    idle_->TouchLocked();
-    if (finished_) return;
-    if (!ok) {
-      if (ctx_->IsCancelled()) return Fail(absl::CancelledError("forward: cancelled by the sending relay"));
-      return Fail(absl::InvalidArgumentError(started() ? "forward: stream ended before the commit, expected a commit"
-                                                       : "forward: empty stream, expected a header first"));
-    }
-    if (!raw_.Reset(wire_)) return Fail(absl::InvalidArgumentError("forward: unreadable request"));
-    absl::Status s;
-    ChunkView chunk;
-    if (raw_.AsChunk(v1::ForwardRequest::kChunkFieldNumber, &chunk)) {
-      s = OnChunk(chunk);
-    } else if (!raw_.ParseAs(&req_)) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat("forward: request of ", raw_.size(),
-                                                          " bytes is not a kvrelay.v1.ForwardRequest")));
-    } else {
-      switch (req_.kind_case()) {
-        case v1::ForwardRequest::kHeader:
-          if (header_) {
-            s = absl::InvalidArgumentError("header: a second header, expected chunks or the commit");
-          } else {
-            s = OnHeader(req_.header());
-            if (finished_) return;  // answered from the header alone
-          }
-          break;
-        case v1::ForwardRequest::kChunk:
-          s = OnChunk(ChunkView::Of(req_.chunk()));
-          break;
-        case v1::ForwardRequest::kCommit:
-          if (!started()) {
-            s = absl::InvalidArgumentError("commit: before the header, expected the header first");
-            break;
-          }
-          return OnCommit(req_.commit());
-        default:
-          s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
-      }
-    }
-    if (!s.ok()) return Fail(s);
-    raw_.Reset(grpc::ByteBuffer());
-    wire_.Clear();
-    req_.Clear();
-    StartRead(&wire_);
+      : RequestStreamReactor(relay, ctx, "forward"),
+        wire_resp_(response),
+        caller_(std::move(caller)),
+        started_(Clock::now()) {
+    WatchIdle();
+    StartReading();
   }
 
   void OnDone() override {
@@ -109,7 +62,13 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
  private:
+  friend RequestStreamReactor;
+
   bool started() const { return header_.has_value(); }
+
+  absl::Status Cancelled() const { return absl::CancelledError("forward: cancelled by the sending relay"); }
+
+  void ReadNext() { StartReading(); }
 
   // A peer relay speaks only for its own agents: with mTLS, `sender` must
   // route, in this relay's table, to a host the peer's certificate names.
@@ -179,18 +138,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(h.requested_policy(), "header.requested_policy"));
     KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(m.accounting().policy(), "header.message.accounting.policy"));
-    if (h.recipients_size() == 0 || h.recipients_size() > kMaxRecipients) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("header.recipients: ", h.recipients_size(), " agents, expected 1..", kMaxRecipients));
-    }
-    absl::flat_hash_map<std::string, int> seen;
-    for (int i = 0; i < h.recipients_size(); ++i) {
-      KVRELAY_RETURN_IF_ERROR(CheckId(absl::StrCat("header.recipients[", i, "]"), h.recipients(i)));
-      if (!seen.emplace(h.recipients(i), i).second) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("header.recipients[", i, "]: ", Quoted(h.recipients(i)), " repeats, expected distinct agents"));
-      }
-    }
+    KVRELAY_RETURN_IF_ERROR(CheckRecipients(h.recipients(), "header.recipients"));
     const std::string& session = m.session_id();
     if (relay_->store()->IsClosed(session)) {
       if (relay_->metrics()) relay_->metrics()->AddForwardReceived("refused");
@@ -253,7 +201,6 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   absl::Status OnChunk(const ChunkView& c) {
-    if (!started()) return absl::InvalidArgumentError("chunk: before the header, expected the header first");
     if (coded_) {
       KVRELAY_RETURN_IF_ERROR(OnCodedChunk(c));
     } else {
@@ -453,16 +400,10 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     Finish(status);
   }
 
-  RelayContext* const relay_;
-  grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const wire_resp_;
   const Caller caller_;
   std::string verified_origin_;  // with mTLS: the sender's route target here
   const Clock::time_point started_;
-  std::shared_ptr<UploadWatchdog::Entry> idle_;
-  grpc::ByteBuffer wire_;
-  RawMessage raw_;
-  v1::ForwardRequest req_;
   std::optional<v1::ForwardHeader> header_;
   std::optional<Store::PublishTicket> ticket_;
   std::vector<std::string> recipients_;
@@ -472,7 +413,6 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   std::optional<CodedState> coded_;
   uint64_t reserved_ = 0, received_ = 0;
   v1::ForwardResponse resp_;
-  std::atomic<bool> finished_{false};
 };
 
 }  // namespace
@@ -483,26 +423,10 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* NewForwardReactor(RelayContext* relay
 }
 
 absl::Status CheckSameForward(const v1::ForwardHeader& h, const StoredMessage& prior) {
-  auto differs = [&](absl::string_view field, const std::string& now, const std::string& then) {
-    return absl::AlreadyExistsError(absl::StrCat("header.message.message_id: '", prior.message_id,
-                                                 "' is already held in session '", prior.session_id, "' with ",
-                                                 field, " ", Quoted(then), ", this forward has ", Quoted(now)));
-  };
   const v1::MessageHeader& m = h.message();
-  if (m.sender() != prior.sender) {  // another sender's message: nothing of it is told
-    return absl::AlreadyExistsError(absl::StrCat("header.message.message_id: '", prior.message_id,
-                                                 "' is already held in session '", prior.session_id,
-                                                 "' from another sender"));
-  }
-  if (m.role() != prior.role) return differs("role", m.role(), prior.role);
-  if (m.parent_id() != prior.parent_id) return differs("parent_id", m.parent_id(), prior.parent_id);
-  if (h.requested_policy() != prior.requested_policy) {
-    return differs("requested_policy", h.requested_policy(), prior.requested_policy);
-  }
-  if (h.geometry().SerializeAsString() != prior.geometry.SerializeAsString()) {
-    return differs("geometry", h.geometry().ShortDebugString(), prior.geometry.ShortDebugString());
-  }
-  return absl::OkStatus();
+  return CheckRetryOf({/*call=*/"forward", /*prefix=*/"header.message.", /*policy_field=*/"header.requested_policy",
+                       m.sender(), m.role(), m.parent_id(), h.requested_policy(), &h.geometry()},
+                      prior);
 }
 
 }  // namespace kvrelay

@@ -6,73 +6,21 @@
 #include <limits>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/history.h"
 #include "core/status_macros.h"
-#include "google/protobuf/text_format.h"
 #include "proto/wire.h"
 #include "server/rpc/request_checks.h"
 #include "server/mesh/routing.h"
 
 namespace kvrelay {
-namespace {
-
-// A field's value for an error message; "unset" for an optional one not set.
-std::string FieldText(const google::protobuf::Message& m, const google::protobuf::FieldDescriptor* f) {
-  if (f->has_presence() && !m.GetReflection()->HasField(m, f)) return "unset";
-  std::string out;
-  if (f->is_repeated()) {
-    out = "[";
-    for (int i = 0; i < m.GetReflection()->FieldSize(m, f); ++i) {
-      std::string item;
-      google::protobuf::TextFormat::PrintFieldValueToString(m, f, i, &item);
-      absl::StrAppend(&out, i ? "," : "", item);
-    }
-    return out + "]";
-  }
-  google::protobuf::TextFormat::PrintFieldValueToString(m, f, -1, &out);
-  return out;
-}
-
-}  // namespace
-
 absl::Status CheckSamePublish(const v1::PublishHeader& h, const StoredMessage& prior) {
-  auto differs = [&](absl::string_view field, absl::string_view now, absl::string_view then) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "header.message_id: '", prior.message_id, "' is already committed in session '", prior.session_id,
-        "' with ", field, " ", then, ", this publish has ", now,
-        "; reuse a message id only to retry the same publish"));
-  };
-  auto quoted = [](absl::string_view v) { return absl::StrCat("'", absl::CHexEscape(v), "'"); };
-  // Another sender's message: nothing of it is told (not even its sender).
-  if (h.sender() != prior.sender) {
-    return absl::AlreadyExistsError(absl::StrCat("header.message_id: '", prior.message_id,
-                                                 "' is already committed in session '", prior.session_id,
-                                                 "' by another sender; choose another message id"));
-  }
-  std::vector<std::string> now(h.recipients().begin(), h.recipients().end()), then = prior.recipients;
-  std::sort(now.begin(), now.end());
-  std::sort(then.begin(), then.end());
-  if (now != then) {
-    return differs("header.recipients", absl::StrCat("[", absl::StrJoin(now, ","), "]"),
-                   absl::StrCat("[", absl::StrJoin(then, ","), "]"));
-  }
-  if (h.role() != prior.role) return differs("header.role", quoted(h.role()), quoted(prior.role));
-  if (h.policy() != prior.requested_policy) {
-    return differs("header.policy", quoted(h.policy()), quoted(prior.requested_policy));
-  }
-  if (h.parent_id() != prior.parent_id) {
-    return differs("header.parent_id", quoted(h.parent_id()), quoted(prior.parent_id));
-  }
-  const google::protobuf::Descriptor* d = v1::TurnGeometry::descriptor();
-  for (int i = 0; i < d->field_count(); ++i) {
-    const std::string a = FieldText(h.geometry(), d->field(i)), b = FieldText(prior.geometry, d->field(i));
-    if (a != b) return differs(absl::StrCat("header.geometry.", d->field(i)->name()), a, b);
-  }
-  return absl::OkStatus();
+  const std::vector<std::string> recipients(h.recipients().begin(), h.recipients().end());
+  return CheckRetryOf({/*call=*/"publish", /*prefix=*/"header.", /*policy_field=*/"header.policy", h.sender(),
+                       h.role(), h.parent_id(), h.policy(), &h.geometry(), &recipients},
+                      prior);
 }
 
 uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, const Message* parent) {
@@ -97,23 +45,7 @@ absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanIn
   KVRELAY_RETURN_IF_ERROR(CheckId("header.session_id", h.session_id()));
   if (!h.message_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.message_id", h.message_id()));
   KVRELAY_RETURN_IF_ERROR(CheckId("header.sender", h.sender()));
-  if (h.recipients_size() == 0) {
-    return absl::InvalidArgumentError("header.recipients: empty, expected at least one agent");
-  }
-  if (h.recipients_size() > kMaxRecipients) {
-    return absl::InvalidArgumentError(absl::StrCat("header.recipients: ", h.recipients_size(),
-                                                   " agents, expected 1..", kMaxRecipients));
-  }
-  absl::flat_hash_map<std::string, int> seen;
-  for (int i = 0; i < h.recipients_size(); ++i) {
-    KVRELAY_RETURN_IF_ERROR(CheckId(absl::StrCat("header.recipients[", i, "]"), h.recipients(i)));
-    auto [it, fresh] = seen.emplace(h.recipients(i), i);
-    if (!fresh) {
-      return absl::InvalidArgumentError(absl::StrCat("header.recipients[", i, "]: '", h.recipients(i),
-                                                     "' repeats recipients[", it->second,
-                                                     "], expected distinct agents"));
-    }
-  }
+  KVRELAY_RETURN_IF_ERROR(CheckRecipients(h.recipients(), "header.recipients"));
   if (h.role().size() > 128) {
     return absl::InvalidArgumentError(absl::StrCat("header.role: ", h.role().size(), " bytes, expected at most 128"));
   }

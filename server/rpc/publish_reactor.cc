@@ -38,6 +38,7 @@ class PublishReactor final
 
  private:
   friend class UploadReactor;
+  friend ReadLoop;
 
   // On a relay with routes, a pod speaks only for the agents that live in
   // it: the sender must have no route, or a route to this relay.

@@ -2,13 +2,93 @@
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/text_format.h"
 #include "core/quant.h"
 #include "core/status_macros.h"
 
 namespace kvrelay {
+namespace {
+
+// A field's value for an error message; "unset" for an optional one not set.
+std::string FieldText(const google::protobuf::Message& m, const google::protobuf::FieldDescriptor* f) {
+  if (f->has_presence() && !m.GetReflection()->HasField(m, f)) return "unset";
+  std::string out;
+  if (f->is_repeated()) {
+    out = "[";
+    for (int i = 0; i < m.GetReflection()->FieldSize(m, f); ++i) {
+      std::string item;
+      google::protobuf::TextFormat::PrintFieldValueToString(m, f, i, &item);
+      absl::StrAppend(&out, i ? "," : "", item);
+    }
+    return out + "]";
+  }
+  google::protobuf::TextFormat::PrintFieldValueToString(m, f, -1, &out);
+  return out;
+}
+
+std::string Quoted(absl::string_view v) { return absl::StrCat("'", absl::CHexEscape(v), "'"); }
+
+}  // namespace
+
+absl::Status CheckRecipients(const google::protobuf::RepeatedPtrField<std::string>& recipients,
+                             absl::string_view field) {
+  if (recipients.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": empty, expected at least one agent"));
+  if (recipients.size() > kMaxRecipients) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", recipients.size(), " agents, expected 1..", kMaxRecipients));
+  }
+  absl::flat_hash_map<absl::string_view, int> seen;
+  for (int i = 0; i < recipients.size(); ++i) {
+    const std::string name = absl::StrCat(field, "[", i, "]");
+    KVRELAY_RETURN_IF_ERROR(CheckId(name, recipients[i]));
+    auto [it, fresh] = seen.emplace(recipients[i], i);
+    if (!fresh) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": ", Quoted(recipients[i]), " repeats ",
+                                                     field.substr(field.rfind('.') + 1), "[",
+                                                     it->second, "], expected distinct agents"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRetryOf(const RetryHeader& now, const StoredMessage& prior) {
+  const std::string held = absl::StrCat(now.prefix, "message_id: '", prior.message_id,
+                                        "' is already committed in session '", prior.session_id, "'");
+  if (now.sender != prior.sender) {
+    return absl::AlreadyExistsError(absl::StrCat(held, " by another sender; choose another message id"));
+  }
+  auto differs = [&](absl::string_view field, absl::string_view was, absl::string_view is) {
+    return absl::AlreadyExistsError(absl::StrCat(held, " with ", field, " ", was, ", this ", now.call, " has ", is,
+                                                 "; reuse a message id only to retry the same ", now.call));
+  };
+  if (now.recipients) {
+    std::vector<std::string> is = *now.recipients, was = prior.recipients;
+    std::sort(is.begin(), is.end());
+    std::sort(was.begin(), was.end());
+    if (is != was) {
+      return differs(absl::StrCat(now.prefix, "recipients"), absl::StrCat("[", absl::StrJoin(was, ","), "]"),
+                     absl::StrCat("[", absl::StrJoin(is, ","), "]"));
+    }
+  }
+  if (now.role != prior.role) return differs(absl::StrCat(now.prefix, "role"), Quoted(prior.role), Quoted(now.role));
+  if (now.requested_policy != prior.requested_policy) {
+    return differs(now.policy_field, Quoted(prior.requested_policy), Quoted(now.requested_policy));
+  }
+  if (now.parent_id != prior.parent_id) {
+    return differs(absl::StrCat(now.prefix, "parent_id"), Quoted(prior.parent_id), Quoted(now.parent_id));
+  }
+  const google::protobuf::Descriptor* d = v1::TurnGeometry::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const std::string was = FieldText(prior.geometry, d->field(i)), is = FieldText(*now.geometry, d->field(i));
+    if (was != is) return differs(absl::StrCat("header.geometry.", d->field(i)->name()), was, is);
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckPolicyLength(const std::string& policy, const std::string& field) {
   if (policy.size() <= kMaxSpecBytes) return absl::OkStatus();

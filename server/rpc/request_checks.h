@@ -4,11 +4,14 @@
 #define KVRELAY_SERVER_RPC_REQUEST_CHECKS_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "core/ids.h"  // CheckId, for the ids of requests
 #include "core/pipeline.h"
 #include "core/turn.h"
+#include "kvrelay/v1/relay.pb.h"
+#include "server/store/store.h"
 
 namespace kvrelay {
 
@@ -47,6 +50,32 @@ absl::Status CheckUploadWork(const Pipeline& p, const TurnGeometry& geo, int lay
 // The policy against the geometry: its quantization options against
 // head_dim, and `window` only with queries. The error is prefixed by `field`.
 absl::Status CheckPolicyFor(const Pipeline& p, const TurnGeometry& geo, const std::string& field);
+
+// `recipients` (the field `field`): 1..kMaxRecipients ids (CheckId), each
+// once; INVALID_ARGUMENT naming the field, or the first repeat and the
+// recipient it repeats.
+absl::Status CheckRecipients(const google::protobuf::RepeatedPtrField<std::string>& recipients,
+                             absl::string_view field);
+
+// What a retry of a message (a Publish or a Forward with a message id the
+// session holds) repeats of it, as the request says it.
+struct RetryHeader {
+  const char* call;         // "publish" or "forward", for messages
+  const char* prefix;       // of the request's message fields: "header." or "header.message."
+  const char* policy_field;  // the field of the requested policy
+  absl::string_view sender, role, parent_id, requested_policy;
+  const v1::TurnGeometry* geometry = nullptr;
+  // Compared as a set when set (a forward names only its destination's).
+  const std::vector<std::string>* recipients = nullptr;
+};
+
+// OK when `now` asks for what the held `prior` holds: sender, recipients
+// (when `now` names them), role, policy as requested, parent and each
+// geometry field. ALREADY_EXISTS naming the first field that differs and
+// both values otherwise; for another sender's message, only that it is
+// another sender's (nothing of it is told). The tensor data is not compared
+// (a retry is answered before it arrives).
+absl::Status CheckRetryOf(const RetryHeader& now, const StoredMessage& prior);
 
 }  // namespace kvrelay
 

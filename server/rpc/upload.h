@@ -21,6 +21,7 @@
 #include "kvrelay/v1/relay.pb.h"
 #include "proto/raw_chunk.h"
 #include "proto/stream_codec.h"
+#include "server/rpc/internal/request_stream.h"
 #include "server/rpc/pending.h"
 #include "server/rpc/relay_context.h"
 #include "server/rpc/request_checks.h"
@@ -121,87 +122,31 @@ struct ReadGate {
   }
 };
 
-// The upload half that Publish and Compress share: the request stream's
-// header / chunks / commit protocol, the idle watchdog and backpressure.
-// Derived supplies OnHeader(header) (which may finish the call, e.g. a
-// duplicate publish), Complete() (on a worker once every layer is
-// compressed) and Fail(status), and finishes only through TryFinish().
-// Derived's constructor calls StartUpload() last, once it is whole.
-// Requests arrive raw: a chunk is read straight out of gRPC's slices
-// (RawMessage::AsChunk), anything else is parsed as a Request.
+// The upload half that Publish and Compress share: the request stream
+// (RequestStreamReactor's read loop) into an Upload, the idle watchdog and
+// backpressure. Derived supplies OnHeader(header) (which may finish the
+// call, e.g. a duplicate publish), Complete() (on a worker once every layer
+// is compressed) and Fail(status), befriends ReadLoop, and finishes only through
+// TryFinish(). Derived's constructor calls StartUpload() last, once it is
+// whole.
 template <typename Derived, typename Reactor, typename Request>
-class UploadReactor : public Reactor {
+class UploadReactor : public RequestStreamReactor<Derived, Reactor, Request> {
  public:
-  void OnReadDone(bool ok) override {
-    MutexLock activity(&idle_->mu);  // no idle firing during the reaction
-    idle_->TouchLocked();
-    if (finished_) return;  // failed meanwhile (idle): read no further
-    if (!ok) {
-      if (ctx_->IsCancelled()) {
-        const char* by = relay_->store()->shutting_down()
-                             ? ": cancelled (by the client, or by the relay's shutdown at the end of its grace period)"
-                             : ": cancelled by the client";
-        return self().Fail(absl::CancelledError(absl::StrCat(rpc_, by)));
-      }
-      return self().Fail(absl::InvalidArgumentError(
-          absl::StrCat(rpc_, upload_.started() ? ": stream ended before the commit, expected a commit trailer"
-                                               : ": empty stream, expected a header first")));
-    }
-    if (!raw_.Reset(wire_)) return self().Fail(absl::InvalidArgumentError(absl::StrCat(rpc_, ": unreadable request")));
-    absl::Status s;
-    if (raw_.AsChunk(Request::kChunkFieldNumber, &chunk_)) {
-      s = OnChunk(chunk_);
-    } else if (!raw_.ParseAs(&req_)) {
-      return self().Fail(absl::InvalidArgumentError(absl::StrCat(
-          rpc_, ": request of ", raw_.size(), " bytes is not a kvrelay.v1.", Request::descriptor()->name(),
-          " (malformed, or a string field that is not UTF-8)")));
-    } else {
-      switch (req_.kind_case()) {
-        case Request::kHeader:
-          if (upload_.started()) {
-            s = absl::InvalidArgumentError("header: a second header, expected chunks or the commit");
-          } else {
-            s = self().OnHeader(req_.header());
-            if (finished_) return;  // e.g. a duplicate publish: already answered
-          }
-          break;
-        case Request::kChunk:
-          chunk_ = ChunkView::Of(req_.chunk());
-          s = OnChunk(chunk_);
-          break;
-        case Request::kCommit:
-          if (!upload_.started()) {
-            s = absl::InvalidArgumentError("commit: before the header, expected the header first");
-            break;
-          }
-          s = upload_.Commit(req_.commit());
-          if (s.ok()) {
-            idle_->armed = false;  // uploaded: compression is not idleness
-            upload_.pending()->WhenDone([this] { self().Complete(); });
-            return;
-          }
-          break;
-        default:
-          s = absl::InvalidArgumentError("request: none of header, chunk, commit is set");
-      }
-    }
-    if (!s.ok()) return self().Fail(s);
-    ReleaseRequest();
-    ReadNext();
-  }
-
   void OnCancel() override { CancelUpload(); }
 
  protected:
+  using ReadLoop = RequestStreamReactor<Derived, Reactor, Request>;  // Derived befriends it
+  using ReadLoop::ctx_;
+  using ReadLoop::finished_;
+  using ReadLoop::idle_;
+  using ReadLoop::relay_;
+  using ReadLoop::rpc_;
+
   UploadReactor(RelayContext* relay, grpc::CallbackServerContext* ctx, const char* rpc)
-      : relay_(relay), ctx_(ctx), rpc_(rpc), upload_(relay), started_(Clock::now()) {}
+      : ReadLoop(relay, ctx, rpc), upload_(relay), started_(Clock::now()) {}
 
   void StartUpload() {
-    // The watchdog fires, and a worker resumes, under the entry's mutex.
-    idle_ = relay_->watchdog()->Watch([this] {
-      idle_->mu.AssertHeld();
-      OnIdle();
-    });
+    this->WatchIdle();  // fires, and a worker resumes, under the entry's mutex
     gate_ = std::make_shared<ReadGate>(idle_);
     {
       MutexLock lock(&gate_->idle->mu);
@@ -210,7 +155,7 @@ class UploadReactor : public Reactor {
         OnResume();
       };
     }
-    this->StartRead(&wire_);
+    this->StartReading();
   }
 
   // From OnDone: neither the watchdog nor a worker may call in any more.
@@ -238,36 +183,32 @@ class UploadReactor : public Reactor {
   // True exactly once: the caller is the one to Finish the call.
   bool TryFinish() { return !finished_.exchange(true); }
 
-  RelayContext* const relay_;
-  grpc::CallbackServerContext* const ctx_;
-  const char* const rpc_;  // "publish" or "compress", for messages
-  grpc::ByteBuffer wire_;  // the request being read
-  RawMessage raw_;         // wire_'s slices
-  ChunkView chunk_;        // a chunk request: views into raw_ (or req_)
-  Request req_;            // any other request, parsed
   // upload_ is replaced (Start, DropUpload) under mu_, which CancelUpload
   // (OnCancel, on any thread) holds to read it; the reactor's own reactions
   // read it without the lock, since only they replace it.
   Mutex mu_;
   Upload upload_;
-  std::atomic<bool> finished_{false};
   const Clock::time_point started_;
 
  private:
+  friend ReadLoop;
   Derived& self() { return static_cast<Derived&>(*this); }
 
-  // Drops the handled request's gRPC slices (a chunk's MiB) before the next
-  // read, which a backpressure pause may delay.
-  void ReleaseRequest() {
-    chunk_ = ChunkView();
-    raw_.Reset(grpc::ByteBuffer());
-    wire_.Clear();
-    req_.Clear();
+  bool started() const { return upload_.started(); }
+
+  absl::Status Cancelled() const {
+    return absl::CancelledError(absl::StrCat(
+        rpc_, relay_->store()->shutting_down()
+                  ? ": cancelled (by the client, or by the relay's shutdown at the end of its grace period)"
+                  : ": cancelled by the client"));
   }
 
-  absl::Status OnChunk(const ChunkView& c) {
-    if (!upload_.started()) return absl::InvalidArgumentError("chunk: before the header, expected the header first");
-    return upload_.Chunk(c);
+  absl::Status OnChunk(const ChunkView& c) { return upload_.Chunk(c); }
+
+  void OnCommit(const v1::Trailer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
+    if (absl::Status s = upload_.Commit(t); !s.ok()) return self().Fail(s);
+    idle_->armed = false;  // uploaded: compression is not idleness
+    upload_.pending()->WhenDone([this] { self().Complete(); });
   }
 
   // Under idle_->mu, after a read: reads on, unless backpressure pauses
@@ -277,7 +218,7 @@ class UploadReactor : public Reactor {
       idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
       return;
     }
-    this->StartRead(&wire_);
+    this->StartReading();
   }
 
   // On a worker, under idle_->mu: a paused upload's layers drained below the
@@ -286,7 +227,7 @@ class UploadReactor : public Reactor {
   void OnResume() ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (finished_) return;
     idle_->TouchLocked();
-    this->StartRead(&wire_);
+    this->StartReading();
   }
 
   // On the watchdog thread, under idle_->mu: nothing arrived for the timeout.
@@ -297,7 +238,6 @@ class UploadReactor : public Reactor {
         relay_->watchdog()->timeout_seconds(), upload_.started() ? "chunks or the commit" : "the header")));
   }
 
-  std::shared_ptr<UploadWatchdog::Entry> idle_;
   std::shared_ptr<ReadGate> gate_;
 };
 

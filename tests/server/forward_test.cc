@@ -350,7 +350,7 @@ TEST_F(ForwardTest, AMalformedHeaderIsInvalidArgumentNamingTheField) {
       {"long role", [](v1::ForwardHeader* h) { h->mutable_message()->set_role(std::string(129, 'r')); },
        "header.message.role: 129 bytes, expected at most 128"},
       {"no recipients", [](v1::ForwardHeader* h) { h->clear_recipients(); },
-       "header.recipients: 0 agents, expected 1..64"},
+       "header.recipients: empty, expected at least one agent"},
       {"too many recipients",
        [](v1::ForwardHeader* h) {
          h->clear_recipients();
@@ -371,7 +371,7 @@ TEST_F(ForwardTest, AMalformedHeaderIsInvalidArgumentNamingTheField) {
          h->add_recipients("c");
          h->add_recipients("b");
        },
-       "header.recipients[2]: 'b' repeats, expected distinct agents"},
+       "header.recipients[2]: 'b' repeats recipients[0], expected distinct agents"},
       {"bad ancestor id", [](v1::ForwardHeader* h) { h->set_ancestor_id("x y"); }, "header.ancestor_id: 'x y'"},
       {"no layers", [](v1::ForwardHeader* h) { h->mutable_message()->set_layers(0); }, "header.layers: 0"},
   };
@@ -561,11 +561,12 @@ TEST_F(ForwardTest, TheSameIdWithAnotherHeaderIsAlreadyExists) {
   EXPECT_EQ(r.status.error_code(), grpc::ALREADY_EXISTS) << r.status.error_message();
   // Another sender's message: nothing of it is told, not even its sender.
   EXPECT_EQ(r.status.error_message(),
-            "header.message.message_id: 'm1' is already held in session 's' from another sender");
+            "header.message.message_id: 'm1' is already committed in session 's' by another sender; choose another "
+            "message id");
   other = FwdHeader("s", "m1", "a", {"b"}, msg, /*parent=*/"m0");
   r = DoForward(stub_.get(), WholeForward(other, msg));
   EXPECT_EQ(r.status.error_code(), grpc::ALREADY_EXISTS) << r.status.error_message();
-  EXPECT_TRUE(absl::StrContains(r.status.error_message(), "with parent_id ''")) << r.status.error_message();
+  EXPECT_TRUE(absl::StrContains(r.status.error_message(), "with header.message.parent_id '', this forward has 'm0'")) << r.status.error_message();
   EXPECT_EQ(server_->store()->Stats().mailbox_messages, 1u);
 }
 
