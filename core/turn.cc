@@ -244,6 +244,17 @@ absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn) {
   return geo;
 }
 
+absl::StatusOr<TurnLayout> LayoutOf(const Turn& turn) {
+  TurnLayout s;
+  KVRELAY_ASSIGN_OR_RETURN(s.geo, GeometryOf(turn));
+  s.layers = static_cast<int>(turn.layers.size());
+  s.first_agent = turn.first_agent;
+  s.prompt_pos0 = turn.prompt_pos0;
+  s.softmax_scale = turn.softmax_scale;
+  if (s.geo.history_score) s.history_score_tokens = turn.layers[0].history_score.cols;
+  return s;
+}
+
 absl::Status CheckAnchorList(const std::vector<int32_t>& anchors, int n_history) {
   if (anchors.empty()) return absl::OkStatus();
   if (n_history == 0) {
@@ -284,28 +295,43 @@ std::optional<AnchorMiss> FindAnchorMiss(const PosTensor& pos, absl::Span<const 
   return std::nullopt;
 }
 
-absl::Status ValidateGeometry(const TurnGeometry& geo) {
-  auto range = [](absl::string_view what, int v, int lo, int hi) -> absl::Status {
-    if (v >= lo && v <= hi) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer.0.", what, " ", v, ", expected ", lo, "..", hi));
+std::string TurnGeometryError(const TurnGeometry& geo, GeometryField field, const std::string& found,
+                              const std::string& expected, const void*) {
+  const char* what = "";
+  switch (field) {
+    case GeometryField::kKvHeads: what = "layer.0.prompt.k: kv heads "; break;
+    case GeometryField::kHeadDim: what = "layer.0.prompt.k: head_dim "; break;
+    case GeometryField::kNPrompt: what = "layer.0.prompt.k: tokens "; break;
+    case GeometryField::kNGen: what = "layer.0.gen.k: tokens "; break;
+    case GeometryField::kNHistory: what = "layer.0.history.k: tokens "; break;
+    case GeometryField::kScoreHeads:
+      return absl::StrCat(geo.queries ? "layer.0.gen.q: " : "layer.0.prompt.score: ", found, " score heads, expected ",
+                          expected);
+    case GeometryField::kQueryDType: what = "layer.0.gen.q: dtype "; break;
+  }
+  return absl::StrCat(what, found, ", expected ", expected);
+}
+
+absl::Status ValidateGeometry(const TurnGeometry& geo, GeometryErrorText text, const void* arg) {
+  auto error = [&](GeometryField f, const std::string& found, const std::string& expected) {
+    return absl::InvalidArgumentError(text(geo, f, found, expected, arg));
   };
-  KVRELAY_RETURN_IF_ERROR(range("prompt.k: kv heads", geo.kv_heads, 1, kMaxKvHeads));
-  KVRELAY_RETURN_IF_ERROR(range("prompt.k: head_dim", geo.head_dim, 1, kMaxHeadDim));
-  KVRELAY_RETURN_IF_ERROR(range("prompt.k: tokens", geo.n_prompt, 0, kMaxTokensPerPart));
-  KVRELAY_RETURN_IF_ERROR(range("gen.k: tokens", geo.n_gen, 0, kMaxTokensPerPart));
-  KVRELAY_RETURN_IF_ERROR(range("history.k: tokens", geo.n_history, 0, kMaxTokensPerPart));
+  for (auto [f, v, lo, hi] : {std::tuple<GeometryField, int, int, int>{GeometryField::kKvHeads, geo.kv_heads, 1, kMaxKvHeads},
+                              {GeometryField::kHeadDim, geo.head_dim, 1, kMaxHeadDim},
+                              {GeometryField::kNPrompt, geo.n_prompt, 0, kMaxTokensPerPart},
+                              {GeometryField::kNGen, geo.n_gen, 0, kMaxTokensPerPart},
+                              {GeometryField::kNHistory, geo.n_history, 0, kMaxTokensPerPart}}) {
+    if (v < lo || v > hi) return error(f, absl::StrCat(v), absl::StrCat(lo, "..", hi));
+  }
   KVRELAY_RETURN_IF_ERROR(CheckAnchorList(geo.history_anchors, geo.n_history));
   if (geo.score_heads < geo.kv_heads || geo.score_heads % geo.kv_heads != 0 ||
       geo.score_heads > kMaxScoreHeads) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        geo.queries ? "layer.0.gen.q: " : "layer.0.prompt.score: ", geo.score_heads,
-        " score heads, expected a positive multiple of ", geo.kv_heads, " kv heads, at most ", kMaxScoreHeads));
+    return error(GeometryField::kScoreHeads, absl::StrCat(geo.score_heads),
+                 absl::StrCat("a positive multiple of ", geo.kv_heads, " kv heads, at most ", kMaxScoreHeads));
   }
   if (geo.queries && geo.q_dtype != DType::kF32 && geo.q_dtype != geo.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("layer.0.gen.q: dtype ", DTypeName(geo.q_dtype),
-                                                   ", expected F32 or ", DTypeName(geo.dtype),
-                                                   " (the K/V dtype)"));
+    return error(GeometryField::kQueryDType, std::string(DTypeName(geo.q_dtype)),
+                 absl::StrCat("F32 or ", DTypeName(geo.dtype), " (the K/V dtype)"));
   }
   return absl::OkStatus();
 }

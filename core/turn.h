@@ -66,6 +66,20 @@ struct TurnGeometry {
   std::vector<int32_t> history_anchors;
 };
 
+// A whole turn's layout: its geometry and what a turn holds beside its
+// layers. The core's and the wire's one description of a turn before its
+// tensors (LayoutOf from a Turn; a request header's geometry carries it).
+struct TurnLayout {
+  int layers = 0;
+  TurnGeometry geo;  // n_history: history tokens carried (0 with a parent)
+  bool first_agent = true;
+  std::optional<int64_t> prompt_pos0;
+  std::optional<double> softmax_scale;  // with geo.queries
+  // Columns of every layer's history.score (geo.history_score when > 0):
+  // geo.n_history, or with a parent the parent's tokens per head.
+  int history_score_tokens = 0;
+};
+
 // Bounds on a turn's geometry. Real models stay far below them; they keep a
 // hostile header from driving allocations or O(d^3) work that the input's
 // size does not pay for.
@@ -97,9 +111,27 @@ inline constexpr double kMaxSoftmaxScale = 1e3;
 // turn files, turns and the wire.
 absl::Status CheckSoftmaxScale(double scale, absl::string_view field);
 
-// InvalidArgument naming the field when `geo` is out of the bounds above,
-// score_heads is not a positive multiple of kv_heads, or a count is negative.
-absl::Status ValidateGeometry(const TurnGeometry& geo);
+// The fields of a geometry that ValidateGeometry checks.
+enum class GeometryField { kKvHeads, kHeadDim, kNPrompt, kNGen, kNHistory, kScoreHeads, kQueryDType };
+
+// Words an error about `field` of `geo`: `found` (the field's value as
+// text) and `expected` (the rule). A turn names its tensors
+// (TurnGeometryError: "layer.0.prompt.k: kv heads 0, expected 1..1024"), a
+// request header its fields ("header.geometry.kv_heads: 0, expected
+// 1..1024").
+using GeometryErrorText = std::string (*)(const TurnGeometry& geo, GeometryField field, const std::string& found,
+                                          const std::string& expected, const void* arg);
+std::string TurnGeometryError(const TurnGeometry& geo, GeometryField field, const std::string& found,
+                              const std::string& expected, const void* arg);
+
+// The one check of a turn's geometry, for turns, turn files and request
+// headers: InvalidArgument, worded by `text` (called with `arg`), when
+// kv_heads, head_dim or a token count is out of the bounds above, score_heads
+// is not a positive multiple of kv_heads (at most kMaxScoreHeads), the
+// queries' dtype is neither F32 nor the K/V dtype, or history_anchors breaks
+// CheckAnchorList.
+absl::Status ValidateGeometry(const TurnGeometry& geo, GeometryErrorText text = TurnGeometryError,
+                              const void* arg = nullptr);
 
 // InvalidArgument naming history_anchors unless `anchors` is empty, or
 // ascending distinct ids >= 0, at most n_history of them, with n_history > 0.
@@ -172,6 +204,9 @@ absl::Status CheckKvFinite(DType dtype, const uint8_t* data, size_t first, size_
 // softmax_scale that is not finite and > 0, history_anchors without history
 // or not ascending).
 absl::StatusOr<TurnGeometry> GeometryOf(const Turn& turn);
+
+// The turn's layout: GeometryOf, with the layer count and the turn's own fields.
+absl::StatusOr<TurnLayout> LayoutOf(const Turn& turn);
 
 // GeometryOf + ValidateTurnLayer on every layer.
 absl::Status ValidateTurn(const Turn& turn);

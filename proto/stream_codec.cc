@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
+#include "core/status_macros.h"
 #include "core/quant.h"
 
 namespace kvrelay {
@@ -215,71 +216,84 @@ uint64_t UploadShape::ReserveBytes() const {
   return UploadBytes() + kLayerOverheadBytes * static_cast<uint64_t>(layers);
 }
 
-absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field, bool with_parent) {
-  auto bad = [](const StreamError& e) { return UploadStatus(e); };
+namespace {
+
+// What HeaderGeometryError words an error with: the header's geometry and
+// the field prefix ("header.geometry").
+struct HeaderGeometry {
+  const v1::TurnGeometry* g;
+  const std::string* field;
+};
+
+// ValidateGeometry's words for a header: its field names, and the header's
+// own values (a core count saturates at INT_MAX; the header's may not).
+std::string HeaderGeometryError(const TurnGeometry& geo, GeometryField f, const std::string& found,
+                                const std::string& expected, const void* arg) {
+  const HeaderGeometry& h = *static_cast<const HeaderGeometry*>(arg);
+  const v1::TurnGeometry& g = *h.g;
+  auto text = [&](const char* name, uint32_t value) {
+    return absl::StrCat(*h.field, ".", name, ": ", value, ", expected ", expected);
+  };
+  switch (f) {
+    case GeometryField::kKvHeads: return text("kv_heads", g.kv_heads());
+    case GeometryField::kHeadDim: return text("head_dim", g.head_dim());
+    case GeometryField::kNPrompt: return text("n_prompt", g.n_prompt());
+    case GeometryField::kNGen: return text("n_gen", g.n_gen());
+    case GeometryField::kNHistory: return text("n_history", g.n_history());
+    case GeometryField::kScoreHeads: return text("score_heads", g.score_heads());
+    case GeometryField::kQueryDType: break;
+  }
+  return absl::StrCat(*h.field, ".query_dtype: ", v1::DType_Name(g.query_dtype()),
+                      ", expected DTYPE_UNSPECIFIED (the layers send PROMPT_SCORE) or ",
+                      geo.dtype == DType::kF32 ? "DTYPE_F32" : absl::StrCat("DTYPE_F32 or ", v1::DType_Name(g.dtype())),
+                      " (the layers send GEN_Q; the K/V dtype or F32)");
+}
+
+// A proto enum's value for an error: its name and number, or the number
+// alone when it has no name.
+std::string EnumText(v1::DType d) {
+  const std::string& name = v1::DType_Name(d);
+  return name.empty() ? absl::StrCat(static_cast<int>(d)) : absl::StrCat(name, " (", static_cast<int>(d), ")");
+}
+
+// The header's geometry in the core's terms; counts past INT_MAX saturate
+// there (ValidateGeometry refuses them).
+absl::StatusOr<UploadShape> ShapeFromHeader(const v1::TurnGeometry& g, const std::string& field) {
+  auto to_int = [](uint32_t v) { return static_cast<int>(std::min<uint32_t>(v, std::numeric_limits<int>::max())); };
   UploadShape s;
-  // The core's bounds (core/turn.h), checked before anything is reserved.
-  auto range = [](int hi) { return absl::StrCat("1..", hi); };
-  if (g.layers() < 1 || g.layers() > static_cast<uint32_t>(kMaxLayers)) {
-    return bad(FieldError(field, "layers", g.layers(), range(kMaxLayers)));
-  }
-  if (g.kv_heads() < 1 || g.kv_heads() > static_cast<uint32_t>(kMaxKvHeads)) {
-    return bad(FieldError(field, "kv_heads", g.kv_heads(), range(kMaxKvHeads)));
-  }
-  if (g.score_heads() < g.kv_heads() || g.score_heads() % g.kv_heads() != 0 ||
-      g.score_heads() > static_cast<uint32_t>(kMaxScoreHeads)) {
-    return bad(FieldError(field, "score_heads", g.score_heads(),
-                          absl::StrCat("a positive multiple of kv_heads (", g.kv_heads(), "), at most ",
-                                       kMaxScoreHeads)));
-  }
-  if (g.head_dim() < 1 || g.head_dim() > static_cast<uint32_t>(kMaxHeadDim)) {
-    return bad(FieldError(field, "head_dim", g.head_dim(), range(kMaxHeadDim)));
-  }
   if (std::optional<DType> dt = DTypeFromProto(g.dtype())) {
     s.geo.dtype = *dt;
   } else {
-    // An unknown value has no name: print the number alone.
-    const std::string& name = v1::DType_Name(g.dtype());
-    return bad(HeaderError(
-        absl::StrCat(field, ".dtype: ",
-                     name.empty() ? absl::StrCat(static_cast<int>(g.dtype()))
-                                  : absl::StrCat(name, " (", static_cast<int>(g.dtype()), ")"),
-                     ", expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16")));
+    return UploadStatus(HeaderError(
+        absl::StrCat(field, ".dtype: ", EnumText(g.dtype()), ", expected DTYPE_F32, DTYPE_F16 or DTYPE_BF16")));
   }
-  for (auto [name, v] : {std::pair<const char*, uint32_t>{"n_prompt", g.n_prompt()},
-                         {"n_gen", g.n_gen()},
-                         {"n_history", g.n_history()}}) {
-    if (v > static_cast<uint32_t>(kMaxTokensPerPart)) {
-      return bad(FieldError(field, name, v, absl::StrCat("0..", kMaxTokensPerPart)));
-    }
-  }
-  s.layers = static_cast<int>(g.layers());
-  s.geo.kv_heads = static_cast<int>(g.kv_heads());
-  s.geo.score_heads = static_cast<int>(g.score_heads());
-  s.geo.head_dim = static_cast<int>(g.head_dim());
-  s.geo.n_prompt = static_cast<int>(g.n_prompt());
-  s.geo.n_gen = static_cast<int>(g.n_gen());
-  s.geo.n_history = static_cast<int>(g.n_history());
-  s.first_agent = g.first_agent();
   if (g.query_dtype() != v1::DTYPE_UNSPECIFIED) {
     std::optional<DType> q = DTypeFromProto(g.query_dtype());
-    if (!q || (*q != DType::kF32 && *q != s.geo.dtype)) {
-      const std::string& name = v1::DType_Name(g.query_dtype());
-      return bad(HeaderError(absl::StrCat(
-          field, ".query_dtype: ", name.empty() ? absl::StrCat(static_cast<int>(g.query_dtype())) : name,
-          ", expected DTYPE_UNSPECIFIED (the layers send PROMPT_SCORE) or ",
-          s.geo.dtype == DType::kF32 ? "DTYPE_F32" : absl::StrCat("DTYPE_F32 or ", v1::DType_Name(g.dtype())),
-          " (the layers send GEN_Q; the K/V dtype or F32)")));
+    if (!q) {
+      return UploadStatus(HeaderError(absl::StrCat(field, ".query_dtype: ", EnumText(g.query_dtype()),
+                                                   ", expected DTYPE_UNSPECIFIED, DTYPE_F32, DTYPE_F16 or "
+                                                   "DTYPE_BF16")));
     }
     s.geo.queries = true;
     s.geo.q_dtype = *q;
   }
-  if (g.has_softmax_scale()) {
-    if (absl::Status st = CheckSoftmaxScale(g.softmax_scale(), absl::StrCat(field, ".softmax_scale")); !st.ok()) {
-      return bad(HeaderError(std::string(st.message())));
-    }
-    s.softmax_scale = g.softmax_scale();
-  }
+  s.layers = to_int(g.layers());
+  s.geo.kv_heads = to_int(g.kv_heads());
+  s.geo.score_heads = to_int(g.score_heads());
+  s.geo.head_dim = to_int(g.head_dim());
+  s.geo.n_prompt = to_int(g.n_prompt());
+  s.geo.n_gen = to_int(g.n_gen());
+  s.geo.n_history = to_int(g.n_history());
+  s.first_agent = g.first_agent();
+  s.geo.history_anchors.assign(g.history_anchors().begin(), g.history_anchors().end());
+  return s;
+}
+
+// The header's own fields beyond the core's geometry: prompt_pos0 and
+// history_score_tokens.
+absl::Status CheckUploadFields(const v1::TurnGeometry& g, const std::string& field, bool with_parent,
+                               UploadShape* s) {
+  auto bad = [](const StreamError& e) { return UploadStatus(e); };
   if (g.has_prompt_pos0()) {
     const int64_t p = g.prompt_pos0();
     constexpr int64_t kMaxPos = std::numeric_limits<int32_t>::max();
@@ -291,43 +305,57 @@ absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::
           field, ".prompt_pos0: ", p, ", expected >= 0 with prompt_pos0 + n_prompt + n_gen <= 2^31 (position ids "
           "are int32)")));
     }
-    s.prompt_pos0 = p;
-  }
-  if (g.history_anchors_size() > 0) {
-    s.geo.history_anchors.assign(g.history_anchors().begin(), g.history_anchors().end());
-    if (absl::Status st = CheckAnchorList(s.geo.history_anchors, s.geo.n_history); !st.ok()) {
-      return bad(HeaderError(absl::StrCat(field, ".", st.message())));
-    }
+    s->prompt_pos0 = p;
   }
   if (const uint32_t n = g.history_score_tokens(); n > 0) {
-    if (s.geo.queries) {
+    if (s->geo.queries) {
       return bad(HeaderError(absl::StrCat(field, ".history_score_tokens: ", n,
                                           ", expected 0 with query_dtype (the relay computes the mass on the "
                                           "history from GEN_Q)")));
     }
-    if (s.geo.n_history > 0 && static_cast<int>(n) != s.geo.n_history) {
+    if (s->geo.n_history > 0 && static_cast<int>(n) != s->geo.n_history) {
       return bad(FieldError(field, "history_score_tokens", n,
-                            absl::StrCat("0 or n_history (", s.geo.n_history, ")")));
+                            absl::StrCat("0 or n_history (", s->geo.n_history, ")")));
     }
-    if (s.geo.n_history == 0 && !with_parent) {
+    if (s->geo.n_history == 0 && !with_parent) {
       return bad(FieldError(field, "history_score_tokens", n,
                             "0 (no history: n_history is 0 and there is no parent)"));
     }
     if (n > static_cast<uint32_t>(kMaxTokensPerPart)) {
       return bad(FieldError(field, "history_score_tokens", n, absl::StrCat("0..", kMaxTokensPerPart)));
     }
-    s.history_score_tokens = static_cast<int>(n);
-    s.geo.history_score = true;
+    s->history_score_tokens = static_cast<int>(n);
+    s->geo.history_score = true;
   }
-  // The core's own check, as a backstop (it must agree with the above).
-  if (absl::Status st = ValidateGeometry(s.geo); !st.ok()) {
-    return bad(HeaderError(absl::StrCat(field, ": ", st.message())));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<UploadShape> CheckGeometry(const v1::TurnGeometry& g, const std::string& field, bool with_parent) {
+  if (g.layers() < 1 || g.layers() > static_cast<uint32_t>(kMaxLayers)) {
+    return UploadStatus(FieldError(field, "layers", g.layers(), absl::StrCat("1..", kMaxLayers)));
   }
+  KVRELAY_ASSIGN_OR_RETURN(UploadShape s, ShapeFromHeader(g, field));
+  if (absl::Status st = CheckAnchorList(s.geo.history_anchors, s.geo.n_history); !st.ok()) {
+    return UploadStatus(HeaderError(absl::StrCat(field, ".", st.message())));
+  }
+  const HeaderGeometry words{&g, &field};
+  if (absl::Status st = ValidateGeometry(s.geo, HeaderGeometryError, &words); !st.ok()) {
+    return UploadStatus(HeaderError(std::string(st.message())));
+  }
+  if (g.has_softmax_scale()) {
+    if (absl::Status st = CheckSoftmaxScale(g.softmax_scale(), absl::StrCat(field, ".softmax_scale")); !st.ok()) {
+      return UploadStatus(HeaderError(std::string(st.message())));
+    }
+    s.softmax_scale = g.softmax_scale();
+  }
+  KVRELAY_RETURN_IF_ERROR(CheckUploadFields(g, field, with_parent, &s));
   // Per-tensor element counts must fit the int-indexed tensors of core/.
   const uint64_t tokens = std::max({g.n_prompt(), g.n_gen(), g.n_history()});
   if (static_cast<uint64_t>(g.kv_heads()) * tokens * g.head_dim() > (1ull << 40) ||
       s.UploadBytes() > (1ull << 44)) {
-    return bad(HeaderError(
+    return UploadStatus(HeaderError(
         absl::StrCat(field, ": ", s.UploadBytes(), " bytes of tensors, expected at most 16 TiB")));
   }
   return s;

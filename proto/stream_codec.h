@@ -139,17 +139,9 @@ uint64_t TotalBytes(absl::Span<const TensorRef> tensors);
 // in-flight reservation.
 constexpr uint64_t kLayerOverheadBytes = 1024;
 
-// An upload's shape as the header declares it, checked.
-struct UploadShape {
-  int layers = 0;
-  TurnGeometry geo;  // n_history: history tokens uploaded (0 with a parent)
-  bool first_agent = true;
-  std::optional<int64_t> prompt_pos0;
-  std::optional<double> softmax_scale;  // with geo.queries
-  // Columns of every layer's history.score (geo.history_score when > 0):
-  // geo.n_history, or with a parent the parent's tokens per head.
-  int history_score_tokens = 0;
-
+// An upload's shape as the header declares it, checked, with the bytes it
+// carries.
+struct UploadShape : TurnLayout {
   // Tensor bytes the upload carries (every chunk's data, summed).
   uint64_t UploadBytes() const;
   // Bytes of one uploaded layer.

@@ -96,21 +96,8 @@ absl::StatusOr<DType> FromProtoDType(v1::DType dtype) {
 }
 
 absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn) {
-  KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
-  v1::TurnGeometry g;
-  g.set_layers(static_cast<uint32_t>(turn.layers.size()));
-  g.set_kv_heads(geo.kv_heads);
-  g.set_score_heads(geo.score_heads);
-  g.set_head_dim(geo.head_dim);
-  g.set_dtype(ToProtoDType(geo.dtype));
-  g.set_n_prompt(geo.n_prompt);
-  g.set_n_gen(geo.n_gen);
-  g.set_n_history(geo.n_history);
-  g.set_first_agent(turn.first_agent);
-  if (turn.prompt_pos0) g.set_prompt_pos0(*turn.prompt_pos0);
-  if (geo.queries) g.set_query_dtype(ToProtoDType(geo.q_dtype));
-  if (turn.softmax_scale) g.set_softmax_scale(*turn.softmax_scale);
-  g.mutable_history_anchors()->Assign(turn.history_anchors.begin(), turn.history_anchors.end());
+  KVRELAY_ASSIGN_OR_RETURN(const TurnLayout shape, LayoutOf(turn));
+  const TurnGeometry& geo = shape.geo;
   // Publish and Compress carry no history.acc: refuse rather than drop it
   // (a relay would compress another turn).
   if (geo.history_acc) {
@@ -118,7 +105,21 @@ absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn) {
         "layer.0.history.acc: not carried by Publish or Compress, expected none (publish with parent_id to keep "
         "the parent's acc, or compress offline with kvrelayctl compress)");
   }
-  if (geo.history_score) g.set_history_score_tokens(static_cast<uint32_t>(turn.layers[0].history_score.cols));
+  v1::TurnGeometry g;
+  g.set_layers(static_cast<uint32_t>(shape.layers));
+  g.set_kv_heads(geo.kv_heads);
+  g.set_score_heads(geo.score_heads);
+  g.set_head_dim(geo.head_dim);
+  g.set_dtype(ToProtoDType(geo.dtype));
+  g.set_n_prompt(geo.n_prompt);
+  g.set_n_gen(geo.n_gen);
+  g.set_n_history(geo.n_history);
+  g.set_first_agent(shape.first_agent);
+  if (shape.prompt_pos0) g.set_prompt_pos0(*shape.prompt_pos0);
+  if (geo.queries) g.set_query_dtype(ToProtoDType(geo.q_dtype));
+  if (shape.softmax_scale) g.set_softmax_scale(*shape.softmax_scale);
+  g.mutable_history_anchors()->Assign(geo.history_anchors.begin(), geo.history_anchors.end());
+  g.set_history_score_tokens(static_cast<uint32_t>(shape.history_score_tokens));
   return g;
 }
 

@@ -421,7 +421,7 @@ TEST(CheckGeometryTest, UsesTheCoreBounds) {
        "header.geometry.kv_heads: 1025, expected 1..1024"},
       {[](auto* g) { g->set_head_dim(kMaxHeadDim + 1); }, "header.geometry.head_dim: 1025, expected 1..1024"},
       {[](auto* g) { g->set_kv_heads(1); g->set_score_heads(kMaxScoreHeads + 1); },
-       "header.geometry.score_heads: 16385, expected a positive multiple of kv_heads (1), at most 16384"},
+       "header.geometry.score_heads: 16385, expected a positive multiple of 1 kv heads, at most 16384"},
       {[](auto* g) { g->set_n_prompt(kMaxTokensPerPart + 1); },
        "header.geometry.n_prompt: 16777217, expected 0..16777216"},
       {[](auto* g) { g->set_n_gen(kMaxTokensPerPart + 1); }, "header.geometry.n_gen: 16777217, expected 0..16777216"},
