@@ -95,6 +95,7 @@ class ForwardReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       }
     }
     if (!s.ok()) return Fail(s);
+    relay_->CountForwardRequestRead();
     raw_.Reset(grpc::ByteBuffer());
     wire_.Clear();
     req_.Clear();

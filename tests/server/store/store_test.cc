@@ -15,15 +15,6 @@ namespace {
 
 using namespace kvrelay::testing;
 
-// Moves `clock` forward by `d` and returns once the store's timer thread
-// has handled whatever that made due (sweeps, waiter deadlines) and waits
-// again: the store's time, without sleeping.
-void Tick(FakeTimeSource* clock, Clock::duration d) {
-  ASSERT_TRUE(clock->AwaitWaiters(1)) << "the store's timer is not waiting";
-  clock->Advance(d);
-  ASSERT_TRUE(clock->AwaitWaiters(1)) << "the store's timer did not come back to wait";
-}
-
 TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
   MemoryStore impl(StoreLimits{}, nullptr);
   Store& s = impl;
