@@ -219,18 +219,9 @@ std::shared_ptr<StoredMessage> PolicyMsg(const std::string& session, const std::
   EXPECT_TRUE(p.ok()) << spec << ": " << p.status();
   absl::StatusOr<Message> msg = (*p)->Compress(*turn);
   EXPECT_TRUE(msg.ok()) << spec << ": " << msg.status();
-  auto m = std::make_shared<StoredMessage>();
-  m->session_id = session;
-  m->message_id = id;
-  m->sender = "a";
-  m->recipients = {"b"};
+  auto m = testing::StoredMessageOf(*std::move(msg), session, id, "a", {"b"});
   m->requested_policy = spec;
-  m->msg = *std::move(msg);
-  m->accounting.set_policy(m->msg.policy);
-  m->accounting.set_sent_bytes(m->msg.sent_bytes);
-  m->accounting.set_full_bytes(m->msg.full_bytes);
   m->family = "test";
-  m->bytes = RetainedBytes(m->msg);
   return m;
 }
 
