@@ -22,50 +22,18 @@
 #include <string>
 
 #include "server/store/spool_store.h"
+#include "tests/testlib/stored_message.h"
 
 namespace kvrelay {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Message i: 40 layers x [8 heads, tokens, 128] BF16, 64 messages a session.
 std::shared_ptr<StoredMessage> MakeMessage(int i, int tokens, std::mt19937& rng) {
-  constexpr int kLayers = 40, kHeads = 8, kDim = 128;
-  auto m = std::make_shared<StoredMessage>();
-  m->session_id = "bench-" + std::to_string(i / 64);
-  m->message_id = "m" + std::to_string(i);
-  m->sender = "planner";
-  m->recipients = {"critic"};
-  Message& msg = m->msg;
-  msg.policy = "full";
-  msg.dtype = DType::kBF16;
-  msg.kv_heads = kHeads;
-  msg.head_dim = kDim;
-  msg.n_kept = tokens;
-  for (int l = 0; l < kLayers; ++l) {
-    MessageLayer layer;
-    layer.k = KvTensor::Uninitialized(DType::kBF16, kHeads, tokens, kDim);
-    layer.v = KvTensor::Uninitialized(DType::kBF16, kHeads, tokens, kDim);
-    for (KvTensor* t : {&layer.k, &layer.v}) {
-      for (int h = 0; h < kHeads; ++h) {
-        for (int j = 0; j < tokens; ++j) {
-          auto* row = reinterpret_cast<uint16_t*>(t->row(h, j));
-          for (int d = 0; d < kDim; ++d) row[d] = static_cast<uint16_t>(0x3c00 | (rng() & 0x3ff));
-        }
-      }
-    }
-    layer.pos = PosTensor(kHeads, tokens);
-    for (int h = 0; h < kHeads; ++h) {
-      for (int j = 0; j < tokens; ++j) layer.pos.at(h, j) = j;
-    }
-    msg.sent_bytes += layer.SentBytes();
-    msg.layers.push_back(std::move(layer));
-  }
-  msg.full_bytes = msg.sent_bytes;
-  msg.next_pos = tokens;
-  m->accounting.set_policy("full");
-  m->family = "full";
-  m->bytes = RetainedBytes(msg);
-  return m;
+  return testing::StoredMessageOf(
+      testing::DenseMessage({/*layers=*/40, /*kv_heads=*/8, /*head_dim=*/128, tokens}, rng),
+      "bench-" + std::to_string(i / 64), "m" + std::to_string(i), "planner", {"critic"});
 }
 
 // A field of /proc/self/status in kB (0 when missing).

@@ -358,6 +358,7 @@ absl::StatusOr<PublishResult> RelayClient::PublishImpl(const Turn& turn, std::sh
     const bool retryable =
         code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kAborted;
     if (!retryable || attempt > opts.retries) return WithMessageId(r.status(), header.message_id());
+    if (opts.on_retry) opts.on_retry(attempt, r.status());
     std::this_thread::sleep_for(backoff);
     // A channel whose connection failed waits out its reconnect backoff
     // before trying again, and until then fails every call at once: try now,

@@ -94,6 +94,10 @@ struct PublishOptions {
   std::chrono::milliseconds deadline{std::chrono::minutes(2)};
   int retries = 3;  // extra attempts on UNAVAILABLE / ABORTED
   std::chrono::milliseconds initial_backoff{100};  // doubles per retry, at most 2 s
+  // Called on the calling thread after an attempt failed with a status that
+  // is retried, before the backoff: the attempt's number (1 for the first)
+  // and its status. The retry waits for it to return.
+  std::function<void(int attempt, const absl::Status& status)> on_retry;
   ProgressCallback progress;
 };
 

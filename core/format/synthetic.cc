@@ -87,6 +87,107 @@ void FillRows(Rng& rng, const HeadModel& m, int h, int tokens, int rank, KvTenso
   }
 }
 
+// The layer's tensors, zeroed, in the options' shapes (gen.q and the scores
+// are made by FillQueries and FillScores).
+void AllocateLayer(const SyntheticTurnOptions& opts, TurnLayer* layer) {
+  const int H = opts.kv_heads, d = opts.head_dim, M = opts.n_history;
+  layer->prompt_k = KvTensor(opts.dtype, H, opts.n_prompt, d);
+  layer->prompt_v = KvTensor(opts.dtype, H, opts.n_prompt, d);
+  layer->gen_k = KvTensor(opts.dtype, H, opts.n_gen, d);
+  layer->gen_v = KvTensor(opts.dtype, H, opts.n_gen, d);
+  layer->history_k = KvTensor(opts.dtype, H, M, d);
+  layer->history_v = KvTensor(opts.dtype, H, M, d);
+  layer->history_pos = PosTensor(H, M);
+}
+
+// Head h's history positions: an ascending M-subset of [0, 2M) (selection
+// sampling).
+void FillHistoryPositions(Rng& rng, int h, int M, PosTensor* pos) {
+  int need = M;
+  for (int p = 0, left = 2 * M; p < 2 * M && need > 0; ++p, --left) {
+    if (rng.Uniform() * left < need) {
+      pos->at(h, M - need) = p;
+      --need;
+    }
+  }
+}
+
+// Every head's K and V rows (history, prompt, generated) from its own
+// model, and its history positions; each head from its own PRNG stream.
+void FillHeads(const SyntheticTurnOptions& opts, int l, TurnLayer* layer) {
+  const int rank = std::min(opts.value_rank, opts.head_dim);
+  for (int h = 0; h < opts.kv_heads; ++h) {
+    Rng rng(Mix(opts.seed, static_cast<uint64_t>(l) + 1, static_cast<uint64_t>(h) + 1));
+    const HeadModel model = MakeHeadModel(rng, opts.head_dim, rank);
+    FillRows(rng, model, h, opts.n_history, rank, &layer->history_k, &layer->history_v);
+    FillRows(rng, model, h, opts.n_prompt, rank, &layer->prompt_k, &layer->prompt_v);
+    FillRows(rng, model, h, opts.n_gen, rank, &layer->gen_k, &layer->gen_v);
+    FillHistoryPositions(rng, h, opts.n_history, &layer->history_pos);
+  }
+}
+
+// Per prompt token, the importance the heads of a layer share: normal, plus
+// a few heavy hitters.
+std::vector<double> SharedImportance(Rng& rng, int n_prompt) {
+  std::vector<double> shared(n_prompt);
+  for (int j = 0; j < n_prompt; ++j) {
+    shared[j] = 1.2 * rng.Normal();
+    if (rng.Uniform() < 0.05) shared[j] += 2.5;  // heavy hitters
+  }
+  return shared;
+}
+
+// gen.q: each generated step's query is half its own key, plus half of two
+// keys drawn from the 8 prompt tokens of largest shared importance, plus
+// noise.
+void FillQueries(const SyntheticTurnOptions& opts, int score_heads, const std::vector<double>& shared, Rng& rng,
+                 TurnLayer* layer) {
+  const int P = opts.n_prompt, d = opts.head_dim;
+  std::vector<int> heavy(P);
+  for (int j = 0; j < P; ++j) heavy[j] = j;
+  std::sort(heavy.begin(), heavy.end(), [&](int a, int b) { return shared[a] > shared[b]; });
+  heavy.resize(std::min(P, 8));
+  layer->gen_q = KvTensor(opts.dtype, score_heads, opts.n_gen, d);
+  std::vector<float> q(d), k(d);
+  const int group = score_heads / opts.kv_heads;
+  for (int qh = 0; qh < score_heads; ++qh) {
+    for (int t = 0; t < opts.n_gen; ++t) {
+      layer->gen_k.ReadRow(qh / group, t, q.data());
+      for (float& x : q) x *= 0.5f;
+      for (int m = 0; m < 2 && !heavy.empty(); ++m) {
+        const int j = heavy[static_cast<size_t>(rng.Uniform() * heavy.size()) % heavy.size()];
+        layer->prompt_k.ReadRow(qh / group, j, k.data());
+        for (int c = 0; c < d; ++c) q[c] += 0.5f * k[c];
+      }
+      for (float& x : q) x += static_cast<float>(0.3 * rng.Normal());
+      layer->gen_q.WriteRow(qh, t, q.data());
+    }
+  }
+}
+
+// prompt.score: log-normal around the shared importance, with attention
+// sinks and mild recency; each row sums to half of n_gen.
+void FillScores(const SyntheticTurnOptions& opts, int score_heads, const std::vector<double>& shared, Rng& rng,
+                TurnLayer* layer) {
+  const int P = opts.n_prompt;
+  layer->scores = ScoreMatrix(score_heads, P);
+  for (int q = 0; q < score_heads; ++q) {
+    std::vector<double> row(P);
+    double sum = 0;
+    for (int j = 0; j < P; ++j) {
+      double a = std::exp(shared[j] + 0.8 * rng.Normal());
+      if (j < 4) a *= 30.0;                                      // attention sinks
+      a *= 1.0 + 0.5 * static_cast<double>(j) / std::max(1, P);  // mild recency
+      row[j] = a;
+      sum += a;
+    }
+    const double total = 0.5 * opts.n_gen;
+    for (int j = 0; j < P; ++j) {
+      layer->scores.at(q, j) = sum > 0 ? static_cast<float>(row[j] * total / sum) : 0.0f;
+    }
+  }
+}
+
 }  // namespace
 
 absl::Status CheckSyntheticTurnOptions(const SyntheticTurnOptions& opts) {
@@ -121,84 +222,21 @@ absl::Status CheckSyntheticTurnOptions(const SyntheticTurnOptions& opts) {
 absl::StatusOr<Turn> MakeSyntheticTurn(const SyntheticTurnOptions& opts) {
   KVRELAY_RETURN_IF_ERROR(CheckSyntheticTurnOptions(opts));
   const int score_heads = opts.score_heads == 0 ? opts.kv_heads : opts.score_heads;
-
-  const int H = opts.kv_heads, d = opts.head_dim, P = opts.n_prompt, G = opts.n_gen,
-            M = opts.n_history;
-  const int rank = std::min(opts.value_rank, d);
   Turn turn;
   turn.first_agent = opts.first_agent;
-  if (M > 0) turn.prompt_pos0 = 2 * static_cast<int64_t>(M);
+  if (opts.n_history > 0) turn.prompt_pos0 = 2 * static_cast<int64_t>(opts.n_history);
   turn.layers.resize(opts.layers);
   for (int l = 0; l < opts.layers; ++l) {
     TurnLayer& layer = turn.layers[l];
-    layer.prompt_k = KvTensor(opts.dtype, H, P, d);
-    layer.prompt_v = KvTensor(opts.dtype, H, P, d);
-    layer.gen_k = KvTensor(opts.dtype, H, G, d);
-    layer.gen_v = KvTensor(opts.dtype, H, G, d);
-    layer.history_k = KvTensor(opts.dtype, H, M, d);
-    layer.history_v = KvTensor(opts.dtype, H, M, d);
-    layer.history_pos = PosTensor(H, M);
-    for (int h = 0; h < H; ++h) {
-      Rng rng(Mix(opts.seed, static_cast<uint64_t>(l) + 1, static_cast<uint64_t>(h) + 1));
-      const HeadModel model = MakeHeadModel(rng, d, rank);
-      FillRows(rng, model, h, M, rank, &layer.history_k, &layer.history_v);
-      FillRows(rng, model, h, P, rank, &layer.prompt_k, &layer.prompt_v);
-      FillRows(rng, model, h, G, rank, &layer.gen_k, &layer.gen_v);
-      // History positions: an ascending M-subset of [0, 2M) (selection sampling).
-      int need = M;
-      for (int p = 0, left = 2 * M; p < 2 * M && need > 0; ++p, --left) {
-        if (rng.Uniform() * left < need) {
-          layer.history_pos.at(h, M - need) = p;
-          --need;
-        }
-      }
-    }
-    // Scores: shared per-token importance + per-row noise, heavy tails.
+    AllocateLayer(opts, &layer);
+    FillHeads(opts, l, &layer);
+    // The layer's own stream: the shared importance, then queries or scores.
     Rng rng(Mix(opts.seed, static_cast<uint64_t>(l) + 1, 0));
-    std::vector<double> shared(P);
-    for (int j = 0; j < P; ++j) {
-      shared[j] = 1.2 * rng.Normal();
-      if (rng.Uniform() < 0.05) shared[j] += 2.5;  // heavy hitters
-    }
+    const std::vector<double> shared = SharedImportance(rng, opts.n_prompt);
     if (opts.queries) {
-      // Heavy hitters: the prompt tokens with the largest shared importance.
-      std::vector<int> heavy(P);
-      for (int j = 0; j < P; ++j) heavy[j] = j;
-      std::sort(heavy.begin(), heavy.end(), [&](int a, int b) { return shared[a] > shared[b]; });
-      heavy.resize(std::min(P, 8));
-      layer.gen_q = KvTensor(opts.dtype, score_heads, G, d);
-      std::vector<float> q(d), k(d);
-      const int group = score_heads / H;
-      for (int qh = 0; qh < score_heads; ++qh) {
-        for (int t = 0; t < G; ++t) {
-          layer.gen_k.ReadRow(qh / group, t, q.data());
-          for (float& x : q) x *= 0.5f;
-          for (int m = 0; m < 2 && !heavy.empty(); ++m) {
-            const int j = heavy[static_cast<size_t>(rng.Uniform() * heavy.size()) % heavy.size()];
-            layer.prompt_k.ReadRow(qh / group, j, k.data());
-            for (int c = 0; c < d; ++c) q[c] += 0.5f * k[c];
-          }
-          for (float& x : q) x += static_cast<float>(0.3 * rng.Normal());
-          layer.gen_q.WriteRow(qh, t, q.data());
-        }
-      }
-      continue;
-    }
-    layer.scores = ScoreMatrix(score_heads, P);
-    for (int q = 0; q < score_heads; ++q) {
-      std::vector<double> row(P);
-      double sum = 0;
-      for (int j = 0; j < P; ++j) {
-        double a = std::exp(shared[j] + 0.8 * rng.Normal());
-        if (j < 4) a *= 30.0;                                      // attention sinks
-        a *= 1.0 + 0.5 * static_cast<double>(j) / std::max(1, P);  // mild recency
-        row[j] = a;
-        sum += a;
-      }
-      const double total = 0.5 * G;
-      for (int j = 0; j < P; ++j) {
-        layer.scores.at(q, j) = sum > 0 ? static_cast<float>(row[j] * total / sum) : 0.0f;
-      }
+      FillQueries(opts, score_heads, shared, rng, &layer);
+    } else {
+      FillScores(opts, score_heads, shared, rng, &layer);
     }
   }
   return turn;

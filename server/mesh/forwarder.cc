@@ -444,7 +444,15 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   // Nothing is recorded, and no retry scheduled, before the publish's
   // outcome: a message that is not committed here forwards nothing.
   if (!sent.publish_failed && !sent.committed) {
+    {
+      MutexLock lock(&mu_);
+      ++awaiting_outcome_;
+    }
     sent.committed = job->source->WaitOutcome(RealDeadline(*job));
+    {
+      MutexLock lock(&mu_);
+      --awaiting_outcome_;
+    }
     if (!sent.committed) sent.publish_failed = true;
   }
   if (sent.publish_failed) {
@@ -480,6 +488,11 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   job->recipients = ApplyAnswer(job, status, resp, *sent.committed, sent.elided);
   if (job->recipients.empty()) return EndJob(job);
   ScheduleRetry(job);
+}
+
+int Forwarder::attempts_awaiting_outcome() {
+  MutexLock lock(&mu_);
+  return awaiting_outcome_;
 }
 
 std::vector<std::string> Forwarder::ApplyAnswer(const std::shared_ptr<Job>& job, grpc::Status status,

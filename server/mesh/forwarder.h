@@ -188,6 +188,12 @@ class Forwarder {
 
   PeerChannels* peers() { return &peers_; }
 
+  // Attempts whose stream ended before their publish's outcome was known
+  // and that wait for it now (a first attempt that failed before the
+  // commit): nothing of theirs is recorded, and no retry scheduled, until
+  // it is known. For tests that must know such an attempt has ended.
+  int attempts_awaiting_outcome();
+
  private:
   struct Job;
   void Loop();
@@ -228,6 +234,7 @@ class Forwarder {
   CondVar cv_;
   std::multimap<Clock::time_point, std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<Job>> running_ ABSL_GUARDED_BY(mu_);
+  int awaiting_outcome_ ABSL_GUARDED_BY(mu_) = 0;  // attempts_awaiting_outcome()
   bool stop_ ABSL_GUARDED_BY(mu_) = false;  // no new attempts (Drain, the destructor)
   // Peers that refused protocol 2, until when they get protocol 1.
   std::map<std::string, Clock::time_point> legacy_until_ ABSL_GUARDED_BY(mu_);

@@ -68,7 +68,11 @@ class ForwardReactor final
 
   absl::Status Cancelled() const { return absl::CancelledError("forward: cancelled by the sending relay"); }
 
-  void ReadNext() { StartReading(); }
+  // After a header or chunk was accepted.
+  void ReadNext() {
+    relay_->CountForwardRequestRead();
+    StartReading();
+  }
 
   // A peer relay speaks only for its own agents: with mTLS, `sender` must
   // route, in this relay's table, to a host the peer's certificate names.

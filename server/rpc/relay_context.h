@@ -8,6 +8,8 @@
 #ifndef KVRELAY_SERVER_RPC_RELAY_CONTEXT_H_
 #define KVRELAY_SERVER_RPC_RELAY_CONTEXT_H_
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -79,6 +81,21 @@ class RelayContext {
   // The current observer (empty: none).
   std::function<void(int outstanding)> layer_observer() const;
 
+  // Counts an upload (Publish, Compress) that backpressure paused: it reads
+  // no further until its queued layers drain (Upload::PauseIfBusy).
+  void CountBackpressurePause() { backpressure_pauses_.fetch_add(1, std::memory_order_relaxed); }
+  // The pauses counted so far, all uploads together: a test that must know
+  // an upload is held back waits for this count.
+  uint64_t backpressure_pauses() const { return backpressure_pauses_.load(std::memory_order_relaxed); }
+
+  // Counts one request that a Forward call read and accepted (its header or
+  // a chunk; not the commit, which ends the call).
+  void CountForwardRequestRead() { forward_requests_read_.fetch_add(1, std::memory_order_relaxed); }
+  // The requests counted so far, all Forward calls together: a test that
+  // must know the relay has taken in what a peer wrote (e.g. before it cuts
+  // the stream) waits for this count.
+  uint64_t forward_requests_read() const { return forward_requests_read_.load(std::memory_order_relaxed); }
+
  private:
   const ServerConfig config_;
   Store* const store_;
@@ -90,6 +107,8 @@ class RelayContext {
   UploadWatchdog watchdog_;
   mutable Mutex observer_mu_;
   std::function<void(int)> layer_observer_ ABSL_GUARDED_BY(observer_mu_);
+  std::atomic<uint64_t> backpressure_pauses_{0};
+  std::atomic<uint64_t> forward_requests_read_{0};
 };
 
 }  // namespace kvrelay

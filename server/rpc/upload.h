@@ -215,6 +215,7 @@ class UploadReactor : public RequestStreamReactor<Derived, Reactor, Request> {
   // the upload until a worker calls OnResume.
   void ReadNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     if (upload_.PauseIfBusy(ReadGate::Resumer(gate_))) {
+      relay_->CountBackpressurePause();
       idle_->last = Clock::time_point::max();  // our pause, not the client's idleness
       return;
     }

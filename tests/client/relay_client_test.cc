@@ -442,9 +442,16 @@ TEST_F(RelayClientTest, RetriesAreBounded) {
   relay_.fail_publishes = 10;
   opts_.retries = 2;
   opts_.initial_backoff = std::chrono::milliseconds(1);
+  int retried = 0;
+  opts_.on_retry = [&](int attempt, const absl::Status& s) {
+    EXPECT_EQ(attempt, ++retried);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  };
   absl::StatusOr<PublishResult> r = client_->Publish(turn_, opts_);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(relay_.publish_calls.load(), 3);
+  EXPECT_EQ(retried, 2) << "on_retry runs before each retry, not after the last attempt";
+  opts_.on_retry = nullptr;
   // The error names the generated id, so that the caller can retry with it.
   const auto id = r.status().GetPayload(kMessageIdPayload);
   ASSERT_TRUE(id.has_value()) << r.status();
@@ -477,9 +484,10 @@ PublishOptions TinyRoute() {
   return opts;
 }
 
-// A relay that starts listening shortly after a publish began (a restart) is
-// reached by the retries: the channel tries to reconnect at each retry
-// instead of waiting out gRPC's own reconnect backoff (1 s and growing).
+// A relay that starts listening after a publish's first attempt failed (a
+// restart) is reached by the retries: the channel tries to reconnect at
+// each retry instead of waiting out gRPC's own reconnect backoff (1 s and
+// growing).
 TEST(RelayClientRestart, RetriesReachARelayThatComesBack) {
   int port = 0;
   {
@@ -498,19 +506,23 @@ TEST(RelayClientRestart, RetriesReachARelayThatComesBack) {
   opts.retries = 3;  // backoff 0.1, 0.2, 0.4 s
   FakeRelay relay;
   std::unique_ptr<grpc::Server> server;
-  std::thread later([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::vector<absl::StatusCode> failed;  // the attempts that failed, in order
+  opts.on_retry = [&](int attempt, const absl::Status& s) {
+    failed.push_back(s.code());
+    if (attempt > 1) return;
     grpc::ServerBuilder b;
     b.AddListeningPort(addr, grpc::InsecureServerCredentials());
     b.RegisterService(&relay);
     server = b.BuildAndStart();
-  });
+  };
   absl::StatusOr<PublishResult> r = client->Publish(turn, opts);
-  later.join();
+  ASSERT_FALSE(failed.empty()) << "the first attempt did not fail: no relay was down";
+  EXPECT_EQ(failed[0], absl::StatusCode::kUnavailable);
   ASSERT_TRUE(server != nullptr);
   EXPECT_TRUE(r.ok()) << r.status();
   if (r.ok()) {
     EXPECT_GE(r->attempts, 2);
+    EXPECT_EQ(r->attempts, static_cast<int>(failed.size()) + 1) << "on_retry is called once per failed attempt";
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }

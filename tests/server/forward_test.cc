@@ -171,8 +171,10 @@ struct ForwardCall {
 };
 
 // Writes `reqs` (stopping when the relay ends the call), then WritesDone,
-// unless `cancel`: then the call is cancelled after the writes.
-ForwardCall DoForward(v1::Relay::Stub* stub, const std::vector<v1::ForwardRequest>& reqs, bool cancel = false) {
+// unless `cut_when` is given: then the call is cancelled after the writes,
+// once cut_when() says the relay has taken them in (false: it never did).
+ForwardCall DoForward(v1::Relay::Stub* stub, const std::vector<v1::ForwardRequest>& reqs,
+                      const std::function<bool()>& cut_when = nullptr) {
   ForwardCall r;
   grpc::ClientContext ctx;
   ctx.set_deadline(In(30));
@@ -180,8 +182,8 @@ ForwardCall DoForward(v1::Relay::Stub* stub, const std::vector<v1::ForwardReques
   for (const auto& q : reqs) {
     if (!writer->Write(q)) break;
   }
-  if (cancel) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the writes reach the relay
+  if (cut_when) {
+    EXPECT_TRUE(cut_when()) << "the relay did not read the writes before the cut";
     ctx.TryCancel();
   } else {
     writer->WritesDone();
@@ -248,6 +250,15 @@ class ForwardTest : public ::testing::Test {
       if (clock->AwaitWaiters(3, std::chrono::milliseconds(100))) clock->AdvanceToNextDeadline();
     }
     return done();
+  }
+
+  // A forward of `reqs` (no commit among them) cancelled once the relay has
+  // read every one of them: a stream cut before its commit.
+  ForwardCall CutForward(const std::vector<v1::ForwardRequest>& reqs) {
+    RelayContext* relay = server_->service()->context();
+    const uint64_t before = relay->forward_requests_read();
+    return DoForward(stub_.get(), reqs,
+                     [&] { return Eventually([&] { return relay->forward_requests_read() >= before + reqs.size(); }); });
   }
 
   // Failed forward attempts so far (kvrelay_forwards_total{outcome="retry"}).
@@ -841,10 +852,10 @@ TEST_F(ForwardTest, AStreamCutBeforeTheCommitLeavesNothing) {
   ForwardCall ended = DoForward(stub_.get(), reqs);
   EXPECT_EQ(ended.status.error_code(), grpc::INVALID_ARGUMENT) << ended.status.error_message();
   EXPECT_EQ(ended.status.error_message(), "forward: stream ended before the commit, expected a commit");
-  ForwardCall cut = DoForward(stub_.get(), reqs, /*cancel=*/true);
+  ForwardCall cut = CutForward(reqs);
   EXPECT_EQ(cut.status.error_code(), grpc::CANCELLED) << cut.status.error_message();
   std::vector<v1::ForwardRequest> half(reqs.begin(), reqs.begin() + reqs.size() / 2);
-  cut = DoForward(stub_.get(), half, /*cancel=*/true);
+  cut = CutForward(half);
   EXPECT_EQ(cut.status.error_code(), grpc::CANCELLED) << cut.status.error_message();
   EXPECT_FALSE(server_->store()->Find("s", "m1"));
   ExpectNothingFor("s", "b");
@@ -999,13 +1010,12 @@ TEST_F(ForwardTest, ReportsOfARemoteRecipientMoveItsStatusForwardOnly) {
   ASSERT_TRUE(PublishTurn(stub_.get(), Header("s", "m1", "a", {"near", "far"}, "full", t), t).status.ok());
   v1::MessageStatusResponse resp;
   // Wait for a failed attempt against the dead relay.
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  do {
-    ASSERT_TRUE(Status("s", "m1", &resp).ok());
-    ASSERT_EQ(resp.recipients_size(), 2);
-    if (resp.recipients(1).attempts() > 0 && !resp.recipients(1).reason().empty()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  } while (std::chrono::steady_clock::now() < until);
+  EXPECT_TRUE(Eventually([&] {
+    return Status("s", "m1", &resp).ok() && resp.recipients_size() == 2 && resp.recipients(1).attempts() > 0 &&
+           !resp.recipients(1).reason().empty();
+  })) << "no failed attempt recorded";
+  ASSERT_TRUE(Status("s", "m1", &resp).ok());
+  ASSERT_EQ(resp.recipients_size(), 2);
   EXPECT_EQ(resp.recipients(0).agent(), "near");
   EXPECT_EQ(resp.recipients(0).state(), v1::RECIPIENT_STATE_COMMITTED);
   EXPECT_EQ(resp.recipients(1).agent(), "far");
@@ -1076,10 +1086,11 @@ TEST_F(ForwardTest, AFailureBeforeTheCommitIsRetriedAfterIt) {
     ctx.set_deadline(In(30));
     auto writer = stub_->Publish(&ctx, &r.response);
     ASSERT_TRUE(writer->Write(reqs[0]));
-    // Time for the first attempt to fail against the dead relay. Nothing
-    // shows that before the commit (the attempt then waits for the
-    // publish's outcome); were it slower, the test would pass testing less.
-    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    // The first attempt fails against the dead relay before the commit, and
+    // then waits for the publish's outcome.
+    Forwarder* forwarder = server_->service()->context()->forwarder();
+    ASSERT_TRUE(Eventually([&] { return forwarder->attempts_awaiting_outcome() == 1; }))
+        << "the first attempt did not end before the commit";
     for (size_t i = 1; i < reqs.size(); ++i) ASSERT_TRUE(writer->Write(reqs[i]));
     writer->WritesDone();
     r.status = writer->Finish();

@@ -3,12 +3,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <future>
 #include <map>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "core/history.h"
 #include "core/internal/pipeline_checks.h"
 #include "core/mutex.h"
@@ -19,6 +21,7 @@
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/support/sync_stream.h"
 #include "tests/testlib/eventually.h"
+#include "tests/testlib/fake_time_source.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
 #include "grpcpp/impl/codegen/client_unary_call.h"
@@ -1278,26 +1281,44 @@ TEST_F(RelayTest, CompressHoldsTheReplyInFlightUntilDone) {
 // A reaction holds its watchdog entry's mutex and may register another
 // entry meanwhile (Compress does when the last layer completes inline): the
 // watchdog must never wait for an entry's mutex while it holds its own.
+// The watchdog's clock is advanced whenever it waits, so that its rounds
+// run back to back against the reaction's registrations; after each one the
+// reaction waits for a whole round of the watchdog (it waits on the clock
+// twice) with both entries held.
 TEST(UploadWatchdogTest, WatchWhileHoldingAnEntry) {
-  UploadWatchdog watchdog(0.02);  // looks every 10 ms
+  FakeTimeSource clock;
+  UploadWatchdog watchdog(0.02, &clock);  // looks every 10 ms of `clock`
   std::shared_ptr<UploadWatchdog::Entry> held = watchdog.Watch(nullptr);
   {
     MutexLock lock(&held->mu);
     held->armed = false;  // for the clean-up pass to look at
   }
-  std::future<void> reaction = std::async(std::launch::async, [&] {
+  std::atomic<bool> stop{false};
+  std::thread ticker([&] {
+    while (!stop) {
+      if (clock.AwaitWaiters(1, std::chrono::milliseconds(10))) clock.Advance(std::chrono::milliseconds(10));
+    }
+  });
+  std::future<int> reaction = std::async(std::launch::async, [&] {
     MutexLock lock(&held->mu);
-    for (int i = 0; i < 30; ++i) {  // across several rounds of the watchdog
+    int rounds = 0;
+    for (int i = 0; i < 30; ++i) {
       std::shared_ptr<UploadWatchdog::Entry> e = watchdog.Watch(nullptr);
       MutexLock el(&e->mu);
       e->armed = false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const uint64_t waits = clock.waits();
+      if (!Eventually([&] { return clock.waits() >= waits + 2; })) break;
+      ++rounds;
     }
+    return rounds;
   });
   if (reaction.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
     std::fprintf(stderr, "UploadWatchdogTest.WatchWhileHoldingAnEntry: deadlocked\n");
     std::abort();  // nothing can unwind a deadlock
   }
+  EXPECT_EQ(reaction.get(), 30) << "the watchdog stopped going round while the reaction held its entries";
+  stop = true;
+  ticker.join();
 }
 
 // A Compress reply that the client stops reading holds its memory and
@@ -1395,9 +1416,7 @@ TEST_F(RelayTest, FetchesThatWaitInVainCountAsDeadlineExceeded) {
   auto fetches = [this](const char* code) {
     return CounterValue(server_.get(), "kvrelay_rpcs_total", {{"method", "Fetch"}, {"code", code}});
   };
-  for (int i = 0; i < 500 && fetches("DEADLINE_EXCEEDED") + fetches("CANCELLED") < kFetches; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  Eventually([&] { return fetches("DEADLINE_EXCEEDED") + fetches("CANCELLED") >= kFetches; });
   EXPECT_EQ(fetches("DEADLINE_EXCEEDED"), kFetches);
   EXPECT_EQ(fetches("CANCELLED"), 0.0);
 }
@@ -1432,9 +1451,7 @@ TEST_F(RelayTest, PublishPastItsDeadlineCommitsNothing) {
   auto publishes = [this](const char* code) {
     return CounterValue(server_.get(), "kvrelay_rpcs_total", {{"method", "Publish"}, {"code", code}});
   };
-  for (int i = 0; i < 500 && publishes("DEADLINE_EXCEEDED") + publishes("CANCELLED") + publishes("OK") < 2; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  Eventually([&] { return publishes("DEADLINE_EXCEEDED") + publishes("CANCELLED") + publishes("OK") >= 2; });
   EXPECT_EQ(publishes("OK"), 1.0);
   EXPECT_EQ(publishes("DEADLINE_EXCEEDED"), 1.0);
   EXPECT_EQ(server_->store()->Stats().committed, 1u);
@@ -1508,18 +1525,22 @@ TEST_F(RelayTest, IdleUploadsAreCancelled) {
     EXPECT_NE(s.error_message().find("compress: upload idle for 0.3 s"), std::string::npos) << s.error_message();
   }
   WaitInflightZero();
-  // An upload that keeps sending is not idle, however slow overall.
+  // An upload that keeps sending is not idle, however slow overall. Real
+  // time is the subject here: the writer is slow on purpose, with pauses of
+  // a third of the timeout, and the whole upload outlasts the timeout.
   auto stream = PublishStream(Header("idle", "m2", "a", {"b"}, "gen", t), chunks, TrailerOf(chunks));
   grpc::ClientContext ctx;
   ctx.set_deadline(In(30));
   v1::PublishResponse resp;
+  const auto t1 = std::chrono::steady_clock::now();
   auto w = stub_->Publish(&ctx, &resp);
   for (size_t i = 0; i < stream.size(); ++i) {
-    if (i % 8 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (i % 8 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));  // pacing
     ASSERT_TRUE(w->Write(stream[i]));
   }
   w->WritesDone();
   EXPECT_TRUE(w->Finish().ok());
+  EXPECT_GT(Seconds(t1), 0.3) << "the upload did not outlast the idle timeout: nothing was tested";
 }
 
 
@@ -1589,8 +1610,13 @@ TEST_F(BackpressureTest, QueuedLayersStayBoundedAndTheResultIsBitExact) {
 // ends promptly, nothing is committed, the reservation comes back.
 TEST_F(BackpressureTest, CancelWhilePausedLeavesNothing) {
   Start();
-  // Layers that compress slowly (~0.4 s) and outweigh the flow-control
-  // windows (34 MB), so the client is still blocked when it cancels.
+  // The relay's only worker is held until the cancel: the upload's layers
+  // queue, and it stays paused at the bound, reading nothing, for as long
+  // as the test needs. Each layer outweighs the flow-control windows
+  // (34 MB), so the client cannot write the turn meanwhile.
+  std::promise<void> release;
+  server_->service()->context()->pool()->Schedule([held = release.get_future().share()] { held.wait(); });
+  auto let_go = absl::MakeCleanup([&] { release.set_value(); });
   TurnShape s;
   s.layers = 5;
   s.kv_heads = 8;
@@ -1601,16 +1627,19 @@ TEST_F(BackpressureTest, CancelWhilePausedLeavesNothing) {
   s.dtype = DType::kBF16;
   v1::PublishRequest head;
   std::vector<v1::Chunk> chunks;
+  uint64_t turn_bytes = 0;
   {
     Turn t = RandomTurn(s, 42);
     *head.mutable_header() = Header("bpcut", "m", "a", {"b"}, "h2o-head:k=4096+obf:p=8", t);
     chunks = TurnChunks(t, 256 << 10);
   }
+  for (const v1::Chunk& c : chunks) turn_bytes += c.data().size();
   grpc::ClientContext ctx;
   ctx.set_deadline(In(60));
   v1::PublishResponse resp;
   auto w = stub_->Publish(&ctx, &resp);
   std::atomic<size_t> written{0};
+  std::atomic<uint64_t> written_bytes{0};
   std::thread writer([&] {
     v1::PublishRequest req = head;
     if (!w->Write(req)) return;
@@ -1618,17 +1647,26 @@ TEST_F(BackpressureTest, CancelWhilePausedLeavesNothing) {
       *req.mutable_chunk() = c;
       if (!w->Write(req)) return;
       ++written;
+      written_bytes += c.data().size();
     }
   });
-  // Paused: the bound is reached and the client stops getting through.
-  Eventually([&] { return peak() >= kBound; }, std::chrono::seconds(20));
-  ASSERT_EQ(peak(), kBound);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  EXPECT_LT(written.load(), chunks.size());  // held back by flow control
+  // Paused at the bound, and it stays paused while the worker is held: the
+  // client, once it has written past what the relay read, is held back by
+  // the flow-control windows the relay leaves full.
+  RelayContext* relay = server_->service()->context();
+  EXPECT_TRUE(Eventually([&] { return relay->backpressure_pauses() >= 1; }, std::chrono::seconds(20)))
+      << "the upload was never paused";
+  EXPECT_EQ(peak(), kBound);
+  EXPECT_TRUE(Eventually([&] { return written_bytes.load() > server_->store()->Stats().received_bytes; },
+                         std::chrono::seconds(20)))
+      << "the client never got ahead of the relay";
+  EXPECT_LT(server_->store()->Stats().received_bytes, turn_bytes);  // the relay reads no further
+  EXPECT_LT(written.load(), chunks.size());                          // held back by flow control
   EXPECT_GT(server_->store()->inflight_bytes(), 0u);
   const auto t0 = std::chrono::steady_clock::now();
   ctx.TryCancel();
   writer.join();
+  std::move(let_go).Invoke();  // the worker drains the skipped layers
   EXPECT_EQ(w->Finish().error_code(), grpc::CANCELLED);
   WaitInflightZero();
   EXPECT_LT(Seconds(t0), 10.0);

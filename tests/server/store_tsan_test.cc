@@ -208,6 +208,7 @@ TEST(StoreConcurrencyTest, PublishersConsumersClosesAndSweepsAtOnce) {
     for (int i = 0; i < kCloses; ++i) {
       s.CloseSession("churn");
       (void)s.IsClosed("churn");
+      // Pacing, not synchronization: spreads the closes over the commits.
       std::this_thread::sleep_for(milliseconds(1));
     }
   });
@@ -230,6 +231,7 @@ TEST(StoreConcurrencyTest, PublishersConsumersClosesAndSweepsAtOnce) {
   std::thread sweeper([&] {
     for (int i = 0; i < 400 && !observers_stop.load(); ++i) {
       s.SweepExpired();
+      // Pacing, not synchronization: spreads the sweeps over the run.
       std::this_thread::sleep_for(milliseconds(1));
     }
   });
@@ -680,6 +682,8 @@ TEST(RouteConcurrencyTest, ReloadsWhileResolvingNeverGoBack) {
     for (int v = 1; v <= kVersions; ++v) {
       if (v % 10 == 0) write("{\"b\": ");  // a bad file keeps the last good table
       write(table_of(v));
+      // Pacing, not synchronization: lets the reloads and polls see each
+      // version of the file.
       std::this_thread::sleep_for(milliseconds(1));
     }
     writing = false;

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <vector>
 
 #include "core/mutex.h"
@@ -104,6 +105,19 @@ class FakeTimeSource final : public TimeSource {
       if (!changed_.WaitUntil(&mu_, until)) return waiters_.size() >= n;
     }
     return true;
+  }
+
+  // The earliest deadline a thread waits for now; none when no thread waits.
+  // A thread that was signalled to wait for another deadline (e.g. a timer
+  // told of an earlier one) still shows its old deadline until it waits
+  // again: a test waits for the deadline it expects.
+  std::optional<TimePoint> next_deadline() {
+    MutexLock lock(&mu_);
+    std::optional<TimePoint> first;
+    for (const Waiter* w : waiters_) {
+      if (!first || w->deadline < *first) first = w->deadline;
+    }
+    return first;
   }
 
   // Threads waiting now.

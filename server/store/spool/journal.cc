@@ -190,7 +190,16 @@ absl::Status Journal::AppendAndWait(spool::v1::Record record) {
 void Journal::StopCompaction() {
   MutexLock lock(&mu_);
   compaction_stopped_ = true;
-  while (compacting_) compaction_done_.Wait(&mu_);
+  while (compacting_) {
+    ++compaction_stop_waiters_;
+    compaction_done_.Wait(&mu_);
+    --compaction_stop_waiters_;
+  }
+}
+
+int Journal::compaction_stop_waiters() const {
+  MutexLock lock(&mu_);
+  return compaction_stop_waiters_;
 }
 
 absl::Status Journal::health() const {

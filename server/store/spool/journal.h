@@ -122,6 +122,9 @@ class Journal {
   // finished: the snapshot callback is not called again. Records are still
   // written. Call it before whatever the snapshot reads goes away.
   void StopCompaction();
+  // Callers of StopCompaction waiting now for the compaction in progress to
+  // finish; e.g. for a test that must know such a caller is held.
+  int compaction_stop_waiters() const;
 
   // OK, or the failure that stopped the journal.
   absl::Status health() const;
@@ -161,6 +164,7 @@ class Journal {
   bool compaction_stopped_ ABSL_GUARDED_BY(mu_) = false;
   bool compacting_ ABSL_GUARDED_BY(mu_) = false;
   CondVar compaction_done_;
+  int compaction_stop_waiters_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t compacted_at_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t compactions_ ABSL_GUARDED_BY(mu_) = 0;

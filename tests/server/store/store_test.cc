@@ -8,21 +8,13 @@
 #include "gtest/gtest.h"
 #include "server/metrics/metrics.h"
 #include "tests/server/store/store_test_util.h"
+#include "tests/testlib/eventually.h"
 #include "tests/testlib/fake_time_source.h"
 
 namespace kvrelay {
 namespace {
 
 using namespace kvrelay::testing;
-
-// Moves `clock` forward by `d` and returns once the store's timer thread
-// has handled whatever that made due (sweeps, waiter deadlines) and waits
-// again: the store's time, without sleeping.
-void Tick(FakeTimeSource* clock, Clock::duration d) {
-  ASSERT_TRUE(clock->AwaitWaiters(1)) << "the store's timer is not waiting";
-  clock->Advance(d);
-  ASSERT_TRUE(clock->AwaitWaiters(1)) << "the store's timer did not come back to wait";
-}
 
 TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
   MemoryStore impl(StoreLimits{}, nullptr);
@@ -314,8 +306,10 @@ TEST(StoreTest, WaiterWakesOnCommitAndOnDeadline) {
   EXPECT_FALSE(s.CancelWaiter(w));
 
   std::atomic<int> timed{-1};
-  EXPECT_FALSE(s.FetchOrWait("s", "z", clock.Now() + std::chrono::milliseconds(50),
-                             [&](Store::Wake t) { timed = static_cast<int>(t); }, &w));
+  const Clock::time_point due = clock.Now() + std::chrono::milliseconds(50);
+  EXPECT_FALSE(s.FetchOrWait("s", "z", due, [&](Store::Wake t) { timed = static_cast<int>(t); }, &w));
+  // The waiter signals the timer, which then waits for the waiter's deadline.
+  ASSERT_TRUE(Eventually([&] { return clock.next_deadline() == due; })) << "the timer did not take the deadline";
   Tick(&clock, std::chrono::milliseconds(49));
   EXPECT_EQ(timed.load(), -1) << "woken before its deadline";
   Tick(&clock, std::chrono::milliseconds(1));

@@ -10,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "server/store/store.h"
+#include "tests/testlib/fake_time_source.h"
 
 namespace kvrelay::testing {
 
@@ -25,6 +26,16 @@ inline std::shared_ptr<StoredMessage> Msg(const std::string& session, const std:
   m->msg.sent_bytes = bytes;
   m->msg.full_bytes = 4 * bytes;
   return m;
+}
+
+// Moves `clock` forward by `d` and returns once the store's timer thread
+// has handled whatever that made due (sweeps, waiter deadlines) and waits
+// again: the store's time, without sleeping. REQUIRES: the store's timer is
+// the only thread that waits on `clock`.
+inline void Tick(FakeTimeSource* clock, Clock::duration d) {
+  ASSERT_TRUE(clock->AwaitWaiters(1)) << "the store's timer is not waiting";
+  clock->Advance(d);
+  ASSERT_TRUE(clock->AwaitWaiters(1)) << "the store's timer did not come back to wait";
 }
 
 inline const Clock::time_point kNever = Clock::now() + std::chrono::hours(1);

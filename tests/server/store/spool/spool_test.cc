@@ -219,18 +219,9 @@ std::shared_ptr<StoredMessage> PolicyMsg(const std::string& session, const std::
   EXPECT_TRUE(p.ok()) << spec << ": " << p.status();
   absl::StatusOr<Message> msg = (*p)->Compress(*turn);
   EXPECT_TRUE(msg.ok()) << spec << ": " << msg.status();
-  auto m = std::make_shared<StoredMessage>();
-  m->session_id = session;
-  m->message_id = id;
-  m->sender = "a";
-  m->recipients = {"b"};
+  auto m = testing::StoredMessageOf(*std::move(msg), session, id, "a", {"b"});
   m->requested_policy = spec;
-  m->msg = *std::move(msg);
-  m->accounting.set_policy(m->msg.policy);
-  m->accounting.set_sent_bytes(m->msg.sent_bytes);
-  m->accounting.set_full_bytes(m->msg.full_bytes);
   m->family = "test";
-  m->bytes = RetainedBytes(m->msg);
   return m;
 }
 
@@ -625,12 +616,14 @@ TEST(Journal, StopCompactionWaitsForACompactionInProgress) {
   absl::StatusOr<std::unique_ptr<Journal>> j = Journal::Open(&fs, "/j", jo, &recovery);
   ASSERT_TRUE(j.ok()) << j.status();
   std::atomic<int> calls{0};
-  std::atomic<bool> in_snapshot{false}, release{false};
+  std::atomic<bool> in_snapshot{false};
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
   (*j)->Start(
       [&] {
         ++calls;
         in_snapshot = true;
-        while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        released.wait();
         in_snapshot = false;
         return std::vector<spool::v1::Record>{};
       },
@@ -638,16 +631,17 @@ TEST(Journal, StopCompactionWaitsForACompactionInProgress) {
   spool::v1::Record r;
   r.mutable_peer()->set_session_id("s");
   (*j)->Append(r);
-  for (int i = 0; i < 5000 && !in_snapshot; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  ASSERT_TRUE(in_snapshot) << "no compaction started";
+  ASSERT_TRUE(Eventually([&] { return in_snapshot.load(); })) << "no compaction started";
   std::atomic<bool> stopped{false};
   std::thread stopper([&] {
     (*j)->StopCompaction();
     stopped = true;
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // The stopper waits for the compaction in progress...
+  const bool waiting = Eventually([&] { return (*j)->compaction_stop_waiters() == 1; });
+  EXPECT_TRUE(waiting) << "StopCompaction did not wait for the compaction in progress";
   EXPECT_FALSE(stopped) << "StopCompaction returned while the snapshot was being read";
-  release = true;
+  release.set_value();  // ...and returns once it is done
   stopper.join();
   EXPECT_FALSE(in_snapshot);
   const int seen = calls;
