@@ -593,35 +593,17 @@ uint64_t MessageLayerBytes(const v1::MessageHeader& h) {
   return tensor(/*is_key=*/true) + tensor(/*is_key=*/false) + demoted + 4 * H * (n + nd);
 }
 
-StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* bytes) {
+namespace {
+
+// A delivery header's quantization fields: the rules a publish's policy
+// passes (ValidateQuantOptions, ranges included), for the message's codes
+// and its demoted rows, and none of the fields set without quantization.
+StreamError CheckHeaderQuant(const v1::MessageHeader& h) {
   auto bad = [](absl::string_view field, uint64_t v, absl::string_view expected) {
     return HeaderError(absl::StrCat("header.", field, ": ", v, ", expected ", expected));
   };
-  if (h.layers() < 1) return bad("layers", h.layers(), ">= 1");
-  if (h.kv_heads() < 1) return bad("kv_heads", h.kv_heads(), ">= 1");
-  if (h.head_dim() < 1) return bad("head_dim", h.head_dim(), ">= 1");
-  // The core's bounds (core/turn.h): they keep the sizes below from
-  // overflowing, and a header of empty layers from allocating billions.
-  if (h.layers() > static_cast<uint32_t>(kMaxLayers)) return bad("layers", h.layers(), absl::StrCat("<= ", kMaxLayers));
-  if (h.kv_heads() > static_cast<uint32_t>(kMaxKvHeads)) {
-    return bad("kv_heads", h.kv_heads(), absl::StrCat("<= ", kMaxKvHeads));
-  }
-  if (h.head_dim() > static_cast<uint32_t>(kMaxHeadDim)) {
-    return bad("head_dim", h.head_dim(), absl::StrCat("<= ", kMaxHeadDim));
-  }
-  absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
-  if (!dtype.ok()) return HeaderError(absl::StrCat("header.", dtype.status().message()));
-  const uint64_t n64 = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
-  if (n64 + h.n_demoted() >= (uint64_t{1} << 31)) {
-    return bad("n_history+n_anchor+n_kept+n_gen+n_demoted", n64 + h.n_demoted(), "< 2^31");
-  }
-  if (h.next_pos() < 0 || h.next_pos() > (int64_t{1} << 31)) {
-    return HeaderError(absl::StrCat("header.next_pos: ", h.next_pos(), ", expected 0..2^31"));
-  }
   const uint32_t bits = h.quant_bits();
   const bool quant = bits != 0;
-  // The quantization passes the rules a publish's policy passes
-  // (ValidateQuantOptions): one set of rules, ranges included.
   if (h.quant_scheme() != v1::QUANT_SCHEME_INT && h.quant_scheme() != v1::QUANT_SCHEME_LLOYD) {
     return bad("quant_scheme", static_cast<uint32_t>(h.quant_scheme()), "QUANT_SCHEME_INT or QUANT_SCHEME_LLOYD");
   }
@@ -655,6 +637,37 @@ StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* by
   if (!quant && h.n_demoted() == 0 && h.quant_seed() != 0) {
     return bad("quant_seed", h.quant_seed(), "0 without lloyd codes");
   }
+  return StreamError();
+}
+
+}  // namespace
+
+StreamError DeliveryReader::CheckHeader(const v1::MessageHeader& h, uint64_t* bytes) {
+  auto bad = [](absl::string_view field, uint64_t v, absl::string_view expected) {
+    return HeaderError(absl::StrCat("header.", field, ": ", v, ", expected ", expected));
+  };
+  if (h.layers() < 1) return bad("layers", h.layers(), ">= 1");
+  if (h.kv_heads() < 1) return bad("kv_heads", h.kv_heads(), ">= 1");
+  if (h.head_dim() < 1) return bad("head_dim", h.head_dim(), ">= 1");
+  // The core's bounds (core/turn.h): they keep the sizes below from
+  // overflowing, and a header of empty layers from allocating billions.
+  if (h.layers() > static_cast<uint32_t>(kMaxLayers)) return bad("layers", h.layers(), absl::StrCat("<= ", kMaxLayers));
+  if (h.kv_heads() > static_cast<uint32_t>(kMaxKvHeads)) {
+    return bad("kv_heads", h.kv_heads(), absl::StrCat("<= ", kMaxKvHeads));
+  }
+  if (h.head_dim() > static_cast<uint32_t>(kMaxHeadDim)) {
+    return bad("head_dim", h.head_dim(), absl::StrCat("<= ", kMaxHeadDim));
+  }
+  absl::StatusOr<DType> dtype = FromProtoDType(h.dtype());
+  if (!dtype.ok()) return HeaderError(absl::StrCat("header.", dtype.status().message()));
+  const uint64_t n64 = uint64_t{h.n_history()} + h.n_anchor() + h.n_kept() + h.n_gen();
+  if (n64 + h.n_demoted() >= (uint64_t{1} << 31)) {
+    return bad("n_history+n_anchor+n_kept+n_gen+n_demoted", n64 + h.n_demoted(), "< 2^31");
+  }
+  if (h.next_pos() < 0 || h.next_pos() > (int64_t{1} << 31)) {
+    return HeaderError(absl::StrCat("header.next_pos: ", h.next_pos(), ", expected 0..2^31"));
+  }
+  if (StreamError e = CheckHeaderQuant(h); !e.ok()) return e;
   if (h.acc_tokens() >= (uint64_t{1} << 31)) return bad("acc_tokens", h.acc_tokens(), "< 2^31");
   if (h.acc_tokens() != 0 && h.acc_tokens() < n64 + h.n_demoted()) {
     return bad("acc_tokens", h.acc_tokens(),

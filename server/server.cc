@@ -130,6 +130,9 @@ class UnimplementedService final : public grpc::CallbackGenericService {
 };
 
 // The addresses a gRPC server listens on, each with its credentials.
+// How often TLS certificate files are read again (seconds).
+constexpr unsigned kCertRefreshSeconds = 1;
+
 struct Listener {
   std::string addr, flag;  // flag: "--listen", "--local-listen" or "--health-listen"
   std::string host;        // "" for a Unix socket
@@ -319,6 +322,44 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartHealthServer(const std::strin
   return server;
 }
 
+// The forwarder's options from the flags; with TLS (`tls` set) its peer
+// channels present this relay's certificate and check the peer's.
+ForwarderOptions ForwarderOptionsOf(const ServerConfig& config, TimeSource* time, const TlsFiles* tls,
+                                    Metrics* metrics) {
+  ForwarderOptions fo;
+  fo.advertise = config.advertise;
+  fo.forward_timeout_seconds = config.forward_timeout_seconds;
+  fo.stall_seconds = config.forward_stall_seconds;
+  fo.wire_codec_rans = config.wire_codec_rans;
+  fo.time = time;
+  if (tls) fo.credentials = PeerChannelCredentials(*tls, kCertRefreshSeconds, config.peer_identities, metrics);
+  return fo;
+}
+
+// Starts the gRPC server of `service` on `listeners` (their ports filled
+// in), with the health service and reflection; the addresses it listens on
+// in `*addresses`.
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeOn(std::vector<Listener>& listeners, grpc::Service* service,
+                                                      std::vector<std::string>* addresses) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second relay on the same port would
+  // then start, and the kernel would split connections between two separate
+  // stores. Binding a port in use must fail instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  for (const Listener& l : listeners) {
+    if (l.host.empty()) KVRELAY_RETURN_IF_ERROR(PrepareUnixSocket(l.flag, l.addr));
+  }
+  for (Listener& l : listeners) builder.AddListeningPort(l.addr, l.creds, &l.port);
+  builder.RegisterService(service);
+  // Chunks are <= 1 MiB; leave room for the envelope, refuse anything bigger.
+  builder.SetMaxReceiveMessageSize(4 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  KVRELAY_RETURN_IF_ERROR(CheckBound(server.get(), listeners, addresses));
+  return server;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConfig& config, TimeSource* time) {
@@ -329,7 +370,6 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   TlsFiles tls_files{config.tls_cert, config.tls_key, config.tls_client_ca,
                      config.tls_peer_ca.empty() ? config.tls_client_ca : config.tls_peer_ca};
   if (tls) KVRELAY_RETURN_IF_ERROR(CheckTlsFiles(tls_files));
-  constexpr unsigned kCertRefreshSeconds = 1;
   // One provider for every TLS address: the files are watched once.
   const std::shared_ptr<grpc::ServerCredentials> tls_creds =
       tls ? TlsServerCredentials(tls_files, kCertRefreshSeconds) : nullptr;
@@ -349,14 +389,9 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   }
   s->pool_ = std::make_unique<ThreadPool>(std::max(1, config.worker_threads));
   KVRELAY_ASSIGN_OR_RETURN(s->routes_, OpenRoutes(config, time));
-  ForwarderOptions fo;
-  fo.advertise = config.advertise;
-  fo.forward_timeout_seconds = config.forward_timeout_seconds;
-  fo.stall_seconds = config.forward_stall_seconds;
-  fo.wire_codec_rans = config.wire_codec_rans;
-  fo.time = time;
-  if (tls) fo.credentials = PeerChannelCredentials(tls_files, kCertRefreshSeconds, config.peer_identities, s->metrics_.get());
-  s->forwarder_ = std::make_unique<Forwarder>(fo, s->store_.get(), s->routes_.get(), s->metrics_.get());
+  s->forwarder_ = std::make_unique<Forwarder>(ForwarderOptionsOf(config, time, tls ? &tls_files : nullptr,
+                                                                 s->metrics_.get()),
+                                              s->store_.get(), s->routes_.get(), s->metrics_.get());
   if (spool) ResumeForwards(*spool, s->forwarder_.get());
   KVRELAY_ASSIGN_OR_RETURN(s->auth_, OpenAuthenticator(config, tls, s->metrics_.get(), time));
   s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get(),
@@ -367,22 +402,7 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
                                                                &s->metrics_host_, &s->metrics_port_));
   }
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  // gRPC sets SO_REUSEPORT by default: a second relay on the same port would
-  // then start, and the kernel would split connections between two separate
-  // stores. Binding a port in use must fail instead.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  for (const Listener& l : listeners) {
-    if (l.host.empty()) KVRELAY_RETURN_IF_ERROR(PrepareUnixSocket(l.flag, l.addr));
-  }
-  for (Listener& l : listeners) builder.AddListeningPort(l.addr, l.creds, &l.port);
-  builder.RegisterService(s->service_.get());
-  // Chunks are <= 1 MiB; leave room for the envelope, refuse anything bigger.
-  builder.SetMaxReceiveMessageSize(4 << 20);
-  s->server_ = builder.BuildAndStart();
-  KVRELAY_RETURN_IF_ERROR(CheckBound(s->server_.get(), listeners, &s->grpc_addresses_));
+  KVRELAY_ASSIGN_OR_RETURN(s->server_, ServeOn(listeners, s->service_.get(), &s->grpc_addresses_));
   for (const Listener& l : listeners) {
     if (!l.host.empty()) {
       s->grpc_port_ = l.port;

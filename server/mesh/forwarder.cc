@@ -391,6 +391,41 @@ Forwarder::Sent Forwarder::SendForward(const std::shared_ptr<Job>& job, const v1
   return out;
 }
 
+void Forwarder::AwaitPublish(const std::shared_ptr<Job>& job, Sent* sent) {
+  if (sent->publish_failed || sent->committed) return;
+  {
+    MutexLock lock(&mu_);
+    ++awaiting_outcome_;
+  }
+  sent->committed = job->source->WaitOutcome(RealDeadline(*job));
+  {
+    MutexLock lock(&mu_);
+    --awaiting_outcome_;
+  }
+  if (!sent->committed) sent->publish_failed = true;
+}
+
+bool Forwarder::ResendIfAsked(const std::shared_ptr<Job>& job, const grpc::Status& status,
+                              const v1::ForwardResponse& resp, bool coded, const MessagePtr& ancestor) {
+  if (coded && status.error_code() == grpc::FAILED_PRECONDITION &&
+      status.error_message().find("header.protocol_version") != std::string::npos) {
+    spdlog::info("forward session={} message={} destination={}: it does not speak protocol {} ({}), sending "
+                 "protocol {} (--wire-codec none) to it for {} min",
+                 job->session(), job->id(), job->target, kForwardProtocolVersion, status.error_message(),
+                 kForwardProtocolVersionV1, kLegacyPeerRecheck.count());
+    NoteLegacyPeer(job->target);
+    return true;
+  }
+  if (status.ok() && resp.ancestor_missing()) {
+    spdlog::info("forward session={} message={} destination={}: it no longer holds ancestor {}, sending it whole",
+                 job->session(), job->id(), job->target, ancestor ? ancestor->message_id : std::string("?"));
+    if (metrics_) metrics_->AddForwardOutcome("whole");
+    job->whole = true;
+    return true;
+  }
+  return false;
+}
+
 void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   // A retry of a message this relay no longer holds (its session was closed
   // or expired here) is dropped. The first attempt starts before the commit.
@@ -443,18 +478,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   if (stream.stalled()) peers_.Reset(job->target, channel);
   // Nothing is recorded, and no retry scheduled, before the publish's
   // outcome: a message that is not committed here forwards nothing.
-  if (!sent.publish_failed && !sent.committed) {
-    {
-      MutexLock lock(&mu_);
-      ++awaiting_outcome_;
-    }
-    sent.committed = job->source->WaitOutcome(RealDeadline(*job));
-    {
-      MutexLock lock(&mu_);
-      --awaiting_outcome_;
-    }
-    if (!sent.committed) sent.publish_failed = true;
-  }
+  AwaitPublish(job, &sent);
   if (sent.publish_failed) {
     spdlog::info("forward dropped session={} message={} destination={}: the publish failed", job->session(),
                  job->id(), job->target);
@@ -469,22 +493,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   }
   v1::ForwardResponse resp;
   status = ReadAnswer(status, answered, resp_wire, stream.stalled(), opts_.stall_seconds, &resp);
-  if (coded && status.error_code() == grpc::FAILED_PRECONDITION &&
-      status.error_message().find("header.protocol_version") != std::string::npos) {
-    spdlog::info("forward session={} message={} destination={}: it does not speak protocol {} ({}), sending "
-                 "protocol {} (--wire-codec none) to it for {} min",
-                 job->session(), job->id(), job->target, kForwardProtocolVersion, status.error_message(),
-                 kForwardProtocolVersionV1, kLegacyPeerRecheck.count());
-    NoteLegacyPeer(job->target);
-    return Schedule(job, time_->Now());
-  }
-  if (status.ok() && resp.ancestor_missing()) {
-    spdlog::info("forward session={} message={} destination={}: it no longer holds ancestor {}, sending it whole",
-                 job->session(), job->id(), job->target, ancestor ? ancestor->message_id : std::string("?"));
-    if (metrics_) metrics_->AddForwardOutcome("whole");
-    job->whole = true;
-    return Schedule(job, time_->Now());
-  }
+  if (ResendIfAsked(job, status, resp, coded, ancestor)) return Schedule(job, time_->Now());
   job->recipients = ApplyAnswer(job, status, resp, *sent.committed, sent.elided);
   if (job->recipients.empty()) return EndJob(job);
   ScheduleRetry(job);

@@ -204,6 +204,14 @@ class Forwarder {
   struct Sent;
   Sent SendForward(const std::shared_ptr<Job>& job, const v1::ForwardRequest& header, const MessagePtr& ancestor,
                    bool acc_suffix, BlockingStream* stream);
+  // Waits for the publish's outcome when the attempt ended before it (up to
+  // the forward timeout); marks `sent` committed or its publish failed.
+  void AwaitPublish(const std::shared_ptr<Job>& job, Sent* sent);
+  // True when the answer asks for the message again in another form (whole,
+  // or by protocol 1 to a relay that does not speak the wire codec): the
+  // attempt is then scheduled again at once.
+  bool ResendIfAsked(const std::shared_ptr<Job>& job, const grpc::Status& status, const v1::ForwardResponse& resp,
+                     bool coded, const MessagePtr& ancestor);
   // Records the destination's answer for each recipient (committed, queued
   // for a retry, dead-lettered); the recipients to retry.
   std::vector<std::string> ApplyAnswer(const std::shared_ptr<Job>& job, grpc::Status status,

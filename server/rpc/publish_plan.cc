@@ -39,6 +39,48 @@ uint64_t MinComposedBytes(const Pipeline& p, const UploadShape& shape, const Mes
                        static_cast<uint64_t>(shape.layers));
 }
 
+// The parent of a publish with parent_id, checked against the upload's
+// shape (PlanPublish's contract, "with parent_id").
+absl::StatusOr<MessagePtr> PlanParent(const v1::PublishHeader& h, const UploadShape& shape, const PlanInputs& in) {
+  if (shape.geo.n_history != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("header.geometry.n_history: ", shape.geo.n_history,
+                                                   ", expected 0 with parent_id (the relay supplies the history)"));
+  }
+  if (shape.first_agent) {
+    return absl::InvalidArgumentError(
+        "header.geometry.first_agent: true, expected false with parent_id (the parent holds the anchors)");
+  }
+  KVRELAY_ASSIGN_OR_RETURN(MessagePtr parent, in.store.LookupParent(h.session_id(), h.parent_id(), h.sender()));
+  const Message& pm = parent->msg;
+  if (static_cast<int>(pm.layers.size()) != shape.layers || pm.kv_heads != shape.geo.kv_heads ||
+      pm.head_dim != shape.geo.head_dim || pm.dtype != shape.geo.dtype) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "header.parent_id: '%s' has %d layers x %d kv_heads x head_dim %d %s, expected the geometry's "
+        "%d x %d x %d %s",
+        h.parent_id(), pm.layers.size(), pm.kv_heads, pm.head_dim, std::string(DTypeName(pm.dtype)),
+        shape.layers, shape.geo.kv_heads, shape.geo.head_dim, std::string(DTypeName(shape.geo.dtype))));
+  }
+  if (const int n = pm.layers[0].tokens(); shape.geo.history_score && shape.history_score_tokens != n) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.geometry.history_score_tokens: ", shape.history_score_tokens, ", expected 0 or ", n,
+        " (the tokens per head of the parent '", h.parent_id(), "', which history.score covers)"));
+  }
+  if (shape.prompt_pos0 && *shape.prompt_pos0 < parent->msg.next_pos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.geometry.prompt_pos0: ", *shape.prompt_pos0, ", expected >= ", parent->msg.next_pos,
+        " (where the parent '", h.parent_id(), "' ended: its history would share position ids with this "
+        "prompt), or unset to continue there"));
+  }
+  if (!shape.prompt_pos0) {
+    const int64_t pos0 = parent->msg.next_pos;  // computed when the parent was compressed
+    if (pos0 + shape.geo.n_prompt + shape.geo.n_gen - 1 > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat("header.geometry.prompt_pos0: ", pos0,
+                                                     " (after the parent) puts position ids past int32"));
+    }
+  }
+  return parent;
+}
+
 absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanInputs& in) {
   PublishPlan plan;
   plan.header = h;
@@ -74,45 +116,13 @@ absl::StatusOr<PublishPlan> PlanPublish(const v1::PublishHeader& h, const PlanIn
   }
   KVRELAY_RETURN_IF_ERROR(CheckPolicyFor(**pipeline, shape.geo, "header.policy"));
   MessagePtr parent;
-  int64_t pos0 = shape.prompt_pos0.value_or(shape.geo.n_history);
   if (!h.parent_id().empty()) {
-    if (shape.geo.n_history != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("header.geometry.n_history: ", shape.geo.n_history,
-                                                     ", expected 0 with parent_id (the relay supplies the history)"));
-    }
-    if (shape.first_agent) {
-      return absl::InvalidArgumentError(
-          "header.geometry.first_agent: true, expected false with parent_id (the parent holds the anchors)");
-    }
-    KVRELAY_ASSIGN_OR_RETURN(parent, in.store.LookupParent(h.session_id(), h.parent_id(), h.sender()));
-    const Message& pm = parent->msg;
-    if (static_cast<int>(pm.layers.size()) != shape.layers || pm.kv_heads != shape.geo.kv_heads ||
-        pm.head_dim != shape.geo.head_dim || pm.dtype != shape.geo.dtype) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "header.parent_id: '%s' has %d layers x %d kv_heads x head_dim %d %s, expected the geometry's "
-          "%d x %d x %d %s",
-          h.parent_id(), pm.layers.size(), pm.kv_heads, pm.head_dim, std::string(DTypeName(pm.dtype)),
-          shape.layers, shape.geo.kv_heads, shape.geo.head_dim, std::string(DTypeName(shape.geo.dtype))));
-    }
-    if (const int n = pm.layers[0].tokens(); shape.geo.history_score && shape.history_score_tokens != n) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "header.geometry.history_score_tokens: ", shape.history_score_tokens, ", expected 0 or ", n,
-          " (the tokens per head of the parent '", h.parent_id(), "', which history.score covers)"));
-    }
-    if (shape.prompt_pos0 && *shape.prompt_pos0 < parent->msg.next_pos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.geometry.prompt_pos0: ", *shape.prompt_pos0, ", expected >= ", parent->msg.next_pos,
-          " (where the parent '", h.parent_id(), "' ended: its history would share position ids with this "
-          "prompt), or unset to continue there"));
-    }
-    if (!shape.prompt_pos0) {
-      pos0 = parent->msg.next_pos;  // computed when the parent was compressed
-      if (pos0 + shape.geo.n_prompt + shape.geo.n_gen - 1 > std::numeric_limits<int32_t>::max()) {
-        return absl::InvalidArgumentError(absl::StrCat("header.geometry.prompt_pos0: ", pos0,
-                                                       " (after the parent) puts position ids past int32"));
-      }
-    }
+    KVRELAY_ASSIGN_OR_RETURN(parent, PlanParent(h, shape, in));
   }
+  // The prompt's first position id: as the header says, else after the
+  // parent (its next_pos, computed when it was compressed), else after the
+  // uploaded history.
+  const int64_t pos0 = shape.prompt_pos0.value_or(parent ? parent->msg.next_pos : shape.geo.n_history);
   std::vector<std::string> recipients(h.recipients().begin(), h.recipients().end());
   // Where each recipient's mailbox is: here, or on the relay its route names.
   for (size_t i = 0; i < recipients.size(); ++i) {

@@ -348,12 +348,8 @@ absl::StatusOr<std::vector<Record>> SpoolStore::OpenJournal() {
   return std::move(jr.records);
 }
 
-absl::Status SpoolStore::LoadMessageFiles(SpoolReplay* model, MemoryStore::State* state) {
-  // Load the files the journal committed; remove the rest.
-  std::map<uint64_t, std::pair<std::string, std::string>> wanted;  // seq -> (session, id)
-  for (const auto& [session, s] : model->sessions) {
-    for (const auto& [id, h] : s.messages) wanted[h.seq] = {session, id};
-  }
+absl::StatusOr<std::set<uint64_t>> SpoolStore::SweepMessageDir(
+    const std::map<uint64_t, std::pair<std::string, std::string>>& wanted, SpoolReplay* model) {
   KVRELAY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->List(msg_dir_));
   std::set<uint64_t> present;
   for (const std::string& name : names) {
@@ -371,6 +367,44 @@ absl::Status SpoolStore::LoadMessageFiles(SpoolReplay* model, MemoryStore::State
     }
     present.insert(seq);
   }
+  return present;
+}
+
+absl::StatusOr<std::optional<SpoolMessage>> SpoolStore::ReadMessageFile(uint64_t seq, const std::string& session,
+                                                                        const std::string& id, uint64_t* size) {
+  const std::string path = MessagePath(seq, false);
+  KVRELAY_ASSIGN_OR_RETURN(std::string bytes, fs_->ReadFile(path));
+  *size = bytes.size();
+  if (absl::Status v = CheckMessageFileVersion(bytes); !v.ok()) return RefuseToStart(path, v.message());
+  const Clock::time_point crc_start = Clock::now();
+  const bool crc_ok = MessageFileCrcOk(bytes);
+  recovery_.crc_seconds += Since(crc_start);
+  absl::StatusOr<SpoolMessage> sm =
+      crc_ok ? DecodeMessageFile(bytes, /*check_crc=*/false, max_message_bytes_)
+             : absl::DataLossError("message file: CRC32C does not match (or the file is cut short)");
+  if (absl::IsFailedPrecondition(sm.status())) return RefuseToStart(path, sm.status().message());
+  if (sm.ok() && (sm->meta.session_id() != session || sm->meta.message_id() != id)) {
+    sm = absl::DataLossError(absl::StrCat("message file: holds ", sm->meta.session_id(), "/", sm->meta.message_id(),
+                                          ", the journal says ", session, "/", id));
+  }
+  if (sm.ok()) return std::optional<SpoolMessage>(std::move(*sm));
+  const std::string q = absl::StrCat(options_.dir, "/quarantine/", absl::StrFormat("%016x.kvm", seq));
+  absl::Status moved = fs_->Rename(path, q);
+  ++recovery_.quarantined;
+  if (metrics_) metrics_->AddSpoolQuarantined("message_file");
+  spdlog::error("spool: message {} of session {}: {}: {}; {} and never served", id, session, path,
+                std::string(sm.status().message()),
+                moved.ok() ? absl::StrCat("moved to ", q) : absl::StrCat("could not move it: ", moved.message()));
+  return std::optional<SpoolMessage>();
+}
+
+absl::Status SpoolStore::LoadMessageFiles(SpoolReplay* model, MemoryStore::State* state) {
+  // Load the files the journal committed; remove the rest.
+  std::map<uint64_t, std::pair<std::string, std::string>> wanted;  // seq -> (session, id)
+  for (const auto& [session, s] : model->sessions) {
+    for (const auto& [id, h] : s.messages) wanted[h.seq] = {session, id};
+  }
+  KVRELAY_ASSIGN_OR_RETURN(const std::set<uint64_t> present, SweepMessageDir(wanted, model));
   std::map<std::string, std::set<uint64_t>> files;
   std::map<uint64_t, uint64_t> file_sizes;
   uint64_t file_bytes = 0;
@@ -385,32 +419,9 @@ absl::Status SpoolStore::LoadMessageFiles(SpoolReplay* model, MemoryStore::State
       model->sessions[session].messages.erase(id);
       continue;
     }
-    const std::string path = MessagePath(seq, false);
-    KVRELAY_ASSIGN_OR_RETURN(std::string bytes, fs_->ReadFile(path));
-    if (absl::Status v = CheckMessageFileVersion(bytes); !v.ok()) {
-      return RefuseToStart(path, v.message());
-    }
-    const Clock::time_point crc_start = Clock::now();
-    const bool crc_ok = MessageFileCrcOk(bytes);
-    recovery_.crc_seconds += Since(crc_start);
-    absl::StatusOr<SpoolMessage> sm =
-        crc_ok ? DecodeMessageFile(bytes, /*check_crc=*/false, max_message_bytes_)
-               : absl::DataLossError("message file: CRC32C does not match (or the file is cut short)");
-    if (absl::IsFailedPrecondition(sm.status())) {
-      return RefuseToStart(path, sm.status().message());
-    }
-    if (sm.ok() && (sm->meta.session_id() != session || sm->meta.message_id() != id)) {
-      sm = absl::DataLossError(absl::StrCat("message file: holds ", sm->meta.session_id(), "/",
-                                            sm->meta.message_id(), ", the journal says ", session, "/", id));
-    }
-    if (!sm.ok()) {
-      const std::string q = absl::StrCat(options_.dir, "/quarantine/", absl::StrFormat("%016x.kvm", seq));
-      absl::Status moved = fs_->Rename(path, q);
-      ++recovery_.quarantined;
-      if (metrics_) metrics_->AddSpoolQuarantined("message_file");
-      spdlog::error("spool: message {} of session {}: {}: {}; {} and never served", id, session, path,
-                    std::string(sm.status().message()),
-                    moved.ok() ? absl::StrCat("moved to ", q) : absl::StrCat("could not move it: ", moved.message()));
+    uint64_t size = 0;
+    KVRELAY_ASSIGN_OR_RETURN(std::optional<SpoolMessage> sm, ReadMessageFile(seq, session, id, &size));
+    if (!sm) {
       model->sessions[session].messages.erase(id);
       continue;
     }
@@ -423,8 +434,8 @@ absl::Status SpoolStore::LoadMessageFiles(SpoolReplay* model, MemoryStore::State
     }
     state->sessions[session].messages.push_back(std::move(out));
     files[session].insert(seq);
-    file_sizes[seq] = bytes.size();
-    file_bytes += bytes.size();
+    file_sizes[seq] = size;
+    file_bytes += size;
   }
   state->closed.assign(model->closed.begin(), model->closed.end());
   file_bytes_total_ = static_cast<int64_t>(file_bytes);

@@ -52,6 +52,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -220,6 +221,15 @@ class SpoolStore final : public Store {
   // `model` those missing or damaged, which are counted and quarantined)
   // and removes every other file.
   absl::Status LoadMessageFiles(SpoolReplay* model, MemoryStore::State* state);
+  // The sequence numbers of the message files present that `wanted` holds;
+  // removes temporary files and those of no wanted message (orphans).
+  absl::StatusOr<std::set<uint64_t>> SweepMessageDir(
+      const std::map<uint64_t, std::pair<std::string, std::string>>& wanted, SpoolReplay* model);
+  // Message file `seq`, which the journal says holds `session`/`id`, and its
+  // size in `*size`. nullopt when it is damaged or holds another message: it
+  // is then quarantined. An error (a newer format) refuses to start.
+  absl::StatusOr<std::optional<SpoolMessage>> ReadMessageFile(uint64_t seq, const std::string& session,
+                                                              const std::string& id, uint64_t* size);
   // Tracks, peers and the outbox of the sessions in `state`.
   void RestoreSessions(const SpoolReplay& model, MemoryStore::State* state);
   // Logs recovery_ and sets its metrics.
