@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace kvrelay {
 namespace {
@@ -34,19 +35,54 @@ absl::Status CheckGrpcTarget(absl::string_view addr) {
     // gRPC matches the scheme exactly (DNS:/// is not dns:///).
     if (absl::StartsWith(addr, scheme)) return addr.size() > scheme.size() ? absl::OkStatus() : bad();
   }
-  const size_t colon = addr.rfind(':');
-  if (addr[0] == '[') {
-    const size_t close = addr.find(']');
-    if (close == absl::string_view::npos || close + 1 != colon) return bad();
-  } else if (colon == 0 || addr.find(':') != colon) {
-    return bad();  // no host, or a bare IPv6 address without brackets
-  }
+  std::string host;
   int port;
-  if (colon == absl::string_view::npos || !absl::SimpleAtoi(addr.substr(colon + 1), &port) || port < 1 ||
-      port > 65535 || addr.find_first_of(" \t,") != absl::string_view::npos) {
+  if (!SplitHostPort(addr, &host, &port).ok() || host.empty() || port < 1 ||
+      (host[0] != '[' && host.find(':') != std::string::npos) ||  // a bare IPv6 address without brackets
+      addr.find_first_of(" \t,") != absl::string_view::npos) {
     return bad();
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckGrpcTarget(absl::string_view target, absl::string_view field) {
+  absl::Status s = CheckGrpcTarget(target);
+  if (s.ok()) return s;
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
+}
+
+absl::Status SplitHostPort(absl::string_view addr, std::string* host, int* port) {
+  size_t colon;
+  if (!addr.empty() && addr[0] == '[') {
+    const size_t close = addr.find(']');
+    if (close == absl::string_view::npos || close + 1 >= addr.size() || addr[close + 1] != ':') {
+      return absl::InvalidArgumentError(absl::StrCat(addr, ": expected [V6]:PORT"));
+    }
+    colon = close + 1;
+  } else {
+    colon = addr.rfind(':');
+    if (colon == absl::string_view::npos) return absl::InvalidArgumentError(absl::StrCat(addr, ": expected HOST:PORT"));
+  }
+  int p;
+  if (!absl::SimpleAtoi(addr.substr(colon + 1), &p) || p < 0 || p > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(addr, ": port expected in 0..65535"));
+  }
+  *host = std::string(addr.substr(0, colon));
+  *port = p;
+  return absl::OkStatus();
+}
+
+bool IsLoopbackHost(absl::string_view host) {
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) host = host.substr(1, host.size() - 2);
+  if (host == "localhost" || host == "::1") return true;
+  if (!absl::StartsWith(host, "127.")) return false;
+  int octets = 0;
+  for (absl::string_view o : absl::StrSplit(host, '.')) {
+    int v;
+    if (!absl::SimpleAtoi(o, &v) || v < 0 || v > 255) return false;
+    ++octets;
+  }
+  return octets == 4;
 }
 
 bool SameHost(absl::string_view a, absl::string_view b) {

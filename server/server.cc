@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "core/mutex.h"
 #include "core/pipeline.h"
+#include "proto/address.h"
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"

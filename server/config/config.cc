@@ -8,24 +8,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/status_macros.h"
+#include "proto/address.h"
 #include "server/config/flags.h"
 
 namespace kvrelay {
 namespace {
-
-// Whether HOST (as SplitHostPort gives it) is a loopback address.
-bool IsLoopbackHost(absl::string_view host) {
-  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) host = host.substr(1, host.size() - 2);
-  if (host == "localhost" || host == "::1") return true;
-  if (!absl::StartsWith(host, "127.")) return false;
-  int octets = 0;
-  for (absl::string_view o : absl::StrSplit(host, '.')) {
-    int v;
-    if (!absl::SimpleAtoi(o, &v) || v < 0 || v > 255) return false;
-    ++octets;
-  }
-  return octets == 4;
-}
 
 // The rules between the security flags, checked once every source is in.
 absl::Status CheckSecurity(const ServerConfig& c) {
@@ -114,27 +101,6 @@ bool ServesPlaintextOffLoopback(const ServerConfig& c) {
 const std::string& ServerConfig::PolicyForRole(const std::string& role) const {
   auto it = role_policies.find(role);
   return it == role_policies.end() ? default_policy : it->second;
-}
-
-absl::Status SplitHostPort(const std::string& addr, std::string* host, int* port) {
-  size_t colon;
-  if (!addr.empty() && addr[0] == '[') {
-    const size_t close = addr.find(']');
-    if (close == std::string::npos || close + 1 >= addr.size() || addr[close + 1] != ':') {
-      return absl::InvalidArgumentError(absl::StrCat(addr, ": expected [V6]:PORT"));
-    }
-    colon = close + 1;
-  } else {
-    colon = addr.rfind(':');
-    if (colon == std::string::npos) return absl::InvalidArgumentError(absl::StrCat(addr, ": expected HOST:PORT"));
-  }
-  *host = addr.substr(0, colon);
-  int p;
-  if (!absl::SimpleAtoi(addr.substr(colon + 1), &p) || p < 0 || p > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(addr, ": port expected in 0..65535"));
-  }
-  *port = p;
-  return absl::OkStatus();
 }
 
 }  // namespace kvrelay

@@ -142,9 +142,6 @@ inline int MallocArenas(int worker_threads) { return worker_threads / 2 > 1 ? wo
 // bound at most its total. InvalidArgument naming the flags otherwise.
 absl::Status CheckServerConfig(const ServerConfig& c);
 
-// Splits "HOST:PORT" ("[v6]:PORT" too). InvalidArgument unless PORT is 0..65535.
-absl::Status SplitHostPort(const std::string& addr, std::string* host, int* port);
-
 // Whether a non-loopback TCP --listen address serves plaintext (--insecure):
 // the kvrelay_insecure gauge.
 bool ServesPlaintextOffLoopback(const ServerConfig& c);

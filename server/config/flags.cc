@@ -138,14 +138,6 @@ absl::Status ParseRolePolicy(absl::string_view flag, const std::string& v, Serve
   return absl::OkStatus();
 }
 
-// A target a relay dials; errors read "--FLAG=VALUE: address '...': ...".
-absl::Status CheckTarget(absl::string_view flag, absl::string_view value, absl::string_view target) {
-  if (absl::Status st = CheckGrpcTarget(target); !st.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", st.message()));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ParseRoute(absl::string_view flag, const std::string& v, ServerConfig* c) {
   const size_t eq = v.find('=');
   if (eq == std::string::npos || eq + 1 == v.size()) {
@@ -153,7 +145,7 @@ absl::Status ParseRoute(absl::string_view flag, const std::string& v, ServerConf
   }
   std::string agent = v.substr(0, eq), target = v.substr(eq + 1);
   if (!IsId(agent)) return FlagError(flag, v, absl::StrCat("AGENT=TARGET with AGENT of ", kIdPattern));
-  KVRELAY_RETURN_IF_ERROR(CheckTarget(flag, v, target));
+  KVRELAY_RETURN_IF_ERROR(CheckGrpcTarget(target, absl::StrCat("--", flag, "=", v)));
   c->routes[std::move(agent)] = std::move(target);
   return absl::OkStatus();
 }
@@ -319,7 +311,7 @@ std::vector<FlagSpec> MakeServerFlags() {
                     }));
   t.push_back(Value("advertise", "TARGET", "KVRELAY_ADVERTISE", "",
                     "this relay as its peers reach it; a route to it is local", [](S f, V v, C* c) {
-                      KVRELAY_RETURN_IF_ERROR(CheckTarget(f, v, v));
+                      KVRELAY_RETURN_IF_ERROR(CheckGrpcTarget(v, absl::StrCat("--", f, "=", v)));
                       c->advertise = v;
                       return absl::OkStatus();
                     }));

@@ -115,7 +115,7 @@ class ForwardSource {
   int layers() const { return n_layers_; }
 
  private:
-  const int n_layers_;
+  const int n_layers_;  // layers_.size(), read without mu_
   Mutex mu_;
   CondVar cv_;
   std::vector<std::unique_ptr<LayerView>> layers_ ABSL_GUARDED_BY(mu_);  // n_layers_ entries

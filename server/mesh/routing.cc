@@ -16,17 +16,6 @@
 #include "spdlog/spdlog.h"
 
 namespace kvrelay {
-namespace {
-
-// A route's target, as the client checks a relay address.
-absl::Status CheckTarget(const std::string& field, const std::string& target) {
-  absl::Status s = CheckGrpcTarget(target);
-  if (s.ok()) return s;
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", s.message()));
-}
-
-}  // namespace
-
 absl::StatusOr<std::map<std::string, std::string>> ParseRouteFile(const std::string& content,
                                                                   const std::string& source) {
   // The parser keeps the last of keys given twice: note them as they pass.
@@ -57,7 +46,7 @@ absl::StatusOr<std::map<std::string, std::string>> ParseRouteFile(const std::str
                                                      ", expected a target string (HOST:PORT or dns:///HOST:PORT)"));
     }
     const std::string target = it.value().get<std::string>();
-    if (absl::Status s = CheckTarget(field, target); !s.ok()) return s;
+    if (absl::Status s = CheckGrpcTarget(target, field); !s.ok()) return s;
     routes.emplace(it.key(), target);
   }
   return routes;

@@ -30,5 +30,34 @@ TEST(CheckGrpcTargetTest, RefusesWhatGrpcWouldMisread) {
   }
 }
 
+TEST(AddressTest, SplitHostPortKeepsBracketsAndChecksThePort) {
+  std::string host;
+  int port = -1;
+  ASSERT_TRUE(SplitHostPort("[::1]:0", &host, &port).ok());
+  EXPECT_EQ(host, "[::1]");
+  EXPECT_EQ(port, 0);
+  ASSERT_TRUE(SplitHostPort("relay-b:50051", &host, &port).ok());
+  EXPECT_EQ(host, "relay-b");
+  EXPECT_EQ(port, 50051);
+  EXPECT_FALSE(SplitHostPort("localhost", &host, &port).ok());
+  EXPECT_FALSE(SplitHostPort("[::1]50051", &host, &port).ok());
+  EXPECT_FALSE(SplitHostPort("a:65536", &host, &port).ok());
+  EXPECT_FALSE(SplitHostPort("a:-1", &host, &port).ok());
+}
+
+TEST(AddressTest, LoopbackHosts) {
+  for (const char* h : {"localhost", "::1", "[::1]", "127.0.0.1", "127.255.3.4"}) EXPECT_TRUE(IsLoopbackHost(h)) << h;
+  for (const char* h : {"0.0.0.0", "[::]", "10.0.0.1", "127.0.0", "127.0.0.256", "127.a.0.1", "localhost.evil", ""}) {
+    EXPECT_FALSE(IsLoopbackHost(h)) << h;
+  }
+}
+
+TEST(AddressTest, TheFieldPrefixesTheError) {
+  EXPECT_TRUE(CheckGrpcTarget("relay:1", "--route=a=relay:1").ok());
+  const absl::Status s = CheckGrpcTarget("relay", "--route=a=relay");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message().substr(0, 27), "--route=a=relay: address 'r");
+}
+
 }  // namespace
 }  // namespace kvrelay

@@ -240,14 +240,20 @@ class ForwardTest : public ::testing::Test {
   // With the relay on `clock`: fires its timers in deadline order (the
   // store's sweep, the watchdog, and the forwarder's threads waiting for a
   // queued retry) until `done`. False after 20 s of real time.
+  // The relay's threads that always wait on its clock: the store's timer
+  // and the upload watchdog.
+  static constexpr int kTimersAlwaysWaiting = 2;
+
   static bool FireTimersUntil(FakeTimeSource* clock, const std::function<bool()>& done) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (std::chrono::steady_clock::now() < until) {
       if (done()) return true;
-      // The store's timer and the watchdog wait always; a third waiter is a
-      // forwarder thread waiting for a queued retry (none while an attempt
-      // runs, whose retry is not queued yet).
-      if (clock->AwaitWaiters(3, std::chrono::milliseconds(100))) clock->AdvanceToNextDeadline();
+      // One more than the waiters always there: a forwarder thread waiting
+      // for a queued retry (none while an attempt runs, whose retry is not
+      // queued yet).
+      if (clock->AwaitWaiters(kTimersAlwaysWaiting + 1, std::chrono::milliseconds(100))) {
+        clock->AdvanceToNextDeadline();
+      }
     }
     return done();
   }

@@ -90,15 +90,6 @@ TEST(ConfigTest, BadFlagsNameTheFlag) {
   EXPECT_EQ(Parse({"--help"}).status().code(), absl::StatusCode::kCancelled);
 }
 
-TEST(ConfigTest, SplitHostPort) {
-  std::string host;
-  int port;
-  ASSERT_TRUE(SplitHostPort("[::1]:0", &host, &port).ok());
-  EXPECT_EQ(host, "[::1]");
-  EXPECT_EQ(port, 0);
-  EXPECT_FALSE(SplitHostPort("localhost", &host, &port).ok());
-}
-
 // Review 2c/2e: the retained-bytes limits and the upload idle timeout.
 TEST(ConfigTest, StoreByteLimitsAndUploadIdleTimeout) {
   auto c = Parse({});
