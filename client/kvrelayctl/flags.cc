@@ -46,6 +46,29 @@ std::string HelpText(const std::string& verb, const std::string& summary, const 
   return out;
 }
 
+std::string Synopsis(const std::string& verb, const VerbSpec& spec, int indent, int width) {
+  std::vector<std::string> words;
+  if (!spec.synopsis.empty()) words.push_back(spec.synopsis);
+  for (const FlagSpec& f : spec.flags) {
+    std::string w = absl::StrCat("--", f.name);
+    if (f.kind != FlagKind::kBool) absl::StrAppend(&w, " ", f.value_name);
+    if (f.kind == FlagKind::kRepeated) absl::StrAppend(&w, f.required ? absl::StrCat(" [", w, " ...]") : " ...");
+    words.push_back(f.required ? w : absl::StrCat("[", w, "]"));
+  }
+  const std::string first(indent, ' '), next(indent + verb.size() + 1, ' ');
+  std::string out = absl::StrCat(first, verb), line = out;
+  for (const std::string& w : words) {
+    if (line.size() + 1 + w.size() > static_cast<size_t>(width) && line.size() > next.size()) {
+      absl::StrAppend(&out, "\n", next, w);
+      line = next + w;
+    } else {
+      absl::StrAppend(&out, " ", w);
+      absl::StrAppend(&line, " ", w);
+    }
+  }
+  return absl::StrCat(out, "\n");
+}
+
 absl::StatusOr<Flags> Flags::Parse(std::string verb, const VerbSpec& spec, absl::Span<const std::string> args) {
   Flags flags(std::move(verb), spec);
   for (size_t i = 0; i < args.size() && !flags.help_requested_; ++i) {

@@ -73,6 +73,13 @@ struct VerbSpec {
 // flag of `spec` with its help, default and whether it is required.
 std::string HelpText(const std::string& verb, const std::string& summary, const VerbSpec& spec);
 
+// The verb's one-line synopsis from its table, for `kvrelayctl help`:
+// "VERB POSITIONAL --required VALUE [--optional VALUE] [--bool]
+// --repeated VALUE [--repeated VALUE ...]", wrapped before `width` columns
+// with continuation lines under the first flag, each line indented by
+// `indent` spaces.
+std::string Synopsis(const std::string& verb, const VerbSpec& spec, int indent = 2, int width = 80);
+
 // The flags of one invocation of one verb, parsed against its table.
 class Flags {
  public:

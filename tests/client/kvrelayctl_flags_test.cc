@@ -152,5 +152,19 @@ TEST(KvrelayctlFlags, HelpTextComesFromTheTable) {
             "usage: kvrelayctl inspect FILE\nDescribes a file.\n\nno flags.\n");
 }
 
+TEST(KvrelayctlFlags, SynopsisComesFromTheTableAndWraps) {
+  EXPECT_EQ(Synopsis("verb", TestSpec()),
+            "  verb --out FILE [--seed X] [--wait SECONDS] [--decode] [--to AGENT ...]\n");
+  VerbSpec required = TestSpec();
+  required.synopsis = "POS";
+  required.flags.back().required = true;
+  // Wrapped before 40 columns, continuation lines under the first word.
+  EXPECT_EQ(Synopsis("verb", required, 2, 40),
+            "  verb POS --out FILE [--seed X]\n"
+            "       [--wait SECONDS] [--decode]\n"
+            "       --to AGENT [--to AGENT ...]\n");
+  EXPECT_EQ(Synopsis("inspect", VerbSpec{"FILE", {}}), "  inspect FILE\n");
+}
+
 }  // namespace
 }  // namespace kvrelay::ctl

@@ -662,7 +662,8 @@ class TokenTest(unittest.TestCase):
 
     def test_help_describes_token_and_tls_flags(self):
         p = subprocess.run([KVRELAYCTL, "help"], capture_output=True, text=True, timeout=30)
-        for text in ("token new AGENT", "AGENT sha256:HEX", "--tls-ca FILE", "--tls-cert FILE --tls-key FILE",
+        for text in ("token new AGENT", "AGENT sha256:HEX", "--tls-ca FILE", "[--tls-cert FILE] [--tls-key FILE]",
+                     "--tls-cert/--tls-key: a client certificate",
                      "--token-file FILE", "KVRELAY_TOKEN", "UNAUTHENTICATED"):
             self.assertIn(text, p.stdout)
 
