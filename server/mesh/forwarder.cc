@@ -195,7 +195,7 @@ void Forwarder::Enqueue(const std::string& target, std::vector<std::string> reci
   job->deadline = time_->Now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(opts_.forward_timeout_seconds));
   for (const std::string& a : job->recipients) {
-    store_->TrackRecipient(job->session(), job->id(), a, {v1::RECIPIENT_STATE_QUEUED, target, "", 0});
+    store_->TrackRecipient(job->session(), job->id(), a, {TrackState::kQueued, target, "", 0});
   }
   store_->AddPeer(job->session(), target);
   Schedule(job, time_->Now());
@@ -247,7 +247,7 @@ void Forwarder::DeadLetter(const std::shared_ptr<Job>& job, const std::vector<st
     spdlog::warn("forward dead-lettered session={} message={} to={} destination={} attempts={}: {}", job->session(),
                  job->id(), a, job->target, job->attempts, reason);
     store_->TrackRecipient(job->session(), job->id(), a,
-                           {v1::RECIPIENT_STATE_DEAD_LETTERED, job->target, reason, static_cast<uint32_t>(job->attempts)});
+                           {TrackState::kDeadLettered, job->target, reason, static_cast<uint32_t>(job->attempts)});
     if (metrics_) {
       metrics_->AddDeadLetter(code);
       metrics_->AddForwardOutcome("dead_letter");
@@ -521,7 +521,7 @@ std::vector<std::string> Forwarder::ApplyAnswer(const std::shared_ptr<Job>& job,
     retry = job->recipients;
     for (const std::string& agent : retry) {
       store_->TrackRecipient(job->session(), job->id(), agent,
-                             {v1::RECIPIENT_STATE_QUEUED, job->target, job->last_error, static_cast<uint32_t>(job->attempts)});
+                             {TrackState::kQueued, job->target, job->last_error, static_cast<uint32_t>(job->attempts)});
     }
     spdlog::info("forward attempt {} failed session={} message={} destination={}: {}", job->attempts,
                  job->session(), job->id(), job->target, job->last_error);
@@ -535,7 +535,7 @@ std::vector<std::string> Forwarder::ApplyAnswer(const std::shared_ptr<Job>& job,
     if (code == grpc::OK) {
       committed_any = true;
       store_->TrackRecipient(job->session(), job->id(), agent,
-                             {v1::RECIPIENT_STATE_COMMITTED, job->target, "", static_cast<uint32_t>(job->attempts)});
+                             {TrackState::kCommitted, job->target, "", static_cast<uint32_t>(job->attempts)});
       if (metrics_) metrics_->AddForwardOutcome(r.duplicate() ? "duplicate" : "committed");
       spdlog::info("forward committed session={} message={} to={} destination={} attempt={} duplicate={}",
                    job->session(), job->id(), agent, job->target, job->attempts, r.duplicate());
@@ -543,7 +543,7 @@ std::vector<std::string> Forwarder::ApplyAnswer(const std::shared_ptr<Job>& job,
       retry.push_back(agent);
       job->last_error = absl::StrCat(GrpcCodeName(code), ": ", r.message());
       store_->TrackRecipient(job->session(), job->id(), agent,
-                             {v1::RECIPIENT_STATE_QUEUED, job->target, job->last_error, static_cast<uint32_t>(job->attempts)});
+                             {TrackState::kQueued, job->target, job->last_error, static_cast<uint32_t>(job->attempts)});
     } else {
       DeadLetter(job, {agent}, code, absl::StrCat(GrpcCodeName(code), ": ", r.message()));
     }
@@ -609,7 +609,7 @@ int Forwarder::Drain(std::chrono::milliseconds grace) {
   return left;
 }
 
-void Forwarder::Report(const StoredMessage& m, const std::string& agent, v1::RecipientState state) {
+void Forwarder::Report(const StoredMessage& m, const std::string& agent, TrackState state) {
   std::string target = m.origin;
   if (target.empty() && routes_) {
     absl::StatusOr<std::optional<std::string>> r = routes_->Resolve(m.sender);
@@ -620,7 +620,7 @@ void Forwarder::Report(const StoredMessage& m, const std::string& agent, v1::Rec
   req.set_session_id(m.session_id);
   req.set_message_id(m.message_id);
   req.set_agent(agent);
-  req.set_state(state);
+  req.set_state(static_cast<v1::RecipientState>(state));  // the same values
   peers_.CallAsync(target, kReportMethod, req, Millis(kPeerCallTimeout),
                    [target, id = m.message_id](const grpc::Status& s) {
                      if (!s.ok()) {

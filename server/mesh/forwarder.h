@@ -182,7 +182,7 @@ class Forwarder {
 
   // Best effort: tells the relay a forwarded message came from that `agent`
   // received it whole or acked it.
-  void Report(const StoredMessage& m, const std::string& agent, v1::RecipientState state);
+  void Report(const StoredMessage& m, const std::string& agent, TrackState state);
   // Best effort: passes a close on to `peers`.
   void PropagateClose(const std::string& session, const std::vector<std::string>& peers);
 

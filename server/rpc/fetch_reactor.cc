@@ -194,8 +194,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     absl::Status s;
     if (auto_ack_) s = relay_->store()->Ack(session_, agent_, m.message_id);
     if (m.forwarded && relay_->forwarder()) {  // tell the relay it came from, best effort
-      if (first) relay_->forwarder()->Report(m, agent_, v1::RECIPIENT_STATE_DELIVERED);
-      if (auto_ack_ && s.ok()) relay_->forwarder()->Report(m, agent_, v1::RECIPIENT_STATE_ACKED);
+      if (first) relay_->forwarder()->Report(m, agent_, TrackState::kDelivered);
+      if (auto_ack_ && s.ok()) relay_->forwarder()->Report(m, agent_, TrackState::kAcked);
     }
     spdlog::info("fetch delivered session={} message={} to={} attempt={} auto_ack={}", session_, m.message_id,
                  agent_, delivery_.attempt, auto_ack_);

@@ -89,7 +89,7 @@ grpc::ServerUnaryReactor* HandleAck(RelayContext* relay, grpc::CallbackServerCon
                     id = req.message_id()](const absl::Status& st) {
                      if (st.ok() && relay->forwarder()) {
                        MessagePtr m = relay->store()->Find(session, id);
-                       if (m && m->forwarded) relay->forwarder()->Report(*m, agent, v1::RECIPIENT_STATE_ACKED);
+                       if (m && m->forwarded) relay->forwarder()->Report(*m, agent, TrackState::kAcked);
                      }
                      FinishUnaryWith(relay, reactor, "Ack", st, v1::AckResponse(), response);
                    });
@@ -176,7 +176,7 @@ grpc::ServerUnaryReactor* HandleMessageStatus(RelayContext* relay, grpc::Callbac
       for (const Store::RecipientReport& x : r->recipients) {
         v1::RecipientStatus* y = resp.add_recipients();
         y->set_agent(x.agent);
-        y->set_state(x.state);
+        y->set_state(static_cast<v1::RecipientState>(x.state));  // the same values
         y->set_relay(x.relay);
         y->set_reason(x.reason);
         y->set_attempts(x.attempts);
@@ -216,7 +216,7 @@ grpc::ServerUnaryReactor* HandleReportRecipient(RelayContext* relay, grpc::Callb
                               remote->second, ")"));
     } else {
       Store::RecipientTrack t;
-      t.state = req.state();
+      t.state = static_cast<TrackState>(req.state());  // DELIVERED or ACKED, checked above
       relay->store()->TrackRecipient(req.session_id(), req.message_id(), req.agent(), t);
     }
   }

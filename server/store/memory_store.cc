@@ -650,7 +650,7 @@ absl::StatusOr<Store::MessageReport> MemoryStore::MessageStatus(const std::strin
       }
     }
     if (auto rt = msg.remote.find(agent); rt != msg.remote.end()) {
-      r->state = v1::RECIPIENT_STATE_QUEUED;
+      r->state = TrackState::kQueued;
       r->relay = rt->second;
       continue;
     }
@@ -659,8 +659,8 @@ absl::StatusOr<Store::MessageReport> MemoryStore::MessageStatus(const std::strin
       for (const Entry& e : mb->second.entries) in_mailbox |= e.msg->message_id == message_id;
     }
     const bool delivered = s->second.delivered.count({message_id, agent}) > 0;
-    r->state = in_mailbox ? (delivered ? v1::RECIPIENT_STATE_DELIVERED : v1::RECIPIENT_STATE_COMMITTED)
-                          : (delivered ? v1::RECIPIENT_STATE_ACKED : v1::RECIPIENT_STATE_UNSPECIFIED);
+    r->state = in_mailbox ? (delivered ? TrackState::kDelivered : TrackState::kCommitted)
+                          : (delivered ? TrackState::kAcked : TrackState::kUnspecified);
   }
   return resp;
 }

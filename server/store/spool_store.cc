@@ -92,7 +92,7 @@ Record TrackRecord(const std::string& session, const std::string& id, const std:
   x->set_session_id(session);
   x->set_message_id(id);
   x->set_agent(agent);
-  x->set_state(t.state);
+  x->set_state(static_cast<int32_t>(t.state));
   x->set_relay(t.relay);
   x->set_reason(t.reason);
   x->set_attempts(t.attempts);
@@ -187,7 +187,7 @@ SpoolReplay Replay(const std::vector<Record>& records) {
         auto s = model.sessions.find(t.session_id());
         if (s == model.sessions.end()) break;
         Store::RecipientTrack next;
-        next.state = static_cast<v1::RecipientState>(t.state());
+        next.state = static_cast<TrackState>(t.state());
         next.relay = t.relay();
         next.reason = t.reason();
         next.attempts = t.attempts();
@@ -470,7 +470,7 @@ void SpoolStore::RestoreSessions(const SpoolReplay& model, MemoryStore::State* s
       for (const auto& [agent, target] : m.remote) {
         if (tracks != ss.tracks.end()) {
           auto t = tracks->second.find(agent);
-          if (t != tracks->second.end() && t->second.state != v1::RECIPIENT_STATE_QUEUED) continue;
+          if (t != tracks->second.end() && t->second.state != TrackState::kQueued) continue;
         }
         pending[target].push_back(agent);
       }
@@ -810,7 +810,7 @@ void SpoolStore::TrackRecipient(const std::string& session, const std::string& m
                                 const RecipientTrack& track) {
   mem_->TrackRecipient(session, message_id, agent, track);
   if (!mem_->Find(session, message_id)) return;  // nothing held here to track
-  if (track.state == v1::RECIPIENT_STATE_DEAD_LETTERED) {
+  if (track.state == TrackState::kDeadLettered) {
     // Reported (logged, counted) once durable.
     if (absl::Status s = Durable(TrackRecord(session, message_id, agent, track))->get_future().get(); !s.ok()) {
       spdlog::error("spool: dead letter of session={} message={} to={} not recorded: {}", session, message_id, agent,

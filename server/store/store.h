@@ -39,6 +39,20 @@ namespace kvrelay {
 
 using Clock = std::chrono::steady_clock;
 
+// Where a message is for one of its recipients. The values are the wire's
+// (kvrelay.v1.RecipientState) and the spool's, and their order is the order
+// of progress (MergeTrack); a dead letter is final.
+enum class TrackState : int {
+  kUnspecified = 0,  // a recipient here whose copy was dropped unread
+  kQueued = 1,       // waiting in this relay's outbox
+  kCommitted = 2,    // in the recipient's mailbox, here or at its relay
+  kDelivered = 3,    // the recipient received it whole
+  kAcked = 4,        // the recipient acknowledged it
+  kDeadLettered = 5  // given up
+};
+// "queued", "dead_lettered", ...
+const char* TrackStateName(TrackState s);
+
 // A committed message. Immutable once committed (shared by every delivery).
 struct StoredMessage {
   std::string session_id, message_id, sender, role, parent_id;
@@ -135,7 +149,7 @@ class Outbox {
   // A dead letter only replaces queued: once the destination committed the
   // message (or reported it delivered or acked), that state stays.
   struct RecipientTrack {
-    v1::RecipientState state = v1::RECIPIENT_STATE_QUEUED;
+    TrackState state = TrackState::kQueued;
     std::string relay;   // the recipient's relay
     std::string reason;  // "CODE: message" of a dead letter or the last failed attempt
     uint32_t attempts = 0;
@@ -151,7 +165,7 @@ class Outbox {
   struct RecipientReport {
     std::string agent;
     // UNSPECIFIED: a recipient here whose copy was dropped unread.
-    v1::RecipientState state = v1::RECIPIENT_STATE_UNSPECIFIED;
+    TrackState state = TrackState::kUnspecified;
     std::string relay;   // its relay, for a recipient on another relay
     std::string reason;  // as RecipientTrack's
     uint32_t attempts = 0;

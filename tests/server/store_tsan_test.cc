@@ -365,12 +365,12 @@ TEST(StoreConcurrencyTest, OutboxReservationsStayInBoundsAndReturnToZero) {
   EXPECT_EQ(GaugeValue(metrics, "kvrelay_outbox_bytes"), 0.0);
 }
 
-int Rank(v1::RecipientState s) {
+int Rank(TrackState s) {
   switch (s) {
-    case v1::RECIPIENT_STATE_QUEUED: return 1;
-    case v1::RECIPIENT_STATE_COMMITTED: return 2;
-    case v1::RECIPIENT_STATE_DELIVERED: return 3;
-    case v1::RECIPIENT_STATE_ACKED: return 4;
+    case TrackState::kQueued: return 1;
+    case TrackState::kCommitted: return 2;
+    case TrackState::kDelivered: return 3;
+    case TrackState::kAcked: return 4;
     default: return 0;
   }
 }
@@ -401,11 +401,11 @@ TEST(StoreConcurrencyTest, TrackedStatesNeverGoBackUnderConcurrentReaders) {
           t.relay = absl::StrCat("relay-", r, ":1");
           t.attempts = static_cast<uint32_t>(i / 4);
           switch (rng() % 16) {
-            case 0: t.state = v1::RECIPIENT_STATE_DEAD_LETTERED; t.reason = "DEADLINE_EXCEEDED: gave up"; break;
-            case 1: case 2: t.state = v1::RECIPIENT_STATE_COMMITTED; break;
-            case 3: t.state = v1::RECIPIENT_STATE_DELIVERED; break;
-            case 4: t.state = v1::RECIPIENT_STATE_ACKED; break;
-            default: t.state = v1::RECIPIENT_STATE_QUEUED; t.reason = "UNAVAILABLE: retrying"; break;
+            case 0: t.state = TrackState::kDeadLettered; t.reason = "DEADLINE_EXCEEDED: gave up"; break;
+            case 1: case 2: t.state = TrackState::kCommitted; break;
+            case 3: t.state = TrackState::kDelivered; break;
+            case 4: t.state = TrackState::kAcked; break;
+            default: t.state = TrackState::kQueued; t.reason = "UNAVAILABLE: retrying"; break;
           }
           s.TrackRecipient("s", "m", absl::StrCat("r", r), t);
         }
@@ -428,10 +428,10 @@ TEST(StoreConcurrencyTest, TrackedStatesNeverGoBackUnderConcurrentReaders) {
         ASSERT_EQ(resp->recipients.size(), 1 + kRemote);
         for (const Store::RecipientReport& now : resp->recipients) {
           const bool local = now.agent == "b";
-          EXPECT_NE(now.state, v1::RECIPIENT_STATE_UNSPECIFIED) << now.agent;
+          EXPECT_NE(now.state, TrackState::kUnspecified) << now.agent;
           if (local) {
-            EXPECT_NE(now.state, v1::RECIPIENT_STATE_QUEUED);
-            EXPECT_NE(now.state, v1::RECIPIENT_STATE_DEAD_LETTERED);
+            EXPECT_NE(now.state, TrackState::kQueued);
+            EXPECT_NE(now.state, TrackState::kDeadLettered);
           } else {
             EXPECT_EQ(now.relay, absl::StrCat("relay-", now.agent.substr(1), ":1"));
           }
@@ -439,15 +439,15 @@ TEST(StoreConcurrencyTest, TrackedStatesNeverGoBackUnderConcurrentReaders) {
           if (p != prev.end()) {
             const Store::RecipientReport& was = p->second;
             EXPECT_GE(now.attempts, was.attempts) << now.agent;
-            if (was.state == v1::RECIPIENT_STATE_DEAD_LETTERED) {
-              EXPECT_EQ(now.state, v1::RECIPIENT_STATE_DEAD_LETTERED) << now.agent << ": a dead letter is final";
-            } else if (now.state == v1::RECIPIENT_STATE_DEAD_LETTERED) {
-              EXPECT_EQ(was.state, v1::RECIPIENT_STATE_QUEUED) << now.agent << ": dead-lettered after "
-                                                                 << v1::RecipientState_Name(was.state);
+            if (was.state == TrackState::kDeadLettered) {
+              EXPECT_EQ(now.state, TrackState::kDeadLettered) << now.agent << ": a dead letter is final";
+            } else if (now.state == TrackState::kDeadLettered) {
+              EXPECT_EQ(was.state, TrackState::kQueued) << now.agent << ": dead-lettered after "
+                                                                 << TrackStateName(was.state);
             } else {
               EXPECT_GE(Rank(now.state), Rank(was.state))
-                  << now.agent << ": " << v1::RecipientState_Name(was.state) << " -> "
-                  << v1::RecipientState_Name(now.state);
+                  << now.agent << ": " << TrackStateName(was.state) << " -> "
+                  << TrackStateName(now.state);
             }
           }
           prev[now.agent] = now;
@@ -458,7 +458,7 @@ TEST(StoreConcurrencyTest, TrackedStatesNeverGoBackUnderConcurrentReaders) {
   for (auto& t : threads) t.join();
   absl::StatusOr<Store::MessageReport> resp = s.MessageStatus("s", "m");
   ASSERT_TRUE(resp.ok()) << resp.status();
-  EXPECT_EQ(resp->recipients[0].state, v1::RECIPIENT_STATE_ACKED);
+  EXPECT_EQ(resp->recipients[0].state, TrackState::kAcked);
 }
 
 // The wire bytes of one layer in delivery order.

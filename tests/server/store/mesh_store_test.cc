@@ -258,7 +258,7 @@ TEST(MeshStoreTest, OutboxBoundsPerDestinationAndInAll) {
   EXPECT_TRUE(s.ReserveOutbox("y:1", 100).ok());
 }
 
-Store::RecipientTrack Track(v1::RecipientState state, const std::string& relay = "r:1", const std::string& reason = "",
+Store::RecipientTrack Track(TrackState state, const std::string& relay = "r:1", const std::string& reason = "",
                             uint32_t attempts = 0) {
   Store::RecipientTrack t;
   t.state = state;
@@ -297,20 +297,20 @@ TEST(MeshStoreTest, MessageStatusOfRecipientsHereFollowsTheirMailbox) {
   EXPECT_EQ(r->recipients[0].agent, "c");  // the publish's order
   EXPECT_EQ(r->recipients[1].agent, "b");
   for (const auto& x : r->recipients) {
-    EXPECT_EQ(x.state, v1::RECIPIENT_STATE_COMMITTED) << x.agent;
+    EXPECT_EQ(x.state, TrackState::kCommitted) << x.agent;
     EXPECT_EQ(x.relay, "") << x.agent;
     EXPECT_EQ(x.attempts, 0u) << x.agent;
   }
   uint64_t w = 0;
   auto d = s.FetchOrWait("s", "b", kNever, [](Store::Wake) {}, &w);
   ASSERT_TRUE(d);
-  EXPECT_EQ(StatusNow(s, "b").state, v1::RECIPIENT_STATE_COMMITTED) << "handed out, not yet written whole";
+  EXPECT_EQ(StatusNow(s, "b").state, TrackState::kCommitted) << "handed out, not yet written whole";
   s.MarkDelivered("s", "b", "m1");
-  EXPECT_EQ(StatusNow(s, "b").state, v1::RECIPIENT_STATE_DELIVERED);
-  EXPECT_EQ(StatusNow(s, "c").state, v1::RECIPIENT_STATE_COMMITTED);
+  EXPECT_EQ(StatusNow(s, "b").state, TrackState::kDelivered);
+  EXPECT_EQ(StatusNow(s, "c").state, TrackState::kCommitted);
   ASSERT_TRUE(s.Ack("s", "b", "m1").ok());
-  EXPECT_EQ(StatusNow(s, "b").state, v1::RECIPIENT_STATE_ACKED);
-  EXPECT_EQ(StatusNow(s, "c").state, v1::RECIPIENT_STATE_COMMITTED);
+  EXPECT_EQ(StatusNow(s, "b").state, TrackState::kAcked);
+  EXPECT_EQ(StatusNow(s, "c").state, TrackState::kCommitted);
 }
 
 TEST(MeshStoreTest, MessageStatusOfRemoteRecipientsIsTheirTrack) {
@@ -321,29 +321,29 @@ TEST(MeshStoreTest, MessageStatusOfRemoteRecipientsIsTheirTrack) {
   ASSERT_TRUE(Commit(s, m).ok());
   EXPECT_EQ(s.Stats().mailbox_messages, 1u) << "only the recipient here gets a mailbox entry";
   Store::RecipientReport far = StatusNow(s, "far");
-  EXPECT_EQ(far.state, v1::RECIPIENT_STATE_QUEUED) << "not tracked yet: waiting to be forwarded";
+  EXPECT_EQ(far.state, TrackState::kQueued) << "not tracked yet: waiting to be forwarded";
   EXPECT_EQ(far.relay, "relay-far:1");
-  EXPECT_EQ(StatusNow(s, "near").state, v1::RECIPIENT_STATE_COMMITTED);
+  EXPECT_EQ(StatusNow(s, "near").state, TrackState::kCommitted);
 
-  s.TrackRecipient("s", "m1", "far", Track(v1::RECIPIENT_STATE_QUEUED, "relay-far:1", "UNAVAILABLE: down", 1));
+  s.TrackRecipient("s", "m1", "far", Track(TrackState::kQueued, "relay-far:1", "UNAVAILABLE: down", 1));
   far = StatusNow(s, "far");
-  EXPECT_EQ(far.state, v1::RECIPIENT_STATE_QUEUED);
+  EXPECT_EQ(far.state, TrackState::kQueued);
   EXPECT_EQ(far.reason, "UNAVAILABLE: down");
   EXPECT_EQ(far.attempts, 1u);
-  s.TrackRecipient("s", "m1", "far", Track(v1::RECIPIENT_STATE_COMMITTED, "relay-far:1", "", 2));
+  s.TrackRecipient("s", "m1", "far", Track(TrackState::kCommitted, "relay-far:1", "", 2));
   far = StatusNow(s, "far");
-  EXPECT_EQ(far.state, v1::RECIPIENT_STATE_COMMITTED);
+  EXPECT_EQ(far.state, TrackState::kCommitted);
   EXPECT_EQ(far.relay, "relay-far:1");
   EXPECT_EQ(far.reason, "");
   EXPECT_EQ(far.attempts, 2u);
   // A report from the destination carries no relay and no attempts: both stay.
-  s.TrackRecipient("s", "m1", "far", Track(v1::RECIPIENT_STATE_DELIVERED, "", "", 0));
+  s.TrackRecipient("s", "m1", "far", Track(TrackState::kDelivered, "", "", 0));
   far = StatusNow(s, "far");
-  EXPECT_EQ(far.state, v1::RECIPIENT_STATE_DELIVERED);
+  EXPECT_EQ(far.state, TrackState::kDelivered);
   EXPECT_EQ(far.relay, "relay-far:1");
   EXPECT_EQ(far.attempts, 2u);
   // Tracking an unknown session or message does nothing.
-  s.TrackRecipient("other", "m1", "far", Track(v1::RECIPIENT_STATE_ACKED));
+  s.TrackRecipient("other", "m1", "far", Track(TrackState::kAcked));
   EXPECT_EQ(s.MessageStatus("other", "m1").status().code(), absl::StatusCode::kNotFound);
 }
 
@@ -353,27 +353,27 @@ TEST(MeshStoreTest, TrackedStatesNeverGoBackAndADeadLetterIsFinal) {
   auto m = Msg("s", "m1", {"x", "y"});
   m->remote = {{"x", "rx:1"}, {"y", "ry:1"}};
   ASSERT_TRUE(Commit(s, m).ok());
-  s.TrackRecipient("s", "m1", "x", Track(v1::RECIPIENT_STATE_QUEUED, "rx:1", "", 0));
-  s.TrackRecipient("s", "m1", "x", Track(v1::RECIPIENT_STATE_ACKED, "", "", 0));
+  s.TrackRecipient("s", "m1", "x", Track(TrackState::kQueued, "rx:1", "", 0));
+  s.TrackRecipient("s", "m1", "x", Track(TrackState::kAcked, "", "", 0));
   // A late forward answer (committed) and a late retry record (queued)
   // after the destination reported the ack: the ack stays.
-  s.TrackRecipient("s", "m1", "x", Track(v1::RECIPIENT_STATE_COMMITTED, "rx:1", "", 1));
-  EXPECT_EQ(StatusNow(s, "x").state, v1::RECIPIENT_STATE_ACKED);
-  s.TrackRecipient("s", "m1", "x", Track(v1::RECIPIENT_STATE_QUEUED, "rx:1", "UNAVAILABLE: x", 2));
-  s.TrackRecipient("s", "m1", "x", Track(v1::RECIPIENT_STATE_DELIVERED, "", "", 0));
+  s.TrackRecipient("s", "m1", "x", Track(TrackState::kCommitted, "rx:1", "", 1));
+  EXPECT_EQ(StatusNow(s, "x").state, TrackState::kAcked);
+  s.TrackRecipient("s", "m1", "x", Track(TrackState::kQueued, "rx:1", "UNAVAILABLE: x", 2));
+  s.TrackRecipient("s", "m1", "x", Track(TrackState::kDelivered, "", "", 0));
   Store::RecipientReport x = StatusNow(s, "x");
-  EXPECT_EQ(x.state, v1::RECIPIENT_STATE_ACKED);
+  EXPECT_EQ(x.state, TrackState::kAcked);
   EXPECT_EQ(x.reason, "");
 
-  s.TrackRecipient("s", "m1", "y", Track(v1::RECIPIENT_STATE_QUEUED, "ry:1", "UNAVAILABLE: y", 3));
-  s.TrackRecipient("s", "m1", "y", Track(v1::RECIPIENT_STATE_DEAD_LETTERED, "ry:1", "INVALID_ARGUMENT: no", 4));
-  for (v1::RecipientState later : {v1::RECIPIENT_STATE_QUEUED, v1::RECIPIENT_STATE_COMMITTED,
-                                    v1::RECIPIENT_STATE_DELIVERED, v1::RECIPIENT_STATE_ACKED,
-                                    v1::RECIPIENT_STATE_DEAD_LETTERED}) {
+  s.TrackRecipient("s", "m1", "y", Track(TrackState::kQueued, "ry:1", "UNAVAILABLE: y", 3));
+  s.TrackRecipient("s", "m1", "y", Track(TrackState::kDeadLettered, "ry:1", "INVALID_ARGUMENT: no", 4));
+  for (TrackState later : {TrackState::kQueued, TrackState::kCommitted,
+                                    TrackState::kDelivered, TrackState::kAcked,
+                                    TrackState::kDeadLettered}) {
     s.TrackRecipient("s", "m1", "y", Track(later, "other:1", "later", 9));
   }
   Store::RecipientReport y = StatusNow(s, "y");
-  EXPECT_EQ(y.state, v1::RECIPIENT_STATE_DEAD_LETTERED);
+  EXPECT_EQ(y.state, TrackState::kDeadLettered);
   EXPECT_EQ(y.reason, "INVALID_ARGUMENT: no");
   EXPECT_EQ(y.relay, "ry:1");
   EXPECT_EQ(y.attempts, 4u);
@@ -387,19 +387,19 @@ TEST(MeshStoreTest, ADeadLetterReplacesOnlyAQueuedState) {
   auto m = Msg("s", "m1", {"q", "c", "d", "k"});
   m->remote = {{"q", "r:1"}, {"c", "r:1"}, {"d", "r:1"}, {"k", "r:1"}};
   ASSERT_TRUE(Commit(s, m).ok());
-  s.TrackRecipient("s", "m1", "q", Track(v1::RECIPIENT_STATE_QUEUED, "r:1", "UNAVAILABLE: down", 2));
-  s.TrackRecipient("s", "m1", "c", Track(v1::RECIPIENT_STATE_COMMITTED, "r:1", "", 1));
-  s.TrackRecipient("s", "m1", "d", Track(v1::RECIPIENT_STATE_DELIVERED, "", "", 0));
-  s.TrackRecipient("s", "m1", "k", Track(v1::RECIPIENT_STATE_ACKED, "", "", 0));
+  s.TrackRecipient("s", "m1", "q", Track(TrackState::kQueued, "r:1", "UNAVAILABLE: down", 2));
+  s.TrackRecipient("s", "m1", "c", Track(TrackState::kCommitted, "r:1", "", 1));
+  s.TrackRecipient("s", "m1", "d", Track(TrackState::kDelivered, "", "", 0));
+  s.TrackRecipient("s", "m1", "k", Track(TrackState::kAcked, "", "", 0));
   for (const char* agent : {"q", "c", "d", "k"}) {
-    s.TrackRecipient("s", "m1", agent, Track(v1::RECIPIENT_STATE_DEAD_LETTERED, "r:1", "DEADLINE_EXCEEDED: gave up", 3));
+    s.TrackRecipient("s", "m1", agent, Track(TrackState::kDeadLettered, "r:1", "DEADLINE_EXCEEDED: gave up", 3));
   }
-  EXPECT_EQ(StatusNow(s, "q").state, v1::RECIPIENT_STATE_DEAD_LETTERED);
+  EXPECT_EQ(StatusNow(s, "q").state, TrackState::kDeadLettered);
   EXPECT_EQ(StatusNow(s, "q").reason, "DEADLINE_EXCEEDED: gave up");
-  EXPECT_EQ(StatusNow(s, "c").state, v1::RECIPIENT_STATE_COMMITTED);
+  EXPECT_EQ(StatusNow(s, "c").state, TrackState::kCommitted);
   EXPECT_EQ(StatusNow(s, "c").reason, "");
-  EXPECT_EQ(StatusNow(s, "d").state, v1::RECIPIENT_STATE_DELIVERED);
-  EXPECT_EQ(StatusNow(s, "k").state, v1::RECIPIENT_STATE_ACKED);
+  EXPECT_EQ(StatusNow(s, "d").state, TrackState::kDelivered);
+  EXPECT_EQ(StatusNow(s, "k").state, TrackState::kAcked);
 }
 
 TEST(MeshStoreTest, ForwardedMessagesShowTheirRecipientsHere) {
@@ -410,10 +410,10 @@ TEST(MeshStoreTest, ForwardedMessagesShowTheirRecipientsHere) {
   auto r = s.MessageStatus("s", "m1");
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->recipients.size(), 2u);
-  EXPECT_EQ(StatusOf(*r, "b").state, v1::RECIPIENT_STATE_COMMITTED);
-  EXPECT_EQ(StatusOf(*r, "c").state, v1::RECIPIENT_STATE_COMMITTED);
+  EXPECT_EQ(StatusOf(*r, "b").state, TrackState::kCommitted);
+  EXPECT_EQ(StatusOf(*r, "c").state, TrackState::kCommitted);
   EXPECT_EQ(Drain(s, "s", "b"), std::vector<std::string>{"m1"});
-  EXPECT_EQ(StatusNow(s, "b").state, v1::RECIPIENT_STATE_ACKED);
+  EXPECT_EQ(StatusNow(s, "b").state, TrackState::kAcked);
 }
 
 TEST(MeshStoreTest, PeerHoldsIsPerSessionMessageAndPeer) {

@@ -533,8 +533,8 @@ TEST(SpoolStore, ForwardedMessagesTracksPeersAndTheOutboxSurvive) {
     auto q = RealMsg("s", "p2", {"r1"}, 4);
     q->remote = {{"r1", "R:1"}};
     ASSERT_TRUE(Commit(*s, q).ok());
-    s->TrackRecipient("s", "p2", "r1", {v1::RECIPIENT_STATE_COMMITTED, "R:1", "", 1});
-    s->TrackRecipient("s", "p1", "r2", {v1::RECIPIENT_STATE_DEAD_LETTERED, "R:1", "NOT_FOUND: x", 3});
+    s->TrackRecipient("s", "p2", "r1", {TrackState::kCommitted, "R:1", "", 1});
+    s->TrackRecipient("s", "p1", "r2", {TrackState::kDeadLettered, "R:1", "NOT_FOUND: x", 3});
     ASSERT_TRUE(s->AddPeer("s", "R:1"));
     s->NotePeerHolds("s", "p2", "R:1");
     // Forwarded here from relay O: one recipient, then a second.
@@ -557,7 +557,7 @@ TEST(SpoolStore, ForwardedMessagesTracksPeersAndTheOutboxSurvive) {
   absl::StatusOr<Store::MessageReport> st = s->MessageStatus("s", "p1");
   ASSERT_TRUE(st.ok());
   ASSERT_EQ(st->recipients.size(), 3u);
-  EXPECT_EQ(st->recipients[2].state, v1::RECIPIENT_STATE_DEAD_LETTERED);
+  EXPECT_EQ(st->recipients[2].state, TrackState::kDeadLettered);
   EXPECT_EQ(st->recipients[2].reason, "NOT_FOUND: x");
   EXPECT_TRUE(s->PeerHolds("s", "p2", "R:1"));
   EXPECT_EQ(s->Peers("s"), (std::vector<std::string>{"O:1", "R:1"}));
