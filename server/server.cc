@@ -392,7 +392,8 @@ absl::StatusOr<std::unique_ptr<RelayServer>> RelayServer::Start(const ServerConf
   KVRELAY_ASSIGN_OR_RETURN(s->routes_, OpenRoutes(config, time));
   s->forwarder_ = std::make_unique<Forwarder>(ForwarderOptionsOf(config, time, tls ? &tls_files : nullptr,
                                                                  s->metrics_.get()),
-                                              s->store_.get(), s->routes_.get(), s->metrics_.get());
+                                              s->store_.get(), s->store_.get(), s->store_.get(), s->routes_.get(),
+                                              s->metrics_.get());
   if (spool) ResumeForwards(*spool, s->forwarder_.get());
   KVRELAY_ASSIGN_OR_RETURN(s->auth_, OpenAuthenticator(config, tls, s->metrics_.get(), time));
   s->service_ = std::make_unique<RelayService>(config, s->store_.get(), s->pool_.get(), s->metrics_.get(),

@@ -25,13 +25,13 @@ bool MayElideWith(const StoredMessage& ancestor, const v1::MessageHeader& m) {
          static_cast<uint32_t>(a.layers[0].tokens()) <= m.n_history();
 }
 
-MessagePtr FindElisionAncestor(const Store& store, const std::string& session, const v1::MessageHeader& m,
-                               const std::string& target) {
+MessagePtr FindElisionAncestor(const MessageIndex& messages, const PeerBook& peers, const std::string& session,
+                               const v1::MessageHeader& m, const std::string& target) {
   std::string pid = m.parent_id();
   for (int hops = 0; !pid.empty() && hops < kMaxParentHops; ++hops) {
-    MessagePtr p = store.Find(session, pid);
+    MessagePtr p = messages.Find(session, pid);
     if (!p) return nullptr;
-    if (store.PeerHolds(session, pid, target)) return MayElideWith(*p, m) ? p : nullptr;
+    if (peers.PeerHolds(session, pid, target)) return MayElideWith(*p, m) ? p : nullptr;
     pid = p->parent_id;
   }
   return nullptr;

@@ -29,8 +29,8 @@ bool MayElideWith(const StoredMessage& ancestor, const v1::MessageHeader& m);
 // The sender's pick: the nearest ancestor of `m` (following parent ids in
 // `session`) that relay `target` holds, when MayElideWith it; null when
 // there is none.
-MessagePtr FindElisionAncestor(const Store& store, const std::string& session, const v1::MessageHeader& m,
-                               const std::string& target);
+MessagePtr FindElisionAncestor(const MessageIndex& messages, const PeerBook& peers, const std::string& session,
+                               const v1::MessageHeader& m, const std::string& target);
 
 // Whether the first `a` tokens of every head of `v` are exactly `anc`'s
 // (K, V and position ids).

@@ -146,8 +146,16 @@ struct Forwarder::Job {
 
 Clock::time_point Forwarder::RealDeadline(const Job& job) { return Clock::now() + (job.deadline - time_->Now()); }
 
-Forwarder::Forwarder(const ForwarderOptions& opts, Store* store, const RouteTable* routes, Metrics* metrics)
-    : opts_(opts), time_(opts.time), store_(store), routes_(routes), metrics_(metrics), peers_(opts.credentials) {
+Forwarder::Forwarder(const ForwarderOptions& opts, const MessageIndex* messages, Outbox* outbox, PeerBook* peers,
+                     const RouteTable* routes, Metrics* metrics)
+    : opts_(opts),
+      time_(opts.time),
+      messages_(messages),
+      outbox_(outbox),
+      peer_book_(peers),
+      routes_(routes),
+      metrics_(metrics),
+      peers_(opts.credentials) {
   for (int i = 0; i < std::max(1, opts_.threads); ++i) threads_.emplace_back([this] { Loop(); });
 }
 
@@ -195,9 +203,9 @@ void Forwarder::Enqueue(const std::string& target, std::vector<std::string> reci
   job->deadline = time_->Now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(opts_.forward_timeout_seconds));
   for (const std::string& a : job->recipients) {
-    store_->TrackRecipient(job->session(), job->id(), a, {TrackState::kQueued, target, "", 0});
+    outbox_->TrackRecipient(job->session(), job->id(), a, {TrackState::kQueued, target, "", 0});
   }
-  store_->AddPeer(job->session(), target);
+  peer_book_->AddPeer(job->session(), target);
   Schedule(job, time_->Now());
 }
 
@@ -237,7 +245,7 @@ void Forwarder::Loop() {
 }
 
 void Forwarder::EndJob(const std::shared_ptr<Job>& job) {
-  store_->ReleaseOutbox(job->target, job->outbox_bytes);
+  outbox_->ReleaseOutbox(job->target, job->outbox_bytes);
   job->outbox_bytes = 0;
 }
 
@@ -246,7 +254,7 @@ void Forwarder::DeadLetter(const std::shared_ptr<Job>& job, const std::vector<st
   for (const std::string& a : agents) {
     spdlog::warn("forward dead-lettered session={} message={} to={} destination={} attempts={}: {}", job->session(),
                  job->id(), a, job->target, job->attempts, reason);
-    store_->TrackRecipient(job->session(), job->id(), a,
+    outbox_->TrackRecipient(job->session(), job->id(), a,
                            {TrackState::kDeadLettered, job->target, reason, static_cast<uint32_t>(job->attempts)});
     if (metrics_) {
       metrics_->AddDeadLetter(code);
@@ -379,7 +387,7 @@ Forwarder::Sent Forwarder::SendForward(const std::shared_ptr<Job>& job, const v1
   }
   // From here a close of the session here is passed on to the destination;
   // a session already gone (closed right after the commit) sends nothing.
-  if (out.ok && out.committed && !store_->AddPeer(job->session(), job->target)) out.publish_failed = true;
+  if (out.ok && out.committed && !peer_book_->AddPeer(job->session(), job->target)) out.publish_failed = true;
   if (out.publish_failed || out.mismatch) stream->Cancel();
   if (out.ok && out.committed && !out.publish_failed) {
     v1::ForwardRequest commit;
@@ -429,7 +437,7 @@ bool Forwarder::ResendIfAsked(const std::shared_ptr<Job>& job, const grpc::Statu
 void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   // A retry of a message this relay no longer holds (its session was closed
   // or expired here) is dropped. The first attempt starts before the commit.
-  if (job->attempts > 0 && !store_->Find(job->session(), job->id())) {
+  if (job->attempts > 0 && !messages_->Find(job->session(), job->id())) {
     spdlog::info("forward dropped session={} message={} destination={}: the session is gone here (closed or "
                  "expired)",
                  job->session(), job->id(), job->target);
@@ -439,7 +447,7 @@ void Forwarder::Attempt(const std::shared_ptr<Job>& job) {
   const std::chrono::milliseconds stall(static_cast<int64_t>(opts_.stall_seconds * 1000));
 
   MessagePtr ancestor =
-      job->whole ? nullptr : FindElisionAncestor(*store_, job->session(), job->header.message(), job->target);
+      job->whole ? nullptr : FindElisionAncestor(*messages_, *peer_book_, job->session(), job->header.message(), job->target);
   const bool coded = UseWireCodec(job->target);
   // The acc goes whole, or with an ancestor only for the tokens after it
   // when the ancestor's tokens keep their acc: a turn without queries adds
@@ -520,7 +528,7 @@ std::vector<std::string> Forwarder::ApplyAnswer(const std::shared_ptr<Job>& job,
     }
     retry = job->recipients;
     for (const std::string& agent : retry) {
-      store_->TrackRecipient(job->session(), job->id(), agent,
+      outbox_->TrackRecipient(job->session(), job->id(), agent,
                              {TrackState::kQueued, job->target, job->last_error, static_cast<uint32_t>(job->attempts)});
     }
     spdlog::info("forward attempt {} failed session={} message={} destination={}: {}", job->attempts,
@@ -534,7 +542,7 @@ std::vector<std::string> Forwarder::ApplyAnswer(const std::shared_ptr<Job>& job,
     const auto code = static_cast<grpc::StatusCode>(r.code());
     if (code == grpc::OK) {
       committed_any = true;
-      store_->TrackRecipient(job->session(), job->id(), agent,
+      outbox_->TrackRecipient(job->session(), job->id(), agent,
                              {TrackState::kCommitted, job->target, "", static_cast<uint32_t>(job->attempts)});
       if (metrics_) metrics_->AddForwardOutcome(r.duplicate() ? "duplicate" : "committed");
       spdlog::info("forward committed session={} message={} to={} destination={} attempt={} duplicate={}",
@@ -542,14 +550,14 @@ std::vector<std::string> Forwarder::ApplyAnswer(const std::shared_ptr<Job>& job,
     } else if (Retryable(code)) {
       retry.push_back(agent);
       job->last_error = absl::StrCat(GrpcCodeName(code), ": ", r.message());
-      store_->TrackRecipient(job->session(), job->id(), agent,
+      outbox_->TrackRecipient(job->session(), job->id(), agent,
                              {TrackState::kQueued, job->target, job->last_error, static_cast<uint32_t>(job->attempts)});
     } else {
       DeadLetter(job, {agent}, code, absl::StrCat(GrpcCodeName(code), ": ", r.message()));
     }
   }
   if (committed_any) {
-    store_->NotePeerHolds(job->session(), job->id(), job->target);
+    peer_book_->NotePeerHolds(job->session(), job->id(), job->target);
     if (metrics_) {
       if (elided) metrics_->AddForwardElided(elided);
       if (!job->counted) {

@@ -162,7 +162,11 @@ struct ForwarderOptions {
 class Forwarder {
  public:
   // Pointers must outlive the forwarder; `metrics` may be null.
-  Forwarder(const ForwarderOptions& opts, Store* store, const RouteTable* routes, Metrics* metrics);
+  // `messages`, `outbox` and `peers` (the relay's store, in its three
+  // roles), `routes` and `metrics` (may be null) are not owned and outlive
+  // this.
+  Forwarder(const ForwarderOptions& opts, const MessageIndex* messages, Outbox* outbox, PeerBook* peers,
+            const RouteTable* routes, Metrics* metrics);
   ~Forwarder();  // cancels what is in flight; see Drain
   Forwarder(const Forwarder&) = delete;
   Forwarder& operator=(const Forwarder&) = delete;
@@ -170,7 +174,7 @@ class Forwarder {
   // A message for `recipients` on relay `target`. `header` describes the
   // message (ids, sender, role, parent, policy as requested, geometry, the
   // message header's shape); `outbox_bytes` were reserved with
-  // Store::ReserveOutbox(target, ...) and are released when the forward
+  // Outbox::ReserveOutbox(target, ...) and are released when the forward
   // ends. The first attempt starts at once.
   void Enqueue(const std::string& target, std::vector<std::string> recipients, const v1::ForwardHeader& header,
                std::shared_ptr<ForwardSource> source, uint64_t outbox_bytes);
@@ -233,7 +237,9 @@ class Forwarder {
 
   const ForwarderOptions opts_;
   TimeSource* const time_;
-  Store* const store_;
+  const MessageIndex* const messages_;
+  Outbox* const outbox_;
+  PeerBook* const peer_book_;
   const RouteTable* const routes_;
   Metrics* const metrics_;
   PeerChannels peers_;

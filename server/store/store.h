@@ -132,6 +132,14 @@ struct StoreStats {
 // to other relays, and where each forwarded message is for each of its
 // recipients there. Its clients: the forwarder, MessageStatus and
 // ReportRecipient. Thread-safe.
+// The committed messages by id: what the mesh reads of the mailboxes.
+class MessageIndex {
+ public:
+  virtual ~MessageIndex() = default;
+  // The committed message `message_id` of `session`, or null.
+  virtual MessagePtr Find(const std::string& session, const std::string& message_id) const = 0;
+};
+
 class Outbox {
  public:
   virtual ~Outbox() = default;
@@ -208,7 +216,7 @@ class PeerBook {
 // outbox and the peer book of the mesh (above). Implementations:
 // MemoryStore (server/store/memory_store.h) and SpoolStore
 // (server/store/spool_store.h), which makes it durable.
-class Store : public Outbox, public PeerBook {
+class Store : public MessageIndex, public Outbox, public PeerBook {
  public:
   Store() = default;
   // Pending waiters are dropped without a call.
@@ -225,8 +233,6 @@ class Store : public Outbox, public PeerBook {
   virtual void AddInflight(uint64_t bytes) = 0;
   virtual void ReleaseInflight(uint64_t bytes) = 0;
 
-  // The committed message `message_id` of `session`, or null.
-  virtual MessagePtr Find(const std::string& session, const std::string& message_id) const = 0;
 
   // The parent named by a publish of `sender`: a message of `session` that
   // was delivered to `sender`. NotVisibleError (NOT_FOUND) when there is no
