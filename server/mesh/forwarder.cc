@@ -392,7 +392,7 @@ Forwarder::Sent Forwarder::SendForward(const std::shared_ptr<Job>& job, const v1
   if (out.ok && out.committed && !out.publish_failed) {
     v1::ForwardRequest commit;
     *commit.mutable_commit()->mutable_trailer() = trailer.Build();
-    *commit.mutable_commit()->mutable_accounting() = out.committed->accounting;
+    *commit.mutable_commit()->mutable_accounting() = ToProto(out.committed->accounting);
     commit.mutable_commit()->set_next_pos(out.committed->msg.next_pos);
     out.ok = stream->Write(EncodeProto(commit), stall) && stream->WritesDone(stall);
   }

@@ -155,7 +155,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     h->set_role(m.role);
     h->set_parent_id(m.parent_id);
     FillMessageHeader(decoded ? *decoded : m.msg, h);
-    *h->mutable_accounting() = m.accounting;
+    *h->mutable_accounting() = ToProto(m.accounting);
     if (decoded) {  // the header describes what is delivered
       h->mutable_accounting()->set_sent_bytes(decoded->sent_bytes);
       h->mutable_accounting()->set_ratio(decoded->Ratio());

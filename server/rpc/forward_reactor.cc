@@ -332,7 +332,7 @@ class ForwardReactor final
     m->recipients = recipients_;
     m->requested_policy = h.requested_policy();
     m->geometry = h.geometry();
-    m->accounting = c.accounting();
+    m->accounting = AccountingFromProto(c.accounting());
     // With mTLS the origin is the relay the certificate proved, as this
     // relay routes to it, not what the forward says about itself.
     m->origin = caller_.identity.empty() ? h.origin() : verified_origin_;

@@ -123,7 +123,7 @@ class PublishReactor final
 
   void ReplyDuplicate(const MessagePtr& prior) {
     resp_.set_message_id(prior->message_id);
-    *resp_.mutable_accounting() = prior->accounting;
+    *resp_.mutable_accounting() = ToProto(prior->accounting);
     resp_.set_duplicate(true);
     if (relay_->metrics()) relay_->metrics()->AddOutcome("duplicate");
     spdlog::info("publish duplicate session={} message={}", prior->session_id, prior->message_id);
@@ -154,7 +154,7 @@ class PublishReactor final
     m->bytes = RetainedBytes(m->msg);
     m->started = started_;
     const double compress_s = pending->compress_seconds();
-    FillAccounting(m->msg, upload_.received(), compress_s, SecondsSince(started_), &m->accounting);
+    m->accounting = Accounting::Of(m->msg, upload_.received(), compress_s, SecondsSince(started_));
     absl::StatusOr<Store::CommitResult> r = relay_->store()->Commit(m, *ticket_);
     if (!r.ok()) return Fail(r.status());
     if (r->duplicate) {  // the same id committed while this one uploaded: its forwards go
@@ -165,12 +165,12 @@ class PublishReactor final
     if (source_) source_->Resolve(r->msg);  // the forwards send their commits
     const StoredMessage& c = *r->msg;
     resp_.set_message_id(c.message_id);
-    *resp_.mutable_accounting() = c.accounting;
+    *resp_.mutable_accounting() = ToProto(c.accounting);
     if (Metrics* mx = relay_->metrics()) {
       mx->AddCommitted(c.family, c.msg.full_bytes, c.msg.sent_bytes);
       mx->AddOutcome("committed");
       mx->ObserveCompress(compress_s);
-      mx->ObserveVisible(c.accounting.commit_seconds());
+      mx->ObserveVisible(c.accounting.commit_seconds);
       if (c.msg.attention_error) mx->ObserveAttentionError(c.family, *c.msg.attention_error);
       uint64_t head = 0, layer = 0;
       for (const MessageLayer& l : c.msg.layers) {
@@ -182,7 +182,7 @@ class PublishReactor final
     spdlog::info("publish committed session={} message={} from={} recipients={} policy={} full={} sent={} "
                  "ratio={:.2f} compress_s={:.4f} commit_s={:.4f}",
                  c.session_id, c.message_id, c.sender, c.recipients.size(), c.msg.policy, c.msg.full_bytes,
-                 c.msg.sent_bytes, c.msg.Ratio(), compress_s, c.accounting.commit_seconds());
+                 c.msg.sent_bytes, c.msg.Ratio(), compress_s, c.accounting.commit_seconds);
     FinishOnce(grpc::Status::OK);
   }
 

@@ -37,7 +37,7 @@ spool::v1::MessageMeta MetaOf(const StoredMessage& m) {
   for (const std::string& r : m.recipients) meta.add_recipients(r);
   meta.set_requested_policy(m.requested_policy);
   *meta.mutable_geometry() = m.geometry;
-  *meta.mutable_accounting() = m.accounting;
+  *meta.mutable_accounting() = ToProto(m.accounting);
   for (const auto& [agent, target] : m.remote) (*meta.mutable_remote())[agent] = target;
   meta.set_forwarded(m.forwarded);
   meta.set_origin(m.origin);
@@ -57,7 +57,7 @@ std::shared_ptr<StoredMessage> StoredOf(SpoolMessage sm, uint64_t seq) {
   m->recipients.assign(meta.recipients().begin(), meta.recipients().end());
   m->requested_policy = meta.requested_policy();
   m->geometry = meta.geometry();
-  m->accounting = meta.accounting();
+  m->accounting = AccountingFromProto(meta.accounting());
   m->remote.insert(meta.remote().begin(), meta.remote().end());
   m->forwarded = meta.forwarded();
   m->origin = meta.origin();

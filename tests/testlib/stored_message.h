@@ -77,9 +77,9 @@ inline std::shared_ptr<StoredMessage> StoredMessageOf(Message msg, const std::st
   m->sender = sender;
   m->recipients = std::move(recipients);
   m->msg = std::move(msg);
-  m->accounting.set_policy(m->msg.policy);
-  m->accounting.set_sent_bytes(m->msg.sent_bytes);
-  m->accounting.set_full_bytes(m->msg.full_bytes);
+  m->accounting.policy = m->msg.policy;
+  m->accounting.sent_bytes = m->msg.sent_bytes;
+  m->accounting.full_bytes = m->msg.full_bytes;
   m->family = m->msg.policy;
   m->bytes = RetainedBytes(m->msg);
   return m;

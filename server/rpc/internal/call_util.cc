@@ -24,16 +24,4 @@ grpc::Status AsClientSees(const grpc::CallbackServerContext& ctx, const grpc::St
   return grpc::Status(grpc::DEADLINE_EXCEEDED, absl::StrCat(s.error_message(), " (the call's deadline passed)"));
 }
 
-void FillAccounting(const Message& m, uint64_t received, double compress_s, double commit_s,
-                    v1::Accounting* a) {
-  a->set_received_bytes(received);
-  a->set_full_bytes(m.full_bytes);
-  a->set_sent_bytes(m.sent_bytes);
-  a->set_ratio(m.Ratio());
-  a->set_compress_seconds(compress_s);
-  a->set_commit_seconds(commit_s);
-  a->set_policy(m.policy);
-  if (m.attention_error) a->set_attention_error(*m.attention_error);
-}
-
 }  // namespace kvrelay

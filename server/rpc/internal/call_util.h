@@ -24,11 +24,6 @@ double SecondsSince(Clock::time_point t);
 // CANCELLED after the deadline is that. Every reactor's FinishOnce applies it.
 grpc::Status AsClientSees(const grpc::CallbackServerContext& ctx, const grpc::Status& s);
 
-// The accounting of the composed `m` (also its policy) from an upload of
-// `received` tensor bytes.
-void FillAccounting(const Message& m, uint64_t received, double compress_s, double commit_s,
-                    v1::Accounting* a);
-
 // Parses a raw request as `Request`: INVALID_ARGUMENT naming the message
 // type when the bytes are not one.
 template <typename Request>

@@ -16,6 +16,31 @@ namespace {
 
 using namespace kvrelay::testing;
 
+TEST(StoreTest, AccountingCrossesTheWireUnchanged) {
+  Message m;
+  m.full_bytes = 1000;
+  m.sent_bytes = 250;
+  m.policy = "h2o-head:k=32";
+  Accounting a = Accounting::Of(m, 1200, 0.5, 0.75);
+  EXPECT_EQ(a.ratio, 4.0);
+  EXPECT_FALSE(a.attention_error.has_value());
+  v1::Accounting p = ToProto(a);
+  EXPECT_FALSE(p.has_attention_error()) << "unset stays unset";
+  EXPECT_EQ(p.received_bytes(), 1200u);
+  EXPECT_EQ(p.policy(), "h2o-head:k=32");
+  m.attention_error = 0.0;  // set, and zero
+  a = Accounting::Of(m, 1200, 0.5, 0.75);
+  p = ToProto(a);
+  ASSERT_TRUE(p.has_attention_error());
+  const Accounting back = AccountingFromProto(p);
+  EXPECT_EQ(ToProto(back).SerializeAsString(), p.SerializeAsString());
+  EXPECT_EQ(back.attention_error, std::optional<double>(0.0));
+  EXPECT_EQ(back.commit_seconds, 0.75);
+  EXPECT_EQ(back.compress_seconds, 0.5);
+  EXPECT_EQ(back.full_bytes, 1000u);
+  EXPECT_EQ(back.sent_bytes, 250u);
+}
+
 TEST(StoreTest, DeliversOldestUnackedUntilAcked) {
   MemoryStore impl(StoreLimits{}, nullptr);
   Store& s = impl;
