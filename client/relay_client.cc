@@ -117,19 +117,6 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> CredentialsOf(const Co
   return grpc::SslCredentials(ssl);
 }
 
-Accounting FromProto(const v1::Accounting& a) {
-  Accounting out;
-  out.received_bytes = a.received_bytes();
-  out.full_bytes = a.full_bytes();
-  out.sent_bytes = a.sent_bytes();
-  out.ratio = a.ratio();
-  out.compress_seconds = a.compress_seconds();
-  out.commit_seconds = a.commit_seconds();
-  out.policy = a.policy();
-  if (a.has_attention_error()) out.attention_error = a.attention_error();
-  return out;
-}
-
 // Values this client does not know (a newer relay's) are kUnspecified.
 RecipientState FromProto(v1::RecipientState s) {
   switch (s) {
@@ -394,7 +381,7 @@ absl::StatusOr<PublishResult> RelayClient::PublishOnce(const Turn& turn, const s
   if (!up.ok() && !resp.duplicate()) return up;
   PublishResult out;
   out.message_id = resp.message_id();
-  out.accounting = FromProto(resp.accounting());
+  out.accounting = AccountingFromProto(resp.accounting());
   out.duplicate = resp.duplicate();
   return out;
 }
@@ -427,7 +414,7 @@ absl::StatusOr<FetchedMessage> RelayClient::Fetch(const FetchOptions& opts) {
   out.role = h.role();
   out.parent_id = h.parent_id();
   out.delivery_attempt = h.delivery_attempt();
-  out.accounting = FromProto(h.accounting());
+  out.accounting = AccountingFromProto(h.accounting());
   out.message = delivery.TakeMessage();
   return out;
 }
@@ -556,7 +543,7 @@ absl::StatusOr<CompressedMessage> RelayClient::Compress(const Turn& turn,
     return absl::DataLossError("compress stream: ended without a trailer, expected header, chunks, trailer");
   }
   CompressedMessage out;
-  out.accounting = FromProto(delivery.header().accounting());
+  out.accounting = AccountingFromProto(delivery.header().accounting());
   out.message = delivery.TakeMessage();
   return out;
 }

@@ -66,20 +66,6 @@ struct TransferProgress {
 // Called after every chunk; must be cheap (throttle any printing).
 using ProgressCallback = std::function<void(const TransferProgress&)>;
 
-// Byte accounting of one message (relay.proto, Accounting).
-struct Accounting {
-  uint64_t received_bytes = 0;
-  uint64_t full_bytes = 0;
-  uint64_t sent_bytes = 0;
-  double ratio = 0;
-  double compress_seconds = 0;
-  double commit_seconds = 0;
-  std::string policy;  // canonical spec that was applied
-  // For a turn with queries: how much compression changed the sender's own
-  // attention output (mean over layers of |o_msg - o_full| / |o_full|).
-  std::optional<double> attention_error;
-};
-
 struct PublishOptions {
   std::string session;                  // required
   std::string message_id;               // empty: a fresh random id (core/message_id.h)

@@ -88,4 +88,17 @@ const char* GranularityName(Granularity g) {
   return "";
 }
 
+Accounting AccountingOf(const Message& m, uint64_t received, double compress_s, double commit_s) {
+  Accounting a;
+  a.received_bytes = received;
+  a.full_bytes = m.full_bytes;
+  a.sent_bytes = m.sent_bytes;
+  a.ratio = m.Ratio();
+  a.compress_seconds = compress_s;
+  a.commit_seconds = commit_s;
+  a.policy = m.policy;
+  a.attention_error = m.attention_error;
+  return a;
+}
+
 }  // namespace kvrelay

@@ -132,6 +132,25 @@ struct Message {
   double Ratio() const { return sent_bytes ? static_cast<double>(full_bytes) / sent_bytes : 0.0; }
 };
 
+// Byte accounting of one message (relay.proto, Accounting): what a publish
+// reports, a fetch delivers and a relay holds with the message.
+struct Accounting {
+  uint64_t received_bytes = 0;  // tensor bytes uploaded
+  uint64_t full_bytes = 0;      // what `full` would send
+  uint64_t sent_bytes = 0;      // what the message sends
+  double ratio = 0;             // full_bytes / sent_bytes
+  double compress_seconds = 0;  // worker time spent compressing
+  double commit_seconds = 0;    // first request to visibility
+  std::string policy;           // canonical spec that was applied
+  // For a turn with queries: how much compression changed the sender's own
+  // attention output (mean over layers of |o_msg - o_full| / |o_full|).
+  std::optional<double> attention_error;
+};
+
+// The accounting of the composed `m` (its policy too) from an upload of
+// `received` tensor bytes.
+Accounting AccountingOf(const Message& m, uint64_t received, double compress_s, double commit_s);
+
 // Per layer, the keys' and values' lloyd bits, as lloyd:layers= and the
 // message metadata quant_layer_bits write them: two digits 1..4 per layer
 // (keys, values) joined by '.', e.g. "43.32.44".

@@ -172,4 +172,30 @@ void SetQuantHeader(const std::optional<QuantOptions>& quant, int n_demoted, int
   }
 }
 
+v1::Accounting ToProto(const Accounting& a) {
+  v1::Accounting p;
+  p.set_received_bytes(a.received_bytes);
+  p.set_full_bytes(a.full_bytes);
+  p.set_sent_bytes(a.sent_bytes);
+  p.set_ratio(a.ratio);
+  p.set_compress_seconds(a.compress_seconds);
+  p.set_commit_seconds(a.commit_seconds);
+  p.set_policy(a.policy);
+  if (a.attention_error) p.set_attention_error(*a.attention_error);
+  return p;
+}
+
+Accounting AccountingFromProto(const v1::Accounting& p) {
+  Accounting a;
+  a.received_bytes = p.received_bytes();
+  a.full_bytes = p.full_bytes();
+  a.sent_bytes = p.sent_bytes();
+  a.ratio = p.ratio();
+  a.compress_seconds = p.compress_seconds();
+  a.commit_seconds = p.commit_seconds();
+  a.policy = p.policy();
+  if (p.has_attention_error()) a.attention_error = p.attention_error();
+  return a;
+}
+
 }  // namespace kvrelay

@@ -102,6 +102,11 @@ absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn);
 // REQUIRES: msg has at least one layer.
 v1::MessageHeader MessageHeaderOf(const Message& msg);
 
+// An Accounting on the wire and back (attention_error set exactly when it
+// is).
+v1::Accounting ToProto(const Accounting& a);
+Accounting AccountingFromProto(const v1::Accounting& a);
+
 // The message-shape fields of a delivery header: layers, kv_heads, head_dim,
 // dtype, the four part sizes, next_pos, anchor_pos and the quantization
 // (SetQuantHeader).

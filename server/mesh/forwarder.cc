@@ -11,6 +11,7 @@
 #include "core/mutex.h"
 #include "proto/raw_chunk.h"
 #include "proto/stream_codec.h"
+#include "proto/wire.h"
 #include "proto/wire_codec.h"
 #include "server/mesh/ancestor.h"
 #include "server/metrics/metrics.h"

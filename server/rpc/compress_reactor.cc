@@ -90,7 +90,7 @@ class CompressReactor final
     v1::CompressResponse resp;
     v1::MessageHeader* h = resp.mutable_header();
     FillMessageHeader(*msg, h);
-    *h->mutable_accounting() = ToProto(Accounting::Of(*msg, received, compress_s, SecondsSince(started_)));
+    *h->mutable_accounting() = ToProto(AccountingOf(*msg, received, compress_s, SecondsSince(started_)));
     out_wire_ = EncodeProto(resp);
     // The reply holds its memory (and in-flight bytes) until the client has
     // read it: a client that stops reading for the idle timeout is cancelled.

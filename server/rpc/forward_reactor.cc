@@ -1,6 +1,7 @@
 #include "server/rpc/forward_reactor.h"
 
 #include "core/mutex.h"
+#include "proto/wire.h"
 #include "server/mesh/routing.h"
 
 #include <algorithm>

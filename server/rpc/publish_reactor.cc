@@ -10,6 +10,7 @@
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
 #include "absl/strings/str_join.h"
+#include "proto/wire.h"
 #include "server/mesh/forwarder.h"
 #include "server/rpc/internal/call_util.h"
 #include "server/rpc/publish_plan.h"
@@ -154,7 +155,7 @@ class PublishReactor final
     m->bytes = RetainedBytes(m->msg);
     m->started = started_;
     const double compress_s = pending->compress_seconds();
-    m->accounting = Accounting::Of(m->msg, upload_.received(), compress_s, SecondsSince(started_));
+    m->accounting = AccountingOf(m->msg, upload_.received(), compress_s, SecondsSince(started_));
     absl::StatusOr<Store::CommitResult> r = relay_->store()->Commit(m, *ticket_);
     if (!r.ok()) return Fail(r.status());
     if (r->duplicate) {  // the same id committed while this one uploaded: its forwards go

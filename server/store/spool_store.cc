@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "core/mutex.h"
 #include "core/status_macros.h"
+#include "proto/wire.h"
 #include "server/metrics/metrics.h"
 #include "server/store/spool/crash_point.h"
 #include "server/store/spool/spool_format.h"

@@ -15,45 +15,6 @@ static_assert(static_cast<int>(TrackState::kUnspecified) == v1::RECIPIENT_STATE_
               static_cast<int>(TrackState::kAcked) == v1::RECIPIENT_STATE_ACKED &&
               static_cast<int>(TrackState::kDeadLettered) == v1::RECIPIENT_STATE_DEAD_LETTERED);
 
-Accounting Accounting::Of(const Message& m, uint64_t received, double compress_s, double commit_s) {
-  Accounting a;
-  a.received_bytes = received;
-  a.full_bytes = m.full_bytes;
-  a.sent_bytes = m.sent_bytes;
-  a.ratio = m.Ratio();
-  a.compress_seconds = compress_s;
-  a.commit_seconds = commit_s;
-  a.policy = m.policy;
-  a.attention_error = m.attention_error;
-  return a;
-}
-
-v1::Accounting ToProto(const Accounting& a) {
-  v1::Accounting p;
-  p.set_received_bytes(a.received_bytes);
-  p.set_full_bytes(a.full_bytes);
-  p.set_sent_bytes(a.sent_bytes);
-  p.set_ratio(a.ratio);
-  p.set_compress_seconds(a.compress_seconds);
-  p.set_commit_seconds(a.commit_seconds);
-  p.set_policy(a.policy);
-  if (a.attention_error) p.set_attention_error(*a.attention_error);
-  return p;
-}
-
-Accounting AccountingFromProto(const v1::Accounting& p) {
-  Accounting a;
-  a.received_bytes = p.received_bytes();
-  a.full_bytes = p.full_bytes();
-  a.sent_bytes = p.sent_bytes();
-  a.ratio = p.ratio();
-  a.compress_seconds = p.compress_seconds();
-  a.commit_seconds = p.commit_seconds();
-  a.policy = p.policy();
-  if (p.has_attention_error()) a.attention_error = p.attention_error();
-  return a;
-}
-
 const char* TrackStateName(TrackState s) {
   switch (s) {
     case TrackState::kUnspecified: return "unspecified";

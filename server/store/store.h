@@ -53,25 +53,6 @@ enum class TrackState : int {
 // "queued", "dead_lettered", ...
 const char* TrackStateName(TrackState s);
 
-// What a publish reports of its message (kvrelay.v1.Accounting's fields).
-struct Accounting {
-  uint64_t received_bytes = 0;  // tensor bytes uploaded
-  uint64_t full_bytes = 0;      // what `full` would send
-  uint64_t sent_bytes = 0;      // what the message sends
-  double ratio = 0;             // full_bytes / sent_bytes
-  double compress_seconds = 0;  // worker time spent compressing
-  double commit_seconds = 0;    // first request to visibility
-  std::string policy;           // the canonical spec applied
-  std::optional<double> attention_error;  // with queries: the fidelity figure
-
-  // The accounting of the composed `m` (its policy too) from an upload of
-  // `received` tensor bytes.
-  static Accounting Of(const Message& m, uint64_t received, double compress_s, double commit_s);
-};
-// The same fields on the wire (Publish, Fetch, Forward, the spool's meta).
-v1::Accounting ToProto(const Accounting& a);
-Accounting AccountingFromProto(const v1::Accounting& a);
-
 // A committed message. Immutable once committed (shared by every delivery).
 struct StoredMessage {
   std::string session_id, message_id, sender, role, parent_id;
@@ -79,7 +60,7 @@ struct StoredMessage {
   std::string requested_policy;  // header.policy as published ("": the role's default)
   v1::TurnGeometry geometry;     // header.geometry as published
   Message msg;                // the composed message
-  Accounting accounting;      // as returned by Publish
+  Accounting accounting;      // as returned by Publish (core/message.h)
   std::string family;         // PolicyFamily(policy), the metrics label
   uint64_t bytes = 0;         // bytes held against the limits: RetainedBytes(msg)
   Clock::time_point started;  // the publish's first request

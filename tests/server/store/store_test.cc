@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "proto/wire.h"
 #include "server/metrics/metrics.h"
 #include "tests/server/store/store_test_util.h"
 #include "tests/testlib/eventually.h"
@@ -21,7 +22,7 @@ TEST(StoreTest, AccountingCrossesTheWireUnchanged) {
   m.full_bytes = 1000;
   m.sent_bytes = 250;
   m.policy = "h2o-head:k=32";
-  Accounting a = Accounting::Of(m, 1200, 0.5, 0.75);
+  Accounting a = AccountingOf(m, 1200, 0.5, 0.75);
   EXPECT_EQ(a.ratio, 4.0);
   EXPECT_FALSE(a.attention_error.has_value());
   v1::Accounting p = ToProto(a);
@@ -29,7 +30,7 @@ TEST(StoreTest, AccountingCrossesTheWireUnchanged) {
   EXPECT_EQ(p.received_bytes(), 1200u);
   EXPECT_EQ(p.policy(), "h2o-head:k=32");
   m.attention_error = 0.0;  // set, and zero
-  a = Accounting::Of(m, 1200, 0.5, 0.75);
+  a = AccountingOf(m, 1200, 0.5, 0.75);
   p = ToProto(a);
   ASSERT_TRUE(p.has_attention_error());
   const Accounting back = AccountingFromProto(p);
