@@ -14,7 +14,6 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "core/crc32c.h"
 #include "core/status_macros.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
@@ -252,7 +251,9 @@ class ForwardReactor final
     }
     if (w.blob_bytes == 0 || w.blob.size() < w.blob_bytes) return absl::OkStatus();
     // The layer's blob is whole.
-    absl::StatusOr<std::vector<std::vector<uint8_t>>> tensors = DecodeWireLayer(w.blob, w.layers[w.layer]);
+    std::vector<std::vector<uint32_t>> crcs;  // per tensor, per chunk
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> tensors =
+        DecodeWireLayer(w.blob, w.layers[w.layer], kMaxChunkBytes, &crcs);
     if (!tensors.ok()) {
       return absl::Status(tensors.status().code(), absl::StrCat("layer ", w.layer, " ", tensors.status().message()));
     }
@@ -265,7 +266,7 @@ class ForwardReactor final
         d.offset = off;
         d.size = std::min<uint64_t>(kMaxChunkBytes, t.size() - off);
         d.pieces.push_back(absl::Span<const uint8_t>(t.data() + off, d.size));
-        d.crc32c = Crc32c(t.data() + off, d.size);
+        d.crc32c = crcs[i][off / kMaxChunkBytes];
         w.decoded.Add(d.crc32c, d.size);
         KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Add(d)));
       }

@@ -1,10 +1,12 @@
 #include "proto/wire_codec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/crc32c.h"
 #include "core/pipeline.h"
 #include "gtest/gtest.h"
 #include "proto/stream_codec.h"
@@ -124,6 +126,34 @@ TEST(WireCodec, CompressibleStreamsShrink) {
   const std::vector<uint8_t> blob = EncodeWireLayer(ts, {4, 2});
   EXPECT_LT(blob.size(), (codes.size() + pos.size() * 4) / 3);
   EXPECT_TRUE(DecodeWireLayer(blob, Expected(ts)).ok());
+}
+
+// The per-piece CRC32Cs DecodeWireLayer hands out are those of the decoded
+// pieces, for every method (stored, planes, positions) and piece size.
+TEST(WireCodec, PieceCrcsAreThoseOfTheDecodedPieces) {
+  TurnShape s;
+  s.kv_heads = 2;
+  s.n_prompt = 50;
+  for (const char* spec : {"full", "h2o-head:k=8+int4"}) {
+    const Message msg = Compress(RandomTurn(s, 9), spec);
+    const std::vector<TensorRef> tensors = LayerDeliveryOrder(msg.layers[0], 0, /*with_acc=*/true);
+    const std::vector<WireTensor> expected = Expected(tensors);
+    const std::vector<uint8_t> blob = EncodeWireLayer(tensors, {msg.kv_heads, 2});
+    for (uint64_t piece : {uint64_t{1}, uint64_t{100}, uint64_t{4096}, uint64_t{1} << 20}) {
+      std::vector<std::vector<uint32_t>> crcs;
+      absl::StatusOr<std::vector<std::vector<uint8_t>>> out = DecodeWireLayer(blob, expected, piece, &crcs);
+      ASSERT_TRUE(out.ok()) << spec << ": " << out.status();
+      ASSERT_EQ(crcs.size(), out->size());
+      for (size_t i = 0; i < out->size(); ++i) {
+        const std::vector<uint8_t>& t = (*out)[i];
+        ASSERT_EQ(crcs[i].size(), (t.size() + piece - 1) / piece) << spec << " stream " << i;
+        for (uint64_t off = 0; off < t.size(); off += piece) {
+          const uint64_t n = std::min<uint64_t>(piece, t.size() - off);
+          ASSERT_EQ(crcs[i][off / piece], Crc32c(t.data() + off, n)) << spec << " stream " << i << " at " << off;
+        }
+      }
+    }
+  }
 }
 
 class WireCodecHostile : public ::testing::Test {
