@@ -6,6 +6,10 @@
 #include <memory>
 #include <utility>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
 #include "htscodecs/rANS_static4x16.h"
@@ -39,6 +43,49 @@ uint64_t GetU64(const uint8_t* p) {
   return v;
 }
 
+// Elements [b, e) of 2-byte elements at `in` (element 0 at in[0]) into the
+// two planes lo[] and hi[] of elements: lo[i] = in[2i], hi[i] = in[2i + 1].
+void SplitHalves(const uint8_t* in, size_t b, size_t e, uint8_t* lo, uint8_t* hi) {
+  size_t i = b;
+#if defined(__AVX2__)
+  // Per 128-bit lane: the even bytes, then the odd ones.
+  const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (; i + 32 <= e; i += 32) {
+    __m256i x = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 2 * i)), even_odd);
+    __m256i y = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 2 * i + 32)), even_odd);
+    x = _mm256_permute4x64_epi64(x, 0xd8);  // even 0-15, odd 0-15
+    y = _mm256_permute4x64_epi64(y, 0xd8);  // even 16-31, odd 16-31
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm256_permute2x128_si256(x, y, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm256_permute2x128_si256(x, y, 0x31));
+  }
+#endif
+  for (; i < e; ++i) {
+    lo[i] = in[2 * i];
+    hi[i] = in[2 * i + 1];
+  }
+}
+
+// The inverse of SplitHalves over n elements: out[2i] = lo[i], out[2i + 1] =
+// hi[i].
+void MergeHalves(const uint8_t* lo, const uint8_t* hi, size_t n, uint8_t* out) {
+  size_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 32 <= n; i += 32) {
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + i));
+    const __m256i a = _mm256_unpacklo_epi8(l, h);  // elements 0-7, 16-23
+    const __m256i b = _mm256_unpackhi_epi8(l, h);  // elements 8-15, 24-31
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i), _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i + 32), _mm256_permute2x128_si256(a, b, 0x31));
+  }
+#endif
+  for (; i < n; ++i) {
+    out[2 * i] = lo[i];
+    out[2 * i + 1] = hi[i];
+  }
+}
+
 // Splits `in` (elements of `planes` bytes) into byte planes, one after the
 // other, at `out` (in.size() bytes), and returns the CRC32C of `in`: both in
 // one pass, block by block, while each block is in L1.
@@ -48,14 +95,11 @@ uint32_t ToPlanesCrc(absl::Span<const uint8_t> in, int planes, uint8_t* out) {
   uint32_t crc = 0;
   for (size_t b = 0; b < n; b += kBlockElems) {
     const size_t e = std::min(n, b + kBlockElems);
-    const uint8_t* src = in.data() + b * planes;
-    crc = Crc32cExtend(crc, src, (e - b) * planes);
+    crc = Crc32cExtend(crc, in.data() + b * planes, (e - b) * planes);
     if (planes == 2) {
-      for (size_t i = b; i < e; ++i, src += 2) {
-        out[i] = src[0];
-        out[n + i] = src[1];
-      }
+      SplitHalves(in.data(), b, e, out, out + n);
     } else {
+      const uint8_t* src = in.data() + b * planes;
       for (size_t i = b; i < e; ++i, src += planes) {
         for (int p = 0; p < planes; ++p) out[p * n + i] = src[p];
       }
@@ -66,6 +110,7 @@ uint32_t ToPlanesCrc(absl::Span<const uint8_t> in, int planes, uint8_t* out) {
 
 void FromPlanes(const uint8_t* in, size_t size, int planes, uint8_t* out) {
   const size_t n = size / planes;
+  if (planes == 2) return MergeHalves(in, in + n, n, out);
   for (size_t i = 0; i < n; ++i) {
     for (int p = 0; p < planes; ++p) out[i * planes + p] = in[p * n + i];
   }

@@ -128,6 +128,42 @@ TEST(WireCodec, CompressibleStreamsShrink) {
   EXPECT_TRUE(DecodeWireLayer(blob, Expected(ts)).ok());
 }
 
+// Structured streams of every kind: half-width K (its byte planes differ),
+// codes, positions in 4 rows with a jump, float32 acc, an unknown part.
+std::vector<TensorRef> PinnedStreams() {
+  static std::vector<uint8_t> k(2 * 4 * 300), codes(777), pos(4 * 4 * 300), acc(4 * 4 * 300);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<uint8_t>(i % 2 ? 0x3c + (i * 7919) % 5 : (i * 2654435761u) >> 7);
+  }
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>((i * i) % 11);
+  for (size_t i = 0; i < pos.size() / 4; ++i) {
+    const uint32_t v = static_cast<uint32_t>(i % 300 + (i % 300 > 150 ? 40 : 0));
+    std::memcpy(pos.data() + 4 * i, &v, 4);
+  }
+  for (size_t i = 0; i < acc.size(); ++i) acc[i] = static_cast<uint8_t>((i * 31) >> 3);
+  return {{0, v1::PART_K, k}, {0, v1::PART_K_CODES, codes}, {0, v1::PART_POS, pos}, {0, v1::PART_ACC, acc},
+          {0, static_cast<v1::Part>(35), codes}};
+}
+
+// The blob's bytes are the wire format: a faster encoder writes the same
+// bytes (size and CRC32C of the blobs the first encoder wrote).
+TEST(WireCodec, EncodingIsPinned) {
+  const std::vector<TensorRef> ts = PinnedStreams();
+  const std::vector<uint8_t> half = EncodeWireLayer(ts, {4, 2});
+  EXPECT_EQ(half.size(), 8258u);
+  EXPECT_EQ(Crc32c(half.data(), half.size()), 1423219589u);
+  const std::vector<uint8_t> wide = EncodeWireLayer(ts, {4, 4});
+  EXPECT_EQ(wide.size(), 8206u);
+  EXPECT_EQ(Crc32c(wide.data(), wide.size()), 2290578228u);
+  for (const std::vector<uint8_t>* blob : {&half, &wide}) {
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> out = DecodeWireLayer(*blob, Expected(ts));
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t i = 0; i < ts.size(); ++i) {
+      EXPECT_EQ((*out)[i], std::vector<uint8_t>(ts[i].data.begin(), ts[i].data.end())) << i;
+    }
+  }
+}
+
 // The per-piece CRC32Cs DecodeWireLayer hands out are those of the decoded
 // pieces, for every method (stored, planes, positions) and piece size.
 TEST(WireCodec, PieceCrcsAreThoseOfTheDecodedPieces) {
