@@ -459,56 +459,53 @@ absl::Status CheckWireLayer(absl::Span<const uint8_t> blob, absl::Span<const Wir
   return CheckedRecords(blob, expected).status();
 }
 
-absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<const uint8_t> blob,
-                                                                 absl::Span<const WireTensor> expected,
-                                                                 uint64_t piece_bytes,
-                                                                 std::vector<std::vector<uint32_t>>* piece_crcs) {
-  absl::StatusOr<std::vector<Record>> checked = CheckedRecords(blob, expected);
-  if (!checked.ok()) return checked.status();
-  const std::vector<Record>& records = *checked;
+namespace {
+
+// Decodes the payloads of `blob`, whose `records` CheckedRecords returned,
+// into out[i] (records[i].raw bytes each).
+absl::Status DecodeRecords(absl::Span<const uint8_t> blob, const std::vector<Record>& records,
+                           absl::Span<uint8_t* const> out, uint64_t piece_bytes,
+                           std::vector<std::vector<uint32_t>>* piece_crcs) {
   const uint32_t streams = static_cast<uint32_t>(records.size());
-  const uint64_t records_end = kWireBlobHeaderBytes + uint64_t{kWireRecordBytes} * streams;
-  // Every size is checked: allocate the expected tensors and decode.
-  std::vector<std::vector<uint8_t>> out(streams);
   if (piece_crcs) piece_crcs->assign(streams, {});
-  uint64_t at = records_end;
+  uint64_t at = kWireBlobHeaderBytes + uint64_t{kWireRecordBytes} * streams;
   Scratch scratch_buf;
   for (uint32_t i = 0; i < streams; ++i) {
     const Record& r = records[i];
     const std::string field = absl::StrCat("stream[", i, "]");
     absl::Span<const uint8_t> payload = blob.subspan(at, r.coded);
     at += r.coded;
-    out[i].resize(r.raw);
+    uint8_t* const dst = out[i];
     switch (static_cast<WireMethod>(r.method)) {
       case WireMethod::kStored:
-        std::memcpy(out[i].data(), payload.data(), r.raw);
+        std::memcpy(dst, payload.data(), r.raw);
         break;
       case WireMethod::kRansPlanes:
         if (r.param == 1) {
-          if (absl::Status s = UnRansPlanes(payload, 1, out[i].data(), r.raw, field); !s.ok()) return s;
+          if (absl::Status s = UnRansPlanes(payload, 1, dst, r.raw, field); !s.ok()) return s;
         } else {
           uint8_t* scratch = scratch_buf.Get(r.raw);
           absl::Status s = UnRansPlanes(payload, static_cast<int>(r.param), scratch, r.raw, field);
           if (!s.ok()) return s;
-          FromPlanes(scratch, r.raw, static_cast<int>(r.param), out[i].data());
+          FromPlanes(scratch, r.raw, static_cast<int>(r.param), dst);
         }
         break;
       case WireMethod::kRansPosDelta: {
         uint8_t* scratch = scratch_buf.Get(r.raw);
         if (absl::Status s = UnRansPlanes(payload, 4, scratch, r.raw, field); !s.ok()) return s;
-        FromPlanes(scratch, r.raw, 4, out[i].data());
-        UndoPosDeltas(out[i].data(), r.raw, r.param);
+        FromPlanes(scratch, r.raw, 4, dst);
+        UndoPosDeltas(dst, r.raw, r.param);
         break;
       }
     }
     uint32_t crc = 0;
     if (piece_crcs == nullptr) {
-      crc = Crc32c(out[i].data(), out[i].size());
+      crc = Crc32c(dst, r.raw);
     } else {
       // The pieces' CRCs make the whole one: still a single pass.
       for (uint64_t off = 0; off < r.raw; off += piece_bytes) {
         const uint64_t n = std::min(piece_bytes, r.raw - off);
-        const uint32_t c = Crc32c(out[i].data() + off, n);
+        const uint32_t c = Crc32c(dst + off, n);
         (*piece_crcs)[i].push_back(c);
         crc = off == 0 ? c : Crc32cCombine(crc, c, n);
       }
@@ -518,7 +515,35 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<con
           absl::StrCat("wire layer: ", field, ": decoded bytes do not match the record's crc32c"));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<const uint8_t> blob,
+                                                                 absl::Span<const WireTensor> expected) {
+  absl::StatusOr<std::vector<Record>> checked = CheckedRecords(blob, expected);
+  if (!checked.ok()) return checked.status();
+  // Every size is checked: allocate the expected tensors and decode.
+  std::vector<std::vector<uint8_t>> out(checked->size());
+  std::vector<uint8_t*> dst(out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i].resize((*checked)[i].raw);
+    dst[i] = out[i].data();
+  }
+  if (absl::Status s = DecodeRecords(blob, *checked, dst, 0, nullptr); !s.ok()) return s;
   return out;
+}
+
+absl::Status DecodeWireLayerInto(absl::Span<const uint8_t> blob, absl::Span<const WireTensor> expected,
+                                 absl::Span<uint8_t* const> out, uint64_t piece_bytes,
+                                 std::vector<std::vector<uint32_t>>* piece_crcs) {
+  if (out.size() != expected.size()) {
+    return absl::InternalError(absl::StrCat("wire layer: ", out.size(), " outputs for ", expected.size(), " streams"));
+  }
+  absl::StatusOr<std::vector<Record>> checked = CheckedRecords(blob, expected);
+  if (!checked.ok()) return checked.status();
+  return DecodeRecords(blob, *checked, out, piece_bytes, piece_crcs);
 }
 
 }  // namespace kvrelay

@@ -35,6 +35,7 @@ namespace {
 struct CodedState {
   std::vector<std::vector<WireTensor>> layers;  // expected tensors per layer
   uint32_t layer = 0;                           // the layer whose blob arrives
+  size_t slot = 0;                              // reader_'s index of its first tensor
   std::vector<uint8_t> blob;                    // its bytes so far
   uint64_t blob_bytes = 0;                      // its size, once its header is in (0: not yet)
   TrailerBuilder trailer;                       // of the coded chunks that arrived
@@ -250,27 +251,30 @@ class ForwardReactor final
       w.blob_bytes = *n;
     }
     if (w.blob_bytes == 0 || w.blob.size() < w.blob_bytes) return absl::OkStatus();
-    // The layer's blob is whole.
+    // The layer's blob is whole: decoded straight into the message's
+    // tensors, which the decoded chunks then fill in place (checked and
+    // counted as an uncoded forward's, without a copy or a second CRC pass).
+    const std::vector<WireTensor>& expected = w.layers[w.layer];
+    std::vector<uint8_t*> dst(expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) dst[i] = reader_.SlotData(w.slot + i);
     std::vector<std::vector<uint32_t>> crcs;  // per tensor, per chunk
-    absl::StatusOr<std::vector<std::vector<uint8_t>>> tensors =
-        DecodeWireLayer(w.blob, w.layers[w.layer], kMaxChunkBytes, &crcs);
-    if (!tensors.ok()) {
-      return absl::Status(tensors.status().code(), absl::StrCat("layer ", w.layer, " ", tensors.status().message()));
+    if (absl::Status st = DecodeWireLayerInto(w.blob, expected, dst, kMaxChunkBytes, &crcs); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("layer ", w.layer, " ", st.message()));
     }
-    for (size_t i = 0; i < tensors->size(); ++i) {
-      const std::vector<uint8_t>& t = (*tensors)[i];
-      for (uint64_t off = 0; off < t.size(); off += kMaxChunkBytes) {
+    for (size_t i = 0; i < expected.size(); ++i) {
+      for (uint64_t off = 0; off < expected[i].size; off += kMaxChunkBytes) {
         ChunkView d;
         d.layer = w.layer;
-        d.part = w.layers[w.layer][i].part;
+        d.part = expected[i].part;
         d.offset = off;
-        d.size = std::min<uint64_t>(kMaxChunkBytes, t.size() - off);
-        d.pieces.push_back(absl::Span<const uint8_t>(t.data() + off, d.size));
+        d.size = std::min<uint64_t>(kMaxChunkBytes, expected[i].size - off);
+        d.pieces.push_back(absl::Span<const uint8_t>(dst[i] + off, d.size));
         d.crc32c = crcs[i][off / kMaxChunkBytes];
         w.decoded.Add(d.crc32c, d.size);
-        KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Add(d)));
+        KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.AddInPlace(d)));
       }
     }
+    w.slot += expected.size();
     ++w.layer;
     w.blob.clear();
     w.blob.shrink_to_fit();

@@ -164,8 +164,9 @@ TEST(WireCodec, EncodingIsPinned) {
   }
 }
 
-// The per-piece CRC32Cs DecodeWireLayer hands out are those of the decoded
-// pieces, for every method (stored, planes, positions) and piece size.
+// DecodeWireLayerInto decodes into the caller's buffers, and the per-piece
+// CRC32Cs it hands out are those of the decoded pieces, for every method
+// (stored, planes, positions) and piece size.
 TEST(WireCodec, PieceCrcsAreThoseOfTheDecodedPieces) {
   TurnShape s;
   s.kv_heads = 2;
@@ -175,13 +176,22 @@ TEST(WireCodec, PieceCrcsAreThoseOfTheDecodedPieces) {
     const std::vector<TensorRef> tensors = LayerDeliveryOrder(msg.layers[0], 0, /*with_acc=*/true);
     const std::vector<WireTensor> expected = Expected(tensors);
     const std::vector<uint8_t> blob = EncodeWireLayer(tensors, {msg.kv_heads, 2});
+    std::vector<TensorRef> streams;
+    for (const TensorRef& t : tensors) {
+      if (!t.data.empty()) streams.push_back(t);
+    }
     for (uint64_t piece : {uint64_t{1}, uint64_t{100}, uint64_t{4096}, uint64_t{1} << 20}) {
+      std::vector<std::vector<uint8_t>> out;
+      std::vector<uint8_t*> dst;
+      for (const WireTensor& e : expected) out.emplace_back(e.size, uint8_t{0xee});
+      for (std::vector<uint8_t>& t : out) dst.push_back(t.data());
       std::vector<std::vector<uint32_t>> crcs;
-      absl::StatusOr<std::vector<std::vector<uint8_t>>> out = DecodeWireLayer(blob, expected, piece, &crcs);
-      ASSERT_TRUE(out.ok()) << spec << ": " << out.status();
-      ASSERT_EQ(crcs.size(), out->size());
-      for (size_t i = 0; i < out->size(); ++i) {
-        const std::vector<uint8_t>& t = (*out)[i];
+      const absl::Status st = DecodeWireLayerInto(blob, expected, dst, piece, &crcs);
+      ASSERT_TRUE(st.ok()) << spec << ": " << st;
+      ASSERT_EQ(crcs.size(), out.size());
+      for (size_t i = 0; i < out.size(); ++i) {
+        const std::vector<uint8_t>& t = out[i];
+        ASSERT_EQ(std::memcmp(t.data(), streams[i].data.data(), t.size()), 0) << spec << " stream " << i;
         ASSERT_EQ(crcs[i].size(), (t.size() + piece - 1) / piece) << spec << " stream " << i;
         for (uint64_t off = 0; off < t.size(); off += piece) {
           const uint64_t n = std::min<uint64_t>(piece, t.size() - off);
