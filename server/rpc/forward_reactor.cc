@@ -32,11 +32,35 @@ namespace {
 
 // A WIRE_CODEC_RANS forward: the blob of the layer arriving, and what
 // each layer must decode to.
+// A coded layer's blob as its chunks arrive. Its room, the largest blob
+// the layer can take, is allocated with the first chunk and neither
+// zero-filled nor grown: only the bytes that arrived are read.
+class LayerBlob {
+ public:
+  uint64_t size() const { return size_; }
+  absl::Span<const uint8_t> bytes() const { return absl::Span<const uint8_t>(buf_.get(), size_); }
+  // Where the next `n` bytes go; they count once Commit(n) is called.
+  // REQUIRES: size() + n <= room.
+  uint8_t* Next(uint64_t room) {
+    if (!buf_) buf_.reset(new uint8_t[room]);
+    return buf_.get() + size_;
+  }
+  void Commit(uint64_t n) { size_ += n; }
+  void Reset() {
+    buf_.reset();
+    size_ = 0;
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> buf_;
+  uint64_t size_ = 0;
+};
+
 struct CodedState {
   std::vector<std::vector<WireTensor>> layers;  // expected tensors per layer
   uint32_t layer = 0;                           // the layer whose blob arrives
   size_t slot = 0;                              // reader_'s index of its first tensor
-  std::vector<uint8_t> blob;                    // its bytes so far
+  LayerBlob blob;                               // its bytes so far
   uint64_t blob_bytes = 0;                      // its size, once its header is in (0: not yet)
   TrailerBuilder trailer;                       // of the coded chunks that arrived
   TrailerBuilder decoded;                       // of the decoded chunks given to reader_
@@ -234,15 +258,13 @@ class ForwardReactor final
                                       absl::StrCat(name, ": ", c.size, " bytes, expected 1..",
                                                    std::min<uint64_t>(kMaxChunkBytes, max - w.blob.size()))));
     }
-    const size_t at = w.blob.size();
-    w.blob.resize(at + c.size);
-    if (c.CopyTo(w.blob.data() + at) != c.crc32c) {
-      w.blob.resize(at);
+    if (c.CopyTo(w.blob.Next(MaxWireLayerBytes(w.layers[w.layer]))) != c.crc32c) {
       return UploadStatus(StreamError(StreamErrorKind::kChunkCrc, absl::StrCat(name, ": crc32c mismatch")));
     }
+    w.blob.Commit(c.size);
     w.trailer.Add(c.crc32c, c.size);
     if (w.blob_bytes == 0 && w.blob.size() >= kWireBlobHeaderBytes) {
-      absl::StatusOr<uint64_t> n = WireLayerBlobBytes(w.blob, MaxWireLayerBytes(w.layers[w.layer]));
+      absl::StatusOr<uint64_t> n = WireLayerBlobBytes(w.blob.bytes(), MaxWireLayerBytes(w.layers[w.layer]));
       if (!n.ok()) return absl::InvalidArgumentError(absl::StrCat("layer ", w.layer, " ", n.status().message()));
       if (w.blob.size() > *n) {
         return absl::InvalidArgumentError(
@@ -258,7 +280,7 @@ class ForwardReactor final
     std::vector<uint8_t*> dst(expected.size());
     for (size_t i = 0; i < expected.size(); ++i) dst[i] = reader_.SlotData(w.slot + i);
     std::vector<std::vector<uint32_t>> crcs;  // per tensor, per chunk
-    if (absl::Status st = DecodeWireLayerInto(w.blob, expected, dst, kMaxChunkBytes, &crcs); !st.ok()) {
+    if (absl::Status st = DecodeWireLayerInto(w.blob.bytes(), expected, dst, kMaxChunkBytes, &crcs); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat("layer ", w.layer, " ", st.message()));
     }
     for (size_t i = 0; i < expected.size(); ++i) {
@@ -276,8 +298,7 @@ class ForwardReactor final
     }
     w.slot += expected.size();
     ++w.layer;
-    w.blob.clear();
-    w.blob.shrink_to_fit();
+    w.blob.Reset();
     w.blob_bytes = 0;
     return absl::OkStatus();
   }
