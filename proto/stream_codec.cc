@@ -373,7 +373,8 @@ ChunkSequence::ChunkSequence(std::vector<Slot> slots, const char* stream, const 
 }
 
 StreamError ChunkSequence::Accept(const ChunkView& c, absl::FunctionRef<uint8_t*(const Slot&)> dest,
-                                  absl::FunctionRef<StreamError(const Slot&, const uint8_t*, uint64_t)> verify) {
+                                  absl::FunctionRef<StreamError(const Slot&, const uint8_t*, uint64_t)> verify,
+                                  bool in_place) {
   if (complete()) {
     return StreamError(StreamErrorKind::kExtraChunk,
                        absl::StrCat("chunk: ", Place(c.layer, c.part, c.offset), ", expected the ", trailer_,
@@ -399,7 +400,11 @@ StreamError ChunkSequence::Accept(const ChunkView& c, absl::FunctionRef<uint8_t*
   }
   // Copied before it is checked (one pass over the data).
   uint8_t* const base = dest(s);
-  const uint32_t crc = c.CopyTo(base + offset_);
+  if (in_place && (c.pieces.size() != 1 || c.pieces[0].data() != base + offset_)) {
+    return StreamError(StreamErrorKind::kOrder,
+                       absl::StrCat("chunk: ", Place(s.layer, s.part, offset_), " given in place, but not at its place"));
+  }
+  const uint32_t crc = in_place ? c.crc32c : c.CopyTo(base + offset_);
   if (crc != c.crc32c) {
     return StreamError(StreamErrorKind::kChunkCrc,
                        absl::StrCat("chunk.crc32c: ", c.crc32c, " at ", Place(s.layer, s.part, offset_),
@@ -782,13 +787,17 @@ StreamError DeliveryReader::Start(const v1::MessageHeader& h) {
 
 StreamError DeliveryReader::Add(const v1::Chunk& c) { return Add(ChunkView::Of(c)); }
 
-StreamError DeliveryReader::Add(const ChunkView& c) {
+StreamError DeliveryReader::Add(const ChunkView& c) { return AddChunk(c, /*in_place=*/false); }
+
+StreamError DeliveryReader::AddInPlace(const ChunkView& c) { return AddChunk(c, /*in_place=*/true); }
+
+StreamError DeliveryReader::AddChunk(const ChunkView& c, bool in_place) {
   if (done_) return StreamError(StreamErrorKind::kSequence, "chunk: after the trailer, expected the end");
   if (!seq_) return StreamError(StreamErrorKind::kSequence, "chunk: before the header, expected a header first");
-  StreamError e = seq_->Accept(
+  return seq_->Accept(
       c, [this](const ChunkSequence::Slot&) { return slot_data_[seq_->index()]; },
-      [this](const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) { return CheckFinite(s, base, n); });
-  return e;
+      [this](const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) { return CheckFinite(s, base, n); },
+      in_place);
 }
 
 StreamError DeliveryReader::CheckFinite(const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) const {

@@ -190,8 +190,14 @@ class ChunkSequence {
   // chunk at base + offset(), n bytes). Nothing is accepted on error: a
   // chunk that fails after its copy leaves bytes that the next accepted
   // chunk overwrites.
+  //
+  // `in_place`: the chunk's data already lies at dest(slot) + offset() (one
+  // piece, written there by this process) and c.crc32c is the CRC32C this
+  // process computed over those bytes: nothing is copied and the CRC is
+  // not computed again; a chunk elsewhere is a kOrder error.
   StreamError Accept(const ChunkView& c, absl::FunctionRef<uint8_t*(const Slot&)> dest,
-                     absl::FunctionRef<StreamError(const Slot&, const uint8_t*, uint64_t)> verify);
+                     absl::FunctionRef<StreamError(const Slot&, const uint8_t*, uint64_t)> verify,
+                     bool in_place = false);
 
   // kIncomplete unless every slot is full, then kTrailerCount /
   // kTrailerCrc unless `t` matches the chunks accepted.
@@ -300,6 +306,14 @@ class DeliveryReader {
   // a relay that computed them never sends NaN or Inf).
   StreamError Add(const ChunkView& chunk);
   StreamError Add(const v1::Chunk& chunk);
+  // The buffer of slot `index` (slots() order), for a caller that writes a
+  // slot's bytes there itself and then passes them to AddInPlace. REQUIRES:
+  // started(), index < slots().size().
+  uint8_t* SlotData(size_t index) { return slot_data_[index]; }
+  // As Add, for a chunk whose data this process wrote at its place in
+  // SlotData(), with the CRC32C it computed over those bytes: checked and
+  // counted like Add's, without the copy and the CRC pass.
+  StreamError AddInPlace(const ChunkView& chunk);
   // Checks the trailer and moves the message to `*out`.
   StreamError Finish(const v1::Trailer& trailer, Message* out);
 
@@ -314,6 +328,7 @@ class DeliveryReader {
   }
 
  private:
+  StreamError AddChunk(const ChunkView& chunk, bool in_place);
   StreamError CheckFinite(const ChunkSequence::Slot& s, const uint8_t* base, uint64_t n) const;
 
   Message msg_;

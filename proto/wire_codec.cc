@@ -1,8 +1,14 @@
 #include "proto/wire_codec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <utility>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
@@ -26,9 +32,6 @@ bool KnownOrderByte(uint8_t b) {
 // Planes larger than this are stored: htscodecs counts in unsigned int.
 constexpr uint64_t kMaxPlaneBytes = uint64_t{1} << 30;
 
-void PutU32(std::vector<uint8_t>* out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out->push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
 uint32_t GetU32(const uint8_t* p) {
   uint32_t v = 0;
   for (int i = 0; i < 4; ++i) v |= uint32_t{p[i]} << (8 * i);
@@ -40,27 +43,82 @@ uint64_t GetU64(const uint8_t* p) {
   return v;
 }
 
-// Splits `in` (elements of `planes` bytes) into byte planes, one after the
-// other.
-std::vector<uint8_t> ToPlanes(absl::Span<const uint8_t> in, int planes) {
-  std::vector<uint8_t> out(in.size());
-  const size_t n = in.size() / planes;
-  for (size_t i = 0; i < n; ++i) {
-    for (int p = 0; p < planes; ++p) out[p * n + i] = in[i * planes + p];
+// Elements [b, e) of 2-byte elements at `in` (element 0 at in[0]) into the
+// two planes lo[] and hi[] of elements: lo[i] = in[2i], hi[i] = in[2i + 1].
+void SplitHalves(const uint8_t* in, size_t b, size_t e, uint8_t* lo, uint8_t* hi) {
+  size_t i = b;
+#if defined(__AVX2__)
+  // Per 128-bit lane: the even bytes, then the odd ones.
+  const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (; i + 32 <= e; i += 32) {
+    __m256i x = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 2 * i)), even_odd);
+    __m256i y = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 2 * i + 32)), even_odd);
+    x = _mm256_permute4x64_epi64(x, 0xd8);  // even 0-15, odd 0-15
+    y = _mm256_permute4x64_epi64(y, 0xd8);  // even 16-31, odd 16-31
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm256_permute2x128_si256(x, y, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm256_permute2x128_si256(x, y, 0x31));
   }
-  return out;
+#endif
+  for (; i < e; ++i) {
+    lo[i] = in[2 * i];
+    hi[i] = in[2 * i + 1];
+  }
+}
+
+// The inverse of SplitHalves over n elements: out[2i] = lo[i], out[2i + 1] =
+// hi[i].
+void MergeHalves(const uint8_t* lo, const uint8_t* hi, size_t n, uint8_t* out) {
+  size_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 32 <= n; i += 32) {
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + i));
+    const __m256i a = _mm256_unpacklo_epi8(l, h);  // elements 0-7, 16-23
+    const __m256i b = _mm256_unpackhi_epi8(l, h);  // elements 8-15, 24-31
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i), _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i + 32), _mm256_permute2x128_si256(a, b, 0x31));
+  }
+#endif
+  for (; i < n; ++i) {
+    out[2 * i] = lo[i];
+    out[2 * i + 1] = hi[i];
+  }
+}
+
+// Splits `in` (elements of `planes` bytes) into byte planes, one after the
+// other, at `out` (in.size() bytes), and returns the CRC32C of `in`: both in
+// one pass, block by block, while each block is in L1.
+uint32_t ToPlanesCrc(absl::Span<const uint8_t> in, int planes, uint8_t* out) {
+  constexpr size_t kBlockElems = 8 << 10;
+  const size_t n = in.size() / planes;
+  uint32_t crc = 0;
+  for (size_t b = 0; b < n; b += kBlockElems) {
+    const size_t e = std::min(n, b + kBlockElems);
+    crc = Crc32cExtend(crc, in.data() + b * planes, (e - b) * planes);
+    if (planes == 2) {
+      SplitHalves(in.data(), b, e, out, out + n);
+    } else {
+      const uint8_t* src = in.data() + b * planes;
+      for (size_t i = b; i < e; ++i, src += planes) {
+        for (int p = 0; p < planes; ++p) out[p * n + i] = src[p];
+      }
+    }
+  }
+  return crc;
 }
 
 void FromPlanes(const uint8_t* in, size_t size, int planes, uint8_t* out) {
   const size_t n = size / planes;
+  if (planes == 2) return MergeHalves(in, in + n, n, out);
   for (size_t i = 0; i < n; ++i) {
     for (int p = 0; p < planes; ++p) out[i * planes + p] = in[p * n + i];
   }
 }
 
-// Per-row deltas of int32 elements, zigzagged, as little-endian u32.
-std::vector<uint8_t> PosDeltas(absl::Span<const uint8_t> in, uint64_t row) {
-  std::vector<uint8_t> out(in.size());
+// Per-row deltas of int32 elements, zigzagged, as little-endian u32 at `out`
+// (in.size() bytes).
+void PosDeltas(absl::Span<const uint8_t> in, uint64_t row, uint8_t* out) {
   const size_t n = in.size() / 4;
   uint32_t prev = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -71,7 +129,6 @@ std::vector<uint8_t> PosDeltas(absl::Span<const uint8_t> in, uint64_t row) {
     prev = x;
     for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<uint8_t>(z >> (8 * b));
   }
-  return out;
 }
 
 void UndoPosDeltas(uint8_t* data, size_t size, uint64_t row) {
@@ -87,23 +144,54 @@ void UndoPosDeltas(uint8_t* data, size_t size, uint64_t row) {
   }
 }
 
+// A buffer whose bytes are unspecified until written, for output written
+// completely before it is read: no zero-filling. Grows, never shrinks.
+class Scratch {
+ public:
+  uint8_t* Get(size_t n) {
+    if (n > size_) {
+      buf_.reset(new uint8_t[n]);
+      size_ = n;
+    }
+    return buf_.get();
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> buf_;
+  size_t size_ = 0;
+};
+
+// The room RansPlanes needs at `out` for `size` bytes in `planes` planes;
+// 0 when the planes cannot be coded.
+size_t RansPlanesRoom(size_t size, int planes) {
+  const size_t n = size / planes;
+  if (n == 0 || n > kMaxPlaneBytes) return 0;
+  return planes * (4 + size_t{rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32)});
+}
+
 // rANS order 0 of each of `planes` equal planes of `in`, each as coded
-// length u32 then the block; false when a block cannot be made.
-bool RansPlanes(const std::vector<uint8_t>& in, int planes, std::vector<uint8_t>* out) {
+// length u32 then the block, written at `out`, which has
+// RansPlanesRoom(in.size(), planes) bytes. Returns the bytes written, or 0
+// when a block cannot be made or the planes would take `limit` bytes or
+// more (then the stream is stored).
+size_t RansPlanes(absl::Span<const uint8_t> in, int planes, uint8_t* out, size_t limit) {
   const size_t n = in.size() / planes;
-  if (n == 0 || n > kMaxPlaneBytes) return false;
-  std::vector<uint8_t> block(rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32));
+  if (n == 0 || n > kMaxPlaneBytes) return 0;
+  const size_t bound = rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32);
+  size_t at = 0;
   for (int p = 0; p < planes; ++p) {
-    unsigned int block_size = static_cast<unsigned int>(block.size());
+    uint8_t* block = out + at + 4;
+    unsigned int block_size = static_cast<unsigned int>(bound);
     // The library reads its input only; its API takes it non-const.
     unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(in.data() + p * n),
-                                             static_cast<unsigned int>(n), block.data(), &block_size, kRansX32);
-    if (r == nullptr || block_size == 0 || block_size > block.size()) return false;
-    if (!KnownOrderByte(block[0])) return false;
-    PutU32(out, block_size);
-    out->insert(out->end(), block.begin(), block.begin() + block_size);
+                                             static_cast<unsigned int>(n), block, &block_size, kRansX32);
+    if (r == nullptr || block_size == 0 || block_size > bound) return 0;
+    if (!KnownOrderByte(block[0])) return 0;
+    for (int i = 0; i < 4; ++i) out[at + i] = static_cast<uint8_t>(block_size >> (8 * i));
+    at += 4 + block_size;
+    if (at >= limit) return 0;
   }
-  return true;
+  return at;
 }
 
 absl::Status Bad(absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat("wire layer: ", what)); }
@@ -190,24 +278,41 @@ uint64_t MaxWireLayerBytes(absl::Span<const WireTensor> expected) {
 }
 
 std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const WireEncodeOptions& opts) {
+  // Each stream's room: coded, or stored when coding does not shrink it.
+  std::vector<size_t> room(tensors.size(), 0);
+  size_t body_room = 0, max_raw = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t raw = tensors[i].data.size();
+    const WireStreamKind k = WireStreamKindOf(tensors[i].part, opts.dense_elem_bytes);
+    const int planes = k == WireStreamKind::kHalf ? 2 : k == WireStreamKind::kBytes ? 1 : 4;
+    room[i] = std::max(raw, k == WireStreamKind::kRaw ? 0 : RansPlanesRoom(raw, planes));
+    body_room += room[i];
+    max_raw = std::max(max_raw, raw);
+  }
+  // The payloads, one after the other, are coded straight into `body`.
+  Scratch body_buf, planes_buf, deltas_buf;
+  uint8_t* const body = body_buf.Get(body_room);
   std::vector<Record> records;
-  std::vector<std::vector<uint8_t>> payloads;
-  for (const TensorRef& t : tensors) {
+  size_t at = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorRef& t = tensors[i];
     if (t.data.empty()) continue;
-    Record r{static_cast<uint32_t>(t.part), static_cast<uint8_t>(WireMethod::kStored), 0, t.data.size(), 0,
-             Crc32c(t.data.data(), t.data.size())};
-    std::vector<uint8_t> coded;
-    bool ok = false;
+    Record r{static_cast<uint32_t>(t.part), static_cast<uint8_t>(WireMethod::kStored), 0, t.data.size(), 0, 0};
+    size_t coded = 0;
     switch (WireStreamKindOf(t.part, opts.dense_elem_bytes)) {
       case WireStreamKind::kPositions:
+        r.crc = Crc32c(t.data.data(), t.data.size());
         if (t.data.size() % 4 == 0) {
           const uint64_t elems = t.data.size() / 4;
           const uint64_t row = opts.kv_heads > 0 && elems % opts.kv_heads == 0 ? elems / opts.kv_heads : elems;
-          if (row <= std::numeric_limits<uint32_t>::max() &&
-              RansPlanes(ToPlanes(PosDeltas(t.data, row), 4), 4, &coded)) {
+          if (row <= std::numeric_limits<uint32_t>::max()) {
+            uint8_t* deltas = deltas_buf.Get(max_raw);
+            uint8_t* split = planes_buf.Get(max_raw);
+            PosDeltas(t.data, row, deltas);
+            ToPlanesCrc(absl::MakeConstSpan(deltas, t.data.size()), 4, split);
+            coded = RansPlanes(absl::MakeConstSpan(split, t.data.size()), 4, body + at, t.data.size());
             r.method = static_cast<uint8_t>(WireMethod::kRansPosDelta);
             r.param = static_cast<uint32_t>(row);
-            ok = true;
           }
         }
         break;
@@ -216,33 +321,37 @@ std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const 
       case WireStreamKind::kBytes: {
         const WireStreamKind k = WireStreamKindOf(t.part, opts.dense_elem_bytes);
         const int planes = k == WireStreamKind::kHalf ? 2 : k == WireStreamKind::kFloat32 ? 4 : 1;
-        if (t.data.size() % planes == 0) {
-          const std::vector<uint8_t> in = planes == 1 ? std::vector<uint8_t>(t.data.begin(), t.data.end())
-                                                      : ToPlanes(t.data, planes);
-          if (RansPlanes(in, planes, &coded)) {
-            r.method = static_cast<uint8_t>(WireMethod::kRansPlanes);
-            r.param = static_cast<uint32_t>(planes);
-            ok = true;
-          }
+        if (t.data.size() % planes != 0 || planes == 1) {
+          r.crc = Crc32c(t.data.data(), t.data.size());
+          if (planes == 1) coded = RansPlanes(t.data, 1, body + at, t.data.size());
+        } else {
+          uint8_t* split = planes_buf.Get(max_raw);
+          r.crc = ToPlanesCrc(t.data, planes, split);
+          coded = RansPlanes(absl::MakeConstSpan(split, t.data.size()), planes, body + at, t.data.size());
         }
+        r.method = static_cast<uint8_t>(WireMethod::kRansPlanes);
+        r.param = static_cast<uint32_t>(planes);
         break;
       }
       case WireStreamKind::kRaw:
+        r.crc = Crc32c(t.data.data(), t.data.size());
         break;
     }
-    // Stored whenever coding does not shrink the stream.
-    if (!ok || coded.size() >= t.data.size()) {
+    // Stored whenever coding does not shrink the stream (RansPlanes gives 0).
+    if (coded == 0) {
       r.method = static_cast<uint8_t>(WireMethod::kStored);
       r.param = 0;
-      coded.assign(t.data.begin(), t.data.end());
+      std::memcpy(body + at, t.data.data(), t.data.size());
+      coded = t.data.size();
     }
-    r.coded = coded.size();
+    r.coded = coded;
+    at += coded;
     records.push_back(r);
-    payloads.push_back(std::move(coded));
   }
-  uint64_t total = kWireBlobHeaderBytes + kWireRecordBytes * records.size();
-  for (const auto& p : payloads) total += p.size();
-  std::vector<uint8_t> out(total);
+  const uint64_t head = kWireBlobHeaderBytes + kWireRecordBytes * records.size();
+  const uint64_t total = head + at;
+  std::vector<uint8_t> out(head);
+  out.reserve(total);
   uint8_t* p = out.data();
   auto put = [&p](uint64_t v, int bytes) {
     for (int i = 0; i < bytes; ++i) *p++ = static_cast<uint8_t>(v >> (8 * i));
@@ -259,10 +368,7 @@ std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const 
     put(r.coded, 8);
     put(r.crc, 4);
   }
-  for (const auto& c : payloads) {
-    if (!c.empty()) std::memcpy(p, c.data(), c.size());
-    p += c.size();
-  }
+  out.insert(out.end(), body, body + at);
   return out;
 }
 
@@ -353,50 +459,91 @@ absl::Status CheckWireLayer(absl::Span<const uint8_t> blob, absl::Span<const Wir
   return CheckedRecords(blob, expected).status();
 }
 
-absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<const uint8_t> blob,
-                                                                 absl::Span<const WireTensor> expected) {
-  absl::StatusOr<std::vector<Record>> checked = CheckedRecords(blob, expected);
-  if (!checked.ok()) return checked.status();
-  const std::vector<Record>& records = *checked;
+namespace {
+
+// Decodes the payloads of `blob`, whose `records` CheckedRecords returned,
+// into out[i] (records[i].raw bytes each).
+absl::Status DecodeRecords(absl::Span<const uint8_t> blob, const std::vector<Record>& records,
+                           absl::Span<uint8_t* const> out, uint64_t piece_bytes,
+                           std::vector<std::vector<uint32_t>>* piece_crcs) {
   const uint32_t streams = static_cast<uint32_t>(records.size());
-  const uint64_t records_end = kWireBlobHeaderBytes + uint64_t{kWireRecordBytes} * streams;
-  // Every size is checked: allocate the expected tensors and decode.
-  std::vector<std::vector<uint8_t>> out(streams);
-  uint64_t at = records_end;
-  std::vector<uint8_t> scratch;
+  if (piece_crcs) piece_crcs->assign(streams, {});
+  uint64_t at = kWireBlobHeaderBytes + uint64_t{kWireRecordBytes} * streams;
+  Scratch scratch_buf;
   for (uint32_t i = 0; i < streams; ++i) {
     const Record& r = records[i];
     const std::string field = absl::StrCat("stream[", i, "]");
     absl::Span<const uint8_t> payload = blob.subspan(at, r.coded);
     at += r.coded;
-    out[i].resize(r.raw);
+    uint8_t* const dst = out[i];
     switch (static_cast<WireMethod>(r.method)) {
       case WireMethod::kStored:
-        std::memcpy(out[i].data(), payload.data(), r.raw);
+        std::memcpy(dst, payload.data(), r.raw);
         break;
       case WireMethod::kRansPlanes:
         if (r.param == 1) {
-          if (absl::Status s = UnRansPlanes(payload, 1, out[i].data(), r.raw, field); !s.ok()) return s;
+          if (absl::Status s = UnRansPlanes(payload, 1, dst, r.raw, field); !s.ok()) return s;
         } else {
-          scratch.resize(r.raw);
-          absl::Status s = UnRansPlanes(payload, static_cast<int>(r.param), scratch.data(), r.raw, field);
+          uint8_t* scratch = scratch_buf.Get(r.raw);
+          absl::Status s = UnRansPlanes(payload, static_cast<int>(r.param), scratch, r.raw, field);
           if (!s.ok()) return s;
-          FromPlanes(scratch.data(), r.raw, static_cast<int>(r.param), out[i].data());
+          FromPlanes(scratch, r.raw, static_cast<int>(r.param), dst);
         }
         break;
-      case WireMethod::kRansPosDelta:
-        scratch.resize(r.raw);
-        if (absl::Status s = UnRansPlanes(payload, 4, scratch.data(), r.raw, field); !s.ok()) return s;
-        FromPlanes(scratch.data(), r.raw, 4, out[i].data());
-        UndoPosDeltas(out[i].data(), r.raw, r.param);
+      case WireMethod::kRansPosDelta: {
+        uint8_t* scratch = scratch_buf.Get(r.raw);
+        if (absl::Status s = UnRansPlanes(payload, 4, scratch, r.raw, field); !s.ok()) return s;
+        FromPlanes(scratch, r.raw, 4, dst);
+        UndoPosDeltas(dst, r.raw, r.param);
         break;
+      }
     }
-    if (Crc32c(out[i].data(), out[i].size()) != r.crc) {
+    uint32_t crc = 0;
+    if (piece_crcs == nullptr) {
+      crc = Crc32c(dst, r.raw);
+    } else {
+      // The pieces' CRCs make the whole one: still a single pass.
+      for (uint64_t off = 0; off < r.raw; off += piece_bytes) {
+        const uint64_t n = std::min(piece_bytes, r.raw - off);
+        const uint32_t c = Crc32c(dst + off, n);
+        (*piece_crcs)[i].push_back(c);
+        crc = off == 0 ? c : Crc32cCombine(crc, c, n);
+      }
+    }
+    if (crc != r.crc) {
       return absl::DataLossError(
           absl::StrCat("wire layer: ", field, ": decoded bytes do not match the record's crc32c"));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<const uint8_t> blob,
+                                                                 absl::Span<const WireTensor> expected) {
+  absl::StatusOr<std::vector<Record>> checked = CheckedRecords(blob, expected);
+  if (!checked.ok()) return checked.status();
+  // Every size is checked: allocate the expected tensors and decode.
+  std::vector<std::vector<uint8_t>> out(checked->size());
+  std::vector<uint8_t*> dst(out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i].resize((*checked)[i].raw);
+    dst[i] = out[i].data();
+  }
+  if (absl::Status s = DecodeRecords(blob, *checked, dst, 0, nullptr); !s.ok()) return s;
   return out;
+}
+
+absl::Status DecodeWireLayerInto(absl::Span<const uint8_t> blob, absl::Span<const WireTensor> expected,
+                                 absl::Span<uint8_t* const> out, uint64_t piece_bytes,
+                                 std::vector<std::vector<uint32_t>>* piece_crcs) {
+  if (out.size() != expected.size()) {
+    return absl::InternalError(absl::StrCat("wire layer: ", out.size(), " outputs for ", expected.size(), " streams"));
+  }
+  absl::StatusOr<std::vector<Record>> checked = CheckedRecords(blob, expected);
+  if (!checked.ok()) return checked.status();
+  return DecodeRecords(blob, *checked, out, piece_bytes, piece_crcs);
 }
 
 }  // namespace kvrelay

@@ -118,9 +118,20 @@ absl::Status CheckWireLayer(absl::Span<const uint8_t> blob, absl::Span<const Wir
 // Decodes `blob` into one buffer per entry of `expected` (its size). An
 // error naming the field when the blob does not hold exactly `expected`:
 // INVALID_ARGUMENT for a malformed or inconsistent blob, DATA_LOSS for a
-// rANS block that does not decode.
+// rANS block that does not decode or decoded bytes that do not match their
+// record's CRC32C.
 absl::StatusOr<std::vector<std::vector<uint8_t>>> DecodeWireLayer(absl::Span<const uint8_t> blob,
                                                                  absl::Span<const WireTensor> expected);
+
+// As DecodeWireLayer, into the caller's buffers: out[i] holds
+// expected[i].size bytes. On error out[i]'s contents are unspecified. When
+// `piece_crcs` is not null it receives, per tensor, the CRC32C of each
+// `piece_bytes` piece of the decoded bytes (the last one shorter), from the
+// same pass that checks the record's CRC32C. REQUIRES: out.size() ==
+// expected.size(); piece_bytes > 0 when piece_crcs is given.
+absl::Status DecodeWireLayerInto(absl::Span<const uint8_t> blob, absl::Span<const WireTensor> expected,
+                                 absl::Span<uint8_t* const> out, uint64_t piece_bytes = 0,
+                                 std::vector<std::vector<uint32_t>>* piece_crcs = nullptr);
 
 }  // namespace kvrelay
 

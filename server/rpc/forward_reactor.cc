@@ -15,7 +15,6 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "core/crc32c.h"
 #include "core/status_macros.h"
 #include "proto/raw_chunk.h"
 #include "proto/status_util.h"
@@ -34,10 +33,35 @@ namespace {
 
 // A WIRE_CODEC_RANS forward: the blob of the layer arriving, and what
 // each layer must decode to.
+// A coded layer's blob as its chunks arrive. Its room, the largest blob
+// the layer can take, is allocated with the first chunk and neither
+// zero-filled nor grown: only the bytes that arrived are read.
+class LayerBlob {
+ public:
+  uint64_t size() const { return size_; }
+  absl::Span<const uint8_t> bytes() const { return absl::Span<const uint8_t>(buf_.get(), size_); }
+  // Where the next `n` bytes go; they count once Commit(n) is called.
+  // REQUIRES: size() + n <= room.
+  uint8_t* Next(uint64_t room) {
+    if (!buf_) buf_.reset(new uint8_t[room]);
+    return buf_.get() + size_;
+  }
+  void Commit(uint64_t n) { size_ += n; }
+  void Reset() {
+    buf_.reset();
+    size_ = 0;
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> buf_;
+  uint64_t size_ = 0;
+};
+
 struct CodedState {
   std::vector<std::vector<WireTensor>> layers;  // expected tensors per layer
   uint32_t layer = 0;                           // the layer whose blob arrives
-  std::vector<uint8_t> blob;                    // its bytes so far
+  size_t slot = 0;                              // reader_'s index of its first tensor
+  LayerBlob blob;                               // its bytes so far
   uint64_t blob_bytes = 0;                      // its size, once its header is in (0: not yet)
   TrailerBuilder trailer;                       // of the coded chunks that arrived
   TrailerBuilder decoded;                       // of the decoded chunks given to reader_
@@ -235,15 +259,13 @@ class ForwardReactor final
                                       absl::StrCat(name, ": ", c.size, " bytes, expected 1..",
                                                    std::min<uint64_t>(kMaxChunkBytes, max - w.blob.size()))));
     }
-    const size_t at = w.blob.size();
-    w.blob.resize(at + c.size);
-    if (c.CopyTo(w.blob.data() + at) != c.crc32c) {
-      w.blob.resize(at);
+    if (c.CopyTo(w.blob.Next(MaxWireLayerBytes(w.layers[w.layer]))) != c.crc32c) {
       return UploadStatus(StreamError(StreamErrorKind::kChunkCrc, absl::StrCat(name, ": crc32c mismatch")));
     }
+    w.blob.Commit(c.size);
     w.trailer.Add(c.crc32c, c.size);
     if (w.blob_bytes == 0 && w.blob.size() >= kWireBlobHeaderBytes) {
-      absl::StatusOr<uint64_t> n = WireLayerBlobBytes(w.blob, MaxWireLayerBytes(w.layers[w.layer]));
+      absl::StatusOr<uint64_t> n = WireLayerBlobBytes(w.blob.bytes(), MaxWireLayerBytes(w.layers[w.layer]));
       if (!n.ok()) return absl::InvalidArgumentError(absl::StrCat("layer ", w.layer, " ", n.status().message()));
       if (w.blob.size() > *n) {
         return absl::InvalidArgumentError(
@@ -252,28 +274,32 @@ class ForwardReactor final
       w.blob_bytes = *n;
     }
     if (w.blob_bytes == 0 || w.blob.size() < w.blob_bytes) return absl::OkStatus();
-    // The layer's blob is whole.
-    absl::StatusOr<std::vector<std::vector<uint8_t>>> tensors = DecodeWireLayer(w.blob, w.layers[w.layer]);
-    if (!tensors.ok()) {
-      return absl::Status(tensors.status().code(), absl::StrCat("layer ", w.layer, " ", tensors.status().message()));
+    // The layer's blob is whole: decoded straight into the message's
+    // tensors, which the decoded chunks then fill in place (checked and
+    // counted as an uncoded forward's, without a copy or a second CRC pass).
+    const std::vector<WireTensor>& expected = w.layers[w.layer];
+    std::vector<uint8_t*> dst(expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) dst[i] = reader_.SlotData(w.slot + i);
+    std::vector<std::vector<uint32_t>> crcs;  // per tensor, per chunk
+    if (absl::Status st = DecodeWireLayerInto(w.blob.bytes(), expected, dst, kMaxChunkBytes, &crcs); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("layer ", w.layer, " ", st.message()));
     }
-    for (size_t i = 0; i < tensors->size(); ++i) {
-      const std::vector<uint8_t>& t = (*tensors)[i];
-      for (uint64_t off = 0; off < t.size(); off += kMaxChunkBytes) {
+    for (size_t i = 0; i < expected.size(); ++i) {
+      for (uint64_t off = 0; off < expected[i].size; off += kMaxChunkBytes) {
         ChunkView d;
         d.layer = w.layer;
-        d.part = w.layers[w.layer][i].part;
+        d.part = expected[i].part;
         d.offset = off;
-        d.size = std::min<uint64_t>(kMaxChunkBytes, t.size() - off);
-        d.pieces.push_back(absl::Span<const uint8_t>(t.data() + off, d.size));
-        d.crc32c = Crc32c(t.data() + off, d.size);
+        d.size = std::min<uint64_t>(kMaxChunkBytes, expected[i].size - off);
+        d.pieces.push_back(absl::Span<const uint8_t>(dst[i] + off, d.size));
+        d.crc32c = crcs[i][off / kMaxChunkBytes];
         w.decoded.Add(d.crc32c, d.size);
-        KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.Add(d)));
+        KVRELAY_RETURN_IF_ERROR(UploadStatus(reader_.AddInPlace(d)));
       }
     }
+    w.slot += expected.size();
     ++w.layer;
-    w.blob.clear();
-    w.blob.shrink_to_fit();
+    w.blob.Reset();
     w.blob_bytes = 0;
     return absl::OkStatus();
   }

@@ -1,10 +1,12 @@
 #include "proto/wire_codec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/crc32c.h"
 #include "core/pipeline.h"
 #include "gtest/gtest.h"
 #include "proto/stream_codec.h"
@@ -124,6 +126,80 @@ TEST(WireCodec, CompressibleStreamsShrink) {
   const std::vector<uint8_t> blob = EncodeWireLayer(ts, {4, 2});
   EXPECT_LT(blob.size(), (codes.size() + pos.size() * 4) / 3);
   EXPECT_TRUE(DecodeWireLayer(blob, Expected(ts)).ok());
+}
+
+// Structured streams of every kind: half-width K (its byte planes differ),
+// codes, positions in 4 rows with a jump, float32 acc, an unknown part.
+std::vector<TensorRef> PinnedStreams() {
+  static std::vector<uint8_t> k(2 * 4 * 300), codes(777), pos(4 * 4 * 300), acc(4 * 4 * 300);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<uint8_t>(i % 2 ? 0x3c + (i * 7919) % 5 : (i * 2654435761u) >> 7);
+  }
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>((i * i) % 11);
+  for (size_t i = 0; i < pos.size() / 4; ++i) {
+    const uint32_t v = static_cast<uint32_t>(i % 300 + (i % 300 > 150 ? 40 : 0));
+    std::memcpy(pos.data() + 4 * i, &v, 4);
+  }
+  for (size_t i = 0; i < acc.size(); ++i) acc[i] = static_cast<uint8_t>((i * 31) >> 3);
+  return {{0, v1::PART_K, k}, {0, v1::PART_K_CODES, codes}, {0, v1::PART_POS, pos}, {0, v1::PART_ACC, acc},
+          {0, static_cast<v1::Part>(35), codes}};
+}
+
+// The blob's bytes are the wire format: a faster encoder writes the same
+// bytes (size and CRC32C of the blobs the first encoder wrote).
+TEST(WireCodec, EncodingIsPinned) {
+  const std::vector<TensorRef> ts = PinnedStreams();
+  const std::vector<uint8_t> half = EncodeWireLayer(ts, {4, 2});
+  EXPECT_EQ(half.size(), 8258u);
+  EXPECT_EQ(Crc32c(half.data(), half.size()), 1423219589u);
+  const std::vector<uint8_t> wide = EncodeWireLayer(ts, {4, 4});
+  EXPECT_EQ(wide.size(), 8206u);
+  EXPECT_EQ(Crc32c(wide.data(), wide.size()), 2290578228u);
+  for (const std::vector<uint8_t>* blob : {&half, &wide}) {
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> out = DecodeWireLayer(*blob, Expected(ts));
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t i = 0; i < ts.size(); ++i) {
+      EXPECT_EQ((*out)[i], std::vector<uint8_t>(ts[i].data.begin(), ts[i].data.end())) << i;
+    }
+  }
+}
+
+// DecodeWireLayerInto decodes into the caller's buffers, and the per-piece
+// CRC32Cs it hands out are those of the decoded pieces, for every method
+// (stored, planes, positions) and piece size.
+TEST(WireCodec, PieceCrcsAreThoseOfTheDecodedPieces) {
+  TurnShape s;
+  s.kv_heads = 2;
+  s.n_prompt = 50;
+  for (const char* spec : {"full", "h2o-head:k=8+int4"}) {
+    const Message msg = Compress(RandomTurn(s, 9), spec);
+    const std::vector<TensorRef> tensors = LayerDeliveryOrder(msg.layers[0], 0, /*with_acc=*/true);
+    const std::vector<WireTensor> expected = Expected(tensors);
+    const std::vector<uint8_t> blob = EncodeWireLayer(tensors, {msg.kv_heads, 2});
+    std::vector<TensorRef> streams;
+    for (const TensorRef& t : tensors) {
+      if (!t.data.empty()) streams.push_back(t);
+    }
+    for (uint64_t piece : {uint64_t{1}, uint64_t{100}, uint64_t{4096}, uint64_t{1} << 20}) {
+      std::vector<std::vector<uint8_t>> out;
+      std::vector<uint8_t*> dst;
+      for (const WireTensor& e : expected) out.emplace_back(e.size, uint8_t{0xee});
+      for (std::vector<uint8_t>& t : out) dst.push_back(t.data());
+      std::vector<std::vector<uint32_t>> crcs;
+      const absl::Status st = DecodeWireLayerInto(blob, expected, dst, piece, &crcs);
+      ASSERT_TRUE(st.ok()) << spec << ": " << st;
+      ASSERT_EQ(crcs.size(), out.size());
+      for (size_t i = 0; i < out.size(); ++i) {
+        const std::vector<uint8_t>& t = out[i];
+        ASSERT_EQ(std::memcmp(t.data(), streams[i].data.data(), t.size()), 0) << spec << " stream " << i;
+        ASSERT_EQ(crcs[i].size(), (t.size() + piece - 1) / piece) << spec << " stream " << i;
+        for (uint64_t off = 0; off < t.size(); off += piece) {
+          const uint64_t n = std::min<uint64_t>(piece, t.size() - off);
+          ASSERT_EQ(crcs[i][off / piece], Crc32c(t.data() + off, n)) << spec << " stream " << i << " at " << off;
+        }
+      }
+    }
+  }
 }
 
 class WireCodecHostile : public ::testing::Test {

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "core/pipeline.h"
 #include "tests/testlib/eventually.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testlib/fake_time_source.h"
 #include "proto/stream_codec.h"
@@ -491,6 +492,30 @@ TEST_F(ForwardTest, ANonFiniteNormIsRefused) {
   EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
   EXPECT_EQ(r.status.error_message(), "layer.2.demoted.v.norm: non-finite value inf at [0,1,0], expected finite values");
   EXPECT_EQ(server_->store()->Find("s", "inf"), nullptr);
+  WaitInflightZero();
+}
+
+// A coded forward's K/V are decoded straight into the message's tensors and
+// checked there: a NaN a peer encoded is refused, nothing is stored, and
+// the same message sent clean is then committed.
+TEST_F(ForwardTest, ANonFiniteValueInARansForwardIsRefused) {
+  const Message clean = Offline(MakeTurn(12), "full");
+  Message msg = clean;
+  ASSERT_EQ(msg.dtype, DType::kBF16);
+  absl::Span<uint8_t> k = msg.layers[1].k.mutable_bytes();
+  k[k.size() - 2] = 0xc0;  // the last element: bf16 0x7fc0, a NaN
+  k[k.size() - 1] = 0x7f;
+  const v1::ForwardHeader h = FwdHeader("s", "nan", "a", {"b"}, msg);
+  ForwardCall r = DoForward(stub_.get(), CodedForward(h, msg, msg));
+  EXPECT_EQ(r.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(r.status.error_message(), ::testing::HasSubstr("layer.1.k: non-finite value nan"));
+  EXPECT_EQ(server_->store()->Find("s", "nan"), nullptr);
+  ExpectNothingFor("s", "b");
+  WaitInflightZero();
+  ExpectResults(DoForward(stub_.get(), CodedForward(h, clean, clean)), {{"b", 0, false}});
+  FetchResult f = DoFetch(stub_.get(), "s", "b", /*auto_ack=*/true);
+  ASSERT_TRUE(f.status.ok()) << f.status.error_message();
+  ExpectSameMessage(f.msg, clean);
   WaitInflightZero();
 }
 
