@@ -299,32 +299,17 @@ void CountBelow(const Eigen::VectorXd& a, const Eigen::VectorXd& b2, const doubl
   }
 }
 
-// Top-`p` eigenvectors (as columns, by descending eigenvalue) of the
-// symmetric matrix `g`, leaving out eigenvalues at or below rel_tol times
-// the largest. Householder tridiagonalization; the wanted eigenvalues by
-// Sturm bisection; their vectors by inverse iteration with Gram-Schmidt;
-// then the back-transformation. The O(d^3) eigenvector accumulation of a
-// full solver is never done.
-Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol) {
-  const int n = static_cast<int>(g.rows());
-  // Reused per thread: its d x d workspace would otherwise be a fresh
-  // (page-faulting) allocation for every head.
-  thread_local Eigen::Tridiagonalization<Eigen::MatrixXd> tri;
-  tri.compute(g);
-  const Eigen::VectorXd diag = tri.diagonal();
-  const Eigen::VectorXd sub = tri.subDiagonal();
-  double lo = diag[0], hi = diag[0];
-  for (int i = 0; i < n; ++i) {
-    const double r = (i > 0 ? std::abs(sub[i - 1]) : 0) + (i + 1 < n ? std::abs(sub[i]) : 0);
-    lo = std::min(lo, diag[i] - r);
-    hi = std::max(hi, diag[i] + r);
-  }
-  const double norm = std::max(std::abs(lo), std::abs(hi));
-  if (norm == 0) return Eigen::MatrixXd(n, 0);
+// The eigenvalues of the symmetric tridiagonal T (`diag`, `sub`) in
+// [lo, hi] (Gershgorin bounds; |lo|, |hi| <= norm), largest first: the top
+// `p` by Sturm bisection, all at once, keeping only those > 0 and > rel_tol
+// times the largest.
+std::vector<double> TopTridiagonalEigenvalues(const Eigen::VectorXd& diag, const Eigen::VectorXd& sub, int p,
+                                              double rel_tol, double lo, double hi, double norm) {
+  const int n = static_cast<int>(diag.size());
   const double pivmin = std::numeric_limits<double>::min() * 4 / std::numeric_limits<double>::epsilon();
   const double eps = std::numeric_limits<double>::epsilon();
-  // Bisection for the p largest eigenvalues, all at once: eigenvalue e (0 =
-  // largest) is the (n-1-e)-th smallest, so count(x) <= n-1-e below it.
+  // Eigenvalue e (0 = largest) is the (n-1-e)-th smallest, so count(x) <=
+  // n-1-e below it.
   const int k = std::min(p, n);
   const Eigen::VectorXd sub2 = sub.cwiseProduct(sub);
   std::vector<double> a(k, lo), b(k, hi), mid(k);
@@ -342,15 +327,25 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
     if (!(l > 0) || (!lambda.empty() && !(l > rel_tol * lambda[0]))) break;
     lambda.push_back(l);
   }
-  const int want = static_cast<int>(lambda.size());
-  Eigen::MatrixXd x(n, want);
-  if (want == 0) return x;  // no positive eigenvalue (G = 0, or not finite)
-  std::vector<double> dl(n), dd(n), du(n), du2(n);
-  std::vector<int> piv(n);
-  const double tiny = norm * eps;
-  for (int e = 0; e < want; ++e) {
-    // LU with partial pivoting of T - lambda*I (LAPACK dgttrf).
-    for (int i = 0; i < n; ++i) dd[i] = diag[i] - lambda[e];
+  return lambda;
+}
+
+// T - lambda*I (T: `diag`, `sub`) factored by LU with partial pivoting
+// (LAPACK dgttrf), for the solves of inverse iteration.
+struct TridiagonalLu {
+  std::vector<double> dl, dd, du, du2;  // dd holds the reciprocals of U's diagonal
+  std::vector<int> piv;
+
+  // Pivots below `tiny` in magnitude are raised to it (an exact eigenvalue
+  // makes T - lambda*I singular).
+  void Factor(const Eigen::VectorXd& diag, const Eigen::VectorXd& sub, double lambda, double tiny) {
+    const int n = static_cast<int>(diag.size());
+    dl.resize(n);
+    dd.resize(n);
+    du.resize(n);
+    du2.resize(n);
+    piv.resize(n);
+    for (int i = 0; i < n; ++i) dd[i] = diag[i] - lambda;
     for (int i = 0; i + 1 < n; ++i) dl[i] = du[i] = sub[i];
     for (int i = 0; i + 1 < n; ++i) {
       du2[i] = 0;
@@ -379,21 +374,60 @@ Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol)
       if (std::abs(dd[i]) < tiny) dd[i] = dd[i] < 0 ? -tiny : tiny;
       dd[i] = 1.0 / dd[i];  // the U solves below multiply
     }
+  }
+
+  // v <- (T - lambda*I)^-1 v.
+  void Solve(Eigen::VectorXd* v) const {
+    const int n = static_cast<int>(dd.size());
+    Eigen::VectorXd& x = *v;
+    for (int i = 0; i + 1 < n; ++i) {  // L solve
+      const int ip = piv[i];
+      const double t = x[ip == i ? i + 1 : i] - dl[i] * x[ip];
+      x[i] = x[ip];
+      x[i + 1] = t;
+    }
+    for (int i = n - 1; i >= 0; --i) {  // U solve
+      double s = x[i];
+      if (i + 1 < n) s -= du[i] * x[i + 1];
+      if (i + 2 < n) s -= du2[i] * x[i + 2];
+      x[i] = s * dd[i];
+    }
+  }
+};
+
+// Top-`p` eigenvectors (as columns, by descending eigenvalue) of the
+// symmetric matrix `g`, leaving out eigenvalues at or below rel_tol times
+// the largest. Householder tridiagonalization; the wanted eigenvalues by
+// Sturm bisection; their vectors by inverse iteration with Gram-Schmidt;
+// then the back-transformation. The O(d^3) eigenvector accumulation of a
+// full solver is never done.
+Eigen::MatrixXd TopEigenvectors(const Eigen::MatrixXd& g, int p, double rel_tol) {
+  const int n = static_cast<int>(g.rows());
+  // Reused per thread: its d x d workspace would otherwise be a fresh
+  // (page-faulting) allocation for every head.
+  thread_local Eigen::Tridiagonalization<Eigen::MatrixXd> tri;
+  tri.compute(g);
+  const Eigen::VectorXd diag = tri.diagonal();
+  const Eigen::VectorXd sub = tri.subDiagonal();
+  double lo = diag[0], hi = diag[0];
+  for (int i = 0; i < n; ++i) {
+    const double r = (i > 0 ? std::abs(sub[i - 1]) : 0) + (i + 1 < n ? std::abs(sub[i]) : 0);
+    lo = std::min(lo, diag[i] - r);
+    hi = std::max(hi, diag[i] + r);
+  }
+  const double norm = std::max(std::abs(lo), std::abs(hi));
+  if (norm == 0) return Eigen::MatrixXd(n, 0);
+  const std::vector<double> lambda = TopTridiagonalEigenvalues(diag, sub, p, rel_tol, lo, hi, norm);
+  const int want = static_cast<int>(lambda.size());
+  Eigen::MatrixXd x(n, want);
+  if (want == 0) return x;  // no positive eigenvalue (G = 0, or not finite)
+  TridiagonalLu lu;
+  for (int e = 0; e < want; ++e) {
+    lu.Factor(diag, sub, lambda[e], norm * std::numeric_limits<double>::epsilon());
     Eigen::VectorXd v(n);
     for (int i = 0; i < n; ++i) v[i] = 1.0 + 0.01 * ((i * 7919 + e * 104729) % 101);
     for (int it = 0; it < 3; ++it) {
-      for (int i = 0; i + 1 < n; ++i) {  // L solve
-        const int ip = piv[i];
-        const double t = v[ip == i ? i + 1 : i] - dl[i] * v[ip];
-        v[i] = v[ip];
-        v[i + 1] = t;
-      }
-      for (int i = n - 1; i >= 0; --i) {  // U solve
-        double s = v[i];
-        if (i + 1 < n) s -= du[i] * v[i + 1];
-        if (i + 2 < n) s -= du2[i] * v[i + 2];
-        v[i] = s * dd[i];
-      }
+      lu.Solve(&v);
       for (int j = 0; j < e; ++j) v -= x.col(j).dot(v) * x.col(j);
       v /= v.norm();
     }

@@ -277,6 +277,87 @@ uint64_t MaxWireLayerBytes(absl::Span<const WireTensor> expected) {
   return n;
 }
 
+namespace {
+
+// Codes tensor `t` (not empty) into `dst` (room for the larger of its
+// coded and raw sizes): rANS by its stream kind, or stored when coding does
+// not shrink it. `planes_buf` and `deltas_buf` take up to `max_raw` bytes.
+// Its record, `coded` the bytes written.
+Record EncodeStream(const TensorRef& t, const WireEncodeOptions& opts, size_t max_raw, Scratch* planes_buf,
+                    Scratch* deltas_buf, uint8_t* dst) {
+  Record r{static_cast<uint32_t>(t.part), static_cast<uint8_t>(WireMethod::kStored), 0, t.data.size(), 0, 0};
+  size_t coded = 0;
+  switch (WireStreamKindOf(t.part, opts.dense_elem_bytes)) {
+    case WireStreamKind::kPositions:
+      r.crc = Crc32c(t.data.data(), t.data.size());
+      if (t.data.size() % 4 == 0) {
+        const uint64_t elems = t.data.size() / 4;
+        const uint64_t row = opts.kv_heads > 0 && elems % opts.kv_heads == 0 ? elems / opts.kv_heads : elems;
+        if (row <= std::numeric_limits<uint32_t>::max()) {
+          uint8_t* deltas = deltas_buf->Get(max_raw);
+          uint8_t* split = planes_buf->Get(max_raw);
+          PosDeltas(t.data, row, deltas);
+          ToPlanesCrc(absl::MakeConstSpan(deltas, t.data.size()), 4, split);
+          coded = RansPlanes(absl::MakeConstSpan(split, t.data.size()), 4, dst, t.data.size());
+          r.method = static_cast<uint8_t>(WireMethod::kRansPosDelta);
+          r.param = static_cast<uint32_t>(row);
+        }
+      }
+      break;
+    case WireStreamKind::kHalf:
+    case WireStreamKind::kFloat32:
+    case WireStreamKind::kBytes: {
+      const WireStreamKind k = WireStreamKindOf(t.part, opts.dense_elem_bytes);
+      const int planes = k == WireStreamKind::kHalf ? 2 : k == WireStreamKind::kFloat32 ? 4 : 1;
+      if (t.data.size() % planes != 0 || planes == 1) {
+        r.crc = Crc32c(t.data.data(), t.data.size());
+        if (planes == 1) coded = RansPlanes(t.data, 1, dst, t.data.size());
+      } else {
+        uint8_t* split = planes_buf->Get(max_raw);
+        r.crc = ToPlanesCrc(t.data, planes, split);
+        coded = RansPlanes(absl::MakeConstSpan(split, t.data.size()), planes, dst, t.data.size());
+      }
+      r.method = static_cast<uint8_t>(WireMethod::kRansPlanes);
+      r.param = static_cast<uint32_t>(planes);
+      break;
+    }
+    case WireStreamKind::kRaw:
+      r.crc = Crc32c(t.data.data(), t.data.size());
+      break;
+  }
+  // Stored whenever coding does not shrink the stream (RansPlanes gives 0).
+  if (coded == 0) {
+    r.method = static_cast<uint8_t>(WireMethod::kStored);
+    r.param = 0;
+    std::memcpy(dst, t.data.data(), t.data.size());
+    coded = t.data.size();
+  }
+  r.coded = coded;
+  return r;
+}
+
+// Writes the blob header and records (kWireBlobHeaderBytes +
+// kWireRecordBytes each) at `p`; `total` is the whole blob's size.
+void PutBlobHeader(const std::vector<Record>& records, uint64_t total, uint8_t* p) {
+  auto put = [&p](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) *p++ = static_cast<uint8_t>(v >> (8 * i));
+  };
+  std::memcpy(p, kMagic, 4);
+  p += 4;
+  put(total, 8);
+  put(records.size(), 4);
+  for (const Record& r : records) {
+    put(r.part, 4);
+    put(r.method, 1);
+    put(r.param, 4);
+    put(r.raw, 8);
+    put(r.coded, 8);
+    put(r.crc, 4);
+  }
+}
+
+}  // namespace
+
 std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const WireEncodeOptions& opts) {
   // Each stream's room: coded, or stored when coding does not shrink it.
   std::vector<size_t> room(tensors.size(), 0);
@@ -294,80 +375,16 @@ std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const 
   uint8_t* const body = body_buf.Get(body_room);
   std::vector<Record> records;
   size_t at = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const TensorRef& t = tensors[i];
+  for (const TensorRef& t : tensors) {
     if (t.data.empty()) continue;
-    Record r{static_cast<uint32_t>(t.part), static_cast<uint8_t>(WireMethod::kStored), 0, t.data.size(), 0, 0};
-    size_t coded = 0;
-    switch (WireStreamKindOf(t.part, opts.dense_elem_bytes)) {
-      case WireStreamKind::kPositions:
-        r.crc = Crc32c(t.data.data(), t.data.size());
-        if (t.data.size() % 4 == 0) {
-          const uint64_t elems = t.data.size() / 4;
-          const uint64_t row = opts.kv_heads > 0 && elems % opts.kv_heads == 0 ? elems / opts.kv_heads : elems;
-          if (row <= std::numeric_limits<uint32_t>::max()) {
-            uint8_t* deltas = deltas_buf.Get(max_raw);
-            uint8_t* split = planes_buf.Get(max_raw);
-            PosDeltas(t.data, row, deltas);
-            ToPlanesCrc(absl::MakeConstSpan(deltas, t.data.size()), 4, split);
-            coded = RansPlanes(absl::MakeConstSpan(split, t.data.size()), 4, body + at, t.data.size());
-            r.method = static_cast<uint8_t>(WireMethod::kRansPosDelta);
-            r.param = static_cast<uint32_t>(row);
-          }
-        }
-        break;
-      case WireStreamKind::kHalf:
-      case WireStreamKind::kFloat32:
-      case WireStreamKind::kBytes: {
-        const WireStreamKind k = WireStreamKindOf(t.part, opts.dense_elem_bytes);
-        const int planes = k == WireStreamKind::kHalf ? 2 : k == WireStreamKind::kFloat32 ? 4 : 1;
-        if (t.data.size() % planes != 0 || planes == 1) {
-          r.crc = Crc32c(t.data.data(), t.data.size());
-          if (planes == 1) coded = RansPlanes(t.data, 1, body + at, t.data.size());
-        } else {
-          uint8_t* split = planes_buf.Get(max_raw);
-          r.crc = ToPlanesCrc(t.data, planes, split);
-          coded = RansPlanes(absl::MakeConstSpan(split, t.data.size()), planes, body + at, t.data.size());
-        }
-        r.method = static_cast<uint8_t>(WireMethod::kRansPlanes);
-        r.param = static_cast<uint32_t>(planes);
-        break;
-      }
-      case WireStreamKind::kRaw:
-        r.crc = Crc32c(t.data.data(), t.data.size());
-        break;
-    }
-    // Stored whenever coding does not shrink the stream (RansPlanes gives 0).
-    if (coded == 0) {
-      r.method = static_cast<uint8_t>(WireMethod::kStored);
-      r.param = 0;
-      std::memcpy(body + at, t.data.data(), t.data.size());
-      coded = t.data.size();
-    }
-    r.coded = coded;
-    at += coded;
-    records.push_back(r);
+    records.push_back(EncodeStream(t, opts, max_raw, &planes_buf, &deltas_buf, body + at));
+    at += records.back().coded;
   }
   const uint64_t head = kWireBlobHeaderBytes + kWireRecordBytes * records.size();
   const uint64_t total = head + at;
   std::vector<uint8_t> out(head);
   out.reserve(total);
-  uint8_t* p = out.data();
-  auto put = [&p](uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i) *p++ = static_cast<uint8_t>(v >> (8 * i));
-  };
-  std::memcpy(p, kMagic, 4);
-  p += 4;
-  put(total, 8);
-  put(records.size(), 4);
-  for (const Record& r : records) {
-    put(r.part, 4);
-    put(r.method, 1);
-    put(r.param, 4);
-    put(r.raw, 8);
-    put(r.coded, 8);
-    put(r.crc, 4);
-  }
+  PutBlobHeader(records, total, out.data());
   out.insert(out.end(), body, body + at);
   return out;
 }
