@@ -105,8 +105,13 @@ absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn) {
         "layer.0.history.acc: not carried by Publish or Compress, expected none (publish with parent_id to keep "
         "the parent's acc, or compress offline with kvrelayctl compress)");
   }
+  return ToProto(shape);
+}
+
+v1::TurnGeometry ToProto(const TurnLayout& layout) {
+  const TurnGeometry& geo = layout.geo;
   v1::TurnGeometry g;
-  g.set_layers(static_cast<uint32_t>(shape.layers));
+  g.set_layers(static_cast<uint32_t>(layout.layers));
   g.set_kv_heads(geo.kv_heads);
   g.set_score_heads(geo.score_heads);
   g.set_head_dim(geo.head_dim);
@@ -114,12 +119,12 @@ absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn) {
   g.set_n_prompt(geo.n_prompt);
   g.set_n_gen(geo.n_gen);
   g.set_n_history(geo.n_history);
-  g.set_first_agent(shape.first_agent);
-  if (shape.prompt_pos0) g.set_prompt_pos0(*shape.prompt_pos0);
+  g.set_first_agent(layout.first_agent);
+  if (layout.prompt_pos0) g.set_prompt_pos0(*layout.prompt_pos0);
   if (geo.queries) g.set_query_dtype(ToProtoDType(geo.q_dtype));
-  if (shape.softmax_scale) g.set_softmax_scale(*shape.softmax_scale);
+  if (layout.softmax_scale) g.set_softmax_scale(*layout.softmax_scale);
   g.mutable_history_anchors()->Assign(geo.history_anchors.begin(), geo.history_anchors.end());
-  g.set_history_score_tokens(static_cast<uint32_t>(shape.history_score_tokens));
+  g.set_history_score_tokens(static_cast<uint32_t>(layout.history_score_tokens));
   return g;
 }
 

@@ -97,6 +97,11 @@ absl::StatusOr<DType> FromProtoDType(v1::DType dtype);
 // parent the parent's (layers[0].tokens() of the message fetched).
 absl::StatusOr<v1::TurnGeometry> TurnGeometryOf(const Turn& turn);
 
+// A layout as a request header's geometry. The inverse of CheckGeometry
+// (proto/stream_codec.h): a geometry that passes it comes back field for
+// field, its unset optional fields unset.
+v1::TurnGeometry ToProto(const TurnLayout& layout);
+
 // The MessageHeader fields that describe `msg` (FillMessageHeader, and
 // accounting.{policy, full_bytes, sent_bytes, ratio}).
 // REQUIRES: msg has at least one layer.

@@ -186,7 +186,7 @@ v1::ForwardHeader ForwardHeaderOf(const StoredMessage& m) {
   h->set_parent_id(m.parent_id);
   h->mutable_accounting()->set_policy(m.msg.policy);
   fh.set_requested_policy(m.requested_policy);
-  *fh.mutable_geometry() = m.geometry;
+  if (m.layout) *fh.mutable_geometry() = ToProto(*m.layout);
   return fh;
 }
 

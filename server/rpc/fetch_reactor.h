@@ -3,6 +3,7 @@
 #define KVRELAY_SERVER_RPC_FETCH_REACTOR_H_
 
 #include "grpcpp/grpcpp.h"
+#include "kvrelay/v1/relay.pb.h"
 #include "server/rpc/relay_context.h"
 
 namespace kvrelay {

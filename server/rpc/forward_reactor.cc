@@ -31,8 +31,6 @@
 namespace kvrelay {
 namespace {
 
-// A WIRE_CODEC_RANS forward: the blob of the layer arriving, and what
-// each layer must decode to.
 // A coded layer's blob as its chunks arrive. Its room, the largest blob
 // the layer can take, is allocated with the first chunk and neither
 // zero-filled nor grown: only the bytes that arrived are read.
@@ -57,6 +55,8 @@ class LayerBlob {
   uint64_t size_ = 0;
 };
 
+// A WIRE_CODEC_RANS forward: the blob of the layer arriving, and what
+// each layer must decode to.
 struct CodedState {
   std::vector<std::vector<WireTensor>> layers;  // expected tensors per layer
   uint32_t layer = 0;                           // the layer whose blob arrives
@@ -66,6 +66,23 @@ struct CodedState {
   TrailerBuilder trailer;                       // of the coded chunks that arrived
   TrailerBuilder decoded;                       // of the decoded chunks given to reader_
 };
+
+// The header's protocol version and wire codec: one this relay speaks.
+absl::Status CheckForwardProtocol(const v1::ForwardHeader& h) {
+  if (h.protocol_version() != kForwardProtocolVersionV1 && h.protocol_version() != kForwardProtocolVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("header.protocol_version: ", h.protocol_version(),
+                                                      ", this relay speaks ", kForwardProtocolVersionV1, " and ",
+                                                      kForwardProtocolVersion));
+  }
+  if (h.wire_codec() != v1::WIRE_CODEC_NONE &&
+      (h.protocol_version() == kForwardProtocolVersionV1 || h.wire_codec() != v1::WIRE_CODEC_RANS)) {
+    const bool v1 = h.protocol_version() == kForwardProtocolVersionV1;
+    return absl::InvalidArgumentError(absl::StrCat("header.wire_codec: ", h.wire_codec(), " with protocol_version ",
+                                                   h.protocol_version(), ", expected NONE (0)",
+                                                   v1 ? "" : " or RANS (1)"));
+  }
+  return absl::OkStatus();
+}
 
 class ForwardReactor final
     : public RequestStreamReactor<ForwardReactor, grpc::ServerReadReactor<grpc::ByteBuffer>, v1::ForwardRequest> {
@@ -138,36 +155,9 @@ class ForwardReactor final
 
   absl::Status OnHeader(const v1::ForwardHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
     header_ = h;
-    if (h.protocol_version() != kForwardProtocolVersionV1 && h.protocol_version() != kForwardProtocolVersion) {
-      return absl::FailedPreconditionError(absl::StrCat("header.protocol_version: ", h.protocol_version(),
-                                                        ", this relay speaks ", kForwardProtocolVersionV1, " and ",
-                                                        kForwardProtocolVersion));
-    }
-    if (h.wire_codec() != v1::WIRE_CODEC_NONE &&
-        (h.protocol_version() == kForwardProtocolVersionV1 || h.wire_codec() != v1::WIRE_CODEC_RANS)) {
-      const bool v1 = h.protocol_version() == kForwardProtocolVersionV1;
-      return absl::InvalidArgumentError(absl::StrCat("header.wire_codec: ", h.wire_codec(), " with protocol_version ",
-                                                     h.protocol_version(), ", expected NONE (0)",
-                                                     v1 ? "" : " or RANS (1)"));
-    }
+    KVRELAY_RETURN_IF_ERROR(CheckForwardProtocol(h));
+    KVRELAY_RETURN_IF_ERROR(CheckHeaderFields(h));
     const v1::MessageHeader& m = h.message();
-    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.session_id", m.session_id()));
-    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.message_id", m.message_id()));
-    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.sender", m.sender()));
-    KVRELAY_RETURN_IF_ERROR(CheckPeerSpeaksFor(m.sender()));
-    if (!m.parent_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.message.parent_id", m.parent_id()));
-    if (m.role().size() > 128) {
-      return absl::InvalidArgumentError(absl::StrCat("header.message.role: ", m.role().size(), " bytes, expected at most 128"));
-    }
-    // What a publish's header passes, the forward's passes too: the turn's
-    // geometry (CheckGeometry) and the requested policy's length; the
-    // message header's fields below (DeliveryReader::CheckHeader).
-    if (h.has_geometry()) {
-      KVRELAY_RETURN_IF_ERROR(CheckGeometry(h.geometry(), "header.geometry", !m.parent_id().empty()).status());
-    }
-    KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(h.requested_policy(), "header.requested_policy"));
-    KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(m.accounting().policy(), "header.message.accounting.policy"));
-    KVRELAY_RETURN_IF_ERROR(CheckRecipients(h.recipients(), "header.recipients"));
     const std::string& session = m.session_id();
     if (relay_->store()->IsClosed(session)) {
       if (relay_->metrics()) relay_->metrics()->AddForwardReceived("refused");
@@ -182,27 +172,64 @@ class ForwardReactor final
       KVRELAY_RETURN_IF_ERROR(CheckSameForward(h, *prior));
       return Answer(prior, /*received=*/"duplicate");
     }
-    uint32_t elided = 0;
     if (!h.ancestor_id().empty()) {
-      KVRELAY_RETURN_IF_ERROR(CheckId("header.ancestor_id", h.ancestor_id()));
-      MessagePtr a = relay_->store()->Find(session, h.ancestor_id());
-      // Only an ancestor the peer holds itself (it forwarded it here, or this
-      // relay forwarded it there): a peer cannot splice in someone else's KV.
-      // Anything else reads as missing, which tells nothing.
-      const bool usable = a && PeerHolds(*a) && MayElideWith(*a, m) &&
-                          static_cast<uint32_t>(a->msg.layers[0].tokens()) == h.ancestor_tokens();
-      if (!usable) {
+      KVRELAY_ASSIGN_OR_RETURN(const bool held, TakeAncestor(h));
+      if (!held) {
         spdlog::info("forward session={} message={}: ancestor {} not held as described, asking for it whole",
                      session, m.message_id(), h.ancestor_id());
         resp_.set_ancestor_missing(true);
         FinishOnce(grpc::Status::OK);
         return absl::OkStatus();
       }
-      ancestor_ = std::move(a);
-      elided = h.ancestor_tokens();
     }
-    // The stream carries the tokens after the ancestor's: a message of that
-    // many fewer history tokens, whose sent bytes are its tensors'.
+    return OpenMessage(h, ancestor_ ? h.ancestor_tokens() : 0);
+  }
+
+  // The header's own fields, each as a publish's header checks its twin;
+  // keeps the checked geometry in layout_.
+  absl::Status CheckHeaderFields(const v1::ForwardHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
+    const v1::MessageHeader& m = h.message();
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.session_id", m.session_id()));
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.message_id", m.message_id()));
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.message.sender", m.sender()));
+    KVRELAY_RETURN_IF_ERROR(CheckPeerSpeaksFor(m.sender()));
+    if (!m.parent_id().empty()) KVRELAY_RETURN_IF_ERROR(CheckId("header.message.parent_id", m.parent_id()));
+    if (m.role().size() > 128) {
+      return absl::InvalidArgumentError(absl::StrCat("header.message.role: ", m.role().size(), " bytes, expected at most 128"));
+    }
+    // What a publish's header passes, the forward's passes too: the turn's
+    // geometry (CheckGeometry) and the requested policy's length; the
+    // message header's fields in OpenMessage (DeliveryReader::CheckHeader).
+    if (h.has_geometry()) {
+      KVRELAY_ASSIGN_OR_RETURN(layout_, CheckGeometry(h.geometry(), "header.geometry", !m.parent_id().empty()));
+    }
+    KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(h.requested_policy(), "header.requested_policy"));
+    KVRELAY_RETURN_IF_ERROR(CheckPolicyLength(m.accounting().policy(), "header.message.accounting.policy"));
+    return CheckRecipients(h.recipients(), "header.recipients");
+  }
+
+  // Takes the ancestor the header names into ancestor_ when this relay
+  // holds it as described; false (nothing taken) otherwise.
+  absl::StatusOr<bool> TakeAncestor(const v1::ForwardHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
+    KVRELAY_RETURN_IF_ERROR(CheckId("header.ancestor_id", h.ancestor_id()));
+    const v1::MessageHeader& m = h.message();
+    MessagePtr a = relay_->store()->Find(m.session_id(), h.ancestor_id());
+    // Only an ancestor the peer holds itself (it forwarded it here, or this
+    // relay forwarded it there): a peer cannot splice in someone else's KV.
+    // Anything else reads as missing, which tells nothing.
+    const bool usable = a && PeerHolds(*a) && MayElideWith(*a, m) &&
+                        static_cast<uint32_t>(a->msg.layers[0].tokens()) == h.ancestor_tokens();
+    if (!usable) return false;
+    ancestor_ = std::move(a);
+    return true;
+  }
+
+  // Reserves the message's bytes and starts reading its stream, which
+  // carries the tokens after the ancestor's (`elided` of them).
+  absl::Status OpenMessage(const v1::ForwardHeader& h, uint32_t elided) ABSL_EXCLUSIVE_LOCKS_REQUIRED(idle_->mu) {
+    const v1::MessageHeader& m = h.message();
+    // A message of `elided` fewer history tokens, whose sent bytes are its
+    // tensors'.
     const uint64_t n_full = uint64_t{m.n_history()} + m.n_anchor() + m.n_kept() + m.n_gen() + m.n_demoted();
     if (m.acc_tokens() != 0 && m.acc_tokens() != n_full && m.acc_tokens() != n_full - elided) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -358,7 +385,7 @@ class ForwardReactor final
     m->parent_id = mh.parent_id();
     m->recipients = recipients_;
     m->requested_policy = h.requested_policy();
-    m->geometry = h.geometry();
+    m->layout = layout_;
     m->accounting = AccountingFromProto(c.accounting());
     // With mTLS the origin is the relay the certificate proved, as this
     // relay routes to it, not what the forward says about itself.
@@ -436,6 +463,7 @@ class ForwardReactor final
   std::string verified_origin_;  // with mTLS: the sender's route target here
   const Clock::time_point started_;
   std::optional<v1::ForwardHeader> header_;
+  std::optional<TurnLayout> layout_;  // header_->geometry as checked, when it has one
   std::optional<Store::PublishTicket> ticket_;
   std::vector<std::string> recipients_;
   MessagePtr ancestor_;

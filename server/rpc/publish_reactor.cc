@@ -71,6 +71,7 @@ class PublishReactor final
       ReplyDuplicate(plan.duplicate);
       return absl::OkStatus();
     }
+    layout_ = plan.shape;
     if (plan.remote.empty()) {
       MutexLock lock(&mu_);
       return upload_.Start(plan.shape, std::move(plan.pipeline), std::move(plan.parent), plan.prompt_pos0);
@@ -144,7 +145,7 @@ class PublishReactor final
     m->parent_id = header_.parent_id();
     m->recipients.assign(header_.recipients().begin(), header_.recipients().end());
     m->requested_policy = header_.policy();
-    m->geometry = header_.geometry();
+    m->layout = layout_;
     m->remote = remote_;
     // A call already over (cancelled, or its deadline passed: the client
     // has its error) must not commit a message its sender thinks failed.
@@ -214,6 +215,7 @@ class PublishReactor final
   const Caller caller_;
   v1::PublishResponse resp_;
   v1::PublishHeader header_;
+  TurnLayout layout_;  // header_.geometry as checked (CheckGeometry)
   std::optional<Store::PublishTicket> ticket_;  // from the header on; ended in OnDone
   std::shared_ptr<ForwardSource> source_;        // with recipients on other relays
   std::map<std::string, std::string> remote_;    // recipient -> its relay

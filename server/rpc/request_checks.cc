@@ -10,6 +10,7 @@
 #include "google/protobuf/text_format.h"
 #include "core/quant.h"
 #include "core/status_macros.h"
+#include "proto/wire.h"
 
 namespace kvrelay {
 namespace {
@@ -82,9 +83,12 @@ absl::Status CheckRetryOf(const RetryHeader& now, const StoredMessage& prior) {
   if (now.parent_id != prior.parent_id) {
     return differs(absl::StrCat(now.prefix, "parent_id"), Quoted(prior.parent_id), Quoted(now.parent_id));
   }
+  // What the prior call's header said, field for field (none: every field
+  // at its default, as a header without geometry reads).
+  const v1::TurnGeometry prior_geometry = prior.layout ? ToProto(*prior.layout) : v1::TurnGeometry();
   const google::protobuf::Descriptor* d = v1::TurnGeometry::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
-    const std::string was = FieldText(prior.geometry, d->field(i)), is = FieldText(*now.geometry, d->field(i));
+    const std::string was = FieldText(prior_geometry, d->field(i)), is = FieldText(*now.geometry, d->field(i));
     if (was != is) return differs(absl::StrCat("header.geometry.", d->field(i)->name()), was, is);
   }
   return absl::OkStatus();

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "core/mutex.h"
 #include "core/status_macros.h"
+#include "proto/stream_codec.h"
 #include "proto/wire.h"
 #include "server/metrics/metrics.h"
 #include "server/store/spool/crash_point.h"
@@ -37,7 +38,7 @@ spool::v1::MessageMeta MetaOf(const StoredMessage& m) {
   meta.set_parent_id(m.parent_id);
   for (const std::string& r : m.recipients) meta.add_recipients(r);
   meta.set_requested_policy(m.requested_policy);
-  *meta.mutable_geometry() = m.geometry;
+  if (m.layout) *meta.mutable_geometry() = ToProto(*m.layout);
   *meta.mutable_accounting() = ToProto(m.accounting);
   for (const auto& [agent, target] : m.remote) (*meta.mutable_remote())[agent] = target;
   meta.set_forwarded(m.forwarded);
@@ -57,7 +58,19 @@ std::shared_ptr<StoredMessage> StoredOf(SpoolMessage sm, uint64_t seq) {
   m->parent_id = meta.parent_id();
   m->recipients.assign(meta.recipients().begin(), meta.recipients().end());
   m->requested_policy = meta.requested_policy();
-  m->geometry = meta.geometry();
+  if (meta.has_geometry()) {
+    // Checked again as the publish or forward checked it; a file whose
+    // geometry no longer passes keeps its message, without the geometry
+    // (a retry then compares against an empty one).
+    absl::StatusOr<UploadShape> layout =
+        CheckGeometry(meta.geometry(), "geometry", /*with_parent=*/!meta.parent_id().empty());
+    if (layout.ok()) {
+      m->layout = *std::move(layout);
+    } else {
+      spdlog::warn("spool: msg/{}.kvm session={} message={}: geometry dropped: {}", seq, meta.session_id(),
+                   meta.message_id(), layout.status().ToString());
+    }
+  }
   m->accounting = AccountingFromProto(meta.accounting());
   m->remote.insert(meta.remote().begin(), meta.remote().end());
   m->forwarded = meta.forwarded();

@@ -33,7 +33,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/message.h"
-#include "kvrelay/v1/relay.pb.h"
 
 namespace kvrelay {
 
@@ -58,7 +57,9 @@ struct StoredMessage {
   std::string session_id, message_id, sender, role, parent_id;
   std::vector<std::string> recipients;
   std::string requested_policy;  // header.policy as published ("": the role's default)
-  v1::TurnGeometry geometry;     // header.geometry as published
+  // header.geometry as published, checked (proto/wire.h ToProto gives it
+  // back field for field); none when a forward carried none.
+  std::optional<TurnLayout> layout;
   Message msg;                // the composed message
   Accounting accounting;      // as returned by Publish (core/message.h)
   std::string family;         // PolicyFamily(policy), the metrics label

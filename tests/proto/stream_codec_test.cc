@@ -77,6 +77,47 @@ TEST(UploadReaderTest, ReassemblesEveryLayerBitExactInOrder) {
 
 // A turn with queries sends GEN_Q in PROMPT_SCORE's place; the codec's own
 // upload order agrees with the test's independent one.
+// ToProto(TurnLayout) is the inverse of CheckGeometry: every geometry that
+// passes comes back field for field, its unset optional fields unset.
+TEST(CheckGeometryTest, ToProtoGivesTheHeaderBack) {
+  std::vector<v1::TurnGeometry> cases;
+  v1::TurnGeometry g;
+  g.set_layers(3);
+  g.set_kv_heads(2);
+  g.set_score_heads(6);
+  g.set_head_dim(16);
+  g.set_dtype(v1::DTYPE_F16);
+  g.set_n_prompt(7);
+  g.set_n_gen(2);
+  cases.push_back(g);
+  g.set_first_agent(true);
+  g.set_prompt_pos0(0);
+  cases.push_back(g);
+  g.set_n_history(5);
+  g.add_history_anchors(1);
+  g.add_history_anchors(3);
+  g.set_history_score_tokens(5);
+  g.set_prompt_pos0(11);
+  cases.push_back(g);
+  g.set_history_score_tokens(0);
+  g.set_query_dtype(v1::DTYPE_F16);  // the K/V dtype
+  g.set_softmax_scale(0.125);
+  g.clear_prompt_pos0();
+  cases.push_back(g);
+  g.set_query_dtype(v1::DTYPE_F32);
+  g.set_dtype(v1::DTYPE_F32);
+  cases.push_back(g);
+  for (const v1::TurnGeometry& want : cases) {
+    SCOPED_TRACE(want.ShortDebugString());
+    absl::StatusOr<UploadShape> layout = CheckGeometry(want, "header.geometry");
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const v1::TurnGeometry back = ToProto(static_cast<const TurnLayout&>(*layout));
+    EXPECT_EQ(back.SerializeAsString(), want.SerializeAsString());
+    EXPECT_EQ(back.has_prompt_pos0(), want.has_prompt_pos0());
+    EXPECT_EQ(back.has_softmax_scale(), want.has_softmax_scale());
+  }
+}
+
 TEST(UploadReaderTest, QueriesTravelInsteadOfScores) {
   for (DType q : {DType::kF32, DType::kBF16}) {
     for (int hist : {0, 6}) {

@@ -10,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "core/pipeline.h"
+#include "proto/stream_codec.h"
 #include "gtest/gtest.h"
 #include "tests/server/relay_test_util.h"
 #include "server/store/memory_store.h"
@@ -45,7 +46,9 @@ std::shared_ptr<StoredMessage> StoredFor(const v1::PublishHeader& h, Message msg
   m->parent_id = h.parent_id();
   m->recipients.assign(h.recipients().begin(), h.recipients().end());
   m->requested_policy = h.policy();
-  m->geometry = h.geometry();
+  absl::StatusOr<UploadShape> layout = CheckGeometry(h.geometry(), "header.geometry", !h.parent_id().empty());
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  if (layout.ok()) m->layout = *layout;
   m->msg = std::move(msg);
   m->bytes = RetainedBytes(m->msg);
   return m;

@@ -20,6 +20,7 @@
 #include "core/format/turn_file.h"
 #include "core/pipeline.h"
 #include "proto/stream_codec.h"
+#include "proto/wire.h"
 #include "server/store/memory_store.h"
 #include "server/store/spool/journal.h"
 #include "server/store/spool/spool_format.h"
@@ -433,6 +434,55 @@ TEST(SpoolStore, RecoversMessagesDeliveriesAcksAndCloses) {
   EXPECT_TRUE(s->LookupParent("s1", "m0", "b").ok());
   // The closed session's file is gone; the others are there.
   EXPECT_EQ(MessageFiles(fs).size(), 4u);
+}
+
+// The header's geometry a message was published with comes back from the
+// spool field for field (optional fields unset stay unset), so a retry after
+// a restart is compared against what the first call said; a message that
+// came without one comes back without one.
+TEST(SpoolStore, RecoversTheHeaderGeometryFieldForField) {
+  v1::TurnGeometry g;
+  g.set_layers(2);
+  g.set_kv_heads(2);
+  g.set_score_heads(4);
+  g.set_head_dim(8);
+  g.set_dtype(v1::DTYPE_BF16);
+  g.set_n_prompt(5);
+  g.set_n_gen(3);
+  g.set_n_history(4);
+  g.set_first_agent(true);
+  g.set_prompt_pos0(9);
+  g.add_history_anchors(0);
+  g.set_history_score_tokens(4);
+  v1::TurnGeometry queries = g;
+  queries.set_query_dtype(v1::DTYPE_F32);
+  queries.set_softmax_scale(0.25);
+  queries.set_history_score_tokens(0);
+  queries.clear_prompt_pos0();
+  FaultFs fs;
+  {
+    auto s = OpenOk(Opts(&fs));
+    int i = 0;
+    for (const v1::TurnGeometry* geo : {&g, &queries}) {
+      auto m = RealMsg("s1", "m" + std::to_string(i++), {"b"}, i);
+      absl::StatusOr<UploadShape> layout = CheckGeometry(*geo, "header.geometry");
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      m->layout = *layout;
+      ASSERT_TRUE(Commit(*s, m).ok());
+    }
+    ASSERT_TRUE(Commit(*s, RealMsg("s1", "bare", {"b"}, 7)).ok());
+  }
+  auto s = OpenOk(Opts(&fs));
+  int i = 0;
+  for (const v1::TurnGeometry* geo : {&g, &queries}) {
+    MessagePtr m = s->Find("s1", "m" + std::to_string(i++));
+    ASSERT_TRUE(m);
+    ASSERT_TRUE(m->layout.has_value());
+    EXPECT_EQ(ToProto(*m->layout).DebugString(), geo->DebugString());
+  }
+  MessagePtr bare = s->Find("s1", "bare");
+  ASSERT_TRUE(bare);
+  EXPECT_FALSE(bare->layout.has_value());
 }
 
 // Removing a closed session's files does not hold up the journal: while
