@@ -1,6 +1,7 @@
 #include "proto/wire_codec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -169,22 +170,62 @@ size_t RansPlanesRoom(size_t size, int planes) {
   return planes * (4 + size_t{rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32)});
 }
 
+// Whether order-0 coding would save at least 1/16 of `plane`, judged by the
+// order-0 entropy of its bytes, counted on evenly spaced 256-byte runs
+// that make up at most about 64 KiB of it. A plane that fails is stored
+// (RANS_ORDER_CAT): coding it would cost more CPU than the bytes it saves
+// are worth on any link a relay sees (bf16 and fp32 mantissa bytes are
+// nearly uniform), and the decoder reads either.
+bool WorthCoding(const uint8_t* plane, size_t n) {
+  constexpr size_t kRun = 256, kSampleRuns = 256;
+  const size_t runs = (n + kRun - 1) / kRun;
+  const size_t step = std::max<size_t>(1, runs / kSampleRuns);
+  uint32_t counts[4][256] = {};
+  size_t seen = 0;
+  for (size_t r = 0; r < runs; r += step) {
+    const uint8_t* run = plane + r * kRun;
+    const size_t len = std::min(kRun, n - r * kRun);
+    size_t i = 0;
+    for (; i + 4 <= len; i += 4) {
+      ++counts[0][run[i]];
+      ++counts[1][run[i + 1]];
+      ++counts[2][run[i + 2]];
+      ++counts[3][run[i + 3]];
+    }
+    for (; i < len; ++i) ++counts[0][run[i]];
+    seen += len;
+  }
+  double bits = 0;
+  for (int c = 0; c < 256; ++c) {
+    const uint32_t k = counts[0][c] + counts[1][c] + counts[2][c] + counts[3][c];
+    if (k) bits += k * std::log2(static_cast<double>(seen) / k);
+  }
+  return bits < 8.0 * seen * (15.0 / 16.0);
+}
+
 // rANS order 0 of each of `planes` equal planes of `in`, each as coded
 // length u32 then the block, written at `out`, which has
-// RansPlanesRoom(in.size(), planes) bytes. Returns the bytes written, or 0
-// when a block cannot be made or the planes would take `limit` bytes or
-// more (then the stream is stored).
+// RansPlanesRoom(in.size(), planes) bytes; a plane not WorthCoding is
+// stored in its block. Returns the bytes written, or 0 when a block cannot
+// be made or the planes would take `limit` bytes or more (then the stream
+// is stored).
 size_t RansPlanes(absl::Span<const uint8_t> in, int planes, uint8_t* out, size_t limit) {
   const size_t n = in.size() / planes;
   if (n == 0 || n > kMaxPlaneBytes) return 0;
+  bool worth[4] = {};
+  bool any = false;
+  for (int p = 0; p < planes; ++p) any |= worth[p] = WorthCoding(in.data() + p * n, n);
+  if (!any) return 0;  // stored whole: no plane would shrink enough
   const size_t bound = rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32);
   size_t at = 0;
   for (int p = 0; p < planes; ++p) {
     uint8_t* block = out + at + 4;
     unsigned int block_size = static_cast<unsigned int>(bound);
+    const uint8_t* plane = in.data() + p * n;
+    const uint8_t order = worth[p] ? kRansX32 : kRansCat;
     // The library reads its input only; its API takes it non-const.
-    unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(in.data() + p * n),
-                                             static_cast<unsigned int>(n), block, &block_size, kRansX32);
+    unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(plane), static_cast<unsigned int>(n), block,
+                                             &block_size, order);
     if (r == nullptr || block_size == 0 || block_size > bound) return 0;
     if (!KnownOrderByte(block[0])) return 0;
     for (int i = 0; i < 4; ++i) out[at + i] = static_cast<uint8_t>(block_size >> (8 * i));
