@@ -70,7 +70,7 @@ TLS_TARGETS = [
 ]
 LINK_SECURITY = ("plain", "mtls")
 WIRE_TARGET = 1.05
-LOCAL_HOP_TARGET = 1.5
+LOCAL_HOP_TARGET = 1.3  # `full` over a Unix socket ÷ raw TCP loopback, wall, medians
 RAW_JUDGED_FRACTION = 0.9
 RELAY_PORT = 50051  # plaintext mesh; the mTLS mesh listens on RELAY_PORT + 1
 HANDSHAKE_PORT = 50061  # the fresh relay pairs of the handshake figure (+1 with mTLS)
@@ -446,6 +446,8 @@ class Bench:
         for host, peer, me, other, route in (("h1", "h2", t1, t2, "b"), ("h2", "h1", t2, t1, "a")):
             ip = self.hosts.addr(host)
             extra = ["--advertise", me, "--route", f"{route}={other}"] + self.security_flags(security, host, peer)
+            if self.a.wire_codec:
+                extra += ["--wire-codec", self.a.wire_codec]
             if self.a.agent_transport == "unix":
                 sock = os.path.join(self.dir, f"{host}-{tag}.sock")
                 listen, local, addrs[host] = [f"{ip}:{port}"], [f"unix:{sock}"], f"unix:{sock}"
@@ -690,6 +692,8 @@ def main():
     ap.add_argument("--handshake-trials", type=int, default=None,
                     help="fresh relay pairs per link mode for the handshake figure (first forward minus the "
                     "second; default 5 with --link-security naming mtls, else 0)")
+    ap.add_argument("--wire-codec", choices=["rans", "none"], default=None,
+                    help="the relays' --wire-codec between each other (default: theirs, rans)")
     ap.add_argument("--skip-local-hop", action="store_true")
     ap.add_argument("--raw-only", action="store_true", help="only the raw TCP baseline (and the local hop)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -755,7 +759,8 @@ def main():
                                                           dict(layers=args.layers, kv_heads=args.kv_heads,
                                                                score_heads=args.score_heads, head_dim=args.head_dim,
                                                                prompt=args.prompt, gen=args.gen).items()) + ", bf16",
-              "kv_bytes": 0, "topology": args.topology, "agent_transport": args.agent_transport, "reps": args.reps, "mtu": args.mtu,
+              "kv_bytes": 0, "topology": args.topology, "agent_transport": args.agent_transport,
+              "wire_codec": args.wire_codec or "rans (the relays' default)", "reps": args.reps, "mtu": args.mtu,
               "cpus": os.cpu_count(), "kernel": platform.release(), "load_before": open("/proc/loadavg").read().split()[0],
               "rates": [], "local_hop": None, "handshake": None, "notes": [], "policies": [s for _, s in policies],
               "link_security": args.link_security}
