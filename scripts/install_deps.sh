@@ -14,7 +14,7 @@ PACKAGES=(
 # What running the test suite needs on top: Debian's Python with venv (the
 # project's virtual environment .venv gets numpy, grpcio, torch, transformers
 # and matplotlib from PyPI: scripts/install_python.sh), promtool and
-# Prometheus, Node for its client, kubectl for kustomize,
+# Prometheus, Node for its client, kustomize (below),
 # clang and its sanitizer/libFuzzer runtimes for scripts/fuzz.sh (and clang for scripts/thread_safety.sh), libfiu
 # (fiu-run, fiu-ctrl and its POSIX preload) for the spool's I/O-fault test.
 # `--build-only` (scripts/run.sh, the Dockerfile) skips these.
@@ -26,11 +26,10 @@ if [[ "${1:-}" != "--build-only" ]]; then
     clang libclang-rt-14-dev
     fiu-utils libfiu-dev
   )
-  # Node.js/npm and kubectl may come from other repositories on the image;
-  # take Debian's only when the command is missing.
+  # Node.js/npm may come from other repositories on the image; take
+  # Debian's only when the command is missing.
   command -v node >/dev/null 2>&1 || PACKAGES+=(nodejs)
   command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
-  command -v kubectl >/dev/null 2>&1 || PACKAGES+=(kubernetes-client)
 fi
 
 missing=()
@@ -66,4 +65,15 @@ if [[ "${1:-}" != "--build-only" ]]; then
   # project's machines have Go 1.26 in /usr/local/go. The script says so and
   # fails when it is missing or older.
   bash scripts/install_go_tools.sh
+  # kustomize v4 or newer builds deploy/kubernetes (`resources`, `patches`).
+  # A kubectl on the image may embed one; otherwise (no kubectl, or Debian's
+  # kubernetes-client 1.20 with kustomize v2.0) kustomize comes from the Go
+  # module proxy into .tools/bin, which the deploy test then uses.
+  KUSTOMIZE_VERSION=v5.7.1
+  embedded=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9]*\)\..*/\1/p' || true)
+  if [[ -z "$embedded" || "$embedded" -lt 4 ]] &&
+     [[ "$(.tools/bin/kustomize version 2>/dev/null)" != "$KUSTOMIZE_VERSION" ]]; then
+    echo "install_deps: kustomize $KUSTOMIZE_VERSION from the Go module proxy into .tools/bin"
+    GOTOOLCHAIN=local GOBIN="$PWD/.tools/bin" go install "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION"
+  fi
 fi

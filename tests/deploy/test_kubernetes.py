@@ -2,9 +2,10 @@
 """deploy/kubernetes: kustomize builds, schema validation and our own checks.
 
 For the base and every overlay under deploy/kubernetes/overlays:
-  1. `kubectl kustomize DIR` builds (each kubectl given; more through
-     KVRELAY_DEPLOY_EXTRA_KUBECTL=path[:path], e.g. Debian's kubectl 1.20 with
-     kustomize v2.0, and the builds must agree);
+  1. `kubectl kustomize DIR` (or `kustomize build DIR`) builds, without a
+     deprecation warning (each tool given, kustomize v4 or newer; more through
+     KVRELAY_DEPLOY_EXTRA_KUBECTL=path[:path], a kubectl or a kustomize, and
+     the builds must agree);
   2. every rendered object validates against the Kubernetes 1.31 and
      prometheus-operator schemas (npm kubernetes-models,
      @kubernetes-models/prometheus-operator) and type-checks against their
@@ -118,14 +119,22 @@ def server_help(server):
     return flags, envs
 
 
-def kustomize(kubectl, path, workdir, tag):
-    rc, out, err = run([kubectl, "kustomize", path], timeout=120)
-    if not check(rc == 0, f"{kubectl} kustomize {os.path.relpath(path, REPO)}: rc={rc} {err.strip()}"):
+def is_kustomize(tool):
+    """A kustomize binary (`kustomize build`) rather than a kubectl (`kubectl kustomize`)."""
+    return os.path.basename(tool).startswith("kustomize")
+
+
+def kustomize(tool, path, workdir, tag):
+    argv = [tool, "build", path] if is_kustomize(tool) else [tool, "kustomize", path]
+    what = f"{' '.join(argv[:2])} {os.path.relpath(path, REPO)}"
+    rc, out, err = run(argv, timeout=120)
+    if not check(rc == 0, f"{what}: rc={rc} {err.strip()}"):
         return None
-    # kustomize v5 warns about `bases`/`patchesStrategicMerge` (kept for v2.0).
+    # No field kustomize has deprecated (`bases`, `patchesStrategicMerge`, ...).
     for line in err.splitlines():
-        if line.strip() and "deprecated" not in line:
-            print(f"note: {kubectl} kustomize {os.path.relpath(path, REPO)}: {line}")
+        if line.strip():
+            check("deprecat" not in line.lower(), f"{what}: {line.strip()}")
+            print(f"note: {what}: {line}")
     f = os.path.join(workdir, f"{tag}.yaml")
     with open(f, "w") as fh:
         fh.write(out)
@@ -1190,13 +1199,14 @@ def check_issuer_example(node, base):
 def main():
     global IMAGE_USER
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kubectl", default=shutil.which("kubectl"))
+    ap.add_argument("--kubectl", default=shutil.which("kubectl"),
+                    help="kubectl (kubectl kustomize) or a kustomize binary (kustomize build), kustomize v4+")
     ap.add_argument("--node", default=shutil.which("node"))
     ap.add_argument("--node-modules", required=True)
     ap.add_argument("--server", required=True)
     args = ap.parse_args()
     if not args.kubectl or not args.node:
-        print("FAIL: kubectl and node are required (scripts/install_deps.sh installs them)")
+        print("FAIL: kubectl (or kustomize) and node are required (scripts/install_deps.sh installs them)")
         return 1
     node = Node(args.node, args.node_modules)
     IMAGE_USER = dockerfile_user()
@@ -1211,7 +1221,7 @@ def main():
 
     kubectls = [args.kubectl] + [k for k in os.environ.get("KVRELAY_DEPLOY_EXTRA_KUBECTL", "").split(":") if k]
     for k in kubectls:
-        rc, out, err = run([k, "version", "--client"], timeout=30)
+        rc, out, err = run([k, "version"] if is_kustomize(k) else [k, "version", "--client"], timeout=30)
         print(f"{k}: {' '.join((out or err).split())[:160]}")
 
     dirs = [os.path.join(K8S, "base")] + sorted(
