@@ -446,7 +446,7 @@ class Bench:
         for host, peer, me, other, route in (("h1", "h2", t1, t2, "b"), ("h2", "h1", t2, t1, "a")):
             ip = self.hosts.addr(host)
             extra = ["--advertise", me, "--route", f"{route}={other}"] + self.security_flags(security, host, peer)
-            if self.a.wire_codec:
+            if getattr(self.a, "wire_codec", None):  # cost_bench.py passes --relay-arg instead
                 extra += ["--wire-codec", self.a.wire_codec]
             if self.a.agent_transport == "unix":
                 sock = os.path.join(self.dir, f"{host}-{tag}.sock")

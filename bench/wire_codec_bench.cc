@@ -26,7 +26,7 @@
 namespace kvrelay {
 namespace {
 
-const char* const kPolicies[] = {"h2o-head:k=32+int4", "h2o-head:k=32+int2", "full+int8", "h2o-head:k=32"};
+const char* const kPolicies[] = {"h2o-head:k=32+int4", "h2o-head:k=32+int2", "full+int8", "h2o-head:k=32", "full"};
 
 struct Layer {
   Message msg;
