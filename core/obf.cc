@@ -614,6 +614,53 @@ ObfHead ExactObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   return out;
 }
 
+// The top eigenvectors of the symmetric G (dc x dc, float32, column
+// stride ld; its trace `trace`), at most `p` of them, by `iters` products
+// with a block of m start vectors and a Rayleigh-Ritz step; directions whose
+// Ritz value is below 1e-6 of the largest are left out.
+// REQUIRES: 1 <= m <= dc; trace > 0.
+Eigen::MatrixXf SubspaceTopEigenvectors(const float* g, int dc, int ld, int m, int p, int iters, double trace) {
+  // The blocks of vectors, in padded per-thread buffers for SymmetricTimes.
+  thread_local std::vector<float> xbuf, ybuf;
+  thread_local Eigen::MatrixXf start;
+  if (start.rows() != dc || start.cols() != m) start = StartVectors(dc, m);
+  xbuf.resize(static_cast<size_t>(ld) * m);
+  ybuf.resize(static_cast<size_t>(ld) * m);
+  PaddedCols x = StridedView<Eigen::MatrixXf>(xbuf.data(), dc, m, ld);
+  PaddedCols y = StridedView<Eigen::MatrixXf>(ybuf.data(), dc, m, ld);
+  x = start;
+  // The block is orthonormalized after every second product, and after the
+  // last: span(G (G X)) is span(G^2 X) in exact arithmetic, and in float32
+  // one product more between orthonormalizations leaves the result as
+  // accurate on steep spectra as orthonormalizing after each (three more do
+  // not). The product that is not orthonormalized is scaled by a power of
+  // two (exactly) in [1 / (2 trace(G)), 1 / trace(G)): a column of the
+  // orthonormal block comes out no longer than lambda_max / trace(G) <= 1,
+  // and the next product cannot underflow where G is tiny.
+  int trace_exp = 0;
+  std::frexp(trace, &trace_exp);
+  const float unit = std::ldexp(1.0f, std::clamp(-trace_exp, -126, 126));
+  for (int it = 0; it < iters; ++it) {
+    internal::SymmetricTimes(g, dc, xbuf.data(), m, ybuf.data());
+    const int left = iters - 1 - it;  // products after this one
+    if (left % 2 == 1) {
+      x = y * unit;
+    } else {
+      Orthonormalize(y, /*passes=*/left == 0 ? 2 : 1, &x);
+    }
+  }
+  // Rayleigh-Ritz on span(x).
+  internal::SymmetricTimes(g, dc, xbuf.data(), m, ybuf.data());
+  Eigen::MatrixXf t = x.transpose() * y;
+  t = (0.5f * (t + t.transpose())).eval();
+  Eigen::SelfAdjointEigenSolver<Eigen::MatrixXf> es(t);
+  const Eigen::VectorXf& lambda = es.eigenvalues();
+  const float lambda_max = std::max(lambda[m - 1], 0.0f);
+  int kept = 0;
+  while (kept < p && kept < m && lambda[m - 1 - kept] > 1e-6f * lambda_max) ++kept;
+  return x * es.eigenvectors().rightCols(kept).rowwise().reverse();
+}
+
 ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
                 absl::Span<const double> scores, absl::Span<const int> kept, const Split& split) {
   ObfHead out;
@@ -648,11 +695,9 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
   if (r == d) return out;
   const auto s = del_rows ? del_rows->Gram() : pair_rows.Gram();
   // G = P S P in the complement basis of span(V_keep), (d - r) x (d - r),
-  // and the blocks of vectors, in padded per-thread buffers for
-  // SymmetricTimes.
+  // padded for SymmetricTimes.
   const auto g = h.ReduceGram(s.data());
   const int dc = d - r, ld = static_cast<int>(g.outerStride());
-  thread_local std::vector<float> xbuf, ybuf;
   // G comes from S by cancellation, so its float32 rounding is ~1e-7 of
   // S's size: a residual below kFastResolution of V_del's energy (e.g. rows
   // that V_keep nearly spans) is left to the exact path. Above it, trace(G)
@@ -664,43 +709,7 @@ ObfHead FastObf(const ObfOptions& opts, absl::Span<const float> v, int d,
 
   // rank(G) <= min(d - r, n_del): more directions would only add noise.
   const int m = std::min({dc, n_del, opts.p + opts.oversample});
-  thread_local Eigen::MatrixXf start;
-  if (start.rows() != dc || start.cols() != m) start = StartVectors(dc, m);
-  xbuf.resize(static_cast<size_t>(ld) * m);
-  ybuf.resize(static_cast<size_t>(ld) * m);
-  PaddedCols x = StridedView<Eigen::MatrixXf>(xbuf.data(), dc, m, ld);
-  PaddedCols y = StridedView<Eigen::MatrixXf>(ybuf.data(), dc, m, ld);
-  x = start;
-  // The block is orthonormalized after every second product, and after the
-  // last: span(G (G X)) is span(G^2 X) in exact arithmetic, and in float32
-  // one product more between orthonormalizations leaves the result as
-  // accurate on steep spectra as orthonormalizing after each (three more do
-  // not). The product that is not orthonormalized is scaled by a power of
-  // two (exactly) in [1 / (2 trace(G)), 1 / trace(G)): a column of the
-  // orthonormal block comes out no longer than lambda_max / trace(G) <= 1,
-  // and the next product cannot underflow where G is tiny.
-  int trace_exp = 0;
-  std::frexp(trace, &trace_exp);
-  const float unit = std::ldexp(1.0f, std::clamp(-trace_exp, -126, 126));
-  for (int it = 0; it < opts.iters; ++it) {
-    internal::SymmetricTimes(g.data(), dc, xbuf.data(), m, ybuf.data());
-    const int left = opts.iters - 1 - it;  // products after this one
-    if (left % 2 == 1) {
-      x = y * unit;
-    } else {
-      Orthonormalize(y, /*passes=*/left == 0 ? 2 : 1, &x);
-    }
-  }
-  // Rayleigh-Ritz on span(x).
-  internal::SymmetricTimes(g.data(), dc, xbuf.data(), m, ybuf.data());
-  Eigen::MatrixXf t = x.transpose() * y;
-  t = (0.5f * (t + t.transpose())).eval();
-  Eigen::SelfAdjointEigenSolver<Eigen::MatrixXf> es(t);
-  const Eigen::VectorXf& lambda = es.eigenvalues();
-  const float lambda_max = std::max(lambda[m - 1], 0.0f);
-  int p = 0;
-  while (p < opts.p && p < m && lambda[m - 1 - p] > 1e-6f * lambda_max) ++p;
-  const Eigen::MatrixXf ritz = x * es.eigenvectors().rightCols(p).rowwise().reverse();
+  const Eigen::MatrixXf ritz = SubspaceTopEigenvectors(g.data(), dc, ld, m, opts.p, opts.iters, trace);
   out.c = h.Expand(ritz).transpose().cast<double>();
 
   const Eigen::VectorXf w = ResidualWeights<float>(scores, split.del);

@@ -553,31 +553,70 @@ struct Pipeline::LayerWork {
   std::vector<absl::Status> head_status;
 };
 
+absl::Status Pipeline::ScoreLayer(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                                  LayerWork* w, std::vector<double>* hist_mass, std::vector<double>* gen_mass) const {
+  const int heads = geo.kv_heads, d = geo.head_dim, n_prompt = geo.n_prompt;
+  const int n_hist = geo.n_history, n_gen = geo.n_gen;
+  hist_mass->assign(static_cast<size_t>(heads) * n_hist, 0.0);
+  gen_mass->assign(static_cast<size_t>(heads) * n_gen, 0.0);
+  if (!geo.queries) {
+    w->scores = ReduceScores(layer.scores, heads);
+    if (geo.history_score) *hist_mass = ReduceScores(layer.history_score, heads);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<double>> all =
+      QueryMass(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window, ctx.cancelled);
+  if (!all.ok()) return PrefixLayer(all.status(), ctx.layer);
+  const std::vector<double>& mass = *all;
+  const size_t m = static_cast<size_t>(n_hist) + n_prompt + n_gen;
+  w->scores.resize(static_cast<size_t>(heads) * n_prompt);
+  for (int h = 0; h < heads; ++h) {
+    auto row = mass.begin() + h * m;
+    std::copy_n(row, n_hist, hist_mass->begin() + static_cast<size_t>(h) * n_hist);
+    std::copy_n(row + n_hist, n_prompt, w->scores.begin() + static_cast<size_t>(h) * n_prompt);
+    std::copy_n(row + n_hist + n_prompt, n_gen, gen_mass->begin() + static_cast<size_t>(h) * n_gen);
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The history's acc after this turn (its acc so far plus this turn's mass
+// on it), into *hist_acc, and per head the history rows that `opts`' budget
+// keeps (every row without one), anchors always.
+std::vector<std::vector<int>> KeptHistory(const TurnLayer& layer, const TurnGeometry& geo,
+                                          const SelectorOptions& opts, const std::vector<double>& hist_mass,
+                                          std::vector<float>* hist_acc) {
+  hist_acc->resize(hist_mass.size());
+  for (size_t i = 0; i < hist_acc->size(); ++i) {
+    const double before = geo.history_acc ? layer.history_acc.data[i] : 0.0;
+    (*hist_acc)[i] = static_cast<float>(before + hist_mass[i]);
+  }
+  std::vector<bool> is_anchor(hist_acc->size(), false);
+  for (size_t i = 0; i < is_anchor.size(); ++i) {
+    is_anchor[i] = std::binary_search(geo.history_anchors.begin(), geo.history_anchors.end(),
+                                      layer.history_pos.data[i]);
+  }
+  return SelectHistory(*hist_acc, is_anchor, geo.kv_heads, geo.n_history, IsH2o(opts.kind) ? opts.hist : -1,
+                       opts.kind == SelectorKind::kH2oHead);
+}
+
+}  // namespace
+
+// Where one layer's rows go: history kept, anchors, prompt kept, generated
+// (n_out, in out.k/v), then the demoted candidates (n_dem, in demoted_k/v).
+struct Pipeline::RowPlan {
+  int n_hist_out = 0, n_anchor = 0, n_out = 0, n_dem = 0, n_total = 0;
+  int32_t pos0 = 0;
+};
+
 absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                                      LayerWork* w) const {
   const int heads = geo.kv_heads, d = geo.head_dim, n_prompt = geo.n_prompt;
-  const int n_hist = geo.n_history, n_gen = geo.n_gen;
   // The attention mass on every token of the cache: the prompt's is the
   // selection score; the history's and the generated tokens' feed acc.
-  std::vector<double> hist_mass(static_cast<size_t>(heads) * n_hist, 0.0);
-  std::vector<double> gen_mass(static_cast<size_t>(heads) * n_gen, 0.0);
-  if (geo.queries) {
-    absl::StatusOr<std::vector<double>> all =
-        QueryMass(layer, geo, SoftmaxScaleOf(ctx, d), config_.select.window, ctx.cancelled);
-    if (!all.ok()) return PrefixLayer(all.status(), ctx.layer);
-    const std::vector<double>& mass = *all;
-    const size_t m = static_cast<size_t>(n_hist) + n_prompt + n_gen;
-    w->scores.resize(static_cast<size_t>(heads) * n_prompt);
-    for (int h = 0; h < heads; ++h) {
-      auto row = mass.begin() + h * m;
-      std::copy_n(row, n_hist, hist_mass.begin() + static_cast<size_t>(h) * n_hist);
-      std::copy_n(row + n_hist, n_prompt, w->scores.begin() + static_cast<size_t>(h) * n_prompt);
-      std::copy_n(row + n_hist + n_prompt, n_gen, gen_mass.begin() + static_cast<size_t>(h) * n_gen);
-    }
-  } else {
-    w->scores = ReduceScores(layer.scores, heads);
-    if (geo.history_score) hist_mass = ReduceScores(layer.history_score, heads);
-  }
+  std::vector<double> hist_mass, gen_mass;
+  KVRELAY_RETURN_IF_ERROR(ScoreLayer(layer, geo, ctx, w, &hist_mass, &gen_mass));
   SelectorOptions opts = config_.select;
   if (opts.kind == SelectorKind::kH2oAuto) {
     const int n_anchor = ctx.first_agent ? std::min(opts.sinks, n_prompt) : 0;
@@ -586,21 +625,8 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
     w->out.granularity = per_head ? Granularity::kHead : Granularity::kLayer;
   }
   w->sel = Select(opts, w->scores, heads, n_prompt, ctx.first_agent);
-
-  // The history's acc after this turn, and what the budget keeps of it.
-  std::vector<float> hist_acc(hist_mass.size());
-  for (size_t i = 0; i < hist_acc.size(); ++i) {
-    const double before = geo.history_acc ? layer.history_acc.data[i] : 0.0;
-    hist_acc[i] = static_cast<float>(before + hist_mass[i]);
-  }
-  std::vector<bool> is_anchor(hist_acc.size(), false);
-  for (size_t i = 0; i < is_anchor.size(); ++i) {
-    is_anchor[i] = std::binary_search(geo.history_anchors.begin(), geo.history_anchors.end(),
-                                      layer.history_pos.data[i]);
-  }
-  const std::vector<std::vector<int>> kept_hist =
-      SelectHistory(hist_acc, is_anchor, heads, n_hist, IsH2o(opts.kind) ? opts.hist : -1,
-                    opts.kind == SelectorKind::kH2oHead);
+  std::vector<float> hist_acc;
+  const std::vector<std::vector<int>> kept_hist = KeptHistory(layer, geo, opts, hist_mass, &hist_acc);
 
   // Every buffer below is sized from head 0: every head must keep as many.
   // Never switched off: this is what keeps the copy inside the buffers.
@@ -612,71 +638,81 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
           kept_hist[0].size(), "; expected the same count in every head"));
     }
   }
-  const int n_anchor = w->sel.n_anchor;
-  const int n_hist_out = static_cast<int>(kept_hist[0].size());
-  const int n_out = n_hist_out + n_anchor + static_cast<int>(w->sel.kept[0].size()) + n_gen;
+  RowPlan plan;
+  plan.n_anchor = w->sel.n_anchor;
+  plan.n_hist_out = static_cast<int>(kept_hist[0].size());
+  plan.n_out = plan.n_hist_out + plan.n_anchor + static_cast<int>(w->sel.kept[0].size()) + geo.n_gen;
   // Demotion keeps the candidates the selection drops: the same count in
   // every head, since every head keeps as many.
-  const int n_dem = config_.demote_bits ? n_prompt - n_anchor - static_cast<int>(w->sel.kept[0].size()) : 0;
-  const int n_total = n_out + n_dem;
-  const int32_t pos0 = static_cast<int32_t>(ctx.prompt_pos0);
-  w->kept_begin = n_hist_out + n_anchor;
+  plan.n_dem = config_.demote_bits ? n_prompt - plan.n_anchor - static_cast<int>(w->sel.kept[0].size()) : 0;
+  plan.n_total = plan.n_out + plan.n_dem;
+  plan.pos0 = static_cast<int32_t>(ctx.prompt_pos0);
+  w->kept_begin = plan.n_hist_out + plan.n_anchor;
   w->head_status.assign(heads, absl::OkStatus());
   MessageLayer& out = w->out;
-  out.k = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
-  out.v = KvTensor::Uninitialized(geo.dtype, heads, n_out, d);
-  out.pos = PosTensor(heads, n_total);
-  out.acc.resize(static_cast<size_t>(heads) * n_total);
-  if (n_dem > 0) {
-    w->demoted_k = KvTensor::Uninitialized(geo.dtype, heads, n_dem, d);
-    w->demoted_v = KvTensor::Uninitialized(geo.dtype, heads, n_dem, d);
+  out.k = KvTensor::Uninitialized(geo.dtype, heads, plan.n_out, d);
+  out.v = KvTensor::Uninitialized(geo.dtype, heads, plan.n_out, d);
+  out.pos = PosTensor(heads, plan.n_total);
+  out.acc.resize(static_cast<size_t>(heads) * plan.n_total);
+  if (plan.n_dem > 0) {
+    w->demoted_k = KvTensor::Uninitialized(geo.dtype, heads, plan.n_dem, d);
+    w->demoted_v = KvTensor::Uninitialized(geo.dtype, heads, plan.n_dem, d);
   }
-  // Per head, the rows to gather in output order, then copied.
+  for (int h = 0; h < heads; ++h) {
+    KVRELAY_RETURN_IF_ERROR(CopyHead(layer, geo, ctx, plan, kept_hist[h], hist_acc, gen_mass, h, w));
+  }
+  return CheckAccFinite(out.acc, plan.n_total, plan.n_hist_out, w->kept_begin + static_cast<int>(w->sel.kept[0].size()),
+                        ctx.layer, geo.queries);
+}
+
+absl::Status Pipeline::CopyHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                                const RowPlan& plan, const std::vector<int>& kept_hist,
+                                const std::vector<float>& hist_acc, const std::vector<double>& gen_mass, int h,
+                                LayerWork* w) const {
+  const int n_prompt = geo.n_prompt, n_hist = geo.n_history, n_gen = geo.n_gen;
+  const int n_anchor = plan.n_anchor, n_total = plan.n_total;
+  const int32_t pos0 = plan.pos0;
+  MessageLayer& out = w->out;
+  // The rows to gather in output order, then copied.
   thread_local std::vector<internal::RowSource> src;
   using KvPair = std::pair<const KvTensor*, const KvTensor*>;
-  for (int h = 0; h < heads; ++h) {
-    src.clear();
-    int32_t* pos = out.pos.data.data() + static_cast<size_t>(h) * n_total;
-    float* acc = out.acc.data() + static_cast<size_t>(h) * n_total;
-    int t = 0;
-    auto add = [&](const KvPair& kv, int row, int32_t p, float a) {
-      src.push_back({kv.first, kv.second, row});
-      pos[t] = p;
-      acc[t] = a;
-      ++t;
-    };
-    const KvPair hist{&layer.history_k, &layer.history_v}, prompt{&layer.prompt_k, &layer.prompt_v},
-        gen{&layer.gen_k, &layer.gen_v};
-    const double* a = w->scores.data() + static_cast<size_t>(h) * n_prompt;
-    for (int j : kept_hist[h]) {
-      add(hist, j, layer.history_pos.at(h, j), hist_acc[static_cast<size_t>(h) * n_hist + j]);
-    }
-    for (int j = 0; j < n_anchor; ++j) add(prompt, j, pos0 + j, static_cast<float>(a[j]));
-    for (int j : w->sel.kept[h]) add(prompt, j, pos0 + j, static_cast<float>(a[j]));
-    for (int j = 0; j < n_gen; ++j) {
-      add(gen, j, pos0 + n_prompt + j, static_cast<float>(gen_mass[static_cast<size_t>(h) * n_gen + j]));
-    }
-    internal::GatherHeadRows(src, h, &out.k, &out.v);
-    if (n_dem > 0) {
-      src.clear();
-      const std::vector<int>& kept = w->sel.kept[h];
-      size_t next_kept = 0;
-      for (int j = n_anchor; j < n_prompt; ++j) {
-        if (next_kept < kept.size() && kept[next_kept] == j) {
-          ++next_kept;
-          continue;
-        }
-        add(prompt, j, pos0 + j, static_cast<float>(a[j]));
-      }
-      if (t != n_total) {
-        return Broken(absl::StrCat("layer.", ctx.layer, ": pipeline invariant violated: head ", h, " demotes ",
-                                   t - n_out, " tokens, expected ", n_dem));
-      }
-      internal::GatherHeadRows(src, h, &w->demoted_k, &w->demoted_v);
-    }
+  src.clear();
+  int32_t* pos = out.pos.data.data() + static_cast<size_t>(h) * n_total;
+  float* acc = out.acc.data() + static_cast<size_t>(h) * n_total;
+  int t = 0;
+  auto add = [&](const KvPair& kv, int row, int32_t p, float a) {
+    src.push_back({kv.first, kv.second, row});
+    pos[t] = p;
+    acc[t] = a;
+    ++t;
+  };
+  const KvPair hist{&layer.history_k, &layer.history_v}, prompt{&layer.prompt_k, &layer.prompt_v},
+      gen{&layer.gen_k, &layer.gen_v};
+  const double* a = w->scores.data() + static_cast<size_t>(h) * n_prompt;
+  for (int j : kept_hist) add(hist, j, layer.history_pos.at(h, j), hist_acc[static_cast<size_t>(h) * n_hist + j]);
+  for (int j = 0; j < n_anchor; ++j) add(prompt, j, pos0 + j, static_cast<float>(a[j]));
+  for (int j : w->sel.kept[h]) add(prompt, j, pos0 + j, static_cast<float>(a[j]));
+  for (int j = 0; j < n_gen; ++j) {
+    add(gen, j, pos0 + n_prompt + j, static_cast<float>(gen_mass[static_cast<size_t>(h) * n_gen + j]));
   }
-  return CheckAccFinite(out.acc, n_total, n_hist_out, n_hist_out + n_anchor + static_cast<int>(w->sel.kept[0].size()),
-                        ctx.layer, geo.queries);
+  internal::GatherHeadRows(src, h, &out.k, &out.v);
+  if (plan.n_dem == 0) return absl::OkStatus();
+  src.clear();
+  const std::vector<int>& kept = w->sel.kept[h];
+  size_t next_kept = 0;
+  for (int j = n_anchor; j < n_prompt; ++j) {
+    if (next_kept < kept.size() && kept[next_kept] == j) {
+      ++next_kept;
+      continue;
+    }
+    add(prompt, j, pos0 + j, static_cast<float>(a[j]));
+  }
+  if (t != n_total) {
+    return Broken(absl::StrCat("layer.", ctx.layer, ": pipeline invariant violated: head ", h, " demotes ",
+                               t - plan.n_out, " tokens, expected ", plan.n_dem));
+  }
+  internal::GatherHeadRows(src, h, &w->demoted_k, &w->demoted_v);
+  return absl::OkStatus();
 }
 
 void Pipeline::BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
@@ -754,89 +790,119 @@ absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork
   return absl::OkStatus();
 }
 
-absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, const Message& counts,
-                              int64_t prompt_pos0, int layer) {
+namespace {
+
+// Broken: "layer.L: pipeline invariant violated: " and `what`.
+template <typename... Args>
+absl::Status Violation(int layer, const Args&... what) {
+  return Broken(absl::StrCat("layer.", layer, ": pipeline invariant violated: ", what...));
+}
+
+// The layer's tensors against `counts`: positions, dense or quantized K/V,
+// demoted rows and acc, in shape; acc finite and >= 0.
+absl::Status CheckLayerShapes(const MessageLayer& out, const TurnGeometry& geo, const Message& counts, int layer) {
   const int heads = geo.kv_heads, d = geo.head_dim;
   const int n = counts.n_history + counts.n_anchor + counts.n_kept + counts.n_gen;
-  auto broken = [layer](auto&&... what) {
-    return Broken(absl::StrCat("layer.", layer, ": pipeline invariant violated: ", what...));
-  };
   const int nd = counts.n_demoted, total = n + nd;
   if (out.pos.heads != heads || out.pos.tokens != total ||
       out.pos.data.size() != static_cast<size_t>(heads) * total) {
-    return broken("pos holds [", out.pos.heads, ", ", out.pos.tokens, "] (", out.pos.data.size(),
-                  " ids), expected [", heads, ", ", total, "] (n_history ", counts.n_history, " + n_anchor ",
-                  counts.n_anchor, " + n_kept ", counts.n_kept, " + n_gen ", counts.n_gen, " + n_demoted ", nd, ")");
+    return Violation(layer, "pos holds [", out.pos.heads, ", ", out.pos.tokens, "] (", out.pos.data.size(),
+                     " ids), expected [", heads, ", ", total, "] (n_history ", counts.n_history, " + n_anchor ",
+                     counts.n_anchor, " + n_kept ", counts.n_kept, " + n_gen ", counts.n_gen, " + n_demoted ", nd, ")");
   }
   for (const auto& [name, t] : {std::pair<const char*, const KvTensor*>{"k", &out.k}, {"v", &out.v}}) {
     if (out.quant ? t->tokens() != 0
                   : t->dtype() != geo.dtype || t->heads() != heads || t->tokens() != n || t->dim() != d) {
-      return broken(name, " is ", DTypeName(t->dtype()), " [", t->heads(), ", ", t->tokens(), ", ", t->dim(),
-                    "], expected ", out.quant ? "no dense rows (the layer is quantized)" : "",
-                    out.quant ? "" : absl::StrCat(DTypeName(geo.dtype), " [", heads, ", ", n, ", ", d, "]"));
+      return Violation(layer, name, " is ", DTypeName(t->dtype()), " [", t->heads(), ", ", t->tokens(), ", ",
+                       t->dim(), "], expected ", out.quant ? "no dense rows (the layer is quantized)" : "",
+                       out.quant ? "" : absl::StrCat(DTypeName(geo.dtype), " [", heads, ", ", n, ", ", d, "]"));
     }
   }
   if (out.quant) {
     if (absl::Status s = CheckQuantizedShape(*out.quant, heads, n, d); !s.ok()) {
-      return broken("the quantized layer: ", s.message());
+      return Violation(layer, "the quantized layer: ", s.message());
     }
   }
   if (out.demoted.has_value() != (nd > 0)) {
-    return broken(out.demoted ? "demoted tokens present" : "no demoted tokens", ", expected n_demoted ", nd);
+    return Violation(layer, out.demoted ? "demoted tokens present" : "no demoted tokens", ", expected n_demoted ", nd);
   }
   if (out.demoted) {
     const QuantizedKv& q = *out.demoted;
     if (q.scheme != QuantScheme::kLloyd || q.bits != counts.demote_bits || q.keys_channel) {
-      return broken("the demoted tokens are not lloyd rows of ", counts.demote_bits, " bits");
+      return Violation(layer, "the demoted tokens are not lloyd rows of ", counts.demote_bits, " bits");
     }
     if (absl::Status s = CheckQuantizedShape(q, heads, nd, d); !s.ok()) {
-      return broken("the demoted tokens: ", s.message());
+      return Violation(layer, "the demoted tokens: ", s.message());
     }
   }
   if (!out.acc.empty()) {
     if (out.acc.size() != static_cast<size_t>(heads) * total) {
-      return broken("acc holds ", out.acc.size(), " values, expected ", static_cast<size_t>(heads) * total);
+      return Violation(layer, "acc holds ", out.acc.size(), " values, expected ", static_cast<size_t>(heads) * total);
     }
-    if (!AllFiniteNonNegative(out.acc.data(), out.acc.size())) return broken("acc holds a value that is not finite and >= 0");
+    if (!AllFiniteNonNegative(out.acc.data(), out.acc.size())) {
+      return Violation(layer, "acc holds a value that is not finite and >= 0");
+    }
   }
+  return absl::OkStatus();
+}
+
+// Head h's position ids `p` against `counts`: history ids below
+// prompt_pos0, anchors and generated tokens at their own ids, kept prompt
+// ids ascending between them, demoted ones ascending and none of them kept.
+absl::Status CheckHeadPositions(const int32_t* p, const Message& counts, int64_t prompt_pos0, int64_t gen0, int h,
+                                int layer) {
+  int t = 0;
+  for (; t < counts.n_history; ++t) {
+    if (p[t] < 0 || p[t] >= prompt_pos0) {
+      return Violation(layer, "head ", h, " holds history token ", t, " at id ", p[t], ", expected an id in [0, ",
+                       prompt_pos0, ")");
+    }
+  }
+  for (int j = 0; j < counts.n_anchor; ++j, ++t) {
+    if (p[t] != prompt_pos0 + j) {
+      return Violation(layer, "head ", h, " holds anchor ", j, " at id ", p[t], ", expected ", prompt_pos0 + j);
+    }
+  }
+  int64_t last = prompt_pos0 + counts.n_anchor - 1;
+  for (int j = 0; j < counts.n_kept; ++j, ++t) {
+    if (p[t] <= last || p[t] >= gen0) {
+      return Violation(layer, "head ", h, " holds kept prompt token ", j, " at id ", p[t],
+                       ", expected ascending ids in (", last, ", ", gen0, ")");
+    }
+    last = p[t];
+  }
+  for (int j = 0; j < counts.n_gen; ++j, ++t) {
+    if (p[t] != gen0 + j) {
+      return Violation(layer, "head ", h, " holds generated token ", j, " at id ", p[t], ", expected ", gen0 + j);
+    }
+  }
+  const int32_t* kept = p + counts.n_history + counts.n_anchor;
+  int next_kept = 0;
+  last = prompt_pos0 + counts.n_anchor - 1;
+  for (int j = 0; j < counts.n_demoted; ++j, ++t) {
+    while (next_kept < counts.n_kept && kept[next_kept] < p[t]) ++next_kept;
+    if (p[t] <= last || p[t] >= gen0 || (next_kept < counts.n_kept && kept[next_kept] == p[t])) {
+      return Violation(layer, "head ", h, " holds demoted token ", j, " at id ", p[t], ", expected ascending ids in (",
+                       last, ", ", gen0, ") that no kept token holds");
+    }
+    last = p[t];
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckLayerOutput(const MessageLayer& out, const TurnGeometry& geo, const Message& counts,
+                              int64_t prompt_pos0, int layer) {
+  KVRELAY_RETURN_IF_ERROR(CheckLayerShapes(out, geo, counts, layer));
   if (out.attention_error && !std::isfinite(*out.attention_error)) {
-    return broken("the fidelity figure is ", *out.attention_error, ", expected a finite number");
+    return Violation(layer, "the fidelity figure is ", *out.attention_error, ", expected a finite number");
   }
+  const int total = counts.n_history + counts.n_anchor + counts.n_kept + counts.n_gen + counts.n_demoted;
   const int64_t gen0 = prompt_pos0 + geo.n_prompt;
-  for (int h = 0; h < heads; ++h) {
-    const int32_t* p = out.pos.data.data() + static_cast<size_t>(h) * total;
-    int t = 0;
-    for (; t < counts.n_history; ++t) {
-      if (p[t] < 0 || p[t] >= prompt_pos0) {
-        return broken("head ", h, " holds history token ", t, " at id ", p[t], ", expected an id in [0, ", prompt_pos0, ")");
-      }
-    }
-    for (int j = 0; j < counts.n_anchor; ++j, ++t) {
-      if (p[t] != prompt_pos0 + j) return broken("head ", h, " holds anchor ", j, " at id ", p[t], ", expected ", prompt_pos0 + j);
-    }
-    int64_t last = prompt_pos0 + counts.n_anchor - 1;
-    for (int j = 0; j < counts.n_kept; ++j, ++t) {
-      if (p[t] <= last || p[t] >= gen0) {
-        return broken("head ", h, " holds kept prompt token ", j, " at id ", p[t], ", expected ascending ids in (",
-                      last, ", ", gen0, ")");
-      }
-      last = p[t];
-    }
-    for (int j = 0; j < counts.n_gen; ++j, ++t) {
-      if (p[t] != gen0 + j) return broken("head ", h, " holds generated token ", j, " at id ", p[t], ", expected ", gen0 + j);
-    }
-    // Demoted: ascending prompt ids after the anchors, none of them kept.
-    const int32_t* kept = p + counts.n_history + counts.n_anchor;
-    int next_kept = 0;
-    last = prompt_pos0 + counts.n_anchor - 1;
-    for (int j = 0; j < nd; ++j, ++t) {
-      while (next_kept < counts.n_kept && kept[next_kept] < p[t]) ++next_kept;
-      if (p[t] <= last || p[t] >= gen0 || (next_kept < counts.n_kept && kept[next_kept] == p[t])) {
-        return broken("head ", h, " holds demoted token ", j, " at id ", p[t], ", expected ascending ids in (", last,
-                      ", ", gen0, ") that no kept token holds");
-      }
-      last = p[t];
-    }
+  for (int h = 0; h < geo.kv_heads; ++h) {
+    KVRELAY_RETURN_IF_ERROR(
+        CheckHeadPositions(out.pos.data.data() + static_cast<size_t>(h) * total, counts, prompt_pos0, gen0, h, layer));
   }
   return absl::OkStatus();
 }

@@ -179,8 +179,20 @@ class Pipeline {
       : spec_(std::move(spec)), config_(std::move(config)) {}
 
   absl::StatusOr<Message> CompressImpl(const Turn& turn, ThreadPool* pool, bool check_kv_values) const;
+  struct RowPlan;
+  // Scores the layer, selects its tokens and copies the rows it keeps into
+  // w->out (the demoted ones aside), positions and acc with them.
   absl::Status SelectAndCopy(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
                              LayerWork* w) const;
+  // The attention mass on the layer's cache: the prompt's into w->scores
+  // (the selection score), the history's and the generated tokens' into
+  // *hist_mass and *gen_mass ([kv_heads, tokens]; zeros where none).
+  absl::Status ScoreLayer(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx, LayerWork* w,
+                          std::vector<double>* hist_mass, std::vector<double>* gen_mass) const;
+  // Head h's rows in the order `plan` gives, with their positions and acc.
+  absl::Status CopyHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx,
+                        const RowPlan& plan, const std::vector<int>& kept_hist, const std::vector<float>& hist_acc,
+                        const std::vector<double>& gen_mass, int h, LayerWork* w) const;
   void BackfillHead(const TurnLayer& layer, const TurnGeometry& geo, const LayerContext& ctx, int h,
                     LayerWork* w) const;
   absl::Status FinishLayer(const TurnGeometry& geo, int layer, LayerWork* w) const;

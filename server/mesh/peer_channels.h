@@ -107,7 +107,10 @@ class BlockingStream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::By
 
  private:
   // Waits at most `stall` for `ready` (called under mu_); on a timeout
-  // marks the stream stalled and cancels the call.
+  // marks the stream stalled and cancels the call. Real time, not the
+  // forwarder's TimeSource: it watches gRPC's progress on a real stream,
+  // which a test's fake clock does not move (advancing that clock for the
+  // store's or the backoff's timers would otherwise stall a live write).
   bool WaitFor(const std::function<bool()>& ready, std::chrono::milliseconds stall);
 
   grpc::ClientContext* const ctx_;
