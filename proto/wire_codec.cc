@@ -172,14 +172,14 @@ size_t RansPlanesRoom(size_t size, int planes) {
 
 // Whether order-0 coding would save at least 1/16 of `plane`, judged by the
 // order-0 entropy of its bytes, counted on evenly spaced 256-byte runs
-// that make up at most about 64 KiB of it. A plane that fails is stored
+// that make up at most 16 KiB of it. A plane that fails is stored
 // (RANS_ORDER_CAT): coding it would cost more CPU than the bytes it saves
 // are worth on any link a relay sees (bf16 and fp32 mantissa bytes are
 // nearly uniform), and the decoder reads either.
 bool WorthCoding(const uint8_t* plane, size_t n) {
-  constexpr size_t kRun = 256, kSampleRuns = 256;
+  constexpr size_t kRun = 256, kSampleRuns = 64;
   const size_t runs = (n + kRun - 1) / kRun;
-  const size_t step = std::max<size_t>(1, runs / kSampleRuns);
+  const size_t step = (runs + kSampleRuns - 1) / kSampleRuns;  // at least 1: n > 0
   uint32_t counts[4][256] = {};
   size_t seen = 0;
   for (size_t r = 0; r < runs; r += step) {
