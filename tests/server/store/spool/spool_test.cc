@@ -539,12 +539,16 @@ TEST(SpoolStore, CloseAnswersOnceDurableWithoutBlockingItsCaller) {
     AsyncClose close;
     std::future<void> call = std::async(std::launch::async, [&] { close.Start(*s, "s"); });
     const bool returned = call.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+    // The close's journal sync has started and waits: what "not answered
+    // yet" below is about.
+    const bool sync_waiting = Eventually([&] { return fs.held() != 0; }, std::chrono::seconds(5));
     const bool early = close.answered(std::chrono::milliseconds(100));
     // Not durable yet: the message's file is still there.
     const size_t files_while_held = MessageFiles(fs).size();
     fs.Release();
     EXPECT_EQ(files_while_held, 1u);
     EXPECT_TRUE(returned) << "the caller waited for the journal's sync";
+    EXPECT_TRUE(sync_waiting) << "the close's journal sync never started";
     EXPECT_FALSE(early) << "answered before the close was durable";
     const Store::CloseResult r = close.answer.get();
     EXPECT_TRUE(r.status.ok()) << r.status;
