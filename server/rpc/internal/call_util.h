@@ -24,15 +24,23 @@ double SecondsSince(Clock::time_point t);
 // CANCELLED after the deadline is that. Every reactor's FinishOnce applies it.
 grpc::Status AsClientSees(const grpc::CallbackServerContext& ctx, const grpc::Status& s);
 
-// Parses a raw request as `Request`: INVALID_ARGUMENT naming the message
-// type when the bytes are not one.
+// The one answer to a request whose `bytes` bytes do not parse as
+// `Request`: INVALID_ARGUMENT "RPC: request of N bytes is not a
+// kvrelay.v1.Request (malformed, or a string field that is not UTF-8)".
+template <typename Request>
+absl::Status NotARequestError(absl::string_view rpc, size_t bytes) {
+  return absl::InvalidArgumentError(absl::StrCat(rpc, ": request of ", bytes, " bytes is not a kvrelay.v1.",
+                                                 Request::descriptor()->name(),
+                                                 " (malformed, or a string field that is not UTF-8)"));
+}
+
+// Parses a raw request as `Request`: NotARequestError when the bytes are
+// not one.
 template <typename Request>
 absl::Status ParseRequest(const grpc::ByteBuffer& wire, absl::string_view rpc, Request* req) {
   RawMessage raw;
   if (raw.Reset(wire) && raw.ParseAs(req)) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(rpc, ": the request is not a kvrelay.v1.", Request::descriptor()->name(),
-                   " (malformed, or a string field that is not UTF-8)"));
+  return NotARequestError<Request>(rpc, wire.Length());
 }
 
 }  // namespace kvrelay

@@ -11,6 +11,7 @@
 #include "core/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/raw_chunk.h"
+#include "server/rpc/internal/call_util.h"
 #include "server/rpc/relay_context.h"
 #include "server/rpc/watchdog.h"
 
@@ -55,9 +56,7 @@ class RequestStreamReactor : public Reactor {
     if (raw_.AsChunk(Request::kChunkFieldNumber, &chunk_)) {
       s = Chunk();
     } else if (!raw_.ParseAs(&req_)) {
-      return d.Fail(absl::InvalidArgumentError(absl::StrCat(
-          rpc_, ": request of ", raw_.size(), " bytes is not a kvrelay.v1.", Request::descriptor()->name(),
-          " (malformed, or a string field that is not UTF-8)")));
+      return d.Fail(NotARequestError<Request>(rpc_, raw_.size()));
     } else {
       switch (req_.kind_case()) {
         case Request::kHeader:
