@@ -439,7 +439,8 @@ TEST(SpoolStore, RecoversMessagesDeliveriesAcksAndCloses) {
 // The header's geometry a message was published with comes back from the
 // spool field for field (optional fields unset stay unset), so a retry after
 // a restart is compared against what the first call said; a message that
-// came without one comes back without one.
+// came without one comes back without one, and so does one whose geometry
+// no longer passes the checks (the message itself is kept).
 TEST(SpoolStore, RecoversTheHeaderGeometryFieldForField) {
   v1::TurnGeometry g;
   g.set_layers(2);
@@ -471,6 +472,13 @@ TEST(SpoolStore, RecoversTheHeaderGeometryFieldForField) {
       ASSERT_TRUE(Commit(*s, m).ok());
     }
     ASSERT_TRUE(Commit(*s, RealMsg("s1", "bare", {"b"}, 7)).ok());
+    // A geometry the checks refuse (what a file from a relay with other
+    // bounds could hold): the message comes back without it.
+    auto odd = RealMsg("s1", "odd", {"b"}, 8);
+    TurnLayout bad = *CheckGeometry(g, "header.geometry");
+    bad.geo.kv_heads = 0;
+    odd->layout = bad;
+    ASSERT_TRUE(Commit(*s, odd).ok());
   }
   auto s = OpenOk(Opts(&fs));
   int i = 0;
@@ -483,6 +491,11 @@ TEST(SpoolStore, RecoversTheHeaderGeometryFieldForField) {
   MessagePtr bare = s->Find("s1", "bare");
   ASSERT_TRUE(bare);
   EXPECT_FALSE(bare->layout.has_value());
+  MessagePtr odd = s->Find("s1", "odd");
+  ASSERT_TRUE(odd) << "a message whose geometry no longer passes is still recovered";
+  EXPECT_FALSE(odd->layout.has_value());
+  EXPECT_EQ(Fingerprint(*odd), Fingerprint(*RealMsg("s1", "odd", {"b"}, 8)));
+  EXPECT_EQ(s->recovery().messages, 4u);
 }
 
 // Removing a closed session's files does not hold up the journal: while
