@@ -156,6 +156,12 @@ absl::Status Broken(std::string message) {
   return s;
 }
 
+// Broken: "layer.L: pipeline invariant violated: " and `what`.
+template <typename... Args>
+absl::Status Violation(int layer, const Args&... what) {
+  return Broken(absl::StrCat("layer.", layer, ": pipeline invariant violated: ", what...));
+}
+
 // `s` with "layer.<layer>." before its message (the core's functions name
 // tensors of one layer).
 absl::Status PrefixLayer(const absl::Status& s, int layer) {
@@ -632,10 +638,9 @@ absl::Status Pipeline::SelectAndCopy(const TurnLayer& layer, const TurnGeometry&
   // Never switched off: this is what keeps the copy inside the buffers.
   for (int h = 1; h < heads; ++h) {
     if (w->sel.kept[h].size() != w->sel.kept[0].size() || kept_hist[h].size() != kept_hist[0].size()) {
-      return Broken(absl::StrCat(
-          "layer.", ctx.layer, ": pipeline invariant violated: head ", h, " keeps ", w->sel.kept[h].size(),
-          " prompt and ", kept_hist[h].size(), " history tokens, head 0 keeps ", w->sel.kept[0].size(), " and ",
-          kept_hist[0].size(), "; expected the same count in every head"));
+      return Violation(ctx.layer, "head ", h, " keeps ", w->sel.kept[h].size(), " prompt and ", kept_hist[h].size(),
+                       " history tokens, head 0 keeps ", w->sel.kept[0].size(), " and ", kept_hist[0].size(),
+                       "; expected the same count in every head");
     }
   }
   RowPlan plan;
@@ -708,8 +713,7 @@ absl::Status Pipeline::CopyHead(const TurnLayer& layer, const TurnGeometry& geo,
     add(prompt, j, pos0 + j, static_cast<float>(a[j]));
   }
   if (t != n_total) {
-    return Broken(absl::StrCat("layer.", ctx.layer, ": pipeline invariant violated: head ", h, " demotes ",
-                               t - plan.n_out, " tokens, expected ", plan.n_dem));
+    return Violation(ctx.layer, "head ", h, " demotes ", t - plan.n_out, " tokens, expected ", plan.n_dem);
   }
   internal::GatherHeadRows(src, h, &w->demoted_k, &w->demoted_v);
   return absl::OkStatus();
@@ -791,12 +795,6 @@ absl::Status Pipeline::FinishLayer(const TurnGeometry& geo, int layer, LayerWork
 }
 
 namespace {
-
-// Broken: "layer.L: pipeline invariant violated: " and `what`.
-template <typename... Args>
-absl::Status Violation(int layer, const Args&... what) {
-  return Broken(absl::StrCat("layer.", layer, ": pipeline invariant violated: ", what...));
-}
 
 // The layer's tensors against `counts`: positions, dense or quantized K/V,
 // demoted rows and acc, in shape; acc finite and >= 0.
