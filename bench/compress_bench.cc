@@ -162,9 +162,10 @@ BENCHMARK(BM_Gram)->ArgsProduct({{0, 1}, {0, 1, 2}})->ArgNames({"bf16", "isa"})-
 // The history budget: h2o-head:k=32,hist=64 on the Qwen3-14B turn with 512
 // inherited history tokens (their acc random, no history.score) against the
 // same policy on the turn without history, one thread, values checked
-// before (CompressValidated). Target: history / none <= 1.5. The message
-// with history holds 64 + 32 + 40 = 136 tokens per head against 76 (4
-// anchors, 32, 40) without, and copying kept rows is most of the time.
+// before (CompressValidated). Target: history512:1 / its copy floor
+// (BM_HistoryBudgetCopyFloor/history512:1) <= 1.2. The message with history
+// holds 64 + 32 + 40 = 136 tokens per head against 76 (4 anchors, 32, 40)
+// without, and copying kept rows is most of the time.
 const Turn& Qwen14BHistoryTurn() {
   static const Turn* turn = [] {
     SyntheticTurnOptions o = Qwen3_14BTurn();

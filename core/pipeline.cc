@@ -598,10 +598,19 @@ std::vector<std::vector<int>> KeptHistory(const TurnLayer& layer, const TurnGeom
     const double before = geo.history_acc ? layer.history_acc.data[i] : 0.0;
     (*hist_acc)[i] = static_cast<float>(before + hist_mass[i]);
   }
-  std::vector<bool> is_anchor(hist_acc->size(), false);
-  for (size_t i = 0; i < is_anchor.size(); ++i) {
-    is_anchor[i] = std::binary_search(geo.history_anchors.begin(), geo.history_anchors.end(),
-                                      layer.history_pos.data[i]);
+  // The anchors are almost always one run of positions: then a range test
+  // per token, else a search.
+  const std::vector<int32_t>& anchors = geo.history_anchors;
+  std::vector<uint8_t> is_anchor(hist_acc->size(), 0);
+  const int32_t* pos = layer.history_pos.data.data();
+  if (!anchors.empty() &&
+      int64_t{anchors.back()} - anchors.front() + 1 == static_cast<int64_t>(anchors.size())) {
+    const int32_t lo = anchors.front(), hi = anchors.back();
+    for (size_t i = 0; i < is_anchor.size(); ++i) is_anchor[i] = (pos[i] >= lo) & (pos[i] <= hi);
+  } else if (!anchors.empty()) {
+    for (size_t i = 0; i < is_anchor.size(); ++i) {
+      is_anchor[i] = std::binary_search(anchors.begin(), anchors.end(), pos[i]);
+    }
   }
   return SelectHistory(*hist_acc, is_anchor, geo.kv_heads, geo.n_history, IsH2o(opts.kind) ? opts.hist : -1,
                        opts.kind == SelectorKind::kH2oHead);

@@ -52,11 +52,11 @@ bool AutoPicksHead(absl::Span<const double> head_scores, int kv_heads, int n_pro
 // The history budget (docs/FORMAT.md, step 5a) for one layer: per KV head,
 // the indices of the history tokens kept, ascending. `acc` is the
 // history's accumulated importance after this turn, [kv_heads, n_history];
-// `is_anchor` flags, per head and token, the chain's anchors (the same count
-// in every head). Every head keeps its anchors and, when more than `hist`
+// `is_anchor` flags (0 or 1), per head and token, the chain's anchors (the
+// same count in every head). Every head keeps its anchors and, when more than `hist`
 // candidates remain, `hist` of them: per head by acc (`per_head`), or by
 // the sum over heads of the r-th candidate's acc. hist < 0 keeps all.
-std::vector<std::vector<int>> SelectHistory(absl::Span<const float> acc, const std::vector<bool>& is_anchor,
+std::vector<std::vector<int>> SelectHistory(absl::Span<const float> acc, absl::Span<const uint8_t> is_anchor,
                                             int kv_heads, int n_history, int hist, bool per_head);
 
 // Selects for one layer. `head_scores` is the reduced [kv_heads, n_prompt]
