@@ -33,7 +33,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testlib"))
 import kvrelay_testlib as tl  # noqa: E402
-from kvrelay_testlib import FAILURES, Ctl, check, free_port, metric_total as metric, read_st, same_message  # noqa: E402
+from kvrelay_testlib import (FAILURES, Ctl, check, free_port, metric_total as metric, read_st,  # noqa: E402
+                             same_message, wait_for)
 from mesh import Mesh, fetch, metrics, single_relay_chain, status_lines  # noqa: E402
 
 
@@ -143,8 +144,12 @@ def test_destination_down(ctl, mesh, turns):
     r = ctl.ok("publish", "--session", "down", "--from", "planner", "--to", "refiner", "--policy", "h2o-head:k=16",
                "--in", turns[0], addr=a.addr)
     mid = r.get("message_id", "x")
-    time.sleep(1.5)
-    st = status_lines(ctl, a, "down", mid)
+
+    def queued():
+        st = status_lines(ctl, a, "down", mid)
+        return st if st.get("refiner", {}).get("state") == "queued" else None
+
+    st = wait_for(queued, 10) or status_lines(ctl, a, "down", mid)
     check(st.get("refiner", {}).get("state") == "queued", f"down: queued while the destination is down: {st}")
     c = mesh.start("refiner")
     got = fetch(ctl, c, "down", "refiner", ctl.path("down.st"), wait=30)
@@ -273,21 +278,25 @@ def test_route_file_reload(ctl, mesh, turns):
     """A route file rewritten by rename takes effect; a bad one keeps the last good table."""
     a, c = mesh.relays["planner"], mesh.relays["refiner"]
     routes = dict(mesh.routes)
-    mesh.write_routes(routes | {"critic2": "refiner"})
-    time.sleep(2.5)  # polled every second
+    reloaded = "reloaded --route-file="
+
+    def rewrite(write, logged, count, what):
+        before = a.log().count(logged)
+        write()
+        check(wait_for(lambda: a.log().count(logged) >= before + count, 15),
+              f"route file: {what}: '{logged}' logged within 15 s (polled every second)")
+
+    rewrite(lambda: mesh.write_routes(routes | {"critic2": "refiner"}), reloaded, 1, "critic2 added")
     r = ctl.ok("publish", "--session", "reload", "--from", "planner", "--to", "critic2", "--policy",
                "h2o-head:k=16", "--in", turns[0], addr=a.addr)
     got = fetch(ctl, c, "reload", "critic2", ctl.path("reload.st"))
     check(got.get("message_id") == r.get("message_id"), "route file: critic2 now on refiner's relay")
-    mesh.write_file('{"critic2": 42}')
-    time.sleep(2.5)
-    check("keeping the last good table" in a.log(), "route file: a bad file is logged")
+    rewrite(lambda: mesh.write_file('{"critic2": 42}'), "keeping the last good table", 1, "a bad file")
     r = ctl.ok("publish", "--session", "reload", "--from", "planner", "--to", "critic2", "--policy",
                "h2o-head:k=16", "--in", turns[0], addr=a.addr)
     got = fetch(ctl, c, "reload", "critic2", ctl.path("reload2.st"))
     check(got.get("message_id") == r.get("message_id"), "route file: the last good table stays after a bad file")
-    mesh.write_routes(routes)
-    time.sleep(2.5)
+    rewrite(lambda: mesh.write_routes(routes), reloaded, 1, "the routes restored")
 
 
 def test_outbox_and_shutdown(ctl, mesh, turns):

@@ -308,13 +308,14 @@ class SecurityTest(unittest.TestCase):
             with open(self.tokens_file + ".tmp", "w") as f:
                 f.write("a1 sha256:nothex\n")
             os.replace(self.tokens_file + ".tmp", self.tokens_file)
-            time.sleep(2.5)
+            self.assertTrue(tl.wait_for(lambda: "keeping the last good tokens" in self.relays["a"].log(), 15),
+                            "a bad tokens file is logged within 15 s (polled every second)")
             with self.client("a", token=new) as c:
                 c.stats()
-            self.assertIn("keeping the last good tokens", self.relays["a"].log())
         finally:
+            reloads = self.relays["a"].log().count("reloaded --tokens-file=")
             write_tokens(self.tokens_file, self.tokens)
-            time.sleep(2.5)
+            tl.wait_for(lambda: self.relays["a"].log().count("reloaded --tokens-file=") > reloads, 15)
 
     def test_an_agent_acts_only_as_itself(self):
         turn = make_turn(2)

@@ -84,6 +84,17 @@ def check(cond, what):
     return cond
 
 
+def wait_for(probe, timeout, interval=0.1):
+    """Calls probe() until it returns something true or `timeout` seconds
+    have passed; returns its last result."""
+    deadline = time.time() + timeout
+    while True:
+        got = probe()
+        if got or time.time() >= deadline:
+            return got
+        time.sleep(interval)
+
+
 class Ctl:
     """Runs kvrelayctl with a clean environment. `addr` (constructor) is the
     relay appended as --addr by default; per call, addr=False appends none
