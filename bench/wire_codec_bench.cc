@@ -69,7 +69,7 @@ std::vector<WireTensor> Expected(const std::vector<TensorRef>& ts) {
 void Decode(benchmark::State& state, bool codes_only) {
   const Layer& l = LayerOf(static_cast<int>(state.range(0)));
   const std::vector<TensorRef>& ts = codes_only ? l.codes : l.all;
-  const std::vector<uint8_t> blob = EncodeWireLayer(ts, {l.msg.kv_heads, 2});
+  const WireBlob blob = EncodeWireLayer(ts, {l.msg.kv_heads, 2});
   const std::vector<WireTensor> expected = Expected(ts);
   for (auto _ : state) {
     auto out = DecodeWireLayer(blob, expected);

@@ -360,7 +360,7 @@ void SpoolSeeds() {
       if (!d) Die("fetch");
       s->MarkDelivered("s", "b", d->msg->message_id);
       MustOk(s->Ack("s", "b", d->msg->message_id), "ack");
-      s->TrackRecipient("s", "m2", "r", {v1::RECIPIENT_STATE_COMMITTED, "R:1", "", 1});
+      s->TrackRecipient("s", "m2", "r", {TrackState::kCommitted, "R:1", "", 1});
       if (!s->AddPeer("s", "R:1")) Die("AddPeer");
       s->NotePeerHolds("s", "m2", "R:1");
       MustOk(fuzz::CommitTo(*s, fuzz::SmallMsg("t", "x", 3)), "commit");
@@ -440,7 +440,7 @@ void WireCodecSeeds() {
       prefix += static_cast<char>((t.data.size() - 1) & 0xff);
       prefix += static_cast<char>((t.data.size() - 1) >> 8);
     }
-    const std::vector<uint8_t> blob = EncodeWireLayer(tensors, {m.kv_heads, 2});
+    const WireBlob blob = EncodeWireLayer(tensors, {m.kv_heads, 2});
     const std::string b(blob.begin(), blob.end());
     WriteVariants("wire_codec", "layer" + std::to_string(i), prefix + b, prefix.size() + 20);
     std::string round_trip = prefix + b;

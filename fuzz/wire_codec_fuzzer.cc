@@ -61,7 +61,7 @@ void Run(const uint8_t* data, size_t size) {
     bufs.push_back(std::move(b));
   }
   for (size_t i = 0; i < expected.size(); ++i) tensors.push_back({0, expected[i].part, bufs[i]});
-  const std::vector<uint8_t> blob = EncodeWireLayer(tensors, {heads, data[0] & 8 ? 4 : 2});
+  const WireBlob blob = EncodeWireLayer(tensors, {heads, data[0] & 8 ? 4 : 2});
   FUZZ_CHECK(blob.size() <= MaxWireLayerBytes(expected));
   auto out = DecodeWireLayer(blob, expected);
   FUZZ_CHECK(out.ok());

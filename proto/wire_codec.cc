@@ -399,10 +399,10 @@ void PutBlobHeader(const std::vector<Record>& records, uint64_t total, uint8_t* 
 
 }  // namespace
 
-std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const WireEncodeOptions& opts) {
+WireBlob EncodeWireLayer(absl::Span<const TensorRef> tensors, const WireEncodeOptions& opts) {
   // Each stream's room: coded, or stored when coding does not shrink it.
   std::vector<size_t> room(tensors.size(), 0);
-  size_t body_room = 0, max_raw = 0;
+  size_t body_room = 0, max_raw = 0, streams = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const size_t raw = tensors[i].data.size();
     const WireStreamKind k = WireStreamKindOf(tensors[i].part, opts.dense_elem_bytes);
@@ -410,10 +410,14 @@ std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const 
     room[i] = std::max(raw, k == WireStreamKind::kRaw ? 0 : RansPlanesRoom(raw, planes));
     body_room += room[i];
     max_raw = std::max(max_raw, raw);
+    streams += raw > 0;
   }
-  // The payloads, one after the other, are coded straight into `body`.
-  Scratch body_buf, planes_buf, deltas_buf;
-  uint8_t* const body = body_buf.Get(body_room);
+  // The header's size is known before coding; the payloads, one after the
+  // other, are coded straight into the blob behind it.
+  const uint64_t head = kWireBlobHeaderBytes + kWireRecordBytes * streams;
+  WireBlob out(head + body_room);
+  uint8_t* const body = out.data() + head;
+  Scratch planes_buf, deltas_buf;
   std::vector<Record> records;
   size_t at = 0;
   for (const TensorRef& t : tensors) {
@@ -421,12 +425,9 @@ std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const 
     records.push_back(EncodeStream(t, opts, max_raw, &planes_buf, &deltas_buf, body + at));
     at += records.back().coded;
   }
-  const uint64_t head = kWireBlobHeaderBytes + kWireRecordBytes * records.size();
   const uint64_t total = head + at;
-  std::vector<uint8_t> out(head);
-  out.reserve(total);
+  out.resize(total);
   PutBlobHeader(records, total, out.data());
-  out.insert(out.end(), body, body + at);
   return out;
 }
 

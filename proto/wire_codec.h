@@ -61,6 +61,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "core/tensor.h"
 #include "kvrelay/v1/relay.pb.h"
 #include "proto/wire.h"
 
@@ -97,10 +98,15 @@ struct WireEncodeOptions {
 // K/V, so its dtype does not matter).
 WireEncodeOptions WireEncodeOptionsOf(int kv_heads, v1::DType dtype);
 
+// A coded layer. Its storage is allocated once, uninitialized, at the most
+// the layer can take, and the streams are coded straight into it, so its
+// capacity exceeds its size by what coding saved.
+using WireBlob = std::vector<uint8_t, internal::DefaultInitAllocator<uint8_t>>;
+
 // Encodes the non-empty tensors of `tensors` (one layer, delivery order)
 // into a blob. Never larger than kWireBlobHeaderBytes + kWireRecordBytes
 // per stream + the tensors' bytes.
-std::vector<uint8_t> EncodeWireLayer(absl::Span<const TensorRef> tensors, const WireEncodeOptions& opts = {});
+WireBlob EncodeWireLayer(absl::Span<const TensorRef> tensors, const WireEncodeOptions& opts = {});
 
 // The largest blob EncodeWireLayer writes for a layer holding `expected`.
 uint64_t MaxWireLayerBytes(absl::Span<const WireTensor> expected);

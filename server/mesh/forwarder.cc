@@ -365,7 +365,7 @@ Forwarder::Sent Forwarder::SendForward(const std::shared_ptr<Job>& job, const v1
     }
     if (coded) {
       out.sent += TotalBytes(tensors);  // what is carried, elided or not, as one blob
-      auto blob = std::make_shared<std::vector<uint8_t>>(EncodeWireLayer(tensors, wire_opts));
+      auto blob = std::make_shared<WireBlob>(EncodeWireLayer(tensors, wire_opts));
       tensors = {TensorRef{static_cast<uint32_t>(l), v1::PART_WIRE_LAYER, *blob}};
       hold = std::make_shared<std::pair<std::shared_ptr<const void>, std::shared_ptr<const void>>>(blob, hold);
     }

@@ -31,7 +31,7 @@ void ExpectRoundTrip(const Message& msg, bool with_acc, const std::string& what)
   const int elem = msg.layers.empty() || msg.layers[0].quant ? 2 : static_cast<int>(DTypeSize(msg.dtype));
   for (size_t l = 0; l < msg.layers.size(); ++l) {
     const std::vector<TensorRef> tensors = LayerDeliveryOrder(msg.layers[l], static_cast<uint32_t>(l), with_acc);
-    const std::vector<uint8_t> blob = EncodeWireLayer(tensors, {msg.kv_heads, elem});
+    const WireBlob blob = EncodeWireLayer(tensors, {msg.kv_heads, elem});
     const std::vector<WireTensor> expected = Expected(tensors);
     ASSERT_LE(blob.size(), MaxWireLayerBytes(expected)) << what;
     absl::StatusOr<std::vector<std::vector<uint8_t>>> out = DecodeWireLayer(blob, expected);
@@ -107,7 +107,7 @@ TEST(WireCodec, PositionsAnyOrderAndRawParts) {
       {0, static_cast<v1::Part>(35), odd},
       {0, v1::PART_K_SCALE, odd},
   };
-  const std::vector<uint8_t> blob = EncodeWireLayer(ts, {3, 2});
+  const WireBlob blob = EncodeWireLayer(ts, {3, 2});
   auto out = DecodeWireLayer(blob, Expected(ts));
   ASSERT_TRUE(out.ok()) << out.status();
   for (size_t i = 0; i < ts.size(); ++i) {
@@ -123,7 +123,7 @@ TEST(WireCodec, CompressibleStreamsShrink) {
   for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % 4);  // 2 bits of entropy
   std::vector<TensorRef> ts = {{0, v1::PART_K_CODES, codes},
                                {0, v1::PART_POS, {reinterpret_cast<const uint8_t*>(pos.data()), pos.size() * 4}}};
-  const std::vector<uint8_t> blob = EncodeWireLayer(ts, {4, 2});
+  const WireBlob blob = EncodeWireLayer(ts, {4, 2});
   EXPECT_LT(blob.size(), (codes.size() + pos.size() * 4) / 3);
   EXPECT_TRUE(DecodeWireLayer(blob, Expected(ts)).ok());
 }
@@ -150,7 +150,7 @@ TEST(WireCodec, NearlyUniformPlanesAreStoredNotCoded) {
     SCOPED_TRACE(uniform ? "uniform bytes" : "bf16 normal");
     const std::vector<uint8_t>& data = uniform ? noise : k;
     const std::vector<TensorRef> ts = {{0, v1::PART_K, data}};
-    const std::vector<uint8_t> blob = EncodeWireLayer(ts, {4, 2});
+    const WireBlob blob = EncodeWireLayer(ts, {4, 2});
     absl::StatusOr<std::vector<std::vector<uint8_t>>> out = DecodeWireLayer(blob, Expected(ts));
     ASSERT_TRUE(out.ok()) << out.status();
     EXPECT_EQ((*out)[0], data);
@@ -200,13 +200,13 @@ std::vector<TensorRef> PinnedStreams() {
 // and then store it itself (0x24); same size, and decoders read both.
 TEST(WireCodec, EncodingIsPinned) {
   const std::vector<TensorRef> ts = PinnedStreams();
-  const std::vector<uint8_t> half = EncodeWireLayer(ts, {4, 2});
+  const WireBlob half = EncodeWireLayer(ts, {4, 2});
   EXPECT_EQ(half.size(), 8258u);
   EXPECT_EQ(Crc32c(half.data(), half.size()), 2506911155u);
-  const std::vector<uint8_t> wide = EncodeWireLayer(ts, {4, 4});
+  const WireBlob wide = EncodeWireLayer(ts, {4, 4});
   EXPECT_EQ(wide.size(), 8206u);
   EXPECT_EQ(Crc32c(wide.data(), wide.size()), 2290578228u);
-  for (const std::vector<uint8_t>* blob : {&half, &wide}) {
+  for (const WireBlob* blob : {&half, &wide}) {
     absl::StatusOr<std::vector<std::vector<uint8_t>>> out = DecodeWireLayer(*blob, Expected(ts));
     ASSERT_TRUE(out.ok()) << out.status();
     for (size_t i = 0; i < ts.size(); ++i) {
@@ -226,7 +226,7 @@ TEST(WireCodec, PieceCrcsAreThoseOfTheDecodedPieces) {
     const Message msg = Compress(RandomTurn(s, 9), spec);
     const std::vector<TensorRef> tensors = LayerDeliveryOrder(msg.layers[0], 0, /*with_acc=*/true);
     const std::vector<WireTensor> expected = Expected(tensors);
-    const std::vector<uint8_t> blob = EncodeWireLayer(tensors, {msg.kv_heads, 2});
+    const WireBlob blob = EncodeWireLayer(tensors, {msg.kv_heads, 2});
     std::vector<TensorRef> streams;
     for (const TensorRef& t : tensors) {
       if (!t.data.empty()) streams.push_back(t);
@@ -269,7 +269,7 @@ class WireCodecHostile : public ::testing::Test {
   Message msg_;
   std::vector<TensorRef> tensors_;
   std::vector<WireTensor> expected_;
-  std::vector<uint8_t> blob_;
+  WireBlob blob_;
 };
 
 TEST_F(WireCodecHostile, EveryTruncationFails) {
@@ -277,7 +277,7 @@ TEST_F(WireCodecHostile, EveryTruncationFails) {
     absl::Span<const uint8_t> cut(blob_.data(), n);
     EXPECT_FALSE(DecodeWireLayer(cut, expected_).ok()) << n;
   }
-  std::vector<uint8_t> longer = blob_;
+  WireBlob longer = blob_;
   longer.push_back(0);
   EXPECT_FALSE(DecodeWireLayer(longer, expected_).ok());
 }
@@ -288,7 +288,7 @@ TEST_F(WireCodecHostile, EveryByteFlipFailsOrIsHarmless) {
   std::mt19937_64 rng(17);
   int harmless = 0;
   for (size_t at = 0; at < blob_.size(); ++at) {
-    std::vector<uint8_t> b = blob_;
+    WireBlob b = blob_;
     b[at] ^= static_cast<uint8_t>(1 + rng() % 255);
     auto out = DecodeWireLayer(b, expected_);
     if (!out.ok()) continue;
@@ -303,7 +303,7 @@ TEST_F(WireCodecHostile, EveryByteFlipFailsOrIsHarmless) {
 
 TEST_F(WireCodecHostile, ForgedSizesAndPartsFail) {
   auto forged = [&](size_t offset, uint64_t value, int bytes) {
-    std::vector<uint8_t> b = blob_;
+    WireBlob b = blob_;
     for (int i = 0; i < bytes; ++i) b[offset + i] = static_cast<uint8_t>(value >> (8 * i));
     return DecodeWireLayer(b, expected_).status();
   };
@@ -333,7 +333,7 @@ TEST_F(WireCodecHostile, HostileRansTablesFail) {
   const size_t payload0 = kWireBlobHeaderBytes + kWireRecordBytes * expected_.size();
   std::mt19937_64 rng(4);
   for (int i = 0; i < 500; ++i) {
-    std::vector<uint8_t> b = blob_;
+    WireBlob b = blob_;
     const uint32_t len = b[payload0] | b[payload0 + 1] << 8 | b[payload0 + 2] << 16 | uint32_t{b[payload0 + 3]} << 24;
     for (uint32_t j = 1; j < len && payload0 + 4 + j < b.size(); ++j) b[payload0 + 4 + j] = static_cast<uint8_t>(rng());
     EXPECT_FALSE(DecodeWireLayer(b, expected_).ok());

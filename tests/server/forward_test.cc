@@ -130,7 +130,7 @@ std::vector<v1::ForwardRequest> CodedForward(v1::ForwardHeader h, const Message&
   h.set_wire_codec(v1::WIRE_CODEC_RANS);
   std::vector<v1::ForwardRequest> reqs;
   *reqs.emplace_back().mutable_header() = h;
-  std::vector<std::vector<uint8_t>> blobs;  // ChunksOf copies them
+  std::vector<WireBlob> blobs;  // ChunksOf copies them
   blobs.reserve(carried.layers.size());
   std::vector<TensorRef> wire;
   for (size_t l = 0; l < carried.layers.size(); ++l) {

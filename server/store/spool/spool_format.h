@@ -29,6 +29,7 @@
 #include "absl/types/span.h"
 #include "core/message.h"
 #include "kvrelay/spool/v1/spool.pb.h"
+#include "proto/wire_codec.h"
 
 namespace kvrelay {
 
@@ -107,7 +108,7 @@ class MessageFileWriter {
   MessageFileWriter() = default;
   std::string head_;  // the fixed header, the metadata and the body's header
   std::vector<absl::Span<const uint8_t>> tensors_;  // plain: the message's; coded: blobs_
-  std::vector<std::vector<uint8_t>> blobs_;         // a coded body's blobs
+  std::vector<WireBlob> blobs_;                     // a coded body's blobs
   uint64_t size_ = 0;
 };
 
