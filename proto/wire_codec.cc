@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
 #include "htscodecs/rANS_static4x16.h"
+#include "htscodecs/varint.h"
 #include "proto/stream_codec.h"
 
 namespace kvrelay {
@@ -87,10 +88,10 @@ void MergeHalves(const uint8_t* lo, const uint8_t* hi, size_t n, uint8_t* out) {
   }
 }
 
-// Splits `in` (elements of `planes` bytes) into byte planes, one after the
-// other, at `out` (in.size() bytes), and returns the CRC32C of `in`: both in
-// one pass, block by block, while each block is in L1.
-uint32_t ToPlanesCrc(absl::Span<const uint8_t> in, int planes, uint8_t* out) {
+// Splits `in` (elements of `planes` bytes) into its byte planes, plane p
+// (byte p of every element) at out[p], and returns the CRC32C of `in`: both
+// in one pass, block by block, while each block is in L1.
+uint32_t ToPlanesCrc(absl::Span<const uint8_t> in, int planes, uint8_t* const* out) {
   constexpr size_t kBlockElems = 8 << 10;
   const size_t n = in.size() / planes;
   uint32_t crc = 0;
@@ -98,22 +99,23 @@ uint32_t ToPlanesCrc(absl::Span<const uint8_t> in, int planes, uint8_t* out) {
     const size_t e = std::min(n, b + kBlockElems);
     crc = Crc32cExtend(crc, in.data() + b * planes, (e - b) * planes);
     if (planes == 2) {
-      SplitHalves(in.data(), b, e, out, out + n);
+      SplitHalves(in.data(), b, e, out[0], out[1]);
     } else {
       const uint8_t* src = in.data() + b * planes;
       for (size_t i = b; i < e; ++i, src += planes) {
-        for (int p = 0; p < planes; ++p) out[p * n + i] = src[p];
+        for (int p = 0; p < planes; ++p) out[p][i] = src[p];
       }
     }
   }
   return crc;
 }
 
-void FromPlanes(const uint8_t* in, size_t size, int planes, uint8_t* out) {
-  const size_t n = size / planes;
-  if (planes == 2) return MergeHalves(in, in + n, n, out);
+// The inverse of ToPlanesCrc: n elements of `planes` bytes at `out` from
+// the planes at plane[p].
+void FromPlanes(const uint8_t* const* plane, size_t n, int planes, uint8_t* out) {
+  if (planes == 2) return MergeHalves(plane[0], plane[1], n, out);
   for (size_t i = 0; i < n; ++i) {
-    for (int p = 0; p < planes; ++p) out[i * planes + p] = in[p * n + i];
+    for (int p = 0; p < planes; ++p) out[i * planes + p] = plane[p][i];
   }
 }
 
@@ -162,7 +164,7 @@ class Scratch {
   size_t size_ = 0;
 };
 
-// The room RansPlanes needs at `out` for `size` bytes in `planes` planes;
+// The room CodePlanes needs at `out` for `size` bytes in `planes` planes;
 // 0 when the planes cannot be coded.
 size_t RansPlanesRoom(size_t size, int planes) {
   const size_t n = size / planes;
@@ -170,29 +172,29 @@ size_t RansPlanesRoom(size_t size, int planes) {
   return planes * (4 + size_t{rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32)});
 }
 
-// Whether order-0 coding would save at least 1/16 of `plane`, judged by the
-// order-0 entropy of its bytes, counted on evenly spaced 256-byte runs
-// that make up at most 16 KiB of it. A plane that fails is stored
-// (RANS_ORDER_CAT): coding it would cost more CPU than the bytes it saves
-// are worth on any link a relay sees (bf16 and fp32 mantissa bytes are
-// nearly uniform), and the decoder reads either.
-bool WorthCoding(const uint8_t* plane, size_t n) {
+// Whether order-0 coding would save at least 1/16 of a plane of n bytes,
+// byte i at plane[i * stride], judged by the order-0 entropy of its bytes,
+// counted on evenly spaced 256-byte runs that make up at most 16 KiB of it.
+// A plane that fails is stored (RANS_ORDER_CAT): coding it would cost more
+// CPU than the bytes it saves are worth on any link a relay sees (bf16 and
+// fp32 mantissa bytes are nearly uniform), and the decoder reads either.
+bool WorthCoding(const uint8_t* plane, size_t stride, size_t n) {
   constexpr size_t kRun = 256, kSampleRuns = 64;
   const size_t runs = (n + kRun - 1) / kRun;
   const size_t step = (runs + kSampleRuns - 1) / kSampleRuns;  // at least 1: n > 0
   uint32_t counts[4][256] = {};
   size_t seen = 0;
   for (size_t r = 0; r < runs; r += step) {
-    const uint8_t* run = plane + r * kRun;
+    const uint8_t* run = plane + r * kRun * stride;
     const size_t len = std::min(kRun, n - r * kRun);
     size_t i = 0;
     for (; i + 4 <= len; i += 4) {
-      ++counts[0][run[i]];
-      ++counts[1][run[i + 1]];
-      ++counts[2][run[i + 2]];
-      ++counts[3][run[i + 3]];
+      ++counts[0][run[i * stride]];
+      ++counts[1][run[(i + 1) * stride]];
+      ++counts[2][run[(i + 2) * stride]];
+      ++counts[3][run[(i + 3) * stride]];
     }
-    for (; i < len; ++i) ++counts[0][run[i]];
+    for (; i < len; ++i) ++counts[0][run[i * stride]];
     seen += len;
   }
   double bits = 0;
@@ -203,33 +205,79 @@ bool WorthCoding(const uint8_t* plane, size_t n) {
   return bits < 8.0 * seen * (15.0 / 16.0);
 }
 
-// rANS order 0 of each of `planes` equal planes of `in`, each as coded
-// length u32 then the block, written at `out`, which has
+void PutU32(uint32_t v, uint8_t* out) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+
+// One plane of n bytes as its coded length (u32) and its block at `out`,
+// which has 4 + `bound` bytes: rANS order 0, or stored by the library when
+// not `worth` coding. The bytes written, or 0 when no block can be made.
+size_t PutPlane(const uint8_t* plane, size_t n, bool worth, size_t bound, uint8_t* out) {
+  uint8_t* block = out + 4;
+  unsigned int block_size = static_cast<unsigned int>(bound);
+  // The library reads its input only; its API takes it non-const.
+  unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(plane), static_cast<unsigned int>(n), block,
+                                           &block_size, worth ? kRansX32 : kRansCat);
+  if (r == nullptr || block_size == 0 || block_size > bound) return 0;
+  if (!KnownOrderByte(block[0])) return 0;
+  PutU32(block_size, out);
+  return 4 + size_t{block_size};
+}
+
+// The coded length (u32) and the header of the stored block of an n-byte
+// plane at `out`, as the library writes them (RANS_ORDER_CAT, then n in
+// htscodecs' variable-length integer); the plane's n bytes go right after.
+// Returns the header's bytes, the length included.
+size_t PutStoredPlaneHeader(size_t n, uint8_t* out) {
+  uint8_t* block = out + 4;
+  block[0] = kRansCat;
+  const size_t head = 1 + static_cast<size_t>(var_put_u32(block + 1, nullptr, static_cast<uint32_t>(n)));
+  PutU32(static_cast<uint32_t>(head + n), out);
+  return 4 + head;
+}
+
+// rANS order 0 of each byte plane of `in` (elements of `planes` bytes),
+// each as coded length u32 then the block, written at `out`, which has
 // RansPlanesRoom(in.size(), planes) bytes; a plane not WorthCoding is
-// stored in its block. Returns the bytes written, or 0 when a block cannot
-// be made or the planes would take `limit` bytes or more (then the stream
-// is stored).
-size_t RansPlanes(absl::Span<const uint8_t> in, int planes, uint8_t* out, size_t limit) {
+// stored in its block. *crc is set to the CRC32C of `in`. The planes are
+// split on the way: those stored before the first coded one straight into
+// their blocks, the others into `split` (in.size() bytes, unused for one
+// plane). Returns the bytes written, or 0 when a block cannot be made or
+// the planes would take `limit` bytes or more (then the stream is stored).
+size_t CodePlanes(absl::Span<const uint8_t> in, int planes, uint8_t* split, uint8_t* out, size_t limit,
+                  uint32_t* crc) {
   const size_t n = in.size() / planes;
-  if (n == 0 || n > kMaxPlaneBytes) return 0;
   bool worth[4] = {};
   bool any = false;
-  for (int p = 0; p < planes; ++p) any |= worth[p] = WorthCoding(in.data() + p * n, n);
-  if (!any) return 0;  // stored whole: no plane would shrink enough
+  if (n > 0 && n <= kMaxPlaneBytes) {
+    for (int p = 0; p < planes; ++p) any |= worth[p] = WorthCoding(in.data() + p, planes, n);
+  }
+  if (!any || planes == 1) {
+    // Stored whole when no plane would shrink enough; one plane is coded
+    // from `in` itself.
+    *crc = Crc32c(in.data(), in.size());
+    if (!any) return 0;
+  }
   const size_t bound = rans_compress_bound_4x16(static_cast<unsigned int>(n), kRansX32);
   size_t at = 0;
-  for (int p = 0; p < planes; ++p) {
-    uint8_t* block = out + at + 4;
-    unsigned int block_size = static_cast<unsigned int>(bound);
-    const uint8_t* plane = in.data() + p * n;
-    const uint8_t order = worth[p] ? kRansX32 : kRansCat;
-    // The library reads its input only; its API takes it non-const.
-    unsigned char* r = rans_compress_to_4x16(const_cast<unsigned char*>(plane), static_cast<unsigned int>(n), block,
-                                             &block_size, order);
-    if (r == nullptr || block_size == 0 || block_size > bound) return 0;
-    if (!KnownOrderByte(block[0])) return 0;
-    for (int i = 0; i < 4; ++i) out[at + i] = static_cast<uint8_t>(block_size >> (8 * i));
-    at += 4 + block_size;
+  int first = 0;
+  const uint8_t* plane[4] = {in.data()};
+  if (planes > 1) {
+    uint8_t* to[4];
+    for (; first < planes && !worth[first]; ++first) {
+      at += PutStoredPlaneHeader(n, out + at);
+      to[first] = out + at;
+      at += n;
+    }
+    for (int p = first; p < planes; ++p) to[p] = split + p * n;
+    *crc = ToPlanesCrc(in, planes, to);
+    for (int p = 0; p < planes; ++p) plane[p] = to[p];
+    if (at >= limit) return 0;
+  }
+  for (int p = first; p < planes; ++p) {
+    const size_t w = PutPlane(plane[p], n, worth[p], bound, out + at);
+    if (w == 0) return 0;
+    at += w;
     if (at >= limit) return 0;
   }
   return at;
@@ -237,10 +285,23 @@ size_t RansPlanes(absl::Span<const uint8_t> in, int planes, uint8_t* out, size_t
 
 absl::Status Bad(absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat("wire layer: ", what)); }
 
-// Decodes the rANS planes of `payload` into `out` (`size` bytes, `planes`
-// equal planes, one after the other).
+// The n bytes of a stored block (RANS_ORDER_CAT) of `len` bytes at
+// `block`, where the library would copy them from; null for any other
+// block, or one whose header does not declare exactly n bytes filling it.
+const uint8_t* StoredPlaneBytes(const uint8_t* block, uint32_t len, uint64_t n) {
+  if (block[0] != kRansCat) return nullptr;
+  uint32_t declared = 0;
+  const int used = var_get_u32(const_cast<uint8_t*>(block + 1), block + len, &declared);
+  if (used <= 0 || declared != n || len != 1 + static_cast<uint64_t>(used) + n) return nullptr;
+  return block + 1 + used;
+}
+
+// Decodes the rANS planes of `payload` (`size` bytes in `planes` equal
+// planes), plane p into out + p * size / planes. When `plane` is not null,
+// plane[p] is set to where plane p's bytes are: a stored plane's stay in
+// `payload` (not copied to `out`), the others are in `out`.
 absl::Status UnRansPlanes(absl::Span<const uint8_t> payload, int planes, uint8_t* out, uint64_t size,
-                          const std::string& field) {
+                          const std::string& field, const uint8_t** plane = nullptr) {
   const uint64_t n = size / planes;
   if (n == 0 || n > kMaxPlaneBytes) return Bad(absl::StrCat(field, ": plane of ", n, " bytes, expected 1..2^30"));
   size_t at = 0;
@@ -255,8 +316,16 @@ absl::Status UnRansPlanes(absl::Span<const uint8_t> payload, int planes, uint8_t
     if (!KnownOrderByte(order)) {
       return Bad(absl::StrCat(field, ".plane[", p, "]: rANS order byte ", int{order}, ", expected 0, 4, 32 or 36"));
     }
-    unsigned int out_size = static_cast<unsigned int>(n);
     unsigned char* dst = out + p * n;
+    if (plane != nullptr) {
+      plane[p] = StoredPlaneBytes(payload.data() + at, len, n);
+      if (plane[p] != nullptr) {
+        at += len;
+        continue;
+      }
+      plane[p] = dst;
+    }
+    unsigned int out_size = static_cast<unsigned int>(n);
     unsigned char* r = rans_uncompress_to_4x16(const_cast<unsigned char*>(payload.data() + at), len, dst, &out_size);
     if (r != dst || out_size != n) {
       return absl::DataLossError(absl::StrCat("wire layer: ", field, ".plane[", p, "]: rANS block does not decode to ",
@@ -338,8 +407,8 @@ Record EncodeStream(const TensorRef& t, const WireEncodeOptions& opts, size_t ma
           uint8_t* deltas = deltas_buf->Get(max_raw);
           uint8_t* split = planes_buf->Get(max_raw);
           PosDeltas(t.data, row, deltas);
-          ToPlanesCrc(absl::MakeConstSpan(deltas, t.data.size()), 4, split);
-          coded = RansPlanes(absl::MakeConstSpan(split, t.data.size()), 4, dst, t.data.size());
+          uint32_t deltas_crc;
+          coded = CodePlanes(absl::MakeConstSpan(deltas, t.data.size()), 4, split, dst, t.data.size(), &deltas_crc);
           r.method = static_cast<uint8_t>(WireMethod::kRansPosDelta);
           r.param = static_cast<uint32_t>(row);
         }
@@ -350,13 +419,11 @@ Record EncodeStream(const TensorRef& t, const WireEncodeOptions& opts, size_t ma
     case WireStreamKind::kBytes: {
       const WireStreamKind k = WireStreamKindOf(t.part, opts.dense_elem_bytes);
       const int planes = k == WireStreamKind::kHalf ? 2 : k == WireStreamKind::kFloat32 ? 4 : 1;
-      if (t.data.size() % planes != 0 || planes == 1) {
+      if (t.data.size() % planes != 0) {
         r.crc = Crc32c(t.data.data(), t.data.size());
-        if (planes == 1) coded = RansPlanes(t.data, 1, dst, t.data.size());
       } else {
-        uint8_t* split = planes_buf->Get(max_raw);
-        r.crc = ToPlanesCrc(t.data, planes, split);
-        coded = RansPlanes(absl::MakeConstSpan(split, t.data.size()), planes, dst, t.data.size());
+        uint8_t* split = planes == 1 ? nullptr : planes_buf->Get(max_raw);
+        coded = CodePlanes(t.data, planes, split, dst, t.data.size(), &r.crc);
       }
       r.method = static_cast<uint8_t>(WireMethod::kRansPlanes);
       r.param = static_cast<uint32_t>(planes);
@@ -366,7 +433,7 @@ Record EncodeStream(const TensorRef& t, const WireEncodeOptions& opts, size_t ma
       r.crc = Crc32c(t.data.data(), t.data.size());
       break;
   }
-  // Stored whenever coding does not shrink the stream (RansPlanes gives 0).
+  // Stored whenever coding does not shrink the stream (CodePlanes gives 0).
   if (coded == 0) {
     r.method = static_cast<uint8_t>(WireMethod::kStored);
     r.param = 0;
@@ -543,16 +610,19 @@ absl::Status DecodeRecords(absl::Span<const uint8_t> blob, const std::vector<Rec
         if (r.param == 1) {
           if (absl::Status s = UnRansPlanes(payload, 1, dst, r.raw, field); !s.ok()) return s;
         } else {
-          uint8_t* scratch = scratch_buf.Get(r.raw);
-          absl::Status s = UnRansPlanes(payload, static_cast<int>(r.param), scratch, r.raw, field);
+          const int planes = static_cast<int>(r.param);
+          const uint8_t* plane[4] = {};
+          absl::Status s = UnRansPlanes(payload, planes, scratch_buf.Get(r.raw), r.raw, field, plane);
           if (!s.ok()) return s;
-          FromPlanes(scratch, r.raw, static_cast<int>(r.param), dst);
+          FromPlanes(plane, r.raw / planes, planes, dst);
         }
         break;
       case WireMethod::kRansPosDelta: {
-        uint8_t* scratch = scratch_buf.Get(r.raw);
-        if (absl::Status s = UnRansPlanes(payload, 4, scratch, r.raw, field); !s.ok()) return s;
-        FromPlanes(scratch, r.raw, 4, dst);
+        const uint8_t* plane[4] = {};
+        if (absl::Status s = UnRansPlanes(payload, 4, scratch_buf.Get(r.raw), r.raw, field, plane); !s.ok()) {
+          return s;
+        }
+        FromPlanes(plane, r.raw / 4, 4, dst);
         UndoPosDeltas(dst, r.raw, r.param);
         break;
       }
