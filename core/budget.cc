@@ -293,7 +293,7 @@ std::vector<QuantSensitivity> QuantSensitivities(const Turn& turn, const TurnGeo
   return out;
 }
 
-absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn) {
+absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn, bool evict) {
   KVRELAY_RETURN_IF_ERROR(ValidateTurn(turn));
   KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
   const int d = geo.head_dim, n = geo.n_prompt;
@@ -316,7 +316,8 @@ absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn) 
     if (k < in.c) ks.push_back(k);
   }
   for (int k : ks) {
-    for (int dem = 0; dem < (k < 0 ? 1 : 4); ++dem) AppendCandidates(in, k, dem, &grid);
+    // Without demotion (dem 0), h2o-head evicts what its k drops.
+    for (int dem = (k < 0 || evict) ? 0 : 1; dem < (k < 0 ? 1 : 4); ++dem) AppendCandidates(in, k, dem, &grid);
   }
   return grid;
 }

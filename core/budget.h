@@ -36,9 +36,10 @@ struct BudgetCandidate {
 // allocations of a greedy walk from 1 bit everywhere, each step one more
 // bit for the keys or the values of one layer, largest estimated gain first
 // (docs/FORMAT.md, "Byte budget"). With gen.q, each layer's keys and values
-// weigh as their QuantSensitivities. InvalidArgument as
-// Pipeline::Compress for a turn that does not validate.
-absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn);
+// weigh as their QuantSensitivities. With `evict` false, only the settings
+// that keep every prompt token: full, and h2o-head with demotion.
+// InvalidArgument as Pipeline::Compress for a turn that does not validate.
+absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn, bool evict = true);
 
 // How much a layer's attention output moves when its keys (k) or its
 // values (v) are quantized by lloyd at B bits (index B, 1..4; 0 unused): the

@@ -67,6 +67,9 @@ struct PipelineConfig {
   // auto:budget=F: the policy is chosen per turn from a grid (core/budget.h);
   // the other fields are unused.
   std::optional<double> budget;
+  // auto:...,evict=no: the grid holds only settings that keep every prompt
+  // token (full, or a selector with demotion).
+  bool budget_evicts = true;
 
   // The seed of the lloyd rotation of the message (its quantizer's, else
   // kDefaultLloydSeed): demoted tokens use it too.

@@ -38,21 +38,17 @@ inline double Rank(double x) { return std::isnan(x) ? -std::numeric_limits<doubl
 // remainder, so that one split leaves the wanted value on the short side
 // (the top few of a long row keep about 2k values, not n/2).
 double SampledPivot(const double* src, size_t n, size_t need) {
-  constexpr size_t kSamples = 15;
+  static constexpr size_t kSamples = 15;
   std::array<double, kSamples> s;
   for (size_t i = 0; i < kSamples; ++i) s[i] = src[(2 * i + 1) * n / (2 * kSamples)];
   std::sort(s.begin(), s.end(), std::greater<double>());
   // r: the rank (1-based, descending) of the sample taken. The need-th
   // largest sits near rank need * (kSamples + 1) / n of the sample; one
   // rank further toward the shorter side makes overshooting it unlikely.
-  size_t r;
-  if (2 * need <= n) {
-    r = std::min(kSamples, (need * (kSamples + 1) + n - 1) / n + 1);
-  } else {
-    const size_t from_bottom = n - need + 1;
-    const size_t r_up = std::min(kSamples, (from_bottom * (kSamples + 1) + n - 1) / n + 1);
-    r = kSamples + 1 - r_up;
-  }
+  // From the top for the m-th largest; from the bottom, mirrored, for the
+  // m-th smallest.
+  auto rank = [n](size_t m) { return std::min(kSamples, (m * (kSamples + 1) + n - 1) / n + 1); };
+  const size_t r = 2 * need <= n ? rank(need) : kSamples + 1 - rank(n - need + 1);
   return s[r - 1];
 }
 

@@ -205,8 +205,11 @@ bool WorthCoding(const uint8_t* plane, size_t stride, size_t n) {
   return bits < 8.0 * seen * (15.0 / 16.0);
 }
 
-void PutU32(uint32_t v, uint8_t* out) {
-  for (int i = 0; i < 4; ++i) out[i] = static_cast<uint8_t>(v >> (8 * i));
+// Writes the low `bytes` bytes of v at `out`, little-endian; returns the
+// byte after them.
+uint8_t* PutLe(uint64_t v, int bytes, uint8_t* out) {
+  for (int i = 0; i < bytes; ++i) *out++ = static_cast<uint8_t>(v >> (8 * i));
+  return out;
 }
 
 // One plane of n bytes as its coded length (u32) and its block at `out`,
@@ -220,7 +223,7 @@ size_t PutPlane(const uint8_t* plane, size_t n, bool worth, size_t bound, uint8_
                                            &block_size, worth ? kRansX32 : kRansCat);
   if (r == nullptr || block_size == 0 || block_size > bound) return 0;
   if (!KnownOrderByte(block[0])) return 0;
-  PutU32(block_size, out);
+  PutLe(block_size, 4, out);
   return 4 + size_t{block_size};
 }
 
@@ -232,7 +235,7 @@ size_t PutStoredPlaneHeader(size_t n, uint8_t* out) {
   uint8_t* block = out + 4;
   block[0] = kRansCat;
   const size_t head = 1 + static_cast<size_t>(var_put_u32(block + 1, nullptr, static_cast<uint32_t>(n)));
-  PutU32(static_cast<uint32_t>(head + n), out);
+  PutLe(head + n, 4, out);
   return 4 + head;
 }
 
@@ -447,9 +450,7 @@ Record EncodeStream(const TensorRef& t, const WireEncodeOptions& opts, size_t ma
 // Writes the blob header and records (kWireBlobHeaderBytes +
 // kWireRecordBytes each) at `p`; `total` is the whole blob's size.
 void PutBlobHeader(const std::vector<Record>& records, uint64_t total, uint8_t* p) {
-  auto put = [&p](uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i) *p++ = static_cast<uint8_t>(v >> (8 * i));
-  };
+  auto put = [&p](uint64_t v, int bytes) { p = PutLe(v, bytes, p); };
   std::memcpy(p, kMagic, 4);
   p += 4;
   put(total, 8);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -535,6 +536,65 @@ TEST(BudgetTest, AllocationStepsAreExactAndNeverEstimateWorse) {
   EXPECT_GT(checked, 10);
 }
 
+// evict=no keeps every prompt token: its grid is the default grid less the
+// settings that evict (h2o-head without demotion), each unchanged; the
+// message it picks delivers every prompt token; where the default budget
+// evicts, evict=no estimates no better, and its minimum is full at 1 bit.
+TEST(BudgetTest, EvictNoKeepsEveryPromptToken) {
+  std::mt19937_64 rng(77);
+  int evicting = 0;
+  for (int trial = 0; trial < 4; ++trial) {
+    SyntheticTurnOptions o;
+    o.layers = 2;
+    o.kv_heads = 2;
+    o.head_dim = 32;
+    o.n_prompt = 60 + static_cast<int>(rng() % 150);
+    o.n_gen = 2;
+    o.seed = rng();
+    o.queries = trial % 2 == 0;
+    absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
+    ASSERT_TRUE(turn.ok()) << turn.status();
+    absl::StatusOr<std::vector<BudgetCandidate>> all = BudgetCandidates(*turn);
+    absl::StatusOr<std::vector<BudgetCandidate>> kept = BudgetCandidates(*turn, /*evict=*/false);
+    ASSERT_TRUE(all.ok() && kept.ok());
+    std::vector<std::string> expected, got;
+    for (const BudgetCandidate& c : *all) {
+      if (c.k < 0 || c.demote_bits > 0) expected.push_back(absl::StrCat(c.Spec(), " ", c.bytes, " ", c.error));
+    }
+    for (const BudgetCandidate& c : *kept) {
+      EXPECT_TRUE(c.k < 0 || c.demote_bits > 0) << c.Spec();
+      got.push_back(absl::StrCat(c.Spec(), " ", c.bytes, " ", c.error));
+    }
+    EXPECT_EQ(got, expected);
+    for (double f : {0.08, 0.12, 0.2, 0.35}) {
+      absl::StatusOr<Message> a = (*Pipeline::Create(absl::StrCat("auto:budget=", f)))->Compress(*turn);
+      absl::StatusOr<Message> m = (*Pipeline::Create(absl::StrCat("auto:budget=", f, ",evict=no")))->Compress(*turn);
+      if (!m.ok()) {
+        EXPECT_THAT(m.status().message(), HasSubstr("expected budget >= ")) << f;
+        continue;
+      }
+      EXPECT_LE(static_cast<double>(m->sent_bytes), f * static_cast<double>(m->full_bytes)) << f;
+      // Every prompt token arrives, kept or demoted, in every head.
+      for (const MessageLayer& layer : m->layers) {
+        for (int h = 0; h < layer.pos.heads; ++h) {
+          std::set<int32_t> seen;
+          for (int t = 0; t < layer.pos.tokens; ++t) seen.insert(layer.pos.at(h, t));
+          for (int j = 0; j < o.n_prompt; ++j) {
+            ASSERT_TRUE(seen.count(turn->PromptPos0() + j)) << m->policy << " head " << h << " token " << j;
+          }
+        }
+      }
+      if (a.ok() && a->policy.rfind("h2o-head:k=", 0) == 0 && a->policy.find("demote") == std::string::npos) {
+        ++evicting;
+        const BudgetCandidate best_all = *ChooseBudget(*all, a->full_bytes, f);
+        const BudgetCandidate best_kept = *ChooseBudget(*kept, m->full_bytes, f);
+        EXPECT_GE(best_kept.error, best_all.error) << f;
+      }
+    }
+  }
+  EXPECT_GT(evicting, 0);  // the default grid evicted somewhere: the comparison ran
+}
+
 TEST(BudgetTest, ABudgetBelowTheSmallestSettingNamesTheMinimum) {
   const Turn turn = SmallTurn(1);
   absl::StatusOr<Message> m = (*Pipeline::Create("auto:budget=0.001"))->Compress(turn);
@@ -550,7 +610,8 @@ TEST(BudgetTest, SpecRulesAndLayerwiseRefusal) {
            {"auto:budget=0", "budget=0: expected a decimal number in [1e-06, 1]"},
            {"auto:budget=1.5", "budget=1.5"},
            {"auto:budget=0.1+lloyd:bits=2", "give auto:budget=F alone"},
-           {"auto:budget=0.1,k=3", "unknown parameter 'k'"}}) {
+           {"auto:budget=0.1,k=3", "unknown parameter 'k'"},
+           {"auto:budget=0.1,evict=never", "evict=never: expected one of yes, no"}}) {
     absl::StatusOr<std::unique_ptr<Pipeline>> p = Pipeline::Create(spec);
     ASSERT_FALSE(p.ok()) << spec;
     EXPECT_THAT(p.status().message(), HasSubstr(what)) << spec;
@@ -558,6 +619,10 @@ TEST(BudgetTest, SpecRulesAndLayerwiseRefusal) {
   std::unique_ptr<Pipeline> p = *Pipeline::Create("auto:budget=0.25");
   EXPECT_EQ(p->spec(), "auto:budget=0.25");
   EXPECT_EQ(p->CheckLayerwise().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*Pipeline::Create("auto:budget=0.25,evict=yes"))->spec(), "auto:budget=0.25");
+  EXPECT_EQ((*Pipeline::Create("auto:evict=no,budget=0.25"))->spec(), "auto:budget=0.25,evict=no");
+  EXPECT_EQ((*Pipeline::Create("auto:budget=0.25,evict=no"))->CheckLayerwise().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE((*Pipeline::Create("h2o-head:k=4+demote+lloyd"))->CheckLayerwise().ok());
 }
 
