@@ -93,12 +93,18 @@ HeadMass MassOfHead(const double* row, int n, int s) {
 }
 
 // Every (layer, head)'s HeadMass, layer-major.
-absl::StatusOr<std::vector<HeadMass>> HeadMasses(const Turn& turn, const TurnGeometry& geo, int s) {
+absl::StatusOr<std::vector<HeadMass>> HeadMasses(const Turn& turn, const TurnGeometry& geo, int s,
+                                                 BudgetWeight weight) {
   const int H = geo.kv_heads, n = geo.n_prompt;
   std::vector<HeadMass> mass;
   mass.reserve(turn.layers.size() * H);
   for (const TurnLayer& layer : turn.layers) {
-    KVRELAY_ASSIGN_OR_RETURN(const std::vector<double> a, PromptAttention(turn, layer, geo));
+    std::vector<double> a;
+    if (weight == BudgetWeight::kUniform) {
+      a.assign(static_cast<size_t>(H) * n, 1.0);
+    } else {
+      KVRELAY_ASSIGN_OR_RETURN(a, PromptAttention(turn, layer, geo));
+    }
     for (int h = 0; h < H; ++h) mass.push_back(MassOfHead(a.data() + static_cast<size_t>(h) * n, n, s));
   }
   return mass;
@@ -293,7 +299,7 @@ std::vector<QuantSensitivity> QuantSensitivities(const Turn& turn, const TurnGeo
   return out;
 }
 
-absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn, bool evict) {
+absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn, BudgetWeight weight) {
   KVRELAY_RETURN_IF_ERROR(ValidateTurn(turn));
   KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
   const int d = geo.head_dim, n = geo.n_prompt;
@@ -303,7 +309,7 @@ absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn, 
   }
   const int s = turn.first_agent ? std::min(kSinks, n) : 0;
   GridInputs in;
-  KVRELAY_ASSIGN_OR_RETURN(in.mass, HeadMasses(turn, geo, s));
+  KVRELAY_ASSIGN_OR_RETURN(in.mass, HeadMasses(turn, geo, s, weight));
   in.f = RelativeErrors(turn, geo);
   in.layers = turn.layers.size();
   in.heads = static_cast<uint64_t>(geo.kv_heads);
@@ -316,8 +322,7 @@ absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn, 
     if (k < in.c) ks.push_back(k);
   }
   for (int k : ks) {
-    // Without demotion (dem 0), h2o-head evicts what its k drops.
-    for (int dem = (k < 0 || evict) ? 0 : 1; dem < (k < 0 ? 1 : 4); ++dem) AppendCandidates(in, k, dem, &grid);
+    for (int dem = 0; dem < (k < 0 ? 1 : 4); ++dem) AppendCandidates(in, k, dem, &grid);
   }
   return grid;
 }

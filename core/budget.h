@@ -16,6 +16,12 @@
 
 namespace kvrelay {
 
+// How the estimate weighs a head's prompt tokens (docs/FORMAT.md, "Byte
+// budget"): by the attention the turn measured (its scores, or with gen.q
+// its generated steps' mass), or all alike (`weight=uniform`, for turns
+// whose next agent may ask about any token).
+enum class BudgetWeight { kAttention, kUniform };
+
 // One setting of the grid.
 struct BudgetCandidate {
   int k = -1;           // h2o-head's k; -1: full (every token)
@@ -36,10 +42,10 @@ struct BudgetCandidate {
 // allocations of a greedy walk from 1 bit everywhere, each step one more
 // bit for the keys or the values of one layer, largest estimated gain first
 // (docs/FORMAT.md, "Byte budget"). With gen.q, each layer's keys and values
-// weigh as their QuantSensitivities. With `evict` false, only the settings
-// that keep every prompt token: full, and h2o-head with demotion.
-// InvalidArgument as Pipeline::Compress for a turn that does not validate.
-absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn, bool evict = true);
+// weigh as their QuantSensitivities. InvalidArgument as
+// Pipeline::Compress for a turn that does not validate.
+absl::StatusOr<std::vector<BudgetCandidate>> BudgetCandidates(const Turn& turn,
+                                                              BudgetWeight weight = BudgetWeight::kAttention);
 
 // How much a layer's attention output moves when its keys (k) or its
 // values (v) are quantized by lloyd at B bits (index B, 1..4; 0 unused): the

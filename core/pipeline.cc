@@ -291,7 +291,9 @@ absl::Status ApplyAuto(const StageSpec& st, PipelineConfig* cfg) {
   Params p(st);
   const bool given = st.Has("budget");
   KVRELAY_RETURN_IF_ERROR(p.Double("budget", 1e-6, 1, &budget));
-  KVRELAY_RETURN_IF_ERROR(p.Enum("evict", {{"yes", true}, {"no", false}}, &cfg->budget_evicts));
+  KVRELAY_RETURN_IF_ERROR(
+      p.Enum("weight", {{"attention", BudgetWeight::kAttention}, {"uniform", BudgetWeight::kUniform}},
+             &cfg->budget_weight));
   KVRELAY_RETURN_IF_ERROR(p.Done());
   if (!given) return BadStage(st, "budget: missing, expected budget=F with F in [1e-06, 1], e.g. auto:budget=0.1");
   cfg->budget = budget;
@@ -325,7 +327,8 @@ const char* SelectorName(SelectorKind k) {
 
 std::string CanonicalSpec(const PipelineConfig& c) {
   if (c.budget) {
-    return absl::StrCat("auto:budget=", ShortestDecimal(*c.budget), c.budget_evicts ? "" : ",evict=no");
+    return absl::StrCat("auto:budget=", ShortestDecimal(*c.budget),
+                        c.budget_weight == BudgetWeight::kUniform ? ",weight=uniform" : "");
   }
   const SelectorOptions& s = c.select;
   std::string out = SelectorName(s.kind);
@@ -1020,7 +1023,7 @@ absl::StatusOr<Message> Pipeline::CompressImpl(const Turn& turn, ThreadPool* poo
                                                bool check_kv_values) const {
   KVRELAY_ASSIGN_OR_RETURN(const TurnGeometry geo, GeometryOf(turn));
   if (config_.budget) {
-    KVRELAY_ASSIGN_OR_RETURN(std::vector<BudgetCandidate> grid, BudgetCandidates(turn, config_.budget_evicts));
+    KVRELAY_ASSIGN_OR_RETURN(std::vector<BudgetCandidate> grid, BudgetCandidates(turn, config_.budget_weight));
     KVRELAY_ASSIGN_OR_RETURN(BudgetCandidate best,
                              ChooseBudget(grid, FullLayerBytes(geo) * turn.layers.size(), *config_.budget));
     KVRELAY_ASSIGN_OR_RETURN(std::unique_ptr<Pipeline> chosen, Create(best.Spec()));

@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/budget.h"
 #include "core/message.h"
 #include "core/obf.h"
 #include "core/quant.h"
@@ -67,9 +68,8 @@ struct PipelineConfig {
   // auto:budget=F: the policy is chosen per turn from a grid (core/budget.h);
   // the other fields are unused.
   std::optional<double> budget;
-  // auto:...,evict=no: the grid holds only settings that keep every prompt
-  // token (full, or a selector with demotion).
-  bool budget_evicts = true;
+  // auto:...,weight=: how its estimate weighs the prompt tokens.
+  BudgetWeight budget_weight = BudgetWeight::kAttention;
 
   // The seed of the lloyd rotation of the message (its quantizer's, else
   // kDefaultLloydSeed): demoted tokens use it too.

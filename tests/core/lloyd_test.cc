@@ -536,13 +536,16 @@ TEST(BudgetTest, AllocationStepsAreExactAndNeverEstimateWorse) {
   EXPECT_GT(checked, 10);
 }
 
-// evict=no keeps every prompt token: its grid is the default grid less the
-// settings that evict (h2o-head without demotion), each unchanged; the
-// message it picks delivers every prompt token; where the default budget
-// evicts, evict=no estimates no better, and its minimum is full at 1 bit.
-TEST(BudgetTest, EvictNoKeepsEveryPromptToken) {
+// weight=uniform weighs every prompt token alike: without gen.q its choice
+// does not depend on the turn's scores, and the first setting of each walk
+// (1 bit everywhere) estimates (sinks + k) / n of the prompt at 1 bit's row
+// error and the other tokens at their demotion's error (1 when evicted).
+// The default weighs by the scores, and its choice moves with them.
+TEST(BudgetTest, UniformWeightIgnoresTheScores) {
+  constexpr double kRowError[] = {1.0, 0.6028, 0.3428, 0.1859, 0.0975};
+  constexpr double kSinks = 4;
   std::mt19937_64 rng(77);
-  int evicting = 0;
+  int moved = 0;
   for (int trial = 0; trial < 4; ++trial) {
     SyntheticTurnOptions o;
     o.layers = 2;
@@ -551,48 +554,41 @@ TEST(BudgetTest, EvictNoKeepsEveryPromptToken) {
     o.n_prompt = 60 + static_cast<int>(rng() % 150);
     o.n_gen = 2;
     o.seed = rng();
-    o.queries = trial % 2 == 0;
     absl::StatusOr<Turn> turn = MakeSyntheticTurn(o);
     ASSERT_TRUE(turn.ok()) << turn.status();
-    absl::StatusOr<std::vector<BudgetCandidate>> all = BudgetCandidates(*turn);
-    absl::StatusOr<std::vector<BudgetCandidate>> kept = BudgetCandidates(*turn, /*evict=*/false);
-    ASSERT_TRUE(all.ok() && kept.ok());
-    std::vector<std::string> expected, got;
-    for (const BudgetCandidate& c : *all) {
-      if (c.k < 0 || c.demote_bits > 0) expected.push_back(absl::StrCat(c.Spec(), " ", c.bytes, " ", c.error));
+    ASSERT_TRUE(turn->first_agent);
+    Turn sharp = *turn;  // the same turn, its attention on a few tokens
+    for (TurnLayer& layer : sharp.layers) {
+      for (float& x : layer.scores.data) x = (rng() % 16 == 0) ? 50.0f : 0.01f;
     }
-    for (const BudgetCandidate& c : *kept) {
-      EXPECT_TRUE(c.k < 0 || c.demote_bits > 0) << c.Spec();
-      got.push_back(absl::StrCat(c.Spec(), " ", c.bytes, " ", c.error));
+    absl::StatusOr<std::vector<BudgetCandidate>> grid = BudgetCandidates(*turn, BudgetWeight::kUniform);
+    ASSERT_TRUE(grid.ok()) << grid.status();
+    const double n = o.n_prompt;
+    int firsts = 0;
+    for (const BudgetCandidate& c : *grid) {
+      bool first = true;
+      for (const auto& b : c.layer_bits) first = first && b == std::make_pair(1, 1);
+      if (!first) continue;
+      ++firsts;
+      const double kept = c.k < 0 ? n : kSinks + c.k;
+      const double want = kept / n * kRowError[1] + (n - kept) / n * kRowError[c.demote_bits];
+      EXPECT_NEAR(c.error, want, 1e-12) << c.Spec();
     }
-    EXPECT_EQ(got, expected);
+    EXPECT_GT(firsts, 4);
     for (double f : {0.08, 0.12, 0.2, 0.35}) {
-      absl::StatusOr<Message> a = (*Pipeline::Create(absl::StrCat("auto:budget=", f)))->Compress(*turn);
-      absl::StatusOr<Message> m = (*Pipeline::Create(absl::StrCat("auto:budget=", f, ",evict=no")))->Compress(*turn);
-      if (!m.ok()) {
-        EXPECT_THAT(m.status().message(), HasSubstr("expected budget >= ")) << f;
-        continue;
-      }
-      EXPECT_LE(static_cast<double>(m->sent_bytes), f * static_cast<double>(m->full_bytes)) << f;
-      // Every prompt token arrives, kept or demoted, in every head.
-      for (const MessageLayer& layer : m->layers) {
-        for (int h = 0; h < layer.pos.heads; ++h) {
-          std::set<int32_t> seen;
-          for (int t = 0; t < layer.pos.tokens; ++t) seen.insert(layer.pos.at(h, t));
-          for (int j = 0; j < o.n_prompt; ++j) {
-            ASSERT_TRUE(seen.count(turn->PromptPos0() + j)) << m->policy << " head " << h << " token " << j;
-          }
-        }
-      }
-      if (a.ok() && a->policy.rfind("h2o-head:k=", 0) == 0 && a->policy.find("demote") == std::string::npos) {
-        ++evicting;
-        const BudgetCandidate best_all = *ChooseBudget(*all, a->full_bytes, f);
-        const BudgetCandidate best_kept = *ChooseBudget(*kept, m->full_bytes, f);
-        EXPECT_GE(best_kept.error, best_all.error) << f;
-      }
+      const std::string uniform = absl::StrCat("auto:budget=", f, ",weight=uniform");
+      absl::StatusOr<Message> a = (*Pipeline::Create(uniform))->Compress(*turn);
+      absl::StatusOr<Message> b = (*Pipeline::Create(uniform))->Compress(sharp);
+      ASSERT_EQ(a.ok(), b.ok()) << f;
+      if (!a.ok()) continue;
+      EXPECT_LE(static_cast<double>(a->sent_bytes), f * static_cast<double>(a->full_bytes)) << f;
+      EXPECT_EQ(a->policy, b->policy) << f;
+      absl::StatusOr<Message> c = (*Pipeline::Create(absl::StrCat("auto:budget=", f)))->Compress(*turn);
+      absl::StatusOr<Message> d = (*Pipeline::Create(absl::StrCat("auto:budget=", f)))->Compress(sharp);
+      if (c.ok() && d.ok() && c->policy != d->policy) ++moved;
     }
   }
-  EXPECT_GT(evicting, 0);  // the default grid evicted somewhere: the comparison ran
+  EXPECT_GT(moved, 0);  // the scores matter to the default: the comparison can fail
 }
 
 TEST(BudgetTest, ABudgetBelowTheSmallestSettingNamesTheMinimum) {
@@ -611,7 +607,7 @@ TEST(BudgetTest, SpecRulesAndLayerwiseRefusal) {
            {"auto:budget=1.5", "budget=1.5"},
            {"auto:budget=0.1+lloyd:bits=2", "give auto:budget=F alone"},
            {"auto:budget=0.1,k=3", "unknown parameter 'k'"},
-           {"auto:budget=0.1,evict=never", "evict=never: expected one of yes, no"}}) {
+           {"auto:budget=0.1,weight=equal", "weight=equal: expected one of attention, uniform"}}) {
     absl::StatusOr<std::unique_ptr<Pipeline>> p = Pipeline::Create(spec);
     ASSERT_FALSE(p.ok()) << spec;
     EXPECT_THAT(p.status().message(), HasSubstr(what)) << spec;
@@ -619,9 +615,9 @@ TEST(BudgetTest, SpecRulesAndLayerwiseRefusal) {
   std::unique_ptr<Pipeline> p = *Pipeline::Create("auto:budget=0.25");
   EXPECT_EQ(p->spec(), "auto:budget=0.25");
   EXPECT_EQ(p->CheckLayerwise().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*Pipeline::Create("auto:budget=0.25,evict=yes"))->spec(), "auto:budget=0.25");
-  EXPECT_EQ((*Pipeline::Create("auto:evict=no,budget=0.25"))->spec(), "auto:budget=0.25,evict=no");
-  EXPECT_EQ((*Pipeline::Create("auto:budget=0.25,evict=no"))->CheckLayerwise().code(),
+  EXPECT_EQ((*Pipeline::Create("auto:budget=0.25,weight=attention"))->spec(), "auto:budget=0.25");
+  EXPECT_EQ((*Pipeline::Create("auto:weight=uniform,budget=0.25"))->spec(), "auto:budget=0.25,weight=uniform");
+  EXPECT_EQ((*Pipeline::Create("auto:budget=0.25,weight=uniform"))->CheckLayerwise().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE((*Pipeline::Create("h2o-head:k=4+demote+lloyd"))->CheckLayerwise().ok());
 }

@@ -83,6 +83,7 @@ DEFAULT_POLICIES = [
     "h2o-head:k=16+demote:bits=1+lloyd:bits=2",
     "auto:budget=0.1",
     "auto:budget=0.2",
+    "auto:budget=0.2,weight=uniform",
 ]
 TASKS = ("continuation", "retrieval")
 NAMES = ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
@@ -449,7 +450,7 @@ def main(argv=None):
                     help="kvrelayctl binary for offline compression (default: PATH, then build/bin)")
     ap.add_argument("--addr", default=None, help="compress with a live relay instead (HOST:PORT)")
     ap.add_argument("--policy", action="append", dest="policies", default=None,
-                    help="a pipeline spec; repeat (default: the table's 22, auto:budget only offline; full and gen are "
+                    help="a pipeline spec; repeat (default: the table's 23, auto:budget only offline; full and gen are "
                          "always run, as the baselines)")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--samples", type=int, default=100, help="per task")
