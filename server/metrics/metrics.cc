@@ -176,6 +176,9 @@ void Metrics::RegisterStore() {
   store_bytes_ = &Gauges(r, "kvrelay_store_bytes",
                    "Bytes of every retained message, acked or not, all sessions.")
              .Add({});
+  fetches_waiting_ = &Gauges(r, "kvrelay_fetches_waiting",
+                             "Fetch calls waiting for a message for their agent (parked, not delivering).")
+                         .Add({});
   limits_ = &Gauges(r, "kvrelay_limit_bytes",
                    "Configured byte limits: inflight, mailbox (per session and agent), session, store.");
 }

@@ -114,6 +114,8 @@ class Metrics {
     mailbox_bytes_->Set(bytes);
   }
   void SetStoreBytes(double bytes) { store_bytes_->Set(bytes); }
+  // Fetch calls parked in the store until a message for their agent arrives.
+  void SetFetchesWaiting(double n) { fetches_waiting_->Set(n); }
   // Exports a configured limit as kvrelay_limit_bytes{limit=NAME}, so alerts
   // can compare usage gauges with it (e.g. "inflight", "mailbox", "store").
   void SetLimit(const std::string& name, double bytes) { limits_->Add({{"limit", name}}).Set(bytes); }
@@ -194,6 +196,7 @@ class Metrics {
   prometheus::Gauge* mailbox_messages_;
   prometheus::Gauge* mailbox_bytes_;
   prometheus::Gauge* store_bytes_;
+  prometheus::Gauge* fetches_waiting_;
   prometheus::Family<prometheus::Gauge>* limits_;
   prometheus::Counter* forward_bytes_;
   prometheus::Counter* forward_full_;

@@ -247,6 +247,7 @@ std::optional<MemoryStore::Delivery> MemoryStore::FetchOrWait(const std::string&
   }
   const uint64_t id = next_waiter_++;
   waiters_[id] = Waiter{session, agent, deadline, std::move(wake)};
+  PublishWaitersLocked();
   *waiter = id;
   cv_.SignalAll();  // the timer may need an earlier wakeup
   return std::nullopt;
@@ -267,6 +268,7 @@ bool MemoryStore::CancelWaiter(uint64_t waiter) {
   if (it == waiters_.end()) return false;
   TouchLocked(it->second.session);  // waited on until now
   waiters_.erase(it);
+  PublishWaitersLocked();
   return true;
 }
 
@@ -335,6 +337,7 @@ Store::CloseResult MemoryStore::CloseSessionAndPeers(const std::string& session)
         ++it;
       }
     }
+    PublishWaitersLocked();
     auto s = sessions_.find(session);
     if (s != sessions_.end()) {
       r.messages_freed = static_cast<uint32_t>(s->second.messages.size());
@@ -364,6 +367,7 @@ void MemoryStore::Shutdown() {
     shutting_down_ = true;
     for (auto& [id, w] : waiters_) wakes.push_back(std::move(w.wake));
     waiters_.clear();
+    PublishWaitersLocked();
   }
   for (WakeFn& w : wakes) w(Wake::kShutdown);
 }
@@ -394,6 +398,10 @@ void MemoryStore::SweepExpired() {
 
 void MemoryStore::TouchLocked(const std::string& session) {
   if (auto s = sessions_.find(session); s != sessions_.end()) s->second.last_active = time_->Now();
+}
+
+void MemoryStore::PublishWaitersLocked() {
+  if (metrics_) metrics_->SetFetchesWaiting(static_cast<double>(waiters_.size()));
 }
 
 void MemoryStore::PublishGaugesLocked() {
@@ -443,6 +451,7 @@ void MemoryStore::TimerLoop() {
         ++it;
       }
     }
+    PublishWaitersLocked();
     const bool sweep = now >= next_sweep;
     mu_.Unlock();
     for (WakeFn& w : expired) w(Wake::kTimeout);
@@ -477,6 +486,7 @@ void MemoryStore::AddToMailboxLocked(Session& s, const MessagePtr& msg, const st
       ++it;
     }
   }
+  PublishWaitersLocked();
 }
 
 absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForward(std::shared_ptr<StoredMessage> m,

@@ -153,6 +153,8 @@ class MemoryStore final : public Store {
   void TouchLocked(const std::string& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseSessionLocked(std::map<std::string, Session>::iterator it, bool expired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets kvrelay_fetches_waiting to the waiters held; after every change of waiters_.
+  void PublishWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishInflight();
   absl::Status CheckBytesLocked(const std::string& session, const Session* s,
                                 const std::vector<std::string>& recipients, uint64_t bytes,

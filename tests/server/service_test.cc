@@ -1428,6 +1428,38 @@ TEST_F(RelayTest, FetchesThatWaitInVainCountAsDeadlineExceeded) {
   EXPECT_EQ(fetches("CANCELLED"), 0.0);
 }
 
+// kvrelay_fetches_waiting follows the Fetch calls parked in the store:
+// up as they park, down as a publish wakes one, a close ends the other, and
+// a deadline ends a third.
+TEST_F(RelayTest, WaitingFetchesAreCounted) {
+  auto waiting = [this] {
+    for (const auto& fam : server_->metrics()->registry()->Collect()) {
+      if (fam.name == "kvrelay_fetches_waiting" && !fam.metric.empty()) return fam.metric[0].gauge.value;
+    }
+    ADD_FAILURE() << "no gauge kvrelay_fetches_waiting";
+    return -1.0;
+  };
+  EXPECT_EQ(waiting(), 0.0);
+  FetchResult b, c;
+  std::thread fb([&] { b = DoFetch(stub_.get(), "gw", "b", true, 30); });
+  std::thread fc([&] { c = DoFetch(stub_.get(), "gw", "c", true, 30); });
+  ASSERT_TRUE(Eventually([&] { return server_->store()->Stats().fetch_waiters == 2; }));
+  EXPECT_EQ(waiting(), 2.0);
+  Turn t = MakeTurn(31);
+  ASSERT_TRUE(PublishTurn(stub_.get(), Header("gw", "m", "a", {"b"}, "gen", t), t).status.ok());
+  fb.join();
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_EQ(waiting(), 1.0);
+  ASSERT_TRUE(Close(stub_.get(), "gw").ok());
+  fc.join();
+  EXPECT_EQ(c.status.error_code(), grpc::NOT_FOUND) << c.status.error_message();
+  EXPECT_EQ(waiting(), 0.0);
+  FetchResult d = DoFetch(stub_.get(), "gw2", "b", true, 0.2);
+  EXPECT_EQ(d.status.error_code(), grpc::DEADLINE_EXCEEDED) << d.status.error_message();
+  EXPECT_TRUE(Eventually([&] { return server_->store()->Stats().fetch_waiters == 0; }));
+  EXPECT_EQ(waiting(), 0.0);
+}
+
 // A publish whose deadline passes while its last layer compresses: the
 // client has DEADLINE_EXCEEDED, so nothing may be committed (a sender that
 // retries with a fresh id would deliver the turn twice), and the relay

@@ -396,6 +396,7 @@ def test_metrics(ctl, server, promtool, turn, turn2):
           f"kvrelay_publish_delivered_seconds_count "
           f"{metric(s, 'kvrelay_publish_delivered_seconds_count')} == {deliveries}")
     check(metric(s, "kvrelay_inflight_bytes") == 0, "kvrelay_inflight_bytes is 0 when idle")
+    check(metric(s, "kvrelay_fetches_waiting") == 0, "kvrelay_fetches_waiting is 0 when idle")
     check(metric(s, "kvrelay_mailbox_messages") == 0, "kvrelay_mailbox_messages is 0: all acked")
     check(metric(s, "kvrelay_mailbox_bytes") == 0, "kvrelay_mailbox_bytes is 0: all acked")
     build = [v for (n, _), v in s.items() if n == "kvrelay_build_info"]
@@ -432,8 +433,9 @@ def test_sigterm(ctl, server_bin, work, turn):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=clean_env())
     try:
-        time.sleep(1.0)  # let the Fetch reach the server and wait there
-        check(fetch.poll() is None, "the background fetch is waiting")
+        waiting = tl.wait_for(lambda: metric(parse_exposition(scrape(server.metrics)), "kvrelay_fetches_waiting") == 1,
+                              timeout=15)
+        check(waiting and fetch.poll() is None, "the background fetch is waiting (kvrelay_fetches_waiting 1)")
         # During the drain the relay must not report SERVING.
         rc_code, took = None, None
         t0 = time.monotonic()
