@@ -146,11 +146,15 @@ def test_destination_down(ctl, mesh, turns):
     mid = r.get("message_id", "x")
 
     def queued():
+        # Queued after a failed attempt: the message is queued from its
+        # commit on, before the forwarder's first attempt.
         st = status_lines(ctl, a, "down", mid)
-        return st if st.get("refiner", {}).get("state") == "queued" else None
+        r = st.get("refiner", {})
+        return st if r.get("state") == "queued" and int(r.get("attempts", 0)) >= 1 else None
 
     st = wait_for(queued, 10) or status_lines(ctl, a, "down", mid)
-    check(st.get("refiner", {}).get("state") == "queued", f"down: queued while the destination is down: {st}")
+    check(st.get("refiner", {}).get("state") == "queued" and int(st["refiner"].get("attempts", 0)) >= 1,
+          f"down: queued after a failed attempt while the destination is down: {st}")
     c = mesh.start("refiner")
     got = fetch(ctl, c, "down", "refiner", ctl.path("down.st"), wait=30)
     check(got.get("message_id") == mid, "down: delivered after the destination came up")
