@@ -329,15 +329,7 @@ Store::CloseResult MemoryStore::CloseSessionAndPeers(const std::string& session)
   {
     MutexLock lock(&mu_);
     // Waiters may wait on a session that holds nothing yet: wake them too.
-    for (auto it = waiters_.begin(); it != waiters_.end();) {
-      if (it->second.session == session) {
-        wakes.push_back(std::move(it->second.wake));
-        it = waiters_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    PublishWaitersLocked();
+    TakeWaitersLocked([&](const Waiter& w) { return w.session == session; }, &wakes);
     auto s = sessions_.find(session);
     if (s != sessions_.end()) {
       r.messages_freed = static_cast<uint32_t>(s->second.messages.size());
@@ -365,9 +357,7 @@ void MemoryStore::Shutdown() {
   {
     MutexLock lock(&mu_);
     shutting_down_ = true;
-    for (auto& [id, w] : waiters_) wakes.push_back(std::move(w.wake));
-    waiters_.clear();
-    PublishWaitersLocked();
+    TakeWaitersLocked([](const Waiter&) { return true; }, &wakes);
   }
   for (WakeFn& w : wakes) w(Wake::kShutdown);
 }
@@ -402,6 +392,19 @@ void MemoryStore::TouchLocked(const std::string& session) {
 
 void MemoryStore::PublishWaitersLocked() {
   if (metrics_) metrics_->SetFetchesWaiting(static_cast<double>(waiters_.size()));
+}
+
+void MemoryStore::TakeWaitersLocked(absl::FunctionRef<bool(const Waiter&)> take, std::vector<WakeFn>* wakes) {
+  const size_t before = waiters_.size();
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (take(it->second)) {
+      wakes->push_back(std::move(it->second.wake));
+      it = waiters_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (waiters_.size() != before) PublishWaitersLocked();
 }
 
 void MemoryStore::PublishGaugesLocked() {
@@ -442,16 +445,13 @@ void MemoryStore::TimerLoop() {
     if (stop_) break;
     const Clock::time_point now = time_->Now();
     std::vector<WakeFn> expired;
-    for (auto it = waiters_.begin(); it != waiters_.end();) {
-      if (it->second.deadline <= now) {
-        TouchLocked(it->second.session);  // waited on until now
-        expired.push_back(std::move(it->second.wake));
-        it = waiters_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    PublishWaitersLocked();
+    TakeWaitersLocked(
+        [&](const Waiter& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {  // called by TakeWaitersLocked
+          if (w.deadline > now) return false;
+          TouchLocked(w.session);  // waited on until now
+          return true;
+        },
+        &expired);
     const bool sweep = now >= next_sweep;
     mu_.Unlock();
     for (WakeFn& w : expired) w(Wake::kTimeout);
@@ -478,15 +478,7 @@ void MemoryStore::AddToMailboxLocked(Session& s, const MessagePtr& msg, const st
   ++mailbox_messages_;
   mailbox_bytes_ += msg->bytes;
   s.local[msg->message_id].insert(agent);
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
-    if (it->second.session == msg->session_id && it->second.agent == agent) {
-      wakes->push_back(std::move(it->second.wake));
-      it = waiters_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  PublishWaitersLocked();
+  TakeWaitersLocked([&](const Waiter& w) { return w.session == msg->session_id && w.agent == agent; }, wakes);
 }
 
 absl::StatusOr<Store::ForwardCommitResult> MemoryStore::CommitForward(std::shared_ptr<StoredMessage> m,

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "core/mutex.h"
 #include "core/time_source.h"
 #include "server/store/store.h"
@@ -155,6 +156,10 @@ class MemoryStore final : public Store {
   void PublishGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets kvrelay_fetches_waiting to the waiters held; after every change of waiters_.
   void PublishWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the waiters `take` accepts, appending their wakes to *wakes (to
+  // be called after mu_ is released), and publishes the gauge when any went.
+  void TakeWaitersLocked(absl::FunctionRef<bool(const Waiter&)> take, std::vector<WakeFn>* wakes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishInflight();
   absl::Status CheckBytesLocked(const std::string& session, const Session* s,
                                 const std::vector<std::string>& recipients, uint64_t bytes,
