@@ -98,13 +98,13 @@ absl::StatusOr<std::vector<HeadMass>> HeadMasses(const Turn& turn, const TurnGeo
   const int H = geo.kv_heads, n = geo.n_prompt;
   std::vector<HeadMass> mass;
   mass.reserve(turn.layers.size() * H);
+  if (weight == BudgetWeight::kUniform) {  // every (layer, head) alike
+    const std::vector<double> ones(static_cast<size_t>(n), 1.0);
+    mass.assign(turn.layers.size() * H, MassOfHead(ones.data(), n, s));
+    return mass;
+  }
   for (const TurnLayer& layer : turn.layers) {
-    std::vector<double> a;
-    if (weight == BudgetWeight::kUniform) {
-      a.assign(static_cast<size_t>(H) * n, 1.0);
-    } else {
-      KVRELAY_ASSIGN_OR_RETURN(a, PromptAttention(turn, layer, geo));
-    }
+    KVRELAY_ASSIGN_OR_RETURN(const std::vector<double> a, PromptAttention(turn, layer, geo));
     for (int h = 0; h < H; ++h) mass.push_back(MassOfHead(a.data() + static_cast<size_t>(h) * n, n, s));
   }
   return mass;
