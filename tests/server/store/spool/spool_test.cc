@@ -465,7 +465,8 @@ TEST(SpoolStore, RecoversTheHeaderGeometryFieldForField) {
     auto s = OpenOk(Opts(&fs));
     int i = 0;
     for (const v1::TurnGeometry* geo : {&g, &queries}) {
-      auto m = RealMsg("s1", "m" + std::to_string(i++), {"b"}, i);
+      const int k = i++;
+      auto m = RealMsg("s1", "m" + std::to_string(k), {"b"}, k);
       absl::StatusOr<UploadShape> layout = CheckGeometry(*geo, "header.geometry");
       ASSERT_TRUE(layout.ok()) << layout.status();
       m->layout = *layout;
